@@ -1,0 +1,165 @@
+/* libdos_client: the C ABI through which trainers use dosd.
+ *
+ * A trainer process attaches one session to the node's daemon, registers its
+ * tensors (parameters and gradients, with their param group), and then calls
+ * dos_step() after each backward pass. The daemon holds the fp32 optimizer
+ * state (master weights, exp_avg, exp_avg_sq), runs the Adam/AdamW update,
+ * and writes the new weights straight into the trainer's parameter memory in
+ * the parameter's own dtype.
+ *
+ * Memory: on a machine without a GPU, parameter and gradient memory must come
+ * from dos_buffer_alloc(), which returns POSIX shared memory that the daemon
+ * maps too. Pointers passed to dos_register() may point anywhere inside such
+ * buffers.
+ *
+ * Errors: every function returns a dos_status (0 = DOS_OK; the other values
+ * are gRPC's / absl's canonical codes). On failure, dos_last_error() returns a
+ * message for the calling thread naming the bad input and what to do.
+ *
+ * Threads: a dos_session may be used from one thread at a time. Different
+ * sessions are independent.
+ *
+ * Stability: this header is the library's whole API; the shared library's
+ * soname changes when it changes incompatibly. */
+#ifndef DOS_DOS_H_
+#define DOS_DOS_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DOS_API_VERSION 1
+
+typedef enum dos_status {
+  DOS_OK = 0,
+  DOS_CANCELLED = 1,
+  DOS_UNKNOWN = 2,
+  DOS_INVALID_ARGUMENT = 3,
+  DOS_DEADLINE_EXCEEDED = 4,
+  DOS_NOT_FOUND = 5,
+  DOS_ALREADY_EXISTS = 6,
+  DOS_PERMISSION_DENIED = 7,
+  DOS_RESOURCE_EXHAUSTED = 8,
+  DOS_FAILED_PRECONDITION = 9,
+  DOS_ABORTED = 10,
+  DOS_OUT_OF_RANGE = 11,
+  DOS_UNIMPLEMENTED = 12,
+  DOS_INTERNAL = 13,
+  DOS_UNAVAILABLE = 14,
+  DOS_DATA_LOSS = 15,
+  DOS_UNAUTHENTICATED = 16
+} dos_status;
+
+/* Element types; values match dos.v1.DType. */
+typedef enum dos_dtype { DOS_DTYPE_F32 = 1, DOS_DTYPE_BF16 = 2, DOS_DTYPE_F16 = 3 } dos_dtype;
+
+typedef struct dos_session dos_session; /* opaque */
+
+/* The last error message of the calling thread ("" if none). Valid until the
+ * thread's next call into the library. */
+const char* dos_last_error(void);
+
+/* Default daemon socket: $DOS_SOCKET if set, else /run/dos/dosd.sock. */
+const char* dos_default_socket(void);
+
+typedef struct dos_attach_options {
+  const char* socket_path; /* NULL: dos_default_socket() */
+  const char* client_name; /* shown by dosctl; NULL: "dos-client" */
+  int32_t rank;            /* -1 when not distributed */
+  int32_t local_rank;
+  int32_t world_size;
+  int64_t timeout_ms;      /* for control-plane calls; <= 0: 30 s */
+} dos_attach_options;
+
+void dos_attach_options_init(dos_attach_options* options);
+dos_status dos_attach(const dos_attach_options* options, dos_session** out);
+/* Closes the session in the daemon (its state is freed) and frees `session`
+ * and every buffer from dos_buffer_alloc(). Safe on NULL. */
+dos_status dos_detach(dos_session* session);
+uint64_t dos_session_id(const dos_session* session);
+
+/* Allocates `bytes` (rounded up to a page) of zeroed memory shared with the
+ * daemon, 64-byte aligned. Freed by dos_detach(). */
+dos_status dos_buffer_alloc(dos_session* session, uint64_t bytes, void** out);
+
+typedef struct dos_tensor {
+  const char* name;       /* for messages; may be NULL */
+  dos_dtype param_dtype;
+  void* param;            /* numel elements of param_dtype */
+  dos_dtype grad_dtype;
+  void* grad;             /* numel elements of grad_dtype */
+  uint64_t numel;
+  uint32_t group;         /* index into the groups passed to dos_register */
+} dos_tensor;
+
+typedef struct dos_hparams {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  int32_t decoupled_weight_decay; /* 1: AdamW, 0: Adam with L2 */
+} dos_hparams;
+
+/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 1e-2. */
+void dos_hparams_init_adamw(dos_hparams* h);
+
+typedef struct dos_register_options {
+  uint64_t subgroup_size; /* elements per subgroup; 0: the daemon's default */
+} dos_register_options;
+
+/* Registers every tensor the session will update; once per session. The
+ * daemon copies the current parameter values into its fp32 master weights
+ * and zeroes exp_avg / exp_avg_sq. */
+dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t num_tensors,
+                        const dos_hparams* groups, size_t num_groups,
+                        const dos_register_options* options);
+
+/* Per-step arguments. `groups` has one entry per registered group; its
+ * decoupled_weight_decay field is ignored (fixed at registration). */
+typedef struct dos_step_args {
+  const dos_hparams* groups;
+  size_t num_groups;
+  double grad_scale;        /* gradients are divided by this (AMP loss scale); 1 = none */
+  double clip_coef;         /* then multiplied by this (clip_grad_norm_); 1 = none */
+  int32_t gradients_checked;/* 1: the caller knows gradients are finite; skip the scan */
+} dos_step_args;
+
+void dos_step_args_init(dos_step_args* args);
+
+typedef struct dos_step_result {
+  int32_t found_inf;  /* 1: non-finite gradients; nothing was applied */
+  int64_t step;       /* optimizer steps applied so far */
+  double wall_us;     /* daemon: doorbell seen to result posted */
+  double update_us;   /* daemon: time in the update itself */
+} dos_step_result;
+
+/* Publishes a step and returns without waiting. */
+dos_status dos_step_begin(dos_session* session, const dos_step_args* args);
+/* Waits for the step begun last; timeout_ms < 0 waits forever. */
+dos_status dos_step_wait(dos_session* session, int64_t timeout_ms, dos_step_result* result);
+/* dos_step_begin + dos_step_wait. */
+dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result);
+
+/* Reads tensor `tensor`'s (registration order) fp32 state: numel master
+ * weights, exp_avg and exp_avg_sq each, and its step count. Any pointer may
+ * be NULL to skip that part. */
+dos_status dos_state_read(dos_session* session, uint32_t tensor, float* master, float* exp_avg,
+                          float* exp_avg_sq, int64_t* step);
+/* Replaces tensor `tensor`'s state; the daemon rewrites the trainer's weight
+ * from `master` in the parameter's dtype. `master` NULL: keep the master
+ * weights. */
+dos_status dos_state_write(dos_session* session, uint32_t tensor, const float* master,
+                           const float* exp_avg, const float* exp_avg_sq, int64_t step);
+
+/* Scheduling policy of this session: "cpu", "static:<f>", "interleave:<k>", "auto". */
+dos_status dos_set_policy(dos_session* session, const char* policy);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DOS_DOS_H_ */

@@ -1,0 +1,54 @@
+// Structured logging to stderr for journald: one event per line,
+//   ts=2026-11-29T17:40:00.123Z level=info event=session.attach session=3 pid=812
+// Values that contain spaces, quotes or '=' are quoted. Thread-safe: each line
+// is assembled first and written with a single write(2).
+//
+//   DOS_LOG_INFO("session.attach", "session", id, "pid", pid);
+//
+// Arguments after the event name alternate key, value. Nothing in a hot loop
+// (per tile, per element) may log; per step is the finest grain allowed, and
+// only at debug level.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "absl/strings/str_cat.h"
+
+namespace dos {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+// Lines below this level are dropped. Set once from main() (--log_level).
+void SetMinLogLevel(LogLevel level);
+LogLevel MinLogLevel();
+// Parses "debug", "info", "warning", "error".
+bool ParseLogLevel(std::string_view text, LogLevel* out);
+
+namespace log_internal {
+void AppendField(std::string* line, std::string_view key, std::string_view value);
+void Emit(LogLevel level, std::string_view event, const std::string& fields);
+
+inline void AppendFields(std::string*) {}
+template <typename V, typename... Rest>
+void AppendFields(std::string* line, std::string_view key, const V& value, const Rest&... rest) {
+  AppendField(line, key, absl::StrCat(value));
+  AppendFields(line, rest...);
+}
+}  // namespace log_internal
+
+template <typename... KV>
+void LogEvent(LogLevel level, std::string_view event, const KV&... kv) {
+  static_assert(sizeof...(KV) % 2 == 0, "LogEvent takes key, value pairs");
+  if (level < MinLogLevel()) return;
+  std::string fields;
+  log_internal::AppendFields(&fields, kv...);
+  log_internal::Emit(level, event, fields);
+}
+
+}  // namespace dos
+
+#define DOS_LOG_DEBUG(...) ::dos::LogEvent(::dos::LogLevel::kDebug, __VA_ARGS__)
+#define DOS_LOG_INFO(...) ::dos::LogEvent(::dos::LogLevel::kInfo, __VA_ARGS__)
+#define DOS_LOG_WARNING(...) ::dos::LogEvent(::dos::LogLevel::kWarning, __VA_ARGS__)
+#define DOS_LOG_ERROR(...) ::dos::LogEvent(::dos::LogLevel::kError, __VA_ARGS__)

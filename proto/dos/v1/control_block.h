@@ -1,0 +1,94 @@
+// The data plane's wire format: the per-session control block in shared
+// memory through which every optimizer step travels (never through gRPC).
+//
+// The daemon creates the block at Attach (shm name in AttachResponse) and
+// both processes map it. Exactly one step is in flight per session:
+//
+//   client                                   daemon (session's step thread)
+//   write request (seq = n)                  wait until request_bell != n-1
+//   request_bell.store(n, release) + wake ─▶ read request (acquire), run step
+//   wait until done_bell == n         ◀───── write result (seq = n),
+//   read result (acquire)                    done_bell.store(n, release) + wake
+//
+// The bells are futex words (see daemon/transport/doorbell.h): waiters spin
+// briefly, then sleep in FUTEX_WAIT; ringers FUTEX_WAKE only when the other
+// side announced that it sleeps. std::atomic<uint32_t> is lock-free and
+// address-free on every platform we build for, so it is valid across
+// processes. Everything else is plain data, published by the bells'
+// release/acquire ordering.
+//
+// Layout changes bump kProtocolVersion.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace dos {
+
+inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
+inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kMaxGroups = 64;
+inline constexpr uint32_t kMaxStatusMessage = 512;
+
+// Per-step hyperparameters of one param group (they change per step under an
+// lr scheduler; the weight decay mode is fixed at registration).
+struct GroupStepParams {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+};
+
+enum StepFlags : uint32_t {
+  // The client already knows every gradient is finite (e.g. AMP's GradScaler
+  // checked); the daemon skips its own non-finite scan.
+  kStepGradientsChecked = 1u << 0,
+};
+
+struct StepRequest {
+  uint32_t seq;
+  uint32_t flags;          // StepFlags
+  uint32_t num_groups;     // must equal the number registered
+  uint32_t reserved;
+  double grad_scale;       // gradients are divided by this first (AMP loss scale); 1 = none
+  double clip_coef;        // then multiplied by this (clip_grad_norm_); 1 = none
+  GroupStepParams groups[kMaxGroups];
+};
+
+struct StepResult {
+  uint32_t seq;
+  int32_t status_code;     // absl::StatusCode; 0 = OK
+  uint32_t found_inf;      // 1: non-finite gradients, the step was skipped
+  uint32_t reserved;
+  int64_t step;            // optimizer steps applied so far (tensor 0's count)
+  double wall_us;          // doorbell seen to result posted
+  double update_us;        // time in the update itself
+  char message[kMaxStatusMessage];  // NUL-terminated, set when status_code != 0
+};
+
+struct ControlBlock {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t session_id;
+  int32_t daemon_pid;
+  int32_t client_pid;
+
+  // Client -> daemon: seq of the last published request.
+  alignas(64) std::atomic<uint32_t> request_bell;
+  std::atomic<uint32_t> daemon_sleeping;  // daemon is (about to be) in FUTEX_WAIT
+  // Daemon -> client: seq of the last posted result.
+  alignas(64) std::atomic<uint32_t> done_bell;
+  std::atomic<uint32_t> client_sleeping;
+  // Set by the daemon when the session is being torn down (shutdown, detach):
+  // a waiting client returns UNAVAILABLE instead of waiting forever.
+  std::atomic<uint32_t> closed;
+
+  alignas(64) StepRequest request;
+  alignas(64) StepResult result;
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(ControlBlock) < 8192, "keep the control block within two pages");
+
+}  // namespace dos
