@@ -2,7 +2,7 @@
 
 namespace dos {
 
-std::string_view DTypeName(DType t) {
+absl::string_view DTypeName(DType t) {
   switch (t) {
     case DType::kF32: return "float32";
     case DType::kBF16: return "bfloat16";

@@ -9,14 +9,14 @@
 
 #include <cstdint>
 #include <cstring>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 namespace dos {
 
 enum class DType : uint32_t { kF32 = 1, kBF16 = 2, kF16 = 3 };
 
 inline constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-std::string_view DTypeName(DType t);
+absl::string_view DTypeName(DType t);
 // True for the three values above; anything else from the wire is invalid.
 bool IsValidDType(uint32_t raw);
 

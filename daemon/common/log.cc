@@ -25,7 +25,7 @@ const char* LevelName(LogLevel level) {
 void SetMinLogLevel(LogLevel level) { g_min_level.store(static_cast<int>(level)); }
 LogLevel MinLogLevel() { return static_cast<LogLevel>(g_min_level.load(std::memory_order_relaxed)); }
 
-bool ParseLogLevel(std::string_view text, LogLevel* out) {
+bool ParseLogLevel(absl::string_view text, LogLevel* out) {
   for (LogLevel l : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError}) {
     if (text == LevelName(l)) {
       *out = l;
@@ -37,9 +37,9 @@ bool ParseLogLevel(std::string_view text, LogLevel* out) {
 
 namespace log_internal {
 
-void AppendField(std::string* line, std::string_view key, std::string_view value) {
+void AppendField(std::string* line, absl::string_view key, absl::string_view value) {
   absl::StrAppend(line, " ", key, "=");
-  bool quote = value.empty() || value.find_first_of(" \t\"=\n") != std::string_view::npos;
+  bool quote = value.empty() || value.find_first_of(" \t\"=\n") != absl::string_view::npos;
   if (!quote) {
     absl::StrAppend(line, value);
     return;
@@ -56,7 +56,7 @@ void AppendField(std::string* line, std::string_view key, std::string_view value
   line->push_back('"');
 }
 
-void Emit(LogLevel level, std::string_view event, const std::string& fields) {
+void Emit(LogLevel level, absl::string_view event, const std::string& fields) {
   std::string line = absl::StrCat(
       "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
       " level=", LevelName(level), " event=", event, fields, "\n");

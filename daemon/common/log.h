@@ -12,6 +12,8 @@
 
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -23,22 +25,28 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 void SetMinLogLevel(LogLevel level);
 LogLevel MinLogLevel();
 // Parses "debug", "info", "warning", "error".
-bool ParseLogLevel(std::string_view text, LogLevel* out);
+bool ParseLogLevel(absl::string_view text, LogLevel* out);
 
 namespace log_internal {
-void AppendField(std::string* line, std::string_view key, std::string_view value);
-void Emit(LogLevel level, std::string_view event, const std::string& fields);
+void AppendField(std::string* line, absl::string_view key, absl::string_view value);
+void Emit(LogLevel level, absl::string_view event, const std::string& fields);
 
 inline void AppendFields(std::string*) {}
 template <typename V, typename... Rest>
-void AppendFields(std::string* line, std::string_view key, const V& value, const Rest&... rest) {
-  AppendField(line, key, absl::StrCat(value));
+void AppendFields(std::string* line, absl::string_view key, const V& value, const Rest&... rest) {
+  // Debian's abseil keeps absl::string_view distinct from std::string_view.
+  if constexpr (std::is_convertible_v<const V&, std::string_view>) {
+    std::string_view sv = value;
+    AppendField(line, key, absl::string_view(sv.data(), sv.size()));
+  } else {
+    AppendField(line, key, absl::StrCat(value));
+  }
   AppendFields(line, rest...);
 }
 }  // namespace log_internal
 
 template <typename... KV>
-void LogEvent(LogLevel level, std::string_view event, const KV&... kv) {
+void LogEvent(LogLevel level, absl::string_view event, const KV&... kv) {
   static_assert(sizeof...(KV) % 2 == 0, "LogEvent takes key, value pairs");
   if (level < MinLogLevel()) return;
   std::string fields;

@@ -1,0 +1,261 @@
+#include "daemon/rpc/dos_service.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
+#include "daemon/rpc/grpc_status.h"
+#include "proto/dos/v1/control_block.h"
+
+namespace dos {
+namespace {
+
+using grpc::ServerContext;
+
+absl::StatusOr<std::shared_ptr<Session>> FindSession(const SessionManager& sessions,
+                                                     const v1::SessionRef& ref) {
+  if (ref.session_id() == 0) {
+    return absl::InvalidArgumentError("session.session_id is 0; pass the id Attach returned");
+  }
+  return sessions.Find(ref.session_id(), ref.token());
+}
+
+// Operator calls (dosctl) may name a session by id alone; clients send their
+// token, which is then checked.
+absl::StatusOr<std::shared_ptr<Session>> FindSessionOrOperator(const SessionManager& sessions,
+                                                               const v1::SessionRef& ref) {
+  if (ref.token().empty()) return sessions.FindUnchecked(ref.session_id());
+  return FindSession(sessions, ref);
+}
+
+absl::StatusOr<DType> ToDType(v1::DType d, absl::string_view field) {
+  if (!IsValidDType(static_cast<uint32_t>(d))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is ", v1::DType_Name(d),
+                     "; supported dtypes are DTYPE_F32, DTYPE_BF16 and DTYPE_F16"));
+  }
+  return static_cast<DType>(d);
+}
+
+absl::StatusOr<MemoryRef> ToMemoryRef(const v1::MemoryLocation& loc, absl::string_view field) {
+  if (loc.has_cuda_ipc()) {
+    return absl::UnimplementedError(absl::StrCat(
+        field, " is a CUDA IPC location, but this daemon serves CPU (shared-memory) sessions "
+               "only; run a dosd built with CUDA on a GPU node"));
+  }
+  if (!loc.has_shm()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has no location; set shm"));
+  }
+  return MemoryRef{loc.shm().name(), loc.shm().offset()};
+}
+
+absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
+  ShardSpec spec;
+  spec.subgroup_size = req.subgroup_size();
+  for (int i = 0; i < req.groups_size(); ++i) {
+    const v1::Hyperparameters& h = req.groups(i);
+    GroupConfig g;
+    g.defaults = GroupStepParams{h.lr(), h.beta1(), h.beta2(), h.eps(), h.weight_decay()};
+    g.decoupled_weight_decay = h.decoupled_weight_decay();
+    spec.groups.push_back(g);
+  }
+  for (int i = 0; i < req.tensors_size(); ++i) {
+    const v1::TensorSpec& t = req.tensors(i);
+    std::string field = absl::StrCat("register: tensors[", i, "]");
+    TensorSpec out;
+    out.name = t.name();
+    out.numel = t.numel();
+    out.group = t.group();
+    absl::StatusOr<DType> pd = ToDType(t.param_dtype(), field + ".param_dtype");
+    if (!pd.ok()) return pd.status();
+    absl::StatusOr<DType> gd = ToDType(t.grad_dtype(), field + ".grad_dtype");
+    if (!gd.ok()) return gd.status();
+    out.param_dtype = *pd;
+    out.grad_dtype = *gd;
+    absl::StatusOr<MemoryRef> p = ToMemoryRef(t.param(), field + ".param");
+    if (!p.ok()) return p.status();
+    absl::StatusOr<MemoryRef> g = ToMemoryRef(t.grad(), field + ".grad");
+    if (!g.ok()) return g.status();
+    out.param = *p;
+    out.grad = *g;
+    spec.tensors.push_back(std::move(out));
+  }
+  return spec;
+}
+
+void FillSessionStats(const Session& s, v1::SessionStats* out) {
+  SessionStatsSnapshot st = s.stats();
+  Session::Summary sum = s.summary();
+  out->set_session_id(s.identity().id);
+  out->set_steps(st.steps);
+  out->set_skipped_steps(st.skipped_steps);
+  out->set_params(sum.params);
+  if (st.last.update_us > 0 && !st.last.found_inf) {
+    out->set_params_per_second(static_cast<double>(sum.params) / (st.last.update_us * 1e-6));
+  }
+  v1::StepStats* last = out->mutable_last_step();
+  last->set_step(static_cast<uint64_t>(st.last.step));
+  last->set_skipped(st.last.found_inf);
+  last->set_wall_us(st.last_wall_us);
+  last->set_cpu_us(st.last.update_us);
+  last->set_cpu_subgroups(st.last.cpu_subgroups);
+  last->set_gpu_subgroups(st.last.gpu_subgroups);
+}
+
+}  // namespace
+
+grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
+                                v1::AttachResponse* resp) {
+  if (req->protocol_version() != kProtocolVersion) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+        "attach: client speaks protocol version ", req->protocol_version(), ", daemon speaks ",
+        kProtocolVersion, "; use a client library from the same DOS release as dosd")));
+  }
+  if (req->pid() <= 0) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("attach: pid ", req->pid(), " is invalid; send the trainer's getpid()")));
+  }
+  SessionIdentity id;
+  id.client_name = req->client_name();
+  id.pid = req->pid();
+  id.rank = req->rank();
+  id.local_rank = req->local_rank();
+  id.world_size = req->world_size();
+  absl::StatusOr<std::shared_ptr<Session>> s = sessions_->Attach(std::move(id));
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  resp->mutable_session()->set_session_id((*s)->identity().id);
+  resp->mutable_session()->set_token((*s)->identity().token);
+  resp->set_control_block_name((*s)->control_block_name());
+  resp->set_control_block_bytes((*s)->control_block_bytes());
+  resp->set_daemon_pid(getpid());
+  resp->set_daemon_version(version_);
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::Detach(ServerContext*, const v1::DetachRequest* req,
+                                v1::DetachResponse*) {
+  return ToGrpcStatus(sessions_->Detach(req->session().session_id(), req->session().token()));
+}
+
+grpc::Status DosService::RegisterShard(ServerContext*, const v1::RegisterShardRequest* req,
+                                       v1::RegisterShardResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
+  if (!spec.ok()) return ToGrpcStatus(spec.status());
+  absl::Status st = (*s)->Register(*spec);
+  if (!st.ok()) return ToGrpcStatus(st);
+  Session::Summary sum = (*s)->summary();
+  resp->set_total_params(sum.params);
+  resp->set_num_subgroups(sum.subgroups);
+  resp->set_host_state_bytes(sum.state_bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::GetPolicy(ServerContext*, const v1::GetPolicyRequest* req,
+                                   v1::GetPolicyResponse* resp) {
+  if (req->session().session_id() == 0) {
+    resp->set_policy(FormatPolicy(sessions_->default_policy()));
+    return grpc::Status::OK;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSessionOrOperator(*sessions_, req->session());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  resp->set_policy(FormatPolicy((*s)->policy()));
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::SetPolicy(ServerContext*, const v1::SetPolicyRequest* req,
+                                   v1::SetPolicyResponse* resp) {
+  absl::StatusOr<Policy> policy = ParsePolicy(req->policy());
+  if (!policy.ok()) return ToGrpcStatus(policy.status());
+  if (req->session().session_id() == 0) {
+    sessions_->SetDefaultPolicy(*policy);
+    DOS_LOG_INFO("policy.default", "policy", FormatPolicy(*policy));
+  } else {
+    absl::StatusOr<std::shared_ptr<Session>> s =
+        FindSessionOrOperator(*sessions_, req->session());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    (*s)->SetPolicy(*policy);
+    DOS_LOG_INFO("policy.set", "session", req->session().session_id(), "policy",
+                 FormatPolicy(*policy));
+  }
+  resp->set_policy(FormatPolicy(*policy));
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req,
+                                  v1::GetStatsResponse* resp) {
+  if (req->session_id() != 0) {
+    absl::StatusOr<std::shared_ptr<Session>> s = sessions_->FindUnchecked(req->session_id());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    FillSessionStats(**s, resp->add_sessions());
+  } else {
+    for (const auto& s : sessions_->List()) FillSessionStats(*s, resp->add_sessions());
+  }
+  resp->set_host_state_bytes(budget_->used());
+  resp->set_host_state_limit_bytes(budget_->limit());
+  resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequest*,
+                                      v1::ListSessionsResponse* resp) {
+  for (const auto& s : sessions_->List()) {
+    const SessionIdentity& id = s->identity();
+    Session::Summary sum = s->summary();
+    v1::SessionInfo* info = resp->add_sessions();
+    info->set_session_id(id.id);
+    info->set_client_name(id.client_name);
+    info->set_pid(id.pid);
+    info->set_rank(id.rank);
+    info->set_local_rank(id.local_rank);
+    info->set_world_size(id.world_size);
+    info->set_state(sum.registered ? "registered" : "attached");
+    info->set_params(sum.params);
+    info->set_num_tensors(sum.tensors);
+    info->set_num_subgroups(sum.subgroups);
+    info->set_host_state_bytes(sum.state_bytes);
+    info->set_policy(FormatPolicy(s->policy()));
+    info->set_steps(s->stats().steps);
+  }
+  resp->set_daemon_pid(getpid());
+  resp->set_daemon_version(version_);
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequest* req,
+                                     v1::TransferStateResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  absl::StatusOr<int64_t> step =
+      (*s)->ExportState(req->tensor(), MemoryRef{req->buffer().name(), req->buffer().offset()});
+  if (!step.ok()) return ToGrpcStatus(step.status());
+  resp->set_step(*step);
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequest* req,
+                                     v1::TransferStateResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  absl::Status st = (*s)->ImportState(
+      req->tensor(), MemoryRef{req->buffer().name(), req->buffer().offset()}, req->step());
+  if (!st.ok()) return ToGrpcStatus(st);
+  resp->set_step(req->step());
+  return grpc::Status::OK;
+}
+
+grpc::Status DosService::SaveCheckpoint(ServerContext*, const v1::SaveCheckpointRequest*,
+                                        v1::SaveCheckpointResponse*) {
+  return ToGrpcStatus(absl::UnimplementedError(
+      "SaveCheckpoint is not implemented in this release; use the optimizer's state_dict()"));
+}
+
+grpc::Status DosService::LoadCheckpoint(ServerContext*, const v1::LoadCheckpointRequest*,
+                                        v1::LoadCheckpointResponse*) {
+  return ToGrpcStatus(absl::UnimplementedError(
+      "LoadCheckpoint is not implemented in this release; use the optimizer's "
+      "load_state_dict()"));
+}
+
+}  // namespace dos

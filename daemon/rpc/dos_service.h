@@ -1,0 +1,52 @@
+// DosService: the gRPC adapter of dos.v1.Dos (proto/dos/v1/dos.proto).
+//
+// Handlers translate protobuf messages into the daemon's plain types,
+// validate what the wire can get wrong (enum values, missing fields, counts),
+// call the SessionManager and reply. They never run optimizer math or wait
+// for a step: steps travel through the control block, not through here.
+//
+// Thread-safety: gRPC calls handlers from its own thread pool; all state is
+// in the thread-safe SessionManager and HostMemoryBudget.
+#pragma once
+
+#include "absl/time/time.h"
+#include "daemon/session/session_manager.h"
+#include "daemon/state/host_memory_budget.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+
+namespace dos {
+
+class DosService final : public v1::Dos::Service {
+ public:
+  DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version)
+      : sessions_(sessions), budget_(budget), version_(std::move(version)) {}
+
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
+  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
+  grpc::Status RegisterShard(grpc::ServerContext*, const v1::RegisterShardRequest*,
+                             v1::RegisterShardResponse*) override;
+  grpc::Status GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,
+                         v1::GetPolicyResponse*) override;
+  grpc::Status SetPolicy(grpc::ServerContext*, const v1::SetPolicyRequest*,
+                         v1::SetPolicyResponse*) override;
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                        v1::GetStatsResponse*) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                            v1::ListSessionsResponse*) override;
+  grpc::Status ExportState(grpc::ServerContext*, const v1::TransferStateRequest*,
+                           v1::TransferStateResponse*) override;
+  grpc::Status ImportState(grpc::ServerContext*, const v1::TransferStateRequest*,
+                           v1::TransferStateResponse*) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
+                              v1::SaveCheckpointResponse*) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
+                              v1::LoadCheckpointResponse*) override;
+
+ private:
+  SessionManager* const sessions_;
+  HostMemoryBudget* const budget_;
+  const std::string version_;
+  const absl::Time started_ = absl::Now();
+};
+
+}  // namespace dos

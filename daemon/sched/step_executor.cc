@@ -1,0 +1,125 @@
+#include "daemon/sched/step_executor.h"
+
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/cpu/adam_kernel.h"
+
+namespace dos {
+namespace {
+
+absl::Status BadGroup(size_t group, absl::string_view field, double value, absl::string_view want) {
+  return absl::InvalidArgumentError(absl::StrCat("step: group ", group, " ", field, " = ", value,
+                                                 " is invalid; it must be ", want));
+}
+
+const char* ElementPtr(const void* base, DType dtype, uint64_t offset) {
+  return static_cast<const char*>(base) + offset * DTypeSize(dtype);
+}
+
+}  // namespace
+
+absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
+  if (r.num_groups != num_groups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: request carries ", r.num_groups, " param groups but ", num_groups,
+                     " were registered; send hyperparameters for every registered group"));
+  }
+  if (!std::isfinite(r.grad_scale) || r.grad_scale <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: grad_scale = ", r.grad_scale, " is invalid; it must be finite and > 0 (1 = none)"));
+  }
+  if (!std::isfinite(r.clip_coef) || r.clip_coef < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: clip_coef = ", r.clip_coef, " is invalid; it must be finite and >= 0 (1 = none)"));
+  }
+  for (size_t i = 0; i < num_groups; ++i) {
+    const GroupStepParams& g = r.groups[i];
+    if (!std::isfinite(g.lr) || g.lr < 0) return BadGroup(i, "lr", g.lr, "finite and >= 0");
+    if (!(g.beta1 >= 0 && g.beta1 < 1)) return BadGroup(i, "beta1", g.beta1, "in [0, 1)");
+    if (!(g.beta2 >= 0 && g.beta2 < 1)) return BadGroup(i, "beta2", g.beta2, "in [0, 1)");
+    if (!std::isfinite(g.eps) || g.eps <= 0) return BadGroup(i, "eps", g.eps, "finite and > 0");
+    if (!std::isfinite(g.weight_decay) || g.weight_decay < 0) {
+      return BadGroup(i, "weight_decay", g.weight_decay, "finite and >= 0");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
+                                              std::span<const TensorBinding> bindings,
+                                              const StepRequest& request, const Policy& policy) {
+  (void)policy;  // Without a GPU engine every policy runs on the CPU.
+  absl::Status valid = ValidateStepRequest(request, shard.groups().size());
+  if (!valid.ok()) return valid;
+  const absl::Time start = absl::Now();
+  std::span<TensorInfo> tensors = shard.tensors();
+  StepOutcome out;
+
+  if (!(request.flags & kStepGradientsChecked)) {
+    std::vector<cpu::CpuUpdater::GradRun> runs;
+    runs.reserve(tensors.size());
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      runs.push_back({bindings[t].grad, tensors[t].grad_dtype, tensors[t].numel});
+    }
+    if (!cpu_->AllFinite(runs)) {
+      out.found_inf = true;
+      out.step = tensors[0].step;
+      out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+      return out;
+    }
+  }
+
+  // The scalars depend on the tensor's group and step count only: compute
+  // them once per tensor, not per run.
+  std::vector<cpu::AdamScalars> scalars;
+  scalars.reserve(tensors.size());
+  for (const TensorInfo& t : tensors) {
+    const GroupConfig& group = shard.groups()[t.group];
+    scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
+                                           t.step + 1, request.grad_scale, request.clip_coef));
+  }
+  std::vector<cpu::CpuUpdater::Item> items;
+  for (const Subgroup& g : shard.subgroups()) {
+    for (const SubgroupSegment& seg : g.segments) {
+      const TensorInfo& t = tensors[seg.tensor];
+      const TensorBinding& b = bindings[seg.tensor];
+      cpu::AdamSpan span{
+          .grad = ElementPtr(b.grad, t.grad_dtype, seg.tensor_offset),
+          .grad_dtype = t.grad_dtype,
+          .master = g.master + seg.subgroup_offset,
+          .exp_avg = g.exp_avg + seg.subgroup_offset,
+          .exp_avg_sq = g.exp_avg_sq + seg.subgroup_offset,
+          .param_out = const_cast<char*>(ElementPtr(b.param, t.param_dtype, seg.tensor_offset)),
+          .param_dtype = t.param_dtype,
+          .n = seg.count,
+      };
+      items.push_back({scalars[seg.tensor], span});
+    }
+    ++out.cpu_subgroups;
+  }
+  cpu_->Run(items);
+  for (TensorInfo& t : tensors) ++t.step;
+  out.step = tensors[0].step;
+  out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  return out;
+}
+
+void StepExecutor::WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
+                                uint32_t tensor) {
+  const TensorInfo& t = shard.tensors()[tensor];
+  std::vector<float> master(t.numel);
+  shard.ReadTensor(tensor, 0, master.data());
+  char* out = static_cast<char*>(bindings[tensor].param);
+  for (uint64_t i = 0; i < t.numel; ++i) {
+    switch (t.param_dtype) {
+      case DType::kF32: reinterpret_cast<float*>(out)[i] = master[i]; break;
+      case DType::kBF16: reinterpret_cast<uint16_t*>(out)[i] = FloatToBF16(master[i]); break;
+      case DType::kF16: reinterpret_cast<uint16_t*>(out)[i] = FloatToF16(master[i]); break;
+    }
+  }
+}
+
+}  // namespace dos

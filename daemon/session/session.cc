@@ -1,0 +1,325 @@
+#include "daemon/session/session.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/transport/shm_transport.h"
+
+namespace dos {
+namespace {
+
+void PostError(ControlBlock* block, const absl::Status& status) {
+  block->result.status_code = static_cast<int32_t>(status.code());
+  absl::string_view msg = status.message();
+  size_t n = std::min(msg.size(), static_cast<size_t>(kMaxStatusMessage - 1));
+  std::memcpy(block->result.message, msg.data(), n);
+  block->result.message[n] = '\0';
+}
+
+std::string TensorWhat(uint32_t index, const std::string& name, absl::string_view part) {
+  return absl::StrCat("register: tensor ", index, name.empty() ? "" : absl::StrCat(" (", name, ")"),
+                      " ", part);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(
+    SessionIdentity identity, const SessionOptions& options, const Policy& policy,
+    StepExecutor* executor, HostMemoryBudget* budget,
+    std::function<void(uint64_t id)> on_client_gone) {
+  std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executor, budget,
+                                         std::move(on_client_gone)));
+  std::string name =
+      absl::StrCat(options.shm_prefix, ".", getpid(), ".", s->identity_.id, ".ctl");
+  ShmSegment::CreateOptions shm_options;
+  shm_options.mode = options.shm_mode;
+  shm_options.unlink_on_destroy = true;
+  DOS_ASSIGN_OR_RETURN(s->control_, ShmSegment::Create(name, sizeof(ControlBlock), shm_options));
+  auto* block = new (s->control_->data()) ControlBlock();
+  ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
+  block->client_pid = s->identity_.pid;
+  s->channel_ = std::make_unique<ControlBlockChannel>(block);
+  s->step_thread_ = std::thread([raw = s.get()] { raw->StepLoop(); });
+  return s;
+}
+
+Session::Session(SessionIdentity identity, const SessionOptions& options, const Policy& policy,
+                 StepExecutor* executor, HostMemoryBudget* budget,
+                 std::function<void(uint64_t)> on_client_gone)
+    : identity_(std::move(identity)),
+      options_(options),
+      executor_(executor),
+      budget_(budget),
+      on_client_gone_(std::move(on_client_gone)),
+      policy_(policy) {}
+
+Session::~Session() { Stop(); }
+
+void Session::Stop() {
+  if (stop_.exchange(true)) {
+    if (step_thread_.joinable() && step_thread_.get_id() != std::this_thread::get_id()) {
+      step_thread_.join();
+    }
+    return;
+  }
+  if (step_thread_.joinable()) {
+    if (step_thread_.get_id() == std::this_thread::get_id()) {
+      step_thread_.detach();
+    } else {
+      step_thread_.join();
+    }
+  }
+  if (control_ != nullptr) {
+    auto* block = static_cast<ControlBlock*>(control_->data());
+    block->closed.store(1, std::memory_order_release);
+    // Wake a client blocked on the done bell so it sees `closed`.
+    Doorbell(&block->done_bell, &block->client_sleeping)
+        .Ring(block->done_bell.load(std::memory_order_relaxed));
+  }
+}
+
+bool Session::TokenMatches(absl::string_view token) const {
+  // Constant-time compare: the token is the session's only credential.
+  if (token.size() != identity_.token.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < token.size(); ++i) diff |= token[i] ^ identity_.token[i];
+  return diff == 0;
+}
+
+bool Session::ClientAlive() const {
+  if (identity_.pid <= 0) return true;
+  return kill(identity_.pid, 0) == 0 || errno == EPERM;
+}
+
+void Session::StepLoop() {
+  std::string thread_name = absl::StrCat("dos-step-", identity_.id).substr(0, 15);
+  pthread_setname_np(pthread_self(), thread_name.c_str());
+  uint32_t last = 0;
+  while (!stop_.load(std::memory_order_acquire)) {
+    uint32_t seq = channel_->WaitRequest(last, options_.liveness_interval);
+    if (seq == last) {
+      if (!ClientAlive()) {
+        DOS_LOG_WARNING("session.client_gone", "session", identity_.id, "pid", identity_.pid);
+        if (on_client_gone_) on_client_gone_(identity_.id);
+        return;
+      }
+      continue;
+    }
+    last = seq;
+    HandleRequest(seq);
+  }
+}
+
+void Session::HandleRequest(uint32_t seq) {
+  auto* block = static_cast<ControlBlock*>(control_->data());
+  const absl::Time start = absl::Now();
+  StepResult& result = block->result;
+  result.status_code = 0;
+  result.found_inf = 0;
+  result.message[0] = '\0';
+  absl::StatusOr<StepOutcome> outcome;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shard_ == nullptr) {
+      outcome = absl::FailedPreconditionError(
+          "step: the session has no registered tensors; call dos_register (RegisterShard) "
+          "before the first step");
+    } else {
+      outcome = executor_->Run(*shard_, bindings_, block->request, policy());
+    }
+  }
+  const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  if (outcome.ok()) {
+    result.found_inf = outcome->found_inf ? 1 : 0;
+    result.step = outcome->step;
+    result.update_us = outcome->update_us;
+  } else {
+    PostError(block, outcome.status());
+    DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
+  }
+  result.wall_us = wall_us;
+  {
+    absl::MutexLock lock(&stats_mu_);
+    if (outcome.ok()) {
+      ++stats_.steps;
+      if (outcome->found_inf) ++stats_.skipped_steps;
+      stats_.last = *outcome;
+      stats_.last_wall_us = wall_us;
+    } else {
+      ++stats_.failed_steps;
+    }
+  }
+  channel_->PostResult(seq);
+}
+
+absl::Status Session::Register(const ShardSpec& spec) {
+  absl::MutexLock lock(&mu_);
+  if (shard_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("register: session ", identity_.id,
+                     " already has a registered shard; attach a new session to register "
+                     "different tensors"));
+  }
+  if (spec.groups.empty() || spec.groups.size() > kMaxGroups) {
+    return absl::InvalidArgumentError(absl::StrCat("register: ", spec.groups.size(),
+                                                   " param groups given; 1 to ", kMaxGroups,
+                                                   " are supported"));
+  }
+  if (spec.tensors.empty()) {
+    return absl::InvalidArgumentError("register: no tensors given");
+  }
+  auto transport = std::make_unique<ShmTransport>();
+  std::vector<TensorBinding> bindings;
+  std::vector<TensorInfo> infos;
+  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    if (t.numel == 0) {
+      return absl::InvalidArgumentError(TensorWhat(i, t.name, "has 0 elements; leave it out"));
+    }
+    if (t.group >= spec.groups.size()) {
+      return absl::InvalidArgumentError(TensorWhat(
+          i, t.name, absl::StrCat("names param group ", t.group, " but only ",
+                                  spec.groups.size(), " groups were given")));
+    }
+    constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+    if (t.numel > kMaxNumel) {
+      return absl::InvalidArgumentError(
+          TensorWhat(i, t.name, absl::StrCat("has ", t.numel, " elements, more than the ",
+                                             kMaxNumel, " supported")));
+    }
+    for (auto [ref, dtype, part] : {std::tuple{&t.param, t.param_dtype, "param"},
+                                    std::tuple{&t.grad, t.grad_dtype, "grad"}}) {
+      if (ref->offset % DTypeSize(dtype) != 0) {
+        return absl::InvalidArgumentError(TensorWhat(
+            i, t.name, absl::StrCat(part, " offset ", ref->offset, " is not a multiple of the ",
+                                    DTypeName(dtype), " element size")));
+      }
+    }
+    TensorBinding b;
+    DOS_ASSIGN_OR_RETURN(b.param, transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
+                                                 TensorWhat(i, t.name, "param")));
+    DOS_ASSIGN_OR_RETURN(void* grad, transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
+                                                    TensorWhat(i, t.name, "grad")));
+    b.grad = grad;
+    bindings.push_back(b);
+    infos.push_back(TensorInfo{.name = t.name,
+                               .param_dtype = t.param_dtype,
+                               .grad_dtype = t.grad_dtype,
+                               .numel = t.numel,
+                               .group = t.group});
+  }
+  uint64_t subgroup_size =
+      spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
+  DOS_ASSIGN_OR_RETURN(
+      std::unique_ptr<ShardState> shard,
+      ShardState::Create(std::move(infos), spec.groups, subgroup_size, budget_,
+                         absl::StrCat("register: session ", identity_.id)));
+  // Initialise the fp32 masters from the trainer's weights.
+  for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
+    const TensorInfo& t = shard->tensors()[i];
+    std::vector<float> master(t.numel);
+    const char* src = static_cast<const char*>(bindings[i].param);
+    for (uint64_t e = 0; e < t.numel; ++e) {
+      uint16_t h;
+      switch (t.param_dtype) {
+        case DType::kF32: std::memcpy(&master[e], src + 4 * e, 4); break;
+        case DType::kBF16: std::memcpy(&h, src + 2 * e, 2); master[e] = BF16ToFloat(h); break;
+        case DType::kF16: std::memcpy(&h, src + 2 * e, 2); master[e] = F16ToFloat(h); break;
+      }
+    }
+    shard->WriteTensor(i, 0, master.data());
+  }
+  {
+    absl::MutexLock stats_lock(&stats_mu_);
+    summary_ = Summary{.registered = true,
+                       .params = shard->total_params(),
+                       .tensors = static_cast<uint32_t>(shard->tensors().size()),
+                       .subgroups = static_cast<uint32_t>(shard->subgroups().size()),
+                       .state_bytes = shard->state_bytes()};
+  }
+  DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard->tensors().size(),
+               "params", shard->total_params(), "subgroups", shard->subgroups().size(),
+               "state_bytes", shard->state_bytes());
+  transport_ = std::move(transport);
+  bindings_ = std::move(bindings);
+  shard_ = std::move(shard);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
+                                               std::unique_ptr<ShmSegment>* holder) {
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "state transfer: the session has no registered tensors; register first");
+  }
+  if (tensor >= shard_->tensors().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("state transfer: tensor index ", tensor,
+                                                   " is out of range; ",
+                                                   shard_->tensors().size(), " are registered"));
+  }
+  // Buffers for state transfer are short-lived: `holder` unmaps this one when
+  // the call returns.
+  uint64_t numel = shard_->tensors()[tensor].numel;
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg, ShmSegment::Open(buf.shm_name));
+  uint64_t bytes = 3 * numel * sizeof(float);
+  if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state transfer: buffer ", buf.shm_name, " has ", seg->size(), " bytes; tensor ", tensor,
+        " needs ", bytes, " at offset ", buf.offset, " (3 x numel fp32)"));
+  }
+  *holder = std::move(seg);
+  return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
+}
+
+absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, const MemoryRef& buf) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<ShmSegment> holder;
+  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, buf, &holder));
+  uint64_t numel = shard_->tensors()[tensor].numel;
+  for (int which = 0; which < 3; ++which) shard_->ReadTensor(tensor, which, out + which * numel);
+  return shard_->tensors()[tensor].step;
+}
+
+absl::Status Session::ImportState(uint32_t tensor, const MemoryRef& buf, int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state transfer: step ", step, " is negative"));
+  }
+  std::unique_ptr<ShmSegment> holder;
+  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, buf, &holder));
+  uint64_t numel = shard_->tensors()[tensor].numel;
+  for (int which = 0; which < 3; ++which) shard_->WriteTensor(tensor, which, in + which * numel);
+  shard_->tensors()[tensor].step = step;
+  executor_->WriteWeights(*shard_, bindings_, tensor);
+  return absl::OkStatus();
+}
+
+void Session::SetPolicy(const Policy& policy) {
+  absl::MutexLock lock(&stats_mu_);
+  policy_ = policy;
+}
+
+Policy Session::policy() const {
+  absl::MutexLock lock(&stats_mu_);
+  return policy_;
+}
+
+Session::Summary Session::summary() const {
+  absl::MutexLock lock(&stats_mu_);
+  return summary_;
+}
+
+SessionStatsSnapshot Session::stats() const {
+  absl::MutexLock lock(&stats_mu_);
+  return stats_;
+}
+
+}  // namespace dos

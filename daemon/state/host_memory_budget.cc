@@ -1,0 +1,46 @@
+#include "daemon/state/host_memory_budget.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace dos {
+
+absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
+  absl::MutexLock lock(&mu_);
+  if (limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of host optimizer state, but ",
+        FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
+        " limit is in use (", FormatBytes(limit_ - used_),
+        " free); raise dosd --host_memory_limit, detach other sessions, or register a "
+        "smaller shard"));
+  }
+  used_ += bytes;
+  return absl::OkStatus();
+}
+
+void HostMemoryBudget::Release(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  used_ = bytes > used_ ? 0 : used_ - bytes;
+}
+
+uint64_t HostMemoryBudget::used() const {
+  absl::MutexLock lock(&mu_);
+  return used_;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024.0 && unit < 4) {
+    v /= 1024.0;
+    ++unit;
+  }
+  return absl::StrFormat("%.2f %s", v, kUnits[unit]);
+}
+
+}  // namespace dos

@@ -1,0 +1,111 @@
+#include "daemon/state/shard_state.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
+
+namespace dos {
+namespace {
+// Page alignment keeps each subgroup's arrays on their own pages (no false
+// sharing between subgroups, and ready for cudaHostRegister later).
+constexpr size_t kAlignment = 4096;
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorInfo> tensors,
+                                                                std::vector<GroupConfig> groups,
+                                                                uint64_t subgroup_size,
+                                                                HostMemoryBudget* budget,
+                                                                absl::string_view what) {
+  if (subgroup_size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": subgroup_size must be positive"));
+  }
+  if (tensors.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": no tensors to register"));
+  }
+  std::unique_ptr<ShardState> s(new ShardState());
+  uint64_t flat = 0;
+  for (TensorInfo& t : tensors) {
+    t.flat_offset = flat;
+    flat += t.numel;
+  }
+  s->tensors_ = std::move(tensors);
+  s->groups_ = std::move(groups);
+  s->total_params_ = flat;
+  s->subgroup_size_ = subgroup_size;
+  s->budget_ = budget;
+  DOS_RETURN_IF_ERROR(budget->Reserve(s->state_bytes(), what));
+  s->reserved_bytes_ = s->state_bytes();
+
+  // Cut the flat space into subgroups and record which tensor runs each covers.
+  uint32_t tensor = 0;
+  uint64_t tensor_offset = 0;
+  for (uint64_t begin = 0; begin < flat; begin += subgroup_size) {
+    Subgroup g;
+    g.flat_begin = begin;
+    g.numel = std::min(subgroup_size, flat - begin);
+    uint64_t filled = 0;
+    while (filled < g.numel) {
+      const TensorInfo& t = s->tensors_[tensor];
+      uint64_t count = std::min(t.numel - tensor_offset, g.numel - filled);
+      if (count > 0) g.segments.push_back({tensor, tensor_offset, filled, count});
+      filled += count;
+      tensor_offset += count;
+      if (tensor_offset == t.numel) {
+        ++tensor;
+        tensor_offset = 0;
+      }
+    }
+    size_t bytes = (g.numel * kStateBytesPerParam + kAlignment - 1) / kAlignment * kAlignment;
+    void* mem = std::aligned_alloc(kAlignment, bytes);
+    if (mem == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": cannot allocate ", FormatBytes(bytes), " of host memory for subgroup ",
+          s->subgroups_.size(), "; the host is out of memory"));
+    }
+    s->allocations_.push_back(mem);
+    std::memset(mem, 0, bytes);
+    g.master = static_cast<float*>(mem);
+    g.exp_avg = g.master + g.numel;
+    g.exp_avg_sq = g.exp_avg + g.numel;
+    s->subgroups_.push_back(std::move(g));
+  }
+  return s;
+}
+
+ShardState::~ShardState() {
+  for (void* p : allocations_) std::free(p);
+  if (budget_ != nullptr) budget_->Release(reserved_bytes_);
+}
+
+// Calls fn(subgroup, segment) for every segment covering `tensor`, in order.
+template <typename Fn>
+void ShardState::ForEachRun(uint32_t tensor, Fn fn) const {
+  const TensorInfo& t = tensors_[tensor];
+  uint64_t first = t.flat_offset / subgroup_size_;
+  for (uint64_t gi = first; gi < subgroups_.size(); ++gi) {
+    const Subgroup& g = subgroups_[gi];
+    if (g.flat_begin >= t.flat_offset + t.numel) break;
+    for (const SubgroupSegment& seg : g.segments) {
+      if (seg.tensor == tensor) fn(g, seg);
+    }
+  }
+}
+
+void ShardState::ReadTensor(uint32_t tensor, int which, float* buf) const {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(buf + seg.tensor_offset, base + seg.subgroup_offset, seg.count * sizeof(float));
+  });
+}
+
+void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(base + seg.subgroup_offset, buf + seg.tensor_offset, seg.count * sizeof(float));
+  });
+}
+
+}  // namespace dos

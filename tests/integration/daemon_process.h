@@ -1,0 +1,44 @@
+// DaemonProcess: starts the real dosd binary on a temporary socket for an
+// integration test and stops it with SIGTERM, as a user or systemd would.
+//
+// Thread-safety: not thread-safe; one per test.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace dos::testing {
+
+class DaemonProcess {
+ public:
+  // `extra_flags` are appended to dosd's command line.
+  explicit DaemonProcess(std::vector<std::string> extra_flags = {});
+  ~DaemonProcess();  // SIGKILLs the daemon if it still runs.
+
+  // Starts dosd and waits (with a deadline) until its socket accepts
+  // connections. Returns false if it exits or never listens.
+  bool Start();
+  // Sends SIGTERM and waits; returns the exit status (-1 on timeout).
+  int Stop();
+  // Waits for dosd to exit on its own; returns its exit status.
+  int WaitExit(int timeout_ms);
+
+  const std::string& socket() const { return socket_; }
+  const std::string& dir() const { return dir_; }
+  pid_t pid() const { return pid_; }
+  std::string log() const;  // what dosd wrote to stderr so far
+
+ private:
+  std::string dir_;
+  std::string socket_;
+  std::string log_path_;
+  std::vector<std::string> flags_;
+  pid_t pid_ = -1;
+};
+
+// True once a unix socket at `path` accepts a connection.
+bool SocketAccepts(const std::string& path);
+
+}  // namespace dos::testing

@@ -1,0 +1,451 @@
+// End-to-end tests of the real dosd binary, driven only through the client
+// library's C ABI and gRPC, as users and operators drive it.
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "daemon/common/dtype.h"
+#include "daemon/cpu/adam_kernel.h"
+#include "daemon/transport/shm_segment.h"
+#include "dos/dos.h"
+#include "gtest/gtest.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "tests/integration/daemon_process.h"
+
+namespace dos::testing {
+namespace {
+
+// A trainer's view of one shard: tensors in shared memory, plus a local
+// model of what the daemon must compute, using the scalar kernel (the daemon
+// runs with --cpu_isa=scalar here, so results must match bit for bit).
+class FakeTrainer {
+ public:
+  struct Tensor {
+    dos_dtype dtype;
+    uint64_t numel;
+    uint32_t group;
+    void* param = nullptr;
+    void* grad = nullptr;
+    std::vector<float> master, m, v;
+    int64_t step = 0;
+  };
+
+  explicit FakeTrainer(uint32_t seed) : rng_(seed) {}
+
+  dos_status Attach(const std::string& socket) {
+    dos_attach_options o;
+    dos_attach_options_init(&o);
+    o.socket_path = socket.c_str();
+    o.client_name = "daemon_test";
+    return dos_attach(&o, &session_);
+  }
+  ~FakeTrainer() { dos_detach(session_); }
+
+  void AddTensor(dos_dtype dtype, uint64_t numel, uint32_t group) {
+    Tensor t{dtype, numel, group};
+    size_t esize = dtype == DOS_DTYPE_F32 ? 4 : 2;
+    ASSERT_EQ(dos_buffer_alloc(session_, numel * esize, &t.param), DOS_OK) << dos_last_error();
+    ASSERT_EQ(dos_buffer_alloc(session_, numel * esize, &t.grad), DOS_OK) << dos_last_error();
+    std::normal_distribution<float> dist(0.0f, 0.5f);
+    t.master.resize(numel);
+    t.m.assign(numel, 0.0f);
+    t.v.assign(numel, 0.0f);
+    for (uint64_t i = 0; i < numel; ++i) {
+      float x = dist(rng_);
+      Store(t.dtype, t.param, i, x);
+      t.master[i] = Load(t.dtype, t.param, i);  // the master starts from the trainer's weight
+    }
+    tensors_.push_back(std::move(t));
+  }
+
+  dos_status Register(std::vector<dos_hparams> groups, uint64_t subgroup_size) {
+    groups_ = groups;
+    std::vector<dos_tensor> specs;
+    for (auto& t : tensors_) {
+      specs.push_back(dos_tensor{"t", t.dtype, t.param, t.dtype, t.grad, t.numel, t.group});
+    }
+    dos_register_options ro{subgroup_size};
+    return dos_register(session_, specs.data(), specs.size(), groups.data(), groups.size(), &ro);
+  }
+
+  void FillGradients() {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (auto& t : tensors_) {
+      for (uint64_t i = 0; i < t.numel; ++i) Store(t.dtype, t.grad, i, dist(rng_));
+    }
+  }
+
+  dos_status Step(double grad_scale, double clip, dos_step_result* r) {
+    dos_step_args a;
+    dos_step_args_init(&a);
+    a.groups = groups_.data();
+    a.num_groups = groups_.size();
+    a.grad_scale = grad_scale;
+    a.clip_coef = clip;
+    return dos_step(session_, &a, r);
+  }
+
+  // Applies the step locally with the scalar kernel.
+  void ExpectStep(double grad_scale, double clip) {
+    cpu::AdamKernelFn kernel = cpu::AdamKernel(cpu::Isa::kScalar);
+    for (auto& t : tensors_) {
+      const dos_hparams& h = groups_[t.group];
+      GroupStepParams g{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
+      ++t.step;
+      cpu::AdamScalars s = cpu::MakeAdamScalars(g, h.decoupled_weight_decay != 0, t.step,
+                                                grad_scale, clip);
+      cpu::AdamSpan span{t.grad,      static_cast<DType>(t.dtype), t.master.data(), t.m.data(),
+                         t.v.data(),  nullptr,                     static_cast<DType>(t.dtype),
+                         t.numel};
+      kernel(s, span);
+    }
+  }
+
+  // The trainer's weights equal the rounding of the expected masters, and
+  // the daemon's state equals the expected state, bit for bit.
+  void CheckAgainstDaemon() {
+    for (uint32_t ti = 0; ti < tensors_.size(); ++ti) {
+      Tensor& t = tensors_[ti];
+      std::vector<float> p(t.numel), m(t.numel), v(t.numel);
+      int64_t step = -1;
+      ASSERT_EQ(dos_state_read(session_, ti, p.data(), m.data(), v.data(), &step), DOS_OK)
+          << dos_last_error();
+      EXPECT_EQ(step, t.step);
+      for (uint64_t i = 0; i < t.numel; ++i) {
+        ASSERT_EQ(p[i], t.master[i]) << "tensor " << ti << " element " << i;
+        ASSERT_EQ(m[i], t.m[i]) << "tensor " << ti << " element " << i;
+        ASSERT_EQ(v[i], t.v[i]) << "tensor " << ti << " element " << i;
+        float expect_w = Load(t.dtype, &Rounded(t.dtype, t.master[i]), 0);
+        ASSERT_EQ(Load(t.dtype, t.param, i), expect_w) << "tensor " << ti << " element " << i;
+      }
+    }
+  }
+
+  dos_session* session() { return session_; }
+  std::vector<Tensor>& tensors() { return tensors_; }
+
+  static float Load(dos_dtype d, const void* base, uint64_t i) {
+    if (d == DOS_DTYPE_F32) return static_cast<const float*>(base)[i];
+    uint16_t h = static_cast<const uint16_t*>(base)[i];
+    return d == DOS_DTYPE_BF16 ? BF16ToFloat(h) : F16ToFloat(h);
+  }
+  static void Store(dos_dtype d, void* base, uint64_t i, float x) {
+    if (d == DOS_DTYPE_F32) {
+      static_cast<float*>(base)[i] = x;
+    } else {
+      static_cast<uint16_t*>(base)[i] = d == DOS_DTYPE_BF16 ? FloatToBF16(x) : FloatToF16(x);
+    }
+  }
+
+ private:
+  // Scratch for one rounded element (Load reads it back in the same dtype).
+  uint32_t& Rounded(dos_dtype d, float x) {
+    scratch_ = 0;
+    Store(d, &scratch_, 0, x);
+    return scratch_;
+  }
+
+  std::mt19937 rng_;
+  dos_session* session_ = nullptr;
+  std::vector<Tensor> tensors_;
+  std::vector<dos_hparams> groups_;
+  uint32_t scratch_ = 0;
+};
+
+dos_hparams AdamW(double lr, double wd) {
+  dos_hparams h;
+  dos_hparams_init_adamw(&h);
+  h.lr = lr;
+  h.weight_decay = wd;
+  return h;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(daemon_.Start()) << daemon_.log(); }
+  void TearDown() override {
+    if (daemon_.pid() > 0) EXPECT_EQ(daemon_.Stop(), 0) << daemon_.log();
+  }
+  std::unique_ptr<v1::Dos::Stub> Stub() {
+    return v1::Dos::NewStub(
+        grpc::CreateChannel("unix:" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+  }
+  DaemonProcess daemon_{{"--cpu_isa=scalar", "--cpu_threads=2"}};
+};
+
+TEST_F(DaemonTest, TwoConcurrentClientsGetExactUpdates) {
+  auto run_client = [&](uint32_t seed, dos_dtype dtype, bool decoupled) {
+    FakeTrainer tr(seed);
+    ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+    tr.AddTensor(dtype, 7, 0);
+    tr.AddTensor(dtype, 2500, 1);
+    tr.AddTensor(DOS_DTYPE_F32, 64, 0);
+    tr.AddTensor(dtype, 1, 1);
+    dos_hparams g0 = AdamW(1e-2, 0.1), g1 = AdamW(3e-3, 0.0);
+    g0.decoupled_weight_decay = g1.decoupled_weight_decay = decoupled ? 1 : 0;
+    g1.beta1 = 0.8;
+    g1.beta2 = 0.99;
+    g1.eps = 1e-6;
+    // Subgroups of 1000 elements span tensor boundaries.
+    ASSERT_EQ(tr.Register({g0, g1}, 1000), DOS_OK) << dos_last_error();
+    for (int step = 0; step < 20; ++step) {
+      tr.FillGradients();
+      double scale = step % 3 == 0 ? 1024.0 : 1.0, clip = step % 2 ? 0.5 : 1.0;
+      dos_step_result r;
+      ASSERT_EQ(tr.Step(scale, clip, &r), DOS_OK) << dos_last_error();
+      ASSERT_EQ(r.found_inf, 0);
+      tr.ExpectStep(scale, clip);
+      ASSERT_EQ(r.step, step + 1);
+    }
+    tr.CheckAgainstDaemon();
+  };
+  std::thread a([&] { run_client(1, DOS_DTYPE_BF16, true); });
+  std::thread b([&] { run_client(2, DOS_DTYPE_F16, false); });
+  run_client(3, DOS_DTYPE_F32, true);
+  a.join();
+  b.join();
+}
+
+TEST_F(DaemonTest, NonFiniteGradientSkipsTheWholeStep) {
+  FakeTrainer tr(5);
+  ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_BF16, 300, 0);
+  tr.AddTensor(DOS_DTYPE_BF16, 300, 0);
+  ASSERT_EQ(tr.Register({AdamW(1e-3, 0.01)}, 128), DOS_OK) << dos_last_error();
+  tr.FillGradients();
+  dos_step_result r;
+  ASSERT_EQ(tr.Step(1, 1, &r), DOS_OK);
+  tr.ExpectStep(1, 1);
+  // One inf in the last tensor: nothing anywhere may change.
+  tr.FillGradients();
+  FakeTrainer::Store(DOS_DTYPE_BF16, tr.tensors()[1].grad, 299, INFINITY);
+  ASSERT_EQ(tr.Step(1, 1, &r), DOS_OK);
+  EXPECT_EQ(r.found_inf, 1);
+  EXPECT_EQ(r.step, 1);
+  tr.CheckAgainstDaemon();
+  FakeTrainer::Store(DOS_DTYPE_BF16, tr.tensors()[0].grad, 0, NAN);
+  ASSERT_EQ(tr.Step(1, 1, &r), DOS_OK);
+  EXPECT_EQ(r.found_inf, 1);
+  tr.CheckAgainstDaemon();
+}
+
+TEST_F(DaemonTest, StepBeforeRegisterAndDoubleRegisterAreRefused) {
+  FakeTrainer tr(7);
+  ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+  dos_hparams h = AdamW(1e-3, 0);
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &h;
+  a.num_groups = 1;
+  dos_step_result r;
+  EXPECT_EQ(dos_step(tr.session(), &a, &r), DOS_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(dos_last_error()).find("register"), std::string::npos) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_F32, 10, 0);
+  ASSERT_EQ(tr.Register({h}, 0), DOS_OK) << dos_last_error();
+  EXPECT_EQ(tr.Register({h}, 0), DOS_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(dos_last_error()).find("already"), std::string::npos) << dos_last_error();
+  // Wrong group count in a step.
+  dos_hparams two[2] = {h, h};
+  a.groups = two;
+  a.num_groups = 2;
+  EXPECT_EQ(dos_step(tr.session(), &a, &r), DOS_INVALID_ARGUMENT) << dos_last_error();
+  // Bad hyperparameters name the field.
+  two[0].beta2 = 1.5;
+  a.num_groups = 1;
+  EXPECT_EQ(dos_step(tr.session(), &a, &r), DOS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dos_last_error()).find("beta2"), std::string::npos) << dos_last_error();
+}
+
+TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
+  auto stub = Stub();
+  // Unknown session.
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterShardRequest req;
+    v1::RegisterShardResponse resp;
+    req.mutable_session()->set_session_id(999);
+    req.mutable_session()->set_token("nope");
+    grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+  }
+  // Attach, then wrong token, bad dtype, and a tensor overrunning its buffer.
+  FakeTrainer tr(9);
+  ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_F32, 16, 0);
+  v1::AttachRequest areq;
+  areq.set_pid(getpid());
+  areq.set_protocol_version(1);
+  v1::AttachResponse aresp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Attach(&ctx, areq, &aresp).ok());
+  }
+  auto make_req = [&]() {
+    v1::RegisterShardRequest req;
+    *req.mutable_session() = aresp.session();
+    auto* g = req.add_groups();
+    g->set_lr(1e-3);
+    g->set_beta1(0.9);
+    g->set_beta2(0.999);
+    g->set_eps(1e-8);
+    auto* t = req.add_tensors();
+    t->set_name("w");
+    t->set_param_dtype(v1::DTYPE_F32);
+    t->set_grad_dtype(v1::DTYPE_F32);
+    t->set_numel(16);
+    t->mutable_param()->mutable_shm()->set_name("/dos-missing-segment");
+    t->mutable_grad()->mutable_shm()->set_name("/dos-missing-segment");
+    return req;
+  };
+  {
+    grpc::ClientContext ctx;
+    auto req = make_req();
+    req.mutable_session()->set_token("wrong");
+    v1::RegisterShardResponse resp;
+    EXPECT_EQ(stub->RegisterShard(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    auto req = make_req();
+    req.mutable_tensors(0)->set_grad_dtype(v1::DTYPE_UNSPECIFIED);
+    v1::RegisterShardResponse resp;
+    grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("tensors[0].grad_dtype"), std::string::npos)
+        << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterShardResponse resp;
+    grpc::Status st = stub->RegisterShard(&ctx, make_req(), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+    EXPECT_NE(st.error_message().find("/dos-missing-segment"), std::string::npos)
+        << st.error_message();
+  }
+  {
+    // A real segment of 4096 bytes, but 16 fp32 elements at offset 4090 claimed.
+    std::string name = "/dos-it-small-" + std::to_string(getpid());
+    auto seg = ShmSegment::Create(name, 4096);
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    grpc::ClientContext ctx;
+    auto req = make_req();
+    req.mutable_tensors(0)->mutable_param()->mutable_shm()->set_name(name);
+    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_name(name);
+    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_offset(4032);
+    v1::RegisterShardResponse resp;
+    grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("overruns"), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find("grad"), std::string::npos) << st.error_message();
+  }
+}
+
+TEST_F(DaemonTest, ClientThatExitsMidSessionIsReapedOthersKeepWorking) {
+  FakeTrainer survivor(11);
+  ASSERT_EQ(survivor.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+  survivor.AddTensor(DOS_DTYPE_F32, 100, 0);
+  ASSERT_EQ(survivor.Register({AdamW(1e-3, 0.0)}, 0), DOS_OK) << dos_last_error();
+
+  pid_t child = fork();
+  if (child == 0) {
+    FakeTrainer doomed(12);
+    if (doomed.Attach(daemon_.socket()) != DOS_OK) _exit(2);
+    doomed.AddTensor(DOS_DTYPE_BF16, 1 << 16, 0);
+    if (doomed.Register({AdamW(1e-3, 0.0)}, 0) != DOS_OK) _exit(3);
+    doomed.FillGradients();
+    dos_step_result r;
+    if (doomed.Step(1, 1, &r) != DOS_OK) _exit(4);
+    _exit(0);  // no detach: the daemon must notice the exit
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+
+  auto stub = Stub();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int sessions = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    grpc::ClientContext ctx;
+    v1::ListSessionsRequest req;
+    v1::ListSessionsResponse resp;
+    ASSERT_TRUE(stub->ListSessions(&ctx, req, &resp).ok());
+    sessions = resp.sessions_size();
+    if (sessions == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(sessions, 1) << daemon_.log();
+  grpc::ClientContext ctx;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.host_state_bytes(), 100u * 12) << "the exited client's state was not freed";
+
+  for (int i = 0; i < 3; ++i) {
+    survivor.FillGradients();
+    dos_step_result r;
+    ASSERT_EQ(survivor.Step(1, 1, &r), DOS_OK) << dos_last_error();
+    survivor.ExpectStep(1, 1);
+  }
+  survivor.CheckAgainstDaemon();
+}
+
+TEST_F(DaemonTest, HostMemoryCapAnswersResourceExhausted) {
+  DaemonProcess capped({"--host_memory_limit=1M"});
+  ASSERT_TRUE(capped.Start()) << capped.log();
+  FakeTrainer tr(13);
+  ASSERT_EQ(tr.Attach(capped.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_F32, 200000, 0);  // 2.4 MB of state
+  EXPECT_EQ(tr.Register({AdamW(1e-3, 0)}, 0), DOS_RESOURCE_EXHAUSTED);
+  std::string msg = dos_last_error();
+  EXPECT_NE(msg.find("2400000 bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--host_memory_limit"), std::string::npos) << msg;
+  EXPECT_EQ(capped.Stop(), 0);
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
+  // A second daemon pointed at the first one's socket must refuse to start.
+  pid_t pid = fork();
+  if (pid == 0) {
+    int devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, STDOUT_FILENO);
+    execl(DOS_DOSD_PATH, DOS_DOSD_PATH, ("--socket=" + daemon_.socket()).c_str(), nullptr);
+    _exit(127);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  // The first daemon still serves.
+  EXPECT_TRUE(SocketAccepts(daemon_.socket()));
+}
+
+TEST(DaemonLifecycle, StaleSocketIsReplacedAndSigtermExitsZero) {
+  DaemonProcess d({});
+  ASSERT_TRUE(d.Start()) << d.log();
+  // SIGKILL leaves the socket file behind.
+  kill(d.pid(), SIGKILL);
+  EXPECT_EQ(d.WaitExit(10000), 128 + SIGKILL);
+  ASSERT_EQ(access(d.socket().c_str(), F_OK), 0) << "expected a stale socket file";
+  ASSERT_TRUE(d.Start()) << d.log();
+  // Health and reflection answer.
+  auto channel = grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok());
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(d.Stop(), 0) << d.log();
+  EXPECT_NE(access(d.socket().c_str(), F_OK), 0) << "socket left behind after a clean stop";
+}
+
+}  // namespace
+}  // namespace dos::testing
