@@ -22,6 +22,9 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
 #include "daemon/cpu/cpu_updater.h"
+#ifdef DOS_WITH_CUDA
+#include "daemon/gpu/gpu_engine.h"
+#endif
 #include "daemon/rpc/dos_service.h"
 #include "daemon/rpc/socket_guard.h"
 #include "daemon/sched/step_executor.h"
@@ -40,6 +43,17 @@ ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
           "Default scheduling policy: cpu, static:<f>, interleave:<k>, auto.");
+ABSL_FLAG(int, gpu_device, 0,
+          "CUDA device this daemon drives (GPU mode); -1: CPU only. Ignored without CUDA.");
+ABSL_FLAG(std::string, gpu_memory_budget, "0",
+          "GPU memory `auto` may keep optimizer state resident in, beyond the staging slots, "
+          "e.g. 12G; 0 = stream every GPU-path subgroup.");
+ABSL_FLAG(int, gpu_staging_slots, 3, "Subgroups in flight on the GPU path (staging slots).");
+ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
+          "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
+          "to the host (twice the PCIe bytes; for measurement).");
+ABSL_FLAG(std::string, gpu_timeline, "",
+          "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file.");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 
@@ -56,6 +70,11 @@ struct DaemonConfig {
   SessionOptions session;            // control blocks, subgroup size default
   cpu::CpuUpdaterOptions cpu;        // update threads, tile, ISA
   Policy default_policy;             // policy of new sessions
+  int gpu_device = 0;                // CUDA device; -1: CPU only
+  uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
+  int gpu_staging_slots = 3;         // GPU-path subgroups in flight
+  bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
+  std::string gpu_timeline;          // per-step placement log; empty: off
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -115,6 +134,16 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
   if (!policy.ok()) return policy.status();
   c.default_policy = *policy;
+  c.gpu_device = absl::GetFlag(FLAGS_gpu_device);
+  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
+        " is not a size; write e.g. 12G or 0"));
+  }
+  c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
+  if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
+  c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
+  c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
@@ -141,7 +170,29 @@ int Run(const DaemonConfig& config) {
 
   HostMemoryBudget budget(config.host_memory_limit);
   cpu::CpuUpdater cpu_updater(config.cpu);
-  StepExecutor executor(&cpu_updater);
+  GpuBackend* gpu = nullptr;
+#ifdef DOS_WITH_CUDA
+  std::unique_ptr<gpu::GpuEngine> gpu_engine;
+  if (config.gpu_device >= 0) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = config.gpu_device;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.resident_budget_bytes = config.gpu_memory_budget;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    gopt.timeline_path = config.gpu_timeline;
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, &cpu_updater);
+    if (engine.ok()) {
+      gpu_engine = *std::move(engine);
+      gpu = gpu_engine.get();
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return Fail("daemon.gpu", engine.status());
+    }
+  }
+#endif
+  StepExecutor executor(&cpu_updater, gpu);
   SessionManager sessions(config.session, config.default_policy, &executor, &budget);
   DosService service(&sessions, &budget, kVersion);
 
@@ -163,7 +214,7 @@ int Run(const DaemonConfig& config) {
   DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
                config.socket_path, "cpu_threads", cpu_updater.threads(), "cpu_isa",
                cpu::IsaName(cpu_updater.isa()), "policy", FormatPolicy(config.default_policy),
-               "host_memory_limit", config.host_memory_limit);
+               "host_memory_limit", config.host_memory_limit, "gpu", gpu != nullptr);
 
   int sig = 0;
   sigwait(&stop_signals, &sig);

@@ -14,7 +14,7 @@
 //   p *= decay_factor  (= 1 - lr * wd)          (AdamW, decoupled mode)
 //   m  = beta1 * m + (1 - beta1) * g
 //   v  = beta2 * v + (1 - beta2) * g * g
-//   p += -step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps))
+//   p += (-step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)   (addcdiv_ order)
 //   out = round_to(param_dtype, p)
 // Thread-safety: kernels are pure functions of their arguments.
 #pragma once
@@ -66,12 +66,23 @@ using AdamKernelFn = void (*)(const AdamScalars&, const AdamSpan&);
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 std::string_view IsaName(Isa isa);
 bool ParseIsa(std::string_view text, Isa* out);
-// Highest variant this CPU supports, capped by $DOS_CPU_ISA if set.
+// Highest variant this CPU supports, capped by $DOS_CPU_ISA if set to one of
+// IsaName()s (anything else there is ignored; the caller may warn).
 Isa BestIsa();
 bool IsaSupported(Isa isa);
 AdamKernelFn AdamKernel(Isa isa);
 
-// True when all n gradients are finite (no inf, no NaN).
+// True when all n gradients are finite (no inf, no NaN). Uses BestIsa().
 bool AllFinite(const void* grad, DType dtype, size_t n);
+
+// The non-finite scan of one variant (AllFinite uses BestIsa()'s).
+using AllFiniteFn = bool (*)(const void* grad, DType dtype, size_t n);
+AllFiniteFn AllFiniteKernel(Isa isa);
+
+// Bytes of memory traffic one element must cause (gradient, p, m, v read;
+// p, m, v and the trainer weight written): what bandwidth figures count.
+inline constexpr size_t AdamBytesPerElement(DType grad, DType param) {
+  return DTypeSize(grad) + 12 + 12 + DTypeSize(param);
+}
 
 }  // namespace dos::cpu

@@ -39,14 +39,21 @@ absl::StatusOr<DType> ToDType(v1::DType d, absl::string_view field) {
 
 absl::StatusOr<MemoryRef> ToMemoryRef(const v1::MemoryLocation& loc, absl::string_view field) {
   if (loc.has_cuda_ipc()) {
-    return absl::UnimplementedError(absl::StrCat(
-        field, " is a CUDA IPC location, but this daemon serves CPU (shared-memory) sessions "
-               "only; run a dosd built with CUDA on a GPU node"));
+    const v1::CudaIpcLocation& c = loc.cuda_ipc();
+    if (c.handle().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".cuda_ipc.handle is empty"));
+    }
+    MemoryRef ref;
+    ref.offset = c.offset();
+    ref.cuda_ipc_handle = c.handle();
+    ref.alloc_bytes = c.alloc_bytes();
+    ref.device_uuid = c.device_uuid();
+    return ref;
   }
   if (!loc.has_shm()) {
     return absl::InvalidArgumentError(absl::StrCat(field, " has no location; set shm"));
   }
-  return MemoryRef{loc.shm().name(), loc.shm().offset()};
+  return ShmRef(loc.shm().name(), loc.shm().offset());
 }
 
 absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
@@ -100,6 +107,27 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   last->set_cpu_us(st.last.update_us);
   last->set_cpu_subgroups(st.last.cpu_subgroups);
   last->set_gpu_subgroups(st.last.gpu_subgroups);
+  if (st.last.cpu_busy_us > 0 || st.last.gpu_busy_us > 0) last->set_cpu_us(st.last.cpu_busy_us);
+  last->set_gpu_us(st.last.gpu_busy_us);
+  last->set_h2d_bytes(st.last.h2d_bytes);
+  last->set_d2h_bytes(st.last.d2h_bytes);
+  last->set_predicted_us(st.last.predicted_us);
+  last->set_update_us(st.last.update_us);
+  last->set_resident_subgroups(st.last.resident_subgroups);
+  last->set_cpu_params(st.last.cpu_params);
+  last->set_gpu_params(st.last.gpu_params);
+  const double secs = st.last.update_us * 1e-6;
+  if (secs > 0) {
+    last->set_h2d_gbps(static_cast<double>(st.last.h2d_bytes) / secs * 1e-9);
+    last->set_d2h_gbps(static_cast<double>(st.last.d2h_bytes) / secs * 1e-9);
+    last->set_cpu_busy(st.last.cpu_busy_us / st.last.update_us);
+    last->set_gpu_busy(st.last.gpu_busy_us / st.last.update_us);
+    last->set_h2d_busy(st.last.h2d_busy_us / st.last.update_us);
+    last->set_d2h_busy(st.last.d2h_busy_us / st.last.update_us);
+  }
+  last->set_model_gpu_share(st.last.model_gpu_share);
+  last->set_model_binding(st.last.model_binding);
+  last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
 }
 
 }  // namespace
@@ -228,7 +256,7 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::StatusOr<int64_t> step =
-      (*s)->ExportState(req->tensor(), MemoryRef{req->buffer().name(), req->buffer().offset()});
+      (*s)->ExportState(req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()));
   if (!step.ok()) return ToGrpcStatus(step.status());
   resp->set_step(*step);
   return grpc::Status::OK;
@@ -239,7 +267,7 @@ grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequ
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::Status st = (*s)->ImportState(
-      req->tensor(), MemoryRef{req->buffer().name(), req->buffer().offset()}, req->step());
+      req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()), req->step());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->set_step(req->step());
   return grpc::Status::OK;

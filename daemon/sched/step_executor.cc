@@ -1,6 +1,7 @@
 #include "daemon/sched/step_executor.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -51,20 +52,33 @@ absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
 absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               std::span<const TensorBinding> bindings,
                                               const StepRequest& request, const Policy& policy) {
-  (void)policy;  // Without a GPU engine every policy runs on the CPU.
   absl::Status valid = ValidateStepRequest(request, shard.groups().size());
   if (!valid.ok()) return valid;
   const absl::Time start = absl::Now();
   std::span<TensorInfo> tensors = shard.tensors();
   StepOutcome out;
+  // GPU mode: the session's tensors live in GPU memory (CUDA IPC).
+  const bool device = !bindings.empty() && bindings[0].device;
+  if (device && gpu_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "step: the session's tensors are in GPU memory but this daemon has no GPU engine");
+  }
 
   if (!(request.flags & kStepGradientsChecked)) {
-    std::vector<cpu::CpuUpdater::GradRun> runs;
-    runs.reserve(tensors.size());
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      runs.push_back({bindings[t].grad, tensors[t].grad_dtype, tensors[t].numel});
+    bool finite = true;
+    if (device) {
+      absl::StatusOr<bool> f = gpu_->AllFinite(shard, bindings);
+      if (!f.ok()) return f.status();
+      finite = *f;
+    } else {
+      std::vector<cpu::CpuUpdater::GradRun> runs;
+      runs.reserve(tensors.size());
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        runs.push_back({bindings[t].grad, tensors[t].grad_dtype, tensors[t].numel});
+      }
+      finite = cpu_->AllFinite(runs);
     }
-    if (!cpu_->AllFinite(runs)) {
+    if (!finite) {
       out.found_inf = true;
       out.step = tensors[0].step;
       out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
@@ -81,38 +95,53 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
   }
-  std::vector<cpu::CpuUpdater::Item> items;
-  for (const Subgroup& g : shard.subgroups()) {
-    for (const SubgroupSegment& seg : g.segments) {
-      const TensorInfo& t = tensors[seg.tensor];
-      const TensorBinding& b = bindings[seg.tensor];
-      cpu::AdamSpan span{
-          .grad = ElementPtr(b.grad, t.grad_dtype, seg.tensor_offset),
-          .grad_dtype = t.grad_dtype,
-          .master = g.master + seg.subgroup_offset,
-          .exp_avg = g.exp_avg + seg.subgroup_offset,
-          .exp_avg_sq = g.exp_avg_sq + seg.subgroup_offset,
-          .param_out = const_cast<char*>(ElementPtr(b.param, t.param_dtype, seg.tensor_offset)),
-          .param_dtype = t.param_dtype,
-          .n = seg.count,
-      };
-      items.push_back({scalars[seg.tensor], span});
+  if (device) {
+    absl::Status st = gpu_->Update(shard, bindings, scalars, policy, &out);
+    if (!st.ok()) return st;
+  } else {
+    std::vector<cpu::CpuUpdater::Item> items;
+    for (const Subgroup& g : shard.subgroups()) {
+      for (const SubgroupSegment& seg : g.segments) {
+        const TensorInfo& t = tensors[seg.tensor];
+        const TensorBinding& b = bindings[seg.tensor];
+        cpu::AdamSpan span{
+            .grad = ElementPtr(b.grad, t.grad_dtype, seg.tensor_offset),
+            .grad_dtype = t.grad_dtype,
+            .master = g.master + seg.subgroup_offset,
+            .exp_avg = g.exp_avg + seg.subgroup_offset,
+            .exp_avg_sq = g.exp_avg_sq + seg.subgroup_offset,
+            .param_out = const_cast<char*>(ElementPtr(b.param, t.param_dtype, seg.tensor_offset)),
+            .param_dtype = t.param_dtype,
+            .n = seg.count,
+        };
+        items.push_back({scalars[seg.tensor], span});
+      }
+      ++out.cpu_subgroups;
     }
-    ++out.cpu_subgroups;
+    cpu_->Run(items);
   }
-  cpu_->Run(items);
   for (TensorInfo& t : tensors) ++t.step;
   out.step = tensors[0].step;
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   return out;
 }
 
-void StepExecutor::WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
-                                uint32_t tensor) {
+absl::Status StepExecutor::WriteWeights(const ShardState& shard,
+                                        std::span<const TensorBinding> bindings,
+                                        uint32_t tensor) {
   const TensorInfo& t = shard.tensors()[tensor];
   std::vector<float> master(t.numel);
   shard.ReadTensor(tensor, 0, master.data());
+  const bool device = bindings[tensor].device;
+  if (device && gpu_ == nullptr) {
+    return absl::FailedPreconditionError("the tensor is in GPU memory but there is no GPU engine");
+  }
+  std::vector<char> staging;
   char* out = static_cast<char*>(bindings[tensor].param);
+  if (device) {
+    staging.resize(t.numel * DTypeSize(t.param_dtype));
+    out = staging.data();
+  }
   for (uint64_t i = 0; i < t.numel; ++i) {
     switch (t.param_dtype) {
       case DType::kF32: reinterpret_cast<float*>(out)[i] = master[i]; break;
@@ -120,6 +149,36 @@ void StepExecutor::WriteWeights(const ShardState& shard, std::span<const TensorB
       case DType::kF16: reinterpret_cast<uint16_t*>(out)[i] = FloatToF16(master[i]); break;
     }
   }
+  if (device) return gpu_->CopyToDevice(bindings[tensor].param, staging.data(), staging.size());
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
+                                       uint32_t tensor) {
+  const TensorInfo& t = shard.tensors()[tensor];
+  const bool device = bindings[tensor].device;
+  if (device && gpu_ == nullptr) {
+    return absl::FailedPreconditionError("the tensor is in GPU memory but there is no GPU engine");
+  }
+  std::vector<char> staging;
+  const char* src = static_cast<const char*>(bindings[tensor].param);
+  if (device) {
+    staging.resize(t.numel * DTypeSize(t.param_dtype));
+    absl::Status st = gpu_->CopyToHost(staging.data(), src, staging.size());
+    if (!st.ok()) return st;
+    src = staging.data();
+  }
+  std::vector<float> master(t.numel);
+  for (uint64_t e = 0; e < t.numel; ++e) {
+    uint16_t h;
+    switch (t.param_dtype) {
+      case DType::kF32: std::memcpy(&master[e], src + 4 * e, 4); break;
+      case DType::kBF16: std::memcpy(&h, src + 2 * e, 2); master[e] = BF16ToFloat(h); break;
+      case DType::kF16: std::memcpy(&h, src + 2 * e, 2); master[e] = F16ToFloat(h); break;
+    }
+  }
+  shard.WriteTensor(tensor, 0, master.data());
+  return absl::OkStatus();
 }
 
 }  // namespace dos

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "daemon/cpu/cpu_updater.h"
+#include "daemon/sched/gpu_backend.h"
 #include "daemon/sched/policy.h"
 #include "daemon/state/shard_state.h"
 #include "proto/dos/v1/control_block.h"
@@ -27,6 +29,7 @@ namespace dos {
 struct TensorBinding {
   void* param = nullptr;        // param_dtype elements, written each step
   const void* grad = nullptr;   // grad_dtype elements, read each step
+  bool device = false;          // both live in GPU memory (CUDA IPC): GPU mode
 };
 
 struct StepOutcome {
@@ -34,7 +37,21 @@ struct StepOutcome {
   int64_t step = 0;             // tensor 0's step count after the step
   double update_us = 0;         // time spent updating (scan included)
   uint64_t cpu_subgroups = 0;
-  uint64_t gpu_subgroups = 0;
+  uint64_t gpu_subgroups = 0;      // streamed through staging slots
+  uint64_t resident_subgroups = 0; // updated in place in GPU memory
+  // GPU mode only (zero on the CPU path):
+  uint64_t cpu_params = 0;
+  uint64_t gpu_params = 0;         // streamed and resident
+  uint64_t h2d_bytes = 0;          // state, weights
+  uint64_t d2h_bytes = 0;          // state, gradients
+  double cpu_busy_us = 0;          // CPU kernel time
+  double gpu_busy_us = 0;          // GPU kernel time
+  double h2d_busy_us = 0;          // copy-engine time per direction
+  double d2h_busy_us = 0;
+  double predicted_us = 0;         // the performance model's forecast
+  double model_gpu_share = 0;      // x the model chose (auto) or the policy implies
+  std::string model_binding;       // the constraint the model says limits the step
+  uint64_t gpu_memory_bytes = 0;   // staging slots + resident state on the GPU
 };
 
 // INVALID_ARGUMENT naming the group and field when a hyperparameter is out of
@@ -43,18 +60,27 @@ absl::Status ValidateStepRequest(const StepRequest& request, size_t num_groups);
 
 class StepExecutor {
  public:
-  explicit StepExecutor(cpu::CpuUpdater* cpu) : cpu_(cpu) {}
+  // `gpu` may be null (no CUDA build or no GPU): device bindings are then
+  // refused at registration, and every step runs on the CPU.
+  explicit StepExecutor(cpu::CpuUpdater* cpu, GpuBackend* gpu = nullptr) : cpu_(cpu), gpu_(gpu) {}
+
+  GpuBackend* gpu() const { return gpu_; }
 
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy);
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.
-  void WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
-                    uint32_t tensor);
+  absl::Status WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
+                            uint32_t tensor);
+  // Initialises tensor `tensor`'s fp32 master weights from the trainer's
+  // weights (host or device memory).
+  absl::Status ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
+                           uint32_t tensor);
 
  private:
   cpu::CpuUpdater* cpu_;
+  GpuBackend* gpu_;
 };
 
 }  // namespace dos

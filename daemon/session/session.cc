@@ -175,7 +175,20 @@ absl::Status Session::Register(const ShardSpec& spec) {
   if (spec.tensors.empty()) {
     return absl::InvalidArgumentError("register: no tensors given");
   }
-  auto transport = std::make_unique<ShmTransport>();
+  // GPU mode when the client sent CUDA IPC locations; one session is all one
+  // or all the other (the step runs wholly on one engine).
+  const bool device = spec.tensors[0].param.is_cuda_ipc();
+  std::unique_ptr<Transport> transport;
+  if (device) {
+    if (executor_->gpu() == nullptr) {
+      return absl::FailedPreconditionError(
+          "register: the tensors are CUDA IPC locations, but this dosd has no GPU engine (built "
+          "without CUDA, no GPU visible, or started with --gpu_device=-1)");
+    }
+    transport = executor_->gpu()->NewTransport();
+  } else {
+    transport = std::make_unique<ShmTransport>();
+  }
   std::vector<TensorBinding> bindings;
   std::vector<TensorInfo> infos;
   for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
@@ -202,7 +215,13 @@ absl::Status Session::Register(const ShardSpec& spec) {
                                     DTypeName(dtype), " element size")));
       }
     }
+    if (t.param.is_cuda_ipc() != device || t.grad.is_cuda_ipc() != device) {
+      return absl::InvalidArgumentError(TensorWhat(
+          i, t.name, "mixes CUDA IPC and shared-memory locations; a session registers either "
+                     "all tensors in GPU memory or all in shared memory"));
+    }
     TensorBinding b;
+    b.device = device;
     DOS_ASSIGN_OR_RETURN(b.param, transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
                                                  TensorWhat(i, t.name, "param")));
     DOS_ASSIGN_OR_RETURN(void* grad, transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
@@ -223,19 +242,9 @@ absl::Status Session::Register(const ShardSpec& spec) {
                          absl::StrCat("register: session ", identity_.id)));
   // Initialise the fp32 masters from the trainer's weights.
   for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-    const TensorInfo& t = shard->tensors()[i];
-    std::vector<float> master(t.numel);
-    const char* src = static_cast<const char*>(bindings[i].param);
-    for (uint64_t e = 0; e < t.numel; ++e) {
-      uint16_t h;
-      switch (t.param_dtype) {
-        case DType::kF32: std::memcpy(&master[e], src + 4 * e, 4); break;
-        case DType::kBF16: std::memcpy(&h, src + 2 * e, 2); master[e] = BF16ToFloat(h); break;
-        case DType::kF16: std::memcpy(&h, src + 2 * e, 2); master[e] = F16ToFloat(h); break;
-      }
-    }
-    shard->WriteTensor(i, 0, master.data());
+    DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
   }
+  if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
   {
     absl::MutexLock stats_lock(&stats_mu_);
     summary_ = Summary{.registered = true,
@@ -282,6 +291,9 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, const MemoryRef& b
   absl::MutexLock lock(&mu_);
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, buf, &holder));
+  if (!bindings_.empty() && bindings_[0].device) {
+    DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
+  }
   uint64_t numel = shard_->tensors()[tensor].numel;
   for (int which = 0; which < 3; ++which) shard_->ReadTensor(tensor, which, out + which * numel);
   return shard_->tensors()[tensor].step;
@@ -298,8 +310,8 @@ absl::Status Session::ImportState(uint32_t tensor, const MemoryRef& buf, int64_t
   uint64_t numel = shard_->tensors()[tensor].numel;
   for (int which = 0; which < 3; ++which) shard_->WriteTensor(tensor, which, in + which * numel);
   shard_->tensors()[tensor].step = step;
-  executor_->WriteWeights(*shard_, bindings_, tensor);
-  return absl::OkStatus();
+  if (!bindings_.empty() && bindings_[0].device) executor_->gpu()->DropResident(*shard_);
+  return executor_->WriteWeights(*shard_, bindings_, tensor);
 }
 
 void Session::SetPolicy(const Policy& policy) {

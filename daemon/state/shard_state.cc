@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
 }
 
 ShardState::~ShardState() {
+  attachment_.reset();  // unpins / frees GPU copies while the memory still exists
   for (void* p : allocations_) std::free(p);
   if (budget_ != nullptr) budget_->Release(reserved_bytes_);
 }

@@ -59,6 +59,13 @@ struct Subgroup {
   float* exp_avg_sq = nullptr;
 };
 
+// Per-shard resources an engine attaches (page-locked registrations of the
+// state, resident GPU copies): destroyed before the state memory is freed.
+class ShardAttachment {
+ public:
+  virtual ~ShardAttachment() = default;
+};
+
 class ShardState {
  public:
   // Bytes of state per parameter: fp32 master, exp_avg, exp_avg_sq.
@@ -91,6 +98,10 @@ class ShardState {
   void ReadTensor(uint32_t tensor, int which, float* buf) const;
   void WriteTensor(uint32_t tensor, int which, const float* buf);
 
+  // The GPU engine's per-shard resources (null in CPU mode).
+  ShardAttachment* attachment() const { return attachment_.get(); }
+  void set_attachment(std::unique_ptr<ShardAttachment> a) { attachment_ = std::move(a); }
+
  private:
   ShardState() = default;
   template <typename Fn>
@@ -104,6 +115,7 @@ class ShardState {
   uint64_t subgroup_size_ = 0;
   HostMemoryBudget* budget_ = nullptr;
   uint64_t reserved_bytes_ = 0;
+  std::unique_ptr<ShardAttachment> attachment_;
 };
 
 }  // namespace dos

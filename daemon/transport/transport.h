@@ -19,8 +19,20 @@ namespace dos {
 
 struct MemoryRef {
   std::string shm_name;  // POSIX shm object created by the client
-  uint64_t offset = 0;   // bytes from the start of the object
+  uint64_t offset = 0;   // bytes from the start of the object (or CUDA allocation)
+  // CUDA IPC (GPU mode): set when cuda_ipc_handle is non-empty.
+  std::string cuda_ipc_handle;  // cudaIpcMemHandle_t bytes (64)
+  uint64_t alloc_bytes = 0;     // size of the allocation the handle names
+  std::string device_uuid;      // the GPU the allocation lives on (16 raw bytes or text)
+  bool is_cuda_ipc() const { return !cuda_ipc_handle.empty(); }
 };
+
+inline MemoryRef ShmRef(std::string name, uint64_t offset) {
+  MemoryRef r;
+  r.shm_name = std::move(name);
+  r.offset = offset;
+  return r;
+}
 
 class Transport {
  public:

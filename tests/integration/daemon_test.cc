@@ -30,9 +30,9 @@ namespace {
 class FakeTrainer {
  public:
   struct Tensor {
-    dos_dtype dtype;
-    uint64_t numel;
-    uint32_t group;
+    dos_dtype dtype = DOS_DTYPE_F32;
+    uint64_t numel = 0;
+    uint32_t group = 0;
     void* param = nullptr;
     void* grad = nullptr;
     std::vector<float> master, m, v;
@@ -51,7 +51,10 @@ class FakeTrainer {
   ~FakeTrainer() { dos_detach(session_); }
 
   void AddTensor(dos_dtype dtype, uint64_t numel, uint32_t group) {
-    Tensor t{dtype, numel, group};
+    Tensor t;
+    t.dtype = dtype;
+    t.numel = numel;
+    t.group = group;
     size_t esize = dtype == DOS_DTYPE_F32 ? 4 : 2;
     ASSERT_EQ(dos_buffer_alloc(session_, numel * esize, &t.param), DOS_OK) << dos_last_error();
     ASSERT_EQ(dos_buffer_alloc(session_, numel * esize, &t.grad), DOS_OK) << dos_last_error();
@@ -173,7 +176,9 @@ class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(daemon_.Start()) << daemon_.log(); }
   void TearDown() override {
-    if (daemon_.pid() > 0) EXPECT_EQ(daemon_.Stop(), 0) << daemon_.log();
+    if (daemon_.pid() > 0) {
+      EXPECT_EQ(daemon_.Stop(), 0) << daemon_.log();
+    }
   }
   std::unique_ptr<v1::Dos::Stub> Stub() {
     return v1::Dos::NewStub(
@@ -333,7 +338,7 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
         << st.error_message();
   }
   {
-    // A real segment of 4096 bytes, but 16 fp32 elements at offset 4090 claimed.
+    // A real segment of 4096 bytes, but 16 fp32 grads claimed at offset 4048.
     std::string name = "/dos-it-small-" + std::to_string(getpid());
     auto seg = ShmSegment::Create(name, 4096);
     ASSERT_TRUE(seg.ok()) << seg.status();
@@ -341,7 +346,7 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
     auto req = make_req();
     req.mutable_tensors(0)->mutable_param()->mutable_shm()->set_name(name);
     req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_name(name);
-    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_offset(4032);
+    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_offset(4048);
     v1::RegisterShardResponse resp;
     grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
@@ -358,14 +363,8 @@ TEST_F(DaemonTest, ClientThatExitsMidSessionIsReapedOthersKeepWorking) {
 
   pid_t child = fork();
   if (child == 0) {
-    FakeTrainer doomed(12);
-    if (doomed.Attach(daemon_.socket()) != DOS_OK) _exit(2);
-    doomed.AddTensor(DOS_DTYPE_BF16, 1 << 16, 0);
-    if (doomed.Register({AdamW(1e-3, 0.0)}, 0) != DOS_OK) _exit(3);
-    doomed.FillGradients();
-    dos_step_result r;
-    if (doomed.Step(1, 1, &r) != DOS_OK) _exit(4);
-    _exit(0);  // no detach: the daemon must notice the exit
+    execl(DOS_DOOMED_TRAINER_PATH, DOS_DOOMED_TRAINER_PATH, daemon_.socket().c_str(), nullptr);
+    _exit(127);
   }
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
@@ -429,7 +428,7 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
 }
 
 TEST(DaemonLifecycle, StaleSocketIsReplacedAndSigtermExitsZero) {
-  DaemonProcess d({});
+  DaemonProcess d;
   ASSERT_TRUE(d.Start()) << d.log();
   // SIGKILL leaves the socket file behind.
   kill(d.pid(), SIGKILL);

@@ -1,0 +1,218 @@
+#include "client/dosctl/commands.h"
+
+#include <sys/stat.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/dosctl/table.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+
+namespace dos::dosctl {
+namespace {
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.always_print_primitive_fields = true;
+  o.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, o).ok()) return "{}\n";
+  return out;
+}
+
+std::string Bytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+std::string Num(double v, int digits = 1) { return absl::StrFormat("%.*f", digits, v); }
+
+}  // namespace
+
+Commands::Commands(Options options) : options_(std::move(options)) {
+  channel_ = grpc::CreateChannel(absl::StrCat("unix:", options_.socket_path),
+                                 grpc::InsecureChannelCredentials());
+  dos_ = v1::Dos::NewStub(channel_);
+  health_ = grpc::health::v1::Health::NewStub(channel_);
+}
+
+void Commands::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+}
+
+absl::Status Commands::CheckSocket() const {
+  struct stat st;
+  if (::stat(options_.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(absl::StrCat(
+        "no dosd socket at ", options_.socket_path,
+        ": is the daemon running? (systemctl status dosd, or start it with dosd --socket=",
+        options_.socket_path, "); pass --socket or set DOS_SOCKET for another one"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Commands::FromRpc(const char* call, const grpc::Status& s) const {
+  const auto code = static_cast<absl::StatusCode>(s.error_code());
+  if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+    return absl::Status(code, absl::StrCat(call, ": dosd at ", options_.socket_path,
+                                           " does not answer (", s.error_message(),
+                                           "); is it running? (systemctl status dosd)"));
+  }
+  return absl::Status(code, absl::StrCat(call, ": ", s.error_message()));
+}
+
+absl::Status Commands::Status(std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::ListSessionsResponse list;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status s = dos_->ListSessions(&ctx, v1::ListSessionsRequest(), &list);
+    if (!s.ok()) return FromRpc("status", s);
+  }
+  std::string health;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status s = health_->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+    if (s.ok()) {
+      health = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+    } else if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      // No health service registered: the daemon answered ListSessions, which
+      // is as much as we can say.
+      health = "SERVING (derived: no grpc.health.v1 service, ListSessions answered)";
+    } else {
+      health = absl::StrCat("UNKNOWN (health check failed: ", s.error_message(), ")");
+    }
+  }
+  if (options_.json) {
+    google::protobuf::Struct j;
+    auto& f = *j.mutable_fields();
+    f["socket"].set_string_value(options_.socket_path);
+    f["health"].set_string_value(health);
+    f["daemon_pid"].set_number_value(list.daemon_pid());
+    f["daemon_version"].set_string_value(list.daemon_version());
+    f["sessions"].set_number_value(list.sessions_size());
+    out << Json(j);
+    return absl::OkStatus();
+  }
+  Table t({"FIELD", "VALUE"});
+  t.AddRow({"socket", options_.socket_path});
+  t.AddRow({"health", health});
+  t.AddRow({"daemon pid", absl::StrCat(list.daemon_pid())});
+  t.AddRow({"version", list.daemon_version()});
+  t.AddRow({"sessions", absl::StrCat(list.sessions_size())});
+  t.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status Commands::Sessions(std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::ListSessionsResponse list;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::Status s = dos_->ListSessions(&ctx, v1::ListSessionsRequest(), &list);
+  if (!s.ok()) return FromRpc("sessions", s);
+  if (options_.json) {
+    out << Json(list);
+    return absl::OkStatus();
+  }
+  Table t({"ID", "CLIENT", "PID", "RANK", "STATE", "TENSORS", "PARAMS", "SUBGROUPS", "HOST STATE",
+           "POLICY", "STEPS"},
+          {true, false, true, true, false, true, true, true, true, false, true});
+  for (const auto& x : list.sessions()) {
+    t.AddRow({absl::StrCat(x.session_id()), x.client_name(), absl::StrCat(x.pid()),
+              x.rank() < 0 ? "-" : absl::StrCat(x.rank(), "/", x.world_size()), x.state(),
+              absl::StrCat(x.num_tensors()), absl::StrCat(x.params()),
+              absl::StrCat(x.num_subgroups()), Bytes(x.host_state_bytes()), x.policy(),
+              absl::StrCat(x.steps())});
+  }
+  t.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::GetStatsRequest req;
+  req.set_session_id(session_id);
+  v1::GetStatsResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::Status s = dos_->GetStats(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("stats", s);
+  if (options_.json) {
+    out << Json(resp);
+    return absl::OkStatus();
+  }
+  out << "uptime " << Num(resp.uptime_s()) << " s, host state " << Bytes(resp.host_state_bytes())
+      << (resp.host_state_limit_bytes() != 0
+              ? absl::StrCat(" of ", Bytes(resp.host_state_limit_bytes()), " allowed")
+              : std::string(" (no limit)"))
+      << "\n";
+  Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
+           "PREDICTED US", "CPU/GPU SUBGROUPS"},
+          {true, true, true, true, true, true, true, true, true, true});
+  for (const auto& x : resp.sessions()) {
+    const auto& l = x.last_step();
+    t.AddRow({absl::StrCat(x.session_id()), absl::StrCat(x.steps()),
+              absl::StrCat(x.skipped_steps()), absl::StrCat(x.params()),
+              absl::StrFormat("%.3g", x.params_per_second()), Num(l.wall_us()), Num(l.cpu_us()),
+              Num(l.gpu_us()), Num(l.predicted_us()),
+              absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups())});
+  }
+  t.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status Commands::GetPolicy(uint64_t session_id, const std::string& token,
+                                 std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::GetPolicyRequest req;
+  req.mutable_session()->set_session_id(session_id);
+  req.mutable_session()->set_token(token);
+  v1::GetPolicyResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::Status s = dos_->GetPolicy(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("policy get", s);
+  if (options_.json) {
+    out << Json(resp);
+  } else {
+    out << resp.policy() << '\n';
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Commands::SetPolicy(uint64_t session_id, const std::string& policy,
+                                 std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::SetPolicyRequest req;
+  req.mutable_session()->set_session_id(session_id);
+  req.set_policy(policy);
+  v1::SetPolicyResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::Status s = dos_->SetPolicy(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("policy set", s);
+  if (options_.json) {
+    out << Json(resp);
+  } else {
+    out << (session_id == 0 ? std::string("default") : absl::StrCat("session ", session_id))
+        << " policy: " << resp.policy() << '\n';
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dos::dosctl

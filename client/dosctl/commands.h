@@ -1,0 +1,56 @@
+// Commands: dosctl's subcommands over the daemon's gRPC control plane
+// (dos.v1.Dos and grpc.health.v1.Health).
+//
+// Each command writes its answer to `out`, readable (aligned tables) or as
+// JSON (protobuf's JSON printer, proto field names), and returns a Status
+// whose message names the socket and what to do when the daemon is down.
+//
+// Operator calls carry no session token: `policy get/set` and `stats` send
+// session_id with an empty token; the daemon accepts that from the socket's
+// owner (dosctl is the operator tool; access is the socket's file mode).
+//
+// Thread-safety: one Commands per thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+
+namespace dos::dosctl {
+
+struct Options {
+  std::string socket_path;
+  bool json = false;
+  absl::Duration timeout = absl::Seconds(5);
+};
+
+class Commands {
+ public:
+  explicit Commands(Options options);
+
+  absl::Status Status(std::ostream& out);
+  absl::Status Sessions(std::ostream& out);
+  // session_id 0: every session.
+  absl::Status Stats(uint64_t session_id, std::ostream& out);
+  absl::Status GetPolicy(uint64_t session_id, const std::string& token, std::ostream& out);
+  // session_id 0: the daemon's default for new sessions.
+  absl::Status SetPolicy(uint64_t session_id, const std::string& policy, std::ostream& out);
+
+ private:
+  void Prepare(grpc::ClientContext* ctx) const;
+  absl::Status FromRpc(const char* call, const grpc::Status& s) const;
+  absl::Status CheckSocket() const;
+
+  Options options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Dos::Stub> dos_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+}  // namespace dos::dosctl

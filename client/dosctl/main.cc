@@ -1,0 +1,90 @@
+// dosctl: inspect and steer the node's dosd.
+//
+//   dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND
+//     status                          daemon pid, version, health
+//     sessions                        attached sessions
+//     stats [SESSION_ID]              step statistics (all sessions by default)
+//     policy get SESSION_ID [TOKEN]   a session's scheduling policy
+//     policy set SESSION_ID|default POLICY
+//                                     cpu, static:<f>, interleave:<k> or auto
+//
+// Exit status: 0 success, 1 the daemon refused or is unreachable, 2 usage.
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/time/time.h"
+#include "client/dosctl/commands.h"
+
+namespace {
+
+std::string DefaultSocket() {
+  const char* env = std::getenv("DOS_SOCKET");
+  return (env != nullptr && env[0] != '\0') ? env : "/run/dos/dosd.sock";
+}
+
+}  // namespace
+
+ABSL_FLAG(std::string, socket, DefaultSocket(), "dosd's unix socket (default: $DOS_SOCKET)");
+ABSL_FLAG(bool, json, false, "print JSON instead of tables");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline of each call to the daemon");
+
+namespace {
+
+constexpr char kUsage[] =
+    "dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND\n"
+    "  status                               daemon pid, version, health\n"
+    "  sessions                             attached sessions\n"
+    "  stats [SESSION_ID]                   step statistics\n"
+    "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
+    "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto";
+
+int Usage(const std::string& why) {
+  std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';
+  return 2;
+}
+
+bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(text, id); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> raw = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args(raw.begin() + 1, raw.end());
+  if (args.empty()) return Usage("no command given");
+
+  dos::dosctl::Commands cmd({absl::GetFlag(FLAGS_socket), absl::GetFlag(FLAGS_json),
+                             absl::GetFlag(FLAGS_timeout)});
+  absl::Status st;
+  const std::string& c = args[0];
+  uint64_t id = 0;
+  if (c == "status" && args.size() == 1) {
+    st = cmd.Status(std::cout);
+  } else if (c == "sessions" && args.size() == 1) {
+    st = cmd.Sessions(std::cout);
+  } else if (c == "stats" && args.size() <= 2) {
+    if (args.size() == 2 && !ParseId(args[1], &id)) return Usage("bad SESSION_ID " + args[1]);
+    st = cmd.Stats(id, std::cout);
+  } else if (c == "policy" && args.size() >= 3 && args[1] == "get" && args.size() <= 4) {
+    if (!ParseId(args[2], &id) || id == 0) return Usage("bad SESSION_ID " + args[2]);
+    st = cmd.GetPolicy(id, args.size() == 4 ? args[3] : "", std::cout);
+  } else if (c == "policy" && args.size() == 4 && args[1] == "set") {
+    if (args[2] != "default" && (!ParseId(args[2], &id) || id == 0)) {
+      return Usage("bad SESSION_ID " + args[2] + " (a session id or 'default')");
+    }
+    st = cmd.SetPolicy(id, args[3], std::cout);
+  } else {
+    return Usage("unknown command or wrong arguments: " + c);
+  }
+  if (!st.ok()) {
+    std::cerr << "dosctl: " << st.message() << '\n';
+    return 1;
+  }
+  return 0;
+}

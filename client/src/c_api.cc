@@ -1,0 +1,211 @@
+// The C ABI (client/include/dos/dos.h) over dos::client::ClientSession.
+//
+// This file is the client library's one adapter: it converts absl::Status to
+// dos_status and the thread's last-error message (ToDosStatus, the only
+// place), and it catches anything a library below might throw, so no
+// exception crosses the C boundary.
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/include/dos/dos.h"
+#include "client/src/session.h"
+
+struct dos_session {
+  std::unique_ptr<dos::client::ClientSession> impl;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+dos_status ToDosStatus(const absl::Status& status) {
+  if (status.ok()) {
+    g_last_error.clear();
+    return DOS_OK;
+  }
+  g_last_error = std::string(status.message());
+  const int code = static_cast<int>(status.code());
+  return (code > 0 && code <= DOS_UNAUTHENTICATED) ? static_cast<dos_status>(code) : DOS_UNKNOWN;
+}
+
+// Runs `fn` (returning absl::Status) and converts the outcome; exceptions from
+// gRPC / protobuf / the allocator become INTERNAL.
+template <typename Fn>
+dos_status Guard(const char* call, Fn&& fn) {
+  try {
+    return ToDosStatus(fn());
+  } catch (const std::exception& e) {
+    return ToDosStatus(absl::InternalError(absl::StrCat(call, ": ", e.what())));
+  } catch (...) {
+    return ToDosStatus(absl::InternalError(absl::StrCat(call, ": unknown exception")));
+  }
+}
+
+absl::Status NeedSession(const dos_session* s, const char* call) {
+  if (s == nullptr || s->impl == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(call, ": session is NULL"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Duration TimeoutFromMs(int64_t ms) {
+  return ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(ms);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* dos_last_error(void) { return g_last_error.c_str(); }
+
+const char* dos_default_socket(void) {
+  const char* env = std::getenv("DOS_SOCKET");
+  return (env != nullptr && env[0] != '\0') ? env : "/run/dos/dosd.sock";
+}
+
+void dos_attach_options_init(dos_attach_options* options) {
+  if (options == nullptr) return;
+  options->socket_path = nullptr;
+  options->client_name = nullptr;
+  options->rank = -1;
+  options->local_rank = 0;
+  options->world_size = 1;
+  options->timeout_ms = 0;
+}
+
+dos_status dos_attach(const dos_attach_options* options, dos_session** out) {
+  return Guard("attach", [&]() -> absl::Status {
+    if (out == nullptr) return absl::InvalidArgumentError("attach: out is NULL");
+    *out = nullptr;
+    dos_attach_options defaults;
+    dos_attach_options_init(&defaults);
+    const dos_attach_options& o = options != nullptr ? *options : defaults;
+    dos::client::ClientSession::Options opts;
+    opts.socket_path = o.socket_path != nullptr ? o.socket_path : dos_default_socket();
+    opts.client_name = o.client_name != nullptr ? o.client_name : "dos-client";
+    opts.rank = o.rank;
+    opts.local_rank = o.local_rank;
+    opts.world_size = o.world_size;
+    opts.rpc_timeout = o.timeout_ms > 0 ? absl::Milliseconds(o.timeout_ms) : absl::Seconds(30);
+    auto session = dos::client::ClientSession::Attach(opts);
+    if (!session.ok()) return session.status();
+    *out = new dos_session{std::move(session).value()};
+    return absl::OkStatus();
+  });
+}
+
+dos_status dos_detach(dos_session* session) {
+  if (session == nullptr) return ToDosStatus(absl::OkStatus());
+  dos_status st = Guard("detach", [&]() -> absl::Status {
+    return session->impl != nullptr ? session->impl->Detach() : absl::OkStatus();
+  });
+  std::string err = g_last_error;
+  Guard("detach", [&]() -> absl::Status {
+    delete session;
+    return absl::OkStatus();
+  });
+  g_last_error = std::move(err);
+  return st;
+}
+
+uint64_t dos_session_id(const dos_session* session) {
+  return (session != nullptr && session->impl != nullptr) ? session->impl->id() : 0;
+}
+
+dos_status dos_buffer_alloc(dos_session* session, uint64_t bytes, void** out) {
+  return Guard("buffer_alloc", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "buffer_alloc"); !st.ok()) return st;
+    if (out == nullptr) return absl::InvalidArgumentError("buffer_alloc: out is NULL");
+    auto p = session->impl->AllocBuffer(bytes);
+    if (!p.ok()) return p.status();
+    *out = *p;
+    return absl::OkStatus();
+  });
+}
+
+void dos_hparams_init_adamw(dos_hparams* h) {
+  if (h == nullptr) return;
+  h->lr = 1e-3;
+  h->beta1 = 0.9;
+  h->beta2 = 0.999;
+  h->eps = 1e-8;
+  h->weight_decay = 1e-2;
+  h->decoupled_weight_decay = 1;
+}
+
+dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t num_tensors,
+                        const dos_hparams* groups, size_t num_groups,
+                        const dos_register_options* options) {
+  return Guard("register", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "register"); !st.ok()) return st;
+    if ((tensors == nullptr && num_tensors != 0) || (groups == nullptr && num_groups != 0)) {
+      return absl::InvalidArgumentError("register: tensors or groups is NULL");
+    }
+    return session->impl->Register(absl::MakeConstSpan(tensors, num_tensors),
+                                   absl::MakeConstSpan(groups, num_groups),
+                                   options != nullptr ? options->subgroup_size : 0);
+  });
+}
+
+void dos_step_args_init(dos_step_args* args) {
+  if (args == nullptr) return;
+  args->groups = nullptr;
+  args->num_groups = 0;
+  args->grad_scale = 1.0;
+  args->clip_coef = 1.0;
+  args->gradients_checked = 0;
+}
+
+dos_status dos_step_begin(dos_session* session, const dos_step_args* args) {
+  return Guard("step_begin", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step"); !st.ok()) return st;
+    if (args == nullptr) return absl::InvalidArgumentError("step: args is NULL");
+    return session->impl->StepBegin(*args);
+  });
+}
+
+dos_status dos_step_wait(dos_session* session, int64_t timeout_ms, dos_step_result* result) {
+  return Guard("step_wait", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_wait"); !st.ok()) return st;
+    return session->impl->StepWait(TimeoutFromMs(timeout_ms), result);
+  });
+}
+
+dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result) {
+  dos_status st = dos_step_begin(session, args);
+  if (st != DOS_OK) return st;
+  return dos_step_wait(session, -1, result);
+}
+
+dos_status dos_state_read(dos_session* session, uint32_t tensor, float* master, float* exp_avg,
+                          float* exp_avg_sq, int64_t* step) {
+  return Guard("state_read", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_read"); !st.ok()) return st;
+    return session->impl->ReadState(tensor, master, exp_avg, exp_avg_sq, step);
+  });
+}
+
+dos_status dos_state_write(dos_session* session, uint32_t tensor, const float* master,
+                           const float* exp_avg, const float* exp_avg_sq, int64_t step) {
+  return Guard("state_write", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_write"); !st.ok()) return st;
+    return session->impl->WriteState(tensor, master, exp_avg, exp_avg_sq, step);
+  });
+}
+
+dos_status dos_set_policy(dos_session* session, const char* policy) {
+  return Guard("set_policy", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "set_policy"); !st.ok()) return st;
+    if (policy == nullptr || policy[0] == '\0') {
+      return absl::InvalidArgumentError(
+          "set_policy: policy is empty; use cpu, static:<f>, interleave:<k> or auto");
+    }
+    return session->impl->SetPolicy(policy);
+  });
+}
+
+}  // extern "C"

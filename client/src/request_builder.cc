@@ -1,0 +1,139 @@
+#include "client/src/request_builder.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/dtype.h"
+#include "daemon/common/status_macros.h"
+
+namespace dos::client {
+namespace {
+
+absl::Status CheckDType(int raw, const std::string& what) {
+  if (!IsValidDType(static_cast<uint32_t>(raw))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " has unsupported dtype ", raw,
+        "; use DOS_DTYPE_F32 (1), DOS_DTYPE_BF16 (2) or DOS_DTYPE_F16 (3)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string TensorLabel(const dos_tensor& t, size_t index) {
+  if (t.name != nullptr && t.name[0] != '\0') {
+    return absl::StrCat("tensor ", index, " ('", t.name, "')");
+  }
+  return absl::StrCat("tensor ", index);
+}
+
+absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step) {
+  const std::string where = absl::StrCat(at_step ? "step: " : "register: ", "group ", group);
+  auto bad = [&](const char* field, double value, const char* want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " has ", field, " = ", value, "; it must be ", want));
+  };
+  if (!std::isfinite(h.lr) || h.lr < 0) return bad("lr", h.lr, "finite and >= 0");
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1", h.beta1, "in [0, 1)");
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2", h.beta2, "in [0, 1)");
+  if (!std::isfinite(h.eps) || h.eps < 0) return bad("eps", h.eps, "finite and >= 0");
+  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
+    return bad("weight_decay", h.weight_decay, "finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
+    absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
+    uint64_t subgroup_size, const BufferTable& buffers) {
+  if (tensors.empty()) {
+    return absl::InvalidArgumentError("register: no tensors; pass at least one");
+  }
+  if (groups.empty() || groups.size() > kMaxGroups) {
+    return absl::InvalidArgumentError(absl::StrCat("register: ", groups.size(),
+                                                   " param groups; between 1 and ", kMaxGroups,
+                                                   " are supported"));
+  }
+  v1::RegisterShardRequest req;
+  req.set_subgroup_size(subgroup_size);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    DOS_RETURN_IF_ERROR(ValidateHparams(groups[g], g, /*at_step=*/false));
+    v1::Hyperparameters* h = req.add_groups();
+    h->set_lr(groups[g].lr);
+    h->set_beta1(groups[g].beta1);
+    h->set_beta2(groups[g].beta2);
+    h->set_eps(groups[g].eps);
+    h->set_weight_decay(groups[g].weight_decay);
+    h->set_decoupled_weight_decay(groups[g].decoupled_weight_decay != 0);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const dos_tensor& t = tensors[i];
+    const std::string label = absl::StrCat("register: ", TensorLabel(t, i));
+    DOS_RETURN_IF_ERROR(CheckDType(t.param_dtype, absl::StrCat(label, " param")));
+    DOS_RETURN_IF_ERROR(CheckDType(t.grad_dtype, absl::StrCat(label, " grad")));
+    if (t.numel == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, " has 0 elements; leave empty tensors out"));
+    }
+    if (t.group >= groups.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(label, " names group ", t.group, " but only ",
+                                                     groups.size(), " groups were passed"));
+    }
+    const uint64_t pbytes = t.numel * DTypeSize(static_cast<DType>(t.param_dtype));
+    const uint64_t gbytes = t.numel * DTypeSize(static_cast<DType>(t.grad_dtype));
+    DOS_ASSIGN_OR_RETURN(BufferRef param,
+                         buffers.Resolve(t.param, pbytes, absl::StrCat(label, " param")));
+    DOS_ASSIGN_OR_RETURN(BufferRef grad,
+                         buffers.Resolve(t.grad, gbytes, absl::StrCat(label, " grad")));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(t.param);
+    const uintptr_t q = reinterpret_cast<uintptr_t>(t.grad);
+    if (p < q + gbytes && q < p + pbytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, " param and grad memory overlap; give them separate ranges"));
+    }
+    v1::TensorSpec* spec = req.add_tensors();
+    spec->set_name(t.name != nullptr ? t.name : absl::StrCat("tensor", i));
+    spec->set_param_dtype(static_cast<v1::DType>(t.param_dtype));
+    spec->set_grad_dtype(static_cast<v1::DType>(t.grad_dtype));
+    spec->set_numel(t.numel);
+    spec->set_group(t.group);
+    spec->mutable_param()->mutable_shm()->set_name(param.name);
+    spec->mutable_param()->mutable_shm()->set_offset(param.offset);
+    spec->mutable_grad()->mutable_shm()->set_name(grad.name);
+    spec->mutable_grad()->mutable_shm()->set_offset(grad.offset);
+  }
+  return req;
+}
+
+absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups,
+                             StepRequest* out) {
+  if (args.num_groups != registered_groups) {
+    return absl::InvalidArgumentError(absl::StrCat("step: ", args.num_groups,
+                                                   " groups passed, but ", registered_groups,
+                                                   " were registered; pass one per group"));
+  }
+  if (args.groups == nullptr) {
+    return absl::InvalidArgumentError("step: groups is NULL");
+  }
+  if (!std::isfinite(args.grad_scale) || args.grad_scale <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: grad_scale = ", args.grad_scale, "; it must be finite and > 0"));
+  }
+  if (!std::isfinite(args.clip_coef) || args.clip_coef < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: clip_coef = ", args.clip_coef, "; it must be finite and >= 0"));
+  }
+  for (size_t g = 0; g < args.num_groups; ++g) {
+    const dos_hparams& h = args.groups[g];
+    DOS_RETURN_IF_ERROR(ValidateHparams(h, g, /*at_step=*/true));
+    out->groups[g] = GroupStepParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
+  }
+  out->flags = args.gradients_checked ? kStepGradientsChecked : 0u;
+  out->num_groups = static_cast<uint32_t>(args.num_groups);
+  out->reserved = 0;
+  out->grad_scale = args.grad_scale;
+  out->clip_coef = args.clip_coef;
+  return absl::OkStatus();
+}
+
+}  // namespace dos::client

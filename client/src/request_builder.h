@@ -1,0 +1,41 @@
+// Validation of the C ABI's arguments and their translation into the wire
+// formats: the RegisterShard request (gRPC) and the control block's
+// StepRequest (shared memory).
+//
+// Everything here is a pure function of its arguments, so the argument checks
+// are unit-tested without a daemon. Messages name the offending tensor or
+// group and what the caller can do.
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/include/dos/dos.h"
+#include "client/src/buffer_table.h"
+#include "proto/dos/v1/control_block.h"
+#include "proto/dos/v1/dos.pb.h"
+
+namespace dos::client {
+
+// "tensor 3 ('fc1.weight')" or "tensor 3" when unnamed.
+std::string TensorLabel(const dos_tensor& t, size_t index);
+
+absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step);
+
+// Checks every tensor and group and resolves each param/grad pointer through
+// `buffers`. The result's session field is left for the caller.
+absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
+    absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
+    uint64_t subgroup_size, const BufferTable& buffers);
+
+// Checks `args` against the number of registered groups and fills `out`
+// (everything but seq).
+absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups,
+                             StepRequest* out);
+
+}  // namespace dos::client

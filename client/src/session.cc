@@ -1,0 +1,278 @@
+#include "client/src/session.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/request_builder.h"
+#include "daemon/common/status_macros.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+
+namespace dos::client {
+ClientSession::ClientSession(Options options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Dos::NewStub(channel_)) {}
+
+ClientSession::~ClientSession() {
+  if (attached_) Detach().IgnoreError();
+}
+
+void ClientSession::PrepareContext(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+}
+
+absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status) const {
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  if (code == absl::StatusCode::kUnavailable) {
+    return absl::UnavailableError(absl::StrCat(
+        call, ": dosd is not reachable at unix:", options_.socket_path, " (",
+        status.error_message(),
+        "); start the daemon (systemctl start dosd, or dosd --socket=", options_.socket_path,
+        ") or point DOS_SOCKET / socket_path at a running one"));
+  }
+  return absl::Status(code, absl::StrCat(call, ": ", status.error_message()));
+}
+
+absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Options& options) {
+  struct stat st;
+  if (::stat(options.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(absl::StrCat(
+        "attach: no dosd socket at ", options.socket_path,
+        "; start the daemon (systemctl start dosd, or dosd --socket=", options.socket_path,
+        ") or set DOS_SOCKET to the socket of a running one"));
+  }
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("unix:", options.socket_path),
+                          grpc::InsecureChannelCredentials());
+  std::unique_ptr<ClientSession> s(new ClientSession(options, std::move(channel)));
+
+  v1::AttachRequest req;
+  req.set_client_name(options.client_name);
+  req.set_pid(static_cast<int32_t>(::getpid()));
+  req.set_rank(options.rank);
+  req.set_local_rank(options.local_rank);
+  req.set_world_size(options.world_size);
+  req.set_protocol_version(kProtocolVersion);
+  v1::AttachResponse resp;
+  grpc::ClientContext ctx;
+  s->PrepareContext(&ctx);
+  grpc::Status rpc = s->stub_->Attach(&ctx, req, &resp);
+  if (!rpc.ok()) return s->FromRpc("attach", rpc);
+  s->ref_ = resp.session();
+  s->attached_ = true;  // from here on the destructor detaches
+
+  DOS_ASSIGN_OR_RETURN(s->control_segment_, ShmSegment::Open(resp.control_block_name()));
+  s->control_ = static_cast<ControlBlock*>(s->control_segment_->data());
+  if (absl::Status st = ControlBlockChannel::Validate(s->control_, s->control_segment_->size());
+      !st.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("attach: control block ", resp.control_block_name(), ": ", st.message(),
+                     "; upgrade the client or the daemon so they match"));
+  }
+  s->step_channel_ = std::make_unique<ControlBlockChannel>(s->control_);
+  s->control_->client_pid = static_cast<int32_t>(::getpid());
+  return s;
+}
+
+absl::Status ClientSession::Detach() {
+  if (!attached_) return absl::OkStatus();
+  attached_ = false;
+  v1::DetachRequest req;
+  *req.mutable_session() = ref_;
+  v1::DetachResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::Status rpc = stub_->Detach(&ctx, req, &resp);
+  for (auto& b : buffers_) b->Unlink();
+  if (!rpc.ok()) return FromRpc("detach", rpc);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ShmSegment>> ClientSession::CreateSegment(uint64_t bytes,
+                                                                         bool transfer) {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const uint64_t rounded = (std::max<uint64_t>(bytes, 1) + page - 1) / page * page;
+  const std::string name = absl::StrCat("/dos.", ::getpid(), ".", id(), transfer ? ".x" : ".",
+                                        next_segment_++);
+  ShmSegment::CreateOptions opts;
+  opts.mode = 0660;
+  opts.unlink_on_destroy = true;
+  return ShmSegment::Create(name, rounded, opts);
+}
+
+absl::StatusOr<void*> ClientSession::AllocBuffer(uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("buffer_alloc: 0 bytes requested");
+  DOS_ASSIGN_OR_RETURN(auto seg, CreateSegment(bytes, /*transfer=*/false));
+  void* data = seg->data();
+  table_.Add(seg->name(), data, seg->size());
+  buffers_.push_back(std::move(seg));
+  return data;
+}
+
+absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
+                                     absl::Span<const dos_hparams> groups,
+                                     uint64_t subgroup_size) {
+  if (registered_) {
+    return absl::FailedPreconditionError(
+        "register: this session already registered its tensors; register once per session "
+        "(attach a new session for a different set)");
+  }
+  DOS_ASSIGN_OR_RETURN(v1::RegisterShardRequest req,
+                       BuildRegisterRequest(tensors, groups, subgroup_size, table_));
+  *req.mutable_session() = ref_;
+  v1::RegisterShardResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::Status rpc = stub_->RegisterShard(&ctx, req, &resp);
+  if (!rpc.ok()) return FromRpc("register", rpc);
+  registered_ = true;
+  num_groups_ = groups.size();
+  numel_.clear();
+  for (const dos_tensor& t : tensors) numel_.push_back(t.numel);
+  // The daemon holds its own mappings now; drop the names so nothing is left
+  // in /dev/shm if this process dies.
+  for (auto& b : buffers_) b->Unlink();
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::StepBegin(const dos_step_args& args) {
+  if (!registered_) {
+    return absl::FailedPreconditionError("step: no tensors registered; call dos_register first");
+  }
+  if (step_in_flight_) {
+    return absl::FailedPreconditionError(
+        "step: a step is already in flight; call dos_step_wait before beginning another");
+  }
+  if (control_->closed.load(std::memory_order_acquire) != 0) {
+    return absl::UnavailableError("step: the daemon closed this session (shutdown or detach)");
+  }
+  StepRequest& r = control_->request;
+  DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, &r));
+  r.seq = control_->request_bell.load(std::memory_order_relaxed) + 1;
+  seq_ = step_channel_->PublishRequest();
+  step_in_flight_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* result) {
+  if (!step_in_flight_) {
+    return absl::FailedPreconditionError("step_wait: no step in flight; call dos_step_begin");
+  }
+  absl::Status waited = step_channel_->WaitResult(seq_, timeout);
+  if (absl::IsDeadlineExceeded(waited)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "step_wait: step ", seq_, " not finished after ", absl::FormatDuration(timeout),
+        "; it is still in flight, call dos_step_wait again"));
+  }
+  if (!waited.ok()) {
+    step_in_flight_ = false;
+    return absl::Status(waited.code(), absl::StrCat("step_wait: ", waited.message(),
+                                                    "; re-attach to continue"));
+  }
+  step_in_flight_ = false;
+  const StepResult& res = control_->result;  // published by done_bell (acquire)
+  if (res.seq != seq_) {
+    return absl::InternalError(absl::StrCat("step_wait: result seq ", res.seq,
+                                            " does not match request seq ", seq_));
+  }
+  if (res.status_code != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(res.status_code),
+                        absl::StrCat("step: ", std::string(res.message, strnlen(res.message,
+                                                                               kMaxStatusMessage))));
+  }
+  if (result != nullptr) {
+    result->found_inf = res.found_inf != 0;
+    result->step = res.step;
+    result->wall_us = res.wall_us;
+    result->update_us = res.update_us;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::CheckTensor(uint32_t tensor, const char* call) const {
+  if (!registered_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(call, ": no tensors registered; call dos_register first"));
+  }
+  if (tensor >= numel_.size()) {
+    return absl::OutOfRangeError(absl::StrCat(call, ": tensor ", tensor, " out of range; ",
+                                              numel_.size(), " tensors are registered"));
+  }
+  if (step_in_flight_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(call, ": a step is in flight; call dos_step_wait first"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::ReadState(uint32_t tensor, float* master, float* exp_avg,
+                                      float* exp_avg_sq, int64_t* step) {
+  DOS_RETURN_IF_ERROR(CheckTensor(tensor, "state_read"));
+  const uint64_t n = numel_[tensor];
+  DOS_ASSIGN_OR_RETURN(auto seg, CreateSegment(12 * n, /*transfer=*/true));
+  v1::TransferStateRequest req;
+  *req.mutable_session() = ref_;
+  req.set_tensor(tensor);
+  req.mutable_buffer()->set_name(seg->name());
+  req.mutable_buffer()->set_offset(0);
+  v1::TransferStateResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::Status rpc = stub_->ExportState(&ctx, req, &resp);
+  if (!rpc.ok()) return FromRpc("state_read", rpc);
+  const float* base = static_cast<const float*>(seg->data());
+  if (master != nullptr) std::memcpy(master, base, 4 * n);
+  if (exp_avg != nullptr) std::memcpy(exp_avg, base + n, 4 * n);
+  if (exp_avg_sq != nullptr) std::memcpy(exp_avg_sq, base + 2 * n, 4 * n);
+  if (step != nullptr) *step = resp.step();
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::WriteState(uint32_t tensor, const float* master, const float* exp_avg,
+                                       const float* exp_avg_sq, int64_t step) {
+  DOS_RETURN_IF_ERROR(CheckTensor(tensor, "state_write"));
+  if (step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("state_write: step = ", step, "; must be >= 0"));
+  }
+  const uint64_t n = numel_[tensor];
+  DOS_ASSIGN_OR_RETURN(auto seg, CreateSegment(12 * n, /*transfer=*/true));
+  float* base = static_cast<float*>(seg->data());
+  if (master == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr) {
+    // Partial write: start from the daemon's current state.
+    DOS_RETURN_IF_ERROR(ReadState(tensor, base, base + n, base + 2 * n, nullptr));
+  }
+  if (master != nullptr) std::memcpy(base, master, 4 * n);
+  if (exp_avg != nullptr) std::memcpy(base + n, exp_avg, 4 * n);
+  if (exp_avg_sq != nullptr) std::memcpy(base + 2 * n, exp_avg_sq, 4 * n);
+  v1::TransferStateRequest req;
+  *req.mutable_session() = ref_;
+  req.set_tensor(tensor);
+  req.mutable_buffer()->set_name(seg->name());
+  req.mutable_buffer()->set_offset(0);
+  req.set_step(step);
+  v1::TransferStateResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::Status rpc = stub_->ImportState(&ctx, req, &resp);
+  if (!rpc.ok()) return FromRpc("state_write", rpc);
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::SetPolicy(const std::string& policy) {
+  v1::SetPolicyRequest req;
+  *req.mutable_session() = ref_;
+  req.set_policy(policy);
+  v1::SetPolicyResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  grpc::Status rpc = stub_->SetPolicy(&ctx, req, &resp);
+  if (!rpc.ok()) return FromRpc("set_policy", rpc);
+  return absl::OkStatus();
+}
+
+}  // namespace dos::client

@@ -1,0 +1,111 @@
+// ClientSession: one trainer process's session with dosd.
+//
+// Owns the gRPC channel to the daemon, the mapping of the session's control
+// block, and every shared-memory buffer allocated for the session. Control
+// calls (attach, register, state transfer, policy) go over gRPC; steps go
+// through the control block and its doorbells only (see
+// proto/dos/v1/control_block.h).
+//
+// Lifetime: buffers stay mapped until the session is destroyed; their shm
+// names are unlinked as soon as the daemon has mapped them (after a
+// successful Register) and in any case at destruction, so nothing leaks in
+// /dev/shm when the trainer exits.
+//
+// Thread-safety: not thread-safe; one thread at a time per session (the C
+// ABI's contract). Distinct sessions are independent.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/include/dos/dos.h"
+#include "client/src/buffer_table.h"
+#include "daemon/transport/control_channel.h"
+#include "daemon/transport/shm_segment.h"
+#include "proto/dos/v1/control_block.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+
+namespace dos::client {
+
+class ClientSession {
+ public:
+  struct Options {
+    std::string socket_path;  // unix socket of dosd
+    std::string client_name;
+    int32_t rank = -1;
+    int32_t local_rank = 0;
+    int32_t world_size = 1;
+    absl::Duration rpc_timeout = absl::Seconds(30);  // per control-plane call
+  };
+
+  // Connects, attaches and maps the control block. UNAVAILABLE with the
+  // socket path and what to do when no daemon answers.
+  static absl::StatusOr<std::unique_ptr<ClientSession>> Attach(const Options& options);
+
+  // Detaches (best effort) if Detach() was not called.
+  ~ClientSession();
+  ClientSession(const ClientSession&) = delete;
+  ClientSession& operator=(const ClientSession&) = delete;
+
+  // Closes the session in the daemon. Idempotent; buffers stay mapped until
+  // destruction.
+  absl::Status Detach();
+
+  uint64_t id() const { return ref_.session_id(); }
+
+  absl::StatusOr<void*> AllocBuffer(uint64_t bytes);
+
+  absl::Status Register(absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
+                        uint64_t subgroup_size);
+
+  absl::Status StepBegin(const dos_step_args& args);
+  // timeout < 0: wait until the daemon answers or closes the session.
+  absl::Status StepWait(absl::Duration timeout, dos_step_result* result);
+
+  // State transfer of one tensor (registration order). NULL parts are
+  // skipped on read and kept on write.
+  absl::Status ReadState(uint32_t tensor, float* master, float* exp_avg, float* exp_avg_sq,
+                         int64_t* step);
+  absl::Status WriteState(uint32_t tensor, const float* master, const float* exp_avg,
+                          const float* exp_avg_sq, int64_t step);
+
+  absl::Status SetPolicy(const std::string& policy);
+
+ private:
+  ClientSession(Options options, std::shared_ptr<grpc::Channel> channel);
+
+  // Turns a failed RPC into an absl::Status naming the call (and the socket
+  // when the daemon is unreachable).
+  absl::Status FromRpc(const char* call, const grpc::Status& status) const;
+  void PrepareContext(grpc::ClientContext* context) const;
+  absl::StatusOr<std::unique_ptr<ShmSegment>> CreateSegment(uint64_t bytes, bool transfer);
+  absl::Status CheckTensor(uint32_t tensor, const char* call) const;
+
+  Options options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Dos::Stub> stub_;
+  v1::SessionRef ref_;
+  bool attached_ = false;
+
+  std::unique_ptr<ShmSegment> control_segment_;
+  ControlBlock* control_ = nullptr;
+  std::unique_ptr<ControlBlockChannel> step_channel_;
+  uint32_t seq_ = 0;  // seq of the last published step
+  bool step_in_flight_ = false;
+
+  std::vector<std::unique_ptr<ShmSegment>> buffers_;
+  BufferTable table_;
+  uint64_t next_segment_ = 0;
+
+  bool registered_ = false;
+  size_t num_groups_ = 0;
+  std::vector<uint64_t> numel_;  // per registered tensor
+};
+
+}  // namespace dos::client

@@ -1,0 +1,173 @@
+#include "daemon/checkpoint/shard_checkpoint.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/checkpoint/checkpoint_reader.h"
+#include "daemon/common/status_macros.h"
+
+namespace dos {
+namespace {
+
+// One contiguous run of a tensor's elements inside a subgroup allocation.
+struct Run {
+  uint64_t tensor_offset;
+  uint64_t count;
+  const Subgroup* subgroup;
+  uint64_t subgroup_offset;
+};
+
+// The runs covering `tensor`, in tensor order.
+std::vector<Run> RunsOf(const ShardState& shard, uint32_t tensor) {
+  std::vector<Run> runs;
+  const TensorInfo& t = shard.tensors()[tensor];
+  std::span<const Subgroup> groups = shard.subgroups();
+  for (uint64_t gi = t.flat_offset / shard.subgroup_size(); gi < groups.size(); ++gi) {
+    const Subgroup& g = groups[gi];
+    if (g.flat_begin >= t.flat_offset + t.numel) break;
+    for (const SubgroupSegment& s : g.segments) {
+      if (s.tensor == tensor) runs.push_back({s.tensor_offset, s.count, &g, s.subgroup_offset});
+    }
+  }
+  return runs;
+}
+
+float* ArrayOf(const Subgroup& g, StateArray a) {
+  switch (a) {
+    case StateArray::kMaster:
+      return g.master;
+    case StateArray::kExpAvg:
+      return g.exp_avg;
+    case StateArray::kExpAvgSq:
+      return g.exp_avg_sq;
+  }
+  return nullptr;
+}
+
+absl::Status Mismatch(absl::string_view path, absl::string_view field, const auto& in_file,
+                      const auto& in_shard) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint ", path, " does not match the session's layout: ", field, " is ", in_file,
+      " in the checkpoint but ", in_shard, " in the registered shard; register the same "
+      "tensors as the checkpointed run"));
+}
+
+// Reads every section of `reader` into `shard`.
+absl::Status ReadInto(CheckpointReader& reader, ShardState* shard) {
+  for (uint32_t t = 0; t < shard->tensors().size(); ++t) {
+    const std::vector<Run> runs = RunsOf(*shard, t);
+    for (uint32_t a = 0; a < kNumStateArrays; ++a) {
+      const StateArray which = static_cast<StateArray>(a);
+      size_t run = 0;
+      // Chunks arrive in order, so one cursor over the runs suffices.
+      auto sink = [&](uint64_t first, const float* values, size_t n) {
+        while (n > 0) {
+          while (first >= runs[run].tensor_offset + runs[run].count) ++run;
+          const Run& r = runs[run];
+          uint64_t within = first - r.tensor_offset;
+          size_t take = static_cast<size_t>(std::min<uint64_t>(n, r.count - within));
+          std::memcpy(ArrayOf(*r.subgroup, which) + r.subgroup_offset + within, values,
+                      take * sizeof(float));
+          values += take;
+          first += take;
+          n -= take;
+        }
+      };
+      DOS_RETURN_IF_ERROR(reader.ReadSection(t, which, sink));
+    }
+  }
+  return reader.Finish();
+}
+
+}  // namespace
+
+CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner) {
+  CheckpointLayout l;
+  l.subgroup_size = shard.subgroup_size();
+  l.owner = owner.name;
+  l.rank = owner.rank;
+  l.world_size = owner.world_size;
+  l.groups.assign(shard.groups().begin(), shard.groups().end());
+  for (const TensorInfo& t : shard.tensors()) {
+    l.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, t.step});
+  }
+  return l;
+}
+
+absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& shard,
+                                absl::string_view path) {
+  std::span<const TensorInfo> tensors = shard.tensors();
+  if (c.tensors.size() != tensors.size()) {
+    return Mismatch(path, "the number of tensors", c.tensors.size(), tensors.size());
+  }
+  if (c.groups.size() != shard.groups().size()) {
+    return Mismatch(path, "the number of param groups", c.groups.size(), shard.groups().size());
+  }
+  for (size_t i = 0; i < c.groups.size(); ++i) {
+    if (c.groups[i].decoupled_weight_decay != shard.groups()[i].decoupled_weight_decay) {
+      return Mismatch(path, absl::StrCat("groups[", i, "].decoupled_weight_decay"),
+                      c.groups[i].decoupled_weight_decay ? "true" : "false",
+                      shard.groups()[i].decoupled_weight_decay ? "true" : "false");
+    }
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const CheckpointTensor& a = c.tensors[i];
+    const TensorInfo& b = tensors[i];
+    std::string f = absl::StrCat("tensors[", i, "]");
+    if (a.name != b.name) return Mismatch(path, f + ".name", "'" + a.name + "'", "'" + b.name + "'");
+    if (a.numel != b.numel) return Mismatch(path, f + ".numel", a.numel, b.numel);
+    if (a.group != b.group) return Mismatch(path, f + ".group", a.group, b.group);
+    if (a.param_dtype != b.param_dtype) {
+      return Mismatch(path, f + ".param_dtype", DTypeName(a.param_dtype), DTypeName(b.param_dtype));
+    }
+    if (a.grad_dtype != b.grad_dtype) {
+      return Mismatch(path, f + ".grad_dtype", DTypeName(a.grad_dtype), DTypeName(b.grad_dtype));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
+                       const CheckpointOwner& owner, const CheckpointWriterOptions& options) {
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                       CheckpointWriter::Create(path, LayoutOf(shard, owner), env, options));
+  for (uint32_t t = 0; t < shard.tensors().size(); ++t) {
+    const std::vector<Run> runs = RunsOf(shard, t);
+    for (uint32_t a = 0; a < kNumStateArrays; ++a) {
+      const StateArray which = static_cast<StateArray>(a);
+      DOS_RETURN_IF_ERROR(w->BeginSection(t, which));
+      for (const Run& r : runs) {
+        DOS_RETURN_IF_ERROR(w->Append(ArrayOf(*r.subgroup, which) + r.subgroup_offset, r.count));
+      }
+      DOS_RETURN_IF_ERROR(w->EndSection());
+    }
+  }
+  return w->Commit();
+}
+
+absl::Status LoadShard(ShardState* shard, const std::string& path, Env* env) {
+  // Pass 1: layout and every checksum, touching nothing.
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> verify,
+                       CheckpointReader::Open(path, env));
+  DOS_RETURN_IF_ERROR(CheckLayoutMatches(verify->layout(), *shard, path));
+  DOS_RETURN_IF_ERROR(verify->VerifyAll());
+  const CheckpointLayout layout = verify->layout();
+  verify.reset();
+
+  // Pass 2: the same bytes again, into the state.
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                       CheckpointReader::Open(path, env));
+  absl::Status s = CheckLayoutMatches(reader->layout(), *shard, path);
+  if (s.ok()) s = ReadInto(*reader, shard);
+  if (!s.ok()) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path, " changed while it was being loaded; the session's state is "
+        "partly overwritten, load an intact checkpoint: ", s.message()));
+  }
+  std::span<TensorInfo> tensors = shard->tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].step = layout.tensors[i].step;
+  return absl::OkStatus();
+}
+
+}  // namespace dos

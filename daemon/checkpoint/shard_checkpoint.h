@@ -1,0 +1,59 @@
+// SaveShard / LoadShard: a session's ShardState to and from a checkpoint file
+// (CheckpointWriter / CheckpointReader), streaming straight from and into the
+// subgroup allocations, so a checkpoint needs no second copy of the state.
+//
+// Consistency: the caller holds the state still for the duration (the
+// session's mutex, between steps); these functions do not lock.
+//
+// LoadShard is all or nothing: it checks the layout against the shard, then
+// reads and verifies every checksum in the file before it writes a single
+// value into the state, then reads the file again into the state. A file that
+// is corrupt, truncated or of another layout leaves the state untouched. (Only
+// a file modified between the two passes could fail the second one; that is
+// reported as DATA_LOSS saying the state was partly overwritten.)
+//
+// Thread-safety: none; see above.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "daemon/checkpoint/checkpoint_format.h"
+#include "daemon/checkpoint/checkpoint_writer.h"
+#include "daemon/checkpoint/env.h"
+#include "daemon/state/shard_state.h"
+
+namespace dos {
+
+// Informational fields recorded in the layout (CheckpointLayout::owner...).
+struct CheckpointOwner {
+  std::string name;  // the client's name
+  int32_t rank = -1;
+  int32_t world_size = 1;
+};
+
+// The layout of `shard` as a checkpoint records it.
+CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner = {});
+
+// FAILED_PRECONDITION naming the first field where `checkpoint` (read from
+// `path`) and `shard` differ: tensor count, tensors[i].name / numel / group /
+// param_dtype / grad_dtype, group count, groups[i].decoupled_weight_decay.
+// Hyperparameters that schedulers change (lr, betas, eps, weight decay) and
+// the subgroup size may differ.
+absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardState& shard,
+                                absl::string_view path);
+
+// Writes `shard` to `path` atomically. RESOURCE_EXHAUSTED (naming the path and
+// the free space) when the disk is full; any failure leaves the previous file
+// at `path` intact.
+absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
+                       const CheckpointOwner& owner = {},
+                       const CheckpointWriterOptions& options = {});
+
+// Loads `path` into `shard` (master, exp_avg, exp_avg_sq and each tensor's
+// step count). DATA_LOSS for a corrupt or truncated file, FAILED_PRECONDITION
+// for a layout mismatch, NOT_FOUND for a missing file; the state is untouched
+// in every one of those cases.
+absl::Status LoadShard(ShardState* shard, const std::string& path, Env* env);
+
+}  // namespace dos

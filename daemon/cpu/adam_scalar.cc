@@ -1,0 +1,120 @@
+// The portable kernel. It defines the numerics every vector variant must
+// reproduce bit for bit: fp32 operations in the order of adam_kernel.h, no
+// fused multiply-add (the library is built with -ffp-contract=off), IEEE
+// division and square root, and dtype.h's round-to-nearest-even conversions.
+#include <cmath>
+#include <cstdint>
+
+#include "daemon/cpu/kernel_variants.h"
+
+namespace dos::cpu::internal {
+namespace {
+
+template <DType G>
+inline float LoadGrad(const void* grad, size_t i) {
+  if constexpr (G == DType::kF32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (G == DType::kBF16) {
+    return BF16ToFloat(static_cast<const uint16_t*>(grad)[i]);
+  } else {
+    return F16ToFloat(static_cast<const uint16_t*>(grad)[i]);
+  }
+}
+
+template <DType P>
+inline void StoreParam(void* out, size_t i, float p) {
+  if constexpr (P == DType::kF32) {
+    static_cast<float*>(out)[i] = p;
+  } else if constexpr (P == DType::kBF16) {
+    static_cast<uint16_t*>(out)[i] = FloatToBF16(p);
+  } else {
+    static_cast<uint16_t*>(out)[i] = FloatToF16(p);
+  }
+}
+
+// kL2 is hoisted out of the loop rather than adding 0 * p in decoupled mode:
+// 0 * inf would turn a finite gradient into NaN and -0 + 0 would flip signs
+// that PyTorch (which skips the add) keeps.
+template <DType G, DType P, bool kWriteOut, bool kL2>
+void Loop(const AdamScalars& s, const AdamSpan& span) {
+  float* __restrict master = span.master;
+  float* __restrict m_ptr = span.exp_avg;
+  float* __restrict v_ptr = span.exp_avg_sq;
+  for (size_t i = 0; i < span.n; ++i) {
+    float g = LoadGrad<G>(span.grad, i);
+    float p = master[i];
+    g = g * s.inv_grad_scale * s.clip_coef;
+    if constexpr (kL2) g = g + s.l2_weight_decay * p;
+    p = p * s.decay_factor;
+    const float m = s.beta1 * m_ptr[i] + s.one_minus_beta1 * g;
+    const float v = s.beta2 * v_ptr[i] + s.one_minus_beta2 * g * g;
+    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+    // (value * m) / denom, in the order torch's addcdiv_ evaluates it.
+    p = p + (s.neg_step_size * m) / denom;
+    master[i] = p;
+    m_ptr[i] = m;
+    v_ptr[i] = v;
+    if constexpr (kWriteOut) StoreParam<P>(span.param_out, i, p);
+  }
+}
+
+template <DType G, DType P, bool kWriteOut>
+void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
+  if (s.l2_weight_decay != 0.0f) {
+    Loop<G, P, kWriteOut, true>(s, span);
+  } else {
+    Loop<G, P, kWriteOut, false>(s, span);
+  }
+}
+
+template <DType G>
+void DispatchParam(const AdamScalars& s, const AdamSpan& span) {
+  if (span.param_out == nullptr) return DispatchL2<G, DType::kF32, false>(s, span);
+  switch (span.param_dtype) {
+    case DType::kF32: return DispatchL2<G, DType::kF32, true>(s, span);
+    case DType::kBF16: return DispatchL2<G, DType::kBF16, true>(s, span);
+    case DType::kF16: return DispatchL2<G, DType::kF16, true>(s, span);
+  }
+}
+
+template <DType G>
+bool AllFiniteT(const void* grad, size_t n) {
+  // Blocks without early exit let the compiler vectorise the inner test; the
+  // check between blocks bounds the work after the first non-finite value.
+  constexpr size_t kBlock = 1024;
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t end = start + kBlock < n ? start + kBlock : n;
+    bool bad = false;
+    if constexpr (G == DType::kF32) {
+      const uint32_t* g = static_cast<const uint32_t*>(grad);
+      for (size_t i = start; i < end; ++i) bad |= (g[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+      const uint16_t* g = static_cast<const uint16_t*>(grad);
+      constexpr uint16_t kExp = G == DType::kBF16 ? 0x7f80u : 0x7c00u;
+      for (size_t i = start; i < end; ++i) bad |= (g[i] & kExp) == kExp;
+    }
+    if (bad) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void AdamScalarKernel(const AdamScalars& s, const AdamSpan& span) {
+  switch (span.grad_dtype) {
+    case DType::kF32: return DispatchParam<DType::kF32>(s, span);
+    case DType::kBF16: return DispatchParam<DType::kBF16>(s, span);
+    case DType::kF16: return DispatchParam<DType::kF16>(s, span);
+  }
+}
+
+bool AllFiniteScalar(const void* grad, DType dtype, size_t n) {
+  switch (dtype) {
+    case DType::kF32: return AllFiniteT<DType::kF32>(grad, n);
+    case DType::kBF16: return AllFiniteT<DType::kBF16>(grad, n);
+    case DType::kF16: return AllFiniteT<DType::kF16>(grad, n);
+  }
+  return false;
+}
+
+}  // namespace dos::cpu::internal

@@ -1,0 +1,117 @@
+// GpuEngine: the GPU update path of one device (DESIGN.md section 3), and the
+// hybrid step that runs it beside the CPU pool under a scheduling policy
+// (section 4). It implements dos::GpuBackend for the step executor.
+//
+// Per step, subgroups go three ways:
+//  - resident: state kept in GPU memory (static:<f>, or auto under a GPU
+//    memory budget): the fused kernel alone.
+//  - streamed (GPU path): H2D the subgroup's fp32 [p|m|v] into a staging
+//    slot, the fused kernel (gradients read and weights written in place
+//    through CUDA IPC), D2H [p|m|v] back. Three streams and `staging_slots`
+//    slots make a pipeline: H2D(i+1) || kernel(i) || D2H(i-1).
+//  - CPU path: D2H the gradients (16-bit as they are, or cast to fp32 on the
+//    GPU first with cpu_grad_fp32) into pinned buffers, the CPU kernel over
+//    the pinned host state, 16-bit weights H2D into the trainer's buffer;
+//    double-buffered so the next subgroup's gradients arrive while the CPU
+//    works.
+// Placement comes from the policy; `auto` lets the GPU pipeline and the CPU
+// pool claim subgroups from a shared SubgroupQueue, the GPU taking one only
+// when the PerfModel says it would finish it sooner than the CPU would. Rates
+// are measured every step (CUDA events and host clocks) into the PerfModel;
+// the predicted phase time is reported beside the measured one.
+//
+// Host state is page-locked in place (cudaHostRegister of each subgroup's
+// allocation) at registration; resident and staging memory is plain
+// cudaMalloc inside the configured budget.
+//
+// Ownership: the engine owns its streams, events, staging and pinned
+// buffers; per-shard registrations and resident copies are attached to the
+// ShardState and freed with it. It must outlive every session.
+// Thread-safety: thread-safe; Update calls are serialised on `step_mu_`.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/cpu/cpu_updater.h"
+#include "daemon/sched/gpu_backend.h"
+#include "daemon/sched/perf_model.h"
+#include "daemon/sched/step_executor.h"
+
+namespace dos::gpu {
+
+struct GpuEngineOptions {
+  int device = 0;                  // CUDA device ordinal
+  int staging_slots = 3;           // streamed subgroups in flight
+  // GPU memory the engine may hold for resident state beyond its staging
+  // slots under `auto`; 0: none (every non-CPU subgroup is streamed).
+  uint64_t resident_budget_bytes = 0;
+  bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
+  std::string timeline_path;       // append one JSON line per step (for plots); empty: off
+  PerfInputs model;                // the model's starting rates
+};
+
+class GpuEngine final : public GpuBackend {
+ public:
+  // UNAVAILABLE when there is no such device (the daemon then runs CPU only).
+  static absl::StatusOr<std::unique_ptr<GpuEngine>> Create(const GpuEngineOptions& options,
+                                                           cpu::CpuUpdater* cpu);
+  ~GpuEngine() override;
+
+  const std::string& device_uuid() const { return uuid_; }
+  const std::string& device_name() const { return name_; }
+
+  std::unique_ptr<Transport> NewTransport() override;
+  absl::Status CopyToHost(void* dst, const void* device_src, uint64_t bytes) override;
+  absl::Status CopyToDevice(void* device_dst, const void* src, uint64_t bytes) override;
+  absl::Status AttachShard(ShardState& shard) override;
+  absl::StatusOr<bool> AllFinite(const ShardState& shard,
+                                 std::span<const TensorBinding> bindings) override;
+  absl::Status Update(ShardState& shard, std::span<const TensorBinding> bindings,
+                      std::span<const cpu::AdamScalars> scalars, const Policy& policy,
+                      StepOutcome* out) override;
+  absl::Status SyncResidentToHost(ShardState& shard) override;
+  void DropResident(ShardState& shard) override;
+
+  PerfInputs model_inputs() const;
+
+  class Shard;     // per-shard attachment (gpu_engine.cc)
+  struct StepRun;  // one step's working state (gpu_engine.cc)
+
+ private:
+  GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu);
+  absl::Status Init();
+  absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  absl::Status SetResident(ShardState& shard, uint32_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  absl::Status GpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  absl::Status CpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+
+  const GpuEngineOptions options_;
+  cpu::CpuUpdater* const cpu_;
+  std::string uuid_;
+  std::string name_;
+
+  mutable absl::Mutex step_mu_;
+  PerfModel model_ ABSL_GUARDED_BY(step_mu_);
+  cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path
+  cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
+  uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
+  std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);      // device, 3 * buffer_numel each
+  std::vector<char*> grad_host_ ABSL_GUARDED_BY(step_mu_);   // pinned, 4 * buffer_numel (x2)
+  std::vector<char*> weight_host_ ABSL_GUARDED_BY(step_mu_); // pinned, 4 * buffer_numel (x2)
+  std::vector<float*> cast_dev_ ABSL_GUARDED_BY(step_mu_);   // device, cpu_grad_fp32 only (x2)
+  int* flag_dev_ = nullptr;   // non-finite flag
+  int* flag_host_ = nullptr;  // pinned
+  int64_t steps_ ABSL_GUARDED_BY(step_mu_) = 0;
+  double cpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // CPU path params/s, copies included
+  double gpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // GPU path params/s, pipeline as a whole
+};
+
+}  // namespace dos::gpu

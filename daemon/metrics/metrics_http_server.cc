@@ -1,0 +1,208 @@
+#include "daemon/metrics/metrics_http_server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "daemon/common/log.h"
+#include "daemon/metrics/metrics_registry.h"
+
+namespace dos {
+namespace {
+
+constexpr size_t kMaxRequestBytes = 8192;
+
+// A parsed IP literal as a sockaddr.
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  bool loopback = false;
+};
+
+bool ParseHost(const std::string& host, uint16_t port, Address* out) {
+  const std::string h = host == "localhost" ? "127.0.0.1" : host;
+  in_addr v4;
+  in6_addr v6;
+  if (::inet_pton(AF_INET, h.c_str(), &v4) == 1) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&out->storage);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(port);
+    a->sin_addr = v4;
+    out->len = sizeof(sockaddr_in);
+    out->loopback = (ntohl(v4.s_addr) >> 24) == 127;
+    return true;
+  }
+  std::string bare = h;
+  if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
+    bare = bare.substr(1, bare.size() - 2);
+  }
+  if (::inet_pton(AF_INET6, bare.c_str(), &v6) == 1) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&out->storage);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(port);
+    a->sin6_addr = v6;
+    out->len = sizeof(sockaddr_in6);
+    out->loopback = IN6_IS_ADDR_LOOPBACK(&v6);
+    return true;
+  }
+  return false;
+}
+
+void WriteAll(int fd, const std::string& data) {
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // the client went away; nothing to report to it
+    off += static_cast<size_t>(n);
+  }
+}
+
+std::string Response(int code, absl::string_view reason, absl::string_view content_type,
+                     absl::string_view body, absl::string_view extra_headers = "") {
+  return absl::StrCat("HTTP/1.1 ", code, " ", reason, "\r\nContent-Type: ", content_type,
+                      "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
+                      "Connection: close\r\n\r\n", body);
+}
+
+}  // namespace
+
+bool IsLoopbackHost(const std::string& host) {
+  Address a;
+  return ParseHost(host, 0, &a) && a.loopback;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const MetricsHttpOptions& options, Render render) {
+  Address addr;
+  if (!ParseHost(options.host, options.port, &addr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics host '", options.host, "' is not an IP address; use 127.0.0.1, ::1 or an "
+        "address of this machine"));
+  }
+  if (!addr.loopback && !options.allow_non_loopback) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "refusing to serve metrics on ", options.host, ": not a loopback address; the metrics "
+        "describe this node's jobs. Bind 127.0.0.1, or allow non-loopback binds explicitly"));
+  }
+  int fd = ::socket(addr.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("metrics socket: ", strerror(errno)));
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr.storage), addr.len) != 0 ||
+      ::listen(fd, 16) != 0) {
+    int err = errno;
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", options.host,
+                                               ":", options.port, ": ", strerror(err)));
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  uint16_t port = ntohs(bound.ss_family == AF_INET
+                            ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
+                            : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+  int wake = ::eventfd(0, EFD_CLOEXEC);
+  if (wake < 0) {
+    int err = errno;
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("metrics eventfd: ", strerror(err)));
+  }
+  std::unique_ptr<MetricsHttpServer> s(
+      new MetricsHttpServer(fd, wake, port, options.read_timeout, std::move(render)));
+  s->thread_ = std::thread([p = s.get()] { p->Loop(); });
+  ::pthread_setname_np(s->thread_.native_handle(), "dos-metrics");
+  DOS_LOG_INFO("metrics.listen", "host", options.host, "port", port);
+  return s;
+}
+
+MetricsHttpServer::MetricsHttpServer(int listen_fd, int wake_fd, uint16_t port,
+                                     absl::Duration read_timeout, Render render)
+    : listen_fd_(listen_fd),
+      wake_fd_(wake_fd),
+      port_(port),
+      read_timeout_(read_timeout),
+      render_(std::move(render)) {}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  uint64_t one = 1;
+  while (::write(wake_fd_, &one, sizeof one) < 0 && errno == EINTR) {
+  }
+  if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::close(wake_fd_);
+}
+
+void MetricsHttpServer::Loop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    int n = ::poll(fds, 2, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      DOS_LOG_ERROR("metrics.poll_failed", "error", strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents & POLLIN) {
+      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      Serve(c);
+      ::close(c);
+    }
+  }
+}
+
+void MetricsHttpServer::Serve(int fd) {
+  requests_.fetch_add(1, std::memory_order_relaxed);
+  std::string req;
+  const absl::Time deadline = absl::Now() + read_timeout_;
+  char buf[2048];
+  while (!absl::StrContains(req, "\r\n\r\n")) {
+    if (req.size() > kMaxRequestBytes) {
+      WriteAll(fd, Response(431, "Request Header Fields Too Large", "text/plain",
+                            "request too large\n"));
+      return;
+    }
+    int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (left_ms <= 0) return;  // a client that sends nothing gets nothing
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(left_ms));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return;
+    ssize_t got = ::recv(fd, buf, sizeof buf, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return;
+    req.append(buf, static_cast<size_t>(got));
+  }
+  const std::string line = req.substr(0, req.find("\r\n"));
+  std::vector<std::string> parts = absl::StrSplit(line, ' ');
+  if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.")) {
+    WriteAll(fd, Response(400, "Bad Request", "text/plain", "bad request line\n"));
+    return;
+  }
+  const std::string& method = parts[0];
+  std::string target = parts[1];
+  target = target.substr(0, target.find('?'));  // Prometheus may add query parameters
+  if (target != "/metrics") {
+    WriteAll(fd, Response(404, "Not Found", "text/plain", "only /metrics is served here\n"));
+    return;
+  }
+  if (method != "GET") {
+    WriteAll(fd, Response(405, "Method Not Allowed", "text/plain", "use GET\n", "Allow: GET\r\n"));
+    return;
+  }
+  WriteAll(fd, Response(200, "OK", MetricsRegistry::kContentType, render_()));
+}
+
+}  // namespace dos

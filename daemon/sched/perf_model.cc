@@ -1,0 +1,80 @@
+#include "daemon/sched/perf_model.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace dos {
+
+PerfPrediction PerfModel::Bound(const PerfInputs& in, double x) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double c = 1.0 - x;
+  const double g = in.grad_bytes;
+  const double w = in.weight_bytes;
+  struct Limit {
+    const char* name;
+    double rate;
+  };
+  auto rate = [](double capacity, double per_param) {
+    return per_param > 0 ? capacity / per_param : std::numeric_limits<double>::infinity();
+  };
+  const Limit limits[] = {
+      {"cpu", rate(in.cpu_params_per_s, c)},
+      {"d2h", rate(in.d2h_bytes_per_s, c * g + 12 * x)},
+      {"h2d", rate(in.h2d_bytes_per_s, c * w + 12 * x)},
+      {"pcie_both", rate(in.pcie_both_bytes_per_s, c * (g + w) + 24 * x)},
+      {"host_memory", rate(in.host_bytes_per_s, c * (24 + 2 * (g + w)) + 24 * x)},
+      {"gpu_kernel", rate(in.gpu_params_per_s, x)},
+  };
+  PerfPrediction p;
+  p.gpu_share = x;
+  p.params_per_s = kInf;
+  for (const Limit& l : limits) {
+    if (l.rate < p.params_per_s) {
+      p.params_per_s = l.rate;
+      p.binding = l.name;
+    }
+  }
+  return p;
+}
+
+PerfPrediction PerfModel::Solve(const PerfInputs& in) {
+  PerfPrediction best = Bound(in, 0.0);
+  for (int i = 1; i <= 1000; ++i) {
+    PerfPrediction p = Bound(in, i / 1000.0);
+    if (p.params_per_s > best.params_per_s) best = p;
+  }
+  return best;
+}
+
+double PerfModel::PhaseSeconds(const PerfInputs& in, double x, double streamed,
+                               double resident) {
+  double t = 0;
+  if (streamed > 0) t = streamed / Bound(in, x).params_per_s;
+  // The resident kernels share the compute engine with the streamed GPU
+  // share's kernels; they are fast enough that adding them is the honest
+  // upper estimate.
+  if (resident > 0) t += resident / in.gpu_params_per_s;
+  return t;
+}
+
+void PerfModel::Ewma(double* value, double sample) {
+  *value = (1 - kAlpha) * *value + kAlpha * sample;
+}
+
+void PerfModel::ObserveCpu(double params, double busy_s) {
+  if (params > 0 && busy_s > 0) Ewma(&in_.cpu_params_per_s, params / busy_s);
+}
+void PerfModel::ObserveGpuKernel(double params, double busy_s) {
+  if (params > 0 && busy_s > 0) Ewma(&in_.gpu_params_per_s, params / busy_s);
+}
+void PerfModel::ObserveH2d(double bytes, double busy_s) {
+  if (bytes > 0 && busy_s > 0) Ewma(&in_.h2d_bytes_per_s, bytes / busy_s);
+}
+void PerfModel::ObserveD2h(double bytes, double busy_s) {
+  if (bytes > 0 && busy_s > 0) Ewma(&in_.d2h_bytes_per_s, bytes / busy_s);
+}
+void PerfModel::ObserveHostTraffic(double bytes, double wall_s) {
+  if (bytes > 0 && wall_s > 0) in_.host_bytes_per_s = std::max(in_.host_bytes_per_s, bytes / wall_s);
+}
+
+}  // namespace dos

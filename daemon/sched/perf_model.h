@@ -1,0 +1,85 @@
+// PerfModel: the update-phase performance model of DESIGN.md section 4.
+//
+// For a GPU share x of the non-resident parameters and a step rate r
+// (params/s), every resource must keep up:
+//   CPU kernel   (1-x) r                      <= R_cpu
+//   D2H          r [(1-x) g + 12 x]           <= B_d2h
+//   H2D          r [(1-x) w + 12 x]           <= B_h2d
+//   PCIe total   r [(1-x)(g+w) + 24 x]        <= B_both
+//   host memory  r [(1-x) c + 24 x]           <= M_host
+//   GPU kernel   x r                          <= R_gpu
+// where g / w are the gradient / weight bytes the CPU path moves per
+// parameter (2 for 16-bit) and c = 24 + 2(g + w) the host-memory bytes one
+// CPU-path parameter costs (the kernel's 12 read + 12 written of fp32 state,
+// the gradient and weight once by the kernel and once by the DMA engine:
+// 32 for bf16). The GPU path costs 24 host bytes (12 read by H2D, 12 written
+// by D2H). Resident parameters (static share, or auto with a GPU memory
+// budget) cost only GPU kernel time. Bound(x) is the largest r meeting all
+// constraints; Solve() maximises it over x by a fine grid (the function is
+// piecewise monotone, a grid of 1/1000 is exact enough and cheap).
+//
+// Rates are measured online from each step's timings and smoothed (EWMA);
+// until measured they hold the figures of DESIGN.md section 7 for the
+// machine class DOS targets (an H200 node), which the first steps replace.
+//
+// Thread-safety: none; the GPU engine owns one per device and uses it from
+// the step being run (steps of one device are serialised by the engine).
+#pragma once
+
+#include <string>
+
+namespace dos {
+
+struct PerfInputs {
+  double cpu_params_per_s = 4.0e9;   // R_cpu: CPU kernel alone
+  double gpu_params_per_s = 100e9;   // R_gpu: fused GPU kernel
+  double h2d_bytes_per_s = 50e9;     // B_h2d, pinned
+  double d2h_bytes_per_s = 50e9;     // B_d2h, pinned
+  double pcie_both_bytes_per_s = 95e9;  // B_both: both directions at once, in total
+  double host_bytes_per_s = 145e9;   // M_host: cores and DMA engines together
+  double grad_bytes = 2;             // g
+  double weight_bytes = 2;           // w
+};
+
+struct PerfPrediction {
+  double gpu_share = 0;      // x
+  double params_per_s = 0;   // r over the non-resident parameters
+  std::string binding;       // the constraint that limits r ("host_memory", "pcie", ...)
+};
+
+class PerfModel {
+ public:
+  explicit PerfModel(const PerfInputs& initial = PerfInputs()) : in_(initial) {}
+
+  // r at a fixed GPU share x in [0, 1].
+  static PerfPrediction Bound(const PerfInputs& in, double x);
+  // The x that maximises r.
+  static PerfPrediction Solve(const PerfInputs& in);
+  // Predicted phase seconds for `streamed` params split at share x plus
+  // `resident` params updated in GPU memory (their kernel time overlaps the
+  // streamed work on other engines but shares the compute stream).
+  static double PhaseSeconds(const PerfInputs& in, double x, double streamed, double resident);
+
+  // EWMA updates from one step's measurements (each ignored when its
+  // denominator is 0). alpha is the weight of the new sample.
+  void ObserveCpu(double params, double busy_s);
+  void ObserveGpuKernel(double params, double busy_s);
+  void ObserveH2d(double bytes, double busy_s);
+  void ObserveD2h(double bytes, double busy_s);
+  // Host bytes moved by cores and DMA together over a wall time in which
+  // both were busy: raises M_host when more was seen than assumed.
+  void ObserveHostTraffic(double bytes, double wall_s);
+  void set_transfer_sizes(double grad_bytes, double weight_bytes) {
+    in_.grad_bytes = grad_bytes;
+    in_.weight_bytes = weight_bytes;
+  }
+
+  const PerfInputs& inputs() const { return in_; }
+
+ private:
+  static constexpr double kAlpha = 0.3;
+  static void Ewma(double* value, double sample);
+  PerfInputs in_;
+};
+
+}  // namespace dos

@@ -1,0 +1,114 @@
+#include "daemon/transport/control_channel.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <new>
+#include <string_view>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace dos {
+
+void ControlBlockChannel::InitBlock(ControlBlock* block, uint64_t session_id, pid_t daemon_pid) {
+  // Value-initialization zeroes every field, bells included; the atomics are
+  // constructed in place, which is how they begin their lifetime in a
+  // mapping. The client learns of the block only through the Attach reply,
+  // which orders these writes before its first read.
+  new (block) ControlBlock{};
+  block->session_id = session_id;
+  block->daemon_pid = daemon_pid;
+  block->version = kProtocolVersion;
+  block->magic = kControlBlockMagic;
+}
+
+absl::Status ControlBlockChannel::Validate(const ControlBlock* block, uint64_t mapped_bytes) {
+  constexpr uint64_t kHeader = sizeof(block->magic) + sizeof(block->version);
+  if (mapped_bytes < kHeader || block->magic != kControlBlockMagic) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "control block: not a DOS control block (magic 0x%08x, expected 0x%08x); check the shm "
+        "name from the Attach reply",
+        mapped_bytes < kHeader ? 0u : block->magic, kControlBlockMagic));
+  }
+  if (block->version != kProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "control block: dosd speaks protocol version %u, this library speaks %u; run a client "
+        "library from the same release as dosd",
+        block->version, kProtocolVersion));
+  }
+  if (mapped_bytes < sizeof(ControlBlock)) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("control block: segment has %u bytes, protocol version %u needs %u",
+                        mapped_bytes, kProtocolVersion, sizeof(ControlBlock)));
+  }
+  return absl::OkStatus();
+}
+
+bool ControlBlockChannel::ProcessAlive(pid_t pid) {
+  // kill(0 or negative) would address process groups, never a peer.
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // kill() succeeds on a zombie (exited, not yet reaped); /proc/<pid>/stat
+  // says "pid (comm) Z ...". comm may contain ')' so take the last one. If
+  // /proc cannot be read, trust kill().
+  char path[32];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno != ENOENT;
+  char buf[512];
+  ssize_t n = read(fd, buf, sizeof(buf));
+  close(fd);
+  if (n <= 0) return true;
+  std::string_view stat(buf, static_cast<size_t>(n));
+  size_t paren = stat.rfind(')');
+  if (paren == std::string_view::npos || paren + 2 >= stat.size()) return true;
+  return stat[paren + 2] != 'Z' && stat[paren + 2] != 'X';
+}
+
+void ControlBlockChannel::PostResult(uint32_t seq) {
+  block_->result.seq = seq;
+  done_.Ring(seq);
+}
+
+uint32_t ControlBlockChannel::PublishRequest() {
+  // The client is the bell's only writer, so reading our own last value needs
+  // no ordering; seq wraps after 2^32 steps, which the waits tolerate (they
+  // compare for (in)equality only).
+  const uint32_t seq = block_->request_bell.load(std::memory_order_relaxed) + 1;
+  block_->request.seq = seq;
+  request_.Ring(seq);
+  return seq;
+}
+
+absl::Status ControlBlockChannel::WaitResult(uint32_t seq, absl::Duration timeout) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  for (;;) {
+    // `closed` first: a plain load, and a closed session will never answer.
+    if (block_->closed.load(std::memory_order_acquire) != 0 && done_.Load() != seq) {
+      return absl::UnavailableError(
+          absl::StrCat("step ", seq, ": dosd closed session ", block_->session_id,
+                       " (daemon shutdown or detach); attach again to continue"));
+    }
+    const absl::Duration elapsed = absl::FromChrono(Clock::now() - start);
+    const absl::Duration slice = std::min(kLivenessSlice, timeout - elapsed);
+    if (done_.WaitFor(seq, slice)) return absl::OkStatus();
+    if (!ProcessAlive(block_->daemon_pid)) {
+      return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ", block_->daemon_pid,
+                                                 ") is gone; restart it and attach again"));
+    }
+    if (absl::FromChrono(Clock::now() - start) >= timeout) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", seq, ": no result from dosd (pid ", block_->daemon_pid, ") within ",
+          absl::FormatDuration(timeout), "; it is alive but slow or stuck, see its log"));
+    }
+  }
+}
+
+}  // namespace dos

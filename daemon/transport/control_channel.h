@@ -1,0 +1,88 @@
+// ControlBlockChannel: the step protocol of proto/dos/v1/control_block.h as
+// calls, shared by the daemon (one per session) and the client library.
+//
+//   client                                daemon (session's step thread)
+//   fill block()->request                 seq = WaitRequest(seq, slice)  // loop
+//   n = PublishRequest()        ───────▶  read block()->request, run the step
+//                                         fill block()->result
+//   WaitResult(n, timeout)      ◀───────  PostResult(seq)
+//   read block()->result
+//
+// Ordering comes from the doorbells (daemon/transport/doorbell.h): a value
+// returned by WaitRequest / WaitResult acquires everything the other side
+// wrote before ringing, so request and result are plain data.
+//
+// Exactly one request is in flight: the client must not touch
+// block()->request between PublishRequest() and the OK return of WaitResult()
+// for it (Idle() says whether the last request's result has come back). After
+// DEADLINE_EXCEEDED it may call WaitResult again for the same seq.
+//
+// Ownership: a view; the block lives in a ShmSegment the caller owns and
+// that outlives the channel. Thread-safety: one client thread and one daemon
+// thread per block (each Doorbell has one ringer and one waiter).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/transport/doorbell.h"
+#include "proto/dos/v1/control_block.h"
+
+namespace dos {
+
+class ControlBlockChannel {
+ public:
+  // How often a waiting client checks `closed` and the daemon's liveness.
+  static constexpr absl::Duration kLivenessSlice = absl::Milliseconds(100);
+
+  // Daemon: formats the block in a freshly mapped segment (any contents).
+  static void InitBlock(ControlBlock* block, uint64_t session_id, pid_t daemon_pid);
+  // Client: FAILED_PRECONDITION if the mapping is too small or is not a
+  // control block of this protocol version (both versions in the message).
+  static absl::Status Validate(const ControlBlock* block,
+                               uint64_t mapped_bytes = sizeof(ControlBlock));
+  // True while `pid` names a live (not zombie) process. A reused pid reads
+  // as alive; the `closed` flag covers orderly shutdowns.
+  static bool ProcessAlive(pid_t pid);
+
+  explicit ControlBlockChannel(ControlBlock* block)
+      : block_(block),
+        request_(&block->request_bell, &block->daemon_sleeping),
+        done_(&block->done_bell, &block->client_sleeping) {}
+
+  ControlBlock* block() const { return block_; }
+
+  // --- daemon side ---
+  // Waits for a request newer than `last_seq`; returns its seq, or last_seq
+  // on timeout (the caller loops, checking its own shutdown flag).
+  uint32_t WaitRequest(uint32_t last_seq, absl::Duration timeout) {
+    return request_.WaitChange(last_seq, timeout);
+  }
+  // Publishes block()->result as the answer to `seq`.
+  void PostResult(uint32_t seq);
+  // Marks the session closed; a waiting client returns UNAVAILABLE within
+  // kLivenessSlice.
+  void Close() { block_->closed.store(1, std::memory_order_release); }
+
+  // --- client side ---
+  // Publishes block()->request as the next step; returns its seq.
+  uint32_t PublishRequest();
+  // Waits for the result of `seq`. UNAVAILABLE if the daemon closed the
+  // session or its process is gone; DEADLINE_EXCEEDED after `timeout`.
+  absl::Status WaitResult(uint32_t seq, absl::Duration timeout);
+  // True when the last published request has its result.
+  bool Idle() const {
+    return block_->done_bell.load(std::memory_order_acquire) ==
+           block_->request_bell.load(std::memory_order_relaxed);
+  }
+
+ private:
+  ControlBlock* block_;
+  Doorbell request_;  // client rings, daemon waits
+  Doorbell done_;     // daemon rings, client waits
+};
+
+}  // namespace dos

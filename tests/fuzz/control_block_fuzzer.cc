@@ -1,0 +1,52 @@
+// libFuzzer target: what the daemon and client trust from shared memory.
+// The input is a control block image (any length, mapped as that many bytes)
+// followed by nothing else; ControlBlockChannel::Validate must refuse short or
+// foreign blocks, and dos::ValidateStepRequest must accept only finite, in-range
+// hyperparameters for the registered group count (1..kMaxGroups, as
+// registration guarantees).
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "daemon/sched/step_executor.h"
+#include "daemon/transport/control_channel.h"
+#include "proto/dos/v1/control_block.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const size_t registered = 1 + data[0] % dos::kMaxGroups;
+  data += 1;
+  size -= 1;
+  // The mapping: exactly `size` bytes (a short mapping must be refused
+  // without reading past it; ASan sees an overread).
+  std::unique_ptr<uint8_t[]> mapped(new uint8_t[size > 0 ? size : 1]);
+  std::memcpy(mapped.get(), data, size);
+  const auto* block = reinterpret_cast<const dos::ControlBlock*>(mapped.get());
+  absl::Status valid = dos::ControlBlockChannel::Validate(block, size);
+  if (size < sizeof(dos::ControlBlock)) {
+    if (valid.ok()) __builtin_trap();  // accepted a block it cannot hold
+    return 0;
+  }
+  // The step request as the daemon reads it, whatever Validate said.
+  alignas(dos::StepRequest) unsigned char buf[sizeof(dos::StepRequest)];
+  std::memcpy(buf, &block->request, sizeof buf);
+  const auto* req = reinterpret_cast<const dos::StepRequest*>(buf);
+  absl::Status s = dos::ValidateStepRequest(*req, registered);
+  if (s.ok()) {
+    // Accepted requests must be usable by the kernels as they are.
+    if (req->num_groups != registered || !std::isfinite(req->grad_scale) ||
+        !(req->grad_scale > 0) || !std::isfinite(req->clip_coef)) {
+      __builtin_trap();
+    }
+    for (size_t i = 0; i < registered; ++i) {
+      const dos::GroupStepParams& g = req->groups[i];
+      if (!std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) ||
+          !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) || !std::isfinite(g.eps)) {
+        __builtin_trap();
+      }
+    }
+  }
+  return 0;
+}

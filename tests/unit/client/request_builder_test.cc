@@ -1,0 +1,103 @@
+#include "client/src/request_builder.h"
+
+#include <cmath>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dos::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+// torch.optim.AdamW's defaults (the C ABI's init functions live in the shared
+// library, which these tests do not link).
+void InitAdamW(dos_hparams* h) { *h = dos_hparams{1e-3, 0.9, 0.999, 1e-8, 1e-2, 1}; }
+
+class RequestBuilderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    table_.Add("/dos.9.1.0", mem_, sizeof mem_);
+    InitAdamW(&group_);
+    tensor_ = dos_tensor{"fc.weight", DOS_DTYPE_BF16, mem_, DOS_DTYPE_BF16, mem_ + 256, 64, 0};
+  }
+  absl::StatusOr<v1::RegisterShardRequest> Build() {
+    return BuildRegisterRequest({&tensor_, 1}, {&group_, 1}, 0, table_);
+  }
+  alignas(64) unsigned char mem_[1024];
+  BufferTable table_;
+  dos_hparams group_;
+  dos_tensor tensor_;
+};
+
+TEST_F(RequestBuilderTest, BuildsShmLocations) {
+  auto req = Build();
+  ASSERT_TRUE(req.ok()) << req.status();
+  ASSERT_EQ(req->tensors_size(), 1);
+  const auto& t = req->tensors(0);
+  EXPECT_EQ(t.name(), "fc.weight");
+  EXPECT_EQ(t.param_dtype(), v1::DTYPE_BF16);
+  EXPECT_EQ(t.numel(), 64u);
+  EXPECT_EQ(t.param().shm().name(), "/dos.9.1.0");
+  EXPECT_EQ(t.param().shm().offset(), 0u);
+  EXPECT_EQ(t.grad().shm().offset(), 256u);
+  ASSERT_EQ(req->groups_size(), 1);
+  EXPECT_TRUE(req->groups(0).decoupled_weight_decay());
+  EXPECT_DOUBLE_EQ(req->groups(0).lr(), 1e-3);
+}
+
+TEST_F(RequestBuilderTest, RejectsBadDtypeNamingTheTensor) {
+  tensor_.grad_dtype = static_cast<dos_dtype>(7);
+  auto req = Build();
+  ASSERT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(req.status().message(), HasSubstr("tensor 0 ('fc.weight') grad"));
+  EXPECT_THAT(req.status().message(), HasSubstr("unsupported dtype 7"));
+}
+
+TEST_F(RequestBuilderTest, RejectsOverrunAndOverlapAndGroup) {
+  tensor_.numel = 400;  // 800 bytes of grad from offset 256 overruns 1024
+  EXPECT_THAT(Build().status().message(), HasSubstr("grad"));
+  tensor_.numel = 64;
+  tensor_.grad = mem_ + 64;
+  EXPECT_THAT(Build().status().message(), HasSubstr("overlap"));
+  tensor_.grad = mem_ + 256;
+  tensor_.group = 1;
+  EXPECT_THAT(Build().status().message(), HasSubstr("names group 1"));
+  tensor_.group = 0;
+  tensor_.numel = 0;
+  EXPECT_THAT(Build().status().message(), HasSubstr("0 elements"));
+}
+
+TEST_F(RequestBuilderTest, RejectsBadHyperparameters) {
+  group_.beta1 = 1.0;
+  EXPECT_THAT(Build().status().message(), HasSubstr("beta1"));
+  InitAdamW(&group_);
+  group_.lr = NAN;
+  EXPECT_THAT(Build().status().message(), HasSubstr("lr"));
+  EXPECT_EQ(BuildRegisterRequest({&tensor_, 1}, {}, 0, table_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuildRegisterRequest({}, {&group_, 1}, 0, table_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(FillStepRequestTest, CopiesGroupsAndChecksCount) {
+  std::vector<dos_hparams> groups(2);
+  InitAdamW(&groups[0]);
+  InitAdamW(&groups[1]);
+  groups[1].lr = 5e-4;
+  dos_step_args args{groups.data(), 2, /*grad_scale=*/1.0, /*clip_coef=*/1.0,
+                     /*gradients_checked=*/1};
+  StepRequest req{};
+  ASSERT_TRUE(FillStepRequest(args, 2, &req).ok());
+  EXPECT_EQ(req.num_groups, 2u);
+  EXPECT_EQ(req.flags, kStepGradientsChecked);
+  EXPECT_DOUBLE_EQ(req.groups[1].lr, 5e-4);
+  EXPECT_DOUBLE_EQ(req.grad_scale, 1.0);
+  EXPECT_THAT(FillStepRequest(args, 3, &req).message(), HasSubstr("3 were registered"));
+  args.grad_scale = 0;
+  EXPECT_THAT(FillStepRequest(args, 2, &req).message(), HasSubstr("grad_scale"));
+}
+
+}  // namespace
+}  // namespace dos::client

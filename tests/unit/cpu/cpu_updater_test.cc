@@ -1,0 +1,142 @@
+// CpuUpdater: tiled parallel runs equal the kernel run serially, bit for bit
+// (Adam is not idempotent, so a tile run twice or skipped shows up), also
+// with concurrent callers; AllFinite over many runs; FirstTouch.
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "daemon/cpu/cpu_updater.h"
+#include "gtest/gtest.h"
+#include "tests/unit/cpu/adam_test_data.h"
+
+namespace dos::cpu {
+namespace {
+
+using testing::AdamBuffers;
+
+struct Workload {
+  std::vector<std::unique_ptr<AdamBuffers>> buffers;
+  std::vector<CpuUpdater::Item> items;
+};
+
+// Runs of assorted sizes (including empty ones and ones smaller than a
+// tile), dtypes and misalignments, with per-run scalars.
+Workload MakeWorkload(uint64_t seed) {
+  Workload w;
+  const size_t sizes[] = {1, 0, 7, 300000, 64, 22, 70001, 4096, 12345, 0, 99, (1u << 18) + 3};
+  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    w.buffers.push_back(std::make_unique<AdamBuffers>(sizes[i], dtypes[i % 3], dtypes[(i / 3) % 3],
+                                                      /*offset=*/i % 5, seed + i));
+    const GroupStepParams group{1e-3 * (i + 1), 0.9, 0.999, 1e-8, 0.01};
+    w.items.push_back({MakeAdamScalars(group, i % 2 == 0, 1 + i, 8.0, 0.5),
+                       w.buffers.back()->Span(/*write_out=*/i != 5)});
+  }
+  return w;
+}
+
+void ExpectSameState(const Workload& a, const Workload& b) {
+  for (size_t r = 0; r < a.buffers.size(); ++r) {
+    const AdamBuffers& x = *a.buffers[r];
+    const AdamBuffers& y = *b.buffers[r];
+    ASSERT_EQ(std::memcmp(x.master.data(), y.master.data(), x.master.size() * 4), 0) << r;
+    ASSERT_EQ(std::memcmp(x.exp_avg.data(), y.exp_avg.data(), x.exp_avg.size() * 4), 0) << r;
+    ASSERT_EQ(std::memcmp(x.exp_avg_sq.data(), y.exp_avg_sq.data(), x.exp_avg_sq.size() * 4), 0)
+        << r;
+    ASSERT_EQ(x.out, y.out) << r;
+  }
+}
+
+void RunSerially(const Workload& w, Isa isa) {
+  for (const CpuUpdater::Item& item : w.items) AdamKernel(isa)(item.scalars, item.span);
+}
+
+TEST(CpuUpdaterTest, EqualsSerialKernelForEveryIsaAndTileSize) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!IsaSupported(isa)) {
+      std::printf("skipping %s: this CPU lacks it\n", std::string(IsaName(isa)).c_str());
+      continue;
+    }
+    for (size_t tile : {size_t{1}, size_t{100}, size_t{4096}, size_t{65536}}) {
+      SCOPED_TRACE(::testing::Message() << IsaName(isa) << " tile=" << tile);
+      CpuUpdater updater({.threads = 2, .tile_elems = tile, .isa = isa});
+      EXPECT_EQ(updater.isa(), isa);
+      EXPECT_EQ(updater.threads(), 2);
+      EXPECT_EQ(updater.tile_elems() % 32, 0u);
+      Workload parallel = MakeWorkload(1), serial = MakeWorkload(1);
+      for (int step = 0; step < 2; ++step) {
+        updater.Run(parallel.items);
+        RunSerially(serial, isa);
+      }
+      ExpectSameState(parallel, serial);
+    }
+  }
+}
+
+TEST(CpuUpdaterTest, ConcurrentCallersShareTheArena) {
+  CpuUpdater updater({.threads = 2, .tile_elems = 2048});
+  constexpr int kCallers = 4;
+  std::vector<Workload> parallel, serial;
+  for (int c = 0; c < kCallers; ++c) {
+    parallel.push_back(MakeWorkload(100 + c));
+    serial.push_back(MakeWorkload(100 + c));
+  }
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (int step = 0; step < 3; ++step) updater.Run(parallel[c].items);
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int c = 0; c < kCallers; ++c) {
+    for (int step = 0; step < 3; ++step) RunSerially(serial[c], updater.isa());
+    ExpectSameState(parallel[c], serial[c]);
+  }
+}
+
+TEST(CpuUpdaterTest, AllFiniteOverManyRuns) {
+  CpuUpdater updater({.threads = 2, .tile_elems = 1024});
+  std::vector<float> a(100000, 1.0f);
+  std::vector<uint16_t> b(5001, FloatToBF16(2.0f)), c(3, FloatToF16(-1.0f));
+  std::vector<CpuUpdater::GradRun> runs = {{a.data(), DType::kF32, a.size()},
+                                           {nullptr, DType::kF32, 0},
+                                           {b.data(), DType::kBF16, b.size()},
+                                           {c.data(), DType::kF16, c.size()}};
+  EXPECT_TRUE(updater.AllFinite(runs));
+  EXPECT_TRUE(updater.AllFinite({}));
+  c[2] = 0x7c00;  // +inf
+  EXPECT_FALSE(updater.AllFinite(runs));
+  c[2] = 0;
+  a[77777] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(updater.AllFinite(runs));
+  a[77777] = 0;
+  b[5000] = 0xff80;
+  EXPECT_FALSE(updater.AllFinite(runs));
+}
+
+TEST(CpuUpdaterTest, FirstTouchZeroesState) {
+  CpuUpdater updater({.threads = 2, .tile_elems = 4096});
+  Workload w = MakeWorkload(3);
+  updater.FirstTouch(w.items);
+  for (const auto& b : w.buffers) {
+    for (size_t i = 0; i < b->n; ++i) {
+      ASSERT_EQ(b->master[i + b->offset], 0.0f);
+      ASSERT_EQ(b->exp_avg[i + b->offset], 0.0f);
+      ASSERT_EQ(b->exp_avg_sq[i + b->offset], 0.0f);
+    }
+    if (b->offset > 0) {
+      ASSERT_NE(b->master[b->offset - 1], 0.0f);  // nothing outside the span
+    }
+  }
+}
+
+TEST(CpuUpdaterTest, ZeroThreadsMeansAllCores) {
+  CpuUpdater updater({.threads = 0});
+  EXPECT_GE(updater.threads(), 1);
+  updater.Run({});
+}
+
+}  // namespace
+}  // namespace dos::cpu

@@ -1,0 +1,181 @@
+#include "daemon/transport/control_channel.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#include "daemon/transport/shm_segment.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/unit/transport/test_util.h"
+
+namespace dos {
+namespace {
+
+using ::dos::testing::ForkPeer;
+using ::dos::testing::UniqueShmName;
+using ::dos::testing::WaitExit;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kLong = absl::Seconds(10);
+
+class ControlChannelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto seg = ShmSegment::Create(UniqueShmName("ctl"), sizeof(ControlBlock));
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    segment_ = *std::move(seg);
+    block_ = static_cast<ControlBlock*>(segment_->data());
+    // The test process plays the client; forked children play the daemon
+    // and write their own pid below.
+    ControlBlockChannel::InitBlock(block_, /*session_id=*/12, /*daemon_pid=*/getpid());
+  }
+
+  std::unique_ptr<ShmSegment> segment_;
+  ControlBlock* block_ = nullptr;
+};
+
+// The payload both sides derive from a step's seq.
+double Lr(uint32_t seq, uint32_t group) { return 1e-3 * seq + group; }
+
+TEST_F(ControlChannelTest, StepsRoundTripAcrossProcessesWithPayload) {
+  constexpr uint32_t kSteps = 2000;
+  constexpr uint32_t kGroups = 3;
+  pid_t daemon = ForkPeer([this] {
+    ControlBlockChannel channel(block_);
+    uint32_t last = 0;
+    for (uint32_t n = 0; n < kSteps; ++n) {
+      const uint32_t seq = channel.WaitRequest(last, kLong);
+      if (seq != last + 1) return 1;
+      const StepRequest& req = block_->request;
+      if (req.seq != seq || req.num_groups != kGroups || req.grad_scale != seq) return 2;
+      for (uint32_t g = 0; g < kGroups; ++g) {
+        if (req.groups[g].lr != Lr(seq, g)) return 3;
+      }
+      StepResult& res = block_->result;
+      res.status_code = 0;
+      res.step = 10 * static_cast<int64_t>(seq);
+      std::snprintf(res.message, sizeof(res.message), "step %u", seq);
+      channel.PostResult(seq);
+      last = seq;
+    }
+    return 0;
+  });
+  ASSERT_GT(daemon, 0);
+  block_->daemon_pid = daemon;
+
+  ControlBlockChannel channel(block_);
+  ASSERT_TRUE(ControlBlockChannel::Validate(block_, segment_->size()).ok());
+  for (uint32_t n = 1; n <= kSteps; ++n) {
+    ASSERT_TRUE(channel.Idle());
+    StepRequest& req = block_->request;
+    req.num_groups = kGroups;
+    req.grad_scale = n;
+    for (uint32_t g = 0; g < kGroups; ++g) req.groups[g].lr = Lr(n, g);
+    const uint32_t seq = channel.PublishRequest();
+    ASSERT_EQ(seq, n);
+    absl::Status s = channel.WaitResult(seq, kLong);
+    if (!s.ok()) kill(daemon, SIGKILL);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(block_->result.seq, seq);
+    EXPECT_EQ(block_->result.step, 10 * static_cast<int64_t>(seq));
+    ASSERT_STREQ(block_->result.message, ("step " + std::to_string(seq)).c_str());
+  }
+  EXPECT_EQ(WaitExit(daemon), 0);
+}
+
+TEST_F(ControlChannelTest, WaitResultIsUnavailableWhenDaemonExits) {
+  pid_t daemon = ForkPeer([this] {
+    // Take the request, then die without answering.
+    ControlBlockChannel channel(block_);
+    return channel.WaitRequest(0, kLong) == 1 ? 0 : 1;
+  });
+  ASSERT_GT(daemon, 0);
+  block_->daemon_pid = daemon;
+  ControlBlockChannel channel(block_);
+  const uint32_t seq = channel.PublishRequest();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = channel.WaitResult(seq, kLong);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("pid ", daemon)));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(WaitExit(daemon), 0);
+}
+
+TEST_F(ControlChannelTest, WaitResultIsUnavailableWhenSessionClosed) {
+  int release[2];
+  ASSERT_EQ(pipe(release), 0);
+  pid_t daemon = ForkPeer([this, &release] {
+    close(release[1]);
+    ControlBlockChannel channel(block_);
+    if (channel.WaitRequest(0, kLong) != 1) return 1;
+    channel.Close();
+    char c;
+    // Stay alive until the client has seen the close (EOF when it closes).
+    return read(release[0], &c, 1) < 0 ? 2 : 0;
+  });
+  ASSERT_GT(daemon, 0);
+  close(release[0]);
+  block_->daemon_pid = daemon;
+  ControlBlockChannel channel(block_);
+  absl::Status s = channel.WaitResult(channel.PublishRequest(), kLong);
+  close(release[1]);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("closed session 12"));
+  EXPECT_EQ(WaitExit(daemon), 0);
+}
+
+TEST_F(ControlChannelTest, WaitResultTimesOutWhileDaemonLives) {
+  ControlBlockChannel channel(block_);  // daemon_pid is this live process
+  const uint32_t seq = channel.PublishRequest();
+  EXPECT_FALSE(channel.Idle());
+  absl::Status s = channel.WaitResult(seq, absl::Milliseconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  // The answer may still come; waiting again for the same seq then succeeds.
+  channel.PostResult(seq);
+  EXPECT_TRUE(channel.WaitResult(seq, absl::Milliseconds(30)).ok());
+  EXPECT_TRUE(channel.Idle());
+}
+
+TEST_F(ControlChannelTest, DaemonWaitRequestTimesOut) {
+  ControlBlockChannel channel(block_);
+  EXPECT_EQ(channel.WaitRequest(0, absl::Milliseconds(5)), 0u);
+}
+
+TEST_F(ControlChannelTest, ValidateChecksMagicVersionAndSize) {
+  EXPECT_TRUE(ControlBlockChannel::Validate(block_, segment_->size()).ok());
+  EXPECT_EQ(block_->session_id, 12u);
+
+  absl::Status small = ControlBlockChannel::Validate(block_, 64);
+  EXPECT_EQ(small.code(), absl::StatusCode::kFailedPrecondition);
+
+  block_->version = kProtocolVersion + 1;
+  absl::Status version = ControlBlockChannel::Validate(block_);
+  EXPECT_EQ(version.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(version.message(), HasSubstr(absl::StrCat("version ", kProtocolVersion + 1)));
+  EXPECT_THAT(version.message(), HasSubstr(absl::StrCat("speaks ", kProtocolVersion)));
+
+  block_->magic = 0;
+  EXPECT_THAT(ControlBlockChannel::Validate(block_).message(), HasSubstr("magic"));
+}
+
+TEST(ProcessAliveTest, SeesLiveZombieAndReapedProcesses) {
+  EXPECT_TRUE(ControlBlockChannel::ProcessAlive(getpid()));
+  EXPECT_FALSE(ControlBlockChannel::ProcessAlive(0));
+  EXPECT_FALSE(ControlBlockChannel::ProcessAlive(-1));
+
+  pid_t child = ForkPeer([] { return 0; });
+  ASSERT_GT(child, 0);
+  // The child is a zombie once waitid(WNOWAIT) reports it, without reaping.
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, child, &info, WEXITED | WNOWAIT), 0);
+  EXPECT_FALSE(ControlBlockChannel::ProcessAlive(child));
+  EXPECT_EQ(WaitExit(child), 0);
+  EXPECT_FALSE(ControlBlockChannel::ProcessAlive(child));
+}
+
+}  // namespace
+}  // namespace dos
