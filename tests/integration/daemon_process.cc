@@ -43,7 +43,10 @@ DaemonProcess::~DaemonProcess() {
 }
 
 bool DaemonProcess::Start() {
-  std::vector<std::string> args = {DOS_DOSD_PATH, "--socket=" + socket_,
+  // $DOS_DOSD overrides the build tree's dosd (tests run from an install).
+  const char* env = std::getenv("DOS_DOSD");
+  std::vector<std::string> args = {env != nullptr && env[0] != '\0' ? env : DOS_DOSD_PATH,
+                                   "--socket=" + socket_,
                                    "--shm_prefix=/dos-it" + std::to_string(::getpid())};
   args.insert(args.end(), flags_.begin(), flags_.end());
   pid_ = ::fork();
