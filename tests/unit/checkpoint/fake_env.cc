@@ -261,6 +261,19 @@ bool MemEnv::FileExists(const std::string& path) {
   absl::MutexLock l(&mu_);
   return files_.count(path) != 0;
 }
+absl::StatusOr<std::vector<std::string>> MemEnv::GetChildren(const std::string& dir) {
+  absl::MutexLock l(&mu_);
+  const std::string prefix = dir == "/" ? dir : dir + "/";
+  std::vector<std::string> out;
+  for (const auto& [path, contents] : files_) {
+    if (path.compare(0, prefix.size(), prefix) == 0 &&
+        path.find('/', prefix.size()) == std::string::npos) {
+      out.push_back(path.substr(prefix.size()));
+    }
+  }
+  return out;
+}
+
 absl::Status MemEnv::RenameFile(const std::string& from, const std::string& to) {
   absl::MutexLock l(&mu_);
   auto it = files_.find(from);

@@ -57,6 +57,9 @@ class FaultInjectionEnv : public Env {
                                                                 uint32_t mode) override;
   absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
   bool FileExists(const std::string& path) override { return base_->FileExists(path); }
+  absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) override {
+    return base_->GetChildren(dir);
+  }
   absl::Status RenameFile(const std::string& from, const std::string& to) override;
   absl::Status DeleteFile(const std::string& path) override { return base_->DeleteFile(path); }
   absl::Status SyncDir(const std::string& dir) override;
@@ -100,6 +103,7 @@ class MemEnv : public Env {
                                                                 uint32_t mode) override;
   absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
   bool FileExists(const std::string& path) override;
+  absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) override;
   absl::Status RenameFile(const std::string& from, const std::string& to) override;
   absl::Status DeleteFile(const std::string& path) override;
   absl::Status SyncDir(const std::string&) override { return absl::OkStatus(); }

@@ -12,6 +12,7 @@
 // bf16 rounding, so a wrong operation order, a missing term or a wrong
 // scalar (e.g. bias correction of the wrong step) fails it.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -150,6 +151,117 @@ TEST_P(AdamKernelTest, NullOutputAndAliasedFp32Output) {
   for (size_t i = 0; i < 1000; ++i) ASSERT_TRUE(SameBits(a.master[i], b.master[i])) << i;
 }
 
+// The streaming variants take their non-temporal path only when the arrays
+// they write line up after the head step; std::vector's buffers rarely do.
+// Here every array sits at a chosen offset from a 64-byte boundary, so each
+// variant runs both its streaming body (equal offsets) and its fallback
+// (unequal ones), and must equal the scalar kernel bit for bit either way.
+TEST_P(AdamKernelTest, AlignedAndMisalignedArraysMatchScalar) {
+  const DType grad_dtype = std::get<1>(GetParam());
+  const DType param_dtype = std::get<2>(GetParam());
+  const size_t n = 4096 + 37;
+  const AdamScalars s = MakeAdamScalars(Group(), true, 7, 1.0, 1.0);
+  struct Offsets {
+    size_t master, m, v, out;
+  };
+  for (const Offsets o : {Offsets{0, 0, 0, 0}, Offsets{5, 5, 5, 5}, Offsets{16, 16, 16, 16},
+                          Offsets{3, 3, 3, 11}, Offsets{0, 1, 0, 0}, Offsets{2, 2, 9, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "offsets " << o.master << "," << o.m << "," << o.v << ","
+                                      << o.out);
+    const AdamBuffers src(n, grad_dtype, param_dtype, 0, /*seed=*/o.master * 31 + o.out);
+    AdamBuffers want = src;
+    internal::AdamScalarKernel(s, want.Span());
+    constexpr size_t kPad = 64;  // floats of slack in front of each array
+    auto alloc = [](size_t bytes) {
+      return static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    };
+    const size_t out_size = DTypeSize(param_dtype);
+    char* p = alloc((n + kPad) * 4);
+    char* m = alloc((n + kPad) * 4);
+    char* v = alloc((n + kPad) * 4);
+    char* out = alloc((n + kPad) * out_size);
+    float* pf = reinterpret_cast<float*>(p) + o.master;
+    float* mf = reinterpret_cast<float*>(m) + o.m;
+    float* vf = reinterpret_cast<float*>(v) + o.v;
+    char* of = out + o.out * out_size;
+    std::memcpy(pf, src.master.data(), n * 4);
+    std::memcpy(mf, src.exp_avg.data(), n * 4);
+    std::memcpy(vf, src.exp_avg_sq.data(), n * 4);
+    std::memset(of, 0, n * out_size);
+    variant_.adam(s, AdamSpan{src.grad.data(), grad_dtype, pf, mf, vf, of, param_dtype, n});
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(SameBits(pf[i], want.master[i])) << i;
+      ASSERT_TRUE(SameBits(mf[i], want.exp_avg[i])) << i;
+      ASSERT_TRUE(SameBits(vf[i], want.exp_avg_sq[i])) << i;
+      ASSERT_EQ(0, std::memcmp(of + i * out_size, want.out.data() + i * out_size, out_size)) << i;
+    }
+    std::free(p);
+    std::free(m);
+    std::free(v);
+    std::free(out);
+  }
+}
+
+// Compact state: the step equals the fp32 step on the widened moments (same
+// p and trainer weight, bit for bit), then m is stored with dtype.h's
+// nearest rounding and v with StochasticRoundBF16 of the documented bits.
+TEST_P(AdamKernelTest, CompactStateIsTheFp32StepThenTheDocumentedRounding) {
+  const DType grad_dtype = std::get<1>(GetParam());
+  const DType param_dtype = std::get<2>(GetParam());
+  for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, size_t{4099}, (size_t{1} << 16) + 3}) {
+    for (bool decoupled : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " decoupled=" << decoupled);
+      const size_t offset = n % 3;
+      AdamBuffers buf(n, grad_dtype, param_dtype, offset, /*seed=*/n + 17 * decoupled);
+      std::vector<uint16_t> m16(n + offset), v16(n + offset);
+      for (size_t i = 0; i < n + offset; ++i) {
+        m16[i] = FloatToBF16(buf.exp_avg[i]);
+        v16[i] = FloatToBF16(buf.exp_avg_sq[i]);
+      }
+      if (n >= 22) {  // non-finite moments take the NaN / inf paths of every variant
+        v16[offset + 3] = 0x7fc1;
+        v16[offset + 5] = 0x7f80;
+        m16[offset + 7] = 0xffc0;
+        v16[offset + 20] = 0x7f7f;  // largest finite bf16: may round up to inf
+      }
+      for (size_t i = 0; i < n + offset; ++i) {
+        buf.exp_avg[i] = BF16ToFloat(m16[i]);
+        buf.exp_avg_sq[i] = BF16ToFloat(v16[i]);
+      }
+      AdamBuffers want = buf;
+      const AdamScalars s = MakeAdamScalars(Group(), decoupled, 3, 1024.0, 0.37);
+      internal::AdamScalarKernel(s, want.Span());
+      AdamSpan compact = buf.Span();
+      compact.exp_avg = nullptr;
+      compact.exp_avg_sq = nullptr;
+      compact.exp_avg_bf16 = m16.data() + offset;
+      compact.exp_avg_sq_bf16 = v16.data() + offset;
+      compact.element_offset = 1000003 * n;
+      variant_.adam(s, compact);
+      // NaN payloads may differ between variants (operand order of commutative
+      // operations); a NaN must stay NaN.
+      auto same = [](uint32_t a, uint32_t b, bool a_nan, bool b_nan) {
+        return a == b || (a_nan && b_nan);
+      };
+      auto bf16_nan = [](uint16_t h) { return (h & 0x7fff) > 0x7f80; };
+      for (size_t i = 0; i < n; ++i) {
+        const size_t k = i + offset;
+        ASSERT_TRUE(same(FloatToBits(buf.master[k]), FloatToBits(want.master[k]),
+                         std::isnan(buf.master[k]), std::isnan(want.master[k])))
+            << i;
+        const uint16_t m_want = FloatToBF16(want.exp_avg[k]);
+        const uint16_t v_want = StochasticRoundBF16(
+            want.exp_avg_sq[k], RoundingBits(s.rounding_seed, compact.element_offset + i));
+        ASSERT_TRUE(same(m16[k], m_want, bf16_nan(m16[k]), bf16_nan(m_want))) << i;
+        ASSERT_TRUE(same(v16[k], v_want, bf16_nan(v16[k]), bf16_nan(v_want))) << i;
+        if (!std::isnan(want.master[k])) {
+          ASSERT_EQ(buf.OutBits(i), want.OutBits(i)) << i;
+        }
+      }
+    }
+  }
+}
+
 std::string Name(const ::testing::TestParamInfo<AdamKernelTest::ParamType>& info) {
   return std::string(std::get<0>(info.param)) + "_grad_" +
          std::string(DTypeName(std::get<1>(info.param))) + "_out_" +
@@ -158,7 +270,8 @@ std::string Name(const ::testing::TestParamInfo<AdamKernelTest::ParamType>& info
 
 INSTANTIATE_TEST_SUITE_P(
     AllVariants, AdamKernelTest,
-    ::testing::Combine(::testing::Values("scalar", "avx2", "avx512", "avx512bf16"),
+    ::testing::Combine(::testing::Values("scalar", "avx2", "avx512", "avx512bf16", "avx512_ntout",
+                                         "avx512_ntall", "avx512bf16_ntout", "avx512bf16_ntall"),
                        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16)),
     Name);
@@ -175,6 +288,48 @@ TEST(AdamScalarsTest, MatchesTorchFormulas) {
   const AdamScalars l2 = MakeAdamScalars(g, false, 1, 1.0, 1.0);
   EXPECT_EQ(l2.decay_factor, 1.0f);
   EXPECT_EQ(l2.l2_weight_decay, 0.01f);
+}
+
+TEST(CompactRoundingTest, StochasticRoundingIsUnbiasedAndStaysWithinOneUlp) {
+  // x = 1 + 0.3 ulp(bf16): nearest rounding always gives 1.0; stochastic
+  // rounding gives 1 + ulp with probability 0.3.
+  const float x = BitsToFloat(0x3f800000u + static_cast<uint32_t>(0.3 * 65536));
+  double sum = 0;
+  constexpr int kN = 200000;
+  for (int i = 0; i < kN; ++i) {
+    const uint16_t h = StochasticRoundBF16(x, RoundingBits(12345, i));
+    ASSERT_TRUE(h == 0x3f80 || h == 0x3f81) << h;
+    sum += BF16ToFloat(h);
+  }
+  EXPECT_NEAR(sum / kN, x, 0.01 * 0x1p-7);  // mean within 1% of an ulp
+  EXPECT_EQ(StochasticRoundBF16(1.0f, 0xffff), 0x3f80);  // exact values stay exact
+  EXPECT_EQ(StochasticRoundBF16(BitsToFloat(0x7f800000u), 0xffff), 0x7f80);
+  EXPECT_EQ(StochasticRoundBF16(BitsToFloat(0x7fc00001u), 0), FloatToBF16(BitsToFloat(0x7fc00001u)));
+}
+
+// The reason v is rounded stochastically: with zero gradients v must decay
+// as beta2^t. Nearest rounding would keep every v at its start value
+// (0.999 v rounds back to v in bf16); stochastic rounding tracks the decay.
+TEST(CompactRoundingTest, SecondMomentDecaysLikeFp32) {
+  constexpr size_t kN = 4096;
+  constexpr int kSteps = 1000;
+  std::vector<uint16_t> grad(kN, 0), m16(kN, 0), v16(kN, FloatToBF16(1.0f));
+  std::vector<float> master(kN, 1.0f);
+  const GroupStepParams group{1e-3, 0.9, 0.999, 1e-8, 0.0};
+  for (int step = 1; step <= kSteps; ++step) {
+    AdamSpan span{grad.data(), DType::kBF16, master.data(), nullptr, nullptr, nullptr,
+                  DType::kBF16, kN};
+    span.exp_avg_bf16 = m16.data();
+    span.exp_avg_sq_bf16 = v16.data();
+    AdamKernel(BestIsa())(MakeAdamScalars(group, true, step, 1.0, 1.0), span);
+  }
+  double mean = 0;
+  for (uint16_t h : v16) mean += BF16ToFloat(h);
+  mean /= kN;
+  const double want = std::pow(0.999, kSteps);  // 0.368
+  EXPECT_NEAR(mean, want, 0.02 * want);
+  // Nearest rounding, for contrast, never moves.
+  EXPECT_EQ(FloatToBF16(0.999f * 1.0f), FloatToBF16(1.0f));
 }
 
 TEST(IsaTest, ParseNameAndCap) {

@@ -1,6 +1,9 @@
 // CpuUpdater: tiled parallel runs equal the kernel run serially, bit for bit
 // (Adam is not idempotent, so a tile run twice or skipped shows up), also
 // with concurrent callers; AllFinite over many runs; FirstTouch.
+#include <pthread.h>
+#include <sched.h>
+
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -73,6 +76,68 @@ TEST(CpuUpdaterTest, EqualsSerialKernelForEveryIsaAndTileSize) {
       ExpectSameState(parallel, serial);
     }
   }
+}
+
+// Streaming stores and pinned threads change where results go and which core
+// computes them, never the bits.
+TEST(CpuUpdaterTest, StoresAndPinningKeepResultsBitIdentical) {
+  for (Stores stores : {Stores::kCached, Stores::kStreamOut, Stores::kStreamAll}) {
+    for (bool pin : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "stores=" << static_cast<int>(stores) << " pin=" << pin);
+      CpuUpdater updater({.threads = 3, .tile_elems = 4096, .stores = stores, .pin_threads = pin});
+      EXPECT_EQ(updater.stores(), stores);
+      Workload parallel = MakeWorkload(3), serial = MakeWorkload(3);
+      for (int step = 0; step < 2; ++step) {
+        updater.Run(parallel.items);
+        RunSerially(serial, updater.isa());
+      }
+      ExpectSameState(parallel, serial);
+    }
+  }
+}
+
+// Compact state through the tiles: each tile hashes its own element_offset,
+// so the tiled run equals one serial call over the whole run, bit for bit.
+TEST(CpuUpdaterTest, CompactStateTiledEqualsSerial) {
+  constexpr size_t kN = 300001;
+  AdamBuffers a(kN, DType::kBF16, DType::kBF16, 1, 9);
+  AdamBuffers b = a;
+  std::vector<uint16_t> am(kN + 1), av(kN + 1);
+  for (size_t i = 0; i < kN + 1; ++i) {
+    am[i] = FloatToBF16(a.exp_avg[i]);
+    av[i] = FloatToBF16(a.exp_avg_sq[i]);
+  }
+  std::vector<uint16_t> bm = am, bv = av;
+  auto compact = [](AdamBuffers& buf, std::vector<uint16_t>& m, std::vector<uint16_t>& v) {
+    AdamSpan s = buf.Span();
+    s.exp_avg = s.exp_avg_sq = nullptr;
+    s.exp_avg_bf16 = m.data() + 1;
+    s.exp_avg_sq_bf16 = v.data() + 1;
+    s.element_offset = 77;
+    return s;
+  };
+  for (Stores stores : {Stores::kCached, Stores::kStreamOut, Stores::kStreamAll}) {
+    CpuUpdater updater({.threads = 3, .tile_elems = 4096, .stores = stores});
+    const AdamScalars s = MakeAdamScalars({1e-3, 0.9, 0.999, 1e-8, 0.01}, true,
+                                          2 + static_cast<int>(stores), 1.0, 1.0);
+    const CpuUpdater::Item item{s, compact(a, am, av)};
+    updater.Run({&item, 1});
+    AdamKernel(updater.isa())(s, compact(b, bm, bv));
+    ASSERT_EQ(std::memcmp(a.master.data(), b.master.data(), a.master.size() * 4), 0);
+    ASSERT_EQ(am, bm);
+    ASSERT_EQ(av, bv);
+    ASSERT_EQ(a.out, b.out);
+  }
+}
+
+TEST(CpuUpdaterTest, PinningLeavesTheCallersAffinityAlone) {
+  cpu_set_t before, after;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof before, &before), 0);
+  CpuUpdater updater({.threads = 2, .tile_elems = 1024, .pin_threads = true});
+  Workload w = MakeWorkload(5);
+  updater.Run(w.items);
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof after, &after), 0);
+  EXPECT_TRUE(CPU_EQUAL(&before, &after));
 }
 
 TEST(CpuUpdaterTest, ConcurrentCallersShareTheArena) {

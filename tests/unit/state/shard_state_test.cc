@@ -1,0 +1,122 @@
+#include "daemon/state/shard_state.h"
+
+#include <numeric>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace dos {
+namespace {
+
+std::vector<TensorInfo> Tensors(std::vector<uint64_t> sizes) {
+  std::vector<TensorInfo> out;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out.push_back(TensorInfo{.name = "t" + std::to_string(i), .numel = sizes[i]});
+  }
+  return out;
+}
+
+TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
+  HostMemoryBudget budget(0);
+  auto s = ShardState::Create(Tensors({7, 22, 1, 64}), {GroupConfig{}}, 10, &budget, "test");
+  ASSERT_TRUE(s.ok()) << s.status();
+  const ShardState& shard = **s;
+  EXPECT_EQ(shard.total_params(), 94u);
+  ASSERT_EQ(shard.subgroups().size(), 10u);  // ceil(94 / 10)
+  uint64_t flat = 0;
+  for (const Subgroup& g : shard.subgroups()) {
+    EXPECT_EQ(g.flat_begin, flat);
+    uint64_t covered = 0;
+    for (const SubgroupSegment& seg : g.segments) {
+      EXPECT_EQ(seg.subgroup_offset, covered);
+      const TensorInfo& t = shard.tensors()[seg.tensor];
+      EXPECT_EQ(t.flat_offset + seg.tensor_offset, g.flat_begin + seg.subgroup_offset);
+      EXPECT_LE(seg.tensor_offset + seg.count, t.numel);
+      covered += seg.count;
+    }
+    EXPECT_EQ(covered, g.numel);
+    flat += g.numel;
+  }
+  EXPECT_EQ(flat, 94u);
+  // Subgroup 0 = all of t0 (7) + 3 of t1; subgroup 2 = [20, 30): the last 9 of t1, then t2.
+  ASSERT_EQ(shard.subgroups()[0].segments.size(), 2u);
+  EXPECT_EQ(shard.subgroups()[0].segments[1].tensor, 1u);
+  EXPECT_EQ(shard.subgroups()[0].segments[1].count, 3u);
+  ASSERT_EQ(shard.subgroups()[2].segments.size(), 2u);
+  EXPECT_EQ(shard.subgroups()[2].segments[1].tensor, 2u);
+}
+
+TEST(ShardStateTest, StateStartsZeroAndTensorsRoundTrip) {
+  HostMemoryBudget budget(0);
+  auto s = ShardState::Create(Tensors({5, 13, 9}), {GroupConfig{}}, 4, &budget, "test");
+  ASSERT_TRUE(s.ok());
+  ShardState& shard = **s;
+  for (uint32_t t = 0; t < 3; ++t) {
+    uint64_t n = shard.tensors()[t].numel;
+    for (int which = 0; which < 3; ++which) {
+      std::vector<float> zero(n, 1.0f);
+      shard.ReadTensor(t, which, zero.data());
+      for (float x : zero) EXPECT_EQ(x, 0.0f);
+      std::vector<float> in(n), out(n);
+      std::iota(in.begin(), in.end(), 100.0f * t + 10.0f * which);
+      shard.WriteTensor(t, which, in.data());
+      shard.ReadTensor(t, which, out.data());
+      EXPECT_EQ(in, out) << "tensor " << t << " array " << which;
+    }
+  }
+  // Writes to one tensor must not leak into its neighbours.
+  std::vector<float> t1(13);
+  shard.ReadTensor(1, 0, t1.data());
+  EXPECT_EQ(t1[0], 100.0f);
+  EXPECT_EQ(t1[12], 112.0f);
+}
+
+TEST(ShardStateTest, BudgetIsReservedAndReleased) {
+  HostMemoryBudget budget(1000 * 12);
+  {
+    auto a = ShardState::Create(Tensors({600}), {GroupConfig{}}, 128, &budget, "a");
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(budget.used(), 600u * 12);
+    auto b = ShardState::Create(Tensors({401}), {GroupConfig{}}, 128, &budget, "register b");
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(b.status().message().find("register b needs"), absl::string_view::npos)
+        << b.status();
+    EXPECT_NE(b.status().message().find("4812 bytes"), absl::string_view::npos) << b.status();
+    EXPECT_EQ(budget.used(), 600u * 12);
+    auto c = ShardState::Create(Tensors({400}), {GroupConfig{}}, 128, &budget, "c");
+    EXPECT_TRUE(c.ok());
+    EXPECT_EQ(budget.used(), 1000u * 12);
+  }
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(ShardStateTest, RejectsEmptyShardAndZeroSubgroupSize) {
+  HostMemoryBudget budget(0);
+  EXPECT_EQ(ShardState::Create({}, {GroupConfig{}}, 8, &budget, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShardState::Create(Tensors({3}), {GroupConfig{}}, 0, &budget, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(HostMemoryBudgetTest, UnlimitedAndOverflowSafe) {
+  HostMemoryBudget unlimited(0);
+  EXPECT_TRUE(unlimited.Reserve(uint64_t{1} << 62, "big").ok());
+  HostMemoryBudget b(100);
+  EXPECT_TRUE(b.Reserve(60, "x").ok());
+  EXPECT_FALSE(b.Reserve(UINT64_MAX, "x").ok());  // must not wrap around
+  EXPECT_FALSE(b.Reserve(41, "x").ok());
+  EXPECT_TRUE(b.Reserve(40, "x").ok());
+  b.Release(100);
+  EXPECT_EQ(b.used(), 0u);
+}
+
+TEST(FormatBytesTest, HumanUnits) {
+  EXPECT_EQ(FormatBytes(12), "12 B");
+  EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
+  EXPECT_EQ(FormatBytes(uint64_t{3} << 30), "3.00 GiB");
+}
+
+}  // namespace
+}  // namespace dos
