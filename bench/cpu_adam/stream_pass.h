@@ -1,35 +1,47 @@
-// The benchmark's host-memory yardstick: a STREAM-like pass with the Adam
-// kernel's access pattern and byte count but (almost) no arithmetic. Per
-// element it reads a bf16 gradient and the fp32 p, m, v, and writes p, m, v
-// back plus a bf16 weight: 4 streams read, 4 written, 28 bytes, exactly what
-// the kernel moves for bf16 gradients and bf16 weights. Not thread-safe per
-// call: run it from one thread; it parallelises inside the given arena.
+// The benchmark's host-memory yardsticks: STREAM-like passes with (almost) no
+// arithmetic, shaped as Adam kernels (AdamKernelFn) so that CpuUpdater runs
+// them over exactly the tiles, threads, partition and pinning the kernel
+// gets (CpuUpdater::RunKernel). Spans carry a bf16 gradient and a bf16
+// weight out.
+//   adam:      reads the bf16 gradient and fp32 p, m, v, writes p, m, v back
+//              plus a bf16 weight: 4 streams read, 4 written, 28 bytes, exactly
+//              what the kernel moves for bf16 gradients and bf16 weights;
+//              ordinary stores, or non-temporal ones for the weight only
+//              ("ntout") or for everything written ("ntall"), as the kernel's
+//              Stores choice does.
+//   read:      reads the bf16 gradient and p, m, v (14 bytes), writes nothing
+//              (one 64-byte line per tile).
+//   triad:     p = m + s * v (STREAM triad): 8 bytes read, 4 written, counted
+//              as 12 as STREAM does (the read-for-ownership of p is extra).
+// Thread-safety: pure functions of their arguments.
 #pragma once
 
-#include <oneapi/tbb/task_arena.h>
-
 #include <cstddef>
-#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "daemon/cpu/adam_kernel.h"
 
 namespace dos::bench {
 
-struct StreamArrays {
-  const uint16_t* grad;
-  float* p;
-  float* m;
-  float* v;
-  uint16_t* out;
-  size_t n;
+struct Yardstick {
+  std::string_view name;  // "adam", "adam_ntout", "adam_ntall", "read", "triad"
+  cpu::AdamKernelFn fn;
+  size_t bytes_per_element;  // bytes counted per element
 };
 
-inline constexpr size_t kStreamBytesPerElement = 2 + 12 + 12 + 2;
-
-// One pass over all n elements, tiled like CpuUpdater (static partition).
-void StreamPass(tbb::task_arena& arena, const StreamArrays& a, size_t tile_elems);
+// The yardsticks this CPU runs (AVX-512, else AVX2, else scalar code).
+std::vector<Yardstick> Yardsticks();
 
 namespace internal {
-void StreamTileAvx2(const StreamArrays& a, size_t begin, size_t end);
-void StreamTileAvx512(const StreamArrays& a, size_t begin, size_t end);
+void AdamPassAvx512(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void AdamPassNtOutAvx512(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void AdamPassNtAllAvx512(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void ReadPassAvx512(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void TriadPassAvx512(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void AdamPassAvx2(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void ReadPassAvx2(const cpu::AdamScalars&, const cpu::AdamSpan& s);
+void TriadPassAvx2(const cpu::AdamScalars&, const cpu::AdamSpan& s);
 }  // namespace internal
 
 }  // namespace dos::bench

@@ -71,7 +71,39 @@ inline void StoreParam(void* out, size_t i, __m256 p) {
   }
 }
 
-template <DType G, DType P, bool kWriteOut, bool kL2>
+// Compact state (adam_kernel.h): bf16 moments widened exactly, m stored with
+// RoundToBF16 (dtype.h's rounding), v with the stochastic rounding.
+inline __m256 WidenBF16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// RoundingBits() of elements index0 .. index0 + 7.
+inline __m256i RoundingBits8(uint32_t seed, uint64_t index0) {
+  __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(index0))),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  h = _mm256_add_epi32(_mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x9e3779b1u))),
+                       _mm256_set1_epi32(static_cast<int>(seed)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  return _mm256_srli_epi32(h, 16);
+}
+
+inline __m128i StochasticRoundBF16x8(__m256 x, __m256i bits16) {
+  __m128i h = Narrow(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), bits16), 16));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  if (__builtin_expect(!_mm256_testz_ps(nan, nan), 0)) {
+    const __m256i n32 = _mm256_castps_si256(nan);
+    const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n32), _mm256_extracti128_si256(n32, 1));
+    h = _mm_blendv_epi8(h, RoundToBF16(x), n16);
+  }
+  return h;
+}
+
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
 void Loop(const AdamScalars& sc, const AdamSpan& span) {
   const __m256 beta1 = _mm256_set1_ps(sc.beta1), beta2 = _mm256_set1_ps(sc.beta2);
   const __m256 omb1 = _mm256_set1_ps(sc.one_minus_beta1);
@@ -86,8 +118,14 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
   for (size_t i = 0; i < n_vec; i += kLanes) {
     __m256 g = LoadGrad<G>(span.grad, i);
     __m256 p = _mm256_loadu_ps(span.master + i);
-    __m256 m = _mm256_loadu_ps(span.exp_avg + i);
-    __m256 v = _mm256_loadu_ps(span.exp_avg_sq + i);
+    __m256 m, v;
+    if constexpr (kCompact) {
+      m = WidenBF16(span.exp_avg_bf16 + i);
+      v = WidenBF16(span.exp_avg_sq_bf16 + i);
+    } else {
+      m = _mm256_loadu_ps(span.exp_avg + i);
+      v = _mm256_loadu_ps(span.exp_avg_sq + i);
+    }
     g = _mm256_mul_ps(_mm256_mul_ps(g, inv_scale), clip);
     if constexpr (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(l2, p));
     p = _mm256_mul_ps(p, decay);
@@ -96,8 +134,14 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
     _mm256_storeu_ps(span.master + i, p);
-    _mm256_storeu_ps(span.exp_avg + i, m);
-    _mm256_storeu_ps(span.exp_avg_sq + i, v);
+    if constexpr (kCompact) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(span.exp_avg_bf16 + i), RoundToBF16(m));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(span.exp_avg_sq_bf16 + i),
+                       StochasticRoundBF16x8(v, RoundingBits8(sc.rounding_seed, span.element_offset + i)));
+    } else {
+      _mm256_storeu_ps(span.exp_avg + i, m);
+      _mm256_storeu_ps(span.exp_avg_sq + i, v);
+    }
     if constexpr (kWriteOut) StoreParam<P>(span.param_out, i, p);
   }
   if (n_vec < span.n) {
@@ -105,8 +149,14 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
     const size_t gsize = DTypeSize(span.grad_dtype);
     tail.grad = static_cast<const char*>(span.grad) + n_vec * gsize;
     tail.master += n_vec;
-    tail.exp_avg += n_vec;
-    tail.exp_avg_sq += n_vec;
+    if constexpr (kCompact) {
+      tail.exp_avg_bf16 += n_vec;
+      tail.exp_avg_sq_bf16 += n_vec;
+      tail.element_offset += n_vec;
+    } else {
+      tail.exp_avg += n_vec;
+      tail.exp_avg_sq += n_vec;
+    }
     if (span.param_out != nullptr) {
       tail.param_out = static_cast<char*>(span.param_out) + n_vec * DTypeSize(span.param_dtype);
     }
@@ -117,10 +167,12 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
 
 template <DType G, DType P, bool kWriteOut>
 void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
+  const bool compact = IsCompact(span);
   if (s.l2_weight_decay != 0.0f) {
-    Loop<G, P, kWriteOut, true>(s, span);
+    compact ? Loop<G, P, kWriteOut, true, true>(s, span) : Loop<G, P, kWriteOut, true, false>(s, span);
   } else {
-    Loop<G, P, kWriteOut, false>(s, span);
+    compact ? Loop<G, P, kWriteOut, false, true>(s, span)
+            : Loop<G, P, kWriteOut, false, false>(s, span);
   }
 }
 

@@ -43,6 +43,12 @@ bool AllFiniteImpl(const void* grad, size_t n) {
 }  // namespace
 
 void AdamAvx512Kernel(const AdamScalars& s, const AdamSpan& span) { AdamAvx512<false>(s, span); }
+void AdamAvx512StreamOutKernel(const AdamScalars& s, const AdamSpan& span) {
+  AdamAvx512<false, 1>(s, span);
+}
+void AdamAvx512StreamAllKernel(const AdamScalars& s, const AdamSpan& span) {
+  AdamAvx512<false, 2>(s, span);
+}
 
 bool AllFiniteAvx512(const void* grad, DType dtype, size_t n) {
   switch (dtype) {

@@ -7,5 +7,11 @@ namespace dos::cpu::internal {
 void AdamAvx512Bf16Kernel(const AdamScalars& s, const AdamSpan& span) {
   AdamAvx512<true>(s, span);
 }
+void AdamAvx512Bf16StreamOutKernel(const AdamScalars& s, const AdamSpan& span) {
+  AdamAvx512<true, 1>(s, span);
+}
+void AdamAvx512Bf16StreamAllKernel(const AdamScalars& s, const AdamSpan& span) {
+  AdamAvx512<true, 2>(s, span);
+}
 
 }  // namespace dos::cpu::internal

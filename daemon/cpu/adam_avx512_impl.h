@@ -27,10 +27,13 @@ inline __m512 LoadF32(const float* p, __mmask16 k) {
   return _mm512_loadu_ps(p);
 }
 
-template <bool kMasked>
+// kStream: non-temporal store (the caller guarantees 64-byte alignment).
+template <bool kMasked, bool kStream = false>
 inline void StoreF32(float* p, __mmask16 k, __m512 x) {
   if constexpr (kMasked) {
     _mm512_mask_storeu_ps(p, k, x);
+  } else if constexpr (kStream) {
+    _mm512_stream_ps(p, x);
   } else {
     _mm512_storeu_ps(p, x);
   }
@@ -42,10 +45,13 @@ inline __m256i LoadU16(const uint16_t* p, __mmask16 k) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-template <bool kMasked>
+// kStream: non-temporal store (the caller guarantees 32-byte alignment).
+template <bool kMasked, bool kStream = false>
 inline void StoreU16(uint16_t* p, __mmask16 k, __m256i x) {
   if constexpr (kMasked) {
     _mm256_mask_storeu_epi16(p, k, x);
+  } else if constexpr (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
   }
@@ -110,14 +116,14 @@ inline __m256i RoundToF16(__m512 p) {
   return h;
 }
 
-template <DType P, bool kNativeBf16, bool kMasked>
+template <DType P, bool kNativeBf16, bool kMasked, bool kStream>
 inline void StoreParam(void* out, size_t i, __mmask16 k, __m512 p) {
   if constexpr (P == DType::kF32) {
-    StoreF32<kMasked>(static_cast<float*>(out) + i, k, p);
+    StoreF32<kMasked, kStream>(static_cast<float*>(out) + i, k, p);
   } else if constexpr (P == DType::kBF16) {
-    StoreU16<kMasked>(static_cast<uint16_t*>(out) + i, k, RoundToBF16<kNativeBf16>(p));
+    StoreU16<kMasked, kStream>(static_cast<uint16_t*>(out) + i, k, RoundToBF16<kNativeBf16>(p));
   } else {
-    StoreU16<kMasked>(static_cast<uint16_t*>(out) + i, k, RoundToF16(p));
+    StoreU16<kMasked, kStream>(static_cast<uint16_t*>(out) + i, k, RoundToF16(p));
   }
 }
 
@@ -133,17 +139,55 @@ struct VecScalars {
         neg_step_size(_mm512_set1_ps(s.neg_step_size)),
         bias_correction2_sqrt(_mm512_set1_ps(s.bias_correction2_sqrt)),
         inv_grad_scale(_mm512_set1_ps(s.inv_grad_scale)),
-        clip_coef(_mm512_set1_ps(s.clip_coef)) {}
+        clip_coef(_mm512_set1_ps(s.clip_coef)),
+        rounding_seed(s.rounding_seed) {}
   __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2_weight_decay, decay_factor,
       neg_step_size, bias_correction2_sqrt, inv_grad_scale, clip_coef;
+  uint32_t rounding_seed;
 };
 
-template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16, bool kMasked>
+// kStream selects non-temporal stores for the weight out and, with
+// kStreamState, for p, m and v too (unmasked steps only; see Loop).
+inline __m512 WidenBF16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// RoundingBits() of elements index0 .. index0 + 15.
+inline __m512i RoundingBits16(uint32_t seed, uint64_t index0) {
+  __m512i h = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(index0))),
+                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x9e3779b1u))),
+                       _mm512_set1_epi32(static_cast<int>(seed)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  return _mm512_srli_epi32(h, 16);
+}
+
+// StochasticRoundBF16() on 16 lanes; NaN lanes take dtype.h's conversion.
+inline __m256i StochasticRoundBF16x16(__m512 x, __m512i bits16) {
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), bits16), 16);
+  __m256i h = _mm512_cvtepi32_epi16(r);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (__builtin_expect(nan != 0, 0)) h = _mm256_mask_blend_epi16(nan, h, RoundToBF16Int(x));
+  return h;
+}
+
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16, bool kMasked,
+          bool kStream = false, bool kStreamState = false, bool kCompact = false>
 inline void Step16(const VecScalars& s, const AdamSpan& span, size_t i, __mmask16 k) {
   __m512 g = LoadGrad<G, kMasked>(span.grad, i, k);
   __m512 p = LoadF32<kMasked>(span.master + i, k);
-  __m512 m = LoadF32<kMasked>(span.exp_avg + i, k);
-  __m512 v = LoadF32<kMasked>(span.exp_avg_sq + i, k);
+  __m512 m, v;
+  if constexpr (kCompact) {
+    m = WidenBF16(LoadU16<kMasked>(span.exp_avg_bf16 + i, k));
+    v = WidenBF16(LoadU16<kMasked>(span.exp_avg_sq_bf16 + i, k));
+  } else {
+    m = LoadF32<kMasked>(span.exp_avg + i, k);
+    v = LoadF32<kMasked>(span.exp_avg_sq + i, k);
+  }
   g = _mm512_mul_ps(_mm512_mul_ps(g, s.inv_grad_scale), s.clip_coef);
   if constexpr (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(s.l2_weight_decay, p));
   p = _mm512_mul_ps(p, s.decay_factor);
@@ -152,51 +196,116 @@ inline void Step16(const VecScalars& s, const AdamSpan& span, size_t i, __mmask1
   const __m512 denom =
       _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), s.bias_correction2_sqrt), s.eps);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(s.neg_step_size, m), denom));
-  StoreF32<kMasked>(span.master + i, k, p);
-  StoreF32<kMasked>(span.exp_avg + i, k, m);
-  StoreF32<kMasked>(span.exp_avg_sq + i, k, v);
-  if constexpr (kWriteOut) StoreParam<P, kNativeBf16, kMasked>(span.param_out, i, k, p);
+  StoreF32<kMasked, kStreamState>(span.master + i, k, p);
+  if constexpr (kCompact) {
+    StoreU16<kMasked, kStreamState>(span.exp_avg_bf16 + i, k, RoundToBF16<kNativeBf16>(m));
+    StoreU16<kMasked, kStreamState>(
+        span.exp_avg_sq_bf16 + i, k,
+        StochasticRoundBF16x16(v, RoundingBits16(s.rounding_seed, span.element_offset + i)));
+  } else {
+    StoreF32<kMasked, kStreamState>(span.exp_avg + i, k, m);
+    StoreF32<kMasked, kStreamState>(span.exp_avg_sq + i, k, v);
+  }
+  if constexpr (kWriteOut) {
+    StoreParam<P, kNativeBf16, kMasked, kStream>(span.param_out, i, k, p);
+  }
 }
 
-template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16>
-void Loop(const AdamScalars& scalars, const AdamSpan& span) {
-  const VecScalars s(scalars);
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16, bool kCompact,
+          bool kStream, bool kStreamState>
+void LoopBody(const VecScalars& s, const AdamSpan& span, size_t i) {
   const size_t n = span.n;
-  size_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    Step16<G, P, kWriteOut, kL2, kNativeBf16, false>(s, span, i, 0xffff);
+    Step16<G, P, kWriteOut, kL2, kNativeBf16, false, kStream, kStreamState, kCompact>(s, span, i,
+                                                                                      0xffff);
   }
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    Step16<G, P, kWriteOut, kL2, kNativeBf16, true>(s, span, i, k);
+    Step16<G, P, kWriteOut, kL2, kNativeBf16, true, false, false, kCompact>(s, span, i, k);
   }
 }
 
-template <DType G, DType P, bool kWriteOut, bool kNativeBf16>
-void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
-  if (s.l2_weight_decay != 0.0f) {
-    Loop<G, P, kWriteOut, true, kNativeBf16>(s, span);
+inline bool Aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Streaming variant (kStreamMode 1: the weight out only; 2: p, m, v and the
+// weight out): non-temporal stores skip the read-for-ownership of lines the
+// kernel overwrites whole and keep the streams out of the caches. They need
+// aligned addresses, so a masked head step brings the master array to a
+// 64-byte boundary; if the other written arrays are not then aligned too,
+// the run takes ordinary stores. Every lane computes exactly what the plain
+// loop computes: only how the results reach memory differs. The closing
+// sfence orders the weakly-ordered stores before whatever the caller uses to
+// publish the result.
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16, int kStreamMode,
+          bool kCompact>
+void Loop(const AdamScalars& scalars, const AdamSpan& span) {
+  const VecScalars s(scalars);
+  if constexpr (kStreamMode == 0) {
+    LoopBody<G, P, kWriteOut, kL2, kNativeBf16, kCompact, false, false>(s, span, 0);
   } else {
-    Loop<G, P, kWriteOut, false, kNativeBf16>(s, span);
+    const size_t head = ((64 - reinterpret_cast<uintptr_t>(span.master) % 64) % 64) / 4;
+    if (head >= span.n) {
+      LoopBody<G, P, kWriteOut, kL2, kNativeBf16, kCompact, false, false>(s, span, 0);
+      return;
+    }
+    if (head > 0) {
+      Step16<G, P, kWriteOut, kL2, kNativeBf16, true, false, false, kCompact>(
+          s, span, 0, static_cast<__mmask16>((1u << head) - 1));
+    }
+    constexpr uintptr_t kOutAlign = P == DType::kF32 ? 64 : 32;
+    const size_t out_size = P == DType::kF32 ? 4 : 2;
+    const bool out_ok =
+        !kWriteOut || Aligned(static_cast<const char*>(span.param_out) + head * out_size, kOutAlign);
+    bool state_ok = true;
+    if constexpr (kStreamMode == 2) {
+      state_ok = kCompact ? Aligned(span.exp_avg_bf16 + head, 32) &&
+                                Aligned(span.exp_avg_sq_bf16 + head, 32)
+                          : Aligned(span.exp_avg + head, 64) && Aligned(span.exp_avg_sq + head, 64);
+    }
+    if (out_ok && state_ok) {
+      LoopBody<G, P, kWriteOut, kL2, kNativeBf16, kCompact, kWriteOut, kStreamMode == 2>(s, span,
+                                                                                         head);
+      _mm_sfence();
+    } else {
+      LoopBody<G, P, kWriteOut, kL2, kNativeBf16, kCompact, false, false>(s, span, head);
+    }
   }
 }
 
-template <DType G, bool kNativeBf16>
+template <DType G, DType P, bool kWriteOut, bool kNativeBf16, int kStreamMode>
+void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
+  const bool compact = IsCompact(span);
+  if (s.l2_weight_decay != 0.0f) {
+    compact ? Loop<G, P, kWriteOut, true, kNativeBf16, kStreamMode, true>(s, span)
+            : Loop<G, P, kWriteOut, true, kNativeBf16, kStreamMode, false>(s, span);
+  } else {
+    compact ? Loop<G, P, kWriteOut, false, kNativeBf16, kStreamMode, true>(s, span)
+            : Loop<G, P, kWriteOut, false, kNativeBf16, kStreamMode, false>(s, span);
+  }
+}
+
+template <DType G, bool kNativeBf16, int kStreamMode>
 void DispatchParam(const AdamScalars& s, const AdamSpan& span) {
-  if (span.param_out == nullptr) return DispatchL2<G, DType::kF32, false, kNativeBf16>(s, span);
+  if (span.param_out == nullptr) {
+    return DispatchL2<G, DType::kF32, false, kNativeBf16, kStreamMode>(s, span);
+  }
   switch (span.param_dtype) {
-    case DType::kF32: return DispatchL2<G, DType::kF32, true, kNativeBf16>(s, span);
-    case DType::kBF16: return DispatchL2<G, DType::kBF16, true, kNativeBf16>(s, span);
-    case DType::kF16: return DispatchL2<G, DType::kF16, true, kNativeBf16>(s, span);
+    case DType::kF32: return DispatchL2<G, DType::kF32, true, kNativeBf16, kStreamMode>(s, span);
+    case DType::kBF16: return DispatchL2<G, DType::kBF16, true, kNativeBf16, kStreamMode>(s, span);
+    case DType::kF16: return DispatchL2<G, DType::kF16, true, kNativeBf16, kStreamMode>(s, span);
   }
 }
 
-template <bool kNativeBf16>
+// kStreamMode: 0 ordinary stores; 1 non-temporal weight out; 2 non-temporal
+// p, m, v and weight out.
+template <bool kNativeBf16, int kStreamMode = 0>
 void AdamAvx512(const AdamScalars& s, const AdamSpan& span) {
   switch (span.grad_dtype) {
-    case DType::kF32: return DispatchParam<DType::kF32, kNativeBf16>(s, span);
-    case DType::kBF16: return DispatchParam<DType::kBF16, kNativeBf16>(s, span);
-    case DType::kF16: return DispatchParam<DType::kF16, kNativeBf16>(s, span);
+    case DType::kF32: return DispatchParam<DType::kF32, kNativeBf16, kStreamMode>(s, span);
+    case DType::kBF16: return DispatchParam<DType::kBF16, kNativeBf16, kStreamMode>(s, span);
+    case DType::kF16: return DispatchParam<DType::kF16, kNativeBf16, kStreamMode>(s, span);
   }
 }
 

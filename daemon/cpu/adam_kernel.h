@@ -16,6 +16,24 @@
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   p += (-step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)   (addcdiv_ order)
 //   out = round_to(param_dtype, p)
+//
+// Compact state (optional, AdamSpan::exp_avg_bf16 set): m and v are held as
+// bf16, 8 instead of 12 bytes of state per element. The step computes in fp32
+// exactly as above (m and v widened exactly from bf16), updates p with the
+// unrounded fp32 m and v, and stores
+//   m -> bf16, round to nearest even (dtype.h's FloatToBF16)
+//   v -> bf16, stochastic rounding: round up with probability equal to the
+//        discarded fraction, from 16 random bits hash(rounding_seed, index).
+// Why v is rounded stochastically: with beta2 = 0.999 one step changes v by
+// about 0.1% of itself, less than half a bf16 ulp (2^-9 to 2^-8 relative), so
+// nearest rounding returns the old value: v stops decaying and only grows on
+// large gradients (a running maximum), which shrinks every later update.
+// Stochastic rounding is unbiased (E[round(v)] = v), so the moving average
+// keeps its expected value. m moves by ~10% a step (beta1 = 0.9), far above an
+// ulp, so nearest rounding (deterministic, no extra noise) serves it. The
+// random bits depend only on (rounding_seed, element_offset + i), so every
+// variant, tiling and thread count gives the same bits. Measured effect:
+// bench/cpu_adam/README.md.
 // Thread-safety: kernels are pure functions of their arguments.
 #pragma once
 
@@ -42,6 +60,7 @@ struct AdamScalars {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
   float inv_grad_scale;         // float(1 / grad_scale), as AMP computes it
   float clip_coef;
+  uint32_t rounding_seed;       // compact state: the step's stochastic-rounding seed
 };
 
 // `step` is the 1-based step being applied (after increment).
@@ -58,7 +77,38 @@ struct AdamSpan {
   void* param_out;  // may be null: no trainer weight to write
   DType param_dtype;
   size_t n;
+  // Compact state: when exp_avg_bf16 is set, m and v live here as bf16
+  // (exp_avg_sq_bf16 must be set too) and exp_avg / exp_avg_sq are ignored.
+  uint16_t* exp_avg_bf16 = nullptr;
+  uint16_t* exp_avg_sq_bf16 = nullptr;
+  // Index of element 0 within its tensor: the counter the stochastic
+  // rounding hashes (sub-spans of one run must carry their own offset).
+  uint64_t element_offset = 0;
 };
+
+inline bool IsCompact(const AdamSpan& s) { return s.exp_avg_bf16 != nullptr; }
+
+// The compact state's rounding, shared by every variant (vector kernels
+// reproduce these bit for bit). Random bits: murmur3's 32-bit finaliser over
+// index * golden ratio + seed; the top 16 bits.
+inline uint32_t RoundingBits(uint32_t seed, uint64_t index) {
+  uint32_t h = static_cast<uint32_t>(index) * 0x9e3779b1u + seed;
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h >> 16;
+}
+// Stochastic fp32 -> bf16: add 16 random bits below the kept ones and
+// truncate (rounds the magnitude up with probability fraction / 2^16). NaN
+// takes dtype.h's conversion (quiet NaN); inf stays inf; values within one
+// bf16 ulp of FLT_MAX may round to inf, as nearest rounding does above it.
+inline uint16_t StochasticRoundBF16(float x, uint32_t bits16) {
+  const uint32_t u = FloatToBits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return FloatToBF16(x);
+  return static_cast<uint16_t>((u + bits16) >> 16);
+}
 
 using AdamKernelFn = void (*)(const AdamScalars&, const AdamSpan&);
 
@@ -72,6 +122,20 @@ Isa BestIsa();
 bool IsaSupported(Isa isa);
 AdamKernelFn AdamKernel(Isa isa);
 
+// How the kernel writes its results. Non-temporal ("streaming") stores write
+// whole lines without reading them first (no read-for-ownership) and keep
+// the streams out of the caches: for runs far larger than the last-level
+// cache. Results are bit-identical whichever is chosen; only the AVX-512
+// kernels have streaming forms (other ISAs ignore the choice). A call that
+// streamed ends with an sfence, so its results are globally visible before
+// the caller signals completion.
+enum class Stores {
+  kCached = 0,     // ordinary stores
+  kStreamOut = 1,  // non-temporal stores for the trainer weight only
+  kStreamAll = 2,  // non-temporal stores for p, m, v and the trainer weight
+};
+AdamKernelFn AdamKernel(Isa isa, Stores stores);
+
 // True when all n gradients are finite (no inf, no NaN). Uses BestIsa().
 bool AllFinite(const void* grad, DType dtype, size_t n);
 
@@ -81,8 +145,10 @@ AllFiniteFn AllFiniteKernel(Isa isa);
 
 // Bytes of memory traffic one element must cause (gradient, p, m, v read;
 // p, m, v and the trainer weight written): what bandwidth figures count.
-inline constexpr size_t AdamBytesPerElement(DType grad, DType param) {
-  return DTypeSize(grad) + 12 + 12 + DTypeSize(param);
+// compact: bf16 m and v (8 bytes of state read and written instead of 12).
+inline constexpr size_t AdamBytesPerElement(DType grad, DType param, bool compact = false) {
+  const size_t state = compact ? 8 : 12;
+  return DTypeSize(grad) + state + state + DTypeSize(param);
 }
 
 }  // namespace dos::cpu

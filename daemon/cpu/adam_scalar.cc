@@ -35,35 +35,46 @@ inline void StoreParam(void* out, size_t i, float p) {
 // kL2 is hoisted out of the loop rather than adding 0 * p in decoupled mode:
 // 0 * inf would turn a finite gradient into NaN and -0 + 0 would flip signs
 // that PyTorch (which skips the add) keeps.
-template <DType G, DType P, bool kWriteOut, bool kL2>
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
 void Loop(const AdamScalars& s, const AdamSpan& span) {
   float* __restrict master = span.master;
   float* __restrict m_ptr = span.exp_avg;
   float* __restrict v_ptr = span.exp_avg_sq;
+  uint16_t* __restrict m16 = span.exp_avg_bf16;
+  uint16_t* __restrict v16 = span.exp_avg_sq_bf16;
   for (size_t i = 0; i < span.n; ++i) {
     float g = LoadGrad<G>(span.grad, i);
     float p = master[i];
     g = g * s.inv_grad_scale * s.clip_coef;
     if constexpr (kL2) g = g + s.l2_weight_decay * p;
     p = p * s.decay_factor;
-    const float m = s.beta1 * m_ptr[i] + s.one_minus_beta1 * g;
-    const float v = s.beta2 * v_ptr[i] + s.one_minus_beta2 * g * g;
+    const float m_old = kCompact ? BF16ToFloat(m16[i]) : m_ptr[i];
+    const float v_old = kCompact ? BF16ToFloat(v16[i]) : v_ptr[i];
+    const float m = s.beta1 * m_old + s.one_minus_beta1 * g;
+    const float v = s.beta2 * v_old + s.one_minus_beta2 * g * g;
     const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
     // (value * m) / denom, in the order torch's addcdiv_ evaluates it.
     p = p + (s.neg_step_size * m) / denom;
     master[i] = p;
-    m_ptr[i] = m;
-    v_ptr[i] = v;
+    if constexpr (kCompact) {
+      m16[i] = FloatToBF16(m);
+      v16[i] = StochasticRoundBF16(v, RoundingBits(s.rounding_seed, span.element_offset + i));
+    } else {
+      m_ptr[i] = m;
+      v_ptr[i] = v;
+    }
     if constexpr (kWriteOut) StoreParam<P>(span.param_out, i, p);
   }
 }
 
 template <DType G, DType P, bool kWriteOut>
 void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
+  const bool compact = IsCompact(span);
   if (s.l2_weight_decay != 0.0f) {
-    Loop<G, P, kWriteOut, true>(s, span);
+    compact ? Loop<G, P, kWriteOut, true, true>(s, span) : Loop<G, P, kWriteOut, true, false>(s, span);
   } else {
-    Loop<G, P, kWriteOut, false>(s, span);
+    compact ? Loop<G, P, kWriteOut, false, true>(s, span)
+            : Loop<G, P, kWriteOut, false, false>(s, span);
   }
 }
 

@@ -26,6 +26,9 @@ AdamScalars MakeAdamScalars(const GroupStepParams& group, bool decoupled_weight_
   // AMP's GradScaler unscales with float(1 / double(scale)).
   s.inv_grad_scale = static_cast<float>(1.0 / grad_scale);
   s.clip_coef = static_cast<float>(clip_coef);
+  // A different stream of rounding bits each step (compact state only).
+  s.rounding_seed = RoundingBits(0x5eed1234u, static_cast<uint64_t>(step)) << 16 |
+                    RoundingBits(0x0badf00du, static_cast<uint64_t>(step));
   return s;
 }
 

@@ -1,9 +1,13 @@
 #include "daemon/cpu/cpu_updater.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_scheduler_observer.h>
 
 #include <algorithm>
 #include <atomic>
@@ -59,15 +63,68 @@ void CallNoThrow(const char* what, const Fn& fn) {
 
 }  // namespace
 
+// Pins arena slot i to cpus_[i % size] on entry. A thread that is not one of
+// TBB's workers (the caller of Run) gets its previous mask back on exit, so
+// pinning never leaks into the daemon's other threads. Affinity calls that
+// fail (a restricted container) leave the thread where it was: pinning is a
+// placement hint, not a correctness condition.
+class CpuUpdater::Pinner : public tbb::task_scheduler_observer {
+ public:
+  explicit Pinner(tbb::task_arena& arena) : tbb::task_scheduler_observer(arena) {
+    cpu_set_t mask;
+    CPU_ZERO(&mask);
+    if (sched_getaffinity(0, sizeof mask, &mask) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &mask)) cpus_.push_back(c);
+      }
+    }
+    observe(true);
+  }
+  ~Pinner() override { observe(false); }
+
+  void on_scheduler_entry(bool is_worker) override {
+    const int slot = tbb::this_task_arena::current_thread_index();
+    if (cpus_.empty() || slot < 0) return;
+    if (!is_worker) {
+      saved_valid_ = pthread_getaffinity_np(pthread_self(), sizeof saved_, &saved_) == 0;
+    }
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus_[static_cast<size_t>(slot) % cpus_.size()], &one);
+    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+  }
+  void on_scheduler_exit(bool is_worker) override {
+    if (!is_worker && saved_valid_) {
+      pthread_setaffinity_np(pthread_self(), sizeof saved_, &saved_);
+      saved_valid_ = false;
+    }
+  }
+
+ private:
+  std::vector<int> cpus_;
+  // The calling thread's own mask while it is inside the arena.
+  static thread_local cpu_set_t saved_;
+  static thread_local bool saved_valid_;
+};
+
+thread_local cpu_set_t CpuUpdater::Pinner::saved_;
+thread_local bool CpuUpdater::Pinner::saved_valid_ = false;
+
 CpuUpdater::CpuUpdater(const CpuUpdaterOptions& options)
     : threads_(ResolveThreads(options.threads)),
       tile_elems_(RoundTile(options.tile_elems)),
       isa_(ResolveIsa(options.isa)),
-      kernel_(AdamKernel(isa_)),
+      stores_(options.stores),
+      kernel_(AdamKernel(isa_, stores_)),
       all_finite_(AllFiniteKernel(isa_)),
       arena_(threads_, /*reserved_for_masters=*/1) {
-  CallNoThrow("arena.initialize", [&] { arena_.initialize(); });
+  CallNoThrow("arena.initialize", [&] {
+    arena_.initialize();
+    if (options.pin_threads) pinner_ = std::make_unique<Pinner>(arena_);
+  });
 }
+
+CpuUpdater::~CpuUpdater() = default;
 
 size_t CpuUpdater::CountTiles(std::span<const Item> items, std::vector<size_t>* tile_start) const {
   tile_start->resize(items.size() + 1);
@@ -118,8 +175,14 @@ AdamSpan SubSpan(const AdamSpan& s, size_t begin, size_t end) {
   AdamSpan out = s;
   out.grad = static_cast<const char*>(s.grad) + begin * DTypeSize(s.grad_dtype);
   out.master = s.master + begin;
-  out.exp_avg = s.exp_avg + begin;
-  out.exp_avg_sq = s.exp_avg_sq + begin;
+  if (IsCompact(s)) {
+    out.exp_avg_bf16 = s.exp_avg_bf16 + begin;
+    out.exp_avg_sq_bf16 = s.exp_avg_sq_bf16 + begin;
+  } else {
+    out.exp_avg = s.exp_avg + begin;
+    out.exp_avg_sq = s.exp_avg_sq + begin;
+  }
+  out.element_offset = s.element_offset + begin;
   if (s.param_out != nullptr) {
     out.param_out = static_cast<char*>(s.param_out) + begin * DTypeSize(s.param_dtype);
   }
@@ -129,20 +192,27 @@ AdamSpan SubSpan(const AdamSpan& s, size_t begin, size_t end) {
 
 }  // namespace
 
-void CpuUpdater::Run(std::span<const Item> items) {
+void CpuUpdater::Run(std::span<const Item> items) { RunKernel(kernel_, items); }
+
+void CpuUpdater::RunKernel(AdamKernelFn kernel, std::span<const Item> items) {
   ForEachTile(items, [&](const Tile& t) {
     const Item& item = items[t.item];
-    kernel_(item.scalars, SubSpan(item.span, t.begin, t.end));
+    kernel(item.scalars, SubSpan(item.span, t.begin, t.end));
   });
 }
 
 void CpuUpdater::FirstTouch(std::span<const Item> items) {
   ForEachTile(items, [&](const Tile& t) {
     const AdamSpan& s = items[t.item].span;
-    const size_t bytes = (t.end - t.begin) * sizeof(float);
-    std::memset(s.master + t.begin, 0, bytes);
-    std::memset(s.exp_avg + t.begin, 0, bytes);
-    std::memset(s.exp_avg_sq + t.begin, 0, bytes);
+    const size_t n = t.end - t.begin;
+    std::memset(s.master + t.begin, 0, n * sizeof(float));
+    if (IsCompact(s)) {
+      std::memset(s.exp_avg_bf16 + t.begin, 0, n * sizeof(uint16_t));
+      std::memset(s.exp_avg_sq_bf16 + t.begin, 0, n * sizeof(uint16_t));
+    } else {
+      std::memset(s.exp_avg + t.begin, 0, n * sizeof(float));
+      std::memset(s.exp_avg_sq + t.begin, 0, n * sizeof(float));
+    }
   });
 }
 

@@ -19,6 +19,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -36,11 +37,20 @@ struct CpuUpdaterOptions {
   // Kernel variant; an ISA this CPU lacks falls back to the scalar kernel
   // (isa() says which one runs: the caller logs it, dos_cpu does not log).
   Isa isa = BestIsa();
+  // Non-temporal stores for the results (see Stores in adam_kernel.h).
+  // kStreamOut: measured 10-20% faster than kCached on nvidia-h200 at 16
+  // threads (the 2-byte weight stream skips its read-for-ownership, 30 -> 28
+  // bytes of DRAM traffic); kStreamAll was slower (bench/cpu_adam/README.md).
+  Stores stores = Stores::kStreamOut;
+  // Pin arena slot i to the i-th allowed CPU while it works in the arena
+  // (a calling thread gets its own affinity back when it leaves).
+  bool pin_threads = false;
 };
 
 class CpuUpdater {
  public:
   explicit CpuUpdater(const CpuUpdaterOptions& options);
+  ~CpuUpdater();
   CpuUpdater(const CpuUpdater&) = delete;
   CpuUpdater& operator=(const CpuUpdater&) = delete;
 
@@ -51,8 +61,12 @@ class CpuUpdater {
   };
   // Runs every item, tiled, in parallel in the arena; blocks until done.
   void Run(std::span<const Item> items);
+  // Run() with another function in place of the Adam kernel, over the same
+  // tiles, threads and partition: for benchmarks' memory yardsticks.
+  void RunKernel(AdamKernelFn kernel, std::span<const Item> items);
 
-  // Writes zeros to master, exp_avg and exp_avg_sq of every item with the
+  // Writes zeros to master, exp_avg and exp_avg_sq (or the compact bf16
+  // moments) of every item with the
   // tile partition Run() uses for the same list, so that freshly mapped pages
   // are first touched (and placed) by the threads that will update them. Call
   // it before filling or pinning the state (cudaHostRegister touches pages).
@@ -68,6 +82,7 @@ class CpuUpdater {
 
   int threads() const { return threads_; }
   Isa isa() const { return isa_; }
+  Stores stores() const { return stores_; }
   size_t tile_elems() const { return tile_elems_; }
 
  private:
@@ -88,9 +103,12 @@ class CpuUpdater {
   const int threads_;
   const size_t tile_elems_;
   const Isa isa_;
+  const Stores stores_;
   const AdamKernelFn kernel_;
   const AllFiniteFn all_finite_;
   tbb::task_arena arena_;
+  class Pinner;
+  std::unique_ptr<Pinner> pinner_;  // set when pin_threads
 };
 
 }  // namespace dos::cpu

@@ -69,6 +69,17 @@ AdamKernelFn AdamKernel(Isa isa) {
   return internal::AdamScalarKernel;
 }
 
+AdamKernelFn AdamKernel(Isa isa, Stores stores) {
+  if (stores == Stores::kCached || isa != Isa::kAvx512 || !IsaSupported(isa)) {
+    return AdamKernel(isa);
+  }
+  const bool bf16 = internal::CpuHasAvx512Bf16();
+  if (stores == Stores::kStreamOut) {
+    return bf16 ? internal::AdamAvx512Bf16StreamOutKernel : internal::AdamAvx512StreamOutKernel;
+  }
+  return bf16 ? internal::AdamAvx512Bf16StreamAllKernel : internal::AdamAvx512StreamAllKernel;
+}
+
 AllFiniteFn AllFiniteKernel(Isa isa) {
   if (!IsaSupported(isa)) return internal::AllFiniteScalar;
   switch (isa) {
@@ -94,13 +105,17 @@ std::vector<KernelVariant> AllKernelVariants() {
       {"avx2", Isa::kAvx2, AdamAvx2Kernel, AllFiniteAvx2},
       {"avx512", Isa::kAvx512, AdamAvx512Kernel, AllFiniteAvx512},
       {"avx512bf16", Isa::kAvx512, AdamAvx512Bf16Kernel, AllFiniteAvx512},
+      {"avx512_ntout", Isa::kAvx512, AdamAvx512StreamOutKernel, AllFiniteAvx512},
+      {"avx512_ntall", Isa::kAvx512, AdamAvx512StreamAllKernel, AllFiniteAvx512},
+      {"avx512bf16_ntout", Isa::kAvx512, AdamAvx512Bf16StreamOutKernel, AllFiniteAvx512},
+      {"avx512bf16_ntall", Isa::kAvx512, AdamAvx512Bf16StreamAllKernel, AllFiniteAvx512},
   };
 }
 
 std::vector<KernelVariant> SupportedKernelVariants() {
   std::vector<KernelVariant> out;
   for (const KernelVariant& k : AllKernelVariants()) {
-    const bool ok = k.name == "avx512bf16" ? CpuHasAvx512Bf16() : IsaSupported(k.isa);
+    const bool ok = k.name.starts_with("avx512bf16") ? CpuHasAvx512Bf16() : IsaSupported(k.isa);
     if (ok) out.push_back(k);
   }
   return out;

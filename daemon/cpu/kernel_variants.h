@@ -25,12 +25,17 @@ bool AllFiniteAvx2(const void* grad, DType dtype, size_t n);
 void AdamAvx512Kernel(const AdamScalars& s, const AdamSpan& span);
 // The same, rounding to bf16 with AVX512-BF16's vcvtneps2bf16.
 void AdamAvx512Bf16Kernel(const AdamScalars& s, const AdamSpan& span);
+// The same two with non-temporal stores (Stores::kStreamOut / kStreamAll).
+void AdamAvx512StreamOutKernel(const AdamScalars& s, const AdamSpan& span);
+void AdamAvx512StreamAllKernel(const AdamScalars& s, const AdamSpan& span);
+void AdamAvx512Bf16StreamOutKernel(const AdamScalars& s, const AdamSpan& span);
+void AdamAvx512Bf16StreamAllKernel(const AdamScalars& s, const AdamSpan& span);
 bool AllFiniteAvx512(const void* grad, DType dtype, size_t n);
 
 bool CpuHasAvx512Bf16();
 
 struct KernelVariant {
-  std::string_view name;  // "scalar", "avx2", "avx512", "avx512bf16"
+  std::string_view name;  // "scalar", "avx2", "avx512", "avx512bf16", "avx512_ntout", ...
   Isa isa;
   AdamKernelFn adam;
   AllFiniteFn all_finite;
