@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
+#include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
 #ifdef DOS_WITH_CUDA
 #include "daemon/gpu/gpu_engine.h"
@@ -48,6 +49,9 @@ ABSL_FLAG(int, gpu_device, 0,
 ABSL_FLAG(std::string, gpu_memory_budget, "0",
           "GPU memory `auto` may keep optimizer state resident in, beyond the staging slots, "
           "e.g. 12G; 0 = stream every GPU-path subgroup.");
+ABSL_FLAG(double, model_host_gbps, 0,
+          "Performance model: host memory GB/s that the CPU kernel and the DMA engines share "
+          "(M_host, measured by bench/update's probe); 0 = the built-in figure.");
 ABSL_FLAG(int, gpu_staging_slots, 3, "Subgroups in flight on the GPU path (staging slots).");
 ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
@@ -73,6 +77,7 @@ struct DaemonConfig {
   int gpu_device = 0;                // CUDA device; -1: CPU only
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 3;         // GPU-path subgroups in flight
+  double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off
   LogLevel log_level = LogLevel::kInfo;
@@ -141,6 +146,8 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         " is not a size; write e.g. 12G or 0"));
   }
   c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
+  c.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
+  if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
   c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
@@ -177,6 +184,7 @@ int Run(const DaemonConfig& config) {
     gpu::GpuEngineOptions gopt;
     gopt.device = config.gpu_device;
     gopt.staging_slots = config.gpu_staging_slots;
+    if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
     gopt.resident_budget_bytes = config.gpu_memory_budget;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
     gopt.timeline_path = config.gpu_timeline;
@@ -211,6 +219,16 @@ int Run(const DaemonConfig& config) {
     DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  // systemd (Type=notify): ready once the socket accepts calls; the watchdog
+  // pings only while the session table can be locked (a wedged daemon stops
+  // pinging and systemd restarts it). Both are no-ops outside systemd.
+  if (absl::Status st = SdNotify("READY=1"); !st.ok()) {
+    DOS_LOG_WARNING("daemon.sd_notify_failed", "error", st.message());
+  }
+  SdWatchdog watchdog([&sessions] {
+    sessions.List();
+    return true;
+  });
   DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
                config.socket_path, "cpu_threads", cpu_updater.threads(), "cpu_isa",
                cpu::IsaName(cpu_updater.isa()), "policy", FormatPolicy(config.default_policy),
@@ -219,6 +237,7 @@ int Run(const DaemonConfig& config) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  SdNotify("STOPPING=1").IgnoreError();
   server->GetHealthCheckService()->SetServingStatus(false);
   // Stop taking calls, then drain: each session finishes its in-flight step.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -54,7 +54,8 @@ for k, v in zip((2, 3, 4), inter):
 for key in ("h2d_gbps", "d2h_gbps", "both_gbps", "m_host_gbps", "cpu_gparams_alone", "cpu_gparams_under_dma"):
     results.append((f"update_probe_{key}", probe[key], "GB/s" if "gbps" in key else "Gparam/s"))
 try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                     stderr=subprocess.DEVNULL).strip()
 except Exception:
     commit = os.environ.get("DOS_COMMIT", "unknown")
 date = datetime.date.today().isoformat()

@@ -11,13 +11,16 @@ mkdir -p "$OUT"
 SOCK=/tmp/dos-bench.sock
 run_daemon() {  # $1: extra flags; leaves DPID set
   rm -f $SOCK
-  $BIN/dosd --socket=$SOCK --log_level=info $1 2>>"$OUT/dosd.log" &
+  $BIN/dosd --socket=$SOCK --log_level=info --model_host_gbps=$MHOST $1 2>>"$OUT/dosd.log" &
   DPID=$!
   for i in $(seq 100); do [ -S $SOCK ] && break; sleep 0.1; done
 }
 stop_daemon() { kill -TERM $DPID; wait $DPID; }
 
 echo "== probe"; $BIN/dos_bench_update_probe | tee "$OUT/probe.json"
+# The daemon's model starts from the M_host measured here, so its predictions
+# and the printed bound use the same input.
+MHOST=$(python3 -c "import json;print(json.load(open('$OUT/probe.json'))['m_host_gbps'])" 2>/dev/null || echo 0)
 echo "== policies (all state on host)"
 run_daemon "--gpu_timeline=$OUT/timeline.jsonl"
 $BIN/dos_bench_update_trainer --socket=$SOCK --params=$PARAMS --subgroup=$SUBGROUP --steps=${STEPS:-5} \

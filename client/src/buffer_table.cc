@@ -18,6 +18,13 @@ void BufferTable::Remove(std::string_view name) {
   std::erase_if(buffers_, [&](const Entry& e) { return e.name == name; });
 }
 
+bool BufferTable::Contains(const void* ptr) const {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  auto it = std::upper_bound(buffers_.begin(), buffers_.end(), p,
+                             [](uintptr_t v, const Entry& x) { return v < x.base; });
+  return it != buffers_.begin() && p - std::prev(it)->base < std::prev(it)->bytes;
+}
+
 absl::StatusOr<BufferRef> BufferTable::Resolve(const void* ptr, uint64_t bytes,
                                                const std::string& what) const {
   if (ptr == nullptr) {

@@ -36,6 +36,8 @@ class BufferTable {
   // INVALID_ARGUMENT, naming `what` (e.g. "tensor 'fc1.weight' param"), when
   // ptr is null, lies in no buffer, or the range overruns its buffer.
   absl::StatusOr<BufferRef> Resolve(const void* ptr, uint64_t bytes, const std::string& what) const;
+  // True when ptr lies inside a recorded buffer (whatever follows it).
+  bool Contains(const void* ptr) const;
 
   size_t size() const { return buffers_.size(); }
 

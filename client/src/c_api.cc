@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/include/dos/dos.h"
+#include "client/src/device_memory.h"
 #include "client/src/session.h"
 
 struct dos_session {
@@ -61,6 +62,8 @@ absl::Duration TimeoutFromMs(int64_t ms) {
 extern "C" {
 
 const char* dos_last_error(void) { return g_last_error.c_str(); }
+
+int32_t dos_cuda_supported(void) { return dos::client::DeviceMemory::Compiled() ? 1 : 0; }
 
 const char* dos_default_socket(void) {
   const char* env = std::getenv("DOS_SOCKET");

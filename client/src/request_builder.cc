@@ -1,6 +1,9 @@
 #include "client/src/request_builder.h"
 
+#include <cstring>
+
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/dtype.h"
@@ -9,12 +12,53 @@
 namespace dos::client {
 namespace {
 
+// Reads a dtype field as the integer the caller stored. A C caller (or
+// ctypes) may store any int there, and loading an out-of-range value through
+// the C++ enum type is undefined behaviour, so copy the bytes instead.
+int RawDType(const dos_dtype& field) {
+  int32_t raw;
+  static_assert(sizeof(raw) == sizeof(dos_dtype));
+  std::memcpy(&raw, &field, sizeof raw);
+  return raw;
+}
+
 absl::Status CheckDType(int raw, const std::string& what) {
   if (!IsValidDType(static_cast<uint32_t>(raw))) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, " has unsupported dtype ", raw,
         "; use DOS_DTYPE_F32 (1), DOS_DTYPE_BF16 (2) or DOS_DTYPE_F16 (3)"));
   }
+  return absl::OkStatus();
+}
+
+// Fills `loc` with where [ptr, ptr + bytes) lives: a shm buffer of this
+// session, else (with `device`) CUDA device memory. Sets *on_device.
+absl::Status Locate(const void* ptr, uint64_t bytes, const std::string& what,
+                    const BufferTable& buffers, DeviceMemory* device, v1::MemoryLocation* loc,
+                    bool* on_device) {
+  *on_device = false;
+  if (device != nullptr && ptr != nullptr && !buffers.Contains(ptr)) {
+    DOS_ASSIGN_OR_RETURN(std::optional<DeviceRange> range, device->Describe(ptr, bytes, what));
+    if (range.has_value()) {
+      v1::CudaIpcLocation* c = loc->mutable_cuda_ipc();
+      c->set_handle(range->handle);
+      c->set_offset(range->offset);
+      c->set_alloc_bytes(range->alloc_bytes);
+      c->set_device_uuid(range->device_uuid);
+      *on_device = true;
+      return absl::OkStatus();
+    }
+  }
+  absl::StatusOr<BufferRef> ref = buffers.Resolve(ptr, bytes, what);
+  if (!ref.ok()) {
+    if (device != nullptr && ptr != nullptr && !buffers.Contains(ptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ref.status().message(), ", or in CUDA device memory (cudaMalloc)"));
+    }
+    return ref.status();
+  }
+  loc->mutable_shm()->set_name(ref->name);
+  loc->mutable_shm()->set_offset(ref->offset);
   return absl::OkStatus();
 }
 
@@ -45,7 +89,7 @@ absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step) {
 
 absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
     absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
-    uint64_t subgroup_size, const BufferTable& buffers) {
+    uint64_t subgroup_size, const BufferTable& buffers, DeviceMemory* device) {
   if (tensors.empty()) {
     return absl::InvalidArgumentError("register: no tensors; pass at least one");
   }
@@ -66,11 +110,12 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
     h->set_weight_decay(groups[g].weight_decay);
     h->set_decoupled_weight_decay(groups[g].decoupled_weight_decay != 0);
   }
+  bool first_on_device = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const dos_tensor& t = tensors[i];
     const std::string label = absl::StrCat("register: ", TensorLabel(t, i));
-    DOS_RETURN_IF_ERROR(CheckDType(t.param_dtype, absl::StrCat(label, " param")));
-    DOS_RETURN_IF_ERROR(CheckDType(t.grad_dtype, absl::StrCat(label, " grad")));
+    DOS_RETURN_IF_ERROR(CheckDType(RawDType(t.param_dtype), absl::StrCat(label, " param")));
+    DOS_RETURN_IF_ERROR(CheckDType(RawDType(t.grad_dtype), absl::StrCat(label, " grad")));
     if (t.numel == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(label, " has 0 elements; leave empty tensors out"));
@@ -81,26 +126,31 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
     }
     const uint64_t pbytes = t.numel * DTypeSize(static_cast<DType>(t.param_dtype));
     const uint64_t gbytes = t.numel * DTypeSize(static_cast<DType>(t.grad_dtype));
-    DOS_ASSIGN_OR_RETURN(BufferRef param,
-                         buffers.Resolve(t.param, pbytes, absl::StrCat(label, " param")));
-    DOS_ASSIGN_OR_RETURN(BufferRef grad,
-                         buffers.Resolve(t.grad, gbytes, absl::StrCat(label, " grad")));
+    v1::TensorSpec* spec = req.add_tensors();
+    bool param_dev = false, grad_dev = false;
+    DOS_RETURN_IF_ERROR(Locate(t.param, pbytes, absl::StrCat(label, " param"), buffers, device,
+                               spec->mutable_param(), &param_dev));
+    DOS_RETURN_IF_ERROR(Locate(t.grad, gbytes, absl::StrCat(label, " grad"), buffers, device,
+                               spec->mutable_grad(), &grad_dev));
+    if (param_dev != grad_dev || (i > 0 && param_dev != first_on_device)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          label, param_dev != grad_dev ? " has its param and grad in different kinds of memory"
+                                       : " is in a different kind of memory than tensor 0",
+          " (CUDA device memory vs. dos_buffer_alloc shared memory); register either every "
+          "tensor on the GPU or every tensor in shared memory"));
+    }
+    if (i == 0) first_on_device = param_dev;
     const uintptr_t p = reinterpret_cast<uintptr_t>(t.param);
     const uintptr_t q = reinterpret_cast<uintptr_t>(t.grad);
     if (p < q + gbytes && q < p + pbytes) {
       return absl::InvalidArgumentError(
           absl::StrCat(label, " param and grad memory overlap; give them separate ranges"));
     }
-    v1::TensorSpec* spec = req.add_tensors();
     spec->set_name(t.name != nullptr ? t.name : absl::StrCat("tensor", i));
     spec->set_param_dtype(static_cast<v1::DType>(t.param_dtype));
     spec->set_grad_dtype(static_cast<v1::DType>(t.grad_dtype));
     spec->set_numel(t.numel);
     spec->set_group(t.group);
-    spec->mutable_param()->mutable_shm()->set_name(param.name);
-    spec->mutable_param()->mutable_shm()->set_offset(param.offset);
-    spec->mutable_grad()->mutable_shm()->set_name(grad.name);
-    spec->mutable_grad()->mutable_shm()->set_offset(grad.offset);
   }
   return req;
 }

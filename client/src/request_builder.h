@@ -17,6 +17,7 @@
 #include "absl/types/span.h"
 #include "client/include/dos/dos.h"
 #include "client/src/buffer_table.h"
+#include "client/src/device_memory.h"
 #include "proto/dos/v1/control_block.h"
 #include "proto/dos/v1/dos.pb.h"
 
@@ -27,11 +28,13 @@ std::string TensorLabel(const dos_tensor& t, size_t index);
 
 absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step);
 
-// Checks every tensor and group and resolves each param/grad pointer through
-// `buffers`. The result's session field is left for the caller.
+// Checks every tensor and group and resolves each param/grad pointer: first
+// through `buffers` (shared memory), then, when `device` is given, as CUDA
+// device memory (a CUDA IPC location). Every tensor of one request must be
+// of one kind. The result's session field is left for the caller.
 absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
     absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
-    uint64_t subgroup_size, const BufferTable& buffers);
+    uint64_t subgroup_size, const BufferTable& buffers, DeviceMemory* device = nullptr);
 
 // Checks `args` against the number of registered groups and fills `out`
 // (everything but seq).

@@ -123,7 +123,7 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
         "(attach a new session for a different set)");
   }
   DOS_ASSIGN_OR_RETURN(v1::RegisterShardRequest req,
-                       BuildRegisterRequest(tensors, groups, subgroup_size, table_));
+                       BuildRegisterRequest(tensors, groups, subgroup_size, table_, &device_));
   *req.mutable_session() = ref_;
   v1::RegisterShardResponse resp;
   grpc::ClientContext ctx;

@@ -26,6 +26,7 @@
 #include "absl/types/span.h"
 #include "client/include/dos/dos.h"
 #include "client/src/buffer_table.h"
+#include "client/src/device_memory.h"
 #include "daemon/transport/control_channel.h"
 #include "daemon/transport/shm_segment.h"
 #include "proto/dos/v1/control_block.h"
@@ -101,6 +102,7 @@ class ClientSession {
 
   std::vector<std::unique_ptr<ShmSegment>> buffers_;
   BufferTable table_;
+  DeviceMemory device_;  // CUDA allocations exported at registration
   uint64_t next_segment_ = 0;
 
   bool registered_ = false;

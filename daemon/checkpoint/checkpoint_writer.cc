@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <ctime>
@@ -253,6 +254,28 @@ void CheckpointWriter::Abandon() {
   }
   if (env_->FileExists(temp_path_)) env_->DeleteFile(temp_path_).IgnoreError();
   temp_live_ = false;
+}
+
+absl::StatusOr<int> RemoveStaleCheckpointTemporaries(const std::string& dir, Env* env) {
+  DOS_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(dir));
+  const std::string own = absl::StrCat(".tmp.", ::getpid(), ".");
+  int removed = 0;
+  for (const std::string& name : names) {
+    // <name>.tmp.<digits>.<digits>
+    size_t tmp = name.rfind(".tmp.");
+    if (tmp == std::string::npos || tmp == 0) continue;
+    absl::string_view rest = absl::string_view(name).substr(tmp + 5);
+    size_t dot = rest.find('.');
+    if (dot == absl::string_view::npos || dot == 0 || dot + 1 == rest.size()) continue;
+    auto digits = [](absl::string_view v) {
+      return std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (!digits(rest.substr(0, dot)) || !digits(rest.substr(dot + 1))) continue;
+    if (name.compare(tmp, own.size(), own) == 0) continue;  // a writer of this process
+    DOS_RETURN_IF_ERROR(env->DeleteFile(absl::StrCat(dir, "/", name)));
+    ++removed;
+  }
+  return removed;
 }
 
 }  // namespace dos

@@ -89,4 +89,10 @@ class CheckpointWriter {
   size_t chunk_fill_ = 0;       // bytes of values in chunk_
 };
 
+// Deletes the temporary files that writers killed mid-checkpoint (SIGKILL,
+// power loss) left in `dir` ("<name>.tmp.<pid>.<n>" of a pid other than this
+// process). Call once at startup, before any checkpoint is written. Returns
+// how many files were removed.
+absl::StatusOr<int> RemoveStaleCheckpointTemporaries(const std::string& dir, Env* env);
+
 }  // namespace dos

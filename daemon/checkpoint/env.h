@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -60,6 +61,8 @@ class Env {
   virtual absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(
       const std::string& path) = 0;
   virtual bool FileExists(const std::string& path) = 0;
+  // Names (not paths) of the entries in `dir`, without "." and "..".
+  virtual absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) = 0;
   // Atomically replaces `to` with `from` (rename(2): both in one directory).
   virtual absl::Status RenameFile(const std::string& from, const std::string& to) = 0;
   virtual absl::Status DeleteFile(const std::string& path) = 0;

@@ -71,7 +71,7 @@ SdWatchdog::SdWatchdog(std::function<bool()> healthy) : healthy_(std::move(healt
 SdWatchdog::~SdWatchdog() {
   {
     absl::MutexLock l(&mu_);
-    stop_ = true;
+    stop_.store(true, std::memory_order_relaxed);
   }
   if (thread_.joinable()) thread_.join();
 }
@@ -79,9 +79,8 @@ SdWatchdog::~SdWatchdog() {
 void SdWatchdog::Loop(absl::Duration period) {
   DOS_LOG_INFO("watchdog.start", "period_ms", absl::ToInt64Milliseconds(period));
   bool was_healthy = true;
-  absl::MutexLock l(&mu_);
-  while (!stop_) {
-    mu_.Unlock();
+  auto stopping = [this] { return stop_.load(std::memory_order_relaxed); };
+  while (!stopping()) {
     const bool healthy = healthy_();
     if (healthy) {
       absl::Status s = SdNotify("WATCHDOG=1");
@@ -90,8 +89,8 @@ void SdWatchdog::Loop(absl::Duration period) {
       DOS_LOG_ERROR("watchdog.unhealthy", "action", "withholding WATCHDOG=1");
     }
     was_healthy = healthy;
-    mu_.Lock();
-    mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+    absl::MutexLock l(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping), period);
   }
 }
 

@@ -11,6 +11,7 @@
 // ("dos-watchdog") and joins it on destruction.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <optional>
 #include <thread>
@@ -47,8 +48,11 @@ class SdWatchdog {
   void Loop(absl::Duration period);
 
   const std::function<bool()> healthy_;
+  // An atomic, not ABSL_GUARDED_BY(mu_): Debian's abseil is not built for
+  // TSan, which therefore cannot see mu_ order accesses; mu_ only wakes the
+  // sleeping loop.
+  std::atomic<bool> stop_{false};
   absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -23,7 +23,12 @@
 namespace dos::gpu {
 namespace {
 
-constexpr int kCpuBuffers = 2;
+// Pinned gradient/weight buffers of the CPU path, used round robin. Four, not
+// two: a finished subgroup's weights wait in the H2D queue behind the GPU
+// path's state copies (tens of ms), and the CPU must not stall on reusing
+// their buffer meanwhile (measured on nvidia-h200: with two, the CPU kernel
+// sat idle for about a tenth of an `auto` step).
+constexpr int kCpuBuffers = 4;
 // Bytes per element reserved in the CPU path's pinned buffers: the widest
 // dtype, so one layout (element offset * 4) serves every tensor of a subgroup.
 constexpr uint64_t kHostElemBytes = 4;
@@ -547,7 +552,7 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
   while (cur && status.ok()) {
     std::optional<uint32_t> next = run.queue->ClaimCpu();
     if (next) {
-      status = issue_grads(*next, 1 - bi);
+      status = issue_grads(*next, (bi + 1) % kCpuBuffers);
       if (!status.ok()) break;
     }
     Buffer& b = bufs[bi];
@@ -582,7 +587,12 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
     run.cpu_params += g.numel;
     run.cpu_entries.push_back(e);
     status = [&]() -> absl::Status {
-      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[2], cpu_h2d_));
+      // On the GPU path's H2D stream, not a stream of its own: with two
+      // streams the copy engine kept serving the GPU path's queued 1.2 GB
+      // state copies and left these weights waiting until the GPU path had
+      // drained (measured: the CPU sat idle for most of an `auto` step).
+      // One stream is FIFO, so the wait is bounded by what is queued now.
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[2], h2d_));
       for (const SubgroupSegment& seg : g.segments) {
         const TensorInfo& t = tensors[seg.tensor];
         void* dst = const_cast<char*>(
@@ -590,16 +600,16 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
         const uint64_t bytes = seg.count * DTypeSize(t.param_dtype);
         DOS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
             dst, weight_host_[bi] + seg.subgroup_offset * kHostElemBytes, bytes,
-            cudaMemcpyHostToDevice, cpu_h2d_));
+            cudaMemcpyHostToDevice, h2d_));
         run.cpu_h2d += bytes;
       }
-      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[3], cpu_h2d_));
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[3], h2d_));
       return absl::OkStatus();
     }();
     b.weights_in_flight = status.ok();
     b.entry = run.cpu_entries.size() - 1;
     cur = next;
-    bi = 1 - bi;
+    bi = (bi + 1) % kCpuBuffers;
   }
   for (Buffer& b : bufs) {
     absl::Status st = finish_weights(b);
@@ -676,9 +686,36 @@ absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding>
     x = streamed_params > 0 ? static_cast<double>(fixed_gpu_params) / streamed_params : 0;
     binding = PerfModel::Bound(inputs, x).binding;
   }
+  if (policy.kind == Policy::Kind::kAuto && shared.size() > 2) {
+    // Pre-assign half of each side's share by the model's x: the GPU
+    // pipeline owns the front quarter-ish, the CPU pool the back, so both
+    // start at once, and the middle stays shared for dynamic claiming (GPU
+    // from its front, CPU from its back) to balance the phase's end. Pinning
+    // all of x made a misjudged x final (measured: the GPU pipeline idle for
+    // the last quarter of a step while the CPU worked through its pins); not
+    // pinning at all let the GPU claim nearly everything in the first steps.
+    const double total = static_cast<double>(streamed_params);
+    const double gpu_pin = 0.5 * x * total;
+    const double cpu_pin = 0.5 * (1 - x) * total;
+    size_t front = 0, back = shared.size();
+    for (double acc = 0; front < shared.size() && acc + sgs[shared[front]].numel <= gpu_pin;
+         ++front) {
+      acc += static_cast<double>(sgs[shared[front]].numel);
+    }
+    for (double acc = 0; back > front && acc + sgs[shared[back - 1]].numel <= cpu_pin; --back) {
+      acc += static_cast<double>(sgs[shared[back - 1]].numel);
+    }
+    gpu_only.assign(shared.begin(), shared.begin() + front);
+    // The CPU pops its own from the front of cpu_only: the far end first.
+    cpu_only.assign(shared.rbegin(), shared.rbegin() + (shared.size() - back));
+    shared = std::vector<uint32_t>(shared.begin() + front, shared.begin() + back);
+  }
+  uint64_t max_streamed = 0;
+  for (uint32_t i = resident; i < n; ++i) max_streamed = std::max(max_streamed, sgs[i].numel);
   const double predicted_us =
       PerfModel::PhaseSeconds(inputs, x, static_cast<double>(streamed_params),
-                              static_cast<double>(resident_params)) * 1e6;
+                              static_cast<double>(resident_params),
+                              static_cast<double>(max_streamed)) * 1e6;
 
   SubgroupQueue queue(std::move(gpu_only), std::move(cpu_only), std::move(shared),
                       std::move(numel));

@@ -46,10 +46,18 @@ PerfPrediction PerfModel::Solve(const PerfInputs& in) {
   return best;
 }
 
+double PerfModel::PipelineLatencySeconds(const PerfInputs& in, double x, double subgroup) {
+  if (subgroup <= 0) return 0;
+  if (x > 0) return 12.0 * subgroup / std::min(in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+  return subgroup * (in.grad_bytes / in.d2h_bytes_per_s + in.weight_bytes / in.h2d_bytes_per_s);
+}
+
 double PerfModel::PhaseSeconds(const PerfInputs& in, double x, double streamed,
-                               double resident) {
+                               double resident, double subgroup) {
   double t = 0;
-  if (streamed > 0) t = streamed / Bound(in, x).params_per_s;
+  if (streamed > 0) {
+    t = streamed / Bound(in, x).params_per_s + PipelineLatencySeconds(in, x, subgroup);
+  }
   // The resident kernels share the compute engine with the streamed GPU
   // share's kernels; they are fast enough that adding them is the honest
   // upper estimate.

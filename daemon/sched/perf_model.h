@@ -57,8 +57,17 @@ class PerfModel {
   static PerfPrediction Solve(const PerfInputs& in);
   // Predicted phase seconds for `streamed` params split at share x plus
   // `resident` params updated in GPU memory (their kernel time overlaps the
-  // streamed work on other engines but shares the compute stream).
-  static double PhaseSeconds(const PerfInputs& in, double x, double streamed, double resident);
+  // streamed work on other engines but shares the compute stream), plus the
+  // pipeline's fill and drain for subgroups of `subgroup` params (0: none):
+  // a path's first inbound copy and last outbound copy overlap nothing of
+  // that path. With a GPU share, one subgroup's state crossing PCIe (the
+  // first H2D and last D2H of 12 bytes/param, the other side working
+  // meanwhile: about one of the two is exposed); CPU only, the first
+  // gradient D2H and the last weight H2D.
+  static double PhaseSeconds(const PerfInputs& in, double x, double streamed, double resident,
+                             double subgroup = 0);
+  // The fill/drain term of PhaseSeconds alone.
+  static double PipelineLatencySeconds(const PerfInputs& in, double x, double subgroup);
 
   // EWMA updates from one step's measurements (each ignored when its
   // denominator is 0). alpha is the weight of the new sample.

@@ -41,11 +41,14 @@ class CheckpointFaultTest : public ::testing::Test {
     return o;
   }
 
-  // The previous checkpoint is byte-for-byte intact, loads, and nothing else
-  // is in the directory.
+  // Nothing but the previous checkpoint is in the directory, and it loads.
   void ExpectPreviousIntact() {
-    EXPECT_EQ(testing::ReadAll(path_), previous_bytes_);
     EXPECT_THAT(dir_.List(), ElementsAre("ckpt"));
+    ExpectPreviousLoads();
+  }
+  // The previous checkpoint's bytes are unchanged and it loads.
+  void ExpectPreviousLoads() {
+    EXPECT_EQ(testing::ReadAll(path_), previous_bytes_);
     env_.ClearFaults();
     auto fresh = MakeShard(&budget_);
     absl::Status s = LoadShard(fresh.get(), path_, &env_);
@@ -193,6 +196,18 @@ TEST_F(CheckpointFaultTest, CrashMidWriteLeavesOnlyATemporaryFile) {
   env_.FailWritesAfter(previous_bytes_.size() / 2, EIO);
   ASSERT_FALSE(Save().ok());
   ExpectPreviousIntact();
+}
+
+TEST_F(CheckpointFaultTest, StaleTemporariesOfAKilledWriterAreRemovedAtStartup) {
+  // What a daemon SIGKILLed mid-checkpoint leaves behind.
+  testing::WriteAll(path_ + ".tmp.999999.0", "half a checkpoint");
+  testing::WriteAll(dir_.File("other.tmp.12.3"), "x");
+  testing::WriteAll(dir_.File("keep.tmp.notapid.1"), "y");  // not ours: kept
+  auto removed = RemoveStaleCheckpointTemporaries(dir_.path(), &env_);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 2);
+  EXPECT_THAT(dir_.List(), ::testing::UnorderedElementsAre("ckpt", "keep.tmp.notapid.1"));
+  ExpectPreviousLoads();
 }
 
 }  // namespace

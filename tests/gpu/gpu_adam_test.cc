@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/gpu_engine.h"
@@ -41,6 +42,19 @@ T* DeviceCopy(const void* src, size_t bytes) {
 
 class KernelTest : public ::testing::TestWithParam<std::tuple<DType, DType, bool>> {};
 
+// "" when a and b are bitwise equal; else how many differ and the first.
+std::string Mismatches(const float* a, const float* b, size_t n) {
+  size_t count = 0, first = n;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::memcmp(a + i, b + i, 4) != 0) {
+      if (count++ == 0) first = i;
+    }
+  }
+  if (count == 0) return "";
+  return absl::StrFormat("%d of %d differ; first at %d: gpu %.9g cpu %.9g", count, n, first,
+                         a[first], b[first]);
+}
+
 TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
   SKIP_WITHOUT_GPU();
   auto [gd, pd, decoupled] = GetParam();
@@ -68,9 +82,10 @@ TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
     std::vector<char> gout(n * DTypeSize(pd));
     ASSERT_EQ(cudaMemcpy(gs.data(), st, 12 * n, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(std::memcmp(gs.data(), host.master.data(), 4 * n), 0) << "master n=" << n;
-    EXPECT_EQ(std::memcmp(gs.data() + n, host.exp_avg.data(), 4 * n), 0) << "exp_avg n=" << n;
-    EXPECT_EQ(std::memcmp(gs.data() + 2 * n, host.exp_avg_sq.data(), 4 * n), 0) << "exp_avg_sq n=" << n;
+    EXPECT_EQ(Mismatches(gs.data(), host.master.data(), n), "") << "master n=" << n;
+    EXPECT_EQ(Mismatches(gs.data() + n, host.exp_avg.data(), n), "") << "exp_avg n=" << n;
+    EXPECT_EQ(Mismatches(gs.data() + 2 * n, host.exp_avg_sq.data(), n), "")
+        << "exp_avg_sq n=" << n;
     EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
     cudaFree(g); cudaFree(st); cudaFree(out);
   }

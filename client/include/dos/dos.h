@@ -12,6 +12,18 @@
  * maps too. Pointers passed to dos_register() may point anywhere inside such
  * buffers.
  *
+ * GPU mode: when the library is built with CUDA (dos_cuda_supported() == 1),
+ * dos_register() also accepts pointers into CUDA device memory from
+ * cudaMalloc (PyTorch's caching allocator included; not managed memory, not
+ * expandable segments). The library exports each allocation with
+ * cudaIpcGetMemHandle and the daemon updates the tensors in place on that
+ * GPU; the memory must stay allocated, at the same address, for the
+ * session's life. A session registers either all tensors on one GPU or all
+ * in shared memory. Before dos_step_begin(), the trainer makes its gradients
+ * final on the device (e.g. cudaStreamSynchronize of the stream that wrote
+ * them); when dos_step_wait() returns, the daemon's writes to the weights are
+ * complete and visible to any later work on the device.
+ *
  * Errors: every function returns a dos_status (0 = DOS_OK; the other values
  * are gRPC's / absl's canonical codes). On failure, dos_last_error() returns a
  * message for the calling thread naming the bad input and what to do.
@@ -61,6 +73,10 @@ typedef struct dos_session dos_session; /* opaque */
 /* The last error message of the calling thread ("" if none). Valid until the
  * thread's next call into the library. */
 const char* dos_last_error(void);
+
+/* 1 when this library can register CUDA device memory (built with CUDA; a
+ * driver and GPU are needed too at registration), else 0. */
+int32_t dos_cuda_supported(void);
 
 /* Default daemon socket: $DOS_SOCKET if set, else /run/dos/dosd.sock. */
 const char* dos_default_socket(void);

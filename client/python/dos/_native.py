@@ -116,6 +116,7 @@ _P = ctypes.c_void_p
 _sigs = {
     "dos_last_error": (ctypes.c_char_p, []),
     "dos_default_socket": (ctypes.c_char_p, []),
+    "dos_cuda_supported": (ctypes.c_int32, []),
     "dos_attach_options_init": (None, [ctypes.POINTER(AttachOptions)]),
     "dos_attach": (_S, [ctypes.POINTER(AttachOptions), ctypes.POINTER(_P)]),
     "dos_detach": (_S, [_P]),
@@ -143,6 +144,11 @@ def check(status: int) -> None:
     if status != 0:
         raw = lib.dos_last_error()
         raise DosError(status, raw.decode("utf-8", "replace") if raw else "")
+
+
+def cuda_supported() -> bool:
+    """True when the loaded libdos_client can register CUDA device memory."""
+    return bool(lib.dos_cuda_supported())
 
 
 def default_socket() -> str:

@@ -29,6 +29,18 @@ Rules that follow from the shared binding:
   ordinary memory, then detaches; tensors kept from before that which alias
   the arena become invalid.
 
+CUDA parameters (GPU mode): if every trainable parameter is on one CUDA
+device, nothing is copied: the parameters and their gradients are registered
+where they are (the client library exports their CUDA allocations by CUDA
+IPC) and the daemon updates them in place on that GPU. Gradients are
+allocated at construction (`p.grad = torch.zeros_like(p)` where missing) and
+must stay where they are: `zero_grad()` zeroes them in place, and a gradient
+that autograd or the user replaced is copied back into the registered one at
+`step()`. `step()` synchronises the current CUDA stream before ringing the
+daemon, and returns once the new weights are in place on the device. The
+parameters must be contiguous, and the memory must come from PyTorch's
+default CUDA allocator (not `expandable_segments`).
+
 Parameters with requires_grad=False are not registered and never updated.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
@@ -67,6 +79,8 @@ def _align(n: int) -> int:
 class _Entry:
     """One registered parameter: its shared-memory param and grad views."""
 
+    # param_shm / grad_shm: the registered memory (shared memory in CPU mode,
+    # the parameter's own CUDA storage and its gradient in GPU mode).
     __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm")
 
     def __init__(self, param, name, index, group):
@@ -101,6 +115,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._session = None
         self._entries: List[_Entry] = []
         self._arena = None
+        self._device = None  # torch.device of the parameters in GPU mode, else None
         self._registering = True
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False)
@@ -153,10 +168,10 @@ class _DosAdamBase(torch.optim.Optimizer):
                     raise DosError(_INVALID_ARGUMENT,
                                    f"register: {label} has dtype {p.dtype}; dosd supports "
                                    "torch.float32, torch.bfloat16 and torch.float16 parameters")
-                if p.device.type != "cpu":
+                if p.device.type not in ("cpu", "cuda"):
                     raise DosError(_UNIMPLEMENTED,
-                                   f"register: {label} is on {p.device}; this dosd build only "
-                                   "supports CPU (shared-memory) parameters")
+                                   f"register: {label} is on {p.device}; dosd supports CPU "
+                                   "(shared-memory) and CUDA parameters")
                 if p.is_sparse:
                     raise DosError(_INVALID_ARGUMENT, f"register: {label} is sparse")
                 if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.shape != p.shape):
@@ -173,6 +188,16 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._group_map = group_map
         if not entries:
             self._entries = []
+            return
+        devices = {e.param.device for e in entries}
+        if len(devices) > 1:
+            raise DosError(_INVALID_ARGUMENT,
+                           f"register: parameters are on several devices ({sorted(map(str, devices))})"
+                           "; one optimizer (one dosd session) takes parameters of one device: "
+                           "build one optimizer per device")
+        device = devices.pop()
+        if device.type == "cuda":
+            self._register_cuda(entries, device, subgroup_size)
             return
 
         # One arena: param then grad for each tensor, each 64-byte aligned.
@@ -217,6 +242,52 @@ class _DosAdamBase(torch.optim.Optimizer):
             e.param.grad = e.grad_shm
         self._entries = entries
 
+    def _register_cuda(self, entries, device, subgroup_size):
+        """GPU mode: registers each parameter and its gradient where they are."""
+        if not _native.cuda_supported():
+            raise DosError(_UNIMPLEMENTED,
+                           f"register: the parameters are on {device} but the loaded "
+                           "libdos_client was built without CUDA; rebuild it with "
+                           "-DDOS_WITH_CUDA=ON (or set DOS_CLIENT_LIB to a CUDA build)")
+        tensors = (_native.Tensor * len(entries))()
+        name_bufs = []
+        with torch.no_grad():
+            for e, t in zip(entries, tensors):
+                p = e.param
+                if not p.is_contiguous():
+                    raise DosError(_INVALID_ARGUMENT,
+                                   f"register: {e.name} is not contiguous; dosd updates "
+                                   "parameters as flat arrays (make it contiguous before "
+                                   "building the optimizer)")
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                elif not p.grad.is_contiguous() or p.grad.device != p.device:
+                    p.grad = p.grad.to(device=p.device).contiguous()
+                e.param_shm = p.data
+                e.grad_shm = p.grad
+                name = e.name.encode()
+                name_bufs.append(name)
+                t.name = name
+                t.param_dtype = t.grad_dtype = _DTYPES[p.dtype]
+                t.param = p.data_ptr()
+                t.grad = p.grad.data_ptr()
+                t.numel = p.numel()
+                t.group = e.group
+            # The daemon reads the initial weights on its own streams.
+            torch.cuda.synchronize(device)
+        groups = self._hparams()
+        opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
+        _native.call("dos_register", self._session, tensors, len(entries), groups, len(groups),
+                     ctypes.byref(opts))
+        self._device = device
+        self._entries = entries
+
+    def _sync_device(self):
+        """Makes the trainer's pending work on the device visible to the
+        daemon (and the daemon's state writes to later trainer work)."""
+        if self._device is not None:
+            torch.cuda.current_stream(self._device).synchronize()
+
     def _hparams(self):
         arr = (_native.Hparams * len(self._group_map))()
         for dg, gi in enumerate(self._group_map):
@@ -256,14 +327,16 @@ class _DosAdamBase(torch.optim.Optimizer):
                         p.grad.zero_()
 
     def _bind_grads(self):
+        where = ("the CUDA memory registered with dosd" if self._device is not None
+                 else "DOS shared memory")
         with torch.no_grad():
             for e in self._entries:
                 p = e.param
                 if p.data_ptr() != e.param_shm.data_ptr() or p.dtype != e.param_shm.dtype:
                     raise DosError(
                         _FAILED_PRECONDITION,
-                        f"step: {e.name} no longer lives in DOS shared memory (its .data was "
-                        f"replaced, now {p.dtype} {tuple(p.shape)}); do not move or re-create "
+                        f"step: {e.name} no longer lives in {where} (its .data was replaced, "
+                        f"now {p.dtype} {tuple(p.shape)} on {p.device}); do not move or re-create "
                         "parameters after building the optimizer (copy into them in place)")
                 g = p.grad
                 if g is None:
@@ -299,6 +372,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         if not self._entries:
             return loss
         self._bind_grads()
+        self._sync_device()
         groups = self._hparams()
         args = _native.StepArgs()
         _native.lib.dos_step_args_init(ctypes.byref(args))
@@ -334,14 +408,16 @@ class _DosAdamBase(torch.optim.Optimizer):
         'exp_avg_sq'} (fp32, shaped like the param), plus 'master_param' (fp32)
         for 16-bit params. Pulled from the daemon."""
         self._check_open("state_dict")
+        self._sync_device()
         state = defaultdict(dict)
         for e in self._entries:
             buf, step = self._read(e)
             shape = e.param.shape
-            s = {"step": torch.tensor(float(step)), "exp_avg": buf[1].view(shape),
-                 "exp_avg_sq": buf[2].view(shape)}
+            dev = e.param.device  # torch.optim keeps state beside the param
+            s = {"step": torch.tensor(float(step)), "exp_avg": buf[1].view(shape).to(dev),
+                 "exp_avg_sq": buf[2].view(shape).to(dev)}
             if e.param.dtype != torch.float32:
-                s["master_param"] = buf[0].view(shape)
+                s["master_param"] = buf[0].view(shape).to(dev)
             state[e.param] = s
         saved, self.state = self.state, state
         try:
@@ -370,6 +446,9 @@ class _DosAdamBase(torch.optim.Optimizer):
                 id_map[old] = p
         by_param = {id(e.param): e for e in self._entries}
         saved_state = state_dict["state"]
+        # The daemon rewrites the weights from the loaded masters: let the
+        # trainer's pending work on them finish first.
+        self._sync_device()
         pushed = set()
         with torch.no_grad():
             for old, s in saved_state.items():
@@ -400,7 +479,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             return t.to(device="cpu", dtype=torch.float32).contiguous().view(-1)
 
         if s is None:
-            master = p.detach().float().contiguous().view(-1)
+            master = p.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
             m = torch.zeros(n, dtype=torch.float32)
             v = torch.zeros(n, dtype=torch.float32)
             step = 0
@@ -423,6 +502,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         with torch.no_grad():
             for e in getattr(self, "_entries", []):
                 p = e.param
+                if self._device is not None:  # GPU mode: the memory is the model's own
+                    e.param_shm = e.grad_shm = None
+                    continue
                 if p.data_ptr() == e.param_shm.data_ptr():
                     p.data = e.param_shm.clone()
                 if p.grad is not None and p.grad.data_ptr() == e.grad_shm.data_ptr():

@@ -3,6 +3,7 @@
 #include <numeric>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace dos {
@@ -11,7 +12,7 @@ namespace {
 std::vector<TensorInfo> Tensors(std::vector<uint64_t> sizes) {
   std::vector<TensorInfo> out;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    out.push_back(TensorInfo{.name = "t" + std::to_string(i), .numel = sizes[i]});
+    out.push_back(TensorInfo{.name = absl::StrCat("t", i), .numel = sizes[i]});
   }
   return out;
 }

@@ -1,0 +1,133 @@
+"""GPU mode of dos.torch: a small MLP on CUDA trained with dos.torch.AdamW
+against torch.optim.AdamW on the same GPU, under several scheduling policies.
+The parameters and gradients stay where they are on the GPU (the client
+exports them by CUDA IPC; the daemon updates them in place).
+
+Tolerance: the same as test_equivalence.py (rtol 1e-6, atol 1e-6 x the
+tensor's max |w|), for the same reasons: the daemon's kernels and torch's
+CUDA AdamW may round an operation differently by an ulp, and training feeds
+those ulps back through the gradients.
+
+Skips without CUDA (torch.cuda.is_available() false) or when the loaded
+libdos_client or dosd were built without CUDA.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos.torch  # noqa: E402
+from dos import _native  # noqa: E402
+
+from test_equivalence import RTOL, ATOL_SCALE  # noqa: E402
+
+STEPS = 50
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device visible: GPU-mode tests skipped")
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 4)).cuda()
+
+
+def make_data(seed=1, n=STEPS):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 16, generator=g).cuda(), torch.randn(32, 4, generator=g).cuda())
+            for _ in range(n)]
+
+
+def assert_same(dos_model, ref_model, step):
+    for (name, a), b in zip(dos_model.named_parameters(), ref_model.parameters()):
+        atol = ATOL_SCALE * b.abs().max().item()
+        if not torch.allclose(a, b, rtol=RTOL, atol=atol):
+            diff = (a - b).abs().max().item()
+            pytest.fail(f"step {step}: {name} differs by up to {diff:.3g} "
+                        f"(rtol {RTOL}, atol {atol:.3g})")
+
+
+def need_cuda_build():
+    if not _native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+
+
+def make_opt(model, socket, name, **kw):
+    try:
+        return dos.torch.AdamW(model.parameters(), socket=socket, client_name=name, **kw)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+
+
+# Small subgroups so that every policy splits the model between both paths.
+@pytest.mark.parametrize("policy", ["auto", "cpu", "interleave:2", "static:0.5"])
+def test_cuda_matches_torch(dos_socket, policy):
+    need_cuda_build()
+    data = make_data()
+    ref = make_mlp()
+    mine = make_mlp()
+    ptrs = [p.data_ptr() for p in mine.parameters()]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.05)
+    opt = make_opt(mine, dos_socket, f"pytest-cuda-{policy}", lr=2e-3, weight_decay=0.05,
+                   subgroup_size=256)
+    try:
+        opt.set_policy(policy)
+        # Registered in place: no copies of the parameters, grads allocated.
+        assert [p.data_ptr() for p in mine.parameters()] == ptrs
+        assert all(p.grad is not None and p.grad.is_cuda for p in mine.parameters())
+        grad_ptrs = [p.grad.data_ptr() for p in mine.parameters()]
+        for step, (x, y) in enumerate(data, 1):
+            for model, o in ((ref, ref_opt), (mine, opt)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                o.step()
+            assert not opt.found_inf
+            assert_same(mine, ref, step)
+        assert [p.grad.data_ptr() for p in mine.parameters()] == grad_ptrs
+        assert opt.last_step["step"] == STEPS
+
+        # state_dict: torch's layout, state on the param's device, equal to torch's.
+        sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+        for i, p in enumerate(mine.parameters()):
+            s, r = sd["state"][i], ref_sd["state"][i]
+            assert s["exp_avg"].device == p.device
+            assert float(s["step"]) == float(r["step"]) == STEPS
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(s[k], r[k], rtol=1e-5, atol=1e-6 * r[k].abs().max().item())
+        # load_state_dict from torch.optim.AdamW, then one more step each.
+        opt.load_state_dict(ref_sd)
+        x, y = data[0]
+        for model, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+        assert_same(mine, ref, STEPS + 1)
+    finally:
+        opt.close()
+    # After close the model keeps its trained weights where they were.
+    assert [p.data_ptr() for p in mine.parameters()] == ptrs
+    assert_same(mine, ref, STEPS + 1)
+
+
+def test_cuda_bf16_registers_in_place(dos_socket):
+    need_cuda_build()
+    model = make_mlp().to(torch.bfloat16)
+    opt = make_opt(model, dos_socket, "pytest-cuda-bf16", lr=1e-3)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        x = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finally:
+        opt.close()
+
+
+def test_cuda_mixed_devices_rejected(dos_socket):
+    need_cuda_build()
+    a = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+    b = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(dos.DosError, match="several devices"):
+        dos.torch.AdamW([a, b], socket=dos_socket)
