@@ -47,7 +47,8 @@ bool DaemonProcess::Start() {
   const char* env = std::getenv("DOS_DOSD");
   std::vector<std::string> args = {env != nullptr && env[0] != '\0' ? env : DOS_DOSD_PATH,
                                    "--socket=" + socket_,
-                                   "--shm_prefix=/dos-it" + std::to_string(::getpid())};
+                                   "--shm_prefix=/dos-it" + std::to_string(::getpid()),
+                                   "--checkpoint_dir=" + dir_ + "/checkpoints"};
   args.insert(args.end(), flags_.begin(), flags_.end());
   pid_ = ::fork();
   if (pid_ == 0) {
@@ -89,6 +90,13 @@ int DaemonProcess::Stop() {
   if (pid_ <= 0) return -1;
   ::kill(pid_, SIGTERM);
   return WaitExit(20000);
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, nullptr, 0);
+  pid_ = -1;
 }
 
 std::string DaemonProcess::log() const {

@@ -22,6 +22,8 @@ class DaemonProcess {
   bool Start();
   // Sends SIGTERM and waits; returns the exit status (-1 on timeout).
   int Stop();
+  // SIGKILLs dosd (a crash: nothing is drained or cleaned up) and reaps it.
+  void Kill();
   // Waits for dosd to exit on its own; returns its exit status.
   int WaitExit(int timeout_ms);
 
