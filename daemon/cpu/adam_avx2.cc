@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "daemon/cpu/kernel_dispatch.h"
 #include "daemon/cpu/kernel_variants.h"
 
 namespace dos::cpu::internal {
@@ -165,27 +166,6 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
   }
 }
 
-template <DType G, DType P, bool kWriteOut>
-void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
-  const bool compact = IsCompact(span);
-  if (s.l2_weight_decay != 0.0f) {
-    compact ? Loop<G, P, kWriteOut, true, true>(s, span) : Loop<G, P, kWriteOut, true, false>(s, span);
-  } else {
-    compact ? Loop<G, P, kWriteOut, false, true>(s, span)
-            : Loop<G, P, kWriteOut, false, false>(s, span);
-  }
-}
-
-template <DType G>
-void DispatchParam(const AdamScalars& s, const AdamSpan& span) {
-  if (span.param_out == nullptr) return DispatchL2<G, DType::kF32, false>(s, span);
-  switch (span.param_dtype) {
-    case DType::kF32: return DispatchL2<G, DType::kF32, true>(s, span);
-    case DType::kBF16: return DispatchL2<G, DType::kBF16, true>(s, span);
-    case DType::kF16: return DispatchL2<G, DType::kF16, true>(s, span);
-  }
-}
-
 template <bool kWide>
 bool AllFiniteImpl(const void* grad, DType dtype, size_t n, __m256i exp) {
   constexpr size_t kPerVec = kWide ? 8 : 16;
@@ -206,14 +186,17 @@ bool AllFiniteImpl(const void* grad, DType dtype, size_t n, __m256i exp) {
   return AllFiniteScalar(base + n_vec * kElemBytes, dtype, n - n_vec);
 }
 
+struct Avx2Loop {
+  template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
+  static void Run(const AdamScalars& s, const AdamSpan& span) {
+    Loop<G, P, kWriteOut, kL2, kCompact>(s, span);
+  }
+};
+
 }  // namespace
 
 void AdamAvx2Kernel(const AdamScalars& s, const AdamSpan& span) {
-  switch (span.grad_dtype) {
-    case DType::kF32: return DispatchParam<DType::kF32>(s, span);
-    case DType::kBF16: return DispatchParam<DType::kBF16>(s, span);
-    case DType::kF16: return DispatchParam<DType::kF16>(s, span);
-  }
+  AdamDispatch<Avx2Loop>::Run(s, span);
 }
 
 bool AllFiniteAvx2(const void* grad, DType dtype, size_t n) {

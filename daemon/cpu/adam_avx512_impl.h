@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "daemon/cpu/kernel_dispatch.h"
 #include "daemon/cpu/kernel_variants.h"
 
 namespace dos::cpu::internal {
@@ -274,39 +275,19 @@ void Loop(const AdamScalars& scalars, const AdamSpan& span) {
   }
 }
 
-template <DType G, DType P, bool kWriteOut, bool kNativeBf16, int kStreamMode>
-void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
-  const bool compact = IsCompact(span);
-  if (s.l2_weight_decay != 0.0f) {
-    compact ? Loop<G, P, kWriteOut, true, kNativeBf16, kStreamMode, true>(s, span)
-            : Loop<G, P, kWriteOut, true, kNativeBf16, kStreamMode, false>(s, span);
-  } else {
-    compact ? Loop<G, P, kWriteOut, false, kNativeBf16, kStreamMode, true>(s, span)
-            : Loop<G, P, kWriteOut, false, kNativeBf16, kStreamMode, false>(s, span);
+template <bool kNativeBf16, int kStreamMode>
+struct Avx512Loop {
+  template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
+  static void Run(const AdamScalars& s, const AdamSpan& span) {
+    Loop<G, P, kWriteOut, kL2, kNativeBf16, kStreamMode, kCompact>(s, span);
   }
-}
-
-template <DType G, bool kNativeBf16, int kStreamMode>
-void DispatchParam(const AdamScalars& s, const AdamSpan& span) {
-  if (span.param_out == nullptr) {
-    return DispatchL2<G, DType::kF32, false, kNativeBf16, kStreamMode>(s, span);
-  }
-  switch (span.param_dtype) {
-    case DType::kF32: return DispatchL2<G, DType::kF32, true, kNativeBf16, kStreamMode>(s, span);
-    case DType::kBF16: return DispatchL2<G, DType::kBF16, true, kNativeBf16, kStreamMode>(s, span);
-    case DType::kF16: return DispatchL2<G, DType::kF16, true, kNativeBf16, kStreamMode>(s, span);
-  }
-}
+};
 
 // kStreamMode: 0 ordinary stores; 1 non-temporal weight out; 2 non-temporal
 // p, m, v and weight out.
 template <bool kNativeBf16, int kStreamMode = 0>
 void AdamAvx512(const AdamScalars& s, const AdamSpan& span) {
-  switch (span.grad_dtype) {
-    case DType::kF32: return DispatchParam<DType::kF32, kNativeBf16, kStreamMode>(s, span);
-    case DType::kBF16: return DispatchParam<DType::kBF16, kNativeBf16, kStreamMode>(s, span);
-    case DType::kF16: return DispatchParam<DType::kF16, kNativeBf16, kStreamMode>(s, span);
-  }
+  AdamDispatch<Avx512Loop<kNativeBf16, kStreamMode>>::Run(s, span);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "daemon/cpu/kernel_dispatch.h"
 #include "daemon/cpu/kernel_variants.h"
 
 namespace dos::cpu::internal {
@@ -67,27 +68,6 @@ void Loop(const AdamScalars& s, const AdamSpan& span) {
   }
 }
 
-template <DType G, DType P, bool kWriteOut>
-void DispatchL2(const AdamScalars& s, const AdamSpan& span) {
-  const bool compact = IsCompact(span);
-  if (s.l2_weight_decay != 0.0f) {
-    compact ? Loop<G, P, kWriteOut, true, true>(s, span) : Loop<G, P, kWriteOut, true, false>(s, span);
-  } else {
-    compact ? Loop<G, P, kWriteOut, false, true>(s, span)
-            : Loop<G, P, kWriteOut, false, false>(s, span);
-  }
-}
-
-template <DType G>
-void DispatchParam(const AdamScalars& s, const AdamSpan& span) {
-  if (span.param_out == nullptr) return DispatchL2<G, DType::kF32, false>(s, span);
-  switch (span.param_dtype) {
-    case DType::kF32: return DispatchL2<G, DType::kF32, true>(s, span);
-    case DType::kBF16: return DispatchL2<G, DType::kBF16, true>(s, span);
-    case DType::kF16: return DispatchL2<G, DType::kF16, true>(s, span);
-  }
-}
-
 template <DType G>
 bool AllFiniteT(const void* grad, size_t n) {
   // Blocks without early exit let the compiler vectorise the inner test; the
@@ -109,14 +89,17 @@ bool AllFiniteT(const void* grad, size_t n) {
   return true;
 }
 
+struct ScalarLoop {
+  template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
+  static void Run(const AdamScalars& s, const AdamSpan& span) {
+    Loop<G, P, kWriteOut, kL2, kCompact>(s, span);
+  }
+};
+
 }  // namespace
 
 void AdamScalarKernel(const AdamScalars& s, const AdamSpan& span) {
-  switch (span.grad_dtype) {
-    case DType::kF32: return DispatchParam<DType::kF32>(s, span);
-    case DType::kBF16: return DispatchParam<DType::kBF16>(s, span);
-    case DType::kF16: return DispatchParam<DType::kF16>(s, span);
-  }
+  AdamDispatch<ScalarLoop>::Run(s, span);
 }
 
 bool AllFiniteScalar(const void* grad, DType dtype, size_t n) {
