@@ -1,11 +1,14 @@
 // dosd: the Deep Optimizer States daemon. Composition root only: parses the
 // flags into a DaemonConfig, builds the components, serves gRPC on a unix
 // socket, and drains on SIGTERM/SIGINT.
+#include <grp.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -26,6 +29,8 @@
 #ifdef DOS_WITH_CUDA
 #include "daemon/gpu/gpu_engine.h"
 #endif
+#include "daemon/metrics/metrics_http_server.h"
+#include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
 #include "daemon/rpc/socket_guard.h"
 #include "daemon/sched/step_executor.h"
@@ -60,6 +65,39 @@ ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file.");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
+ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
+          "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
+          "relative to it); scanned at startup for state to restore; empty: checkpoints off.");
+ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
+          "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
+ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
+ABSL_FLAG(bool, restore, true,
+          "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
+          "that attaches with that name and rank and registers a matching layout.");
+ABSL_FLAG(std::string, session_memory_limit, "0",
+          "Cap on one session's optimizer state (12 bytes per parameter), e.g. 16G; 0 = none.");
+ABSL_FLAG(std::string, group, "",
+          "Group given the socket and the shared-memory control blocks (with --socket_mode "
+          "0660: the trainers' group); empty: the daemon's own group.");
+ABSL_FLAG(std::string, allow_uids, "",
+          "Comma-separated uids allowed to attach (checked by the kernel through "
+          "<socket>.auth, SO_PEERCRED); with --allow_gids empty too: no check beyond the "
+          "socket's file mode.");
+ABSL_FLAG(std::string, allow_gids, "",
+          "Comma-separated gids (primary or supplementary) allowed to attach.");
+ABSL_FLAG(std::string, tcp_listen, "",
+          "Also serve gRPC on HOST:PORT over TCP (e.g. 127.0.0.1:7070); empty = unix socket only. "
+          "TCP callers are not checked by --allow_uids/--allow_gids (no peer credentials) and "
+          "operator calls need no token, so a non-loopback HOST is refused unless "
+          "--tcp_allow_remote.");
+ABSL_FLAG(bool, tcp_allow_remote, false,
+          "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
+          "operator calls).");
+ABSL_FLAG(int, metrics_port, 0,
+          "Serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off.");
+ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
+          "How long the state of a trainer that died stays for it to re-attach (resume) "
+          "before it is freed; 0 = free at once.");
 
 namespace dos {
 namespace {
@@ -81,6 +119,13 @@ struct DaemonConfig {
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off
   LogLevel log_level = LogLevel::kInfo;
+  bool checkpoints = true;           // false: --checkpoint_dir is empty
+  CheckpointerOptions checkpoint;    // directory, autosave, restore
+  absl::Duration session_lease;      // dead trainers' state kept this long
+  gid_t group = static_cast<gid_t>(-1);  // socket and shm group; -1: unchanged
+  int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
+  PeerAuthOptions peer_auth;         // allow lists of attaching uids/gids
+  std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
 };
 
 bool ParseBytes(absl::string_view text, uint64_t* out) {
@@ -154,7 +199,127 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
+  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoints = !c.checkpoint.dir.empty();
+  c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
+  c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
+  c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
+  if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
+    return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
+  }
+  if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
+    return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
+  }
+  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
+        " is not a size; write e.g. 16G or 0"));
+  }
+  if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
+    struct group* gr = ::getgrnam(g.c_str());
+    unsigned gid = 0;
+    if (gr != nullptr) {
+      c.group = gr->gr_gid;
+    } else if (absl::SimpleAtoi(g, &gid)) {
+      c.group = gid;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--group=", g, " is not a known group"));
+    }
+  }
+  c.session.shm_group = c.group;
+  std::vector<uint32_t> ids;
+  if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
+    return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
+  }
+  c.peer_auth.allow_uids.assign(ids.begin(), ids.end());
+  if (!ParseIdList(absl::GetFlag(FLAGS_allow_gids), &ids)) {
+    return absl::InvalidArgumentError("--allow_gids must be a comma-separated list of gids");
+  }
+  c.peer_auth.allow_gids.assign(ids.begin(), ids.end());
+  c.peer_auth.socket_mode = c.socket_mode;
+  c.peer_auth.group = c.group;
+  c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
+  if (!c.tcp_listen.empty()) {
+    const size_t colon = c.tcp_listen.rfind(':');
+    std::string host = colon == std::string::npos ? "" : c.tcp_listen.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+    uint32_t port = 0;
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(c.tcp_listen.substr(colon + 1), &port) || port == 0 || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tcp_listen=", c.tcp_listen, " is not HOST:PORT, e.g. 127.0.0.1:7070"));
+    }
+    if (!IsLoopbackHost(host) && !absl::GetFlag(FLAGS_tcp_allow_remote)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tcp_listen=", c.tcp_listen, " is not a loopback address; TCP callers cannot be "
+          "identified, so dosd listens remotely only with --tcp_allow_remote"));
+    }
+  }
+  c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (c.metrics_port < 0 || c.metrics_port > 65535) {
+    return absl::InvalidArgumentError("--metrics_port must be in [0, 65535]");
+  }
+  c.session_lease = absl::GetFlag(FLAGS_session_lease);
+  if (c.session_lease < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--session_lease must be >= 0");
+  }
   return c;
+}
+
+// Prometheus series: daemon-lifetime counters, and gauges read at scrape time.
+void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager* sessions,
+                     const HostMemoryBudget* budget) {
+  auto counter = [m](const char* name, const char* help, const std::atomic<uint64_t>* v,
+                     MetricLabels labels = {}) {
+    m->AddCallbackCounter(name, help, labels, [v] { return v->load(std::memory_order_relaxed); })
+        .IgnoreError();
+  };
+  counter("dos_steps_total", "Optimizer steps answered (skipped ones included).", &c->steps);
+  counter("dos_skipped_steps_total", "Steps skipped for non-finite gradients.",
+          &c->skipped_steps);
+  counter("dos_step_errors_total", "Steps answered with an error.", &c->failed_steps);
+  counter("dos_params_updated_total", "Parameters updated, by device.", &c->cpu_params,
+          {{"device", "cpu"}});
+  counter("dos_params_updated_total", "Parameters updated, by device.", &c->gpu_params,
+          {{"device", "gpu"}});
+  counter("dos_pcie_bytes_total", "Bytes copied over PCIe, by direction.", &c->h2d_bytes,
+          {{"direction", "h2d"}});
+  counter("dos_pcie_bytes_total", "Bytes copied over PCIe, by direction.", &c->d2h_bytes,
+          {{"direction", "d2h"}});
+  counter("dos_update_microseconds_total", "Time spent updating (params/s = rate of "
+          "dos_params_updated_total over rate of this).", &c->update_us);
+  counter("dos_checkpoint_stall_microseconds_total",
+          "Time steps waited for the session lock (checkpoint snapshots, state transfer).",
+          &c->lock_wait_us);
+  m->AddCallbackGauge("dos_sessions", "Sessions attached.", {},
+                      [sessions] { return static_cast<double>(sessions->List().size()); })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_orphaned_sessions", "Sessions of dead trainers kept for a resume.",
+                      {}, [sessions] {
+                        return static_cast<double>(sessions->ListOrphans().size());
+                      })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_host_state_bytes", "Host memory held as optimizer state (page-locked in GPU mode).", {},
+                      [budget] { return static_cast<double>(budget->used()); })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_host_state_limit_bytes", "--host_memory_limit (0: none).", {},
+                      [budget] { return static_cast<double>(budget->limit()); })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_params_per_second", "Sum over sessions of the last step's rate.", {},
+                      [sessions] {
+                        double sum = 0;
+                        for (const auto& s : sessions->List()) {
+                          SessionStatsSnapshot st = s->stats();
+                          if (st.last.update_us > 0 && !st.last.found_inf) {
+                            sum += static_cast<double>(s->summary().params) /
+                                   (st.last.update_us * 1e-6);
+                          }
+                        }
+                        return sum;
+                      })
+      .IgnoreError();
 }
 
 int Fail(absl::string_view event, const absl::Status& status) {
@@ -201,22 +366,65 @@ int Run(const DaemonConfig& config) {
   }
 #endif
   StepExecutor executor(&cpu_updater, gpu);
-  SessionManager sessions(config.session, config.default_policy, &executor, &budget);
-  DosService service(&sessions, &budget, kVersion);
+  DaemonCounters counters;
+  SessionOptions session_options = config.session;
+  session_options.counters = &counters;
+  SessionManager sessions(session_options, config.default_policy, &executor, &budget,
+                          config.session_lease);
+  MetricsRegistry metrics;
+  RegisterMetrics(&metrics, &counters, &sessions, &budget);
+  std::unique_ptr<Checkpointer> checkpointer;
+  if (config.checkpoints) {
+    checkpointer = std::make_unique<Checkpointer>(config.checkpoint, &sessions);
+    // Not fatal: a daemon without a writable checkpoint directory still
+    // serves training, it only cannot save or restore.
+    if (absl::Status st = checkpointer->Start(); !st.ok()) {
+      DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
+      checkpointer.reset();
+    }
+  }
+  absl::StatusOr<std::unique_ptr<PeerAuth>> peer_auth =
+      PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
+  if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
+  DosService service(&sessions, &budget, kVersion, checkpointer.get(),
+                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
+  if (!config.tcp_listen.empty()) {
+    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     return Fail("daemon.listen",
-                absl::UnavailableError(absl::StrCat("cannot listen on unix:", config.socket_path,
-                                                    "; check the directory's permissions")));
+                absl::UnavailableError(absl::StrCat(
+                    "cannot listen on unix:", config.socket_path,
+                    config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
+                    "; check the directory's permissions and that the port is free")));
   }
   if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
     DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
+  }
+  if (config.group != static_cast<gid_t>(-1) &&
+      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
+    return Fail("daemon.chown", absl::PermissionDeniedError(absl::StrCat(
+                                    "cannot give ", config.socket_path, " group ", config.group,
+                                    ": ", std::strerror(errno),
+                                    "; run dosd as a member of that group")));
+  }
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  if (config.metrics_port != 0) {
+    MetricsHttpOptions mopt;
+    mopt.port = static_cast<uint16_t>(config.metrics_port);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+        MetricsHttpServer::Start(mopt, [&metrics] { return metrics.RenderText(); });
+    if (!m.ok()) return Fail("daemon.metrics", m.status());
+    metrics_server = *std::move(m);
+    DOS_LOG_INFO("daemon.metrics", "url",
+                 absl::StrCat("http://127.0.0.1:", metrics_server->port(), "/metrics"));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
@@ -232,7 +440,9 @@ int Run(const DaemonConfig& config) {
   DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
                config.socket_path, "cpu_threads", cpu_updater.threads(), "cpu_isa",
                cpu::IsaName(cpu_updater.isa()), "policy", FormatPolicy(config.default_policy),
-               "host_memory_limit", config.host_memory_limit, "gpu", gpu != nullptr);
+               "host_memory_limit", config.host_memory_limit, "gpu", gpu != nullptr,
+               "session_lease", absl::FormatDuration(config.session_lease), "checkpoint_dir",
+               config.checkpoint.dir, "tcp_listen", config.tcp_listen);
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
@@ -241,6 +451,16 @@ int Run(const DaemonConfig& config) {
   server->GetHealthCheckService()->SetServingStatus(false);
   // Stop taking calls, then drain: each session finishes its in-flight step.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (checkpointer != nullptr) {
+    // With autosave on, a clean stop (upgrade, reboot) saves every session
+    // so the restarted daemon restores it.
+    if (config.checkpoint.autosave_interval > absl::ZeroDuration()) {
+      absl::StatusOr<std::vector<CheckpointRecord>> saved = checkpointer->Save(0, "");
+      DOS_LOG_INFO("daemon.final_checkpoint", "ok", saved.ok(), "files",
+                   saved.ok() ? saved->size() : 0);
+    }
+    checkpointer->Stop();
+  }
   sessions.Shutdown();
   server->Wait();
   DOS_LOG_INFO("daemon.stopped");

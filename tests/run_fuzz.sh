@@ -6,12 +6,12 @@
 # build-fuzz/artifacts/).
 #
 #   tests/run_fuzz.sh [SECONDS]
-# Environment: DOS_CMAKE_ARGS (extra configure arguments), JOBS.
+# Environment: DOS_CMAKE_ARGS (extra configure arguments), JOBS, DOS_FUZZ_BUILD.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 jobs=${JOBS:-$(nproc)}
-build=build-fuzz
+build=${DOS_FUZZ_BUILD:-build-fuzz}  # DOS_FUZZ_BUILD: another build directory
 command -v clang++ >/dev/null || { echo "run_fuzz.sh: clang++ not found (apt-get install clang)" >&2; exit 1; }
 targets=(checkpoint_reader_fuzzer control_block_fuzzer register_request_fuzzer)
 

@@ -162,15 +162,16 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
               : std::string(" (no limit)"))
       << "\n";
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
-           "PREDICTED US", "CPU/GPU SUBGROUPS"},
-          {true, true, true, true, true, true, true, true, true, true});
+           "PREDICTED US", "CPU/GPU SUBGROUPS", "LOCK WAIT MAX US"},
+          {true, true, true, true, true, true, true, true, true, true, true});
   for (const auto& x : resp.sessions()) {
     const auto& l = x.last_step();
     t.AddRow({absl::StrCat(x.session_id()), absl::StrCat(x.steps()),
               absl::StrCat(x.skipped_steps()), absl::StrCat(x.params()),
               absl::StrFormat("%.3g", x.params_per_second()), Num(l.wall_us()), Num(l.cpu_us()),
               Num(l.gpu_us()), Num(l.predicted_us()),
-              absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups())});
+              absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups()),
+              Num(x.lock_wait_us_max())});
   }
   t.Print(out);
   return absl::OkStatus();
@@ -211,6 +212,55 @@ absl::Status Commands::SetPolicy(uint64_t session_id, const std::string& policy,
   } else {
     out << (session_id == 0 ? std::string("default") : absl::StrCat("session ", session_id))
         << " policy: " << resp.policy() << '\n';
+  }
+  return absl::OkStatus();
+}
+
+void Commands::PrintFiles(const google::protobuf::RepeatedPtrField<v1::CheckpointFile>& files,
+                          std::ostream& out) const {
+  Table t({"SESSION", "STEP", "BYTES", "SNAPSHOT US", "WRITE MS", "STEP WALL US", "PATH"},
+          {true, true, true, true, true, true, false});
+  for (const auto& f : files) {
+    t.AddRow({absl::StrCat(f.session_id()), absl::StrCat(f.step()), Bytes(f.bytes()),
+              Num(f.snapshot_us()), Num(f.write_ms()), Num(f.last_step_wall_us()), f.path()});
+  }
+  t.Print(out);
+}
+
+absl::Status Commands::SaveCheckpoint(uint64_t session_id, const std::string& path,
+                                      std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::SaveCheckpointRequest req;
+  req.set_session_id(session_id);
+  req.set_path(path);
+  v1::SaveCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.checkpoint_timeout));
+  grpc::Status s = dos_->SaveCheckpoint(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("checkpoint save", s);
+  if (options_.json) {
+    out << Json(resp);
+  } else {
+    PrintFiles(resp.files(), out);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Commands::LoadCheckpoint(uint64_t session_id, const std::string& path,
+                                      std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::LoadCheckpointRequest req;
+  req.mutable_session()->set_session_id(session_id);
+  req.set_path(path);
+  v1::LoadCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.checkpoint_timeout));
+  grpc::Status s = dos_->LoadCheckpoint(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("checkpoint load", s);
+  if (options_.json) {
+    out << Json(resp);
+  } else {
+    PrintFiles(resp.files(), out);
   }
   return absl::OkStatus();
 }

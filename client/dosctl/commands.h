@@ -28,6 +28,7 @@ struct Options {
   std::string socket_path;
   bool json = false;
   absl::Duration timeout = absl::Seconds(5);
+  absl::Duration checkpoint_timeout = absl::Minutes(30);  // save/load of large state
 };
 
 class Commands {
@@ -41,9 +42,14 @@ class Commands {
   absl::Status GetPolicy(uint64_t session_id, const std::string& token, std::ostream& out);
   // session_id 0: the daemon's default for new sessions.
   absl::Status SetPolicy(uint64_t session_id, const std::string& policy, std::ostream& out);
+  // session_id 0: every session. `path` is relative to dosd's --checkpoint_dir.
+  absl::Status SaveCheckpoint(uint64_t session_id, const std::string& path, std::ostream& out);
+  absl::Status LoadCheckpoint(uint64_t session_id, const std::string& path, std::ostream& out);
 
  private:
   void Prepare(grpc::ClientContext* ctx) const;
+  void PrintFiles(const google::protobuf::RepeatedPtrField<v1::CheckpointFile>& files,
+                  std::ostream& out) const;
   absl::Status FromRpc(const char* call, const grpc::Status& s) const;
   absl::Status CheckSocket() const;
 

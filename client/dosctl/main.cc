@@ -3,7 +3,11 @@
 //   dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND
 //     status                          daemon pid, version, health
 //     sessions                        attached sessions
-//     stats [SESSION_ID]              step statistics (all sessions by default)
+//     stats [SESSION_ID] [--watch [--interval=2s] [--count=N]]
+//                                     step statistics (all sessions by default)
+//     checkpoint save SESSION_ID|all [PATH]
+//     checkpoint load SESSION_ID|all PATH
+//                                     PATH relative to dosd's --checkpoint_dir
 //     policy get SESSION_ID [TOKEN]   a session's scheduling policy
 //     policy set SESSION_ID|default POLICY
 //                                     cpu, static:<f>, interleave:<k> or auto
@@ -18,6 +22,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/dosctl/commands.h"
 
@@ -33,6 +38,11 @@ std::string DefaultSocket() {
 ABSL_FLAG(std::string, socket, DefaultSocket(), "dosd's unix socket (default: $DOS_SOCKET)");
 ABSL_FLAG(bool, json, false, "print JSON instead of tables");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline of each call to the daemon");
+ABSL_FLAG(absl::Duration, checkpoint_timeout, absl::Minutes(30),
+          "deadline of checkpoint save/load calls");
+ABSL_FLAG(bool, watch, false, "stats: repeat every --interval until interrupted");
+ABSL_FLAG(absl::Duration, interval, absl::Seconds(2), "stats --watch: time between samples");
+ABSL_FLAG(int, count, 0, "stats --watch: stop after this many samples (0 = never)");
 
 namespace {
 
@@ -40,7 +50,10 @@ constexpr char kUsage[] =
     "dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND\n"
     "  status                               daemon pid, version, health\n"
     "  sessions                             attached sessions\n"
-    "  stats [SESSION_ID]                   step statistics\n"
+    "  stats [SESSION_ID] [--watch [--interval=2s] [--count=N]]\n"
+    "                                       step statistics\n"
+    "  checkpoint save SESSION_ID|all [PATH] checkpoint (PATH under dosd's --checkpoint_dir)\n"
+    "  checkpoint load SESSION_ID|all PATH  restore state (and the trainers' weights)\n"
     "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
     "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto";
 
@@ -60,7 +73,8 @@ int main(int argc, char** argv) {
   if (args.empty()) return Usage("no command given");
 
   dos::dosctl::Commands cmd({absl::GetFlag(FLAGS_socket), absl::GetFlag(FLAGS_json),
-                             absl::GetFlag(FLAGS_timeout)});
+                             absl::GetFlag(FLAGS_timeout),
+                             absl::GetFlag(FLAGS_checkpoint_timeout)});
   absl::Status st;
   const std::string& c = args[0];
   uint64_t id = 0;
@@ -70,7 +84,27 @@ int main(int argc, char** argv) {
     st = cmd.Sessions(std::cout);
   } else if (c == "stats" && args.size() <= 2) {
     if (args.size() == 2 && !ParseId(args[1], &id)) return Usage("bad SESSION_ID " + args[1]);
-    st = cmd.Stats(id, std::cout);
+    if (!absl::GetFlag(FLAGS_watch)) {
+      st = cmd.Stats(id, std::cout);
+    } else {
+      const int count = absl::GetFlag(FLAGS_count);
+      for (int i = 0; st.ok() && (count <= 0 || i < count); ++i) {
+        if (i > 0) absl::SleepFor(absl::GetFlag(FLAGS_interval));
+        std::cout << "--- " << absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(),
+                                                 absl::UTCTimeZone())
+                  << '\n';
+        st = cmd.Stats(id, std::cout);
+        std::cout.flush();
+      }
+    }
+  } else if (c == "checkpoint" && args.size() >= 3 && args.size() <= 4 &&
+             (args[1] == "save" || (args[1] == "load" && args.size() == 4))) {
+    if (args[2] != "all" && (!ParseId(args[2], &id) || id == 0)) {
+      return Usage("bad SESSION_ID " + args[2] + " (a session id or 'all')");
+    }
+    const std::string path = args.size() == 4 ? args[3] : "";
+    st = args[1] == "save" ? cmd.SaveCheckpoint(id, path, std::cout)
+                           : cmd.LoadCheckpoint(id, path, std::cout);
   } else if (c == "policy" && args.size() >= 3 && args[1] == "get" && args.size() <= 4) {
     if (!ParseId(args[2], &id) || id == 0) return Usage("bad SESSION_ID " + args[2]);
     st = cmd.GetPolicy(id, args.size() == 4 ? args[3] : "", std::cout);

@@ -80,9 +80,11 @@ void dos_attach_options_init(dos_attach_options* options) {
   options->timeout_ms = 0;
 }
 
-dos_status dos_attach(const dos_attach_options* options, dos_session** out) {
-  return Guard("attach", [&]() -> absl::Status {
-    if (out == nullptr) return absl::InvalidArgumentError("attach: out is NULL");
+namespace {
+dos_status AttachOrResume(const char* call, const dos_attach_options* options,
+                          uint64_t resume_id, const char* resume_token, dos_session** out) {
+  return Guard(call, [&]() -> absl::Status {
+    if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(call, ": out is NULL"));
     *out = nullptr;
     dos_attach_options defaults;
     dos_attach_options_init(&defaults);
@@ -94,11 +96,38 @@ dos_status dos_attach(const dos_attach_options* options, dos_session** out) {
     opts.local_rank = o.local_rank;
     opts.world_size = o.world_size;
     opts.rpc_timeout = o.timeout_ms > 0 ? absl::Milliseconds(o.timeout_ms) : absl::Seconds(30);
+    opts.resume_session_id = resume_id;
+    opts.resume_token = resume_token != nullptr ? resume_token : "";
     auto session = dos::client::ClientSession::Attach(opts);
     if (!session.ok()) return session.status();
     *out = new dos_session{std::move(session).value()};
     return absl::OkStatus();
   });
+}
+}  // namespace
+
+dos_status dos_attach(const dos_attach_options* options, dos_session** out) {
+  return AttachOrResume("attach", options, 0, nullptr, out);
+}
+
+dos_status dos_resume(const dos_attach_options* options, uint64_t session_id, const char* token,
+                      dos_session** out) {
+  if (session_id == 0 || token == nullptr || token[0] == '\0') {
+    return Guard("resume", [&]() -> absl::Status {
+      return absl::InvalidArgumentError(
+          "resume: session_id must be non-zero and token non-empty; pass what "
+          "dos_session_id() and dos_session_token() returned in the process that died");
+    });
+  }
+  return AttachOrResume("resume", options, session_id, token, out);
+}
+
+const char* dos_session_token(const dos_session* session) {
+  return (session != nullptr && session->impl != nullptr) ? session->impl->token().c_str() : "";
+}
+
+int32_t dos_session_resumed(const dos_session* session) {
+  return (session != nullptr && session->impl != nullptr && session->impl->resumed()) ? 1 : 0;
 }
 
 dos_status dos_detach(dos_session* session) {

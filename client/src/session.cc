@@ -1,8 +1,11 @@
 #include "client/src/session.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -38,6 +41,36 @@ absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status
   return absl::Status(code, absl::StrCat(call, ": ", status.error_message()));
 }
 
+namespace {
+// "OK <ticket>" or "DENIED <why>" from dosd's peer-credential socket; a socket
+// nobody listens on (left by an earlier daemon) means no check: "".
+absl::StatusOr<std::string> FetchPeerTicket(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("attach: socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return std::string();
+  }
+  std::string line;
+  char buf[512];
+  ssize_t n;
+  while (line.find('\n') == std::string::npos && (n = ::read(fd, buf, sizeof buf)) > 0) {
+    line.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  line = line.substr(0, line.find('\n'));
+  if (line.rfind("OK ", 0) == 0) return line.substr(3);
+  if (line.rfind("DENIED ", 0) == 0) {
+    return absl::PermissionDeniedError(absl::StrCat("attach: dosd refused this process: ",
+                                                    line.substr(7)));
+  }
+  return absl::UnavailableError(absl::StrCat("attach: no answer from ", path));
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Options& options) {
   struct stat st;
   if (::stat(options.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
@@ -58,12 +91,25 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   req.set_local_rank(options.local_rank);
   req.set_world_size(options.world_size);
   req.set_protocol_version(kProtocolVersion);
+  // A dosd that checks peer credentials serves <socket>.auth: the kernel
+  // tells it who we are there, and it answers a ticket for our pid.
+  const std::string auth = options.socket_path + ".auth";
+  if (::stat(auth.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    absl::StatusOr<std::string> ticket = FetchPeerTicket(auth);
+    if (!ticket.ok()) return ticket.status();
+    req.set_peer_ticket(*ticket);
+  }
+  if (options.resume_session_id != 0) {
+    req.mutable_resume()->set_session_id(options.resume_session_id);
+    req.mutable_resume()->set_token(options.resume_token);
+  }
   v1::AttachResponse resp;
   grpc::ClientContext ctx;
   s->PrepareContext(&ctx);
   grpc::Status rpc = s->stub_->Attach(&ctx, req, &resp);
   if (!rpc.ok()) return s->FromRpc("attach", rpc);
   s->ref_ = resp.session();
+  s->resumed_ = resp.resumed();
   s->attached_ = true;  // from here on the destructor detaches
 
   DOS_ASSIGN_OR_RETURN(s->control_segment_, ShmSegment::Open(resp.control_block_name()));

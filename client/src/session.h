@@ -43,6 +43,10 @@ class ClientSession {
     int32_t local_rank = 0;
     int32_t world_size = 1;
     absl::Duration rpc_timeout = absl::Seconds(30);  // per control-plane call
+    // Non-zero: re-attach to this session of a process that died (its state
+    // was kept for the daemon's --session_lease), proving it with its token.
+    uint64_t resume_session_id = 0;
+    std::string resume_token;
   };
 
   // Connects, attaches and maps the control block. UNAVAILABLE with the
@@ -59,6 +63,10 @@ class ClientSession {
   absl::Status Detach();
 
   uint64_t id() const { return ref_.session_id(); }
+  // The session's credential: with id(), what a restarted process passes to
+  // resume it. Keep it private to the job.
+  const std::string& token() const { return ref_.token(); }
+  bool resumed() const { return resumed_; }
 
   absl::StatusOr<void*> AllocBuffer(uint64_t bytes);
 
@@ -93,6 +101,7 @@ class ClientSession {
   std::unique_ptr<v1::Dos::Stub> stub_;
   v1::SessionRef ref_;
   bool attached_ = false;
+  bool resumed_ = false;
 
   std::unique_ptr<ShmSegment> control_segment_;
   ControlBlock* control_ = nullptr;

@@ -1,6 +1,8 @@
 // Run-time ISA selection. The vector variants are compiled with their own
 // per-file flags, so nothing here may execute their code before CPUID (via
 // __builtin_cpu_supports) says the CPU has the instructions.
+#include <cpuid.h>
+
 #include <cstdlib>
 
 #include "daemon/cpu/kernel_variants.h"
@@ -8,7 +10,14 @@
 namespace dos::cpu {
 namespace {
 
-bool CpuHasAvx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+// F16C (CPUID.1:ECX bit 29) read directly: clang 14's __builtin_cpu_supports
+// does not know "f16c".
+bool CpuHasF16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+bool CpuHasAvx2() { return __builtin_cpu_supports("avx2") && CpuHasF16c(); }
 
 bool CpuHasAvx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

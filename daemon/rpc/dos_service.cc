@@ -97,6 +97,8 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   out->set_steps(st.steps);
   out->set_skipped_steps(st.skipped_steps);
   out->set_params(sum.params);
+  out->set_lock_wait_us_max(st.lock_wait_us_max);
+  out->set_lock_wait_us_total(st.lock_wait_us_total);
   if (st.last.update_us > 0 && !st.last.found_inf) {
     out->set_params_per_second(static_cast<double>(sum.params) / (st.last.update_us * 1e-6));
   }
@@ -143,14 +145,37 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("attach: pid ", req->pid(), " is invalid; send the trainer's getpid()")));
   }
+  if (peer_auth_ != nullptr) {
+    if (absl::Status st = peer_auth_->Check(req->peer_ticket(), req->pid()); !st.ok()) {
+      DOS_LOG_WARNING("auth.attach_refused", "pid", req->pid(), "error", st.message());
+      return ToGrpcStatus(st);
+    }
+  }
+  if (req->client_name().size() > 256) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "attach: client_name has ", req->client_name().size(), " bytes; at most 256")));
+  }
+  if (req->rank() < -1 || (req->world_size() > 0 && req->rank() >= req->world_size())) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "attach: rank ", req->rank(), " is invalid for world_size ", req->world_size(),
+        "; send -1 when not distributed, else 0 <= rank < world_size")));
+  }
   SessionIdentity id;
   id.client_name = req->client_name();
   id.pid = req->pid();
   id.rank = req->rank();
   id.local_rank = req->local_rank();
   id.world_size = req->world_size();
-  absl::StatusOr<std::shared_ptr<Session>> s = sessions_->Attach(std::move(id));
+  if (req->has_resume() && req->resume().session_id() != 0 && req->resume().token().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "attach: resume.token is empty; pass the token the first Attach returned"));
+  }
+  bool resumed = false;
+  absl::StatusOr<std::shared_ptr<Session>> s =
+      sessions_->Attach(std::move(id), req->resume().session_id(), req->resume().token(),
+                        &resumed);
   if (!s.ok()) return ToGrpcStatus(s.status());
+  resp->set_resumed(resumed);
   resp->mutable_session()->set_session_id((*s)->identity().id);
   resp->mutable_session()->set_token((*s)->identity().token);
   resp->set_control_block_name((*s)->control_block_name());
@@ -162,6 +187,10 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
 
 grpc::Status DosService::Detach(ServerContext*, const v1::DetachRequest* req,
                                 v1::DetachResponse*) {
+  if (req->session().session_id() == 0) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("detach: session.session_id is 0; pass the id Attach returned"));
+  }
   return ToGrpcStatus(sessions_->Detach(req->session().session_id(), req->session().token()));
 }
 
@@ -177,6 +206,8 @@ grpc::Status DosService::RegisterShard(ServerContext*, const v1::RegisterShardRe
   resp->set_total_params(sum.params);
   resp->set_num_subgroups(sum.subgroups);
   resp->set_host_state_bytes(sum.state_bytes);
+  resp->set_step(sum.step);
+  resp->set_restored_from(sum.restored_from);
   return grpc::Status::OK;
 }
 
@@ -228,7 +259,11 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
 
 grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequest*,
                                       v1::ListSessionsResponse* resp) {
-  for (const auto& s : sessions_->List()) {
+  const std::vector<std::shared_ptr<Session>> live = sessions_->List();
+  std::vector<std::shared_ptr<Session>> all = live;
+  for (auto& o : sessions_->ListOrphans()) all.push_back(std::move(o));
+  for (size_t i = 0; i < all.size(); ++i) {
+    const std::shared_ptr<Session>& s = all[i];
     const SessionIdentity& id = s->identity();
     Session::Summary sum = s->summary();
     v1::SessionInfo* info = resp->add_sessions();
@@ -238,7 +273,8 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
     info->set_rank(id.rank);
     info->set_local_rank(id.local_rank);
     info->set_world_size(id.world_size);
-    info->set_state(sum.registered ? "registered" : "attached");
+    // "orphaned": its trainer died; the state waits --session_lease for a resume.
+    info->set_state(i >= live.size() ? "orphaned" : sum.registered ? "registered" : "attached");
     info->set_params(sum.params);
     info->set_num_tensors(sum.tensors);
     info->set_num_subgroups(sum.subgroups);
@@ -253,6 +289,11 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
 
 grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
+  if (req->buffer().name().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
+        "fp32 values"));
+  }
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::StatusOr<int64_t> step =
@@ -264,6 +305,11 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
 
 grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
+  if (req->buffer().name().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
+        "fp32 values"));
+  }
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::Status st = (*s)->ImportState(
@@ -273,17 +319,63 @@ grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequ
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::SaveCheckpoint(ServerContext*, const v1::SaveCheckpointRequest*,
-                                        v1::SaveCheckpointResponse*) {
-  return ToGrpcStatus(absl::UnimplementedError(
-      "SaveCheckpoint is not implemented in this release; use the optimizer's state_dict()"));
+namespace {
+void FillRecords(const std::vector<CheckpointRecord>& records,
+                 google::protobuf::RepeatedPtrField<v1::CheckpointFile>* out) {
+  for (const CheckpointRecord& r : records) {
+    v1::CheckpointFile* f = out->Add();
+    f->set_session_id(r.session_id);
+    f->set_path(r.path);
+    f->set_step(r.step);
+    f->set_bytes(r.bytes);
+    f->set_snapshot_us(r.snapshot_us);
+    f->set_write_ms(r.write_ms);
+    f->set_last_step_wall_us(r.last_step_wall_us);
+  }
+}
+}  // namespace
+
+grpc::Status DosService::SaveCheckpoint(ServerContext*, const v1::SaveCheckpointRequest* req,
+                                        v1::SaveCheckpointResponse* resp) {
+  if (checkpointer_ == nullptr) {
+    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
+  }
+  if (!req->path().empty()) {
+    absl::StatusOr<std::string> p = checkpointer_->Resolve(req->path(), "path");
+    if (!p.ok()) return ToGrpcStatus(p.status());
+  }
+  absl::StatusOr<std::vector<CheckpointRecord>> saved =
+      checkpointer_->Save(req->session_id(), req->path());
+  if (!saved.ok()) return ToGrpcStatus(saved.status());
+  if (!saved->empty()) resp->set_path(saved->front().path);
+  FillRecords(*saved, resp->mutable_files());
+  return grpc::Status::OK;
 }
 
-grpc::Status DosService::LoadCheckpoint(ServerContext*, const v1::LoadCheckpointRequest*,
-                                        v1::LoadCheckpointResponse*) {
-  return ToGrpcStatus(absl::UnimplementedError(
-      "LoadCheckpoint is not implemented in this release; use the optimizer's "
-      "load_state_dict()"));
+grpc::Status DosService::LoadCheckpoint(ServerContext*, const v1::LoadCheckpointRequest* req,
+                                        v1::LoadCheckpointResponse* resp) {
+  if (checkpointer_ == nullptr) {
+    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
+  }
+  if (req->path().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "path is empty; name a checkpoint file or directory under dosd's --checkpoint_dir"));
+  }
+  if (absl::StatusOr<std::string> p = checkpointer_->Resolve(req->path(), "path"); !p.ok()) {
+    return ToGrpcStatus(p.status());
+  }
+  std::shared_ptr<Session> session;
+  if (req->session().session_id() != 0) {
+    absl::StatusOr<std::shared_ptr<Session>> s =
+        FindSessionOrOperator(*sessions_, req->session());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    session = *std::move(s);
+  }
+  absl::StatusOr<std::vector<CheckpointRecord>> loaded =
+      checkpointer_->Load(std::move(session), req->path());
+  if (!loaded.ok()) return ToGrpcStatus(loaded.status());
+  FillRecords(*loaded, resp->mutable_files());
+  return grpc::Status::OK;
 }
 
 }  // namespace dos

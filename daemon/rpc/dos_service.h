@@ -10,6 +10,8 @@
 #pragma once
 
 #include "absl/time/time.h"
+#include "daemon/rpc/peer_auth.h"
+#include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
@@ -18,8 +20,15 @@ namespace dos {
 
 class DosService final : public v1::Dos::Service {
  public:
-  DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version)
-      : sessions_(sessions), budget_(budget), version_(std::move(version)) {}
+  // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
+  // `peer_auth` may be null: no peer-credential check.
+  DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
+             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr)
+      : sessions_(sessions),
+        budget_(budget),
+        version_(std::move(version)),
+        checkpointer_(checkpointer),
+        peer_auth_(peer_auth) {}
 
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
@@ -46,6 +55,8 @@ class DosService final : public v1::Dos::Service {
   SessionManager* const sessions_;
   HostMemoryBudget* const budget_;
   const std::string version_;
+  Checkpointer* const checkpointer_;
+  PeerAuth* const peer_auth_;
   const absl::Time started_ = absl::Now();
 };
 

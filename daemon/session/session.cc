@@ -4,10 +4,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/checkpoint/checkpoint_reader.h"
+#include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/transport/shm_transport.h"
@@ -36,12 +39,20 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     std::function<void(uint64_t id)> on_client_gone) {
   std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executor, budget,
                                          std::move(on_client_gone)));
-  std::string name =
-      absl::StrCat(options.shm_prefix, ".", getpid(), ".", s->identity_.id, ".ctl");
+  std::string name = absl::StrCat(
+      options.shm_prefix, ".", getpid(), ".", s->identity_.id,
+      s->identity_.generation == 0 ? "" : absl::StrCat(".g", s->identity_.generation), ".ctl");
   ShmSegment::CreateOptions shm_options;
   shm_options.mode = options.shm_mode;
   shm_options.unlink_on_destroy = true;
   DOS_ASSIGN_OR_RETURN(s->control_, ShmSegment::Create(name, sizeof(ControlBlock), shm_options));
+  if (options.shm_group != static_cast<gid_t>(-1) &&
+      ::chown(absl::StrCat("/dev/shm", name).c_str(), static_cast<uid_t>(-1),
+              options.shm_group) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "attach: cannot give control block ", name, " group ", options.shm_group, ": ",
+        std::strerror(errno)));
+  }
   auto* block = new (s->control_->data()) ControlBlock();
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
@@ -125,8 +136,10 @@ void Session::HandleRequest(uint32_t seq) {
   result.found_inf = 0;
   result.message[0] = '\0';
   absl::StatusOr<StepOutcome> outcome;
+  double lock_wait_us = 0;
   {
     absl::MutexLock lock(&mu_);
+    lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (shard_ == nullptr) {
       outcome = absl::FailedPreconditionError(
           "step: the session has no registered tensors; call dos_register (RegisterShard) "
@@ -145,8 +158,31 @@ void Session::HandleRequest(uint32_t seq) {
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
   }
   result.wall_us = wall_us;
+  if (DaemonCounters* c = options_.counters; c != nullptr) {
+    constexpr auto kRelaxed = std::memory_order_relaxed;
+    c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
+    if (!outcome.ok()) {
+      c->failed_steps.fetch_add(1, kRelaxed);
+    } else {
+      c->steps.fetch_add(1, kRelaxed);
+      c->update_us.fetch_add(static_cast<uint64_t>(outcome->update_us), kRelaxed);
+      if (outcome->found_inf) {
+        c->skipped_steps.fetch_add(1, kRelaxed);
+      } else {
+        const uint64_t params = summary().params;
+        c->params_updated.fetch_add(params, kRelaxed);
+        const bool split = outcome->cpu_params + outcome->gpu_params != 0;
+        c->cpu_params.fetch_add(split ? outcome->cpu_params : params, kRelaxed);
+        c->gpu_params.fetch_add(outcome->gpu_params, kRelaxed);
+      }
+      c->h2d_bytes.fetch_add(outcome->h2d_bytes, kRelaxed);
+      c->d2h_bytes.fetch_add(outcome->d2h_bytes, kRelaxed);
+    }
+  }
   {
     absl::MutexLock lock(&stats_mu_);
+    stats_.lock_wait_us_total += lock_wait_us;
+    stats_.lock_wait_us_max = std::max(stats_.lock_wait_us_max, lock_wait_us);
     if (outcome.ok()) {
       ++stats_.steps;
       if (outcome->found_inf) ++stats_.skipped_steps;
@@ -234,15 +270,61 @@ absl::Status Session::Register(const ShardSpec& spec) {
                                .numel = t.numel,
                                .group = t.group});
   }
-  uint64_t subgroup_size =
-      spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
-  DOS_ASSIGN_OR_RETURN(
-      std::unique_ptr<ShardState> shard,
-      ShardState::Create(std::move(infos), spec.groups, subgroup_size, budget_,
-                         absl::StrCat("register: session ", identity_.id)));
-  // Initialise the fp32 masters from the trainer's weights.
-  for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-    DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
+  std::unique_ptr<ShardState> shard;
+  std::string restored_from;
+  if (adopted_ != nullptr) {
+    // A resumed session: the state survived the trainer's death. The new
+    // process must register the same layout; its weights are rewritten from
+    // the fp32 masters, so it continues exactly where the state stands.
+    CheckpointLayout wanted;
+    wanted.tensors.reserve(infos.size());
+    for (const TensorInfo& t : infos) {
+      wanted.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, 0});
+    }
+    wanted.groups = spec.groups;
+    DOS_RETURN_IF_ERROR(CheckLayoutMatches(
+        wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
+    shard = std::move(adopted_);
+    restored_from = "resume";
+  } else {
+    uint64_t numel = 0;
+    for (const TensorInfo& t : infos) numel += t.numel;
+    if (options_.memory_limit != 0 && numel * ShardState::kStateBytesPerParam > options_.memory_limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: the tensors hold ", numel, " parameters, ",
+          FormatBytes(numel * ShardState::kStateBytesPerParam), " of optimizer state; dosd's "
+          "--session_memory_limit allows ", FormatBytes(options_.memory_limit),
+          " per session; shard the model over more ranks or raise the limit"));
+    }
+    uint64_t subgroup_size =
+        spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
+    DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(std::move(infos), spec.groups, subgroup_size,
+                                                   budget_,
+                                                   absl::StrCat("register: session ", identity_.id)));
+    // Initialise the fp32 masters from the trainer's weights.
+    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
+      DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
+    }
+    // A daemon restarted with checkpoints of this client name and rank: the
+    // first (highest step) whose layout matches is loaded. LoadShard leaves
+    // the state untouched on any failure, so a bad file only costs a log line.
+    for (const std::string& path : restore_candidates_) {
+      absl::Status st = LoadShard(shard.get(), path, Env::Default());
+      if (st.ok()) {
+        restored_from = path;
+        break;
+      }
+      DOS_LOG_WARNING("session.restore_skipped", "session", identity_.id, "path", path, "error",
+                      st.message());
+    }
+    restore_candidates_.clear();
+  }
+  if (!restored_from.empty()) {
+    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
+      DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard, bindings, i));
+    }
+    DOS_LOG_INFO("session.restored", "session", identity_.id, "from", restored_from, "step",
+                 shard->tensors()[0].step);
   }
   if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
   {
@@ -251,7 +333,9 @@ absl::Status Session::Register(const ShardSpec& spec) {
                        .params = shard->total_params(),
                        .tensors = static_cast<uint32_t>(shard->tensors().size()),
                        .subgroups = static_cast<uint32_t>(shard->subgroups().size()),
-                       .state_bytes = shard->state_bytes()};
+                       .state_bytes = shard->state_bytes(),
+                       .step = shard->tensors()[0].step,
+                       .restored_from = restored_from};
   }
   DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard->tensors().size(),
                "params", shard->total_params(), "subgroups", shard->subgroups().size(),
@@ -322,6 +406,103 @@ void Session::SetPolicy(const Policy& policy) {
 Policy Session::policy() const {
   absl::MutexLock lock(&stats_mu_);
   return policy_;
+}
+
+absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
+                                               HostMemoryBudget* staging_budget) {
+  std::vector<TensorInfo> infos;
+  std::vector<GroupConfig> groups;
+  uint64_t subgroup_size = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shard_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
+    }
+    infos.assign(shard_->tensors().begin(), shard_->tensors().end());
+    groups.assign(shard_->groups().begin(), shard_->groups().end());
+    subgroup_size = shard_->subgroup_size();
+  }
+  // The layout never changes after registration, so a staging copy made for
+  // an earlier snapshot is reused; a new one is allocated (and its pages
+  // touched) here, off the lock.
+  uint64_t total = 0;
+  for (const TensorInfo& t : infos) total += t.numel;
+  if (*staging == nullptr || (*staging)->total_params() != total ||
+      (*staging)->subgroup_size() != subgroup_size) {
+    staging->reset();
+    DOS_ASSIGN_OR_RETURN(*staging,
+                         ShardState::Create(std::move(infos), std::move(groups), subgroup_size,
+                                            staging_budget,
+                                            absl::StrCat("checkpoint staging of session ",
+                                                         identity_.id)));
+  }
+  SnapshotInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time start = absl::Now();
+    if (!bindings_.empty() && bindings_[0].device) {
+      DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
+    }
+    // Holding mu_ means no step is in flight: the copy is a step boundary.
+    std::span<const Subgroup> from = shard_->subgroups();
+    std::span<Subgroup> to = (*staging)->subgroups();
+    for (size_t g = 0; g < from.size(); ++g) {
+      // [master | exp_avg | exp_avg_sq] are one allocation per subgroup.
+      std::memcpy(to[g].master, from[g].master, 3 * from[g].numel * sizeof(float));
+    }
+    for (size_t t = 0; t < shard_->tensors().size(); ++t) {
+      (*staging)->tensors()[t].step = shard_->tensors()[t].step;
+    }
+    info.step = shard_->tensors()[0].step;
+    info.locked_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  }
+  info.last_step_wall_us = stats().last_wall_us;
+  return info;
+}
+
+absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint load: session ", identity_.id,
+        " has no registered tensors; register before loading a checkpoint"));
+  }
+  DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, Env::Default()));
+  const bool device = !bindings_.empty() && bindings_[0].device;
+  if (device) executor_->gpu()->DropResident(*shard_);
+  for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
+    DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
+  }
+  DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step",
+               shard_->tensors()[0].step);
+  return shard_->tensors()[0].step;
+}
+
+std::unique_ptr<ShardState> Session::TakeShard() {
+  absl::MutexLock lock(&mu_);
+  // The dead client's memory: unmap it (the step thread is stopped).
+  bindings_.clear();
+  if (shard_ != nullptr && executor_->gpu() != nullptr && shard_->attachment() != nullptr) {
+    shard_->set_attachment(nullptr);
+  }
+  transport_.reset();
+  return std::move(shard_);
+}
+
+void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
+  absl::MutexLock lock(&mu_);
+  adopted_ = std::move(shard);
+}
+
+void Session::SetRestoreCandidates(std::vector<std::string> paths) {
+  absl::MutexLock lock(&mu_);
+  restore_candidates_ = std::move(paths);
+}
+
+bool Session::registered() const {
+  absl::MutexLock lock(&stats_mu_);
+  return summary_.registered;
 }
 
 Session::Summary Session::summary() const {

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/sched/policy.h"
+#include "daemon/session/daemon_counters.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/control_channel.h"
@@ -45,6 +46,7 @@ struct SessionIdentity {
   int32_t rank = -1;
   int32_t local_rank = 0;
   int32_t world_size = 1;
+  uint32_t generation = 0;  // 0 at Attach, +1 at each resume (names the control block)
 };
 
 // One tensor as the client describes it at registration.
@@ -67,8 +69,11 @@ struct ShardSpec {
 struct SessionOptions {
   std::string shm_prefix = "/dos";   // control block name: <prefix>.<daemon pid>.<id>.ctl
   mode_t shm_mode = 0660;
+  gid_t shm_group = static_cast<gid_t>(-1);  // group of the control blocks; -1: unchanged
   uint64_t default_subgroup_size = 100'000'000;
   absl::Duration liveness_interval = absl::Milliseconds(200);
+  DaemonCounters* counters = nullptr;  // daemon-wide totals (metrics); may be null
+  uint64_t memory_limit = 0;           // bytes of state per session; 0 = no cap
 };
 
 struct SessionStatsSnapshot {
@@ -77,6 +82,17 @@ struct SessionStatsSnapshot {
   uint64_t failed_steps = 0;
   StepOutcome last;
   double last_wall_us = 0;
+  // Time step requests waited for the session lock (held by checkpoint
+  // snapshots, state transfer): the checkpoint stall as the trainer sees it.
+  double lock_wait_us_total = 0;
+  double lock_wait_us_max = 0;
+};
+
+// What Snapshot() did.
+struct SnapshotInfo {
+  int64_t step = 0;          // tensor 0's step count in the snapshot
+  double locked_us = 0;      // time the session lock was held (copying)
+  double last_step_wall_us = 0;
 };
 
 class Session {
@@ -100,6 +116,26 @@ class Session {
   void SetPolicy(const Policy& policy);
   Policy policy() const;
 
+  // Checkpoints. Snapshot copies the state, at a step boundary, into
+  // `*staging` (created off the lock, from `staging_budget`, when null or of
+  // another layout): the next step waits only for this copy.
+  absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
+                                        HostMemoryBudget* staging_budget);
+  // Loads a checkpoint file into the state and rewrites the trainer's
+  // weights; the state is untouched if the file is corrupt or of another
+  // layout. Returns the loaded step count.
+  absl::StatusOr<int64_t> LoadCheckpoint(const std::string& path);
+
+  // Crash survival and restart. TakeShard (after Stop) moves the state out
+  // and drops the dead client's mappings; AdoptShard gives it to the session
+  // of the resumed process, whose Register then checks the layout and
+  // rewrites the weights instead of reading them. SetRestoreCandidates gives
+  // checkpoint files (best first) that Register loads the first matching of.
+  std::unique_ptr<ShardState> TakeShard();
+  void AdoptShard(std::unique_ptr<ShardState> shard);
+  void SetRestoreCandidates(std::vector<std::string> paths);
+  bool registered() const;
+
   // Finishes any in-flight step, closes the control block, joins the thread.
   void Stop();
 
@@ -114,6 +150,8 @@ class Session {
     uint32_t tensors = 0;
     uint32_t subgroups = 0;
     uint64_t state_bytes = 0;
+    int64_t step = 0;            // at registration (resumed or restored)
+    std::string restored_from;   // "" / "resume" / checkpoint path
   };
   Summary summary() const;
   SessionStatsSnapshot stats() const;
@@ -142,7 +180,8 @@ class Session {
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ShardState> shard_ ABSL_GUARDED_BY(mu_);
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
-  
+  std::unique_ptr<ShardState> adopted_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> restore_candidates_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex stats_mu_;
   SessionStatsSnapshot stats_ ABSL_GUARDED_BY(stats_mu_);

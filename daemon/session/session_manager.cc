@@ -1,6 +1,9 @@
 #include "daemon/session/session_manager.h"
 
 #include <pthread.h>
+#include <signal.h>
+
+#include <cerrno>
 
 #include <random>
 
@@ -19,8 +22,13 @@ std::string NewToken() {
 }  // namespace
 
 SessionManager::SessionManager(const SessionOptions& options, const Policy& default_policy,
-                               StepExecutor* executor, HostMemoryBudget* budget)
-    : options_(options), executor_(executor), budget_(budget), default_policy_(default_policy) {
+                               StepExecutor* executor, HostMemoryBudget* budget,
+                               absl::Duration lease)
+    : options_(options),
+      executor_(executor),
+      budget_(budget),
+      lease_(lease),
+      default_policy_(default_policy) {
   reaper_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "dos-reaper");
     ReapLoop();
@@ -29,28 +37,117 @@ SessionManager::SessionManager(const SessionOptions& options, const Policy& defa
 
 SessionManager::~SessionManager() { Shutdown(); }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity) {
+namespace {
+bool ProcessAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity,
+                                                                uint64_t resume_id,
+                                                                absl::string_view resume_token,
+                                                                bool* resumed) {
+  if (resumed != nullptr) *resumed = false;
   Policy policy;
+  std::shared_ptr<Session> old;  // the orphaned session being resumed
+  std::shared_ptr<Session> dying;  // still in the table, its client already dead
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return absl::UnavailableError("attach: the daemon is shutting down");
-    identity.id = next_id_++;
     policy = default_policy_;
+    if (resume_id == 0) {
+      identity.id = next_id_++;
+    } else {
+      auto live = sessions_.find(resume_id);
+      if (live != sessions_.end()) {
+        if (!live->second->TokenMatches(resume_token)) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "attach: resume.token does not match session ", resume_id,
+              "; pass the token the first Attach returned"));
+        }
+        if (ProcessAlive(live->second->identity().pid)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "attach: session ", resume_id, " is still attached by pid ",
+              live->second->identity().pid, "; only a session whose process exited can be "
+              "resumed"));
+        }
+        // Its death is not yet noticed by the step thread: orphan it now.
+        dying = live->second;
+        sessions_.erase(live);
+      } else {
+        auto o = orphans_.find(resume_id);
+        if (o == orphans_.end()) {
+          return absl::NotFoundError(absl::StrCat(
+              "attach: resume.session_id ", resume_id, " is not a session waiting for its "
+              "trainer (never attached, detached, its lease of ", absl::FormatDuration(lease_),
+              " ran out, or the daemon restarted); attach a new session"));
+        }
+        if (!o->second.session->TokenMatches(resume_token)) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "attach: resume.token does not match session ", resume_id,
+              "; pass the token the first Attach returned"));
+        }
+        old = o->second.session;
+        orphans_.erase(o);
+      }
+    }
   }
-  identity.token = NewToken();
+  if (dying != nullptr) old = std::move(dying);
+  // Lets an in-flight step finish (so the state is at a step boundary) and
+  // joins the dead client's step thread; only this caller holds `old` now.
+  if (old != nullptr) old->Stop();
+  std::vector<std::string> restore;
+  if (old != nullptr) {
+    identity.id = old->identity().id;
+    identity.token = old->identity().token;
+    identity.generation = old->identity().generation + 1;
+    policy = old->policy();
+  } else {
+    identity.token = NewToken();
+    absl::MutexLock lock(&mu_);
+    // Taken once: a second trainer of the same name and rank starts fresh.
+    auto it = restore_.find({identity.client_name, identity.rank});
+    if (it != restore_.end()) {
+      restore = std::move(it->second);
+      restore_.erase(it);
+    }
+  }
   absl::StatusOr<std::unique_ptr<Session>> created =
       Session::Create(identity, options_, policy, executor_, budget_,
-                      [this](uint64_t id) { OnClientGone(id); });
-  if (!created.ok()) return created.status();
+                      [this, gen = identity.generation](uint64_t id) { OnClientGone(id, gen); });
+  if (!created.ok()) {
+    if (old != nullptr) {
+      // Keep the state for another try within the lease.
+      absl::MutexLock lock(&mu_);
+      orphans_[identity.id] = Orphaned{old, absl::Now() + lease_};
+    }
+    return created.status();
+  }
   std::shared_ptr<Session> session = *std::move(created);
+  if (old != nullptr) {
+    session->AdoptShard(old->TakeShard());
+    if (resumed != nullptr) *resumed = true;
+  }
+  if (!restore.empty()) session->SetRestoreCandidates(std::move(restore));
   {
     absl::MutexLock lock(&mu_);
     sessions_[identity.id] = session;
   }
-  DOS_LOG_INFO("session.attach", "session", identity.id, "client", identity.client_name, "pid",
-               identity.pid, "rank", identity.rank, "control_block",
-               session->control_block_name());
+  DOS_LOG_INFO(old != nullptr ? "session.resume" : "session.attach", "session", identity.id,
+               "client", identity.client_name, "pid", identity.pid, "rank", identity.rank,
+               "control_block", session->control_block_name());
   return session;
+}
+
+void SessionManager::SetRestoreCandidates(
+    std::map<RestoreKey, std::vector<std::string>> candidates) {
+  absl::MutexLock lock(&mu_);
+  restore_ = std::move(candidates);
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::ListOrphans() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [id, o] : orphans_) out.push_back(o.session);
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindUnchecked(uint64_t id) const {
@@ -103,28 +200,48 @@ void SessionManager::SetDefaultPolicy(const Policy& policy) {
   default_policy_ = policy;
 }
 
-void SessionManager::OnClientGone(uint64_t id) {
+void SessionManager::OnClientGone(uint64_t id, uint32_t generation) {
   absl::MutexLock lock(&mu_);
-  gone_.push_back(id);
+  gone_.emplace_back(id, generation);
 }
 
 void SessionManager::ReapLoop() {
   auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return shutdown_ || !gone_.empty(); };
   while (true) {
     std::vector<std::shared_ptr<Session>> reap;
+    std::vector<std::shared_ptr<Session>> expired;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(&ready));
+      // Wake at least once a second to expire leases.
+      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1));
       if (shutdown_) return;
-      for (uint64_t id : gone_) {
+      for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
-        if (it == sessions_.end()) continue;
-        reap.push_back(it->second);
+        if (it == sessions_.end() || it->second->identity().generation != generation) continue;
+        if (lease_ > absl::ZeroDuration() && it->second->registered()) {
+          // Kept for the lease. Its step thread has returned (it reported the
+          // death); whoever takes it out of orphans_ Stop()s (joins) it.
+          DOS_LOG_INFO("session.orphaned", "session", id, "pid", it->second->identity().pid,
+                       "lease", absl::FormatDuration(lease_));
+          orphans_[id] = Orphaned{std::move(it->second), absl::Now() + lease_};
+        } else {
+          reap.push_back(std::move(it->second));
+        }
         sessions_.erase(it);
       }
       gone_.clear();
+      const absl::Time now = absl::Now();
+      for (auto it = orphans_.begin(); it != orphans_.end();) {
+        if (it->second.deadline <= now) {
+          expired.push_back(std::move(it->second.session));
+          it = orphans_.erase(it);
+        } else {
+          ++it;
+        }
+      }
     }
     for (auto& s : reap) StopAndFree(std::move(s), "client_exited");
+    for (auto& s : expired) StopAndFree(std::move(s), "lease_expired");
   }
 }
 
@@ -144,6 +261,8 @@ void SessionManager::Shutdown() {
     if (shutdown_ && !reaper_.joinable()) return;
     shutdown_ = true;
     sessions.swap(sessions_);
+    for (auto& [id, o] : orphans_) sessions[id] = std::move(o.session);
+    orphans_.clear();
   }
   if (reaper_.joinable()) reaper_.join();
   for (auto& [id, s] : sessions) StopAndFree(std::move(s), "shutdown");

@@ -6,6 +6,17 @@
 // thread stops and frees the session so its memory returns to the budget).
 // Shutdown() drains: every session finishes its in-flight step, then stops.
 //
+// Crash survival: with a lease (> 0), a registered session whose client died
+// is not freed but orphaned: its step thread is stopped (the in-flight step,
+// if any, ran to completion, so the state is at a step boundary) and its
+// state kept for the lease. Attach with `resume` = (id, token) of that
+// session, by a process whose old pid is gone, creates a new session with the
+// same id and token that adopts the state; a lease that runs out frees it.
+//
+// Restart: SetRestoreCandidates gives, per (client_name, rank), checkpoint
+// files best first; the first Attach of that name and rank takes them and
+// its Register loads the first whose layout matches.
+//
 // Thread-safety: all methods are thread-safe; `mu_` guards the table only and
 // is never held while a session stops.
 #pragma once
@@ -15,28 +26,44 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/session/session.h"
 
 namespace dos {
 
 class SessionManager {
  public:
+  // lease 0: sessions of dead clients are freed at once.
   SessionManager(const SessionOptions& options, const Policy& default_policy,
-                 StepExecutor* executor, HostMemoryBudget* budget);
+                 StepExecutor* executor, HostMemoryBudget* budget,
+                 absl::Duration lease = absl::ZeroDuration());
   ~SessionManager();  // Shutdown()s.
 
-  absl::StatusOr<std::shared_ptr<Session>> Attach(SessionIdentity identity);
+  // `resume_id` != 0: re-attach to orphaned session `resume_id` with its
+  // token (NOT_FOUND if it is unknown or its lease ran out,
+  // PERMISSION_DENIED for a wrong token, FAILED_PRECONDITION while its old
+  // process still lives). *resumed says whether state was adopted.
+  absl::StatusOr<std::shared_ptr<Session>> Attach(SessionIdentity identity,
+                                                  uint64_t resume_id = 0,
+                                                  absl::string_view resume_token = "",
+                                                  bool* resumed = nullptr);
   // NOT_FOUND for an unknown id, PERMISSION_DENIED for a wrong token.
   absl::StatusOr<std::shared_ptr<Session>> Find(uint64_t id, absl::string_view token) const;
   // For operator calls (dosctl) that need no token: read-only views, policy.
   absl::StatusOr<std::shared_ptr<Session>> FindUnchecked(uint64_t id) const;
   absl::Status Detach(uint64_t id, absl::string_view token);
   std::vector<std::shared_ptr<Session>> List() const;
+  // Sessions whose trainer died and whose state waits for a resume.
+  std::vector<std::shared_ptr<Session>> ListOrphans() const;
+
+  using RestoreKey = std::pair<std::string, int32_t>;  // client_name, rank
+  void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates);
 
   Policy default_policy() const;
   void SetDefaultPolicy(const Policy& policy);
@@ -44,17 +71,26 @@ class SessionManager {
   void Shutdown();
 
  private:
-  void OnClientGone(uint64_t id);
+  void OnClientGone(uint64_t id, uint32_t generation);
   void ReapLoop();
   void StopAndFree(std::shared_ptr<Session> session, absl::string_view why);
+
+  struct Orphaned {
+    std::shared_ptr<Session> session;  // stopped; holds the state
+    absl::Time deadline;
+  };
 
   const SessionOptions options_;
   StepExecutor* const executor_;
   HostMemoryBudget* const budget_;
+  const absl::Duration lease_;
 
   mutable absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> gone_ ABSL_GUARDED_BY(mu_);
+  // (id, generation): a resumed session reuses its id, not its generation.
+  std::vector<std::pair<uint64_t, uint32_t>> gone_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Orphaned> orphans_ ABSL_GUARDED_BY(mu_);
+  std::map<RestoreKey, std::vector<std::string>> restore_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   Policy default_policy_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

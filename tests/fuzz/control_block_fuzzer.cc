@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "daemon/sched/step_executor.h"
 #include "daemon/transport/control_channel.h"
@@ -21,7 +22,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   size -= 1;
   // The mapping: exactly `size` bytes (a short mapping must be refused
   // without reading past it; ASan sees an overread).
-  std::unique_ptr<uint8_t[]> mapped(new uint8_t[size > 0 ? size : 1]);
+  // Aligned as a real mapping is (page-aligned; ControlBlock needs 64), with
+  // ASan still tracking the exact length.
+  constexpr std::align_val_t kAlign{alignof(dos::ControlBlock)};
+  auto free_mapped = [](uint8_t* p) { ::operator delete[](p, std::align_val_t{alignof(dos::ControlBlock)}); };
+  std::unique_ptr<uint8_t[], decltype(free_mapped)> mapped(
+      static_cast<uint8_t*>(::operator new[](size > 0 ? size : 1, kAlign)), free_mapped);
   std::memcpy(mapped.get(), data, size);
   const auto* block = reinterpret_cast<const dos::ControlBlock*>(mapped.get());
   absl::Status valid = dos::ControlBlockChannel::Validate(block, size);

@@ -184,7 +184,9 @@ class DaemonTest : public ::testing::Test {
     return v1::Dos::NewStub(
         grpc::CreateChannel("unix:" + daemon_.socket(), grpc::InsecureChannelCredentials()));
   }
-  DaemonProcess daemon_{{"--cpu_isa=scalar", "--cpu_threads=2"}};
+  // No lease: a dead client's state is freed at once (crash survival with a
+  // lease is tested in tests/fault/crash_survival_test.cc).
+  DaemonProcess daemon_{{"--cpu_isa=scalar", "--cpu_threads=2", "--session_lease=0"}};
 };
 
 TEST_F(DaemonTest, TwoConcurrentClientsGetExactUpdates) {

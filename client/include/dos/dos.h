@@ -97,6 +97,25 @@ dos_status dos_attach(const dos_attach_options* options, dos_session** out);
 dos_status dos_detach(dos_session* session);
 uint64_t dos_session_id(const dos_session* session);
 
+/* Crash survival. dos_session_token() returns the session's credential (valid
+ * while `session` lives); a trainer saves it with dos_session_id() (e.g. in a
+ * file private to the job). If the process dies, the daemon keeps the
+ * session's optimizer state for its --session_lease (default 60 s); the
+ * restarted process calls dos_resume() with the id and token, allocates and
+ * dos_register()s its tensors again with the same layout (names, sizes,
+ * dtypes, groups), and the daemon rewrites the new parameter memory from its
+ * fp32 master weights. dos_state_read(session, 0, NULL, NULL, NULL, &step)
+ * then tells how many steps were applied: a step the dead process began was
+ * either completed or never started, so the trainer continues from step + 1
+ * and gets exactly the results of an uninterrupted run.
+ * NOT_FOUND: unknown session or lease expired; PERMISSION_DENIED: wrong
+ * token; FAILED_PRECONDITION: the old process is still alive. */
+const char* dos_session_token(const dos_session* session);
+dos_status dos_resume(const dos_attach_options* options, uint64_t session_id,
+                      const char* token, dos_session** out);
+/* 1 if `session` was resumed with its state kept by the daemon, else 0. */
+int32_t dos_session_resumed(const dos_session* session);
+
 /* Allocates `bytes` (rounded up to a page) of zeroed memory shared with the
  * daemon, 64-byte aligned. Freed by dos_detach(). */
 dos_status dos_buffer_alloc(dos_session* session, uint64_t bytes, void** out);

@@ -121,6 +121,12 @@ _sigs = {
     "dos_attach": (_S, [ctypes.POINTER(AttachOptions), ctypes.POINTER(_P)]),
     "dos_detach": (_S, [_P]),
     "dos_session_id": (ctypes.c_uint64, [_P]),
+    # Crash survival: a restarted trainer resumes its session (kept for dosd's
+    # --session_lease) with the id and token the dead process saved.
+    "dos_session_token": (ctypes.c_char_p, [_P]),
+    "dos_session_resumed": (ctypes.c_int32, [_P]),
+    "dos_resume": (_S, [ctypes.POINTER(AttachOptions), ctypes.c_uint64, ctypes.c_char_p,
+                        ctypes.POINTER(_P)]),
     "dos_buffer_alloc": (_S, [_P, ctypes.c_uint64, ctypes.POINTER(_P)]),
     "dos_hparams_init_adamw": (None, [ctypes.POINTER(Hparams)]),
     "dos_register": (_S, [_P, ctypes.POINTER(Tensor), ctypes.c_size_t, ctypes.POINTER(Hparams),

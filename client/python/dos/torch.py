@@ -41,6 +41,42 @@ daemon, and returns once the new weights are in place on the device. The
 parameters must be contiguous, and the memory must come from PyTorch's
 default CUDA allocator (not `expandable_segments`).
 
+Several ranks (DDP, FSDP2): each rank's optimizer attaches its own session
+to the node's one dosd, tagged with its rank/local_rank/world_size (arguments,
+else torch.distributed when initialised, else $RANK/$LOCAL_RANK/$WORLD_SIZE).
+DDP: build the optimizer after wrapping the model; DDP copies the reduced
+gradients into p.grad in place (keep gradient_as_bucket_view=False, the
+default). FSDP2 (`fully_shard`): parameters are DTensors; each rank registers
+its local shard (`to_local()`). On CUDA the shard is registered in place and
+the sharded gradient is copied into a registered buffer at `step()`; on the
+CPU both go through shared memory and the new weights are copied back into
+the shard after the step.
+
+AMP: `GradScaler` works. The class sets `_step_supports_amp_scaling`, so
+`scaler.step(opt)` hands the loss scale to the daemon, which divides the
+gradients by it while it reads them and skips the whole step if any is not
+finite (nothing is unscaled in place on the trainer's side; 16-bit fp16
+gradients are fine). If `scaler.unscale_(opt)` was called first (for
+clipping), the gradients are already unscaled and the scaler's own inf check
+decides. `found_inf_per_device` is filled for `scaler.update()`. Without a
+scaler, `step(grad_scale=S, clip_coef=c)` does the same by hand.
+
+A parameter whose storage moved (its `.data` replaced by a tensor of the same
+dtype, shape and device) is re-registered with a warning at the next `step()`:
+a new session is attached, the fp32 state (master, exp_avg, exp_avg_sq, step)
+carried over, and the master taken from the new tensor where its values
+differ from the old weights.
+
+overlap=True (torch >= 2.1): post-accumulate-grad hooks mark each registered
+tensor ready when its gradient is final; when the last one is, the step is
+begun right away (during the tail of backward) with the current
+hyperparameters and `step()` only waits. Use it only when nothing global must
+be applied between backward and step (no clipping, no GradScaler, one
+backward per step; set `opt.overlap_armed = False` around gradient
+accumulation micro-steps). The ready order and times of the last step are in
+`opt.ready_log`; bench/e2e/README.md describes what the daemon would need to
+start per subgroup (a ready bitmap in the control block).
+
 Parameters with requires_grad=False are not registered and never updated.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
@@ -51,6 +87,8 @@ import ctypes
 import math
 import os
 import sys
+import time
+import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -81,7 +119,12 @@ class _Entry:
 
     # param_shm / grad_shm: the registered memory (shared memory in CPU mode,
     # the parameter's own CUDA storage and its gradient in GPU mode).
-    __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm")
+    # local: the tensor the model computes with (p.data, or a DTensor's local
+    # shard); copy_out: the registered param is a separate buffer whose new
+    # values are copied into `local` after each step (DTensor on the CPU);
+    # copy_grad: the gradient is copied into grad_shm at step() (DTensor).
+    __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
+                 "copy_out", "copy_grad", "hook")
 
     def __init__(self, param, name, index, group):
         self.param = param
@@ -90,14 +133,60 @@ class _Entry:
         self.group = group  # daemon group index
         self.param_shm = None
         self.grad_shm = None
+        self.local = None
+        self.copy_out = False
+        self.copy_grad = False
+        self.hook = None
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local(t):
+    """A DTensor's local shard (sharing its storage), else the tensor's data."""
+    if t is None:
+        return None
+    if _is_dtensor(t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
+    return t.data if isinstance(t, torch.nn.Parameter) else t
+
+
+def _dist_info():
+    """(rank, local_rank, world_size) from torch.distributed when it is
+    initialised, else from the torchrun environment; -1 where unknown."""
+    rank = local_rank = world = -1
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:  # pragma: no cover - exotic builds
+        pass
+
+    def env(var):
+        v = os.environ.get(var, "")
+        return int(v) if v.lstrip("-").isdigit() else -1
+    if rank < 0:
+        rank = env("RANK")
+    if world < 0:
+        world = env("WORLD_SIZE")
+    local_rank = env("LOCAL_RANK")
+    return rank, local_rank, world
 
 
 class _DosAdamBase(torch.optim.Optimizer):
     _decoupled = True  # AdamW; Adam (L2) overrides
+    # GradScaler hands the loss scale to step() instead of unscaling in place.
+    _step_supports_amp_scaling = True
+    # torch 2.x's GradScaler sets `grad_scale` (a tensor, or None after
+    # unscale_) and `found_inf` around step() and deletes them after; it
+    # multiplies by a grad_scale it finds, so there is no class default.
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, socket: Optional[str] = None, subgroup_size: int = 0,
-                 client_name: Optional[str] = None, maximize: bool = False):
+                 client_name: Optional[str] = None, maximize: bool = False,
+                 rank: Optional[int] = None, local_rank: Optional[int] = None,
+                 world_size: Optional[int] = None, overlap: bool = False):
         if amsgrad:
             raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
         if maximize:
@@ -121,14 +210,48 @@ class _DosAdamBase(torch.optim.Optimizer):
                         maximize=False)
         super().__init__(params, defaults)
         self._registering = False
-        self.found_inf = False
+        self._found_inf = False
+        self._amp_found_inf = None
         self.last_step = None  # dict of the daemon's report on the last step
-        self._attach(socket, client_name)
+        self._subgroup_size = subgroup_size
+        self._attach_args = (socket, client_name, rank, local_rank, world_size)
+        self._inflight = False  # a step begun by the overlap hooks, not yet waited for
+        self._ready = set()
+        self.ready_log: List[Any] = []  # (tensor index, seconds since the first ready) last step
+        self._ready_t0 = None
+        self.overlap_armed = True
+        self.overlap = bool(overlap)
+        if self.overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
+                          f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
+                          "has none, so steps start at step() as usual")
+            self.overlap = False
+        self._attach(*self._attach_args)
         try:
             self._register(subgroup_size)
         except BaseException:
             self.close()
             raise
+        if self.overlap:
+            self._install_hooks()
+
+    # found_inf: the daemon's verdict on the last step (a bool). torch 2.x's
+    # GradScaler sets and deletes an attribute of the same name around
+    # step() (its inf-check tensor); the property keeps the two apart.
+    @property
+    def found_inf(self) -> bool:
+        return self._found_inf
+
+    @found_inf.setter
+    def found_inf(self, value) -> None:
+        if isinstance(value, torch.Tensor):
+            self._amp_found_inf = value
+        else:
+            self._found_inf = bool(value)
+
+    @found_inf.deleter
+    def found_inf(self) -> None:
+        self._amp_found_inf = None
 
     # ---- setup ----
 
@@ -139,16 +262,21 @@ class _DosAdamBase(torch.optim.Optimizer):
                 "session's tensors once); pass every group to the constructor")
         super().add_param_group(param_group)
 
-    def _attach(self, socket, client_name):
+    def _attach(self, socket, client_name, rank=None, local_rank=None, world_size=None):
         opts = _native.AttachOptions()
         _native.lib.dos_attach_options_init(ctypes.byref(opts))
         if socket is not None:
             opts.socket_path = os.fspath(socket).encode()
         opts.client_name = (client_name or os.path.basename(sys.argv[0] or "python")).encode()
-        for field, var in (("rank", "RANK"), ("local_rank", "LOCAL_RANK"),
-                           ("world_size", "WORLD_SIZE")):
-            if os.environ.get(var, "").lstrip("-").isdigit():
-                setattr(opts, field, int(os.environ[var]))
+        d_rank, d_local, d_world = _dist_info()
+        for field, given, found in (("rank", rank, d_rank), ("local_rank", local_rank, d_local),
+                                    ("world_size", world_size, d_world)):
+            value = given if given is not None else found
+            if value is not None and int(value) >= 0:
+                setattr(opts, field, int(value))
+        self.rank = int(opts.rank)
+        self.local_rank = int(opts.local_rank)
+        self.world_size = int(opts.world_size)
         handle = ctypes.c_void_p()
         _native.call("dos_attach", ctypes.byref(opts), ctypes.byref(handle))
         self._session = handle
@@ -164,32 +292,37 @@ class _DosAdamBase(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 label = f"param {len(entries)} (group {gi}, shape {tuple(p.shape)})"
+                local = _local(p)
+                grad = _local(p.grad)
                 if p.dtype not in _DTYPES:
                     raise DosError(_INVALID_ARGUMENT,
                                    f"register: {label} has dtype {p.dtype}; dosd supports "
                                    "torch.float32, torch.bfloat16 and torch.float16 parameters")
-                if p.device.type not in ("cpu", "cuda"):
+                if local.device.type not in ("cpu", "cuda"):
                     raise DosError(_UNIMPLEMENTED,
-                                   f"register: {label} is on {p.device}; dosd supports CPU "
+                                   f"register: {label} is on {local.device}; dosd supports CPU "
                                    "(shared-memory) and CUDA parameters")
                 if p.is_sparse:
                     raise DosError(_INVALID_ARGUMENT, f"register: {label} is sparse")
-                if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.shape != p.shape):
+                if grad is not None and (grad.dtype != local.dtype or grad.shape != local.shape):
                     raise DosError(_INVALID_ARGUMENT,
-                                   f"register: {label} is {p.dtype} {tuple(p.shape)} but its "
-                                   f"grad is {p.grad.dtype} {tuple(p.grad.shape)}; gradients "
+                                   f"register: {label} is {p.dtype} {tuple(local.shape)} but its "
+                                   f"grad is {grad.dtype} {tuple(grad.shape)}; gradients "
                                    "must have the parameter's dtype and shape")
-                if p.numel() == 0:
-                    continue
+                if local.numel() == 0:
+                    continue  # e.g. an FSDP2 shard that is empty on this rank
                 if dgroup is None:
                     dgroup = len(group_map)
                     group_map.append(gi)
-                entries.append(_Entry(p, label, len(entries), dgroup))
+                e = _Entry(p, label, len(entries), dgroup)
+                e.local = local
+                e.copy_grad = _is_dtensor(p)
+                entries.append(e)
         self._group_map = group_map
         if not entries:
             self._entries = []
             return
-        devices = {e.param.device for e in entries}
+        devices = {e.local.device for e in entries}
         if len(devices) > 1:
             raise DosError(_INVALID_ARGUMENT,
                            f"register: parameters are on several devices ({sorted(map(str, devices))})"
@@ -204,7 +337,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         offsets = []
         total = 0
         for e in entries:
-            nbytes = e.param.numel() * e.param.element_size()
+            nbytes = e.local.numel() * e.local.element_size()
             offsets.append((total, _align(total + nbytes)))
             total = _align(total + nbytes) + _align(nbytes)
         base = ctypes.c_void_p()
@@ -215,19 +348,22 @@ class _DosAdamBase(torch.optim.Optimizer):
         name_bufs = []
         with torch.no_grad():
             for e, (poff, goff), t in zip(entries, offsets, tensors):
-                p = e.param
-                n = p.numel()
-                e.param_shm = torch.frombuffer(self._arena, dtype=p.dtype, count=n,
-                                               offset=poff).view(p.shape)
-                e.grad_shm = torch.frombuffer(self._arena, dtype=p.dtype, count=n,
-                                              offset=goff).view(p.shape)
-                e.param_shm.copy_(p.data)
-                if p.grad is not None:
-                    e.grad_shm.copy_(p.grad)
+                local = e.local
+                n = local.numel()
+                e.param_shm = torch.frombuffer(self._arena, dtype=local.dtype, count=n,
+                                               offset=poff).view(local.shape)
+                e.grad_shm = torch.frombuffer(self._arena, dtype=local.dtype, count=n,
+                                              offset=goff).view(local.shape)
+                e.param_shm.copy_(local)
+                grad = _local(e.param.grad)
+                if grad is not None:
+                    e.grad_shm.copy_(grad)
+                # A DTensor's shard cannot be rebound: copy in and out instead.
+                e.copy_out = e.copy_grad
                 name = e.name.encode()
                 name_bufs.append(name)
                 t.name = name
-                t.param_dtype = t.grad_dtype = _DTYPES[p.dtype]
+                t.param_dtype = t.grad_dtype = _DTYPES[local.dtype]
                 t.param = e.param_shm.data_ptr()
                 t.grad = e.grad_shm.data_ptr()
                 t.numel = n
@@ -238,8 +374,11 @@ class _DosAdamBase(torch.optim.Optimizer):
                      ctypes.byref(opts))
         # Only now rebind the model: on failure above it is left untouched.
         for e in entries:
+            if e.copy_out:
+                continue
             e.param.data = e.param_shm
             e.param.grad = e.grad_shm
+            e.local = e.param_shm
         self._entries = entries
 
     def _register_cuda(self, entries, device, subgroup_size):
@@ -254,24 +393,30 @@ class _DosAdamBase(torch.optim.Optimizer):
         with torch.no_grad():
             for e, t in zip(entries, tensors):
                 p = e.param
-                if not p.is_contiguous():
+                local = e.local
+                if not local.is_contiguous():
                     raise DosError(_INVALID_ARGUMENT,
                                    f"register: {e.name} is not contiguous; dosd updates "
                                    "parameters as flat arrays (make it contiguous before "
                                    "building the optimizer)")
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                elif not p.grad.is_contiguous() or p.grad.device != p.device:
-                    p.grad = p.grad.to(device=p.device).contiguous()
-                e.param_shm = p.data
-                e.grad_shm = p.grad
+                if e.copy_grad:
+                    # DTensor (FSDP2): FSDP assigns each step's reduced shard to
+                    # p.grad; it is copied into this registered buffer at step().
+                    e.grad_shm = torch.zeros_like(local, memory_format=torch.contiguous_format)
+                else:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    elif not p.grad.is_contiguous() or p.grad.device != p.device:
+                        p.grad = p.grad.to(device=p.device).contiguous()
+                    e.grad_shm = p.grad
+                e.param_shm = local
                 name = e.name.encode()
                 name_bufs.append(name)
                 t.name = name
-                t.param_dtype = t.grad_dtype = _DTYPES[p.dtype]
-                t.param = p.data_ptr()
-                t.grad = p.grad.data_ptr()
-                t.numel = p.numel()
+                t.param_dtype = t.grad_dtype = _DTYPES[local.dtype]
+                t.param = local.data_ptr()
+                t.grad = e.grad_shm.data_ptr()
+                t.numel = local.numel()
                 t.group = e.group
             # The daemon reads the initial weights on its own streams.
             torch.cuda.synchronize(device)
@@ -310,9 +455,12 @@ class _DosAdamBase(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes every gradient in place (set_to_none is ignored for
         registered parameters: their gradients must stay in shared memory)."""
-        registered = {id(e.param) for e in self._entries}
+        self._finish_inflight()
+        registered = {id(e.param) for e in self._entries if not e.copy_grad}
         with torch.no_grad():
             for e in self._entries:
+                if e.copy_grad:
+                    continue  # DTensor: the gradient is FSDP's, handled below
                 e.grad_shm.zero_()
                 if e.param.grad is not e.grad_shm:
                     e.param.grad = e.grad_shm
@@ -325,19 +473,32 @@ class _DosAdamBase(torch.optim.Optimizer):
                     else:
                         p.grad.detach_()
                         p.grad.zero_()
+        self._ready.clear()
 
-    def _bind_grads(self):
+    def _moved(self, e: _Entry) -> bool:
+        """True if e's parameter now lives elsewhere with the same dtype,
+        shape and device (re-registrable); raises if it changed kind."""
         where = ("the CUDA memory registered with dosd" if self._device is not None
                  else "DOS shared memory")
+        local = _local(e.param)
+        if local.data_ptr() == e.local.data_ptr() and local.dtype == e.local.dtype:
+            return False
+        if (local.dtype != e.local.dtype or local.shape != e.local.shape
+                or local.device != e.local.device):
+            raise DosError(
+                _FAILED_PRECONDITION,
+                f"step: {e.name} no longer lives in {where} (its .data was replaced, "
+                f"now {local.dtype} {tuple(local.shape)} on {local.device}); do not move or "
+                "re-create parameters after building the optimizer (copy into them in place)")
+        return True
+
+    def _bind_grads(self):
+        moved = [e for e in self._entries if self._moved(e)]
+        if moved:
+            self._reregister(moved)
         with torch.no_grad():
             for e in self._entries:
                 p = e.param
-                if p.data_ptr() != e.param_shm.data_ptr() or p.dtype != e.param_shm.dtype:
-                    raise DosError(
-                        _FAILED_PRECONDITION,
-                        f"step: {e.name} no longer lives in {where} (its .data was replaced, "
-                        f"now {p.dtype} {tuple(p.shape)} on {p.device}); do not move or re-create "
-                        "parameters after building the optimizer (copy into them in place)")
                 g = p.grad
                 if g is None:
                     raise DosError(
@@ -346,33 +507,88 @@ class _DosAdamBase(torch.optim.Optimizer):
                         "registered parameter each step: make it take part in the loss, freeze "
                         "it (requires_grad=False) before building the optimizer, or use "
                         "opt.zero_grad() instead of setting grads to None")
-                if g.data_ptr() == e.grad_shm.data_ptr() and g.dtype == p.dtype:
+                g = _local(g)
+                if g.data_ptr() == e.grad_shm.data_ptr() and g.dtype == e.local.dtype:
                     continue
-                if g.dtype != p.dtype or g.shape != p.shape:
+                if g.dtype != e.local.dtype or g.shape != e.local.shape:
                     raise DosError(
                         _INVALID_ARGUMENT,
-                        f"step: {e.name} is {p.dtype} {tuple(p.shape)} but its grad is "
+                        f"step: {e.name} is {p.dtype} {tuple(e.local.shape)} but its grad is "
                         f"{g.dtype} {tuple(g.shape)}; gradients must have the parameter's "
                         "dtype and shape")
                 if g.is_sparse:
                     raise DosError(_INVALID_ARGUMENT, f"step: {e.name} has a sparse gradient")
                 e.grad_shm.copy_(g)
-                p.grad = e.grad_shm
+                if not e.copy_grad:
+                    p.grad = e.grad_shm
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float = 1.0, clip_coef: float = 1.0):
-        """One Adam(W) step in the daemon. `grad_scale` divides the gradients
-        (an AMP loss scale), `clip_coef` then multiplies them. Sets
-        `self.found_inf` (non-finite gradients: nothing was applied)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_open("step")
-        if not self._entries:
-            return loss
-        self._bind_grads()
+    def _reregister(self, moved):
+        """A parameter's storage moved: new session, same fp32 state."""
+        names = ", ".join(e.name for e in moved[:4]) + (" ..." if len(moved) > 4 else "")
+        warnings.warn(f"dos.torch: {len(moved)} parameter(s) moved to new storage ({names}); "
+                      "re-registering with dosd (the fp32 state is carried over). Avoid "
+                      "replacing .data after building the optimizer: this costs a full copy "
+                      "of the state", RuntimeWarning, stacklevel=4)
         self._sync_device()
+        moved_ids = {id(e.param) for e in moved}
+        saved = {}
+        for e in self._entries:
+            buf, step = self._read(e)
+            master = buf[0]
+            if id(e.param) in moved_ids:
+                new = _local(e.param).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+                old = master.to(e.local.dtype).float()
+                if not torch.equal(new, old):
+                    master = new.clone()  # the user wrote new values: they win
+            saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
+                                  "exp_avg_sq": buf[2], "step": step}
+        self.close()  # copies what lives in the old arena out, detaches
+        self._entries = []
+        self._attach(*self._attach_args)
+        self._register(self._subgroup_size)
+        for e in self._entries:
+            self._write(e, saved.get(id(e.param)))
+        if self.overlap:
+            self._install_hooks()
+
+    def _copy_out(self):
+        if any(e.copy_out for e in self._entries):
+            with torch.no_grad():
+                for e in self._entries:
+                    if e.copy_out:
+                        e.local.copy_(e.param_shm)
+
+    def _amp_args(self, grad_scaler):
+        """(grad_scale, skip) from a GradScaler driving this step: torch 1.x
+        passes itself as `grad_scaler`; torch 2.x sets self.grad_scale and
+        self.found_inf (after its own inf check) instead."""
+        if grad_scaler is not None:  # torch 1.x protocol
+            state = grad_scaler._per_optimizer_states[id(self)]
+            stage = getattr(state.get("stage"), "name", "READY")
+            found = state.get("found_inf_per_device") or {}
+            if stage == "UNSCALED":  # the user unscaled (and checked) already
+                return 1.0, any(float(v) != 0 for v in found.values())
+            return float(grad_scaler._get_scale_async()), False
+        skip = False
+        if self._amp_found_inf is not None:
+            skip = float(self._amp_found_inf) != 0
+        amp = getattr(self, "grad_scale", None)
+        scale = 1.0 if amp is None else float(amp)
+        return scale, skip
+
+    def _record_amp(self, grad_scaler):
+        """Fills GradScaler's found_inf_per_device from the daemon's verdict
+        (torch 1.x protocol, where the scaler did not check itself)."""
+        if grad_scaler is None:
+            return
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state.get("found_inf_per_device"):
+            return
+        scale = grad_scaler._get_scale_async()
+        state["found_inf_per_device"][scale.device] = torch.full(
+            (1,), 1.0 if self._found_inf else 0.0, dtype=torch.float32, device=scale.device)
+
+    def _args(self, grad_scale, clip_coef, gradients_checked=False):
         groups = self._hparams()
         args = _native.StepArgs()
         _native.lib.dos_step_args_init(ctypes.byref(args))
@@ -380,12 +596,105 @@ class _DosAdamBase(torch.optim.Optimizer):
         args.num_groups = len(groups)
         args.grad_scale = float(grad_scale)
         args.clip_coef = float(clip_coef)
+        args.gradients_checked = 1 if gradients_checked else 0
+        return args, groups
+
+    def _wait(self):
         res = _native.StepResult()
-        _native.call("dos_step", self._session, ctypes.byref(args), ctypes.byref(res))
-        self.found_inf = bool(res.found_inf)
-        self.last_step = {"found_inf": self.found_inf, "step": int(res.step),
-                          "wall_us": float(res.wall_us), "update_us": float(res.update_us)}
+        _native.call("dos_step_wait", self._session, ctypes.c_int64(-1), ctypes.byref(res))
+        self._inflight = False
+        self._found_inf = bool(res.found_inf)
+        self.last_step = {"found_inf": self._found_inf, "step": int(res.step),
+                          "wall_us": float(res.wall_us), "update_us": float(res.update_us),
+                          "overlapped": False}
+        self._copy_out()
+
+    def _finish_inflight(self):
+        if self._inflight:
+            self._wait()
+            self.last_step["overlapped"] = True
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0, clip_coef: float = 1.0, **kwargs):
+        """One Adam(W) step in the daemon. `grad_scale` divides the gradients
+        (an AMP loss scale), `clip_coef` then multiplies them. Sets
+        `self.found_inf` (non-finite gradients: nothing was applied).
+        Driven by a GradScaler (`scaler.step(opt)`), the scaler's scale is
+        used as grad_scale."""
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_open("step")
+        if not self._entries:
+            return loss
+        if self._inflight:  # begun by the overlap hooks at the end of backward
+            if grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None \
+                    or getattr(self, "grad_scale", None) is not None:
+                self._wait()
+                raise DosError(_FAILED_PRECONDITION,
+                               "step: with overlap=True the step began when the last gradient "
+                               "was final, so a grad scale or clip coefficient given now comes "
+                               "too late (that step was applied without it); build the optimizer "
+                               "with overlap=False when clipping or using a GradScaler")
+            self._finish_inflight()
+            return loss
+        amp_scale, skip = self._amp_args(grad_scaler)
+        if skip:  # the scaler found inf/nan: torch optimizers skip the step
+            self._found_inf = True
+            self.last_step = {"found_inf": True, "step": self.last_step["step"]
+                              if self.last_step else 0, "wall_us": 0.0, "update_us": 0.0,
+                              "overlapped": False}
+            return loss
+        self._bind_grads()
+        self._sync_device()
+        args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
+        _native.call("dos_step_begin", self._session, ctypes.byref(args))
+        self._inflight = True
+        self._wait()
+        self._ready.clear()
+        self._record_amp(grad_scaler)
         return loss
+
+    # ---- overlap ----
+
+    def _install_hooks(self):
+        for e in self._entries:
+            if e.hook is not None:
+                e.hook.remove()
+            e.hook = e.param.register_post_accumulate_grad_hook(self._make_hook(e))
+
+    def _make_hook(self, e):
+        def hook(_param):
+            self._on_ready(e)
+        return hook
+
+    def _on_ready(self, e):
+        """Post-accumulate-grad hook: e's gradient is final for this
+        backward. When every registered tensor is, begin the step."""
+        if not self.overlap_armed or self._inflight or self._session is None:
+            return
+        now = time.perf_counter()
+        if not self._ready:
+            self._ready_t0 = now
+            self.ready_log = []
+        if e.index in self._ready:
+            return
+        self._ready.add(e.index)
+        self.ready_log.append((e.index, now - self._ready_t0))
+        # What the daemon would take per subgroup: here only the last one
+        # matters, as the control block has one doorbell per step.
+        if len(self._ready) == len(self._entries):
+            with torch.no_grad():
+                self._bind_grads()
+                self._sync_device()
+                args, _groups = self._args(1.0, 1.0)
+                _native.call("dos_step_begin", self._session, ctypes.byref(args))
+            self._inflight = True
+            self._ready = set()
 
     def set_policy(self, policy: str) -> None:
         """Scheduling policy of this session: "cpu", "static:<f>",
@@ -396,7 +705,8 @@ class _DosAdamBase(torch.optim.Optimizer):
     # ---- state ----
 
     def _read(self, e: _Entry):
-        n = e.param.numel()
+        self._finish_inflight()
+        n = e.local.numel()
         buf = torch.empty(3, n, dtype=torch.float32)
         step = ctypes.c_int64()
         _native.call("dos_state_read", self._session, ctypes.c_uint32(e.index),
@@ -412,8 +722,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         state = defaultdict(dict)
         for e in self._entries:
             buf, step = self._read(e)
-            shape = e.param.shape
-            dev = e.param.device  # torch.optim keeps state beside the param
+            shape = e.local.shape  # a DTensor's local shard: this rank's state
+            dev = e.local.device  # torch.optim keeps state beside the param
             s = {"step": torch.tensor(float(step)), "exp_avg": buf[1].view(shape).to(dev),
                  "exp_avg_sq": buf[2].view(shape).to(dev)}
             if e.param.dtype != torch.float32:
@@ -448,6 +758,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         # The daemon rewrites the weights from the loaded masters: let the
         # trainer's pending work on them finish first.
+        self._finish_inflight()
         self._sync_device()
         pushed = set()
         with torch.no_grad():
@@ -463,15 +774,16 @@ class _DosAdamBase(torch.optim.Optimizer):
             for e in self._entries:
                 if id(e.param) not in pushed:
                     self._write(e, None)  # torch would start this param afresh
+        self._copy_out()
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
 
     def _write(self, e: _Entry, s: Optional[Dict[str, Any]]):
-        p = e.param
+        p = _local(e.param)
         n = p.numel()
 
         def fp32(t, what):
-            t = torch.as_tensor(t).detach()
+            t = _local(torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t).detach()
             if t.numel() != n:
                 raise DosError(_INVALID_ARGUMENT,
                                f"load_state_dict: {e.name} has {n} elements but its saved "
@@ -488,6 +800,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             m = fp32(s["exp_avg"], "exp_avg")
             v = fp32(s["exp_avg_sq"], "exp_avg_sq")
             step = int(float(s.get("step", 0)))
+        self._finish_inflight()
         _native.call("dos_state_write", self._session, ctypes.c_uint32(e.index),
                      master.data_ptr(), m.data_ptr(), v.data_ptr(), ctypes.c_int64(step))
 
@@ -499,10 +812,18 @@ class _DosAdamBase(torch.optim.Optimizer):
         session = getattr(self, "_session", None)
         if session is None:
             return
+        if getattr(self, "_inflight", False):
+            try:
+                self._wait()
+            except Exception:
+                pass
         with torch.no_grad():
             for e in getattr(self, "_entries", []):
                 p = e.param
-                if self._device is not None:  # GPU mode: the memory is the model's own
+                if e.hook is not None:
+                    e.hook.remove()
+                    e.hook = None
+                if self._device is not None or e.copy_out:  # the memory is the model's own
                     e.param_shm = e.grad_shm = None
                     continue
                 if p.data_ptr() == e.param_shm.data_ptr():

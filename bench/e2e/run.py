@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""End-to-end training benchmark: the GPT example (client/python/examples/gpt.py,
+bf16, activation checkpointing, random tokens) trained with
+
+  dos_auto            dos.torch.AdamW, dosd policy auto, clip_grad_norm_ 1.0
+  dos_auto_noclip     the same without clipping, with overlap=True (torch >= 2.1):
+                      the step begins when the last gradient is final
+  dos_auto_noclip_nooverlap   (optional) the same without overlap: the overlap's gain
+  dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
+  inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
+  all_gpu             fp32 masters + torch.optim.AdamW(fused=True) on the GPU, clip 1.0
+                      (no GPU budget unless --budget-all-gpu)
+
+Every mode runs in its own child process (clean GPU and host memory peaks); DOS modes
+get a fresh dosd (--dosd PATH), or use $DOS_SOCKET. Prints a table, writes
+bench/results/e2e_<machine>_<date>.json and a PNG chart (if matplotlib is installed).
+
+  python3 bench/e2e/run.py --dosd .dist/bin/dosd                       # ~1.5B, one H200
+  python3 bench/e2e/run.py --dosd .dist/bin/dosd --size 6b --gpu-budget-gb 80
+  python3 bench/e2e/run.py --dosd build/daemon/dosd --device cpu       # tiny smoke run
+"""
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket as socketlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
+sys.path.insert(0, HERE)
+
+ALL_MODES = ["dos_auto", "dos_auto_noclip", "dos_cpu", "inprocess_offload", "all_gpu"]
+DEFAULT_BATCH = {"tiny": 8, "small": 4, "125m": 8, "350m": 8, "1.5b": 4, "3b": 2, "6b": 2,
+                 "8b": 2}
+
+
+# ---------------------------------------------------------------- child ----
+
+def vm_hwm_bytes(pid="self"):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class GpuSampler:
+    """Device-wide GPU memory in use (every process, dosd included), sampled."""
+
+    def __init__(self, torch, device):
+        self.torch, self.device, self.peak, self.stop = torch, device, 0, False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while not self.stop:
+            free, total = self.torch.cuda.mem_get_info(self.device)
+            self.peak = max(self.peak, total - free)
+            time.sleep(0.02)
+
+    def close(self):
+        self.stop = True
+        self.t.join()
+
+
+def child(args):
+    import torch
+    import gpt
+    cuda = args.device == "cuda"
+    mode = args.child
+    res = {"mode": mode, "torch": torch.__version__}
+    if cuda:
+        torch.cuda.set_device(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = args.gpu_budget_gb
+        if budget and (mode != "all_gpu" or args.budget_all_gpu):
+            trainer = budget * 2**30
+            if mode.startswith("dos"):
+                trainer -= args.dosd_gpu_reserve_gb * 2**30  # dosd's staging + resident state
+            frac = max(0.05, min(1.0, trainer / total))
+            torch.cuda.set_per_process_memory_fraction(frac, 0)
+            res["memory_fraction"] = round(frac, 4)
+    dtype = torch.bfloat16
+    model = gpt.build(args.size, args.layers, args.d_model, args.heads, args.seq, args.vocab,
+                      dtype=dtype, device=args.device, checkpoint=True, seed=0)
+    cfg = model.cfg
+    nparams = sum(p.numel() for p in model.parameters())
+    res.update(params=nparams, **cfg, batch=args.batch)
+    groups = gpt.param_groups(model, 0.1)
+    kw = dict(lr=args.lr, betas=(0.9, 0.95))
+    clip = 0.0 if "noclip" in mode else args.clip
+    t0 = time.perf_counter()
+    if mode.startswith("dos"):
+        import dos.torch
+        overlap = mode == "dos_auto_noclip" and hasattr(torch.Tensor,
+                                                        "register_post_accumulate_grad_hook")
+        opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
+                              overlap=overlap, subgroup_size=args.subgroup_size, **kw)
+        opt.set_policy("cpu" if mode == "dos_cpu" else "auto")
+        res["note"] = f"dosd policy {'cpu' if mode == 'dos_cpu' else 'auto'}" + \
+            (", overlap=True" if overlap else "") + (", no clipping" if clip == 0 else "")
+    elif mode == "inprocess_offload":
+        from baselines import HybridOffloadAdamW
+        opt = HybridOffloadAdamW(groups, **kw)
+        res["note"] = opt.note
+    elif mode == "all_gpu":
+        from baselines import GpuMasterAdamW
+        opt = GpuMasterAdamW(groups, **kw)
+        res["note"] = opt.note
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    res["setup_s"] = time.perf_counter() - t0
+    sampler = GpuSampler(torch, 0) if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(0)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    rows, losses = [], []
+    data = gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"], seed=1,
+                       device=args.device)
+    for it, (x, y) in enumerate(data):
+        sync()
+        a = time.perf_counter()
+        opt.zero_grad()
+        loss = model(x, y)
+        sync()
+        b = time.perf_counter()
+        loss.backward()
+        sync()
+        c = time.perf_counter()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sync()
+        d = time.perf_counter()
+        losses.append(loss.item())
+        if it >= args.warmup:
+            rows.append((b - a, c - b, d - c, d - a))
+        print(f"  [{mode}] iter {it:3d} loss {losses[-1]:.4f} fwd {b - a:.3f} bwd {c - b:.3f} "
+              f"update {d - c:.3f} s", flush=True)
+    if sampler:
+        sampler.close()
+    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+    tokens = args.batch * cfg["seq"]
+    res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s=med[3],
+               iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / med[3],
+               first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes())
+    if cuda:
+        res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(0)
+        res["gpu_peak_device_bytes"] = sampler.peak
+    if mode.startswith("dos"):
+        res["dos_last_step"] = opt.last_step
+        opt.close()
+    with open(args.child_out, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+# --------------------------------------------------------------- parent ----
+
+def start_dosd(binary, extra, tmp):
+    path = os.path.join(tmp, "dosd.sock")
+    log = open(os.path.join(tmp, "dosd.log"), "a")
+    proc = subprocess.Popen([binary, f"--socket={path}"] + extra, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"dosd exited with {proc.returncode}; log in {log.name}")
+        if os.path.exists(path):
+            s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            try:
+                s.connect(path)
+                return proc, path
+            except OSError:
+                pass
+            finally:
+                s.close()
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("dosd did not start listening within 60 s")
+
+
+def stop_dosd(proc):
+    peak = vm_hwm_bytes(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return peak
+
+
+def gb(x):
+    return f"{x / 2**30:.1f}" if x else "-"
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def chart(results, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG chart")
+        return None
+    ok = [r for r in results if "iter_s" in r]
+    names = [r["mode"] for r in ok]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(ok) + 1.5))
+    left = [0.0] * len(ok)
+    for key, color in (("forward_s", "#4c72b0"), ("backward_s", "#55a868"),
+                       ("update_s", "#c44e52")):
+        vals = [r[key] for r in ok]
+        ax.barh(names, vals, left=left, color=color, label=key[:-2])
+        left = [a + b for a, b in zip(left, vals)]
+    for i, r in enumerate(ok):
+        ax.text(left[i], i, f" {r['iter_s']:.2f} s, {r['tokens_per_s']:.0f} tok/s", va="center")
+    ax.set_xlabel("seconds per iteration (median)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    ax.set_xlim(0, max(left) * 1.45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def parent(args):
+    modes = args.modes.split(",")
+    machine = args.machine or ("vm-cpu" if args.device == "cpu" else "nvidia-h200")
+    date = datetime.date.today().isoformat()
+    tmp = tempfile.mkdtemp(prefix="dos-e2e-")
+    results = []
+    for mode in modes:
+        proc = None
+        sock = args.socket
+        if mode.startswith("dos"):
+            if args.dosd:
+                extra = list(args.dosd_arg or [])
+                if args.device == "cpu":
+                    extra.append("--gpu_device=-1")
+                proc, sock = start_dosd(args.dosd, extra, tmp)
+            elif not sock:
+                print(f"{mode}: skipped (give --dosd PATH or set DOS_SOCKET)")
+                results.append({"mode": mode, "error": "no dosd"})
+                continue
+        out = os.path.join(tmp, f"{mode}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-out", out]
+        cmd += args.passthrough
+        if sock:
+            cmd += ["--socket", sock]
+        print(f"== {mode}", flush=True)
+        t = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        dosd_peak = stop_dosd(proc) if proc else 0
+        if rc != 0 or not os.path.exists(out):
+            print(f"{mode}: failed (exit {rc})")
+            results.append({"mode": mode, "error": f"exit {rc} (out of memory?)"})
+            continue
+        with open(out) as f:
+            r = json.load(f)
+        r["dosd_host_peak_bytes"] = dosd_peak
+        r["wall_s"] = time.perf_counter() - t
+        results.append(r)
+
+    print()
+    hdr = (f"{'mode':26s} {'iter s':>7s} {'fwd':>6s} {'bwd':>6s} {'update':>7s} {'tok/s':>8s} "
+           f"{'GPU GiB':>8s} {'dev GiB':>8s} {'host GiB':>9s} {'dosd GiB':>9s}  note")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        if "error" in r:
+            print(f"{r['mode']:26s} {r['error']}")
+            continue
+        print(f"{r['mode']:26s} {r['iter_s']:7.3f} {r['forward_s']:6.3f} {r['backward_s']:6.3f} "
+              f"{r['update_s']:7.3f} {r['tokens_per_s']:8.0f} "
+              f"{gb(r.get('gpu_peak_allocated_bytes')):>8s} {gb(r.get('gpu_peak_device_bytes')):>8s} "
+              f"{gb(r['host_peak_bytes']):>9s} {gb(r['dosd_host_peak_bytes']):>9s}  "
+              f"{r.get('note', '')}")
+    ok = {r["mode"]: r for r in results if "iter_s" in r}
+    first = next(iter(ok.values()), None)
+    if first:
+        print(f"\nmodel: {first['params'] / 1e6:.1f}M parameters, layers {first['layers']}, "
+              f"d_model {first['d_model']}, seq {first['seq']}, batch {first['batch']}; " +
+              (f"GPU budget {args.gpu_budget_gb:g} GiB" if args.gpu_budget_gb else "no GPU budget"))
+    if "dos_auto" in ok and "inprocess_offload" in ok:
+        print(f"dos_auto vs in-process offload: "
+              f"{ok['inprocess_offload']['iter_s'] / ok['dos_auto']['iter_s']:.2f}x faster")
+    if "dos_auto" in ok and "all_gpu" in ok:
+        print(f"dos_auto / all-GPU AdamW iteration time: "
+              f"{ok['dos_auto']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
+
+    metrics = []
+    for r in results:
+        if "iter_s" not in r:
+            continue
+        m = r["mode"]
+        metrics += [
+            {"name": f"e2e_iter_s_{m}", "value": round(r["iter_s"], 4), "unit": "s"},
+            {"name": f"e2e_forward_s_{m}", "value": round(r["forward_s"], 4), "unit": "s"},
+            {"name": f"e2e_backward_s_{m}", "value": round(r["backward_s"], 4), "unit": "s"},
+            {"name": f"e2e_update_s_{m}", "value": round(r["update_s"], 4), "unit": "s"},
+            {"name": f"e2e_tokens_per_s_{m}", "value": round(r["tokens_per_s"], 1),
+             "unit": "tokens/s"},
+            {"name": f"e2e_host_peak_gib_{m}",
+             "value": round((r["host_peak_bytes"] + r["dosd_host_peak_bytes"]) / 2**30, 2),
+             "unit": "GiB"},
+        ]
+        if "gpu_peak_device_bytes" in r:
+            metrics += [{"name": f"e2e_gpu_peak_gib_{m}",
+                         "value": round(r["gpu_peak_device_bytes"] / 2**30, 2), "unit": "GiB"}]
+    if "dos_auto" in ok and "inprocess_offload" in ok:
+        metrics.append({"name": "e2e_speedup_dos_auto_vs_inprocess_offload",
+                        "value": round(ok["inprocess_offload"]["iter_s"] /
+                                       ok["dos_auto"]["iter_s"], 3), "unit": "x"})
+    if "dos_auto" in ok and "all_gpu" in ok:
+        metrics.append({"name": "e2e_ratio_dos_auto_to_all_gpu",
+                        "value": round(ok["dos_auto"]["iter_s"] / ok["all_gpu"]["iter_s"], 3),
+                        "unit": "x"})
+    os.makedirs(args.out, exist_ok=True)
+    suffix = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"e2e_{machine}_{date}{suffix}.json")
+    doc = {"machine": machine, "date": date, "commit": git_commit(), "results": metrics,
+           "config": {"argv": sys.argv[1:], "gpu_budget_gb": args.gpu_budget_gb},
+           "runs": results}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+    png = chart(results, os.path.join(args.out, f"e2e_{machine}_{date}{suffix}.png"),
+                f"{machine}: GPT {first['params'] / 1e6:.0f}M params, " +
+                (f"GPU budget {args.gpu_budget_gb:g} GiB" if args.gpu_budget_gb else
+                 "no GPU budget") if first else machine)
+    if png:
+        print(f"wrote {png}")
+    return 0 if ok else 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--size", default=None, help="gpt.py size (default 1.5b on cuda, small on cpu)")
+    for k in ("layers", "d-model", "heads", "seq", "vocab"):
+        ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--subgroup-size", type=int, default=0, help="dosd subgroup size (0: default)")
+    ap.add_argument("--modes", default=",".join(ALL_MODES),
+                    help="comma list of: " + ", ".join(ALL_MODES + ["dos_auto_noclip_nooverlap"]))
+    ap.add_argument("--gpu-budget-gb", type=float, default=0,
+                    help="emulate a card of this size (40, 80): per-process memory fraction")
+    ap.add_argument("--dosd-gpu-reserve-gb", type=float, default=6.0,
+                    help="under a budget, GPU memory left to dosd (staging slots, resident state)")
+    ap.add_argument("--budget-all-gpu", action="store_true",
+                    help="apply the budget to all_gpu too (default: run it without)")
+    ap.add_argument("--dosd", default=None, help="dosd binary: started (and stopped) per DOS mode")
+    ap.add_argument("--dosd-arg", action="append", help="extra dosd flag (repeatable)")
+    ap.add_argument("--socket", default=os.environ.get("DOS_SOCKET"))
+    ap.add_argument("--machine", default=None)
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.size is None:
+        args.size = "1.5b" if args.device == "cuda" else "small"
+    if args.batch is None:
+        args.batch = DEFAULT_BATCH.get(args.size, 4)
+    if args.child:
+        return child(args)
+    keep = ["--device", args.device, "--size", args.size, "--batch", str(args.batch),
+            "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
+            "--clip", str(args.clip), "--subgroup-size", str(args.subgroup_size),
+            "--gpu-budget-gb", str(args.gpu_budget_gb),
+            "--dosd-gpu-reserve-gb", str(args.dosd_gpu_reserve_gb)]
+    for k in ("layers", "d_model", "heads", "seq", "vocab"):
+        if getattr(args, k) is not None:
+            keep += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.budget_all_gpu:
+        keep.append("--budget-all-gpu")
+    args.passthrough = keep
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+// Checkpointer: the daemon's checkpoints of sessions' optimizer state, under
+// one directory (--checkpoint_dir).
+//
+// Saving is asynchronous with respect to training: under the session's lock
+// the state is copied into a staging ShardState (one per session, kept and
+// reused; it doubles the session's host memory while checkpoints are in use,
+// and is not charged to --host_memory_limit), then the lock is released and
+// the staging copy is written (SaveShard: temporary file, fsync, rename,
+// fsync of the directory) on the checkpointer's own thread. The trainer's next
+// step waits at most for the copy. Save() queues a job on that thread and
+// waits for it; autosave queues itself every --autosave_interval.
+//
+// Paths are relative to the directory; absolute paths, `..` and symlinks that
+// leave the directory are refused (INVALID_ARGUMENT). Default names:
+//   <client>.r<rank>/step-<step>.dckpt     explicit saves (kept)
+//   <client>.r<rank>/auto-<step>.dckpt     autosaves (newest --autosave_keep kept)
+//
+// Restart rule: Start() scans every *.dckpt file under the directory, reads
+// its header and layout (owner = client name, rank, tensor 0's step) and
+// hands the SessionManager, per (client name, rank), the files ordered by
+// step, highest first (ties: newest file). The first trainer that attaches
+// with that client name and rank takes them; its registration loads the first
+// whose layout (tensor count, names, numel, groups, dtypes, weight-decay mode)
+// matches and verifies (every CRC) and rewrites its weights from the masters.
+//
+// Thread-safety: all public methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/session/session_manager.h"
+#include "daemon/state/host_memory_budget.h"
+
+namespace dos {
+
+struct CheckpointerOptions {
+  std::string dir = "/var/lib/dos/checkpoints";  // every checkpoint lives under here
+  absl::Duration autosave_interval = absl::ZeroDuration();  // 0: no autosave
+  int autosave_keep = 2;     // autosaves kept per (client, rank)
+  bool restore = true;       // offer the latest checkpoints to re-attaching trainers
+};
+
+struct CheckpointRecord {
+  uint64_t session_id = 0;
+  std::string path;
+  int64_t step = 0;
+  uint64_t bytes = 0;
+  double snapshot_us = 0;        // session lock held (the step stall)
+  double write_ms = 0;
+  double last_step_wall_us = 0;
+};
+
+class Checkpointer {
+ public:
+  Checkpointer(CheckpointerOptions options, SessionManager* sessions);
+  ~Checkpointer();  // Stop()s.
+
+  // Creates the directory if needed, removes temporaries of killed writers,
+  // scans for restore candidates and starts the writer thread.
+  absl::Status Start();
+  // Finishes the queued jobs and joins the thread.
+  void Stop();
+
+  // session_id 0: every registered (or orphaned) session. Blocks the caller
+  // until written; training continues meanwhile.
+  absl::StatusOr<std::vector<CheckpointRecord>> Save(uint64_t session_id,
+                                                     const std::string& path);
+  // `session` may be null: every registered session (path a directory).
+  absl::StatusOr<std::vector<CheckpointRecord>> Load(std::shared_ptr<Session> session,
+                                                     const std::string& path);
+
+  // `path` resolved under the directory; INVALID_ARGUMENT naming `field` if it
+  // escapes.
+  absl::StatusOr<std::string> Resolve(const std::string& path, absl::string_view field) const;
+
+  // Latest per (client, rank) under `dir`, as described above.
+  static std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore(
+      const std::string& dir);
+
+ private:
+  struct Job {
+    uint64_t session_id = 0;
+    std::string path;
+    bool autosave = false;
+    absl::StatusOr<std::vector<CheckpointRecord>>* result = nullptr;  // null: nobody waits
+    bool* done = nullptr;
+  };
+  void WriterLoop();
+  absl::StatusOr<std::vector<CheckpointRecord>> Run(const Job& job);
+  // `resolved_path` empty (or `autosave`): the default name.
+  absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
+                                           const std::string& resolved_path, bool autosave);
+  std::string DefaultPath(const Session& session, absl::string_view kind, int64_t step) const;
+  void PruneAutosaves(const std::string& subdir);
+
+  const CheckpointerOptions options_;
+  SessionManager* const sessions_;
+  HostMemoryBudget staging_budget_{0};  // staging copies are not capped
+
+  absl::Mutex mu_;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread writer_;
+
+  // Writer thread only.
+  std::map<uint64_t, std::unique_ptr<ShardState>> staging_;
+  std::map<uint64_t, int64_t> autosaved_step_;
+};
+
+}  // namespace dos

@@ -1,0 +1,288 @@
+// Operator features of the real dosd: the Prometheus endpoint, the
+// per-session memory quota, dosctl's checkpoint and stats --watch commands.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+#include <sys/un.h>
+
+#include "dos/dos.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace dos::testing {
+namespace {
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  (void)::write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, n);
+  ::close(fd);
+  return out;
+}
+
+std::string Shell(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+struct Trainer {
+  dos_session* s = nullptr;
+  dos_hparams h;
+  dos_status Start(const std::string& socket, uint64_t n) {
+    dos_attach_options o;
+    dos_attach_options_init(&o);
+    o.socket_path = socket.c_str();
+    o.client_name = "ops_test";
+    if (dos_status st = dos_attach(&o, &s); st != DOS_OK) return st;
+    void* p = nullptr;
+    void* g = nullptr;
+    if (dos_status st = dos_buffer_alloc(s, n * 4, &p); st != DOS_OK) return st;
+    if (dos_status st = dos_buffer_alloc(s, n * 4, &g); st != DOS_OK) return st;
+    dos_tensor t{"w", DOS_DTYPE_F32, p, DOS_DTYPE_F32, g, n, 0};
+    dos_hparams_init_adamw(&h);
+    return dos_register(s, &t, 1, &h, 1, nullptr);
+  }
+  dos_status Step() {
+    dos_step_args a;
+    dos_step_args_init(&a);
+    a.groups = &h;
+    a.num_groups = 1;
+    dos_step_result r;
+    return dos_step(s, &a, &r);
+  }
+  ~Trainer() { dos_detach(s); }
+};
+
+TEST(OpsTest, MetricsEndpointCountsSteps) {
+  const int port = FreePort();
+  DaemonProcess d({"--metrics_port=" + std::to_string(port)});
+  ASSERT_TRUE(d.Start());
+  {
+    Trainer t;
+    ASSERT_EQ(t.Start(d.socket(), 1000), DOS_OK) << dos_last_error();
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(t.Step(), DOS_OK) << dos_last_error();
+    const std::string page = HttpGet(port, "/metrics");
+    EXPECT_NE(page.find("dos_steps_total 3"), std::string::npos) << page;
+    EXPECT_NE(page.find("dos_params_updated_total{device=\"cpu\"} 3000"), std::string::npos)
+        << page;
+    EXPECT_NE(page.find("dos_sessions 1"), std::string::npos) << page;
+    EXPECT_NE(page.find("dos_host_state_bytes 12000"), std::string::npos) << page;
+  }
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST(OpsTest, SessionMemoryLimitRefusesAnOversizedRegistration) {
+  DaemonProcess d({"--session_memory_limit=1M"});
+  ASSERT_TRUE(d.Start());
+  {
+    Trainer small;
+    EXPECT_EQ(small.Start(d.socket(), 1000), DOS_OK) << dos_last_error();
+    Trainer big;
+    EXPECT_EQ(big.Start(d.socket(), 1 << 20), DOS_RESOURCE_EXHAUSTED);
+    EXPECT_NE(std::string(dos_last_error()).find("--session_memory_limit"), std::string::npos)
+        << dos_last_error();
+  }
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST(OpsTest, DosctlCheckpointSaveLoadAndStatsWatch) {
+  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
+  const std::string ckpt = ::mkdtemp(tmpl);
+  DaemonProcess d({"--checkpoint_dir=" + ckpt});
+  ASSERT_TRUE(d.Start());
+  {
+    Trainer t;
+    ASSERT_EQ(t.Start(d.socket(), 1000), DOS_OK) << dos_last_error();
+    ASSERT_EQ(t.Step(), DOS_OK);
+    const std::string dosctl = std::string(DOS_DOSCTL_PATH) + " --socket=" + d.socket() + " ";
+    const std::string id = std::to_string(dos_session_id(t.s));
+    std::string out = Shell(dosctl + "checkpoint save " + id + " mine.dckpt 2>&1");
+    EXPECT_NE(out.find(ckpt + "/mine.dckpt"), std::string::npos) << out;
+    ASSERT_EQ(t.Step(), DOS_OK);
+    out = Shell(dosctl + "checkpoint load " + id + " mine.dckpt 2>&1");
+    EXPECT_NE(out.find("mine.dckpt"), std::string::npos) << out;
+    int64_t step = 0;
+    ASSERT_EQ(dos_state_read(t.s, 0, nullptr, nullptr, nullptr, &step), DOS_OK);
+    EXPECT_EQ(step, 1);  // back to the saved step
+    out = Shell(dosctl + "checkpoint save all 2>&1");
+    EXPECT_NE(out.find("ops_test.r-1"), std::string::npos) << out;
+    out = Shell(dosctl + "checkpoint save " + id + " ../../etc/x 2>&1");
+    EXPECT_NE(out.find("outside the checkpoint directory"), std::string::npos) << out;
+    out = Shell(dosctl + "--watch --interval=10ms --count=2 stats 2>&1");
+    EXPECT_EQ(std::count(out.begin(), out.end(), '-') >= 6, true) << out;
+    EXPECT_NE(out.find("LOCK WAIT MAX US"), std::string::npos) << out;
+  }
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST(OpsTest, GroupIsGivenToTheSocketAndControlBlocks) {
+  // As root any gid works; otherwise our own (chown to a group we are in).
+  const gid_t gid = ::getuid() == 0 ? 4242 : ::getgid();
+  DaemonProcess d({"--group=" + std::to_string(gid)});
+  ASSERT_TRUE(d.Start());
+  struct stat st;
+  // dosd accepts connections a moment before it chmods/chowns the socket.
+  for (int i = 0; i < 500; ++i) {
+    ASSERT_EQ(::stat(d.socket().c_str(), &st), 0);
+    if (st.st_gid == gid && (st.st_mode & 0777) == 0660) break;
+    usleep(10'000);  // polling a condition, 5 s deadline
+  }
+  EXPECT_EQ(st.st_gid, gid);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  {
+    Trainer t;
+    ASSERT_EQ(t.Start(d.socket(), 10), DOS_OK) << dos_last_error();
+    const std::string ctl = "/dev/shm/dos-it" + std::to_string(::getpid()) + "." +
+                            std::to_string(d.pid()) + "." +
+                            std::to_string(dos_session_id(t.s)) + ".ctl";
+    ASSERT_EQ(::stat(ctl.c_str(), &st), 0) << ctl;
+    EXPECT_EQ(st.st_gid, gid);
+    EXPECT_EQ(st.st_mode & 0777, 0660u);
+  }
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
+  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
+  const std::string ckpt = ::mkdtemp(tmpl);
+  DaemonProcess d({"--checkpoint_dir=" + ckpt, "--autosave_interval=50ms", "--autosave_keep=2"});
+  ASSERT_TRUE(d.Start());
+  const std::string dir = ckpt + "/ops_test.r-1/";
+  auto exists = [](const std::string& p) {
+    struct stat st;
+    return ::stat(p.c_str(), &st) == 0;
+  };
+  {
+    Trainer t;
+    ASSERT_EQ(t.Start(d.socket(), 1000), DOS_OK) << dos_last_error();
+    for (int step = 1; step <= 3; ++step) {
+      ASSERT_EQ(t.Step(), DOS_OK);
+      const std::string f = dir + "auto-00000000000" + std::to_string(step) + ".dckpt";
+      for (int i = 0; i < 500 && !exists(f); ++i) usleep(10'000);  // polling, 5 s deadline
+      EXPECT_TRUE(exists(f)) << f << d.log();
+    }
+    for (int i = 0; i < 500 && exists(dir + "auto-000000000001.dckpt"); ++i) usleep(10'000);
+    EXPECT_FALSE(exists(dir + "auto-000000000001.dckpt")) << "not pruned";
+    EXPECT_TRUE(exists(dir + "auto-000000000002.dckpt"));
+  }
+  EXPECT_EQ(d.Stop(), 0);
+  EXPECT_NE(d.log().find("daemon.final_checkpoint"), std::string::npos);
+}
+
+TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
+  const int port = FreePort();
+  DaemonProcess d({"--tcp_listen=127.0.0.1:" + std::to_string(port)});
+  ASSERT_TRUE(d.Start());
+  auto stub = v1::Dos::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                   grpc::InsecureChannelCredentials()));
+  v1::ListSessionsResponse list;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status st = stub->ListSessions(&ctx, v1::ListSessionsRequest(), &list);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(list.daemon_pid(), d.pid());
+  EXPECT_EQ(d.Stop(), 0);
+
+  DaemonProcess remote({"--tcp_listen=0.0.0.0:" + std::to_string(FreePort())});
+  EXPECT_FALSE(remote.Start());
+  EXPECT_NE(remote.log().find("--tcp_allow_remote"), std::string::npos) << remote.log();
+}
+
+// The line dosd's <socket>.auth answers this process.
+std::string AuthLine(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    char buf[256];
+    ssize_t n;
+    while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, n);
+  }
+  ::close(fd);
+  return out.substr(0, out.find('\n'));
+}
+
+TEST(OpsTest, PeerCredentialsAreCheckedAgainstTheAllowList) {
+  {
+    DaemonProcess d({"--allow_uids=" + std::to_string(::getuid() + 4242)});
+    ASSERT_TRUE(d.Start());
+    Trainer t;
+    EXPECT_EQ(t.Start(d.socket(), 10), DOS_PERMISSION_DENIED);
+    EXPECT_NE(std::string(dos_last_error()).find("--allow_uids"), std::string::npos)
+        << dos_last_error();
+    EXPECT_EQ(d.Stop(), 0);
+  }
+  DaemonProcess d({"--allow_uids=" + std::to_string(::getuid()), "--allow_gids=4242"});
+  ASSERT_TRUE(d.Start());
+  {
+    Trainer t;
+    EXPECT_EQ(t.Start(d.socket(), 10), DOS_OK) << dos_last_error();
+  }
+  auto stub = v1::Dos::NewStub(
+      grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto attach = [&](const std::string& ticket, int pid) {
+    v1::AttachRequest req;
+    req.set_pid(pid);
+    req.set_protocol_version(1);
+    req.set_peer_ticket(ticket);
+    v1::AttachResponse resp;
+    grpc::ClientContext ctx;
+    return stub->Attach(&ctx, req, &resp).error_code();
+  };
+  EXPECT_EQ(attach("", ::getpid()), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(attach("forged", ::getpid()), grpc::StatusCode::PERMISSION_DENIED);
+  std::string line = AuthLine(d.socket() + ".auth");
+  ASSERT_EQ(line.rfind("OK ", 0), 0u) << line;
+  // A ticket is bound to the pid the kernel reported and used once.
+  EXPECT_EQ(attach(line.substr(3), 1), grpc::StatusCode::PERMISSION_DENIED);
+  line = AuthLine(d.socket() + ".auth");
+  EXPECT_EQ(attach(line.substr(3), ::getpid()), grpc::StatusCode::OK);
+  EXPECT_EQ(attach(line.substr(3), ::getpid()), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+}  // namespace
+}  // namespace dos::testing

@@ -1,0 +1,157 @@
+"""Worker bodies for test_ddp.py, run in processes started by
+torch.multiprocessing.spawn (kept out of test_*.py so the children import
+nothing pytest collects). Each worker writes a JSON report for the parent."""
+
+import json
+import os
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+STEPS = 30
+LR = dict(lr=2e-3, weight_decay=0.05)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def rank_data(rank, n=STEPS):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data, clip):
+    snaps = []
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    return snaps
+
+
+def init(rank, world, rendezvous):
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
+
+
+def ddp_worker(rank, world, rendezvous, socket, dosctl, out_dir):
+    import dos.torch
+    from test_equivalence import ATOL_SCALE, RTOL
+    init(rank, world, rendezvous)
+    report = {"rank": rank}
+    try:
+        data = rank_data(rank)
+        ref = torch.nn.parallel.DistributedDataParallel(make_model())
+        ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+        ref_snaps = train(ref, ref_opt, data, clip=True)
+
+        mine = torch.nn.parallel.DistributedDataParallel(make_model())
+        # rank/world_size default to torch.distributed's; local_rank passed through.
+        opt = dos.torch.AdamW(mine.parameters(), socket=socket, client_name=f"pytest-ddp-{rank}",
+                              local_rank=rank, **LR)
+        report["attached"] = [opt.rank, opt.local_rank, opt.world_size]
+        snaps = train(mine, opt, data, clip=True)
+        worst = 0.0
+        for step, (a_list, b_list) in enumerate(zip(snaps, ref_snaps), 1):
+            for a, b in zip(a_list, b_list):
+                atol = ATOL_SCALE * b.abs().max().item()
+                if not torch.allclose(a, b, rtol=RTOL, atol=atol):
+                    report.setdefault("mismatch", f"step {step}: differs by "
+                                      f"{(a - b).abs().max().item():.3g} (atol {atol:.3g})")
+                worst = max(worst, (a - b).abs().max().item())
+        report["max_weight_diff"] = worst
+        report["steps"] = opt.last_step["step"]
+        # Both ranks' sessions are attached now: rank 0 asks the daemon.
+        dist.barrier()
+        if rank == 0 and dosctl:
+            out = subprocess.run([dosctl, f"--socket={socket}", "--json", "sessions"],
+                                 capture_output=True, text=True, timeout=30)
+            report["dosctl_rc"] = out.returncode
+            report["dosctl"] = out.stdout if out.returncode == 0 else out.stderr
+        dist.barrier()
+        # The two ranks' weights stay identical (DDP averages the gradients).
+        flat = torch.cat([p.detach().reshape(-1) for p in mine.parameters()])
+        other = flat.clone()
+        dist.broadcast(other, 0)
+        report["ranks_equal"] = bool(torch.equal(flat, other))
+        opt.close()
+    except Exception as e:  # reported to the parent, which fails the test
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def fully_shard_fn():
+    """torch's FSDP2 entry point, or None (torch < 2.4)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 4):
+        return None
+    for mod in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            m = __import__(mod, fromlist=["fully_shard"])
+            if hasattr(m, "fully_shard"):
+                return m.fully_shard
+        except Exception:  # ImportError, or a broken import on this Python
+            continue
+    return None
+
+
+def fsdp2_worker(rank, world, rendezvous, socket, dosctl, out_dir):
+    import dos.torch
+    from torch.distributed.device_mesh import init_device_mesh
+    init(rank, world, rendezvous)
+    report = {"rank": rank}
+    try:
+        fully_shard = fully_shard_fn()
+        mesh = init_device_mesh("cpu", (world,))
+        data = rank_data(rank)
+
+        def build():
+            m = make_model()
+            for layer in m:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            return m
+
+        try:  # can this torch run FSDP2 on the CPU with gloo at all?
+            ref = build()
+            ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+            probe = build()
+            torch.nn.functional.mse_loss(probe(data[0][0]), data[0][1]).backward()
+            del probe
+        except Exception as e:
+            report["unsupported"] = f"{type(e).__name__}: {e}"
+            return
+        mine = build()
+        opt = dos.torch.AdamW(mine.parameters(), socket=socket, client_name=f"pytest-fsdp2-{rank}",
+                              **LR)
+        report["local_numel"] = sum(e.local.numel() for e in opt._entries)
+        report["global_numel"] = sum(p.numel() for p in mine.parameters())
+        worst = 0.0
+        for x, y in data:
+            for model, o in ((ref, ref_opt), (mine, opt)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                o.step()
+            for a, b in zip(mine.parameters(), ref.parameters()):
+                a, b = a.to_local(), b.to_local()
+                worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
+        report["max_rel_weight_diff"] = worst
+        report["steps"] = opt.last_step["step"]
+        opt.close()
+    except Exception as e:
+        import traceback
+        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
