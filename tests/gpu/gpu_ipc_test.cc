@@ -153,7 +153,9 @@ class GpuIpcTest : public ::testing::Test {
     return st;
   }
 
-  testing::DaemonProcess daemon_;
+  // --session_lease=0: a killed trainer's session is freed at once (the lease and
+  // resume are tested in tests/fault/crash_survival_test.cc).
+  testing::DaemonProcess daemon_{{"--session_lease=0"}};
   std::vector<void*> device_;
 };
 
