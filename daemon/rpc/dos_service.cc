@@ -287,14 +287,22 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
   return grpc::Status::OK;
 }
 
+namespace {
+// The session a state transfer names, after checking the request's buffer.
+absl::StatusOr<std::shared_ptr<Session>> FindTransferSession(const SessionManager& sessions,
+                                                             const v1::TransferStateRequest& req) {
+  if (req.buffer().name().empty()) {
+    return absl::InvalidArgumentError(
+        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
+        "fp32 values");
+  }
+  return FindSession(sessions, req.session());
+}
+}  // namespace
+
 grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
-  if (req->buffer().name().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
-        "fp32 values"));
-  }
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::StatusOr<int64_t> step =
       (*s)->ExportState(req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()));
@@ -305,12 +313,7 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
 
 grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
-  if (req->buffer().name().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
-        "fp32 values"));
-  }
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::Status st = (*s)->ImportState(
       req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()), req->step());

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import dos.torch  # noqa: E402
 from dos import _native  # noqa: E402
 
-from test_equivalence import RTOL, ATOL_SCALE  # noqa: E402
+from test_equivalence import assert_same  # noqa: E402
 
 STEPS = 50
 
@@ -36,15 +36,6 @@ def make_data(seed=1, n=STEPS):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(32, 16, generator=g).cuda(), torch.randn(32, 4, generator=g).cuda())
             for _ in range(n)]
-
-
-def assert_same(dos_model, ref_model, step):
-    for (name, a), b in zip(dos_model.named_parameters(), ref_model.parameters()):
-        atol = ATOL_SCALE * b.abs().max().item()
-        if not torch.allclose(a, b, rtol=RTOL, atol=atol):
-            diff = (a - b).abs().max().item()
-            pytest.fail(f"step {step}: {name} differs by up to {diff:.3g} "
-                        f"(rtol {RTOL}, atol {atol:.3g})")
 
 
 def need_cuda_build():
