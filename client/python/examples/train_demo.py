@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import dos.torch
+from gpt import batches  # the same counting-sequence task, beside this file
 
 
 class TinyGPT(nn.Module):
@@ -40,15 +41,6 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(h))
 
 
-def batches(steps, batch, seq, vocab, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 5, (batch, 1), generator=g)
-        x = (start + stride * torch.arange(seq + 1)) % vocab
-        yield x[:, :-1].to(device), x[:, 1:].to(device)
-
-
 def param_groups(model, weight_decay):
     """No weight decay on norms, biases and embeddings-of-position, as real training does."""
     decay, no_decay = [], []
@@ -61,7 +53,8 @@ def param_groups(model, weight_decay):
 def train(model, opt, sched, args, device):
     losses = []
     start = time.perf_counter()
-    for step, (x, y) in enumerate(batches(args.steps, args.batch, 32, 64, args.seed, device)):
+    data = batches(args.steps, args.batch, 32, 64, seed=args.seed, device=device)
+    for step, (x, y) in enumerate(data):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
