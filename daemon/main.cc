@@ -33,7 +33,8 @@
 #include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
 #include "daemon/rpc/socket_guard.h"
-#include "daemon/sched/step_executor.h"
+#include "daemon/sched/device_selection.h"
+#include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 
@@ -49,8 +50,12 @@ ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
           "Default scheduling policy: cpu, static:<f>, interleave:<k>, auto.");
-ABSL_FLAG(int, gpu_device, 0,
-          "CUDA device this daemon drives (GPU mode); -1: CPU only. Ignored without CUDA.");
+ABSL_FLAG(std::string, gpu_devices, "all",
+          "CUDA devices to run a GPU engine on (GPU mode): all, none, or ordinals such as 0,1. "
+          "A session runs on the engine of the device its tensors live on (matched by UUID). "
+          "Ignored without CUDA.");
+ABSL_FLAG(std::string, gpu_device, "",
+          "Deprecated: use --gpu_devices. N drives device N only; -1: none.");
 ABSL_FLAG(std::string, gpu_memory_budget, "0",
           "GPU memory `auto` may keep optimizer state resident in, beyond the staging slots, "
           "e.g. 12G; 0 = stream every GPU-path subgroup.");
@@ -62,7 +67,8 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
           "to the host (twice the PCIe bytes; for measurement).");
 ABSL_FLAG(std::string, gpu_timeline, "",
-          "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file.");
+          "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
+          "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
@@ -112,7 +118,7 @@ struct DaemonConfig {
   SessionOptions session;            // control blocks, subgroup size default
   cpu::CpuUpdaterOptions cpu;        // update threads, tile, ISA
   Policy default_policy;             // policy of new sessions
-  int gpu_device = 0;                // CUDA device; -1: CPU only
+  GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 3;         // GPU-path subgroups in flight
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
@@ -184,7 +190,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
   if (!policy.ok()) return policy.status();
   c.default_policy = *policy;
-  c.gpu_device = absl::GetFlag(FLAGS_gpu_device);
+  absl::StatusOr<GpuDeviceSelection> devices =
+      GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
+  if (!devices.ok()) return devices.status();
+  c.gpu_devices = *std::move(devices);
   if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
@@ -320,6 +329,21 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
                         return sum;
                       })
       .IgnoreError();
+  // One series per GPU engine, labelled with its device: the sessions it runs.
+  for (const GpuDeviceInfo& d : sessions->executors()->devices()) {
+    m->AddCallbackGauge("dos_gpu_engine_sessions",
+                        "Registered sessions running on each GPU engine (by device).",
+                        {{"device", absl::StrCat("cuda:", d.ordinal)}, {"uuid", d.uuid},
+                         {"name", d.name}},
+                        [sessions, ordinal = d.ordinal] {
+                          double n = 0;
+                          for (const auto& s : sessions->List()) {
+                            n += s->summary().gpu_device == ordinal ? 1 : 0;
+                          }
+                          return n;
+                        })
+        .IgnoreError();
+  }
 }
 
 int Fail(absl::string_view event, const absl::Status& status) {
@@ -342,22 +366,36 @@ int Run(const DaemonConfig& config) {
 
   HostMemoryBudget budget(config.host_memory_limit);
   cpu::CpuUpdater cpu_updater(config.cpu);
-  GpuBackend* gpu = nullptr;
+  // One GPU engine (streams, staging, performance model) and executor per
+  // device; every engine shares the one CPU updater.
+  ExecutorSet executors(&cpu_updater);
 #ifdef DOS_WITH_CUDA
-  std::unique_ptr<gpu::GpuEngine> gpu_engine;
-  if (config.gpu_device >= 0) {
+  std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return Fail("daemon.gpu", ordinals.status());
+  for (int ordinal : *ordinals) {
     gpu::GpuEngineOptions gopt;
-    gopt.device = config.gpu_device;
+    gopt.device = ordinal;
     gopt.staging_slots = config.gpu_staging_slots;
     if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
     gopt.resident_budget_bytes = config.gpu_memory_budget;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    gopt.timeline_path = config.gpu_timeline;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                             ? config.gpu_timeline
+                             : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
     absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
         gpu::GpuEngine::Create(gopt, &cpu_updater);
     if (engine.ok()) {
-      gpu_engine = *std::move(engine);
-      gpu = gpu_engine.get();
+      executors.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                       engine->get());
+      gpu_engines.push_back(*std::move(engine));
     } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
       DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
     } else {
@@ -365,11 +403,10 @@ int Run(const DaemonConfig& config) {
     }
   }
 #endif
-  StepExecutor executor(&cpu_updater, gpu);
   DaemonCounters counters;
   SessionOptions session_options = config.session;
   session_options.counters = &counters;
-  SessionManager sessions(session_options, config.default_policy, &executor, &budget,
+  SessionManager sessions(session_options, config.default_policy, &executors, &budget,
                           config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
@@ -440,7 +477,8 @@ int Run(const DaemonConfig& config) {
   DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
                config.socket_path, "cpu_threads", cpu_updater.threads(), "cpu_isa",
                cpu::IsaName(cpu_updater.isa()), "policy", FormatPolicy(config.default_policy),
-               "host_memory_limit", config.host_memory_limit, "gpu", gpu != nullptr,
+               "host_memory_limit", config.host_memory_limit, "gpu_engines",
+               DescribeDevices(executors.devices()),
                "session_lease", absl::FormatDuration(config.session_lease), "checkpoint_dir",
                config.checkpoint.dir, "tcp_listen", config.tcp_listen);
 

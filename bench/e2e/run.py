@@ -2,14 +2,23 @@
 """End-to-end training benchmark: the GPT example (client/python/examples/gpt.py,
 bf16, activation checkpointing, random tokens) trained with
 
-  dos_auto            dos.torch.AdamW, dosd policy auto, clip_grad_norm_ 1.0
-  dos_auto_noclip     the same without clipping, with overlap=True (torch >= 2.1):
+  dos_auto            dos.torch.AdamW(model=...), dosd policy auto, clip_grad_norm_ 1.0;
+                      step() returns once queued and each layer of the next forward
+                      waits (on the GPU stream) for just its own subgroups
+  dos_auto_wholestep  (optional) the next forward waits for the whole step on the stream
+  dos_auto_sync       (optional) step() waits on the host (async_step=False): minus
+                      dos_auto, the gain of overlapping the update with the next forward
+  dos_auto_noclip     per-layer waits, no clipping, overlap=True (torch >= 2.1):
                       the step begins when the last gradient is final
   dos_auto_noclip_nooverlap   (optional) the same without overlap: the overlap's gain
   dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
   inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
   all_gpu             fp32 masters + torch.optim.AdamW(fused=True) on the GPU, clip 1.0
                       (no GPU budget unless --budget-all-gpu)
+
+Iteration time: `iter_s` is measured over --iters iterations run back to back without
+synchronising (as training runs); forward/backward/update come from as many iterations
+synchronised after each phase (iter_s_phases is their sum).
 
 Every mode runs in its own child process (clean GPU and host memory peaks); DOS modes
 get a fresh dosd (--dosd PATH), or use $DOS_SOCKET. Prints a table, writes
@@ -106,10 +115,18 @@ def child(args):
         import dos.torch
         overlap = mode == "dos_auto_noclip" and hasattr(torch.Tensor,
                                                         "register_post_accumulate_grad_hook")
+        # How the next forward waits for the update: per layer (model=, the
+        # default here), behind the whole step on the stream ("wholestep"), or
+        # on the host before step() returns ("sync": the pre-async behaviour).
+        wait = "sync" if mode.endswith("_sync") else \
+            "wholestep" if mode.endswith("_wholestep") else "layers"
+        wait_kw = {"sync": dict(async_step=False), "wholestep": dict(),
+                   "layers": dict(model=model)}[wait]
         opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
-                              overlap=overlap, subgroup_size=args.subgroup_size, **kw)
-        opt.set_policy("cpu" if mode == "dos_cpu" else "auto")
-        res["note"] = f"dosd policy {'cpu' if mode == 'dos_cpu' else 'auto'}" + \
+                              overlap=overlap, subgroup_size=args.subgroup_size, **wait_kw, **kw)
+        policy = "cpu" if mode.startswith("dos_cpu") else "auto"
+        opt.set_policy(policy)
+        res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
             (", overlap=True" if overlap else "") + (", no clipping" if clip == 0 else "")
     elif mode == "inprocess_offload":
         from baselines import HybridOffloadAdamW
@@ -131,8 +148,20 @@ def child(args):
             torch.cuda.synchronize()
 
     rows, losses = [], []
-    data = gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"], seed=1,
-                       device=args.device)
+    data = list(gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"],
+                            seed=1, device=args.device))
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss
+
+    # Phase breakdown: synchronised after each phase (what each costs alone;
+    # with asynchronous steps the update's wait moves into the next forward).
     for it, (x, y) in enumerate(data):
         sync()
         a = time.perf_counter()
@@ -153,12 +182,33 @@ def child(args):
             rows.append((b - a, c - b, d - c, d - a))
         print(f"  [{mode}] iter {it:3d} loss {losses[-1]:.4f} fwd {b - a:.3f} bwd {c - b:.3f} "
               f"update {d - c:.3f} s", flush=True)
+    # Training as it runs: no synchronisation between iterations (the loss is
+    # read at the end), so every overlap counts. Median of per-iteration times
+    # measured at each iteration's start on the host, which runs at most one
+    # step ahead (each step() collects the previous one).
+    piped = []
+    sync()
+    t_prev = time.perf_counter()
+    start = t_prev
+    pl = []
+    for x, y in data[args.warmup:]:
+        pl.append(train_step(x, y))
+        now = time.perf_counter()
+        piped.append(now - t_prev)
+        t_prev = now
+    sync()
+    piped_total = time.perf_counter() - start
+    losses += [float(v) for v in pl]
+    print(f"  [{mode}] pipelined: {len(pl)} iterations in {piped_total:.3f} s "
+          f"({piped_total / len(pl):.3f} s/iter)", flush=True)
     if sampler:
         sampler.close()
     med = [statistics.median(r[i] for r in rows) for i in range(4)]
     tokens = args.batch * cfg["seq"]
-    res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s=med[3],
-               iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / med[3],
+    iter_s = piped_total / len(pl)
+    res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s=iter_s,
+               iter_s_phases=med[3], iter_s_pipelined_median=statistics.median(piped[1:] or piped),
+               iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / iter_s,
                first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes())
     if cuda:
         res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(0)
@@ -260,7 +310,7 @@ def parent(args):
             if args.dosd:
                 extra = list(args.dosd_arg or [])
                 if args.device == "cpu":
-                    extra.append("--gpu_device=-1")
+                    extra.append("--gpu_devices=none")
                 proc, sock = start_dosd(args.dosd, extra, tmp)
             elif not sock:
                 print(f"{mode}: skipped (give --dosd PATH or set DOS_SOCKET)")
@@ -372,7 +422,8 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--subgroup-size", type=int, default=0, help="dosd subgroup size (0: default)")
     ap.add_argument("--modes", default=",".join(ALL_MODES),
-                    help="comma list of: " + ", ".join(ALL_MODES + ["dos_auto_noclip_nooverlap"]))
+                    help="comma list of: " + ", ".join(ALL_MODES + [
+                        "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync"]))
     ap.add_argument("--gpu-budget-gb", type=float, default=0,
                     help="emulate a card of this size (40, 80): per-process memory fraction")
     ap.add_argument("--dosd-gpu-reserve-gb", type=float, default=6.0,

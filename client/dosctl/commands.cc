@@ -129,13 +129,13 @@ absl::Status Commands::Sessions(std::ostream& out) {
     out << Json(list);
     return absl::OkStatus();
   }
-  Table t({"ID", "CLIENT", "PID", "RANK", "STATE", "TENSORS", "PARAMS", "SUBGROUPS", "HOST STATE",
-           "POLICY", "STEPS"},
-          {true, false, true, true, false, true, true, true, true, false, true});
+  Table t({"ID", "CLIENT", "PID", "RANK", "STATE", "DEVICE", "TENSORS", "PARAMS", "SUBGROUPS",
+           "HOST STATE", "POLICY", "STEPS"},
+          {true, false, true, true, false, false, true, true, true, true, false, true});
   for (const auto& x : list.sessions()) {
     t.AddRow({absl::StrCat(x.session_id()), x.client_name(), absl::StrCat(x.pid()),
               x.rank() < 0 ? "-" : absl::StrCat(x.rank(), "/", x.world_size()), x.state(),
-              absl::StrCat(x.num_tensors()), absl::StrCat(x.params()),
+              x.device().empty() ? "-" : x.device(), absl::StrCat(x.num_tensors()), absl::StrCat(x.params()),
               absl::StrCat(x.num_subgroups()), Bytes(x.host_state_bytes()), x.policy(),
               absl::StrCat(x.steps())});
   }
@@ -161,6 +161,10 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
               ? absl::StrCat(" of ", Bytes(resp.host_state_limit_bytes()), " allowed")
               : std::string(" (no limit)"))
       << "\n";
+  for (const auto& e : resp.gpu_engines()) {
+    out << "gpu engine cuda:" << e.ordinal() << " " << e.uuid() << " (" << e.name() << "): "
+        << e.sessions() << " session(s)\n";
+  }
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
            "PREDICTED US", "CPU/GPU SUBGROUPS", "LOCK WAIT MAX US"},
           {true, true, true, true, true, true, true, true, true, true, true});

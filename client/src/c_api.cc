@@ -207,6 +207,40 @@ dos_status dos_step_wait(dos_session* session, int64_t timeout_ms, dos_step_resu
   });
 }
 
+dos_status dos_step_begin_on_stream(dos_session* session, const dos_step_args* args,
+                                    void* cuda_stream) {
+  return Guard("step_begin_on_stream", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step"); !st.ok()) return st;
+    if (args == nullptr) return absl::InvalidArgumentError("step: args is NULL");
+    return session->impl->StepBeginOnStream(*args, cuda_stream);
+  });
+}
+
+int32_t dos_stream_sync_supported(const dos_session* session) {
+  return session != nullptr && session->impl != nullptr && session->impl->stream_sync() ? 1 : 0;
+}
+
+dos_status dos_tensor_subgroups(const dos_session* session, uint32_t tensor, uint32_t* first,
+                                uint32_t* last) {
+  return Guard("tensor_subgroups", [&]() -> absl::Status {
+    if (session == nullptr || session->impl == nullptr) {
+      return absl::InvalidArgumentError("tensor_subgroups: session is NULL");
+    }
+    if (first == nullptr || last == nullptr) {
+      return absl::InvalidArgumentError("tensor_subgroups: first or last is NULL");
+    }
+    return session->impl->TensorSubgroups(tensor, first, last);
+  });
+}
+
+dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t last,
+                              void* cuda_stream, int64_t timeout_ms) {
+  return Guard("wait_subgroups", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "wait_subgroups"); !st.ok()) return st;
+    return session->impl->WaitSubgroups(first, last, cuda_stream, TimeoutFromMs(timeout_ms));
+  });
+}
+
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result) {
   dos_status st = dos_step_begin(session, args);
   if (st != DOS_OK) return st;

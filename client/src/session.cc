@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -171,11 +172,31 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   DOS_ASSIGN_OR_RETURN(v1::RegisterShardRequest req,
                        BuildRegisterRequest(tensors, groups, subgroup_size, table_, &device_));
   *req.mutable_session() = ref_;
+  // GPU mode: stream-ordered step synchronisation where the driver has it;
+  // otherwise the caller synchronises and waits on the host.
+  std::unique_ptr<DeviceSync> device_sync;
+  if (!tensors.empty() && req.tensors(0).param().has_cuda_ipc()) {
+    absl::StatusOr<std::unique_ptr<DeviceSync>> ds =
+        DeviceSync::Create(tensors[0].param, control_, sizeof(ControlBlock));
+    if (ds.ok()) {
+      device_sync = std::move(*ds);
+      req.set_cuda_ipc_event(device_sync->event_handle());
+    } else if (!absl::IsUnimplemented(ds.status())) {
+      return ds.status();
+    }
+  }
   v1::RegisterShardResponse resp;
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   grpc::Status rpc = stub_->RegisterShard(&ctx, req, &resp);
   if (!rpc.ok()) return FromRpc("register", rpc);
+  device_sync_ = std::move(device_sync);
+  tensor_subgroups_.clear();
+  for (int i = 0; i < resp.tensor_first_subgroup_size() && i < resp.tensor_last_subgroup_size();
+       ++i) {
+    tensor_subgroups_.emplace_back(resp.tensor_first_subgroup(i), resp.tensor_last_subgroup(i));
+  }
+  num_subgroups_ = resp.num_subgroups();
   registered_ = true;
   num_groups_ = groups.size();
   numel_.clear();
@@ -186,7 +207,54 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   return absl::OkStatus();
 }
 
-absl::Status ClientSession::StepBegin(const dos_step_args& args) {
+absl::Status ClientSession::StepBeginOnStream(const dos_step_args& args, void* stream) {
+  if (device_sync_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "step_begin_on_stream: this session has no stream synchronisation (its tensors are in "
+        "shared memory, or the CUDA driver lacks stream memory operations); synchronise the "
+        "stream and call dos_step_begin");
+  }
+  if (!registered_ || step_in_flight_) return StepBegin(args);  // their errors
+  DOS_RETURN_IF_ERROR(device_sync_->RecordGradientsReady(stream));
+  return StepBegin(args, kStepTrainerEventRecorded);
+}
+
+absl::Status ClientSession::WaitSubgroups(uint32_t first, uint32_t last, void* stream,
+                                          absl::Duration timeout) {
+  if (!registered_) {
+    return absl::FailedPreconditionError(
+        "wait_subgroups: no tensors registered; call dos_register first");
+  }
+  if (first > last || last >= num_subgroups_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "wait_subgroups: range [", first, ", ", last, "] is not within the session's ",
+        num_subgroups_, " subgroups (dos_tensor_subgroups gives a tensor's range)"));
+  }
+  if (!step_in_flight_) return absl::OkStatus();  // the last step's result was taken
+  if (stream != nullptr && device_sync_ != nullptr) {
+    // One wait per word; subgroups from kMaxTrackedSubgroups - 1 on share one.
+    const uint32_t end = std::min(last, kMaxTrackedSubgroups - 1);
+    for (uint32_t i = first; i <= end; ++i) {
+      DOS_RETURN_IF_ERROR(device_sync_->StreamWait(stream, step_channel_->DoneWord(i), seq_));
+    }
+    return absl::OkStatus();
+  }
+  return step_channel_->WaitSubgroups(first, last, seq_, timeout);
+}
+
+absl::Status ClientSession::TensorSubgroups(uint32_t tensor, uint32_t* first,
+                                            uint32_t* last) const {
+  DOS_RETURN_IF_ERROR(CheckTensor(tensor, "tensor_subgroups"));
+  if (tensor >= tensor_subgroups_.size()) {
+    return absl::FailedPreconditionError(
+        "tensor_subgroups: the daemon did not report its layout (an older dosd)");
+  }
+  *first = tensor_subgroups_[tensor].first;
+  *last = tensor_subgroups_[tensor].second;
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::StepBegin(const dos_step_args& args, uint32_t extra_flags) {
   if (!registered_) {
     return absl::FailedPreconditionError("step: no tensors registered; call dos_register first");
   }
@@ -199,6 +267,7 @@ absl::Status ClientSession::StepBegin(const dos_step_args& args) {
   }
   StepRequest& r = control_->request;
   DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, &r));
+  r.flags |= extra_flags;
   r.seq = control_->request_bell.load(std::memory_order_relaxed) + 1;
   seq_ = step_channel_->PublishRequest();
   step_in_flight_ = true;
@@ -216,6 +285,9 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
         "; it is still in flight, call dos_step_wait again"));
   }
   if (!waited.ok()) {
+    // The daemon will not finish this step: release anything (the trainer's
+    // stream included) still waiting on its subgroups.
+    step_channel_->MarkAllDone(seq_);
     step_in_flight_ = false;
     return absl::Status(waited.code(), absl::StrCat("step_wait: ", waited.message(),
                                                     "; re-attach to continue"));

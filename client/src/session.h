@@ -27,6 +27,7 @@
 #include "client/include/dos/dos.h"
 #include "client/src/buffer_table.h"
 #include "client/src/device_memory.h"
+#include "client/src/device_sync.h"
 #include "daemon/transport/control_channel.h"
 #include "daemon/transport/shm_segment.h"
 #include "proto/dos/v1/control_block.h"
@@ -73,7 +74,15 @@ class ClientSession {
   absl::Status Register(absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
                         uint64_t subgroup_size);
 
-  absl::Status StepBegin(const dos_step_args& args);
+  absl::Status StepBegin(const dos_step_args& args, uint32_t extra_flags = 0);
+  // GPU mode: records the gradients-ready event on `stream` and begins the
+  // step; dosd waits for the event on the GPU.
+  absl::Status StepBeginOnStream(const dos_step_args& args, void* stream);
+  bool stream_sync() const { return device_sync_ != nullptr; }
+  // Waits for subgroups [first, last] of the step in flight: enqueued on
+  // `stream` when given and stream_sync(), else on this thread.
+  absl::Status WaitSubgroups(uint32_t first, uint32_t last, void* stream, absl::Duration timeout);
+  absl::Status TensorSubgroups(uint32_t tensor, uint32_t* first, uint32_t* last) const;
   // timeout < 0: wait until the daemon answers or closes the session.
   absl::Status StepWait(absl::Duration timeout, dos_step_result* result);
 
@@ -106,6 +115,10 @@ class ClientSession {
   std::unique_ptr<ShmSegment> control_segment_;
   ControlBlock* control_ = nullptr;
   std::unique_ptr<ControlBlockChannel> step_channel_;
+  // After control_segment_: unregisters the block before it is unmapped.
+  std::unique_ptr<DeviceSync> device_sync_;
+  std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups_;  // per tensor
+  uint32_t num_subgroups_ = 0;
   uint32_t seq_ = 0;  // seq of the last published step
   bool step_in_flight_ = false;
 

@@ -10,14 +10,6 @@
 
 namespace dos::gpu {
 
-std::string FormatDeviceUuid(absl::string_view raw) {
-  if (raw.size() != 16) return std::string(raw);
-  const auto* b = reinterpret_cast<const unsigned char*>(raw.data());
-  return absl::StrFormat(
-      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
-      b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
-}
-
 CudaIpcTransport::CudaIpcTransport(int device, std::string device_uuid)
     : device_(device), device_uuid_(std::move(device_uuid)) {}
 
@@ -45,9 +37,9 @@ absl::StatusOr<void*> CudaIpcTransport::Map(const MemoryRef& ref, uint64_t bytes
   if (uuid != device_uuid_) {
     return absl::FailedPreconditionError(absl::StrCat(
         what, ": the allocation lives on GPU ", uuid.empty() ? "(no UUID sent)" : uuid,
-        " but this daemon drives GPU ", device_uuid_, " (device ", device_,
-        "); CUDA IPC works within one device only: attach to the dosd serving that GPU or "
-        "start dosd with --gpu_device for it"));
+        " but this transport maps for GPU ", device_uuid_, " (device ", device_,
+        "); CUDA IPC works within one device only, and all tensors of a session must be on "
+        "one device"));
   }
   if (ref.alloc_bytes == 0 || ref.offset > ref.alloc_bytes ||
       bytes > ref.alloc_bytes - ref.offset) {

@@ -10,7 +10,8 @@
 // itself stays the trainer's.
 //
 // Errors: FAILED_PRECONDITION when the allocation lives on another GPU than
-// the daemon's (UUIDs compared), INVALID_ARGUMENT for a range past the end of
+// this transport's engine (UUIDs compared; Session::Register already picked
+// the engine by UUID, so this is a second line of defence), INVALID_ARGUMENT for a range past the end of
 // its allocation or a malformed handle, INTERNAL when CUDA refuses the handle.
 // shm locations fall through to a ShmTransport, so one session may mix them.
 //
@@ -21,14 +22,14 @@
 #include <map>
 #include <string>
 
+#include "daemon/sched/device_selection.h"
 #include "daemon/transport/shm_transport.h"
 #include "daemon/transport/transport.h"
 
 namespace dos::gpu {
 
-// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's form) of 16 raw
-// UUID bytes; text already in that form is returned unchanged.
-std::string FormatDeviceUuid(absl::string_view raw_or_text);
+// (daemon/sched/device_selection.h, kept CUDA-free for the engine matching.)
+using ::dos::FormatDeviceUuid;
 
 class CudaIpcTransport final : public Transport {
  public:

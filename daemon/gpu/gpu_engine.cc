@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <thread>
 
@@ -86,10 +87,6 @@ class GpuEngine::Shard final : public ShardAttachment {
   std::atomic<uint64_t>* resident_bytes_;
 };
 
-namespace {
-std::atomic<uint64_t> g_resident_bytes{0};
-}  // namespace
-
 // One timeline entry: which subgroup ran where and when (microseconds from
 // the step's start). Path 'r' resident, 'g' streamed, 'c' CPU; `in` is the
 // inbound copy (state H2D or gradients D2H), `out` the outbound one.
@@ -120,10 +117,45 @@ struct GpuEngine::StepRun {
   std::vector<TimelineEntry> cpu_entries;
   uint64_t cpu_params = 0, cpu_h2d = 0, cpu_d2h = 0;
   double cpu_kernel_us = 0, cpu_loop_us = 0;
+  // Progress: one DoneCall per subgroup, passed to cudaLaunchHostFunc (so
+  // its address must stay put: deques, one per loop thread).
+  const StepSync* sync = nullptr;
+  struct DoneCall {
+    const StepSync* sync;
+    uint32_t subgroup;
+  };
+  std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
 };
+
+namespace {
+
+void CUDART_CB SubgroupDoneCallback(void* arg) {
+  const auto* call = static_cast<const GpuEngine::StepRun::DoneCall*>(arg);
+  call->sync->subgroup_done(call->subgroup);
+}
+
+// Enqueues "subgroup `sg` is done" on `stream` after the work queued there.
+absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun::DoneCall>* calls,
+                         uint32_t sg, cudaStream_t stream) {
+  if (run.sync == nullptr || !run.sync->subgroup_done) return absl::OkStatus();
+  calls->push_back({run.sync, sg});
+  DOS_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, SubgroupDoneCallback, &calls->back()));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 GpuEngine::GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu)
     : options_(options), cpu_(cpu), model_(options.model) {}
+
+int GpuEngine::VisibleDevices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
 
 absl::StatusOr<std::unique_ptr<GpuEngine>> GpuEngine::Create(const GpuEngineOptions& options,
                                                              cpu::CpuUpdater* cpu) {
@@ -134,8 +166,8 @@ absl::StatusOr<std::unique_ptr<GpuEngine>> GpuEngine::Create(const GpuEngineOpti
         "no CUDA device (", err == cudaSuccess ? "none found" : cudaGetErrorString(err), ")"));
   }
   if (options.device < 0 || options.device >= count) {
-    return absl::InvalidArgumentError(absl::StrCat("--gpu_device=", options.device, " but ",
-                                                   count, " CUDA device(s) are visible"));
+    return absl::InvalidArgumentError(absl::StrCat("--gpu_devices names device ", options.device,
+                                                   " but ", count, " CUDA device(s) are visible"));
   }
   if (options.staging_slots < 1) {
     return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
@@ -203,7 +235,7 @@ PerfInputs GpuEngine::model_inputs() const {
 
 absl::Status GpuEngine::AttachShard(ShardState& shard) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  auto gs = std::make_unique<Shard>(options_.device, &g_resident_bytes);
+  auto gs = std::make_unique<Shard>(options_.device, &resident_bytes_);
   const absl::Time start = absl::Now();
   uint64_t bytes = 0;
   for (const Subgroup& g : shard.subgroups()) {
@@ -286,6 +318,7 @@ absl::Status GpuEngine::SetResident(ShardState& shard, uint32_t count) {
   count = std::min<uint32_t>(count, sgs.size());
   for (size_t i = count; i < sgs.size(); ++i) {
     if (gs->resident[i] == nullptr) continue;
+    shard.BeforeWrite(static_cast<uint32_t>(i));  // checkpoint copy-on-write
     DOS_CUDA_RETURN_IF_ERROR(cudaMemcpy(sgs[i].master, gs->resident[i], StateBytes(sgs[i]),
                                         cudaMemcpyDeviceToHost));
     gs->FreeResident(i);
@@ -303,7 +336,7 @@ absl::Status GpuEngine::SetResident(ShardState& shard, uint32_t count) {
     }
     gs->resident[i] = p;
     gs->resident_size[i] = StateBytes(sgs[i]);
-    g_resident_bytes.fetch_add(StateBytes(sgs[i]));
+    resident_bytes_.fetch_add(StateBytes(sgs[i]));
     DOS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(p, sgs[i].master, StateBytes(sgs[i]), cudaMemcpyHostToDevice));
   }
@@ -331,6 +364,45 @@ void GpuEngine::DropResident(ShardState& shard) {
   if (cudaSetDevice(options_.device) != cudaSuccess) return;
   for (size_t i = 0; i < gs->resident.size(); ++i) gs->FreeResident(i);
   gs->resident_count = 0;
+}
+
+absl::StatusOr<void*> GpuEngine::OpenTrainerEvent(const std::string& handle) {
+  cudaIpcEventHandle_t h;
+  if (handle.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: cuda_ipc_event has ", handle.size(), " bytes; a cudaIpcEventHandle_t has ",
+        sizeof(h), " (send the bytes of cudaIpcGetEventHandle, or nothing)"));
+  }
+  std::memcpy(&h, handle.data(), sizeof(h));
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  cudaEvent_t ev = nullptr;
+  cudaError_t err = cudaIpcOpenEventHandle(&ev, h);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: cuda_ipc_event could not be opened on device ", options_.device, " (",
+        cudaGetErrorName(err), ": ", cudaGetErrorString(err),
+        "); create it with cudaEventInterprocess | cudaEventDisableTiming on the device of the "
+        "tensors"));
+  }
+  return static_cast<void*>(ev);
+}
+
+void GpuEngine::CloseTrainerEvent(void* event) {
+  if (event == nullptr) return;
+  if (cudaSetDevice(options_.device) == cudaSuccess) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  }
+}
+
+absl::Status GpuEngine::WaitTrainerEvent(void* event) {
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  auto ev = static_cast<cudaEvent_t>(event);
+  for (cudaStream_t s : {h2d_, compute_, d2h_, cpu_d2h_, cpu_h2d_}) {
+    if (s != nullptr) DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, ev, 0));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GpuEngine::GpuLoop(StepRun& run) {
@@ -363,6 +435,7 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], compute_));
     DOS_RETURN_IF_ERROR(launch(sgs[i], run.gs->resident[i]));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], compute_));
+    DOS_RETURN_IF_ERROR(EnqueueDone(run, &run.gpu_done_calls, i, compute_));
     run.gpu_params += sgs[i].numel;
   }
 
@@ -439,6 +512,7 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     Slot& s = slots[si];
     s.subgroup = *claim;
     const Subgroup& g = sgs[*claim];
+    shard.BeforeWrite(*claim);  // checkpoint copy-on-write: the D2H below writes it back
     float* state = slots_[si];
     const uint64_t bytes = StateBytes(g);
     status = [&]() -> absl::Status {
@@ -450,6 +524,9 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], compute_));
       DOS_RETURN_IF_ERROR(launch(g, state));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[3], compute_));
+      // The trainer's weights are final once the kernel ran (the state's
+      // way back to the host does not concern it).
+      DOS_RETURN_IF_ERROR(EnqueueDone(run, &run.gpu_done_calls, s.subgroup, compute_));
       DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d2h_, s.ev[3], 0));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[4], d2h_));
       DOS_CUDA_RETURN_IF_ERROR(
@@ -560,7 +637,8 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
     if (!status.ok()) break;
     status = finish_weights(b);
     if (!status.ok()) break;
-    const Subgroup& g = sgs[*cur];
+    const uint32_t g_index = *cur;
+    const Subgroup& g = sgs[g_index];
     items.clear();
     for (const SubgroupSegment& seg : g.segments) {
       const TensorInfo& t = tensors[seg.tensor];
@@ -580,6 +658,7 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
     e.path = 'c';
     e.in0 = EventUs(run.start, b.ev[0]);
     e.in1 = EventUs(run.start, b.ev[1]);
+    shard.BeforeWrite(*cur);  // checkpoint copy-on-write: the kernel writes it
     e.k0 = absl::ToDoubleMicroseconds(absl::Now() - run.t0);
     cpu_->Run(items);
     e.k1 = absl::ToDoubleMicroseconds(absl::Now() - run.t0);
@@ -604,6 +683,7 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
         run.cpu_h2d += bytes;
       }
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[3], h2d_));
+      DOS_RETURN_IF_ERROR(EnqueueDone(run, &run.cpu_done_calls, g_index, h2d_));
       return absl::OkStatus();
     }();
     b.weights_in_flight = status.ok();
@@ -624,7 +704,7 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
 
 absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding> bindings,
                                std::span<const cpu::AdamScalars> scalars, const Policy& policy,
-                               StepOutcome* out) {
+                               const StepSync& sync, StepOutcome* out) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto* gs = static_cast<Shard*>(shard.attachment());
@@ -730,6 +810,7 @@ absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding>
   // the claiming rule compares against; the kernel rate alone feeds the model.
   run.cpu_rate = cpu_path_rate_ > 0 ? cpu_path_rate_ : 0.6 * inputs.cpu_params_per_s;
   run.gpu_rate = gpu_path_rate_;
+  run.sync = &sync;
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(run.start, h2d_));
   run.t0 = absl::Now();
@@ -792,7 +873,7 @@ absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding>
   out->model_binding = binding;
   out->gpu_memory_bytes = slots_.size() * buffer_numel_ * ShardState::kStateBytesPerParam +
                           cast_dev_.size() * buffer_numel_ * sizeof(float) +
-                          g_resident_bytes.load();
+                          resident_bytes_.load();
   ++steps_;
   DOS_LOG_DEBUG("gpu.step", "policy", FormatPolicy(policy), "measured_us", wall_us,
                 "predicted_us", predicted_us, "x_model", x, "gpu_subgroups", streamed_count,

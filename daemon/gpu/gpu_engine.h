@@ -32,6 +32,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -63,9 +64,12 @@ class GpuEngine final : public GpuBackend {
   static absl::StatusOr<std::unique_ptr<GpuEngine>> Create(const GpuEngineOptions& options,
                                                            cpu::CpuUpdater* cpu);
   ~GpuEngine() override;
+  // CUDA devices this process sees (0 without a driver or device).
+  static int VisibleDevices();
 
   const std::string& device_uuid() const { return uuid_; }
   const std::string& device_name() const { return name_; }
+  int device() const { return options_.device; }
 
   std::unique_ptr<Transport> NewTransport() override;
   absl::Status CopyToHost(void* dst, const void* device_src, uint64_t bytes) override;
@@ -73,9 +77,12 @@ class GpuEngine final : public GpuBackend {
   absl::Status AttachShard(ShardState& shard) override;
   absl::StatusOr<bool> AllFinite(const ShardState& shard,
                                  std::span<const TensorBinding> bindings) override;
+  absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
+  void CloseTrainerEvent(void* event) override;
+  absl::Status WaitTrainerEvent(void* event) override;
   absl::Status Update(ShardState& shard, std::span<const TensorBinding> bindings,
                       std::span<const cpu::AdamScalars> scalars, const Policy& policy,
-                      StepOutcome* out) override;
+                      const StepSync& sync, StepOutcome* out) override;
   absl::Status SyncResidentToHost(ShardState& shard) override;
   void DropResident(ShardState& shard) override;
 
@@ -108,6 +115,9 @@ class GpuEngine final : public GpuBackend {
   std::vector<char*> weight_host_ ABSL_GUARDED_BY(step_mu_); // pinned, 4 * buffer_numel (x2)
   std::vector<float*> cast_dev_ ABSL_GUARDED_BY(step_mu_);   // device, cpu_grad_fp32 only (x2)
   int* flag_dev_ = nullptr;   // non-finite flag
+  // Resident state on this engine's device, all shards (shards hold a
+  // pointer: they may outlive a step, never the engine).
+  std::atomic<uint64_t> resident_bytes_{0};
   int* flag_host_ = nullptr;  // pinned
   int64_t steps_ ABSL_GUARDED_BY(step_mu_) = 0;
   double cpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // CPU path params/s, copies included

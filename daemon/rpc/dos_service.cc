@@ -59,6 +59,7 @@ absl::StatusOr<MemoryRef> ToMemoryRef(const v1::MemoryLocation& loc, absl::strin
 absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
   ShardSpec spec;
   spec.subgroup_size = req.subgroup_size();
+  spec.cuda_ipc_event = req.cuda_ipc_event();
   for (int i = 0; i < req.groups_size(); ++i) {
     const v1::Hyperparameters& h = req.groups(i);
     GroupConfig g;
@@ -90,15 +91,24 @@ absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
   return spec;
 }
 
+// "cuda:<ordinal>", "host" or "" (not registered).
+std::string DeviceName(const Session::Summary& sum) {
+  if (!sum.registered) return "";
+  return sum.gpu_device >= 0 ? absl::StrCat("cuda:", sum.gpu_device) : "host";
+}
+
 void FillSessionStats(const Session& s, v1::SessionStats* out) {
   SessionStatsSnapshot st = s.stats();
   Session::Summary sum = s.summary();
   out->set_session_id(s.identity().id);
+  out->set_device(DeviceName(sum));
   out->set_steps(st.steps);
   out->set_skipped_steps(st.skipped_steps);
   out->set_params(sum.params);
   out->set_lock_wait_us_max(st.lock_wait_us_max);
   out->set_lock_wait_us_total(st.lock_wait_us_total);
+  out->set_snapshot_wait_us_max(st.snapshot_wait_us_max);
+  out->set_snapshot_wait_us_total(st.snapshot_wait_us_total);
   if (st.last.update_us > 0 && !st.last.found_inf) {
     out->set_params_per_second(static_cast<double>(sum.params) / (st.last.update_us * 1e-6));
   }
@@ -208,6 +218,10 @@ grpc::Status DosService::RegisterShard(ServerContext*, const v1::RegisterShardRe
   resp->set_host_state_bytes(sum.state_bytes);
   resp->set_step(sum.step);
   resp->set_restored_from(sum.restored_from);
+  for (const auto& [first, last] : sum.tensor_subgroups) {
+    resp->add_tensor_first_subgroup(first);
+    resp->add_tensor_last_subgroup(last);
+  }
   return grpc::Status::OK;
 }
 
@@ -254,6 +268,16 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
   resp->set_host_state_bytes(budget_->used());
   resp->set_host_state_limit_bytes(budget_->limit());
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  const std::vector<std::shared_ptr<Session>> live = sessions_->List();
+  for (const GpuDeviceInfo& d : sessions_->executors()->devices()) {
+    v1::GpuEngineInfo* e = resp->add_gpu_engines();
+    e->set_ordinal(d.ordinal);
+    e->set_uuid(d.uuid);
+    e->set_name(d.name);
+    uint32_t n = 0;
+    for (const auto& s : live) n += s->summary().gpu_device == d.ordinal ? 1 : 0;
+    e->set_sessions(n);
+  }
   return grpc::Status::OK;
 }
 
@@ -281,6 +305,8 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
     info->set_host_state_bytes(sum.state_bytes);
     info->set_policy(FormatPolicy(s->policy()));
     info->set_steps(s->stats().steps);
+    info->set_device(DeviceName(sum));
+    info->set_device_uuid(sum.gpu_uuid);
   }
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
@@ -334,6 +360,8 @@ void FillRecords(const std::vector<CheckpointRecord>& records,
     f->set_snapshot_us(r.snapshot_us);
     f->set_write_ms(r.write_ms);
     f->set_last_step_wall_us(r.last_step_wall_us);
+    f->set_copy_ms(r.copy_ms);
+    f->set_subgroups_copied_by_steps(r.subgroups_copied_by_steps);
   }
 }
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,6 +24,7 @@ namespace dos {
 
 struct TensorBinding;
 struct StepOutcome;
+struct StepSync;
 
 class GpuBackend {
  public:
@@ -37,6 +39,14 @@ class GpuBackend {
   // engines read and write it directly; the registration is attached to the
   // shard and undone when the shard is freed. Once per shard, at registration.
   virtual absl::Status AttachShard(ShardState& shard) = 0;
+  // Opens the trainer's "gradients ready" event from its cudaIpcEventHandle_t
+  // bytes (RegisterShard's cuda_ipc_event); INVALID_ARGUMENT for a handle of
+  // the wrong size or one CUDA refuses. CloseTrainerEvent releases it.
+  virtual absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) = 0;
+  virtual void CloseTrainerEvent(void* event) = 0;
+  // Makes every stream of the engine wait (on the GPU, not the host) for the
+  // event's most recent record: work enqueued afterwards sees the gradients.
+  virtual absl::Status WaitTrainerEvent(void* event) = 0;
   // True when every gradient of every tensor is finite (a scan on the GPU).
   virtual absl::StatusOr<bool> AllFinite(const ShardState& shard,
                                          std::span<const TensorBinding> bindings) = 0;
@@ -44,9 +54,10 @@ class GpuBackend {
   // CPU, and fills the placement and timing fields of `out`. `scalars` has
   // one entry per tensor. Trainer weights are written in place; when it
   // returns, every copy and kernel of the step has completed.
+  // `sync.subgroup_done` is called per subgroup as its weights land.
   virtual absl::Status Update(ShardState& shard, std::span<const TensorBinding> bindings,
                               std::span<const cpu::AdamScalars> scalars, const Policy& policy,
-                              StepOutcome* out) = 0;
+                              const StepSync& sync, StepOutcome* out) = 0;
   // Copies state kept resident on the GPU back to the host arrays (before
   // reading the state out), and forgets resident copies (after the host
   // state was replaced).

@@ -51,7 +51,8 @@ absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
 
 absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               std::span<const TensorBinding> bindings,
-                                              const StepRequest& request, const Policy& policy) {
+                                              const StepRequest& request, const Policy& policy,
+                                              const StepSync& sync) {
   absl::Status valid = ValidateStepRequest(request, shard.groups().size());
   if (!valid.ok()) return valid;
   const absl::Time start = absl::Now();
@@ -62,6 +63,17 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   if (device && gpu_ == nullptr) {
     return absl::FailedPreconditionError(
         "step: the session's tensors are in GPU memory but this daemon has no GPU engine");
+  }
+
+  if (request.flags & kStepTrainerEventRecorded) {
+    if (!device || sync.trainer_event == nullptr) {
+      return absl::InvalidArgumentError(
+          "step: flag kStepTrainerEventRecorded is set but the session registered no CUDA IPC "
+          "event (RegisterShard.cuda_ipc_event) or its tensors are not in GPU memory; clear the "
+          "flag or register the event");
+    }
+    absl::Status st = gpu_->WaitTrainerEvent(sync.trainer_event);
+    if (!st.ok()) return st;
   }
 
   if (!(request.flags & kStepGradientsChecked)) {
@@ -96,7 +108,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                            t.step + 1, request.grad_scale, request.clip_coef));
   }
   if (device) {
-    absl::Status st = gpu_->Update(shard, bindings, scalars, policy, &out);
+    absl::Status st = gpu_->Update(shard, bindings, scalars, policy, sync, &out);
     if (!st.ok()) return st;
   } else {
     std::vector<cpu::CpuUpdater::Item> items;
@@ -117,6 +129,11 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
         items.push_back({scalars[seg.tensor], span});
       }
       ++out.cpu_subgroups;
+      if (shard.snapshot_in_progress()) {  // checkpoint copy-on-write: per subgroup, in order
+        shard.BeforeWrite(static_cast<uint32_t>(&g - shard.subgroups().data()));
+        cpu_->Run(items);
+        items.clear();
+      }
     }
     cpu_->Run(items);
   }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -30,6 +31,18 @@ struct TensorBinding {
   void* param = nullptr;        // param_dtype elements, written each step
   const void* grad = nullptr;   // grad_dtype elements, read each step
   bool device = false;          // both live in GPU memory (CUDA IPC): GPU mode
+};
+
+// How one step synchronises with the trainer beyond the doorbells.
+struct StepSync {
+  // GPU mode: the trainer's IPC event (opened by GpuBackend::OpenTrainerEvent)
+  // recorded after its gradients were final; every daemon stream that reads
+  // gradients waits on it. Null: the trainer synchronised before ringing.
+  void* trainer_event = nullptr;
+  // Called once per subgroup as soon as its new weights are in the trainer's
+  // memory, from any thread (CUDA host callbacks included): it must be cheap
+  // and must not call CUDA. May be empty.
+  std::function<void(uint32_t subgroup)> subgroup_done;
 };
 
 struct StepOutcome {
@@ -67,7 +80,8 @@ class StepExecutor {
   GpuBackend* gpu() const { return gpu_; }
 
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
-                                  const StepRequest& request, const Policy& policy);
+                                  const StepRequest& request, const Policy& policy,
+                                  const StepSync& sync = {});
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.

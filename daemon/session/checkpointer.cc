@@ -278,6 +278,8 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   rec.session_id = id;
   rec.step = snap.step;
   rec.snapshot_us = snap.locked_us;
+  rec.copy_ms = snap.copy_us / 1e3;
+  rec.subgroups_copied_by_steps = snap.subgroups_copied_by_steps;
   rec.last_step_wall_us = snap.last_step_wall_us;
   if (autosave) {
     auto last = autosaved_step_.find(id);
@@ -295,7 +297,8 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   rec.path = path;
   rec.bytes = fs::file_size(path, ec);
   DOS_LOG_INFO("checkpoint.saved", "session", id, "path", path, "step", snap.step, "bytes",
-               rec.bytes, "snapshot_us", snap.locked_us, "write_ms", rec.write_ms,
+               rec.bytes, "snapshot_us", snap.locked_us, "copy_ms", rec.copy_ms,
+               "copied_by_steps", snap.subgroups_copied_by_steps, "write_ms", rec.write_ms,
                "last_step_wall_us", snap.last_step_wall_us, "autosave", autosave);
   if (autosave) {
     autosaved_step_[id] = snap.step;

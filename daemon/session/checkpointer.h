@@ -2,13 +2,18 @@
 // one directory (--checkpoint_dir).
 //
 // Saving is asynchronous with respect to training: under the session's lock
-// the state is copied into a staging ShardState (one per session, kept and
-// reused; it doubles the session's host memory while checkpoints are in use,
-// and is not charged to --host_memory_limit), then the lock is released and
-// the staging copy is written (SaveShard: temporary file, fsync, rename,
-// fsync of the directory) on the checkpointer's own thread. The trainer's next
-// step waits at most for the copy. Save() queues a job on that thread and
-// waits for it; autosave queues itself every --autosave_interval.
+// only a step boundary is marked (Session::Snapshot); this thread then copies
+// the state subgroup by subgroup into a staging ShardState (one per session,
+// kept and reused; it doubles the session's host memory while checkpoints are
+// in use, and is not charged to --host_memory_limit) while steps go on, each
+// step copying first any subgroup it is about to write that the copier has
+// not reached (copy-on-write), so the copy is exactly the boundary's state.
+// Once every subgroup is copied, the staging copy is written (SaveShard:
+// temporary file, fsync, rename, fsync of the directory) on the same thread;
+// the file writer never sees a subgroup before it is copied. A step waits
+// only for the lock (microseconds) and for the subgroups it copies itself.
+// Save() queues a job on that thread and waits for it; autosave queues itself
+// every --autosave_interval.
 //
 // Paths are relative to the directory; absolute paths, `..` and symlinks that
 // leave the directory are refused (INVALID_ARGUMENT). Default names:
@@ -55,7 +60,9 @@ struct CheckpointRecord {
   std::string path;
   int64_t step = 0;
   uint64_t bytes = 0;
-  double snapshot_us = 0;        // session lock held (the step stall)
+  double snapshot_us = 0;        // session lock held (marking the step boundary)
+  double copy_ms = 0;            // copy into the staging copy, off the lock
+  uint32_t subgroups_copied_by_steps = 0;  // copy-on-write copies made by steps
   double write_ms = 0;
   double last_step_wall_us = 0;
 };

@@ -31,13 +31,36 @@ std::string TensorWhat(uint32_t index, const std::string& name, absl::string_vie
                       " ", part);
 }
 
+// One session's steps run on one engine: INVALID_ARGUMENT naming the first
+// tensor whose CUDA memory is on another device than tensor 0's param.
+// (shm locations are skipped; Register refuses a mix of both later.)
+absl::Status CheckOneDevice(const ShardSpec& spec) {
+  const TensorSpec& t0 = spec.tensors[0];
+  const std::string first = FormatDeviceUuid(t0.param.device_uuid);
+  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    for (auto [ref, part] : {std::pair{&t.param, "param"}, std::pair{&t.grad, "grad"}}) {
+      if (!ref->is_cuda_ipc()) continue;
+      const std::string uuid = FormatDeviceUuid(ref->device_uuid);
+      if (uuid == first) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          TensorWhat(i, t.name, part), " lives on GPU ", uuid.empty() ? "(no UUID sent)" : uuid,
+          " but tensor 0", t0.name.empty() ? "" : absl::StrCat(" (", t0.name, ")"),
+          " param lives on GPU ", first.empty() ? "(no UUID sent)" : first,
+          "; all tensors of a session must be on one device (the rank's GPU): move them "
+          "there, or attach one session per device"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     SessionIdentity identity, const SessionOptions& options, const Policy& policy,
-    StepExecutor* executor, HostMemoryBudget* budget,
+    const ExecutorSet* executors, HostMemoryBudget* budget,
     std::function<void(uint64_t id)> on_client_gone) {
-  std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executor, budget,
+  std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executors, budget,
                                          std::move(on_client_gone)));
   std::string name = absl::StrCat(
       options.shm_prefix, ".", getpid(), ".", s->identity_.id,
@@ -62,16 +85,24 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
 }
 
 Session::Session(SessionIdentity identity, const SessionOptions& options, const Policy& policy,
-                 StepExecutor* executor, HostMemoryBudget* budget,
+                 const ExecutorSet* executors, HostMemoryBudget* budget,
                  std::function<void(uint64_t)> on_client_gone)
     : identity_(std::move(identity)),
       options_(options),
-      executor_(executor),
+      executors_(executors),
+      executor_(executors->host()),
       budget_(budget),
       on_client_gone_(std::move(on_client_gone)),
       policy_(policy) {}
 
-Session::~Session() { Stop(); }
+Session::~Session() {
+  Stop();
+  absl::MutexLock lock(&mu_);
+  if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
+    executor_->gpu()->CloseTrainerEvent(trainer_event_);
+  }
+  trainer_event_ = nullptr;
+}
 
 void Session::Stop() {
   if (stop_.exchange(true)) {
@@ -137,6 +168,7 @@ void Session::HandleRequest(uint32_t seq) {
   result.message[0] = '\0';
   absl::StatusOr<StepOutcome> outcome;
   double lock_wait_us = 0;
+  double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
   {
     absl::MutexLock lock(&mu_);
     lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
@@ -145,9 +177,17 @@ void Session::HandleRequest(uint32_t seq) {
           "step: the session has no registered tensors; call dos_register (RegisterShard) "
           "before the first step");
     } else {
-      outcome = executor_->Run(*shard_, bindings_, block->request, policy());
+      StepSync sync;
+      sync.trainer_event = trainer_event_;
+      sync.subgroup_done = [this, seq](uint32_t subgroup) {
+        channel_->MarkSubgroupDone(subgroup, seq);
+      };
+      outcome = executor_->Run(*shard_, bindings_, block->request, policy(), sync);
+      snapshot_wait_us = shard_->TakeWriteWaitUs();
     }
   }
+  // Done, skipped or failed: no waiter on any subgroup may be left behind.
+  channel_->MarkAllDone(seq);
   const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   if (outcome.ok()) {
     result.found_inf = outcome->found_inf ? 1 : 0;
@@ -183,6 +223,8 @@ void Session::HandleRequest(uint32_t seq) {
     absl::MutexLock lock(&stats_mu_);
     stats_.lock_wait_us_total += lock_wait_us;
     stats_.lock_wait_us_max = std::max(stats_.lock_wait_us_max, lock_wait_us);
+    stats_.snapshot_wait_us_total += snapshot_wait_us;
+    stats_.snapshot_wait_us_max = std::max(stats_.snapshot_wait_us_max, snapshot_wait_us);
     if (outcome.ok()) {
       ++stats_.steps;
       if (outcome->found_inf) ++stats_.skipped_steps;
@@ -214,15 +256,21 @@ absl::Status Session::Register(const ShardSpec& spec) {
   // GPU mode when the client sent CUDA IPC locations; one session is all one
   // or all the other (the step runs wholly on one engine).
   const bool device = spec.tensors[0].param.is_cuda_ipc();
+  // GPU mode runs on the engine of the device the tensors live on (the
+  // rank's GPU), matched by UUID; host memory on the executor without one.
   std::unique_ptr<Transport> transport;
+  GpuDeviceInfo gpu_device;
   if (device) {
-    if (executor_->gpu() == nullptr) {
-      return absl::FailedPreconditionError(
-          "register: the tensors are CUDA IPC locations, but this dosd has no GPU engine (built "
-          "without CUDA, no GPU visible, or started with --gpu_device=-1)");
-    }
+    DOS_RETURN_IF_ERROR(CheckOneDevice(spec));
+    const TensorSpec& t0 = spec.tensors[0];
+    DOS_ASSIGN_OR_RETURN(ExecutorSet::Engine engine,
+                         executors_->ForDeviceUuid(t0.param.device_uuid,
+                                                   TensorWhat(0, t0.name, "param")));
+    executor_ = engine.executor;
+    gpu_device = engine.device;
     transport = executor_->gpu()->NewTransport();
   } else {
+    executor_ = executors_->host();
     transport = std::make_unique<ShmTransport>();
   }
   std::vector<TensorBinding> bindings;
@@ -327,6 +375,24 @@ absl::Status Session::Register(const ShardSpec& spec) {
                  shard->tensors()[0].step);
   }
   if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
+  void* trainer_event = nullptr;
+  if (!spec.cuda_ipc_event.empty()) {
+    if (!device) {
+      return absl::InvalidArgumentError(
+          "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
+          "event only with CUDA IPC tensors");
+    }
+    DOS_ASSIGN_OR_RETURN(trainer_event, executor_->gpu()->OpenTrainerEvent(spec.cuda_ipc_event));
+  }
+  std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups(
+      shard->tensors().size(), {UINT32_MAX, 0});
+  for (uint32_t k = 0; k < shard->subgroups().size(); ++k) {
+    for (const SubgroupSegment& seg : shard->subgroups()[k].segments) {
+      auto& r = tensor_subgroups[seg.tensor];
+      r.first = std::min(r.first, k);
+      r.second = std::max(r.second, k);
+    }
+  }
   {
     absl::MutexLock stats_lock(&stats_mu_);
     summary_ = Summary{.registered = true,
@@ -335,13 +401,19 @@ absl::Status Session::Register(const ShardSpec& spec) {
                        .subgroups = static_cast<uint32_t>(shard->subgroups().size()),
                        .state_bytes = shard->state_bytes(),
                        .step = shard->tensors()[0].step,
-                       .restored_from = restored_from};
+                       .restored_from = restored_from,
+                       .tensor_subgroups = std::move(tensor_subgroups),
+                       .gpu_device = gpu_device.ordinal,
+                       .gpu_uuid = gpu_device.uuid};
   }
   DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard->tensors().size(),
                "params", shard->total_params(), "subgroups", shard->subgroups().size(),
-               "state_bytes", shard->state_bytes());
+               "state_bytes", shard->state_bytes(), "device",
+               device ? absl::StrCat("cuda:", gpu_device.ordinal) : std::string("host"),
+               "gpu_uuid", gpu_device.uuid);
   transport_ = std::move(transport);
   bindings_ = std::move(bindings);
+  trainer_event_ = trainer_event;
   shard_ = std::move(shard);
   return absl::OkStatus();
 }
@@ -376,6 +448,7 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, const MemoryRef& b
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, buf, &holder));
   if (!bindings_.empty() && bindings_[0].device) {
+    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
     DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
   }
   uint64_t numel = shard_->tensors()[tensor].numel;
@@ -392,6 +465,7 @@ absl::Status Session::ImportState(uint32_t tensor, const MemoryRef& buf, int64_t
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, buf, &holder));
   uint64_t numel = shard_->tensors()[tensor].numel;
+  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   for (int which = 0; which < 3; ++which) shard_->WriteTensor(tensor, which, in + which * numel);
   shard_->tensors()[tensor].step = step;
   if (!bindings_.empty() && bindings_[0].device) executor_->gpu()->DropResident(*shard_);
@@ -438,24 +512,39 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
                                                          identity_.id)));
   }
   SnapshotInfo info;
+  ShardState* shard = nullptr;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time start = absl::Now();
+    if (shard_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: session ", identity_.id, " gave up its state while being saved"));
+    }
+    shard_->FinishSnapshot();  // none in flight unless two savers race
     if (!bindings_.empty() && bindings_[0].device) {
       DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
     }
-    // Holding mu_ means no step is in flight: the copy is a step boundary.
-    std::span<const Subgroup> from = shard_->subgroups();
-    std::span<Subgroup> to = (*staging)->subgroups();
-    for (size_t g = 0; g < from.size(); ++g) {
-      // [master | exp_avg | exp_avg_sq] are one allocation per subgroup.
-      std::memcpy(to[g].master, from[g].master, 3 * from[g].numel * sizeof(float));
-    }
-    for (size_t t = 0; t < shard_->tensors().size(); ++t) {
-      (*staging)->tensors()[t].step = shard_->tensors()[t].step;
-    }
+    // Holding mu_ means no step is in flight: a step boundary. Only the step
+    // counters are copied here; steps after it copy a subgroup before they
+    // first write it (ShardState::BeforeWrite), and the rest is copied below.
+    shard_->BeginSnapshot(staging->get());
     info.step = shard_->tensors()[0].step;
+    shard = shard_.get();
+    {
+      absl::MutexLock snap_lock(&snap_mu_);
+      ++snapshot_copiers_;  // TakeShard waits for us to let go of `shard`
+    }
     info.locked_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  }
+  // Off the lock: steps go on meanwhile. `shard` stays alive until the copier
+  // count drops (TakeShard waits for it; the caller's reference keeps the
+  // Session, which owns it otherwise).
+  const absl::Time copy_start = absl::Now();
+  info.subgroups_copied_by_steps = shard->FinishSnapshot();
+  info.copy_us = absl::ToDoubleMicroseconds(absl::Now() - copy_start);
+  {
+    absl::MutexLock snap_lock(&snap_mu_);
+    --snapshot_copiers_;
   }
   info.last_step_wall_us = stats().last_wall_us;
   return info;
@@ -468,6 +557,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
         "checkpoint load: session ", identity_.id,
         " has no registered tensors; register before loading a checkpoint"));
   }
+  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, Env::Default()));
   const bool device = !bindings_.empty() && bindings_[0].device;
   if (device) executor_->gpu()->DropResident(*shard_);
@@ -481,8 +571,20 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
 
 std::unique_ptr<ShardState> Session::TakeShard() {
   absl::MutexLock lock(&mu_);
+  // A checkpoint's copier reads the state off the lock: finish its copy here
+  // and wait until it has let go before the state changes hands.
+  if (shard_ != nullptr) shard_->FinishSnapshot();
+  {
+    absl::MutexLock snap_lock(&snap_mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_) { return snapshot_copiers_ == 0; };
+    snap_mu_.Await(absl::Condition(&idle));
+  }
   // The dead client's memory: unmap it (the step thread is stopped).
   bindings_.clear();
+  if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
+    executor_->gpu()->CloseTrainerEvent(trainer_event_);
+  }
+  trainer_event_ = nullptr;
   if (shard_ != nullptr && executor_->gpu() != nullptr && shard_->attachment() != nullptr) {
     shard_->set_attachment(nullptr);
   }

@@ -4,6 +4,10 @@
 // its scheduling policy, its statistics, and the step thread that answers its
 // doorbell.
 //
+// Devices: a session in GPU mode runs on the engine of the device its CUDA
+// IPC memory lives on, picked at Register by the device UUID the client sent
+// (ExecutorSet); all its tensors must be on that one device.
+//
 // Lifecycle: Create (at Attach) -> Register (once) -> steps over the control
 // block -> Stop (detach, client death, daemon shutdown). Stop lets an
 // in-flight step finish, marks the control block closed (a waiting client gets
@@ -22,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,6 +35,7 @@
 #include "absl/time/time.h"
 #include "daemon/sched/policy.h"
 #include "daemon/session/daemon_counters.h"
+#include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/control_channel.h"
@@ -64,6 +70,9 @@ struct ShardSpec {
   std::vector<TensorSpec> tensors;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;  // 0: the daemon's default
+  // GPU mode, optional: the trainer's "gradients ready" cudaIpcEventHandle_t
+  // (see kStepTrainerEventRecorded in control_block.h).
+  std::string cuda_ipc_event;
 };
 
 struct SessionOptions {
@@ -86,12 +95,18 @@ struct SessionStatsSnapshot {
   // snapshots, state transfer): the checkpoint stall as the trainer sees it.
   double lock_wait_us_total = 0;
   double lock_wait_us_max = 0;
+  // Time steps spent copying subgroups for an in-flight checkpoint before
+  // overwriting them (copy-on-write; the rest of the checkpoint stall).
+  double snapshot_wait_us_total = 0;
+  double snapshot_wait_us_max = 0;  // of one step
 };
 
 // What Snapshot() did.
 struct SnapshotInfo {
   int64_t step = 0;          // tensor 0's step count in the snapshot
-  double locked_us = 0;      // time the session lock was held (copying)
+  double locked_us = 0;      // time the session lock was held (marking the boundary)
+  double copy_us = 0;        // background copy into the staging copy, off the lock
+  uint32_t subgroups_copied_by_steps = 0;  // copied by steps before they wrote them
   double last_step_wall_us = 0;
 };
 
@@ -101,7 +116,7 @@ class Session {
   // is called (from the step thread) once the client's process has exited.
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       SessionIdentity identity, const SessionOptions& options, const Policy& policy,
-      StepExecutor* executor, HostMemoryBudget* budget,
+      const ExecutorSet* executors, HostMemoryBudget* budget,
       std::function<void(uint64_t id)> on_client_gone);
   ~Session();  // Stop()s.
 
@@ -118,7 +133,10 @@ class Session {
 
   // Checkpoints. Snapshot copies the state, at a step boundary, into
   // `*staging` (created off the lock, from `staging_budget`, when null or of
-  // another layout): the next step waits only for this copy.
+  // another layout) and returns once the copy is complete. Under the lock it
+  // only marks the boundary; it copies subgroup by subgroup off the lock
+  // while steps go on, each step copying a subgroup itself first if it is
+  // about to write one not yet copied (ShardState's copy-on-write).
   absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
                                         HostMemoryBudget* staging_budget);
   // Loads a checkpoint file into the state and rewrites the trainer's
@@ -152,13 +170,20 @@ class Session {
     uint64_t state_bytes = 0;
     int64_t step = 0;            // at registration (resumed or restored)
     std::string restored_from;   // "" / "resume" / checkpoint path
+    // Per tensor: the first and last subgroup holding its elements (what a
+    // trainer waits for before it reads the tensor's new weights).
+    std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups;
+    // The GPU engine the session runs on (its tensors' device): CUDA ordinal
+    // in dosd and UUID; -1 and "": host memory (CPU mode) or not registered.
+    int gpu_device = -1;
+    std::string gpu_uuid;
   };
   Summary summary() const;
   SessionStatsSnapshot stats() const;
 
  private:
   Session(SessionIdentity identity, const SessionOptions& options, const Policy& policy,
-          StepExecutor* executor, HostMemoryBudget* budget,
+          const ExecutorSet* executors, HostMemoryBudget* budget,
           std::function<void(uint64_t)> on_client_gone);
   void StepLoop();
   void HandleRequest(uint32_t seq);
@@ -169,7 +194,10 @@ class Session {
 
   const SessionIdentity identity_;
   const SessionOptions options_;
-  StepExecutor* const executor_;
+  const ExecutorSet* const executors_;
+  // The executor the session's steps run on: the host one until Register
+  // picks the engine of the device the tensors live on.
+  StepExecutor* executor_ ABSL_GUARDED_BY(mu_);
   HostMemoryBudget* const budget_;
   const std::function<void(uint64_t)> on_client_gone_;
 
@@ -180,7 +208,12 @@ class Session {
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ShardState> shard_ ABSL_GUARDED_BY(mu_);
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
+  // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
+  void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::unique_ptr<ShardState> adopted_ ABSL_GUARDED_BY(mu_);
+  // Snapshot() calls copying `shard_` off `mu_` (TakeShard waits for none).
+  absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  int snapshot_copiers_ ABSL_GUARDED_BY(snap_mu_) = 0;
   std::vector<std::string> restore_candidates_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex stats_mu_;

@@ -22,10 +22,10 @@ std::string NewToken() {
 }  // namespace
 
 SessionManager::SessionManager(const SessionOptions& options, const Policy& default_policy,
-                               StepExecutor* executor, HostMemoryBudget* budget,
+                               const ExecutorSet* executors, HostMemoryBudget* budget,
                                absl::Duration lease)
     : options_(options),
-      executor_(executor),
+      executors_(executors),
       budget_(budget),
       lease_(lease),
       default_policy_(default_policy) {
@@ -111,7 +111,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     }
   }
   absl::StatusOr<std::unique_ptr<Session>> created =
-      Session::Create(identity, options_, policy, executor_, budget_,
+      Session::Create(identity, options_, policy, executors_, budget_,
                       [this, gen = identity.generation](uint64_t id) { OnClientGone(id, gen); });
   if (!created.ok()) {
     if (old != nullptr) {

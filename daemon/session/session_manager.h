@@ -39,9 +39,11 @@ namespace dos {
 
 class SessionManager {
  public:
-  // lease 0: sessions of dead clients are freed at once.
+  // lease 0: sessions of dead clients are freed at once. `executors` (one per
+  // GPU engine, and the host one) outlive the manager; each session picks
+  // its own at Register.
   SessionManager(const SessionOptions& options, const Policy& default_policy,
-                 StepExecutor* executor, HostMemoryBudget* budget,
+                 const ExecutorSet* executors, HostMemoryBudget* budget,
                  absl::Duration lease = absl::ZeroDuration());
   ~SessionManager();  // Shutdown()s.
 
@@ -61,6 +63,8 @@ class SessionManager {
   std::vector<std::shared_ptr<Session>> List() const;
   // Sessions whose trainer died and whose state waits for a resume.
   std::vector<std::shared_ptr<Session>> ListOrphans() const;
+  // The daemon's executors: its GPU engines' devices, for stats.
+  const ExecutorSet* executors() const { return executors_; }
 
   using RestoreKey = std::pair<std::string, int32_t>;  // client_name, rank
   void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates);
@@ -81,7 +85,7 @@ class SessionManager {
   };
 
   const SessionOptions options_;
-  StepExecutor* const executor_;
+  const ExecutorSet* const executors_;
   HostMemoryBudget* const budget_;
   const absl::Duration lease_;
 

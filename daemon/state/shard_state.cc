@@ -1,6 +1,7 @@
 #include "daemon/state/shard_state.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -72,6 +73,8 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
     g.exp_avg_sq = g.exp_avg + g.numel;
     s->subgroups_.push_back(std::move(g));
   }
+  // Value-initialised: every subgroup kCopied, no snapshot in flight.
+  s->copy_state_ = std::make_unique<std::atomic<uint32_t>[]>(s->subgroups_.size());
   return s;
 }
 
@@ -107,6 +110,64 @@ void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
     float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
     std::memcpy(base + seg.subgroup_offset, buf + seg.tensor_offset, seg.count * sizeof(float));
   });
+}
+
+void ShardState::BeginSnapshot(ShardState* staging) {
+  FinishSnapshot();
+  for (size_t t = 0; t < tensors_.size(); ++t) staging->tensors_[t].step = tensors_[t].step;
+  snapshot_staging_ = staging;
+  copied_by_writers_.store(0, std::memory_order_relaxed);
+  for (size_t i = 0; i < subgroups_.size(); ++i) {
+    copy_state_[i].store(kPending, std::memory_order_relaxed);
+  }
+  // Writers of this step boundary's successors see this through the owner's
+  // lock; the release pairs with BeforeWrite's acquire for any other thread.
+  snapshot_active_.store(true, std::memory_order_release);
+}
+
+bool ShardState::CopyOrWait(uint32_t i, bool by_writer) {
+  std::atomic<uint32_t>& st = copy_state_[i];
+  uint32_t seen = kPending;
+  if (st.compare_exchange_strong(seen, kCopying, std::memory_order_acquire)) {
+    const Subgroup& from = subgroups_[i];
+    // [master | exp_avg | exp_avg_sq] are one allocation per subgroup.
+    std::memcpy(snapshot_staging_->subgroups_[i].master, from.master,
+                3 * from.numel * sizeof(float));
+    if (by_writer) copied_by_writers_.fetch_add(1, std::memory_order_relaxed);
+    st.store(kCopied, std::memory_order_release);  // publishes the staging bytes
+    st.notify_all();
+    return true;
+  }
+  // Another thread is copying it (kCopying) or has (kCopied); the acquire
+  // loads make its staging bytes visible here.
+  while (seen == kCopying) {
+    st.wait(kCopying, std::memory_order_acquire);
+    seen = st.load(std::memory_order_acquire);
+  }
+  return false;
+}
+
+void ShardState::CopyBeforeWrite(uint32_t subgroup) {
+  if (copy_state_[subgroup].load(std::memory_order_acquire) == kCopied) return;
+  const auto start = std::chrono::steady_clock::now();
+  CopyOrWait(subgroup, /*by_writer=*/true);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+  write_wait_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+}
+
+uint32_t ShardState::FinishSnapshot() {
+  if (!snapshot_active_.load(std::memory_order_acquire)) return 0;
+  // In the order steps write them, so a step that starts right after the
+  // boundary finds the copier ahead of it.
+  for (uint32_t i = 0; i < subgroups_.size(); ++i) CopyOrWait(i, /*by_writer=*/false);
+  snapshot_active_.store(false, std::memory_order_release);
+  return copied_by_writers_.load(std::memory_order_relaxed);
+}
+
+double ShardState::TakeWriteWaitUs() {
+  return static_cast<double>(write_wait_ns_.exchange(0, std::memory_order_relaxed)) / 1e3;
 }
 
 }  // namespace dos

@@ -9,11 +9,24 @@
 // out [master | exp_avg | exp_avg_sq], so the GPU path can move a subgroup's
 // whole state with one copy each way.
 //
+// Copy-on-write snapshots: a checkpoint is taken from a step boundary while
+// steps go on. BeginSnapshot (under the owner's lock, between steps) only
+// marks every subgroup "not copied" and records the step counters; the
+// checkpointer's thread then copies subgroups one by one into a staging
+// ShardState (FinishSnapshot) without the lock. Whatever writes a subgroup's
+// host state calls BeforeWrite(subgroup) first, which copies that subgroup
+// there and then if the copier has not reached it (or waits while the copier
+// is mid-copy of it), so the staging copy is bitwise the state at the
+// boundary. With no snapshot in flight BeforeWrite is one atomic load.
+//
 // Ownership: ShardState owns the state memory and returns its bytes to the
-// HostMemoryBudget on destruction. Thread-safety: none; the owning Session
-// serialises steps and state transfers.
+// HostMemoryBudget on destruction. Thread-safety: none for the state itself;
+// the owning Session serialises steps and state transfers. The snapshot
+// methods are thread-safe as described at each; BeforeWrite may be called
+// from several threads of one step for different subgroups.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -98,6 +111,27 @@ class ShardState {
   void ReadTensor(uint32_t tensor, int which, float* buf) const;
   void WriteTensor(uint32_t tensor, int which, const float* buf);
 
+  // Copy-on-write snapshot (see the top of this file). BeginSnapshot: the
+  // caller holds the lock that serialises writers (a step boundary);
+  // `staging` has this shard's layout and stays alive until FinishSnapshot
+  // returns. A snapshot still in flight is finished first.
+  void BeginSnapshot(ShardState* staging);
+  // Copies every subgroup not copied yet, in order, waits for those another
+  // thread is copying, and ends the snapshot; returns at once when none is in
+  // flight. Thread-safe: the copier calls it without the lock; whoever writes
+  // the whole state (state import, checkpoint load) calls it first, under
+  // the lock. Returns how many subgroups writers copied (BeforeWrite) for it.
+  uint32_t FinishSnapshot();
+  bool snapshot_in_progress() const { return snapshot_active_.load(std::memory_order_acquire); }
+  // Call before writing subgroup `subgroup`'s host state (master, exp_avg,
+  // exp_avg_sq) while a snapshot may be in flight.
+  void BeforeWrite(uint32_t subgroup) {
+    if (snapshot_active_.load(std::memory_order_acquire)) CopyBeforeWrite(subgroup);
+  }
+  // Microseconds writers spent in BeforeWrite copying or waiting for a
+  // snapshot (the copy-on-write stall) since the last call; resets it.
+  double TakeWriteWaitUs();
+
   // The GPU engine's per-shard resources (null in CPU mode).
   ShardAttachment* attachment() const { return attachment_.get(); }
   void set_attachment(std::unique_ptr<ShardAttachment> a) { attachment_ = std::move(a); }
@@ -106,6 +140,13 @@ class ShardState {
   ShardState() = default;
   template <typename Fn>
   void ForEachRun(uint32_t tensor, Fn fn) const;
+  void CopyBeforeWrite(uint32_t subgroup);
+  // Copies subgroup `i` if nobody has started to; else waits until it is
+  // copied. Returns true if this call copied it.
+  bool CopyOrWait(uint32_t i, bool by_writer);
+
+  // Per subgroup, for the snapshot in flight.
+  enum CopyState : uint32_t { kCopied = 0, kPending = 1, kCopying = 2 };
 
   std::vector<TensorInfo> tensors_;
   std::vector<GroupConfig> groups_;
@@ -116,6 +157,16 @@ class ShardState {
   HostMemoryBudget* budget_ = nullptr;
   uint64_t reserved_bytes_ = 0;
   std::unique_ptr<ShardAttachment> attachment_;
+
+  // Snapshot state. `snapshot_staging_` is written by BeginSnapshot only (a
+  // step boundary, under the owner's lock) and read by copiers after they
+  // observe `snapshot_active_`; a subgroup's staging bytes are published by
+  // the release store of kCopied into its `copy_state_`.
+  std::atomic<bool> snapshot_active_{false};
+  ShardState* snapshot_staging_ = nullptr;
+  std::unique_ptr<std::atomic<uint32_t>[]> copy_state_;  // CopyState per subgroup
+  std::atomic<uint32_t> copied_by_writers_{0};
+  std::atomic<uint64_t> write_wait_ns_{0};
 };
 
 }  // namespace dos

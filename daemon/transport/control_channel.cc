@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 
 namespace dos {
 
@@ -108,6 +109,46 @@ absl::Status ControlBlockChannel::WaitResult(uint32_t seq, absl::Duration timeou
           "step ", seq, ": no result from dosd (pid ", block_->daemon_pid, ") within ",
           absl::FormatDuration(timeout), "; it is alive but slow or stuck, see its log"));
     }
+  }
+}
+
+absl::Status ControlBlockChannel::WaitSubgroups(uint32_t first, uint32_t last, uint32_t seq,
+                                                absl::Duration timeout) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  // Words only grow (mod 2^32) while one step is in flight.
+  auto reached = [&](uint32_t i) {
+    return static_cast<int32_t>(DoneWord(i)->load(std::memory_order_acquire) - seq) >= 0;
+  };
+  uint32_t i = first;
+  for (uint64_t spins = 0;; ++spins) {
+    while (i <= last && reached(i)) ++i;
+    if (i > last) return absl::OkStatus();
+    if (done_.Load() == seq) {
+      // The step is over: every word was stored before the bell rang.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      continue;
+    }
+    if (spins < 2000) continue;
+    if (spins % 1024 == 0) {
+      if (block_->closed.load(std::memory_order_acquire) != 0) {
+        return absl::UnavailableError(
+            absl::StrCat("step ", seq, ": dosd closed session ", block_->session_id,
+                         " while subgroup ", i, " was in flight; attach again to continue"));
+      }
+      if (!ProcessAlive(block_->daemon_pid)) {
+        return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ",
+                                                   block_->daemon_pid,
+                                                   ") is gone; restart it and attach again"));
+      }
+      if (absl::FromChrono(Clock::now() - start) >= timeout) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step ", seq, ": subgroup ", i, " not updated within ",
+            absl::FormatDuration(timeout), "; dosd is alive but slow or stuck, see its log"));
+      }
+    }
+    // Sub-millisecond granularity: a subgroup takes milliseconds.
+    absl::SleepFor(absl::Microseconds(20));
   }
 }
 

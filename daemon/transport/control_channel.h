@@ -24,6 +24,8 @@
 
 #include <sys/types.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -66,6 +68,16 @@ class ControlBlockChannel {
   // Marks the session closed; a waiting client returns UNAVAILABLE within
   // kLivenessSlice.
   void Close() { block_->closed.store(1, std::memory_order_release); }
+  // Step `seq` has written subgroup `i`'s new weights. Safe from any thread
+  // (CUDA host callbacks included). Subgroups past the tracked ones are
+  // published by MarkAllDone only.
+  void MarkSubgroupDone(uint32_t i, uint32_t seq) {
+    if (i + 1 < kMaxTrackedSubgroups) block_->subgroup_done[i].store(seq, std::memory_order_release);
+  }
+  // Step `seq` is over (done, skipped or failed): every word says so.
+  void MarkAllDone(uint32_t seq) {
+    for (auto& w : block_->subgroup_done) w.store(seq, std::memory_order_release);
+  }
 
   // --- client side ---
   // Publishes block()->request as the next step; returns its seq.
@@ -73,6 +85,13 @@ class ControlBlockChannel {
   // Waits for the result of `seq`. UNAVAILABLE if the daemon closed the
   // session or its process is gone; DEADLINE_EXCEEDED after `timeout`.
   absl::Status WaitResult(uint32_t seq, absl::Duration timeout);
+  // Waits until subgroups [first, last] of step `seq` are done (their words
+  // reach seq). UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.
+  absl::Status WaitSubgroups(uint32_t first, uint32_t last, uint32_t seq, absl::Duration timeout);
+  // The word a waiter for subgroup `i` watches.
+  std::atomic<uint32_t>* DoneWord(uint32_t i) const {
+    return &block_->subgroup_done[std::min(i, kMaxTrackedSubgroups - 1)];
+  }
   // True when the last published request has its result.
   bool Idle() const {
     return block_->done_bell.load(std::memory_order_acquire) ==

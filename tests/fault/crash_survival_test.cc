@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "proto/dos/v1/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
 
@@ -105,7 +106,7 @@ TEST(CrashSurvivalTest, ResumeRefusesWrongTokenUnknownIdAndExpiredLease) {
     v1::AttachRequest req;
     req.set_client_name("intruder");
     req.set_pid(::getpid());
-    req.set_protocol_version(1);
+    req.set_protocol_version(kProtocolVersion);
     req.mutable_resume()->set_session_id(sid);
     req.mutable_resume()->set_token(tok);
     v1::AttachResponse resp;

@@ -11,7 +11,7 @@
 
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/rpc/dos_service.h"
-#include "daemon/sched/step_executor.h"
+#include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 #include "proto/dos/v1/control_block.h"
@@ -22,8 +22,8 @@ struct Daemon {
   Daemon()
       : budget(uint64_t{256} << 20),
         cpu(Options()),
-        executor(&cpu),
-        sessions(SessionOpts(), dos::Policy{}, &executor, &budget),
+        executors(&cpu),
+        sessions(SessionOpts(), dos::Policy{}, &executors, &budget),
         service(&sessions, &budget, "fuzz") {}
   static dos::cpu::CpuUpdaterOptions Options() {
     dos::cpu::CpuUpdaterOptions o;
@@ -47,7 +47,7 @@ struct Daemon {
 
   dos::HostMemoryBudget budget;
   dos::cpu::CpuUpdater cpu;
-  dos::StepExecutor executor;
+  dos::ExecutorSet executors;
   dos::SessionManager sessions;
   dos::DosService service;
   dos::v1::SessionRef ref;

@@ -17,6 +17,7 @@
 #include "daemon/transport/shm_segment.h"
 #include "dos/dos.h"
 #include "gtest/gtest.h"
+#include "proto/dos/v1/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
@@ -290,7 +291,7 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
   tr.AddTensor(DOS_DTYPE_F32, 16, 0);
   v1::AttachRequest areq;
   areq.set_pid(getpid());
-  areq.set_protocol_version(1);
+  areq.set_protocol_version(kProtocolVersion);
   v1::AttachResponse aresp;
   {
     grpc::ClientContext ctx;

@@ -17,6 +17,7 @@
 #include <sys/un.h>
 
 #include "dos/dos.h"
+#include "proto/dos/v1/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -266,7 +267,7 @@ TEST(OpsTest, PeerCredentialsAreCheckedAgainstTheAllowList) {
   auto attach = [&](const std::string& ticket, int pid) {
     v1::AttachRequest req;
     req.set_pid(pid);
-    req.set_protocol_version(1);
+    req.set_protocol_version(kProtocolVersion);
     req.set_peer_ticket(ticket);
     v1::AttachResponse resp;
     grpc::ClientContext ctx;

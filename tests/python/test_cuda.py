@@ -122,3 +122,56 @@ def test_cuda_mixed_devices_rejected(dos_socket):
     b = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(dos.DosError, match="several devices"):
         dos.torch.AdamW([a, b], socket=dos_socket)
+
+
+def make_wide(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(1024, 8))
+    return torch.nn.Sequential(*layers).cuda()
+
+
+@pytest.mark.parametrize("policy", ["auto", "cpu"])
+def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
+    """step() returns once queued: the next forward waits on the GPU, for the
+    whole step (default) or per layer (model=). 4.2M parameters in 65 536-
+    element subgroups, so the daemon is still writing later layers while the
+    next forward is queued; a missing wait would read half-updated weights
+    and break the bitwise equality with synchronous steps."""
+    need_cuda_build()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(12)]
+    models = {k: make_wide() for k in ("sync", "stream", "layers")}
+    kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
+    opts = {"sync": make_opt(models["sync"], dos_socket, "sync", async_step=False, **kw),
+            "stream": make_opt(models["stream"], dos_socket, "stream", **kw),
+            "layers": make_opt(models["layers"], dos_socket, "layers", model=models["layers"],
+                               **kw)}
+    try:
+        if not opts["stream"]._stream_sync:
+            pytest.skip("the CUDA driver has no stream memory operations")
+        assert opts["stream"]._async and opts["layers"]._async and not opts["sync"]._async
+        losses = {k: [] for k in models}
+        for k, o in opts.items():
+            o.set_policy(policy)
+            m = models[k]
+            for x, y in data:
+                o.zero_grad()
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                o.step()
+                if k != "sync":
+                    assert o._inflight  # queued, not waited for
+                losses[k].append(loss.detach())
+            torch.cuda.synchronize()
+        for k in ("stream", "layers"):
+            assert opts[k].last_step["step"] == len(data)
+            assert [float(v) for v in losses[k]] == [float(v) for v in losses["sync"]], k
+            for a, b in zip(models[k].parameters(), models["sync"].parameters()):
+                assert torch.equal(a, b), k
+    finally:
+        for o in opts.values():
+            o.close()

@@ -176,6 +176,32 @@ typedef struct dos_step_result {
 dos_status dos_step_begin(dos_session* session, const dos_step_args* args);
 /* Waits for the step begun last; timeout_ms < 0 waits forever. */
 dos_status dos_step_wait(dos_session* session, int64_t timeout_ms, dos_step_result* result);
+
+/* Stream-ordered steps (GPU mode; dos_stream_sync_supported() == 1 after
+ * dos_register): dos_step_begin_on_stream records the session's
+ * interprocess event on `cuda_stream` (a cudaStream_t, e.g. PyTorch's
+ * torch.cuda.current_stream().cuda_stream; NULL is the legacy default stream)
+ * after the gradient-producing work queued there, then begins the step; dosd
+ * waits for the event on the GPU, so the caller does not synchronise. */
+int32_t dos_stream_sync_supported(const dos_session* session);
+dos_status dos_step_begin_on_stream(dos_session* session, const dos_step_args* args,
+                                    void* cuda_stream);
+
+/* Per-subgroup progress. The daemon updates a shard in subgroups
+ * (RegisterShard's subgroup size); dos_tensor_subgroups gives the first and
+ * last subgroup holding tensor `tensor`'s elements. dos_wait_subgroups waits
+ * until the step in flight has written the new weights of subgroups
+ * [first, last] (at once if no step is in flight): with a `cuda_stream` and
+ * stream sync, the wait is enqueued on that stream (cuStreamWaitValue32) and
+ * the call returns immediately; otherwise the calling thread waits, at most
+ * timeout_ms (< 0: no limit). A trainer that waits before each layer's
+ * forward can start the next forward while later layers are still being
+ * updated. dos_step_wait must still be called before the next step. */
+dos_status dos_tensor_subgroups(const dos_session* session, uint32_t tensor, uint32_t* first,
+                                uint32_t* last);
+dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t last,
+                              void* cuda_stream, int64_t timeout_ms);
+
 /* dos_step_begin + dos_step_wait. */
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result);
 

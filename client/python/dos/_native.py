@@ -135,6 +135,13 @@ _sigs = {
     "dos_step_begin": (_S, [_P, ctypes.POINTER(StepArgs)]),
     "dos_step_wait": (_S, [_P, ctypes.c_int64, ctypes.POINTER(StepResult)]),
     "dos_step": (_S, [_P, ctypes.POINTER(StepArgs), ctypes.POINTER(StepResult)]),
+    # Stream-ordered steps and per-subgroup progress (GPU mode: the trainer's
+    # CUDA stream, as an integer cudaStream_t, waits instead of its thread).
+    "dos_stream_sync_supported": (ctypes.c_int32, [_P]),
+    "dos_step_begin_on_stream": (_S, [_P, ctypes.POINTER(StepArgs), _P]),
+    "dos_tensor_subgroups": (_S, [_P, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32),
+                                  ctypes.POINTER(ctypes.c_uint32)]),
+    "dos_wait_subgroups": (_S, [_P, ctypes.c_uint32, ctypes.c_uint32, _P, ctypes.c_int64]),
     "dos_state_read": (_S, [_P, ctypes.c_uint32, _P, _P, _P, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write": (_S, [_P, ctypes.c_uint32, _P, _P, _P, ctypes.c_int64]),
     "dos_set_policy": (_S, [_P, ctypes.c_char_p]),

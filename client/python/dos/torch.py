@@ -36,10 +36,31 @@ IPC) and the daemon updates them in place on that GPU. Gradients are
 allocated at construction (`p.grad = torch.zeros_like(p)` where missing) and
 must stay where they are: `zero_grad()` zeroes them in place, and a gradient
 that autograd or the user replaced is copied back into the registered one at
-`step()`. `step()` synchronises the current CUDA stream before ringing the
-daemon, and returns once the new weights are in place on the device. The
-parameters must be contiguous, and the memory must come from PyTorch's
-default CUDA allocator (not `expandable_segments`).
+`step()`. The parameters must be contiguous, and the memory must come from
+PyTorch's default CUDA allocator (not `expandable_segments`).
+
+Asynchronous steps (GPU mode, by default): `step()` never blocks the
+trainer's CPU thread. It records an interprocess CUDA event on the current
+stream (dosd's streams wait for it on the GPU before reading a gradient),
+rings the daemon and returns; the current stream then waits, on the GPU, until
+the daemon has written every subgroup's new weights (cuStreamWaitValue32 on
+the control block), so whatever is queued next (zero_grad, the next forward)
+sees them. With `model=` (the module whose forward uses the parameters) the
+stream waits per layer instead: a forward pre-hook on each module with
+registered parameters waits for just the subgroups holding them, so the next
+forward starts while later layers are still being updated (`zero_grad()`
+then defers each gradient's zeroing to its layer's wait, and each
+parameter's gradient hook waits too, so backward never writes a gradient
+the daemon still reads). On the CPU (shared memory), `model=` gives the same
+per-layer waits on the host. The daemon's result (found_inf, errors) is
+collected at the next `step()`, or when `found_inf`, `last_step` or the
+state is read; `async_step=False` restores a `step()` that returns after the
+update. FSDP2 (DTensor) parameters always step synchronously.
+
+Crash survival: `opt.session_info()` gives the session id and token (keep
+them private to the job); a restarted trainer builds its optimizer with
+`resume=info` within dosd's --session_lease, and the daemon rewrites the new
+process's weights from its fp32 masters, so training continues exactly.
 
 Several ranks (DDP, FSDP2): each rank's optimizer attaches its own session
 to the node's one dosd, tagged with its rank/local_rank/world_size (arguments,
@@ -186,7 +207,9 @@ class _DosAdamBase(torch.optim.Optimizer):
                  amsgrad=False, *, socket: Optional[str] = None, subgroup_size: int = 0,
                  client_name: Optional[str] = None, maximize: bool = False,
                  rank: Optional[int] = None, local_rank: Optional[int] = None,
-                 world_size: Optional[int] = None, overlap: bool = False):
+                 world_size: Optional[int] = None, overlap: bool = False,
+                 model: Optional[torch.nn.Module] = None, async_step: Optional[bool] = None,
+                 resume: Optional[Dict[str, Any]] = None):
         if amsgrad:
             raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
         if maximize:
@@ -212,9 +235,18 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._registering = False
         self._found_inf = False
         self._amp_found_inf = None
-        self.last_step = None  # dict of the daemon's report on the last step
+        self._last_step = None  # dict of the daemon's report on the last step
+        self._hook_begun = False  # the step in flight was begun by the overlap hooks
+        self._async = False       # step() returns once the step is queued
+        self._stream_sync = False # the trainer's CUDA stream orders steps (no host waits)
+        self._layer_waits = []    # forward pre-hook handles (model=)
+        self._grad_hooks = []
+        self._waited = set()      # entry indices whose new weights were waited for
+        self._pending_zero = set()  # entry indices whose zero_grad is deferred
+        self._num_subgroups = 0
         self._subgroup_size = subgroup_size
         self._attach_args = (socket, client_name, rank, local_rank, world_size)
+        self._resume = resume
         self._inflight = False  # a step begun by the overlap hooks, not yet waited for
         self._ready = set()
         self.ready_log: List[Any] = []  # (tensor index, seconds since the first ready) last step
@@ -234,12 +266,15 @@ class _DosAdamBase(torch.optim.Optimizer):
             raise
         if self.overlap:
             self._install_hooks()
+        self._async_args = (model, async_step)
+        self._setup_async(model, async_step)
 
     # found_inf: the daemon's verdict on the last step (a bool). torch 2.x's
     # GradScaler sets and deletes an attribute of the same name around
     # step() (its inf-check tensor); the property keeps the two apart.
     @property
     def found_inf(self) -> bool:
+        self._finish_inflight()  # an asynchronous step's verdict is known once it is done
         return self._found_inf
 
     @found_inf.setter
@@ -252,6 +287,40 @@ class _DosAdamBase(torch.optim.Optimizer):
     @found_inf.deleter
     def found_inf(self) -> None:
         self._amp_found_inf = None
+
+    @property
+    def last_step(self) -> Optional[Dict[str, Any]]:
+        """The daemon's report on the last step (waits for a step in flight)."""
+        self._finish_inflight()
+        return self._last_step
+
+    @last_step.setter
+    def last_step(self, value) -> None:
+        self._last_step = value
+
+    @property
+    def session_id(self) -> int:
+        """This optimizer's dosd session (with session_token: what a restarted
+        trainer passes as `resume=` to continue from the daemon's state)."""
+        self._check_open("session_id")
+        return int(_native.lib.dos_session_id(self._session))
+
+    @property
+    def session_token(self) -> str:
+        self._check_open("session_token")
+        return _native.lib.dos_session_token(self._session).decode()
+
+    def session_info(self) -> Dict[str, Any]:
+        """{'session_id', 'token'}: save it (privately: the token is the
+        session's credential) so that a restarted process can build its
+        optimizer with `resume=info` after a crash; dosd keeps a dead
+        trainer's state for its --session_lease."""
+        return {"session_id": self.session_id, "token": self.session_token}
+
+    @property
+    def resumed(self) -> bool:
+        """True when this optimizer continued a dead trainer's session."""
+        return self._session is not None and bool(_native.lib.dos_session_resumed(self._session))
 
     # ---- setup ----
 
@@ -278,7 +347,20 @@ class _DosAdamBase(torch.optim.Optimizer):
         self.local_rank = int(opts.local_rank)
         self.world_size = int(opts.world_size)
         handle = ctypes.c_void_p()
-        _native.call("dos_attach", ctypes.byref(opts), ctypes.byref(handle))
+        resume = getattr(self, "_resume", None)
+        if resume is not None:
+            try:
+                sid, token = int(resume["session_id"]), str(resume["token"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DosError(_INVALID_ARGUMENT,
+                               f"resume: expected {{'session_id': int, 'token': str}} as returned "
+                               f"by opt.session_info(), got {resume!r}") from exc
+            _native.call("dos_resume", ctypes.byref(opts), ctypes.c_uint64(sid), token.encode(),
+                         ctypes.byref(handle))
+            # A later re-registration (moved storage) attaches afresh.
+            self._resume = None
+        else:
+            _native.call("dos_attach", ctypes.byref(opts), ctypes.byref(handle))
         self._session = handle
 
     def _register(self, subgroup_size):
@@ -454,11 +536,21 @@ class _DosAdamBase(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes every gradient in place (set_to_none is ignored for
-        registered parameters: their gradients must stay in shared memory)."""
-        self._finish_inflight()
+        registered parameters: their gradients must stay in shared memory).
+        With a step in flight: on a stream-ordered GPU session the zeroing is
+        queued behind the step's completion on the current stream; with
+        per-layer waits (model=) it is deferred to each layer's wait, so that
+        the daemon still reads the gradients of layers it has not reached."""
+        if self._inflight and self._layer_waits:
+            self._pending_zero.update(e.index for e in self._entries if not e.copy_grad)
+            entries = [e for e in self._entries if e.copy_grad]
+        else:
+            if not (self._inflight and self._stream_sync and not self._hook_begun):
+                self._finish_inflight()
+            entries = self._entries
         registered = {id(e.param) for e in self._entries if not e.copy_grad}
         with torch.no_grad():
-            for e in self._entries:
+            for e in entries:
                 if e.copy_grad:
                     continue  # DTensor: the gradient is FSDP's, handled below
                 e.grad_shm.zero_()
@@ -474,6 +566,17 @@ class _DosAdamBase(torch.optim.Optimizer):
                         p.grad.detach_()
                         p.grad.zero_()
         self._ready.clear()
+
+    def _zero_pending(self, entries) -> None:
+        """Applies a deferred zero_grad to `entries` (their new weights were
+        waited for, so the daemon is done with their gradients)."""
+        with torch.no_grad():
+            for e in entries:
+                if e.index in self._pending_zero:
+                    self._pending_zero.discard(e.index)
+                    e.grad_shm.zero_()
+                    if e.param.grad is not e.grad_shm:
+                        e.param.grad = e.grad_shm
 
     def _moved(self, e: _Entry) -> bool:
         """True if e's parameter now lives elsewhere with the same dtype,
@@ -550,6 +653,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             self._write(e, saved.get(id(e.param)))
         if self.overlap:
             self._install_hooks()
+        self._setup_async(*self._async_args)
 
     def _copy_out(self):
         if any(e.copy_out for e in self._entries):
@@ -601,18 +705,113 @@ class _DosAdamBase(torch.optim.Optimizer):
 
     def _wait(self):
         res = _native.StepResult()
-        _native.call("dos_step_wait", self._session, ctypes.c_int64(-1), ctypes.byref(res))
-        self._inflight = False
+        try:
+            _native.call("dos_step_wait", self._session, ctypes.c_int64(-1), ctypes.byref(res))
+        finally:
+            self._inflight = False
         self._found_inf = bool(res.found_inf)
-        self.last_step = {"found_inf": self._found_inf, "step": int(res.step),
-                          "wall_us": float(res.wall_us), "update_us": float(res.update_us),
-                          "overlapped": False}
+        self._last_step = {"found_inf": self._found_inf, "step": int(res.step),
+                           "wall_us": float(res.wall_us), "update_us": float(res.update_us),
+                           "overlapped": self._hook_begun}
+        self._hook_begun = False
         self._copy_out()
+        if self._pending_zero:  # nothing reads the gradients any more
+            self._zero_pending(self._entries)
 
     def _finish_inflight(self):
-        if self._inflight:
+        """Collects the step in flight (waits on the host for its result and
+        raises its error, if any)."""
+        if getattr(self, "_inflight", False):
             self._wait()
-            self.last_step["overlapped"] = True
+
+    def _stream(self):
+        """The current CUDA stream as a cudaStream_t (GPU mode), else None."""
+        if self._device is None:
+            return None
+        return ctypes.c_void_p(torch.cuda.current_stream(self._device).cuda_stream)
+
+    def _begin(self, args):
+        """Begins a step: stream-ordered on a GPU session with stream sync
+        (the daemon waits for this stream's work on the GPU), else after
+        synchronising the device."""
+        if self._stream_sync:
+            _native.call("dos_step_begin_on_stream", self._session, ctypes.byref(args),
+                         self._stream())
+        else:
+            self._sync_device()
+            _native.call("dos_step_begin", self._session, ctypes.byref(args))
+        self._inflight = True
+        self._waited = set()
+
+    def _queue_wait_all(self):
+        """Stream-ordered session without per-layer waits: everything queued
+        on the current stream from now on waits for the whole step."""
+        if self._num_subgroups:
+            _native.call("dos_wait_subgroups", self._session, ctypes.c_uint32(0),
+                         ctypes.c_uint32(self._num_subgroups - 1), self._stream(),
+                         ctypes.c_int64(-1))
+
+    # ---- asynchronous steps and per-layer waits ----
+
+    def _setup_async(self, model, async_step):
+        if not self._entries:
+            return
+        dtensor = any(e.copy_grad or e.copy_out for e in self._entries)
+        if self._device is not None and not dtensor:
+            self._stream_sync = bool(_native.lib.dos_stream_sync_supported(self._session))
+        first, last = ctypes.c_uint32(), ctypes.c_uint32()
+        self._ranges = []
+        for e in self._entries:
+            _native.call("dos_tensor_subgroups", self._session, ctypes.c_uint32(e.index),
+                         ctypes.byref(first), ctypes.byref(last))
+            self._ranges.append((int(first.value), int(last.value)))
+        self._num_subgroups = max(r[1] for r in self._ranges) + 1
+        possible = (self._stream_sync or model is not None) and not dtensor
+        if async_step is None:
+            async_step = possible
+        elif async_step and not possible:
+            why = ("FSDP2/DTensor parameters are copied at step()" if dtensor else
+                   "without model= nothing would order the next forward after the step on "
+                   "this session (shared-memory tensors, or no CUDA stream memory operations)")
+            raise DosError(_INVALID_ARGUMENT, f"async_step=True is not possible here: {why}")
+        self._async = bool(async_step)
+        if model is not None and self._async:
+            self._install_layer_waits(model)
+
+    def _install_layer_waits(self, model):
+        """Forward pre-hooks: each module with registered parameters of its
+        own waits for just their subgroups before it runs, so the next forward
+        starts while later layers are still being updated. Gradients are
+        guarded too: a parameter's pre-accumulation hook waits for its
+        subgroups (and applies a deferred zero_grad) if no forward did."""
+        by_param = {id(e.param): e for e in self._entries}
+        for module in model.modules():
+            ents = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
+            if not ents:
+                continue
+            first = min(self._ranges[e.index][0] for e in ents)
+            last = max(self._ranges[e.index][1] for e in ents)
+
+            def pre_hook(_module, _inputs, ents=ents, first=first, last=last):
+                self._wait_layer(ents, first, last)
+            self._layer_waits.append(module.register_forward_pre_hook(pre_hook))
+        for e in self._entries:
+            def grad_hook(_grad, e=e):
+                r = self._ranges[e.index]
+                self._wait_layer([e], r[0], r[1])
+            self._grad_hooks.append(e.param.register_hook(grad_hook))
+
+    def _wait_layer(self, ents, first, last):
+        if not self._inflight or self._session is None:
+            return
+        if all(e.index in self._waited for e in ents):
+            return
+        _native.call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
+                     ctypes.c_uint32(last), self._stream() if self._stream_sync else None,
+                     ctypes.c_int64(-1))
+        self._waited.update(e.index for e in ents)
+        if self._pending_zero:
+            self._zero_pending(ents)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, clip_coef: float = 1.0, **kwargs):
@@ -631,6 +830,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._check_open("step")
         if not self._entries:
             return loss
+        if self._inflight and not self._hook_begun:
+            self._finish_inflight()  # the previous asynchronous step
         if self._inflight:  # begun by the overlap hooks at the end of backward
             if grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None \
                     or getattr(self, "grad_scale", None) is not None:
@@ -640,22 +841,26 @@ class _DosAdamBase(torch.optim.Optimizer):
                                "was final, so a grad scale or clip coefficient given now comes "
                                "too late (that step was applied without it); build the optimizer "
                                "with overlap=False when clipping or using a GradScaler")
-            self._finish_inflight()
-            return loss
-        amp_scale, skip = self._amp_args(grad_scaler)
-        if skip:  # the scaler found inf/nan: torch optimizers skip the step
-            self._found_inf = True
-            self.last_step = {"found_inf": True, "step": self.last_step["step"]
-                              if self.last_step else 0, "wall_us": 0.0, "update_us": 0.0,
-                              "overlapped": False}
-            return loss
-        self._bind_grads()
-        self._sync_device()
-        args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
-        _native.call("dos_step_begin", self._session, ctypes.byref(args))
-        self._inflight = True
-        self._wait()
+        else:
+            amp_scale, skip = self._amp_args(grad_scaler)
+            if skip:  # the scaler found inf/nan: torch optimizers skip the step
+                self._found_inf = True
+                self._last_step = {"found_inf": True, "step": self._last_step["step"]
+                                   if self._last_step else 0, "wall_us": 0.0, "update_us": 0.0,
+                                   "overlapped": False}
+                return loss
+            self._bind_grads()
+            args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
+            self._begin(args)
         self._ready.clear()
+        if self._async and grad_scaler is None:
+            # Queued: the result is collected at the next step() (or by
+            # found_inf, last_step, state access); the next forward waits per
+            # layer (model=) or behind the whole step on the stream.
+            if not self._layer_waits:
+                self._queue_wait_all()
+            return loss
+        self._wait()
         self._record_amp(grad_scaler)
         return loss
 
@@ -675,8 +880,10 @@ class _DosAdamBase(torch.optim.Optimizer):
     def _on_ready(self, e):
         """Post-accumulate-grad hook: e's gradient is final for this
         backward. When every registered tensor is, begin the step."""
-        if not self.overlap_armed or self._inflight or self._session is None:
+        if not self.overlap_armed or self._hook_begun or self._session is None:
             return
+        if self._inflight:
+            self._finish_inflight()  # the previous asynchronous step (already done)
         now = time.perf_counter()
         if not self._ready:
             self._ready_t0 = now
@@ -690,10 +897,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         if len(self._ready) == len(self._entries):
             with torch.no_grad():
                 self._bind_grads()
-                self._sync_device()
                 args, _groups = self._args(1.0, 1.0)
-                _native.call("dos_step_begin", self._session, ctypes.byref(args))
-            self._inflight = True
+                self._begin(args)
+            self._hook_begun = True
             self._ready = set()
 
     def set_policy(self, policy: str) -> None:
@@ -817,6 +1023,9 @@ class _DosAdamBase(torch.optim.Optimizer):
                 self._wait()
             except Exception:
                 pass
+        for h in getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", []):
+            h.remove()
+        self._layer_waits, self._grad_hooks = [], []
         with torch.no_grad():
             for e in getattr(self, "_entries", []):
                 p = e.param

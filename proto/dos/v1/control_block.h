@@ -17,6 +17,23 @@
 // processes. Everything else is plain data, published by the bells'
 // release/acquire ordering.
 //
+// Per-subgroup progress (the next forward need not wait for the whole step):
+// subgroup_done[i] holds the seq of the last step whose new weights for
+// subgroup i are in the trainer's memory. The daemon stores it (release) as
+// each subgroup finishes, in whatever order the GPU and CPU paths finish
+// them, and stores `seq` into every word before it rings done_bell, also when
+// the step failed or was skipped, so a waiter is never left behind. In GPU
+// mode the trainer's stream waits on these words itself (cuStreamWaitValue32
+// on the page-locked block), so the trainer's CPU thread never blocks; on the
+// CPU path the trainer polls them. Subgroups from kMaxTrackedSubgroups on
+// share the last word, which is stored only when the step ends.
+//
+// Gradients ready (GPU mode): with kStepTrainerEventRecorded the trainer has
+// recorded the IPC event it registered (RegisterShard's cuda_ipc_event) on
+// the stream that produced the gradients before ringing request_bell; the
+// daemon's streams wait on that event before reading a gradient, so the
+// trainer never synchronises its stream for a step.
+//
 // Layout changes bump kProtocolVersion.
 #pragma once
 
@@ -26,9 +43,10 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
+inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
 
 // Per-step hyperparameters of one param group (they change per step under an
 // lr scheduler; the weight decay mode is fixed at registration).
@@ -44,6 +62,9 @@ enum StepFlags : uint32_t {
   // The client already knows every gradient is finite (e.g. AMP's GradScaler
   // checked); the daemon skips its own non-finite scan.
   kStepGradientsChecked = 1u << 0,
+  // The trainer recorded its registered IPC event after the gradients were
+  // final; the daemon's streams wait on it (GPU mode only).
+  kStepTrainerEventRecorded = 1u << 1,
 };
 
 struct StepRequest {
@@ -86,9 +107,12 @@ struct ControlBlock {
 
   alignas(64) StepRequest request;
   alignas(64) StepResult result;
+
+  // Daemon -> client: per-subgroup progress of the step in flight (above).
+  alignas(64) std::atomic<uint32_t> subgroup_done[kMaxTrackedSubgroups];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
-static_assert(sizeof(ControlBlock) < 8192, "keep the control block within two pages");
+static_assert(sizeof(ControlBlock) < 6 * 4096, "keep the control block within six pages");
 
 }  // namespace dos

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 
+#include "absl/time/clock.h"
 #include "daemon/transport/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -175,6 +176,49 @@ TEST(ProcessAliveTest, SeesLiveZombieAndReapedProcesses) {
   EXPECT_FALSE(ControlBlockChannel::ProcessAlive(child));
   EXPECT_EQ(WaitExit(child), 0);
   EXPECT_FALSE(ControlBlockChannel::ProcessAlive(child));
+}
+
+// Per-subgroup progress: a client waiting for subgroups [first, last] of a
+// step returns once exactly those are marked, in any order, across
+// processes; the words past the tracked ones share the last, stored at the
+// step's end.
+TEST_F(ControlChannelTest, SubgroupWaitsFollowTheDaemonsMarksAcrossProcesses) {
+  ControlBlockChannel client(block_);
+  const uint32_t seq = client.PublishRequest();
+  // Nothing marked yet: a bounded wait times out naming the subgroup.
+  absl::Status early = client.WaitSubgroups(3, 5, seq, absl::Milliseconds(30));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(early)) << early;
+  EXPECT_THAT(early.message(), HasSubstr("subgroup 3"));
+
+  pid_t daemon = ForkPeer([this, seq] {
+    ControlBlockChannel channel(block_);
+    // Out of order, as the GPU (front) and CPU (back) paths finish.
+    for (uint32_t i : {5u, 0u, 4u, 1u, 3u, 2u}) {
+      absl::SleepFor(absl::Milliseconds(5));
+      channel.MarkSubgroupDone(i, seq);
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+    channel.MarkAllDone(seq);
+    channel.PostResult(seq);
+    return 0;
+  });
+  ASSERT_TRUE(client.WaitSubgroups(3, 5, seq, kLong).ok());
+  for (uint32_t i = 3; i <= 5; ++i) EXPECT_EQ(client.DoneWord(i)->load(), seq);
+  // Past the tracked words: released only by MarkAllDone.
+  EXPECT_NE(client.DoneWord(kMaxTrackedSubgroups + 7)->load(), seq);
+  ASSERT_TRUE(client.WaitSubgroups(0, kMaxTrackedSubgroups + 7, seq, kLong).ok());
+  EXPECT_EQ(client.DoneWord(kMaxTrackedSubgroups + 7)->load(), seq);
+  ASSERT_TRUE(client.WaitResult(seq, kLong).ok());
+  EXPECT_EQ(WaitExit(daemon), 0);
+}
+
+TEST_F(ControlChannelTest, SubgroupWaitReportsAClosedSession) {
+  ControlBlockChannel client(block_);
+  const uint32_t seq = client.PublishRequest();
+  ControlBlockChannel(block_).Close();
+  absl::Status st = client.WaitSubgroups(0, 0, seq, kLong);
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  EXPECT_THAT(st.message(), HasSubstr("closed"));
 }
 
 }  // namespace

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What one GPU-machine call (the `device` tool) runs, from an install in
+# .dist (bin/, lib/ incl. bundled libraries; see bench/e2e/README.md):
+#
+#   bash bench/device_session.sh tests OUT          # gpu-labelled tests + CUDA Python tests
+#   bash bench/device_session.sh e2e OUT ARGS...    # bench/e2e/run.py with ARGS
+#   bash bench/device_session.sh ranks OUT          # 1 vs 2 ranks on one dosd (DDP, FSDP2)
+#
+# Logs and results go to OUT (the device tool's $OUT). Each part has its own
+# timeout so that one hang does not eat the call.
+set -u
+what=${1:?tests|e2e|ranks}; O=${2:?out dir}; shift 2
+DIST=$PWD/.dist; B=$DIST/bin
+export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
+export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
+export DOS_GPU_RANK_TRAINER=$B/gpu_rank_trainer
+export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+mkdir -p "$O"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$O/gpus.txt" 2>&1
+
+case "$what" in
+  tests)
+    {
+      for t in gpu_adam_test gpu_ipc_test multi_gpu_test; do
+        [ -x "$B/$t" ] || { echo "== $t: not built"; continue; }
+        echo "== $t"; timeout 150 "$B/$t" > "/tmp/$t.log" 2>&1; echo "exit=$?"
+        grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED  |Failure|SKIP' "/tmp/$t.log" | head -30
+        cp "/tmp/$t.log" "$O/"
+      done
+      echo "== pytest (CUDA, async, GPT loss)"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
+        tests/python/test_async.py tests/python/test_gpt_loss.py 2>&1 | tail -40
+    } > "$O/tests.log" 2>&1
+    ;;
+  e2e)
+    timeout 560 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 "$@" \
+      > "$O/e2e.log" 2>&1
+    echo "exit=$?" >> "$O/e2e.log"
+    cp bench/results/e2e_nvidia-h200_* "$O/" 2>/dev/null
+    ;;
+  ranks)
+    sock=/tmp/dos-ranks.sock
+    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
+    dpid=$!
+    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    export DOS_SOCKET=$sock
+    r=$O/ranks.jsonl
+    for spec in "1 ddp" "2 ddp" "2 fsdp2"; do
+      set -- $spec
+      echo "== $1 rank(s), $2" >> "$O/ranks.log"
+      timeout 200 torchrun --standalone --nproc_per_node=$1 bench/e2e/ranks.py --wrap $2 \
+        --out "$r" ${RANKS_ARGS:-} >> "$O/ranks.log" 2>&1
+      echo "exit=$?" >> "$O/ranks.log"
+    done
+    "$B/dosctl" --socket=$sock sessions >> "$O/ranks.log" 2>&1
+    kill $dpid; wait $dpid
+    echo "dosd exit=$?" >> "$O/ranks.log"
+    ;;
+  *) echo "unknown part $what" >&2; exit 2 ;;
+esac
+ls -la "$O"

@@ -1,0 +1,142 @@
+#include "client/src/device_sync.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef DOS_CLIENT_WITH_CUDA
+#include <cuda.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace dos::client {
+
+#ifdef DOS_CLIENT_WITH_CUDA
+
+namespace {
+
+using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+absl::Status CudaError(const char* call, cudaError_t e) {
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat("stream sync: ", call, " failed: ", cudaGetErrorName(e),
+                                          " (", cudaGetErrorString(e), ")"));
+}
+
+#define DOS_SYNC_CUDA(call)                                   \
+  do {                                                        \
+    if (cudaError_t e_ = (call); e_ != cudaSuccess) return CudaError(#call, e_); \
+  } while (0)
+
+// Makes `device` current for the scope (the trainer's own current device is
+// restored).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    ok_ = cudaGetDevice(&saved_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess;
+  }
+  ~DeviceScope() {
+    if (ok_) cudaSetDevice(saved_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int saved_ = 0;
+  bool ok_ = false;
+};
+
+}  // namespace
+
+struct DeviceSync::Impl {
+  int device = -1;
+  cudaEvent_t event = nullptr;
+  void* block = nullptr;           // registered host range
+  char* block_device = nullptr;    // its device address
+  WaitValue32Fn wait_value32 = nullptr;
+
+  ~Impl() {
+    DeviceScope scope(device);
+    if (event != nullptr) cudaEventDestroy(event);
+    if (block != nullptr) cudaHostUnregister(block);
+    cudaGetLastError();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<DeviceSync>> DeviceSync::Create(const void* device_ptr,
+                                                               void* block,
+                                                               uint64_t block_bytes) {
+  cudaPointerAttributes attr{};
+  DOS_SYNC_CUDA(cudaPointerGetAttributes(&attr, device_ptr));
+  std::unique_ptr<DeviceSync> sync(new DeviceSync());
+  sync->impl_ = std::make_unique<Impl>();
+  Impl& impl = *sync->impl_;
+  impl.device = attr.device;
+  DeviceScope scope(impl.device);
+  if (!scope.ok()) return absl::InternalError("stream sync: cannot select the tensors' device");
+
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
+                                       &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    return absl::UnimplementedError(
+        "stream sync: the CUDA driver has no cuStreamWaitValue32; the trainer waits on the host");
+  }
+  impl.wait_value32 = reinterpret_cast<WaitValue32Fn>(fn);
+
+  DOS_SYNC_CUDA(cudaEventCreateWithFlags(&impl.event,
+                                         cudaEventDisableTiming | cudaEventInterprocess));
+  cudaIpcEventHandle_t handle;
+  DOS_SYNC_CUDA(cudaIpcGetEventHandle(&handle, impl.event));
+  sync->event_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+
+  DOS_SYNC_CUDA(cudaHostRegister(block, block_bytes,
+                                 cudaHostRegisterMapped | cudaHostRegisterPortable));
+  impl.block = block;
+  void* dev = nullptr;
+  DOS_SYNC_CUDA(cudaHostGetDevicePointer(&dev, block, 0));
+  impl.block_device = static_cast<char*>(dev);
+  return sync;
+}
+
+DeviceSync::~DeviceSync() = default;
+
+absl::Status DeviceSync::RecordGradientsReady(void* stream) {
+  DeviceScope scope(impl_->device);
+  DOS_SYNC_CUDA(cudaEventRecord(impl_->event, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceSync::StreamWait(void* stream, const std::atomic<uint32_t>* word,
+                                    uint32_t value) {
+  DeviceScope scope(impl_->device);
+  const auto offset = reinterpret_cast<const char*>(word) - static_cast<const char*>(impl_->block);
+  const CUdeviceptr addr = reinterpret_cast<CUdeviceptr>(impl_->block_device + offset);
+  CUresult r = impl_->wait_value32(static_cast<CUstream>(stream), addr, value,
+                                   CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("stream sync: cuStreamWaitValue32 failed with CUresult ", static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
+#else  // !DOS_CLIENT_WITH_CUDA
+
+struct DeviceSync::Impl {};
+
+absl::StatusOr<std::unique_ptr<DeviceSync>> DeviceSync::Create(const void*, void*, uint64_t) {
+  return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
+}
+DeviceSync::~DeviceSync() = default;
+absl::Status DeviceSync::RecordGradientsReady(void*) {
+  return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
+}
+absl::Status DeviceSync::StreamWait(void*, const std::atomic<uint32_t>*, uint32_t) {
+  return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
+}
+
+#endif
+
+}  // namespace dos::client

@@ -1,0 +1,54 @@
+// DeviceSync: stream-ordered synchronisation between a trainer's CUDA stream
+// and dosd, so that a step never blocks the trainer's CPU thread (GPU mode).
+//
+//  - Gradients ready: an interprocess CUDA event the trainer records on its
+//    stream before ringing a step; its handle goes to dosd at registration,
+//    and dosd's streams wait on it (kStepTrainerEventRecorded).
+//  - Weights ready: the control block (shared memory) is page-locked and
+//    mapped into the device's address space here, and the trainer's stream
+//    waits on a subgroup's progress word with cuStreamWaitValue32 (GEQ), which
+//    dosd stores when that subgroup's new weights are written.
+//
+// The CUDA runtime is linked statically into libdos_client; driver entry
+// points come from cudaGetDriverEntryPointByVersion (no link-time libcuda).
+// Streams are the caller's cudaStream_t (PyTorch's stream.cuda_stream), which
+// is the driver's CUstream. Built without CUDA, Create() is UNIMPLEMENTED.
+//
+// Thread-safety: not thread-safe; one per ClientSession.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace dos::client {
+
+class DeviceSync {
+ public:
+  // `device_ptr` is any trainer pointer on the session's device; `block`
+  // and `block_bytes` the mapped control block.
+  static absl::StatusOr<std::unique_ptr<DeviceSync>> Create(const void* device_ptr, void* block,
+                                                            uint64_t block_bytes);
+  ~DeviceSync();
+  DeviceSync(const DeviceSync&) = delete;
+  DeviceSync& operator=(const DeviceSync&) = delete;
+
+  // cudaIpcEventHandle_t bytes, for RegisterShardRequest.cuda_ipc_event.
+  const std::string& event_handle() const { return event_handle_; }
+  // Records the event on `stream` (nullptr: the legacy default stream).
+  absl::Status RecordGradientsReady(void* stream);
+  // Makes `stream` wait until `*word` >= value (a word inside the block).
+  absl::Status StreamWait(void* stream, const std::atomic<uint32_t>* word, uint32_t value);
+
+ private:
+  DeviceSync() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string event_handle_;
+};
+
+}  // namespace dos::client

@@ -1,0 +1,63 @@
+// ExecutorSet: the step executors of one daemon, one per GPU engine plus one
+// for host-memory (shared-memory) sessions, and the choice between them.
+//
+// One dosd serves every rank of a node, and each rank's CUDA memory lives on
+// its own GPU; CUDA IPC maps memory only on the device it lives on, so a
+// session's steps run on the engine of that device. Register picks it from the
+// device UUID of the session's tensors (ForDeviceUuid); sessions whose
+// tensors are in shared memory run on host(), which has no GPU engine. All
+// executors share the daemon's one CPU updater (its thread pool).
+//
+// Ownership: the set owns its executors; the engines (GpuBackend) and the CPU
+// updater are owned by the caller and outlive the set. The set outlives every
+// session.
+// Thread-safety: AddGpu is called during start-up only, before any session
+// exists; every other method is const and thread-safe.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "daemon/cpu/cpu_updater.h"
+#include "daemon/sched/device_selection.h"
+#include "daemon/sched/gpu_backend.h"
+#include "daemon/sched/step_executor.h"
+
+namespace dos {
+
+class ExecutorSet {
+ public:
+  // One GPU engine and the executor over it.
+  struct Engine {
+    GpuDeviceInfo device;
+    StepExecutor* executor = nullptr;
+  };
+
+  explicit ExecutorSet(cpu::CpuUpdater* cpu);
+  ExecutorSet(const ExecutorSet&) = delete;
+  ExecutorSet& operator=(const ExecutorSet&) = delete;
+
+  // Adds the engine driving `device` (start-up only).
+  void AddGpu(GpuDeviceInfo device, GpuBackend* engine);
+
+  // The executor of host-memory sessions (no GPU engine: every step on the CPU).
+  StepExecutor* host() const { return host_.get(); }
+  // The engine of the device whose UUID (raw or text) is `uuid`;
+  // FAILED_PRECONDITION as MatchDeviceUuid describes otherwise.
+  absl::StatusOr<Engine> ForDeviceUuid(absl::string_view uuid, absl::string_view what) const;
+
+  std::span<const GpuDeviceInfo> devices() const { return devices_; }
+  bool has_gpu() const { return !devices_.empty(); }
+
+ private:
+  cpu::CpuUpdater* const cpu_;
+  std::unique_ptr<StepExecutor> host_;
+  std::vector<GpuDeviceInfo> devices_;                    // parallel to gpu_
+  std::vector<std::unique_ptr<StepExecutor>> gpu_;
+};
+
+}  // namespace dos

@@ -1,0 +1,174 @@
+"""Asynchronous steps with per-layer waits (model=), and resuming a dead
+trainer's session (resume=).
+
+On the CPU (shared memory) the per-layer waits are host waits on the
+control block's per-subgroup progress words; on CUDA the same hooks enqueue
+stream waits instead (tests/python/test_cuda.py). Either way the result must
+be bit for bit the result of synchronous steps: the same daemon arithmetic
+runs, only the trainer's waiting changes."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos  # noqa: E402
+import dos.torch  # noqa: E402
+from dos._native import DosError  # noqa: E402
+
+LR = dict(lr=2e-3, weight_decay=0.05)
+# Small subgroups: the 7 tensors below span ~30 subgroups, several per layer
+# and some shared by two layers.
+SUBGROUP = 300
+
+
+def make_deep(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(3):
+        layers += [torch.nn.Linear(16 if i == 0 else 48, 48), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(48, 4))
+    return torch.nn.Sequential(*layers)
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data, zero_first=True):
+    losses = []
+    for x, y in data:
+        if zero_first:
+            opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if not zero_first:
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("zero_first", [True, False], ids=["zero_then_step", "step_then_zero"])
+def test_layer_waits_equal_synchronous_steps(dos_socket, zero_first):
+    data = batches(25)
+    sync_model, async_model = make_deep(), make_deep()
+    with dos.torch.AdamW(sync_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as sync_opt, \
+            dos.torch.AdamW(async_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                            model=async_model, **LR) as async_opt:
+        assert async_opt._async and not sync_opt._async
+        assert async_opt._num_subgroups > 10
+        ref = train(sync_model, sync_opt, data, zero_first)
+        got = train(async_model, async_opt, data, zero_first)
+        # Collects the last step (it was only queued).
+        assert async_opt.last_step["step"] == len(data)
+        assert got == ref
+        for a, b in zip(async_model.parameters(), sync_model.parameters()):
+            assert torch.equal(a, b)
+        for (ka, sa), (kb, sb) in zip(async_opt.state_dict()["state"].items(),
+                                      sync_opt.state_dict()["state"].items()):
+            assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_step_returns_before_the_update_is_collected(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         model=model, **LR) as opt:
+        x, y = batches(1)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert opt._inflight  # queued, not waited for
+        assert opt.found_inf is False  # reading the verdict collects the step
+        assert not opt._inflight
+        assert opt.last_step["step"] == 1
+
+
+def test_async_step_needs_an_ordering(dos_socket):
+    model = make_deep()
+    with pytest.raises(DosError) as err:
+        dos.torch.AdamW(model.parameters(), socket=dos_socket, async_step=True, **LR)
+    assert "model=" in str(err.value)
+
+
+def test_tensor_subgroups_cover_the_shard(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as opt:
+        total = sum(p.numel() for p in model.parameters())
+        assert opt._num_subgroups == (total + SUBGROUP - 1) // SUBGROUP
+        prev_last = 0
+        offset = 0
+        for e, (first, last) in zip(opt._entries, opt._ranges):
+            n = e.local.numel()
+            assert first == offset // SUBGROUP and last == (offset + n - 1) // SUBGROUP
+            assert first >= prev_last
+            prev_last = last
+            offset += n
+
+
+TRAINER = textwrap.dedent("""
+    import json, os, signal, sys, torch
+    sys.path.insert(0, {testdir!r})
+    import dos.torch
+    from test_async import make_deep, batches, LR, SUBGROUP
+    model = make_deep()
+    opt = dos.torch.AdamW(model.parameters(), socket={socket!r}, subgroup_size=SUBGROUP, **LR)
+    data = batches({total})
+    for x, y in data[:{crash_after}]:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    with open({info!r}, "w") as f:
+        json.dump(opt.session_info(), f)
+    os.kill(os.getpid(), signal.SIGKILL)  # a crash: no detach, no cleanup
+""")
+
+
+def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path):
+    """A trainer killed after k steps; a new process (here: this one) builds
+    its optimizer with resume=session_info: the daemon kept the session for
+    its lease, rewrites the new model's weights from the fp32 masters, and
+    training continues with the results of an uninterrupted run."""
+    import json
+    total, crash_after = 20, 8
+    info_path = tmp_path / "session.json"
+    script = TRAINER.format(testdir=os.path.dirname(__file__), socket=dos_socket, total=total,
+                            crash_after=crash_after, info=str(info_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    info = json.loads(info_path.read_text())
+
+    data = batches(total)
+    # Uninterrupted reference.
+    ref_model = make_deep()
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt:
+        ref_losses = train(ref_model, ref_opt, data)
+
+    # The restarted trainer: fresh (differently initialised) weights, which
+    # the resumed session overwrites with the daemon's.
+    model = make_deep(seed=123)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         resume=info, **LR) as opt:
+        assert opt.resumed
+        losses = train(model, opt, data[crash_after:])
+        assert opt.last_step["step"] == total
+        assert losses == ref_losses[crash_after:]
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_resume_with_a_wrong_token_is_refused(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        info = opt.session_info()
+    with pytest.raises(DosError) as err:
+        dos.torch.AdamW(make_deep().parameters(), socket=dos_socket,
+                        resume={"session_id": info["session_id"], "token": "x" * 32}, **LR)
+    assert "resume" in str(err.value).lower() or "token" in str(err.value).lower()
