@@ -27,7 +27,7 @@ ClientSession::~ClientSession() {
 }
 
 void ClientSession::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout + context_extra_));
 }
 
 absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status) const {
@@ -187,7 +187,14 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   }
   v1::RegisterShardResponse resp;
   grpc::ClientContext ctx;
+  // The daemon allocates, page-locks and fills 12 bytes of state per
+  // parameter before it answers (a 6B-parameter shard: 72 GB): allow for
+  // that beyond the control-plane timeout.
+  uint64_t total_numel = 0;
+  for (const dos_tensor& t : tensors) total_numel += t.numel;
+  context_extra_ = absl::Seconds(3.0 * static_cast<double>(total_numel) * 12 / (1 << 30));
   PrepareContext(&ctx);
+  context_extra_ = absl::ZeroDuration();
   grpc::Status rpc = stub_->RegisterShard(&ctx, req, &resp);
   if (!rpc.ok()) return FromRpc("register", rpc);
   device_sync_ = std::move(device_sync);

@@ -110,6 +110,9 @@ class ClientSession {
   std::unique_ptr<v1::Dos::Stub> stub_;
   v1::SessionRef ref_;
   bool attached_ = false;
+  // Added to the next PrepareContext's deadline (calls whose work grows with
+  // the shard's size).
+  absl::Duration context_extra_ = absl::ZeroDuration();
   bool resumed_ = false;
 
   std::unique_ptr<ShmSegment> control_segment_;

@@ -40,22 +40,26 @@ def batches(n, seed=1):
     return [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(n)]
 
 
-def train(model, opt, data, zero_first=True):
+def train(model, opt, data, zero_at="first"):
+    """zero_at: where the loop calls zero_grad: "first", "after_forward"
+    (between forward and backward) or "last" (after step)."""
     losses = []
     for x, y in data:
-        if zero_first:
+        if zero_at == "first":
             opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if zero_at == "after_forward":
+            opt.zero_grad()
         loss.backward()
         opt.step()
-        if not zero_first:
+        if zero_at == "last":
             opt.zero_grad()
         losses.append(loss.item())
     return losses
 
 
-@pytest.mark.parametrize("zero_first", [True, False], ids=["zero_then_step", "step_then_zero"])
-def test_layer_waits_equal_synchronous_steps(dos_socket, zero_first):
+@pytest.mark.parametrize("zero_at", ["first", "after_forward", "last"])
+def test_layer_waits_equal_synchronous_steps(dos_socket, zero_at):
     data = batches(25)
     sync_model, async_model = make_deep(), make_deep()
     with dos.torch.AdamW(sync_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
@@ -64,8 +68,8 @@ def test_layer_waits_equal_synchronous_steps(dos_socket, zero_first):
                             model=async_model, **LR) as async_opt:
         assert async_opt._async and not sync_opt._async
         assert async_opt._num_subgroups > 10
-        ref = train(sync_model, sync_opt, data, zero_first)
-        got = train(async_model, async_opt, data, zero_first)
+        ref = train(sync_model, sync_opt, data, zero_at)
+        got = train(async_model, async_opt, data, zero_at)
         # Collects the last step (it was only queued).
         assert async_opt.last_step["step"] == len(data)
         assert got == ref
@@ -172,3 +176,26 @@ def test_resume_with_a_wrong_token_is_refused(dos_socket):
         dos.torch.AdamW(make_deep().parameters(), socket=dos_socket,
                         resume={"session_id": info["session_id"], "token": "x" * 32}, **LR)
     assert "resume" in str(err.value).lower() or "token" in str(err.value).lower()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="overlap=True needs torch >= 2.1")
+@pytest.mark.parametrize("with_model", [False, True], ids=["overlap", "overlap_and_layer_waits"])
+def test_overlap_steps_every_iteration(dos_socket, with_model):
+    """overlap=True begins each step from the last gradient hook; step() then
+    only claims it. Every iteration must apply exactly one step, also when
+    step() returns before the step is done (model=)."""
+    data = batches(15)
+    sync_model, model = make_deep(), make_deep()
+    kw = dict(model=model) if with_model else {}
+    with dos.torch.AdamW(sync_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as sync_opt, \
+            dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                            overlap=True, **kw, **LR) as opt:
+        ref = train(sync_model, sync_opt, data)
+        got = train(model, opt, data)
+        assert opt.last_step["step"] == len(data)
+        assert opt.last_step["overlapped"]
+        assert got == ref
+        for a, b in zip(model.parameters(), sync_model.parameters()):
+            assert torch.equal(a, b)

@@ -43,9 +43,9 @@ def need_cuda_build():
         pytest.skip("libdos_client was built without CUDA")
 
 
-def make_opt(model, socket, name, **kw):
+def make_opt(module, socket, name, **kw):
     try:
-        return dos.torch.AdamW(model.parameters(), socket=socket, client_name=name, **kw)
+        return dos.torch.AdamW(module.parameters(), socket=socket, client_name=name, **kw)
     except dos.DosError as e:
         if "no GPU engine" in e.message:
             pytest.skip(f"dosd has no GPU engine: {e.message}")

@@ -236,7 +236,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._found_inf = False
         self._amp_found_inf = None
         self._last_step = None  # dict of the daemon's report on the last step
-        self._hook_begun = False  # the step in flight was begun by the overlap hooks
+        self._hook_begun = False  # the overlap hooks began a step that step() has not claimed
+        self._overlapped = False  # the step in flight was begun by the overlap hooks
         self._async = False       # step() returns once the step is queued
         self._stream_sync = False # the trainer's CUDA stream orders steps (no host waits)
         self._layer_waits = []    # forward pre-hook handles (model=)
@@ -712,8 +713,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._found_inf = bool(res.found_inf)
         self._last_step = {"found_inf": self._found_inf, "step": int(res.step),
                            "wall_us": float(res.wall_us), "update_us": float(res.update_us),
-                           "overlapped": self._hook_begun}
+                           "overlapped": self._overlapped}
         self._hook_begun = False
+        self._overlapped = False
         self._copy_out()
         if self._pending_zero:  # nothing reads the gradients any more
             self._zero_pending(self._entries)
@@ -802,15 +804,14 @@ class _DosAdamBase(torch.optim.Optimizer):
             self._grad_hooks.append(e.param.register_hook(grad_hook))
 
     def _wait_layer(self, ents, first, last):
-        if not self._inflight or self._session is None:
+        if self._session is None:
             return
-        if all(e.index in self._waited for e in ents):
-            return
-        _native.call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
-                     ctypes.c_uint32(last), self._stream() if self._stream_sync else None,
-                     ctypes.c_int64(-1))
-        self._waited.update(e.index for e in ents)
-        if self._pending_zero:
+        if self._inflight and not all(e.index in self._waited for e in ents):
+            _native.call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
+                         ctypes.c_uint32(last), self._stream() if self._stream_sync else None,
+                         ctypes.c_int64(-1))
+            self._waited.update(e.index for e in ents)
+        if self._pending_zero:  # zero_grad() came after this layer's wait, or had no forward
             self._zero_pending(ents)
 
     @torch.no_grad()
@@ -833,6 +834,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         if self._inflight and not self._hook_begun:
             self._finish_inflight()  # the previous asynchronous step
         if self._inflight:  # begun by the overlap hooks at the end of backward
+            self._hook_begun = False  # claimed by this step() call
             if grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None \
                     or getattr(self, "grad_scale", None) is not None:
                 self._wait()
@@ -900,6 +902,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                 args, _groups = self._args(1.0, 1.0)
                 self._begin(args)
             self._hook_begun = True
+            self._overlapped = True
             self._ready = set()
 
     def set_policy(self, policy: str) -> None:
