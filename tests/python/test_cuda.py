@@ -175,3 +175,75 @@ def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
     finally:
         for o in opts.values():
             o.close()
+
+
+CUDA_TRAINER = """
+import json, os, signal, sys, torch
+sys.path.insert(0, {testdir!r})
+import dos.torch
+from test_cuda import make_wide
+g = torch.Generator().manual_seed(5)
+data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+        for _ in range({total})]
+model = make_wide()
+opt = dos.torch.AdamW(model.parameters(), socket={socket!r}, subgroup_size=65536, lr=1e-3)
+opt.set_policy("auto")
+for x, y in data[:{crash_after}]:
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+# Killed with a step in flight: the daemon finishes it (a step boundary).
+with open({info!r}, "w") as f:
+    json.dump(opt.session_info(), f)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_cuda_resume_after_sigkill_mid_step(dos_socket, tmp_path):
+    """GPU path of crash survival: a CUDA trainer killed right after queueing
+    step k (asynchronous, so mid-step); a new process resumes the session,
+    the daemon rewrites its CUDA weights from the fp32 masters, and the run
+    continues bit for bit as an uninterrupted one."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    need_cuda_build()
+    total, crash_after = 10, 4
+    info_path = tmp_path / "session.json"
+    script = CUDA_TRAINER.format(testdir=os.path.dirname(__file__), socket=dos_socket,
+                                 total=total, crash_after=crash_after, info=str(info_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), timeout=180)
+    assert proc.returncode == -signal.SIGKILL
+    info = json.loads(info_path.read_text())
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(total)]
+
+    def run(model, opt, batches):
+        out = []
+        for x, y in batches:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            out.append(float(loss))
+        return out
+
+    ref_model = make_wide()
+    ref_opt = make_opt(ref_model, dos_socket, "resume-ref", lr=1e-3, subgroup_size=65536)
+    model = make_wide(seed=9)  # different weights: the daemon's must win
+    opt = make_opt(model, dos_socket, "resumed", lr=1e-3, subgroup_size=65536, resume=info)
+    try:
+        ref_opt.set_policy("auto")
+        ref = run(ref_model, ref_opt, data)
+        assert opt.resumed
+        got = run(model, opt, data[crash_after:])
+        assert opt.last_step["step"] == total
+        assert got == ref[crash_after:]
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        opt.close()
+        ref_opt.close()
