@@ -7,6 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libtbb-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-pytest python3-numpy systemd
+  clang libclang-rt-dev  # the libFuzzer targets (tests/run_fuzz.sh); libFuzzer is in libclang-rt
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,8 +1,37 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian 12 machine and runs every test (C++ unit and
-# integration tests, Python tests; GPU tests skip with a message without a GPU).
+# integration tests, Python tests; GPU tests skip with a message without a GPU),
+# then the unit and integration tests under ASan+UBSan, the TSan set
+# (tests/run_sanitizers.sh) and each libFuzzer target for DOS_FUZZ_SECONDS
+# (default 60; tests/run_fuzz.sh). DOS_CI_SKIP_SANITIZERS=1 skips those last two
+# stages for a quick local run. Any failing stage fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
-bash deploy/build.sh
-ctest --test-dir "${DOS_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 900
+
+# stage NAME COMMAND...: runs one stage, then prints its wall time.
+timings=()
+stage() {
+  local name=$1 t0 rc=0
+  shift
+  echo "==== stage $name: $*"
+  t0=$(date +%s)
+  "$@" || rc=$?
+  timings+=("$name: $(($(date +%s) - t0)) s, exit $rc")
+  echo "==== stage $name: $(($(date +%s) - t0)) s, exit $rc"
+  if [ "$rc" -ne 0 ]; then
+    printf '%s\n' "== stages" "${timings[@]}"
+    exit "$rc"
+  fi
+}
+
+stage build bash deploy/build.sh
+stage ctest ctest --test-dir "${DOS_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 900
+if [ "${DOS_CI_SKIP_SANITIZERS:-0}" = 1 ]; then
+  echo "DOS_CI_SKIP_SANITIZERS=1: sanitizer and fuzzing stages skipped"
+else
+  stage asan bash tests/run_sanitizers.sh asan
+  stage tsan bash tests/run_sanitizers.sh tsan
+  stage fuzz bash tests/run_fuzz.sh "${DOS_FUZZ_SECONDS:-60}"
+fi
+printf '%s\n' "== stages" "${timings[@]}"

@@ -15,13 +15,17 @@ build=${DOS_FUZZ_BUILD:-build-fuzz}  # DOS_FUZZ_BUILD: another build directory
 command -v clang++ >/dev/null || { echo "run_fuzz.sh: clang++ not found (apt-get install clang)" >&2; exit 1; }
 targets=(checkpoint_reader_fuzzer control_block_fuzzer register_request_fuzzer)
 
+t0=$(date +%s)
 mkdir -p "$build"
 # -Wno-unknown-warning-option: some components pass GCC-only -Wno-* options.
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDOS_WITH_CUDA=OFF -DDOS_BUILD_BENCHMARKS=OFF -DDOS_BUILD_FUZZERS=ON \
   -DDOS_SANITIZE=address,undefined,fuzzer-no-link ${DOS_CMAKE_ARGS:-} \
   -DCMAKE_CXX_FLAGS=-Wno-unknown-warning-option > "$build/configure.log"
-cmake --build "$build" -j "$jobs" --target fuzz_seeds
+if ! cmake --build "$build" -j "$jobs" --target fuzz_seeds > "$build/fuzz_seeds.build.log" 2>&1; then
+  tail -n 40 "$build/fuzz_seeds.build.log"
+  exit 1
+fi
 # Each target builds on its own so that one component that does not compile
 # with clang does not stop the others; a target that fails to build fails the run.
 built=()
@@ -37,7 +41,8 @@ for t in "${targets[@]}"; do
   fi
 done
 
-fuzz_dir=$(find "$build" -name fuzz_seeds -type f -perm -u+x -printf '%h\n' | head -n1)
+t1=$(date +%s)
+fuzz_dir=$build/tests/fuzz
 seeds=$build/seeds
 rm -rf "$seeds"
 "$fuzz_dir/fuzz_seeds" "$seeds"
@@ -60,6 +65,7 @@ for t in "${built[@]}"; do
     tail -n 40 "$log"
   fi
 done
-echo "== fuzzing, ${seconds}s per target =="
+t2=$(date +%s)
+echo "== fuzzing, ${seconds}s per target: build $((t1 - t0)) s, fuzzing $((t2 - t1)) s =="
 printf '%s\n' "${report[@]}"
 exit "$status"
