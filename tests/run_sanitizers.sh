@@ -24,8 +24,9 @@ configs=("$@")
 tsan_tests=(
   shm_segment_test doorbell_test control_channel_test  # transport: doorbells, control block
   crc32c_test checkpoint_test                          # checkpoint writer/reader, fake Env
-  state_shard_state_test                               # state arenas, host memory budget
+  state_shard_state_test                               # state arenas, budget, copy-on-write snapshots
   sched_perf_model_test sched_policy_test              # scheduler model and policy
+  sched_device_selection_test sched_executor_set_test  # engine selection
   metrics_registry_test metrics_http_server_test       # counters hit from threads, HTTP thread
   sd_notify_test                                       # watchdog thread
   cpu_dtype_test
