@@ -299,9 +299,13 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
           {{"direction", "d2h"}});
   counter("dos_update_microseconds_total", "Time spent updating (params/s = rate of "
           "dos_params_updated_total over rate of this).", &c->update_us);
-  counter("dos_checkpoint_stall_microseconds_total",
-          "Time steps waited for the session lock (checkpoint snapshots, state transfer).",
-          &c->lock_wait_us);
+  constexpr const char* kStallHelp =
+      "Time steps lost to checkpoints: waiting for the session lock (snapshot start, state "
+      "transfer) or copying subgroups for an in-flight snapshot (copy-on-write).";
+  counter("dos_checkpoint_stall_microseconds_total", kStallHelp, &c->lock_wait_us,
+          {{"cause", "lock"}});
+  counter("dos_checkpoint_stall_microseconds_total", kStallHelp, &c->snapshot_wait_us,
+          {{"cause", "copy_on_write"}});
   m->AddCallbackGauge("dos_sessions", "Sessions attached.", {},
                       [sessions] { return static_cast<double>(sessions->List().size()); })
       .IgnoreError();

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -166,7 +167,7 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
         << e.sessions() << " session(s)\n";
   }
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
-           "PREDICTED US", "CPU/GPU SUBGROUPS", "LOCK WAIT MAX US"},
+           "PREDICTED US", "CPU/GPU SUBGROUPS", "CKPT STALL MAX US"},
           {true, true, true, true, true, true, true, true, true, true, true});
   for (const auto& x : resp.sessions()) {
     const auto& l = x.last_step();
@@ -175,7 +176,9 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
               absl::StrFormat("%.3g", x.params_per_second()), Num(l.wall_us()), Num(l.cpu_us()),
               Num(l.gpu_us()), Num(l.predicted_us()),
               absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups()),
-              Num(x.lock_wait_us_max())});
+              // Checkpoint stall of the worst step: the lock wait or the
+              // copy-on-write copying, whichever was longer.
+              Num(std::max(x.lock_wait_us_max(), x.snapshot_wait_us_max()))});
   }
   t.Print(out);
   return absl::OkStatus();

@@ -21,7 +21,8 @@ struct DaemonCounters {
   std::atomic<uint64_t> h2d_bytes{0};       // PCIe bytes, host to device
   std::atomic<uint64_t> d2h_bytes{0};       // PCIe bytes, device to host
   std::atomic<uint64_t> update_us{0};       // time spent in updates
-  std::atomic<uint64_t> lock_wait_us{0};    // steps waiting on checkpoint snapshots
+  std::atomic<uint64_t> lock_wait_us{0};    // steps waiting for the session lock
+  std::atomic<uint64_t> snapshot_wait_us{0};  // steps copying subgroups for a snapshot
 };
 
 }  // namespace dos

@@ -201,6 +201,7 @@ void Session::HandleRequest(uint32_t seq) {
   if (DaemonCounters* c = options_.counters; c != nullptr) {
     constexpr auto kRelaxed = std::memory_order_relaxed;
     c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
+    c->snapshot_wait_us.fetch_add(static_cast<uint64_t>(snapshot_wait_us), kRelaxed);
     if (!outcome.ok()) {
       c->failed_steps.fetch_add(1, kRelaxed);
     } else {

@@ -152,7 +152,7 @@ TEST(OpsTest, DosctlCheckpointSaveLoadAndStatsWatch) {
     EXPECT_NE(out.find("outside the checkpoint directory"), std::string::npos) << out;
     out = Shell(dosctl + "--watch --interval=10ms --count=2 stats 2>&1");
     EXPECT_EQ(std::count(out.begin(), out.end(), '-') >= 6, true) << out;
-    EXPECT_NE(out.find("LOCK WAIT MAX US"), std::string::npos) << out;
+    EXPECT_NE(out.find("CKPT STALL MAX US"), std::string::npos) << out;
   }
   EXPECT_EQ(d.Stop(), 0);
 }
