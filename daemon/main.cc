@@ -492,7 +492,12 @@ int Run(const DaemonConfig& config) {
   SdNotify("STOPPING=1").IgnoreError();
   server->GetHealthCheckService()->SetServingStatus(false);
   // Stop taking calls, then drain: each session finishes its in-flight step.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  // Calls in flight get a second to answer; after that gRPC cancels them
+  // (their handlers still run to the end before Wait() returns, so nothing
+  // they write is lost). Debian's gRPC also holds Shutdown until the deadline
+  // while a client keeps an idle channel open, so a long deadline would only
+  // delay every stop of a daemon with trainers attached.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (checkpointer != nullptr) {
     // With autosave on, a clean stop (upgrade, reboot) saves every session
     // so the restarted daemon restores it.
