@@ -257,6 +257,11 @@ absl::Status Session::Register(const ShardSpec& spec) {
   // GPU mode when the client sent CUDA IPC locations; one session is all one
   // or all the other (the step runs wholly on one engine).
   const bool device = spec.tensors[0].param.is_cuda_ipc();
+  if (!spec.cuda_ipc_event.empty() && !device) {
+    return absl::InvalidArgumentError(
+        "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
+        "event only with CUDA IPC tensors");
+  }
   // GPU mode runs on the engine of the device the tensors live on (the
   // rank's GPU), matched by UUID; host memory on the executor without one.
   std::unique_ptr<Transport> transport;
@@ -378,11 +383,6 @@ absl::Status Session::Register(const ShardSpec& spec) {
   if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
   void* trainer_event = nullptr;
   if (!spec.cuda_ipc_event.empty()) {
-    if (!device) {
-      return absl::InvalidArgumentError(
-          "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
-          "event only with CUDA IPC tensors");
-    }
     DOS_ASSIGN_OR_RETURN(trainer_event, executor_->gpu()->OpenTrainerEvent(spec.cuda_ipc_event));
   }
   std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups(

@@ -16,6 +16,7 @@
 #include "daemon/cpu/adam_kernel.h"
 #include "daemon/transport/shm_segment.h"
 #include "dos/dos.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/dos/v1/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
@@ -333,6 +334,17 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
         << st.error_message();
   }
   {
+    // A gradients-ready CUDA event only goes with CUDA IPC tensors.
+    grpc::ClientContext ctx;
+    auto req = make_req();
+    req.set_cuda_ipc_event(std::string(64, '\x01'));
+    v1::RegisterShardResponse resp;
+    grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("cuda_ipc_event"), std::string::npos)
+        << st.error_message();
+  }
+  {
     grpc::ClientContext ctx;
     v1::RegisterShardResponse resp;
     grpc::Status st = stub->RegisterShard(&ctx, make_req(), &resp);
@@ -398,6 +410,54 @@ TEST_F(DaemonTest, ClientThatExitsMidSessionIsReapedOthersKeepWorking) {
     survivor.ExpectStep(1, 1);
   }
   survivor.CheckAgainstDaemon();
+}
+
+// Per-subgroup progress through the C ABI on the CPU path: each tensor's
+// subgroup range, waits for ranges of the step in flight (before and after
+// its result), and the errors for what a shared-memory session cannot do.
+TEST_F(DaemonTest, SubgroupProgressAndStreamOrderedStepsOverTheCApi) {
+  FakeTrainer tr(7);
+  ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_BF16, 2500, 0);  // subgroups 0..2 (1000 elements each)
+  tr.AddTensor(DOS_DTYPE_F32, 700, 0);    // 2500..3199: subgroups 2..3
+  tr.AddTensor(DOS_DTYPE_BF16, 1, 0);     // 3200: subgroup 3
+  ASSERT_EQ(tr.Register({AdamW(1e-3, 0.01)}, 1000), DOS_OK) << dos_last_error();
+  dos_session* s = tr.session();
+  uint32_t first = 0, last = 0;
+  const uint32_t want[3][2] = {{0, 2}, {2, 3}, {3, 3}};
+  for (uint32_t t = 0; t < 3; ++t) {
+    ASSERT_EQ(dos_tensor_subgroups(s, t, &first, &last), DOS_OK) << dos_last_error();
+    EXPECT_EQ(first, want[t][0]) << "tensor " << t;
+    EXPECT_EQ(last, want[t][1]) << "tensor " << t;
+  }
+  EXPECT_EQ(dos_tensor_subgroups(s, 3, &first, &last), DOS_OUT_OF_RANGE);
+  EXPECT_EQ(dos_stream_sync_supported(s), 0);  // shared memory: the host waits
+
+  // No step yet: nothing to wait for.
+  EXPECT_EQ(dos_wait_subgroups(s, 0, 3, nullptr, 0), DOS_OK) << dos_last_error();
+  EXPECT_EQ(dos_wait_subgroups(s, 2, 4, nullptr, 0), DOS_INVALID_ARGUMENT);
+  EXPECT_THAT(dos_last_error(), ::testing::HasSubstr("4 subgroups"));
+  EXPECT_EQ(dos_wait_subgroups(s, 3, 1, nullptr, 0), DOS_INVALID_ARGUMENT);
+
+  dos_hparams h = AdamW(1e-3, 0.01);
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &h;
+  a.num_groups = 1;
+  EXPECT_EQ(dos_step_begin_on_stream(s, &a, nullptr), DOS_FAILED_PRECONDITION);
+  EXPECT_THAT(dos_last_error(), ::testing::HasSubstr("dos_step_begin"));
+  for (int step = 0; step < 3; ++step) {
+    tr.FillGradients();
+    ASSERT_EQ(dos_step_begin(s, &a), DOS_OK) << dos_last_error();
+    // The range of tensor 1, then everything, while the step may be running.
+    ASSERT_EQ(dos_wait_subgroups(s, 2, 3, nullptr, 10000), DOS_OK) << dos_last_error();
+    ASSERT_EQ(dos_wait_subgroups(s, 0, 3, nullptr, 10000), DOS_OK) << dos_last_error();
+    dos_step_result r;
+    ASSERT_EQ(dos_step_wait(s, 10000, &r), DOS_OK) << dos_last_error();
+    EXPECT_EQ(r.step, step + 1);
+    tr.ExpectStep(1.0, 1.0);
+    tr.CheckAgainstDaemon();
+  }
 }
 
 TEST_F(DaemonTest, HostMemoryCapAnswersResourceExhausted) {
