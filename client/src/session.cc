@@ -23,7 +23,32 @@ ClientSession::ClientSession(Options options, std::shared_ptr<grpc::Channel> cha
       stub_(v1::Dos::NewStub(channel_)) {}
 
 ClientSession::~ClientSession() {
+  if (watchdog_.joinable()) {
+    {
+      absl::MutexLock lock(&watchdog_mu_);
+      watchdog_stop_ = true;
+    }
+    watchdog_.join();
+  }
   if (attached_) Detach().IgnoreError();
+}
+
+void ClientSession::WatchSteps() {
+  absl::MutexLock lock(&watchdog_mu_);
+  for (;;) {
+    // Wakes on stop or every slice.
+    watchdog_mu_.AwaitWithTimeout(absl::Condition(&watchdog_stop_),
+                                  ControlBlockChannel::kLivenessSlice);
+    if (watchdog_stop_) return;
+    uint32_t seq = inflight_seq_.load(std::memory_order_acquire);
+    if (seq == 0 || control_->done_bell.load(std::memory_order_acquire) == seq) continue;
+    if (control_->closed.load(std::memory_order_acquire) != 0 ||
+        !ControlBlockChannel::ProcessAlive(control_->daemon_pid)) {
+      abandoned_.store(true, std::memory_order_release);
+      step_channel_->MarkAllDone(seq);
+      inflight_seq_.compare_exchange_strong(seq, 0);
+    }
+  }
 }
 
 void ClientSession::PrepareContext(grpc::ClientContext* context) const {
@@ -246,7 +271,13 @@ absl::Status ClientSession::WaitSubgroups(uint32_t first, uint32_t last, void* s
     }
     return absl::OkStatus();
   }
-  return step_channel_->WaitSubgroups(first, last, seq_, timeout);
+  absl::Status st = step_channel_->WaitSubgroups(first, last, seq_, timeout);
+  if (st.ok() && abandoned_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError(absl::StrCat(
+        "wait_subgroups: step ", seq_, " was abandoned: dosd (pid ", control_->daemon_pid,
+        ") closed the session or is gone; restart it and attach again"));
+  }
+  return st;
 }
 
 absl::Status ClientSession::TensorSubgroups(uint32_t tensor, uint32_t* first,
@@ -278,6 +309,8 @@ absl::Status ClientSession::StepBegin(const dos_step_args& args, uint32_t extra_
   r.seq = control_->request_bell.load(std::memory_order_relaxed) + 1;
   seq_ = step_channel_->PublishRequest();
   step_in_flight_ = true;
+  inflight_seq_.store(seq_, std::memory_order_release);
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { WatchSteps(); });
   return absl::OkStatus();
 }
 
@@ -286,6 +319,7 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
     return absl::FailedPreconditionError("step_wait: no step in flight; call dos_step_begin");
   }
   absl::Status waited = step_channel_->WaitResult(seq_, timeout);
+  if (!absl::IsDeadlineExceeded(waited)) inflight_seq_.store(0, std::memory_order_release);
   if (absl::IsDeadlineExceeded(waited)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "step_wait: step ", seq_, " not finished after ", absl::FormatDuration(timeout),

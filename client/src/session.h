@@ -15,13 +15,17 @@
 // ABI's contract). Distinct sessions are independent.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/include/dos/dos.h"
@@ -120,6 +124,17 @@ class ClientSession {
   std::unique_ptr<ControlBlockChannel> step_channel_;
   // After control_segment_: unregisters the block before it is unmapped.
   std::unique_ptr<DeviceSync> device_sync_;
+  // Step-in-flight watchdog: if dosd dies or closes the session while a step
+  // is in flight, it stores that step's seq into every progress word, so a
+  // CUDA stream waiting on them (cuStreamWaitValue32) is released instead of
+  // hanging the trainer's GPU forever; the step itself then reports
+  // UNAVAILABLE at dos_step_wait, and host waits report it at once.
+  void WatchSteps();
+  std::atomic<uint32_t> inflight_seq_{0};  // 0: none
+  std::atomic<bool> abandoned_{false};     // the watchdog released a step
+  absl::Mutex watchdog_mu_;
+  bool watchdog_stop_ ABSL_GUARDED_BY(watchdog_mu_) = false;
+  std::thread watchdog_;
   std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups_;  // per tensor
   uint32_t num_subgroups_ = 0;
   uint32_t seq_ = 0;  // seq of the last published step

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/common/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
 #include "daemon/transport/shm_segment.h"
@@ -458,6 +459,48 @@ TEST_F(DaemonTest, SubgroupProgressAndStreamOrderedStepsOverTheCApi) {
     tr.ExpectStep(1.0, 1.0);
     tr.CheckAgainstDaemon();
   }
+}
+
+// dosd dies with a step in flight: the client's watchdog stores the step's
+// seq into every progress word (a CUDA stream waiting on them would
+// otherwise hang the trainer's GPU for good), waits report UNAVAILABLE and
+// the step's result too.
+TEST(DaemonCrash, StepInFlightWhenDosdDiesReleasesEveryWaiter) {
+  DaemonProcess daemon({"--cpu_threads=1", "--session_lease=0"});
+  ASSERT_TRUE(daemon.Start()) << daemon.log();
+  FakeTrainer tr(11);
+  ASSERT_EQ(tr.Attach(daemon.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_F32, 5000, 0);
+  ASSERT_EQ(tr.Register({AdamW(1e-3, 0.0)}, 1000), DOS_OK) << dos_last_error();
+  dos_session* s = tr.session();
+  // DaemonProcess names shared memory /dos-it<test pid>.<dosd pid>.<session>.ctl.
+  auto ctl = ShmSegment::Open(absl::StrCat("/dos-it", ::getpid(), ".", daemon.pid(), ".",
+                                           dos_session_id(s), ".ctl"));
+  ASSERT_TRUE(ctl.ok()) << ctl.status();
+  auto* block = static_cast<ControlBlock*>((*ctl)->data());
+
+  ASSERT_EQ(::kill(daemon.pid(), SIGSTOP), 0);  // the step will not run
+  dos_hparams h = AdamW(1e-3, 0.0);
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &h;
+  a.num_groups = 1;
+  tr.FillGradients();
+  ASSERT_EQ(dos_step_begin(s, &a), DOS_OK) << dos_last_error();
+  const uint32_t seq = block->request_bell.load();
+  EXPECT_NE(block->subgroup_done[0].load(), seq);
+  daemon.Kill();
+  // Within a few liveness slices the words say "step seq is over".
+  for (int i = 0; i < 100 && block->subgroup_done[4].load() != seq; ++i) {
+    ::usleep(20'000);
+  }
+  for (uint32_t i = 0; i < 5; ++i) EXPECT_EQ(block->subgroup_done[i].load(), seq) << i;
+  EXPECT_EQ(block->subgroup_done[kMaxTrackedSubgroups - 1].load(), seq);
+  EXPECT_EQ(dos_wait_subgroups(s, 0, 4, nullptr, 5000), DOS_UNAVAILABLE);
+  EXPECT_THAT(dos_last_error(), ::testing::HasSubstr("abandoned"));
+  dos_step_result r;
+  EXPECT_EQ(dos_step_wait(s, 5000, &r), DOS_UNAVAILABLE);
+  (*ctl)->Unlink();
 }
 
 TEST_F(DaemonTest, HostMemoryCapAnswersResourceExhausted) {
