@@ -22,7 +22,13 @@
  * in shared memory. Before dos_step_begin(), the trainer makes its gradients
  * final on the device (e.g. cudaStreamSynchronize of the stream that wrote
  * them); when dos_step_wait() returns, the daemon's writes to the weights are
- * complete and visible to any later work on the device.
+ * complete and visible to any later work on the device. Without blocking:
+ * dos_step_begin_on_stream() lets the daemon wait for the gradients on the
+ * GPU, and dos_wait_subgroups() with a stream makes that stream wait for the
+ * new weights (per subgroup, so per layer if the caller likes) on the GPU;
+ * see below. If dosd dies or closes the session with a step in flight, the
+ * library releases such stream waits and dos_step_wait() reports
+ * DOS_UNAVAILABLE.
  *
  * Errors: every function returns a dos_status (0 = DOS_OK; the other values
  * are gRPC's / absl's canonical codes). On failure, dos_last_error() returns a
