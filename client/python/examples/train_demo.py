@@ -86,8 +86,10 @@ def main():
     nparams = sum(p.numel() for p in model.parameters())
     print(f"DOS demo: TinyGPT with {nparams} parameters on {device}, torch {torch.__version__}")
 
+    # model=: step() returns at once and each layer of the next forward waits
+    # for just its own subgroups (on the GPU stream in GPU mode).
     opt = dos.torch.AdamW(param_groups(model, 0.1), lr=args.lr, socket=args.socket,
-                          client_name="train_demo")
+                          client_name="train_demo", model=model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
     print("training with dos.torch.AdamW (optimizer state in dosd):")
     losses, dos_s = train(model, opt, sched, args, device)
