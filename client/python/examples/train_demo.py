@@ -75,10 +75,14 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--socket", default=os.environ.get("DOS_SOCKET"))
-    ap.add_argument("--device", default="cpu",
-                    help="cpu (shared memory with the daemon); cuda needs the GPU path")
+    ap.add_argument("--device", default="auto",
+                    help="auto (cuda when there is a GPU and libdos_client has CUDA, else cpu), "
+                         "cpu (shared memory with the daemon) or cuda (the GPU path)")
     ap.add_argument("--no-compare", action="store_true", help="skip the torch.optim.AdamW run")
     args = ap.parse_args()
+    if args.device == "auto":
+        from dos import _native
+        args.device = "cuda" if torch.cuda.is_available() and _native.cuda_supported() else "cpu"
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = TinyGPT().to(device)
