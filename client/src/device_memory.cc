@@ -6,6 +6,8 @@
 
 #ifdef DOS_CLIENT_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "client/src/cuda_util.h"
 #endif
 
 namespace dos::client {
@@ -29,22 +31,12 @@ absl::StatusOr<std::optional<DeviceRange>> DeviceMemory::Describe(const void*, u
 
 namespace {
 
-// cuMemGetAddressRange (driver API, v2 ABI), reached through the runtime so
-// that the library needs no link-time dependency on libcuda.so.
+// cuMemGetAddressRange (driver API, v2 ABI).
 using GetAddressRangeFn = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
 
 GetAddressRangeFn AddressRangeFn() {
-  static GetAddressRangeFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<GetAddressRangeFn>(p);
-  }();
+  static GetAddressRangeFn fn =
+      reinterpret_cast<GetAddressRangeFn>(DriverEntryPoint("cuMemGetAddressRange"));
   return fn;
 }
 
@@ -54,26 +46,6 @@ std::string UuidText(const cudaUUID_t& uuid) {
                          u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
                          u[12], u[13], u[14], u[15]);
 }
-
-absl::Status CudaFailure(const std::string& what, const char* call, cudaError_t e,
-                         const char* hint) {
-  cudaGetLastError();  // clear the sticky-free error so later calls start clean
-  return absl::InternalError(absl::StrCat(what, ": ", call, " failed: ", cudaGetErrorName(e), " (",
-                                          cudaGetErrorString(e), ")", hint));
-}
-
-// Restores the calling thread's current device on scope exit.
-class DeviceGuard {
- public:
-  DeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (ok_) cudaSetDevice(saved_);
-  }
-
- private:
-  int saved_ = 0;
-  bool ok_ = false;
-};
 
 }  // namespace
 

@@ -7,6 +7,8 @@
 #ifdef DOS_CLIENT_WITH_CUDA
 #include <cuda.h>
 #include <cuda_runtime.h>
+
+#include "client/src/cuda_util.h"
 #endif
 
 namespace dos::client {
@@ -17,32 +19,23 @@ namespace {
 
 using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
-absl::Status CudaError(const char* call, cudaError_t e) {
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat("stream sync: ", call, " failed: ", cudaGetErrorName(e),
-                                          " (", cudaGetErrorString(e), ")"));
-}
-
-#define DOS_SYNC_CUDA(call)                                   \
-  do {                                                        \
-    if (cudaError_t e_ = (call); e_ != cudaSuccess) return CudaError(#call, e_); \
+#define DOS_SYNC_CUDA(call)                                                       \
+  do {                                                                            \
+    if (cudaError_t e_ = (call); e_ != cudaSuccess) {                             \
+      return CudaFailure("stream sync", #call, e_);                               \
+    }                                                                             \
   } while (0)
 
-// Makes `device` current for the scope (the trainer's own current device is
-// restored).
+// Makes `device` current for the scope; the trainer's own current device is
+// restored.
 class DeviceScope {
  public:
-  explicit DeviceScope(int device) {
-    ok_ = cudaGetDevice(&saved_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess;
-  }
-  ~DeviceScope() {
-    if (ok_) cudaSetDevice(saved_);
-  }
+  explicit DeviceScope(int device) : ok_(cudaSetDevice(device) == cudaSuccess) {}
   bool ok() const { return ok_; }
 
  private:
-  int saved_ = 0;
-  bool ok_ = false;
+  DeviceGuard restore_;  // constructed first: saves the current device
+  bool ok_;
 };
 
 }  // namespace
@@ -74,12 +67,8 @@ absl::StatusOr<std::unique_ptr<DeviceSync>> DeviceSync::Create(const void* devic
   DeviceScope scope(impl.device);
   if (!scope.ok()) return absl::InternalError("stream sync: cannot select the tensors' device");
 
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                       &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();
+  void* fn = DriverEntryPoint("cuStreamWaitValue32");
+  if (fn == nullptr) {
     return absl::UnimplementedError(
         "stream sync: the CUDA driver has no cuStreamWaitValue32; the trainer waits on the host");
   }

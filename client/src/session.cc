@@ -45,14 +45,14 @@ void ClientSession::WatchSteps() {
     if (control_->closed.load(std::memory_order_acquire) != 0 ||
         !ControlBlockChannel::ProcessAlive(control_->daemon_pid)) {
       abandoned_.store(true, std::memory_order_release);
-      step_channel_->MarkAllDone(seq);
+      step_channel_->MarkAllDone(seq, num_subgroups_);
       inflight_seq_.compare_exchange_strong(seq, 0);
     }
   }
 }
 
-void ClientSession::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout + context_extra_));
+void ClientSession::PrepareContext(grpc::ClientContext* context, absl::Duration extra) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout + extra));
 }
 
 absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status) const {
@@ -217,9 +217,7 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   // that beyond the control-plane timeout.
   uint64_t total_numel = 0;
   for (const dos_tensor& t : tensors) total_numel += t.numel;
-  context_extra_ = absl::Seconds(3.0 * static_cast<double>(total_numel) * 12 / (1 << 30));
-  PrepareContext(&ctx);
-  context_extra_ = absl::ZeroDuration();
+  PrepareContext(&ctx, absl::Seconds(3.0 * static_cast<double>(total_numel) * 12 / (1 << 30)));
   grpc::Status rpc = stub_->RegisterShard(&ctx, req, &resp);
   if (!rpc.ok()) return FromRpc("register", rpc);
   device_sync_ = std::move(device_sync);
@@ -328,7 +326,7 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
   if (!waited.ok()) {
     // The daemon will not finish this step: release anything (the trainer's
     // stream included) still waiting on its subgroups.
-    step_channel_->MarkAllDone(seq_);
+    step_channel_->MarkAllDone(seq_, num_subgroups_);
     step_in_flight_ = false;
     return absl::Status(waited.code(), absl::StrCat("step_wait: ", waited.message(),
                                                     "; re-attach to continue"));

@@ -105,7 +105,10 @@ class ClientSession {
   // Turns a failed RPC into an absl::Status naming the call (and the socket
   // when the daemon is unreachable).
   absl::Status FromRpc(const char* call, const grpc::Status& status) const;
-  void PrepareContext(grpc::ClientContext* context) const;
+  // Deadline: the control-plane timeout plus `extra` (for calls whose work
+  // grows with the shard's size).
+  void PrepareContext(grpc::ClientContext* context,
+                      absl::Duration extra = absl::ZeroDuration()) const;
   absl::StatusOr<std::unique_ptr<ShmSegment>> CreateSegment(uint64_t bytes, bool transfer);
   absl::Status CheckTensor(uint32_t tensor, const char* call) const;
 
@@ -114,9 +117,6 @@ class ClientSession {
   std::unique_ptr<v1::Dos::Stub> stub_;
   v1::SessionRef ref_;
   bool attached_ = false;
-  // Added to the next PrepareContext's deadline (calls whose work grows with
-  // the shard's size).
-  absl::Duration context_extra_ = absl::ZeroDuration();
   bool resumed_ = false;
 
   std::unique_ptr<ShmSegment> control_segment_;

@@ -98,6 +98,10 @@ Session::Session(SessionIdentity identity, const SessionOptions& options, const 
 Session::~Session() {
   Stop();
   absl::MutexLock lock(&mu_);
+  CloseTrainerEvent();
+}
+
+void Session::CloseTrainerEvent() {
   if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
     executor_->gpu()->CloseTrainerEvent(trainer_event_);
   }
@@ -169,6 +173,7 @@ void Session::HandleRequest(uint32_t seq) {
   absl::StatusOr<StepOutcome> outcome;
   double lock_wait_us = 0;
   double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
+  uint32_t num_subgroups = 0;
   {
     absl::MutexLock lock(&mu_);
     lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
@@ -184,10 +189,11 @@ void Session::HandleRequest(uint32_t seq) {
       };
       outcome = executor_->Run(*shard_, bindings_, block->request, policy(), sync);
       snapshot_wait_us = shard_->TakeWriteWaitUs();
+      num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
     }
   }
   // Done, skipped or failed: no waiter on any subgroup may be left behind.
-  channel_->MarkAllDone(seq);
+  channel_->MarkAllDone(seq, num_subgroups);
   const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   if (outcome.ok()) {
     result.found_inf = outcome->found_inf ? 1 : 0;
@@ -582,10 +588,7 @@ std::unique_ptr<ShardState> Session::TakeShard() {
   }
   // The dead client's memory: unmap it (the step thread is stopped).
   bindings_.clear();
-  if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
-    executor_->gpu()->CloseTrainerEvent(trainer_event_);
-  }
-  trainer_event_ = nullptr;
+  CloseTrainerEvent();
   if (shard_ != nullptr && executor_->gpu() != nullptr && shard_->attachment() != nullptr) {
     shard_->set_attachment(nullptr);
   }

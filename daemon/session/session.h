@@ -210,6 +210,7 @@ class Session {
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
   // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;
+  void CloseTrainerEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::unique_ptr<ShardState> adopted_ ABSL_GUARDED_BY(mu_);
   // Snapshot() calls copying `shard_` off `mu_` (TakeShard waits for none).
   absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);

@@ -74,9 +74,13 @@ class ControlBlockChannel {
   void MarkSubgroupDone(uint32_t i, uint32_t seq) {
     if (i + 1 < kMaxTrackedSubgroups) block_->subgroup_done[i].store(seq, std::memory_order_release);
   }
-  // Step `seq` is over (done, skipped or failed): every word says so.
-  void MarkAllDone(uint32_t seq) {
-    for (auto& w : block_->subgroup_done) w.store(seq, std::memory_order_release);
+  // Step `seq` of a shard of `num_subgroups` subgroups is over (done,
+  // skipped or failed): every word a waiter may watch says so (the tracked
+  // ones and the shared last one; a hot path, so not the whole array).
+  void MarkAllDone(uint32_t seq, uint32_t num_subgroups) {
+    const uint32_t n = std::min(num_subgroups, kMaxTrackedSubgroups - 1);
+    for (uint32_t i = 0; i < n; ++i) block_->subgroup_done[i].store(seq, std::memory_order_release);
+    block_->subgroup_done[kMaxTrackedSubgroups - 1].store(seq, std::memory_order_release);
   }
 
   // --- client side ---

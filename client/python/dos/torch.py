@@ -552,11 +552,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         registered = {id(e.param) for e in self._entries if not e.copy_grad}
         with torch.no_grad():
             for e in entries:
-                if e.copy_grad:
-                    continue  # DTensor: the gradient is FSDP's, handled below
-                e.grad_shm.zero_()
-                if e.param.grad is not e.grad_shm:
-                    e.param.grad = e.grad_shm
+                if not e.copy_grad:  # DTensor: the gradient is FSDP's, handled below
+                    self._zero_entry(e)
             for group in self.param_groups:
                 for p in group["params"]:
                     if id(p) in registered or p.grad is None:
@@ -568,6 +565,13 @@ class _DosAdamBase(torch.optim.Optimizer):
                         p.grad.zero_()
         self._ready.clear()
 
+    @staticmethod
+    def _zero_entry(e: _Entry) -> None:
+        """Zeroes e's registered gradient in place and binds it as p.grad."""
+        e.grad_shm.zero_()
+        if e.param.grad is not e.grad_shm:
+            e.param.grad = e.grad_shm
+
     def _zero_pending(self, entries) -> None:
         """Applies a deferred zero_grad to `entries` (their new weights were
         waited for, so the daemon is done with their gradients)."""
@@ -575,9 +579,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             for e in entries:
                 if e.index in self._pending_zero:
                     self._pending_zero.discard(e.index)
-                    e.grad_shm.zero_()
-                    if e.param.grad is not e.grad_shm:
-                        e.param.grad = e.grad_shm
+                    self._zero_entry(e)
 
     def _moved(self, e: _Entry) -> bool:
         """True if e's parameter now lives elsewhere with the same dtype,

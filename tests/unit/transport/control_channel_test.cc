@@ -198,7 +198,7 @@ TEST_F(ControlChannelTest, SubgroupWaitsFollowTheDaemonsMarksAcrossProcesses) {
       channel.MarkSubgroupDone(i, seq);
     }
     absl::SleepFor(absl::Milliseconds(50));
-    channel.MarkAllDone(seq);
+    channel.MarkAllDone(seq, kMaxTrackedSubgroups + 8);  // a shard of that many subgroups
     channel.PostResult(seq);
     return 0;
   });
