@@ -23,6 +23,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "daemon/common/log.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
@@ -33,6 +34,7 @@
 #include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
 #include "daemon/rpc/socket_guard.h"
+#include "daemon/rpc/unix_listener.h"
 #include "daemon/sched/device_selection.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
@@ -93,9 +95,21 @@ ABSL_FLAG(std::string, allow_gids, "",
           "Comma-separated gids (primary or supplementary) allowed to attach.");
 ABSL_FLAG(std::string, tcp_listen, "",
           "Also serve gRPC on HOST:PORT over TCP (e.g. 127.0.0.1:7070); empty = unix socket only. "
-          "TCP callers are not checked by --allow_uids/--allow_gids (no peer credentials) and "
-          "operator calls need no token, so a non-loopback HOST is refused unless "
-          "--tcp_allow_remote.");
+          "TCP callers carry no identity: they may only read (stats, sessions, policies) "
+          "unless --tcp_operator_calls, and cannot attach; a non-loopback HOST is refused "
+          "unless --tcp_allow_remote.");
+ABSL_FLAG(std::string, operator_gids, "",
+          "Comma-separated gids (or group names) whose members are operators: they may act on "
+          "every session (dosctl checkpoint/policy of other users' sessions, save all). Root "
+          "and dosd's own uid always are.");
+ABSL_FLAG(bool, tcp_operator_calls, false,
+          "Let callers over --tcp_listen (who carry no identity) make operator calls; off: "
+          "they may only read (GetStats, ListSessions, GetPolicy).");
+ABSL_FLAG(int, max_sessions, 1024,
+          "Sessions dosd holds at once (attached and waiting for a resume); more Attach calls "
+          "are RESOURCE_EXHAUSTED. 0 = no cap.");
+ABSL_FLAG(int, max_sessions_per_uid, 256,
+          "Sessions one uid holds at once; 0 = no cap.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
           "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
           "operator calls).");
@@ -132,6 +146,7 @@ struct DaemonConfig {
   int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
   PeerAuthOptions peer_auth;         // allow lists of attaching uids/gids
   std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
+  AuthorizerOptions authz;           // operators; what TCP callers may do
 };
 
 bool ParseBytes(absl::string_view text, uint64_t* out) {
@@ -245,6 +260,27 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("--allow_gids must be a comma-separated list of gids");
   }
   c.peer_auth.allow_gids.assign(ids.begin(), ids.end());
+  for (absl::string_view g : absl::StrSplit(absl::GetFlag(FLAGS_operator_gids), ',',
+                                            absl::SkipEmpty())) {
+    const std::string name(g);
+    struct group* gr = ::getgrnam(name.c_str());
+    unsigned gid = 0;
+    if (gr != nullptr) {
+      c.authz.operator_gids.push_back(gr->gr_gid);
+    } else if (absl::SimpleAtoi(name, &gid)) {
+      c.authz.operator_gids.push_back(gid);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--operator_gids: ", name, " is neither a gid nor a known group"));
+    }
+  }
+  c.authz.tcp_operator_calls = absl::GetFlag(FLAGS_tcp_operator_calls);
+  c.authz.daemon_uid = ::geteuid();
+  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_sessions_per_uid) < 0) {
+    return absl::InvalidArgumentError("--max_sessions and --max_sessions_per_uid must be >= 0");
+  }
+  c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
+  c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
   c.peer_auth.socket_mode = c.socket_mode;
   c.peer_auth.group = c.group;
   c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
@@ -427,13 +463,19 @@ int Run(const DaemonConfig& config) {
   absl::StatusOr<std::unique_ptr<PeerAuth>> peer_auth =
       PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
   if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
+  // dosd accepts its unix socket itself: each connection's kernel identity
+  // (SO_PEERCRED) is recorded, and every call is checked against it.
+  PeerTable peers;
+  Authorizer authorizer(config.authz);
   DosService service(&sessions, &budget, kVersion, checkpointer.get(),
-                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr);
+                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr, &peers, &authorizer);
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+      UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
+  if (!listener.ok()) return Fail("daemon.listen", listener.status());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
   if (!config.tcp_listen.empty()) {
     builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
   }
@@ -446,16 +488,6 @@ int Run(const DaemonConfig& config) {
                     config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
                     "; check the directory's permissions and that the port is free")));
   }
-  if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
-    DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
-  }
-  if (config.group != static_cast<gid_t>(-1) &&
-      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
-    return Fail("daemon.chown", absl::PermissionDeniedError(absl::StrCat(
-                                    "cannot give ", config.socket_path, " group ", config.group,
-                                    ": ", std::strerror(errno),
-                                    "; run dosd as a member of that group")));
-  }
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (config.metrics_port != 0) {
     MetricsHttpOptions mopt;
@@ -467,6 +499,9 @@ int Run(const DaemonConfig& config) {
     DOS_LOG_INFO("daemon.metrics", "url",
                  absl::StrCat("http://127.0.0.1:", metrics_server->port(), "/metrics"));
   }
+  // The socket accepts calls once everything is up (tests and operators take
+  // an accepting socket for a ready daemon).
+  (*listener)->Serve(server.get());
   server->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
   // pings only while the session table can be locked (a wedged daemon stops
@@ -497,6 +532,7 @@ int Run(const DaemonConfig& config) {
   // they write is lost). Debian's gRPC also holds Shutdown until the deadline
   // while a client keeps an idle channel open, so a long deadline would only
   // delay every stop of a daemon with trainers attached.
+  (*listener)->Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (checkpointer != nullptr) {
     // With autosave on, a clean stop (upgrade, reboot) saves every session

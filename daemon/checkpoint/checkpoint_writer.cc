@@ -68,9 +68,14 @@ absl::Status CheckpointWriter::Start() {
       return error_;
     }
   }
-  temp_path_ = absl::StrCat(path_, ".tmp.", ::getpid(), ".", temp_counter.fetch_add(1));
-  absl::StatusOr<std::unique_ptr<WritableFile>> f =
-      env_->NewWritableFile(temp_path_, options_.file_mode);
+  // The Env creates the temporary exclusively and never through a link: a
+  // name someone planted (a file or a symlink) is skipped for the next one.
+  absl::StatusOr<std::unique_ptr<WritableFile>> f;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    temp_path_ = absl::StrCat(path_, ".tmp.", ::getpid(), ".", temp_counter.fetch_add(1));
+    f = env_->NewWritableFile(temp_path_, options_.file_mode);
+    if (!absl::IsAlreadyExists(f.status())) break;
+  }
   if (!f.ok()) {
     error_ = absl::Status(f.status().code(),
                           absl::StrCat("checkpoint ", path_, ": ", f.status().message()));

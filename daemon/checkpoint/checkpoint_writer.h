@@ -30,7 +30,7 @@
 namespace dos {
 
 struct CheckpointWriterOptions {
-  uint32_t file_mode = 0640;  // the state is the job's: owner and the dos group
+  uint32_t file_mode = 0600;  // the state is the job's: only dosd reads it
   uint32_t chunk_bytes = kDefaultChunkBytes;
   // Refuse up front (RESOURCE_EXHAUSTED) when the file system reports less
   // free space than the checkpoint needs, rather than fill the disk.

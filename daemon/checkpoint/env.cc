@@ -73,13 +73,13 @@ class PosixEnv final : public Env {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                                 uint32_t mode) override {
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
     if (fd < 0) return ErrnoToStatus(errno, "create", path);
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
   absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return ErrnoToStatus(errno, "open", path);
     struct stat st;
     if (::fstat(fd, &st) != 0) {

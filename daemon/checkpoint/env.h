@@ -54,10 +54,12 @@ class Env {
   // The process-wide POSIX Env.
   static Env* Default();
 
-  // Creates or truncates `path` for writing with permissions `mode` (before
-  // the umask).
+  // Creates `path` for writing with permissions `mode` (before the umask).
+  // The file must not exist (ALREADY_EXISTS otherwise) and a symlink at
+  // `path` is never followed (O_CREAT|O_EXCL|O_NOFOLLOW).
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                                         uint32_t mode) = 0;
+  // Opens a regular file for reading; a symlink at `path` is not followed.
   virtual absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(
       const std::string& path) = 0;
   virtual bool FileExists(const std::string& path) = 0;

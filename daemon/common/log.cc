@@ -56,10 +56,56 @@ void AppendField(std::string* line, absl::string_view key, absl::string_view val
   line->push_back('"');
 }
 
+RateLimiter::Decision RateLimiter::Admit(absl::string_view event, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  Window& w = windows_[std::string(event)];
+  Decision d;
+  if (now - w.start >= window_) {
+    d.suppressed_before = w.suppressed;
+    w = Window{now, 0, 0};
+  }
+  if (w.lines >= lines_per_window_) {
+    d.first_suppressed = w.suppressed == 0;
+    ++w.suppressed;
+    d.emit = false;
+    return d;
+  }
+  ++w.lines;
+  d.emit = true;
+  return d;
+}
+
+namespace {
+// Warnings and errors: at most 10 lines per event per 10 s; the next line
+// after a quiet spell says how many were left out (suppressed=N).
+RateLimiter& Limiter() {
+  static RateLimiter* const limiter = new RateLimiter(10, absl::Seconds(10));
+  return *limiter;
+}
+}  // namespace
+
 void Emit(LogLevel level, absl::string_view event, const std::string& fields) {
+  const absl::Time now = absl::Now();
+  std::string suppressed;
+  if (level >= LogLevel::kWarning) {
+    RateLimiter::Decision d = Limiter().Admit(event, now);
+    if (!d.emit) {
+      if (!d.first_suppressed) return;
+      // Say once that lines are being left out, and how the count is reported.
+      const std::string note = absl::StrCat(
+          "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", now, absl::UTCTimeZone()),
+          " level=warning event=log.rate_limited limited_event=", event,
+          " note=\"further lines of this event are left out for up to 10s; the next one says "
+          "suppressed=N\"\n");
+      ssize_t unused = ::write(STDERR_FILENO, note.data(), note.size());
+      (void)unused;
+      return;
+    }
+    if (d.suppressed_before > 0) suppressed = absl::StrCat(" suppressed=", d.suppressed_before);
+  }
   std::string line = absl::StrCat(
-      "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
-      " level=", LevelName(level), " event=", event, fields, "\n");
+      "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", now, absl::UTCTimeZone()),
+      " level=", LevelName(level), " event=", event, fields, suppressed, "\n");
   // One write(2) per line keeps lines whole when threads log at once.
   ssize_t unused = ::write(STDERR_FILENO, line.data(), line.size());
   (void)unused;

@@ -7,7 +7,8 @@
 //
 // Arguments after the event name alternate key, value. Nothing in a hot loop
 // (per tile, per element) may log; per step is the finest grain allowed, and
-// only at debug level.
+// only at debug level. Warnings and errors are rate-limited per event (10
+// lines per 10 s; the next line says suppressed=N).
 #pragma once
 
 #include <string>
@@ -15,7 +16,10 @@
 #include <type_traits>
 #include "absl/strings/string_view.h"
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace dos {
 
@@ -28,6 +32,33 @@ LogLevel MinLogLevel();
 bool ParseLogLevel(absl::string_view text, LogLevel* out);
 
 namespace log_internal {
+// Repeated warnings and errors of one event (a trainer whose every step
+// fails, a peer retrying a refused call) are rate-limited: at most
+// `lines_per_window` lines per event per `window`; the first line of the
+// next window carries suppressed=<lines left out>. Thread-safe.
+class RateLimiter {
+ public:
+  RateLimiter(int lines_per_window, absl::Duration window)
+      : lines_per_window_(lines_per_window), window_(window) {}
+  struct Decision {
+    bool emit = true;
+    uint64_t suppressed_before = 0;  // lines of this event left out before this one
+    bool first_suppressed = false;   // this is the window's first line left out
+  };
+  Decision Admit(absl::string_view event, absl::Time now);
+
+ private:
+  struct Window {
+    absl::Time start = absl::InfinitePast();
+    int lines = 0;
+    uint64_t suppressed = 0;
+  };
+  const int lines_per_window_;
+  const absl::Duration window_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+};
+
 void AppendField(std::string* line, absl::string_view key, absl::string_view value);
 void Emit(LogLevel level, absl::string_view event, const std::string& fields);
 

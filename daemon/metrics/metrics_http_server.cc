@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <string.h>
@@ -10,7 +11,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/time.h>
+
+#include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -101,7 +106,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr.storage), addr.len) != 0 ||
-      ::listen(fd, 16) != 0) {
+      ::listen(fd, 64) != 0) {
     int err = errno;
     ::close(fd);
     return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", options.host,
@@ -145,45 +150,83 @@ MetricsHttpServer::~MetricsHttpServer() {
 }
 
 void MetricsHttpServer::Loop() {
+  // Connections being read, each with its own buffer and deadline: an idle
+  // or slow client never delays another's scrape.
+  struct Conn {
+    int fd;
+    std::string req;
+    absl::Time deadline;
+  };
+  std::vector<Conn> conns;
   while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    int n = ::poll(fds, 2, -1);
+    std::vector<pollfd> fds;
+    fds.push_back({wake_fd_, POLLIN, 0});
+    // Stop accepting while kMaxConnections are open; the kernel queues the rest.
+    fds.push_back({listen_fd_, static_cast<short>(conns.size() < kMaxConnections ? POLLIN : 0), 0});
+    absl::Time next = absl::InfiniteFuture();
+    for (const Conn& c : conns) {
+      fds.push_back({c.fd, POLLIN, 0});
+      next = std::min(next, c.deadline);
+    }
+    const int timeout_ms =
+        next == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(next - absl::Now()) + 1));
+    int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       DOS_LOG_ERROR("metrics.poll_failed", "error", strerror(errno));
-      return;
+      break;
     }
-    if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (c < 0) continue;
-      Serve(c);
-      ::close(c);
+    if (fds[0].revents != 0) break;
+    const absl::Time now = absl::Now();
+    std::vector<Conn> keep;
+    for (size_t i = 0; i < conns.size(); ++i) {
+      Conn& c = conns[i];
+      bool done = false;
+      if (fds[i + 2].revents != 0) {
+        char buf[2048];
+        ssize_t got = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (got > 0) {
+          c.req.append(buf, static_cast<size_t>(got));
+          if (absl::StrContains(c.req, "\r\n\r\n") || c.req.size() > kMaxRequestBytes) {
+            Answer(c.fd, c.req);
+            done = true;
+          }
+        } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
+          done = true;  // the client went away
+        }
+      }
+      if (!done && now >= c.deadline) done = true;  // a client that sends nothing gets nothing
+      if (done) {
+        ::close(c.fd);
+      } else {
+        keep.push_back(std::move(c));
+      }
+    }
+    conns = std::move(keep);
+    if (fds[1].revents & POLLIN) {
+      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (c >= 0) conns.push_back(Conn{c, std::string(), absl::Now() + read_timeout_});
     }
   }
+  for (const Conn& c : conns) ::close(c.fd);
 }
 
-void MetricsHttpServer::Serve(int fd) {
+void MetricsHttpServer::Answer(int fd, const std::string& req) {
   requests_.fetch_add(1, std::memory_order_relaxed);
-  std::string req;
-  const absl::Time deadline = absl::Now() + read_timeout_;
-  char buf[2048];
-  while (!absl::StrContains(req, "\r\n\r\n")) {
-    if (req.size() > kMaxRequestBytes) {
-      WriteAll(fd, Response(431, "Request Header Fields Too Large", "text/plain",
-                            "request too large\n"));
-      return;
-    }
-    int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    if (left_ms <= 0) return;  // a client that sends nothing gets nothing
-    pollfd p{fd, POLLIN, 0};
-    int r = ::poll(&p, 1, static_cast<int>(left_ms));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return;
-    ssize_t got = ::recv(fd, buf, sizeof buf, 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return;
-    req.append(buf, static_cast<size_t>(got));
+  // The answer is written blocking, bounded by the read timeout.
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(absl::ToInt64Seconds(read_timeout_));
+  tv.tv_usec = static_cast<suseconds_t>(
+      absl::ToInt64Microseconds(read_timeout_ - absl::Seconds(tv.tv_sec)));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (req.size() > kMaxRequestBytes && !absl::StrContains(req, "\r\n\r\n")) {
+    WriteAll(fd, Response(431, "Request Header Fields Too Large", "text/plain",
+                          "request too large\n"));
+    return;
   }
   const std::string line = req.substr(0, req.find("\r\n"));
   std::vector<std::string> parts = absl::StrSplit(line, ' ');

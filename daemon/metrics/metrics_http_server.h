@@ -1,9 +1,10 @@
 // MetricsHttpServer: a minimal HTTP/1.1 server for Prometheus scrapes. It
 // answers GET /metrics with the page its render callback returns (usually
 // MetricsRegistry::RenderText) and 404 / 405 / 400 otherwise, one request per
-// connection (Connection: close). Plain sockets, one thread ("dos-metrics"),
-// no keep-alive, requests capped at 8 KiB and a 2 s read deadline so a slow
-// client cannot hold the thread for long.
+// connection (Connection: close). Plain sockets, one thread ("dos-metrics")
+// polling up to 64 connections at once (each with its own buffer), no
+// keep-alive, requests capped at 8 KiB and a 2 s read deadline per
+// connection: idle or slow clients never delay another client's scrape.
 //
 // It binds loopback addresses only (127.0.0.0/8, ::1, "localhost") unless
 // `allow_non_loopback` is set: the metrics reveal what runs on the node, and
@@ -52,8 +53,10 @@ class MetricsHttpServer {
  private:
   MetricsHttpServer(int listen_fd, int wake_fd, uint16_t port, absl::Duration read_timeout,
                     Render render);
+  static constexpr size_t kMaxConnections = 64;
   void Loop();
-  void Serve(int fd);
+  // Answers one complete request (or refuses a bad one) on `fd`.
+  void Answer(int fd, const std::string& request);
 
   const int listen_fd_;
   const int wake_fd_;  // eventfd: written by the destructor to stop the loop

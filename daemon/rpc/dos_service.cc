@@ -28,6 +28,21 @@ absl::StatusOr<std::shared_ptr<Session>> FindSessionOrOperator(const SessionMana
   return FindSession(sessions, ref);
 }
 
+// A live session, or one whose trainer died and that waits for a resume.
+absl::StatusOr<std::shared_ptr<Session>> FindLiveOrOrphan(const SessionManager& sessions,
+                                                          uint64_t id) {
+  absl::StatusOr<std::shared_ptr<Session>> s = sessions.FindUnchecked(id);
+  if (s.ok()) return s;
+  for (auto& o : sessions.ListOrphans()) {
+    if (o->identity().id == id) return o;
+  }
+  return s.status();
+}
+
+// Largest step count ImportState accepts: far beyond any run, and the step
+// counter (int64) can still count on for as long as anyone trains.
+constexpr int64_t kMaxImportedStep = int64_t{1} << 53;
+
 absl::StatusOr<DType> ToDType(v1::DType d, absl::string_view field) {
   if (!IsValidDType(static_cast<uint32_t>(d))) {
     return absl::InvalidArgumentError(
@@ -144,8 +159,35 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
 
 }  // namespace
 
-grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
+CallerIdentity DosService::Caller(const grpc::ServerContext* ctx) const {
+  if (peers_ == nullptr) return CallerIdentity{};
+  return peers_->Lookup(ctx->peer());
+}
+
+absl::Status DosService::MayActOn(const grpc::ServerContext* ctx, const Session& s,
+                                  absl::string_view what) const {
+  if (authorizer_ == nullptr) return absl::OkStatus();
+  absl::Status st = authorizer_->MayActOn(Caller(ctx), s.identity().uid, s.identity().id, what);
+  if (!st.ok()) DOS_LOG_WARNING("auth.call_refused", "call", what, "error", st.message());
+  return st;
+}
+
+absl::Status DosService::MustBeOperator(const grpc::ServerContext* ctx,
+                                        absl::string_view what) const {
+  if (authorizer_ == nullptr) return absl::OkStatus();
+  absl::Status st = authorizer_->MustBeOperator(Caller(ctx), what);
+  if (!st.ok()) DOS_LOG_WARNING("auth.call_refused", "call", what, "error", st.message());
+  return st;
+}
+
+grpc::Status DosService::Attach(ServerContext* ctx, const v1::AttachRequest* req,
                                 v1::AttachResponse* resp) {
+  const CallerIdentity caller = Caller(ctx);
+  if (authorizer_ != nullptr) {
+    if (absl::Status st = authorizer_->MustBeLocal(caller, "attach"); !st.ok()) {
+      return ToGrpcStatus(st);
+    }
+  }
   if (req->protocol_version() != kProtocolVersion) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
         "attach: client speaks protocol version ", req->protocol_version(), ", daemon speaks ",
@@ -176,6 +218,7 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
   id.rank = req->rank();
   id.local_rank = req->local_rank();
   id.world_size = req->world_size();
+  id.uid = caller.known ? caller.uid : ::geteuid();
   if (req->has_resume() && req->resume().session_id() != 0 && req->resume().token().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         "attach: resume.token is empty; pass the token the first Attach returned"));
@@ -195,19 +238,23 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::Detach(ServerContext*, const v1::DetachRequest* req,
+grpc::Status DosService::Detach(ServerContext* ctx, const v1::DetachRequest* req,
                                 v1::DetachResponse*) {
   if (req->session().session_id() == 0) {
     return ToGrpcStatus(
         absl::InvalidArgumentError("detach: session.session_id is 0; pass the id Attach returned"));
   }
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  if (absl::Status st = MayActOn(ctx, **s, "detach"); !st.ok()) return ToGrpcStatus(st);
   return ToGrpcStatus(sessions_->Detach(req->session().session_id(), req->session().token()));
 }
 
-grpc::Status DosService::RegisterShard(ServerContext*, const v1::RegisterShardRequest* req,
+grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterShardRequest* req,
                                        v1::RegisterShardResponse* resp) {
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
+  if (absl::Status st = MayActOn(ctx, **s, "register"); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
   absl::Status st = (*s)->Register(*spec);
@@ -237,17 +284,21 @@ grpc::Status DosService::GetPolicy(ServerContext*, const v1::GetPolicyRequest* r
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::SetPolicy(ServerContext*, const v1::SetPolicyRequest* req,
+grpc::Status DosService::SetPolicy(ServerContext* ctx, const v1::SetPolicyRequest* req,
                                    v1::SetPolicyResponse* resp) {
   absl::StatusOr<Policy> policy = ParsePolicy(req->policy());
   if (!policy.ok()) return ToGrpcStatus(policy.status());
   if (req->session().session_id() == 0) {
+    if (absl::Status st = MustBeOperator(ctx, "set the default policy"); !st.ok()) {
+      return ToGrpcStatus(st);
+    }
     sessions_->SetDefaultPolicy(*policy);
     DOS_LOG_INFO("policy.default", "policy", FormatPolicy(*policy));
   } else {
     absl::StatusOr<std::shared_ptr<Session>> s =
         FindSessionOrOperator(*sessions_, req->session());
     if (!s.ok()) return ToGrpcStatus(s.status());
+    if (absl::Status st = MayActOn(ctx, **s, "set policy"); !st.ok()) return ToGrpcStatus(st);
     (*s)->SetPolicy(*policy);
     DOS_LOG_INFO("policy.set", "session", req->session().session_id(), "policy",
                  FormatPolicy(*policy));
@@ -326,10 +377,11 @@ absl::StatusOr<std::shared_ptr<Session>> FindTransferSession(const SessionManage
 }
 }  // namespace
 
-grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequest* req,
+grpc::Status DosService::ExportState(ServerContext* ctx, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
   absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
+  if (absl::Status st = MayActOn(ctx, **s, "export state"); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<int64_t> step =
       (*s)->ExportState(req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()));
   if (!step.ok()) return ToGrpcStatus(step.status());
@@ -337,10 +389,16 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequest* req,
+grpc::Status DosService::ImportState(ServerContext* ctx, const v1::TransferStateRequest* req,
                                      v1::TransferStateResponse* resp) {
   absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
+  if (absl::Status st = MayActOn(ctx, **s, "import state"); !st.ok()) return ToGrpcStatus(st);
+  if (req->step() < 0 || req->step() > kMaxImportedStep) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "import state: step ", req->step(), " is out of range; a step count is in [0, ",
+        kMaxImportedStep, "] (the next step must not overflow)")));
+  }
   absl::Status st = (*s)->ImportState(
       req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()), req->step());
   if (!st.ok()) return ToGrpcStatus(st);
@@ -366,14 +424,24 @@ void FillRecords(const std::vector<CheckpointRecord>& records,
 }
 }  // namespace
 
-grpc::Status DosService::SaveCheckpoint(ServerContext*, const v1::SaveCheckpointRequest* req,
+grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckpointRequest* req,
                                         v1::SaveCheckpointResponse* resp) {
   if (checkpointer_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
   }
-  if (!req->path().empty()) {
-    absl::StatusOr<std::string> p = checkpointer_->Resolve(req->path(), "path");
-    if (!p.ok()) return ToGrpcStatus(p.status());
+  if (req->session_id() == 0) {
+    if (absl::Status st = MustBeOperator(ctx, "save checkpoint of every session"); !st.ok()) {
+      return ToGrpcStatus(st);
+    }
+  } else {
+    absl::StatusOr<std::shared_ptr<Session>> s = FindLiveOrOrphan(*sessions_, req->session_id());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    if (absl::Status st = MayActOn(ctx, **s, "save checkpoint"); !st.ok()) return ToGrpcStatus(st);
+    if (!req->path().empty()) {
+      absl::StatusOr<std::string> p =
+          checkpointer_->Resolve((*s)->identity().uid, req->path(), "path");
+      if (!p.ok()) return ToGrpcStatus(p.status());
+    }
   }
   absl::StatusOr<std::vector<CheckpointRecord>> saved =
       checkpointer_->Save(req->session_id(), req->path());
@@ -383,24 +451,31 @@ grpc::Status DosService::SaveCheckpoint(ServerContext*, const v1::SaveCheckpoint
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::LoadCheckpoint(ServerContext*, const v1::LoadCheckpointRequest* req,
+grpc::Status DosService::LoadCheckpoint(ServerContext* ctx, const v1::LoadCheckpointRequest* req,
                                         v1::LoadCheckpointResponse* resp) {
   if (checkpointer_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
   }
   if (req->path().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        "path is empty; name a checkpoint file or directory under dosd's --checkpoint_dir"));
-  }
-  if (absl::StatusOr<std::string> p = checkpointer_->Resolve(req->path(), "path"); !p.ok()) {
-    return ToGrpcStatus(p.status());
+        "path is empty; name a checkpoint file or directory in the session owner's folder "
+        "under dosd's --checkpoint_dir"));
   }
   std::shared_ptr<Session> session;
   if (req->session().session_id() != 0) {
     absl::StatusOr<std::shared_ptr<Session>> s =
         FindSessionOrOperator(*sessions_, req->session());
     if (!s.ok()) return ToGrpcStatus(s.status());
+    if (absl::Status st = MayActOn(ctx, **s, "load checkpoint"); !st.ok()) return ToGrpcStatus(st);
+    if (absl::StatusOr<std::string> p =
+            checkpointer_->Resolve((*s)->identity().uid, req->path(), "path");
+        !p.ok()) {
+      return ToGrpcStatus(p.status());
+    }
     session = *std::move(s);
+  } else if (absl::Status st = MustBeOperator(ctx, "load checkpoints into every session");
+             !st.ok()) {
+    return ToGrpcStatus(st);
   }
   absl::StatusOr<std::vector<CheckpointRecord>> loaded =
       checkpointer_->Load(std::move(session), req->path());

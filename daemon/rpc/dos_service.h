@@ -10,6 +10,7 @@
 #pragma once
 
 #include "absl/time/time.h"
+#include "daemon/rpc/caller_identity.h"
 #include "daemon/rpc/peer_auth.h"
 #include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
@@ -21,14 +22,20 @@ namespace dos {
 class DosService final : public v1::Dos::Service {
  public:
   // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
-  // `peer_auth` may be null: no peer-credential check.
+  // `peer_auth` may be null: no allow-list check at Attach.
+  // `peers` and `authorizer` may be null: no per-call identity check (every
+  // caller is trusted; tests of the adapter only). dosd passes both: each
+  // call's kernel identity decides what it may touch (caller_identity.h).
   DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
-             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr)
+             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr,
+             const PeerTable* peers = nullptr, const Authorizer* authorizer = nullptr)
       : sessions_(sessions),
         budget_(budget),
         version_(std::move(version)),
         checkpointer_(checkpointer),
-        peer_auth_(peer_auth) {}
+        peer_auth_(peer_auth),
+        peers_(peers),
+        authorizer_(authorizer) {}
 
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
@@ -57,6 +64,14 @@ class DosService final : public v1::Dos::Service {
   const std::string version_;
   Checkpointer* const checkpointer_;
   PeerAuth* const peer_auth_;
+  const PeerTable* const peers_;
+  const Authorizer* const authorizer_;
+
+  CallerIdentity Caller(const grpc::ServerContext* ctx) const;
+  // OK if the caller may act on `s` (its owner or an operator).
+  absl::Status MayActOn(const grpc::ServerContext* ctx, const Session& s,
+                        absl::string_view what) const;
+  absl::Status MustBeOperator(const grpc::ServerContext* ctx, absl::string_view what) const;
   const absl::Time started_ = absl::Now();
 };
 

@@ -33,10 +33,28 @@ absl::StatusOr<std::unique_ptr<SocketGuard>> SocketGuard::Claim(const std::strin
     }
   }
   std::string lock_path = socket_path + ".lock";
-  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot open lock file ", lock_path, ": ",
-                                                    std::strerror(errno)));
+  int fd = -1;
+  // The lock file is removed on a clean stop, so the file we locked may have
+  // been unlinked by its previous owner between our open and flock: only a
+  // lock on the file still at the path counts.
+  for (int attempt = 0;; ++attempt) {
+    fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) {
+      return absl::PermissionDeniedError(absl::StrCat("cannot open lock file ", lock_path, ": ",
+                                                      std::strerror(errno)));
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) break;  // held by a live daemon: below
+    struct stat held, at_path;
+    if (::fstat(fd, &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
+        held.st_ino == at_path.st_ino && held.st_dev == at_path.st_dev) {
+      break;  // ours
+    }
+    ::close(fd);
+    if (attempt == 10) {
+      return absl::UnavailableError(absl::StrCat("lock file ", lock_path,
+                                                 " keeps being replaced; is another dosd "
+                                                 "starting on the same --socket?"));
+    }
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     char buf[32] = {0};
@@ -65,6 +83,9 @@ absl::StatusOr<std::unique_ptr<SocketGuard>> SocketGuard::Claim(const std::strin
 
 SocketGuard::~SocketGuard() {
   ::unlink(socket_path_.c_str());
+  // A clean stop leaves nothing behind; unlinked while still locked, so a
+  // daemon starting now either waits on our lock or creates a fresh file.
+  ::unlink((socket_path_ + ".lock").c_str());
   ::close(lock_fd_);
 }
 

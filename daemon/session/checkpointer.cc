@@ -1,6 +1,9 @@
 #include "daemon/session/checkpointer.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <filesystem>
@@ -36,29 +39,24 @@ std::string SafeName(absl::string_view name) {
   return out.substr(0, 128);
 }
 
-bool IsWithin(const fs::path& root, const fs::path& p) {
-  auto r = root.begin();
-  auto q = p.begin();
-  for (; r != root.end(); ++r, ++q) {
-    if (r->empty()) continue;  // trailing separator
-    if (q == p.end() || *r != *q) return false;
-  }
-  return true;
-}
-
 struct Candidate {
   int64_t step;
   uint64_t created;
   std::string path;
 };
 
-// Files under `dir` (recursively) that are DOS checkpoints of (name, rank),
-// best first. Only the header and layout are read here.
-std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::string& dir) {
+// Files under `dir` (recursively, never through a symlink) that are DOS
+// checkpoints, keyed by (`uid`, name, rank), best first. Only the header and
+// layout are read here.
+std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::string& dir,
+                                                                  uint32_t uid) {
   std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
   std::error_code ec;
+  // recursive_directory_iterator does not descend into symlinked directories
+  // by default; symlinked files are skipped here (symlink_status, not status).
   for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_regular_file(ec) || !absl::EndsWith(it->path().filename().string(), kSuffix)) {
+    if (!fs::is_regular_file(it->symlink_status(ec)) ||
+        !absl::EndsWith(it->path().filename().string(), kSuffix)) {
       continue;
     }
     const std::string path = it->path().string();
@@ -69,7 +67,7 @@ std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::str
       continue;
     }
     const CheckpointLayout& l = (*r)->layout();
-    found[{l.owner, l.rank}].push_back(
+    found[{uid, l.owner, l.rank}].push_back(
         {l.tensors.empty() ? 0 : l.tensors[0].step, (*r)->created_unix_seconds(), path});
   }
   for (auto& [key, list] : found) {
@@ -80,16 +78,60 @@ std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::str
   return found;
 }
 
+constexpr char kUserDirPrefix[] = "uid-";
+
+// "uid-<n>" -> n.
+bool ParseUserDir(const std::string& name, uint32_t* uid) {
+  return absl::StartsWith(name, kUserDirPrefix) &&
+         absl::SimpleAtoi(absl::string_view(name).substr(sizeof(kUserDirPrefix) - 1), uid);
+}
+
+// Creates `dir` and its missing parents below `root` with mode 0700; refuses
+// a symlink anywhere below `root`.
+absl::Status MakePrivateDirs(const fs::path& root, const fs::path& dir) {
+  fs::path at = root;
+  for (const fs::path& part : dir.lexically_relative(root)) {
+    if (part.empty() || part == ".") continue;
+    at /= part;
+    struct stat st;
+    if (::lstat(at.c_str(), &st) == 0) {
+      if (!S_ISDIR(st.st_mode)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint directory ", at.string(), " is a symlink or not a directory; dosd does "
+            "not follow links in its checkpoint store"));
+      }
+      continue;
+    }
+    if (::mkdir(at.c_str(), 0700) != 0 && errno != EEXIST) {
+      return ErrnoToStatus(errno, "mkdir", at.string());
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(CheckpointerOptions options, SessionManager* sessions)
     : options_(std::move(options)), sessions_(sessions) {}
 
-Checkpointer::~Checkpointer() { Stop(); }
+Checkpointer::~Checkpointer() {
+  sessions_->SetOnClose(nullptr);
+  Stop();
+}
+
+void Checkpointer::ForgetSession(uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  if (!started_ || stop_) return;
+  Job job;
+  job.forget = session_id;
+  jobs_.push_back(job);
+}
 
 absl::Status Checkpointer::Start() {
   std::error_code ec;
   fs::create_directories(options_.dir, ec);
+  // The store is dosd's alone: trainers reach their state through dosd.
+  ::chmod(options_.dir.c_str(), 0700);
   if (ec || !fs::is_directory(options_.dir, ec)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--checkpoint_dir=", options_.dir, " is not a directory and cannot be created (",
@@ -111,10 +153,12 @@ absl::Status Checkpointer::Start() {
                absl::FormatDuration(options_.autosave_interval), "autosave_keep",
                options_.autosave_keep);
   for (const auto& [key, paths] : candidates) {
-    DOS_LOG_INFO("checkpoint.restorable", "client", key.first, "rank", key.second, "latest",
-                 paths.front(), "files", paths.size());
+    DOS_LOG_INFO("checkpoint.restorable", "uid", std::get<0>(key), "client", std::get<1>(key),
+                 "rank", std::get<2>(key), "latest", paths.front(), "files", paths.size());
   }
   if (options_.restore) sessions_->SetRestoreCandidates(std::move(candidates));
+  // A closed session's staging copy (as large as its state) goes with it.
+  sessions_->SetOnClose([this](uint64_t id) { ForgetSession(id); });
   absl::MutexLock lock(&mu_);
   started_ = true;
   writer_ = std::thread([this] {
@@ -135,33 +179,61 @@ void Checkpointer::Stop() {
 std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore(
     const std::string& dir) {
   std::map<SessionManager::RestoreKey, std::vector<std::string>> out;
-  for (auto& [key, list] : Scan(dir)) {
-    for (Candidate& c : list) out[key].push_back(std::move(c.path));
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    uint32_t uid = 0;
+    if (!fs::is_directory(it->symlink_status(ec)) ||
+        !ParseUserDir(it->path().filename().string(), &uid)) {
+      continue;  // only the owners' folders; never a symlink
+    }
+    for (auto& [key, list] : Scan(it->path().string(), uid)) {
+      for (Candidate& c : list) out[key].push_back(std::move(c.path));
+    }
   }
   return out;
 }
 
-absl::StatusOr<std::string> Checkpointer::Resolve(const std::string& path,
+std::string Checkpointer::UserDir(uint32_t uid) const {
+  return (fs::path(options_.dir) / absl::StrCat(kUserDirPrefix, uid)).string();
+}
+
+absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::string& path,
                                                   absl::string_view field) const {
-  std::error_code ec;
-  const fs::path root = fs::weakly_canonical(options_.dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("checkpoint dir ", options_.dir,
-                                                            ": ", ec.message()));
+  const fs::path root = fs::path(UserDir(owner));
   fs::path p(path);
-  if (p.is_relative()) p = root / p;
-  const fs::path resolved = fs::weakly_canonical(p, ec);  // follows symlinks that exist
-  if (ec || !IsWithin(root, resolved)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " '", path, "' is outside the checkpoint directory ", root.string(),
-        "; give a path relative to it (dosd --checkpoint_dir)"));
+  bool bad = false;
+  for (const fs::path& part : p) bad |= part == "..";
+  if (!bad && p.is_absolute()) {
+    // An absolute path (one SaveCheckpoint answered) must lie in the folder.
+    const fs::path rel = p.lexically_relative(root);
+    bad = rel.empty() || *rel.begin() == "..";
+    p = rel;
   }
-  return resolved.string();
+  if (bad) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " '", path, "' is outside the checkpoint folder of uid ", owner, " (",
+        root.string(), "); give a path relative to it (or under it), without '..'"));
+  }
+  // Below the owner's folder nothing may be a symlink (dosd created every
+  // folder there itself; a link would lead out).
+  fs::path at = root;
+  for (const fs::path& part : p) {
+    if (part.empty() || part == ".") continue;
+    at /= part;
+    struct stat st;
+    if (::lstat(at.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " '", path, "': ", at.string(), " is a symlink; dosd does not follow links in "
+          "its checkpoint store"));
+    }
+  }
+  return (root / p).lexically_normal().string();
 }
 
 std::string Checkpointer::DefaultPath(const Session& session, absl::string_view kind,
                                       int64_t step) const {
   const SessionIdentity& id = session.identity();
-  return (fs::path(options_.dir) / absl::StrCat(SafeName(id.client_name), ".r", id.rank) /
+  return (fs::path(UserDir(id.uid)) / absl::StrCat(SafeName(id.client_name), ".r", id.rank) /
           absl::StrFormat("%s-%012d%s", kind, step, kSuffix))
       .string();
 }
@@ -174,7 +246,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Save(uint64_t sessio
   if (!started_ || stop_) {
     return absl::UnavailableError("checkpoint: the checkpointer is not running");
   }
-  jobs_.push_back(Job{session_id, path, false, &result, &done});
+  jobs_.push_back(Job{session_id, path, false, 0, &result, &done});
   mu_.Await(absl::Condition(&done));
   return result;
 }
@@ -200,6 +272,11 @@ void Checkpointer::WriterLoop() {
       } else {
         continue;
       }
+    }
+    if (job.forget != 0) {
+      staging_.erase(job.forget);
+      autosaved_step_.erase(job.forget);
+      continue;
     }
     absl::StatusOr<std::vector<CheckpointRecord>> r = Run(job);
     if (job.result != nullptr) {
@@ -237,13 +314,16 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     const uint64_t id = s->identity().id;
     std::string path;
     if (!job.path.empty()) {
-      if (job.session_id != 0) {
-        DOS_ASSIGN_OR_RETURN(path, Resolve(job.path, "checkpoint path"));
-      } else {
-        DOS_ASSIGN_OR_RETURN(std::string dir, Resolve(job.path, "checkpoint path"));
-        const SessionIdentity& sid = s->identity();
-        path = (fs::path(dir) / absl::StrCat(SafeName(sid.client_name), ".r", sid.rank, ".s",
-                                             sid.id, kSuffix))
+      const SessionIdentity& sid = s->identity();
+      DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
+      struct stat st;
+      const bool is_dir = ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+      // A folder (every session, an existing folder, "." or a trailing "/")
+      // gets a file named for the session inside it.
+      if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
+          job.path.back() == '/' || fs::path(job.path).filename() == ".") {
+        path = (fs::path(path) / absl::StrCat(SafeName(sid.client_name), ".r", sid.rank, ".s",
+                                              sid.id, kSuffix))
                    .string();
       }
     }
@@ -255,16 +335,6 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       continue;
     }
     if (!rec->path.empty()) out.push_back(*rec);
-  }
-  // Staging copies of sessions that are gone are freed.
-  for (auto it = staging_.begin(); it != staging_.end();) {
-    bool live = false;
-    for (const auto& s : targets) live |= s->identity().id == it->first;
-    if (!live && job.session_id == 0) {
-      it = staging_.erase(it);
-    } else {
-      ++it;
-    }
   }
   return out;
 }
@@ -288,7 +358,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   std::string path = resolved_path;
   if (autosave || path.empty()) path = DefaultPath(*s, autosave ? "auto" : "step", snap.step);
   std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
+  DOS_RETURN_IF_ERROR(MakePrivateDirs(fs::path(options_.dir), fs::path(path).parent_path()));
   const absl::Time start = absl::Now();
   const SessionIdentity& sid = s->identity();
   DOS_RETURN_IF_ERROR(SaveShard(*staging_[id], path, Env::Default(),
@@ -312,7 +382,8 @@ void Checkpointer::PruneAutosaves(const std::string& subdir) {
   std::error_code ec;
   for (fs::directory_iterator it(subdir, ec), end; !ec && it != end; it.increment(ec)) {
     std::string name = it->path().filename().string();
-    if (absl::StartsWith(name, "auto-") && absl::EndsWith(name, kSuffix)) {
+    if (fs::is_regular_file(it->symlink_status(ec)) && absl::StartsWith(name, "auto-") &&
+        absl::EndsWith(name, kSuffix)) {
       autos.push_back(it->path().string());
     }
   }
@@ -332,21 +403,21 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
   } else {
     targets = sessions_->List();
   }
-  DOS_ASSIGN_OR_RETURN(std::string resolved, Resolve(path, "checkpoint path"));
   std::error_code ec;
-  const bool is_dir = fs::is_directory(resolved, ec);
-  if (!is_dir && targets.size() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint path '", path, "' is a file; loading every session needs a directory"));
-  }
   std::vector<CheckpointRecord> out;
-  auto found = is_dir ? Scan(resolved) : decltype(Scan(resolved)){};
   for (const auto& s : targets) {
     if (!s->registered()) continue;
     const SessionIdentity& id = s->identity();
+    DOS_ASSIGN_OR_RETURN(std::string resolved, Resolve(id.uid, path, "checkpoint path"));
+    const bool is_dir = fs::is_directory(fs::symlink_status(resolved, ec));
+    if (!is_dir && targets.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoint path '", path, "' is a file; loading every session needs a directory"));
+    }
     std::vector<std::string> files;
     if (is_dir) {
-      for (const Candidate& c : found[{id.client_name, id.rank}]) files.push_back(c.path);
+      auto found = Scan(resolved, id.uid);
+      for (const Candidate& c : found[{id.uid, id.client_name, id.rank}]) files.push_back(c.path);
       if (files.empty()) {
         if (targets.size() > 1) continue;
         return absl::NotFoundError(absl::StrCat(

@@ -86,11 +86,18 @@ class Checkpointer {
   absl::StatusOr<std::vector<CheckpointRecord>> Load(std::shared_ptr<Session> session,
                                                      const std::string& path);
 
-  // `path` resolved under the directory; INVALID_ARGUMENT naming `field` if it
-  // escapes.
-  absl::StatusOr<std::string> Resolve(const std::string& path, absl::string_view field) const;
+  // `path` resolved under uid `owner`'s folder; INVALID_ARGUMENT naming
+  // `field` if it is absolute, has a `..` or meets a symlink there.
+  absl::StatusOr<std::string> Resolve(uint32_t owner, const std::string& path,
+                                      absl::string_view field) const;
+  // <dir>/uid-<uid>: every checkpoint of uid's sessions lies under it.
+  std::string UserDir(uint32_t uid) const;
+  // Frees the staging copies of sessions that are gone (neither attached nor
+  // waiting for a resume). Called by the writer thread after each job and
+  // when the SessionManager reports a session closed.
+  void ForgetSession(uint64_t session_id);
 
-  // Latest per (client, rank) under `dir`, as described above.
+  // Latest per (uid, client, rank) under `dir`/uid-<uid>/, as described above.
   static std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore(
       const std::string& dir);
 
@@ -99,6 +106,7 @@ class Checkpointer {
     uint64_t session_id = 0;
     std::string path;
     bool autosave = false;
+    uint64_t forget = 0;  // != 0: free this closed session's staging copy only
     absl::StatusOr<std::vector<CheckpointRecord>>* result = nullptr;  // null: nobody waits
     bool* done = nullptr;
   };

@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
   s->channel_ = std::make_unique<ControlBlockChannel>(block);
-  s->step_thread_ = std::thread([raw = s.get()] { raw->StepLoop(); });
+  // The step thread starts at registration: an attached session that never
+  // registers costs no thread (SessionManager's reaper checks its client).
   return s;
 }
 
@@ -108,20 +109,35 @@ void Session::CloseTrainerEvent() {
   trainer_event_ = nullptr;
 }
 
+void Session::StartStepThread() {
+  absl::MutexLock lock(&thread_mu_);
+  if (stop_.load(std::memory_order_acquire) || step_thread_.joinable()) return;
+  step_thread_ = std::thread([this] { StepLoop(); });
+  thread_started_.store(true, std::memory_order_release);
+}
+
+bool Session::ClientGoneWithoutThread() const {
+  return !thread_started_.load(std::memory_order_acquire) && !ClientAlive();
+}
+
+void Session::RequestStop() { stop_.store(true, std::memory_order_release); }
+
 void Session::Stop() {
-  if (stop_.exchange(true)) {
-    if (step_thread_.joinable() && step_thread_.get_id() != std::this_thread::get_id()) {
-      step_thread_.join();
-    }
-    return;
+  stop_.store(true, std::memory_order_release);
+  const bool first = !stopped_.exchange(true);
+  std::thread thread;
+  {
+    absl::MutexLock lock(&thread_mu_);
+    thread = std::move(step_thread_);
   }
-  if (step_thread_.joinable()) {
-    if (step_thread_.get_id() == std::this_thread::get_id()) {
-      step_thread_.detach();
+  if (thread.joinable()) {
+    if (thread.get_id() == std::this_thread::get_id()) {
+      thread.detach();
     } else {
-      step_thread_.join();
+      thread.join();
     }
   }
+  if (!first) return;
   if (control_ != nullptr) {
     auto* block = static_cast<ControlBlock*>(control_->data());
     block->closed.store(1, std::memory_order_release);
@@ -349,15 +365,26 @@ absl::Status Session::Register(const ShardSpec& spec) {
   } else {
     uint64_t numel = 0;
     for (const TensorInfo& t : infos) numel += t.numel;
-    if (options_.memory_limit != 0 && numel * ShardState::kStateBytesPerParam > options_.memory_limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "register: the tensors hold ", numel, " parameters, ",
-          FormatBytes(numel * ShardState::kStateBytesPerParam), " of optimizer state; dosd's "
-          "--session_memory_limit allows ", FormatBytes(options_.memory_limit),
-          " per session; shard the model over more ranks or raise the limit"));
-    }
     uint64_t subgroup_size =
         spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
+    if (subgroup_size < kMinSubgroupSize) {
+      // One page-aligned allocation per subgroup: tiny subgroups would cost
+      // a page (and bookkeeping) per handful of parameters.
+      DOS_LOG_INFO("session.subgroup_size_raised", "session", identity_.id, "requested",
+                   subgroup_size, "used", kMinSubgroupSize);
+      subgroup_size = kMinSubgroupSize;
+    }
+    // What registering really allocates (page-aligned subgroups and their
+    // bookkeeping), not 12 bytes per parameter: tiny subgroups cost pages.
+    const uint64_t bytes = ShardState::AllocatedBytes(numel, subgroup_size);
+    if (options_.memory_limit != 0 && bytes > options_.memory_limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: the tensors hold ", numel, " parameters in subgroups of ", subgroup_size,
+          ", ", FormatBytes(bytes), " of optimizer state with its page-aligned subgroups; "
+          "dosd's --session_memory_limit allows ", FormatBytes(options_.memory_limit),
+          " per session; shard the model over more ranks, use larger subgroups or raise the "
+          "limit"));
+    }
     DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(std::move(infos), spec.groups, subgroup_size,
                                                    budget_,
                                                    absl::StrCat("register: session ", identity_.id)));
@@ -422,6 +449,7 @@ absl::Status Session::Register(const ShardSpec& spec) {
   bindings_ = std::move(bindings);
   trainer_event_ = trainer_event;
   shard_ = std::move(shard);
+  StartStepThread();
   return absl::OkStatus();
 }
 

@@ -53,6 +53,7 @@ struct SessionIdentity {
   int32_t local_rank = 0;
   int32_t world_size = 1;
   uint32_t generation = 0;  // 0 at Attach, +1 at each resume (names the control block)
+  uint32_t uid = 0;         // owner: the attaching process's uid, from the kernel
 };
 
 // One tensor as the client describes it at registration.
@@ -83,7 +84,13 @@ struct SessionOptions {
   absl::Duration liveness_interval = absl::Milliseconds(200);
   DaemonCounters* counters = nullptr;  // daemon-wide totals (metrics); may be null
   uint64_t memory_limit = 0;           // bytes of state per session; 0 = no cap
+  uint32_t max_sessions = 0;           // sessions held at once (live + orphaned); 0 = no cap
+  uint32_t max_sessions_per_uid = 0;   // of them, per owner uid; 0 = no cap
 };
+
+// Smallest subgroup a registration gets (smaller requests are raised to it):
+// each subgroup is its own page-aligned allocation.
+inline constexpr uint64_t kMinSubgroupSize = 256;
 
 struct SessionStatsSnapshot {
   uint64_t steps = 0;
@@ -153,9 +160,15 @@ class Session {
   void AdoptShard(std::unique_ptr<ShardState> shard);
   void SetRestoreCandidates(std::vector<std::string> paths);
   bool registered() const;
+  // True when no step thread watches this session (it never registered) and
+  // its client process is gone: the reaper's liveness check.
+  bool ClientGoneWithoutThread() const;
 
   // Finishes any in-flight step, closes the control block, joins the thread.
   void Stop();
+  // Tells the step thread to stop after its in-flight step, without waiting:
+  // a shutdown asks every session first, then Stop()s each (the waits overlap).
+  void RequestStop();
 
   const SessionIdentity& identity() const { return identity_; }
   bool TokenMatches(absl::string_view token) const;
@@ -186,6 +199,8 @@ class Session {
           const ExecutorSet* executors, HostMemoryBudget* budget,
           std::function<void(uint64_t)> on_client_gone);
   void StepLoop();
+  // Starts the step thread (once; not after Stop()).
+  void StartStepThread();
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
   absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
@@ -223,7 +238,10 @@ class Session {
   Summary summary_ ABSL_GUARDED_BY(stats_mu_);
 
   std::atomic<bool> stop_{false};
-  std::thread step_thread_;
+  absl::Mutex thread_mu_;
+  std::thread step_thread_ ABSL_GUARDED_BY(thread_mu_);
+  std::atomic<bool> thread_started_{false};
+  std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
 };
 
 }  // namespace dos

@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 
 #include <random>
@@ -10,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/log.h"
+#include "daemon/common/status_macros.h"
 
 namespace dos {
 namespace {
@@ -54,10 +57,16 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     if (shutdown_) return absl::UnavailableError("attach: the daemon is shutting down");
     policy = default_policy_;
     if (resume_id == 0) {
+      DOS_RETURN_IF_ERROR(CheckCaps(identity.uid));
       identity.id = next_id_++;
     } else {
       auto live = sessions_.find(resume_id);
       if (live != sessions_.end()) {
+        if (live->second->identity().uid != identity.uid) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "attach: session ", resume_id, " belongs to uid ", live->second->identity().uid,
+              ", not to uid ", identity.uid, "; a session is resumed by the user who attached it"));
+        }
         if (!live->second->TokenMatches(resume_token)) {
           return absl::PermissionDeniedError(absl::StrCat(
               "attach: resume.token does not match session ", resume_id,
@@ -79,6 +88,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
               "attach: resume.session_id ", resume_id, " is not a session waiting for its "
               "trainer (never attached, detached, its lease of ", absl::FormatDuration(lease_),
               " ran out, or the daemon restarted); attach a new session"));
+        }
+        if (o->second.session->identity().uid != identity.uid) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "attach: session ", resume_id, " belongs to uid ", o->second.session->identity().uid,
+              ", not to uid ", identity.uid, "; a session is resumed by the user who attached it"));
         }
         if (!o->second.session->TokenMatches(resume_token)) {
           return absl::PermissionDeniedError(absl::StrCat(
@@ -104,7 +118,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     identity.token = NewToken();
     absl::MutexLock lock(&mu_);
     // Taken once: a second trainer of the same name and rank starts fresh.
-    auto it = restore_.find({identity.client_name, identity.rank});
+    auto it = restore_.find({identity.uid, identity.client_name, identity.rank});
     if (it != restore_.end()) {
       restore = std::move(it->second);
       restore_.erase(it);
@@ -135,6 +149,27 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
                "client", identity.client_name, "pid", identity.pid, "rank", identity.rank,
                "control_block", session->control_block_name());
   return session;
+}
+
+absl::Status SessionManager::CheckCaps(uint32_t uid) const {
+  const size_t total = sessions_.size() + orphans_.size();
+  if (options_.max_sessions != 0 && total >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "attach: dosd holds ", total, " sessions, its --max_sessions=", options_.max_sessions,
+        "; detach finished trainers (dosctl sessions lists them) or raise --max_sessions"));
+  }
+  if (options_.max_sessions_per_uid != 0) {
+    size_t mine = 0;
+    for (const auto& [id, s] : sessions_) mine += s->identity().uid == uid ? 1 : 0;
+    for (const auto& [id, o] : orphans_) mine += o.session->identity().uid == uid ? 1 : 0;
+    if (mine >= options_.max_sessions_per_uid) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "attach: uid ", uid, " holds ", mine, " sessions, dosd's --max_sessions_per_uid=",
+          options_.max_sessions_per_uid, "; detach sessions you no longer use (dosctl "
+          "sessions) or ask the operator to raise --max_sessions_per_uid"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void SessionManager::SetRestoreCandidates(
@@ -190,6 +225,11 @@ std::vector<std::shared_ptr<Session>> SessionManager::List() const {
   return out;
 }
 
+void SessionManager::SetOnClose(std::function<void(uint64_t)> on_close) {
+  absl::MutexLock lock(&mu_);
+  on_close_ = std::move(on_close);
+}
+
 Policy SessionManager::default_policy() const {
   absl::MutexLock lock(&mu_);
   return default_policy_;
@@ -230,6 +270,18 @@ void SessionManager::ReapLoop() {
         sessions_.erase(it);
       }
       gone_.clear();
+      // Sessions that never registered have no step thread watching their
+      // client: checked here, once a second.
+      for (auto it = sessions_.begin(); it != sessions_.end();) {
+        if (it->second->ClientGoneWithoutThread()) {
+          DOS_LOG_INFO("session.client_gone", "session", it->first, "pid",
+                       it->second->identity().pid, "registered", false);
+          reap.push_back(std::move(it->second));
+          it = sessions_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       const absl::Time now = absl::Now();
       for (auto it = orphans_.begin(); it != orphans_.end();) {
         if (it->second.deadline <= now) {
@@ -249,6 +301,12 @@ void SessionManager::StopAndFree(std::shared_ptr<Session> session, absl::string_
   const uint64_t id = session->identity().id;
   session->Stop();
   DOS_LOG_INFO("session.close", "session", id, "reason", why);
+  std::function<void(uint64_t)> on_close;
+  {
+    absl::MutexLock lock(&mu_);
+    on_close = on_close_;
+  }
+  if (on_close) on_close(id);
   // The last reference frees the state and unmaps the client's memory; an
   // RPC still holding the session delays that until it returns.
   session.reset();
@@ -265,7 +323,22 @@ void SessionManager::Shutdown() {
     orphans_.clear();
   }
   if (reaper_.joinable()) reaper_.join();
-  for (auto& [id, s] : sessions) StopAndFree(std::move(s), "shutdown");
+  // Every step thread is told first, so their in-flight steps and liveness
+  // waits end together; then each is joined and freed, on a few threads
+  // (freeing large state and unmapping segments takes a while per session).
+  for (auto& [id, s] : sessions) s->RequestStop();
+  std::vector<std::shared_ptr<Session>> all;
+  for (auto& [id, s] : sessions) all.push_back(std::move(s));
+  sessions.clear();
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < all.size();) StopAndFree(std::move(all[i]), "shutdown");
+  };
+  const size_t n = std::min<size_t>(8, all.size());
+  std::vector<std::thread> pool;
+  for (size_t k = 1; k < n; ++k) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace dos

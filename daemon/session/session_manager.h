@@ -13,19 +13,21 @@
 // session, by a process whose old pid is gone, creates a new session with the
 // same id and token that adopts the state; a lease that runs out frees it.
 //
-// Restart: SetRestoreCandidates gives, per (client_name, rank), checkpoint
-// files best first; the first Attach of that name and rank takes them and
-// its Register loads the first whose layout matches.
+// Restart: SetRestoreCandidates gives, per (uid, client_name, rank),
+// checkpoint files best first; the first Attach of that uid, name and rank
+// takes them and its Register loads the first whose layout matches.
 //
 // Thread-safety: all methods are thread-safe; `mu_` guards the table only and
 // is never held while a session stops.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -66,8 +68,15 @@ class SessionManager {
   // The daemon's executors: its GPU engines' devices, for stats.
   const ExecutorSet* executors() const { return executors_; }
 
-  using RestoreKey = std::pair<std::string, int32_t>;  // client_name, rank
+  // (owner uid, client_name, rank): a client names its job, the kernel its
+  // user, so no one is offered another user's state.
+  using RestoreKey = std::tuple<uint32_t, std::string, int32_t>;
   void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates);
+
+  // Called with a session's id when it is closed for good (detached, its
+  // client gone without a lease, lease expired, shutdown); not on resume.
+  // Runs on the closing thread; must not call back into the manager.
+  void SetOnClose(std::function<void(uint64_t)> on_close);
 
   Policy default_policy() const;
   void SetDefaultPolicy(const Policy& policy);
@@ -76,6 +85,9 @@ class SessionManager {
 
  private:
   void OnClientGone(uint64_t id, uint32_t generation);
+  // RESOURCE_EXHAUSTED when another session would pass --max_sessions or
+  // uid's --max_sessions_per_uid.
+  absl::Status CheckCaps(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReapLoop();
   void StopAndFree(std::shared_ptr<Session> session, absl::string_view why);
 
@@ -98,6 +110,7 @@ class SessionManager {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   Policy default_policy_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void(uint64_t)> on_close_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
 };
 

@@ -15,6 +15,18 @@ namespace {
 constexpr size_t kAlignment = 4096;
 }  // namespace
 
+uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size) {
+  if (subgroup_size == 0 || params == 0) return 0;
+  // Each subgroup's three arrays are one page-aligned allocation (the GPU
+  // path page-locks each on its own); its bookkeeping is small beside a page.
+  auto pages = [](uint64_t numel) {
+    return (numel * kStateBytesPerParam + kAlignment - 1) / kAlignment * kAlignment;
+  };
+  const uint64_t full = params / subgroup_size;
+  const uint64_t tail = params % subgroup_size;
+  return full * pages(subgroup_size) + (tail > 0 ? pages(tail) : 0);
+}
+
 absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorInfo> tensors,
                                                                 std::vector<GroupConfig> groups,
                                                                 uint64_t subgroup_size,
@@ -37,8 +49,9 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   s->total_params_ = flat;
   s->subgroup_size_ = subgroup_size;
   s->budget_ = budget;
-  DOS_RETURN_IF_ERROR(budget->Reserve(s->state_bytes(), what));
-  s->reserved_bytes_ = s->state_bytes();
+  const uint64_t allocated = AllocatedBytes(flat, subgroup_size);
+  DOS_RETURN_IF_ERROR(budget->Reserve(allocated, what));
+  s->reserved_bytes_ = allocated;
 
   // Cut the flat space into subgroups and record which tensor runs each covers.
   uint32_t tensor = 0;

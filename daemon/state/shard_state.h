@@ -104,6 +104,11 @@ class ShardState {
   uint64_t total_params() const { return total_params_; }
   uint64_t subgroup_size() const { return subgroup_size_; }
   uint64_t state_bytes() const { return total_params_ * kStateBytesPerParam; }
+  // Host memory a shard of `params` in subgroups of `subgroup_size` really
+  // takes: each subgroup's arrays are one page-aligned allocation (1024
+  // elements fill 3 pages exactly). This, not state_bytes(), is charged to
+  // the budget.
+  static uint64_t AllocatedBytes(uint64_t params, uint64_t subgroup_size);
 
   // Copies `n` elements of one state array of `tensor`, starting at
   // `tensor_offset`, out of (Read) or into (Write) `buf`. `which` is 0 for

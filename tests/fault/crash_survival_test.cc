@@ -164,7 +164,10 @@ TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExa
     // refuse it (a CRC fails) and fall back to the intact file.
     std::string bytes = ReadFile(resp.files(0).path());
     bytes[bytes.size() / 2] ^= 0x40;
-    std::ofstream(ckpt + "/zz-corrupt.dckpt", std::ios::binary) << bytes;
+    // Beside it, in this user's folder of the store (<dir>/uid-<uid>/).
+    std::ofstream(ckpt + "/uid-" + std::to_string(::getuid()) + "/zz-corrupt.dckpt",
+                  std::ios::binary)
+        << bytes;
     d.Kill();  // SIGKILL: no drain, no final checkpoint
   }
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
@@ -202,13 +205,14 @@ TEST(CrashSurvivalTest, CheckpointPathsAreCheckedAndACorruptFileIsRefused) {
   EXPECT_EQ(save(id + 99, "x.dckpt", &resp).error_code(), grpc::StatusCode::NOT_FOUND);
   grpc::Status ok = save(id, "good.dckpt", &resp);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
-  EXPECT_EQ(resp.files(0).path(), ckpt + "/good.dckpt");
+  EXPECT_EQ(resp.files(0).path(), ckpt + "/uid-" + std::to_string(::getuid()) + "/good.dckpt");
   v1::LoadCheckpointRequest lreq;
   lreq.mutable_session()->set_session_id(id + 99);
   lreq.set_path("good.dckpt");
   v1::LoadCheckpointResponse lresp;
   grpc::ClientContext lctx;
   EXPECT_EQ(stub->LoadCheckpoint(&lctx, lreq, &lresp).error_code(), grpc::StatusCode::NOT_FOUND);
+  lreq.mutable_session()->set_session_id(id);
   lreq.set_path("../../etc/passwd");
   grpc::ClientContext lctx2;
   EXPECT_EQ(stub->LoadCheckpoint(&lctx2, lreq, &lresp).error_code(),

@@ -108,7 +108,8 @@ TEST(OpsTest, MetricsEndpointCountsSteps) {
     EXPECT_NE(page.find("dos_params_updated_total{device=\"cpu\"} 3000"), std::string::npos)
         << page;
     EXPECT_NE(page.find("dos_sessions 1"), std::string::npos) << page;
-    EXPECT_NE(page.find("dos_host_state_bytes 12000"), std::string::npos) << page;
+    // 1000 parameters: 12000 bytes of state in one page-aligned subgroup.
+    EXPECT_NE(page.find("dos_host_state_bytes 12288"), std::string::npos) << page;
   }
   EXPECT_EQ(d.Stop(), 0);
 }
@@ -139,7 +140,10 @@ TEST(OpsTest, DosctlCheckpointSaveLoadAndStatsWatch) {
     const std::string dosctl = std::string(DOS_DOSCTL_PATH) + " --socket=" + d.socket() + " ";
     const std::string id = std::to_string(dos_session_id(t.s));
     std::string out = Shell(dosctl + "checkpoint save " + id + " mine.dckpt 2>&1");
-    EXPECT_NE(out.find(ckpt + "/mine.dckpt"), std::string::npos) << out;
+    // Paths are relative to the session owner's folder, <dir>/uid-<uid>.
+    EXPECT_NE(out.find(ckpt + "/uid-" + std::to_string(::getuid()) + "/mine.dckpt"),
+              std::string::npos)
+        << out;
     ASSERT_EQ(t.Step(), DOS_OK);
     out = Shell(dosctl + "checkpoint load " + id + " mine.dckpt 2>&1");
     EXPECT_NE(out.find("mine.dckpt"), std::string::npos) << out;
@@ -149,7 +153,7 @@ TEST(OpsTest, DosctlCheckpointSaveLoadAndStatsWatch) {
     out = Shell(dosctl + "checkpoint save all 2>&1");
     EXPECT_NE(out.find("ops_test.r-1"), std::string::npos) << out;
     out = Shell(dosctl + "checkpoint save " + id + " ../../etc/x 2>&1");
-    EXPECT_NE(out.find("outside the checkpoint directory"), std::string::npos) << out;
+    EXPECT_NE(out.find("outside the checkpoint folder"), std::string::npos) << out;
     out = Shell(dosctl + "--watch --interval=10ms --count=2 stats 2>&1");
     EXPECT_EQ(std::count(out.begin(), out.end(), '-') >= 6, true) << out;
     EXPECT_NE(out.find("CKPT STALL MAX US"), std::string::npos) << out;
@@ -189,7 +193,7 @@ TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
   const std::string ckpt = ::mkdtemp(tmpl);
   DaemonProcess d({"--checkpoint_dir=" + ckpt, "--autosave_interval=50ms", "--autosave_keep=2"});
   ASSERT_TRUE(d.Start());
-  const std::string dir = ckpt + "/ops_test.r-1/";
+  const std::string dir = ckpt + "/uid-" + std::to_string(::getuid()) + "/ops_test.r-1/";
   auto exists = [](const std::string& p) {
     struct stat st;
     return ::stat(p.c_str(), &st) == 0;

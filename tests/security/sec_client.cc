@@ -8,7 +8,10 @@
 // Usage: sec_client SOCKET_OR_tcp:HOST:PORT OP...
 //   attach:name=N,rank=R          dos_attach (the client library, as a trainer)
 //   register:numel=K[,subgroup=S] allocate shared memory, dos_register one f32 tensor
-//   step[:n=K]                    K steps with gradients of 0.5 (default 1)
+//   step[:n=K,bad=1]              K steps with gradients of 0.5 (default 1); bad=1: with
+//                                 grad_scale -1, which dosd refuses (every step fails)
+//   many:n=N[,numel=K]            N more sessions, each attached and registered
+//   state_write:step=S            dos_state_write of tensor 0 (ImportState) claiming step S
 //   wait                          print "OK wait" and block until stdin closes
 //   detach                        dos_detach the attached session
 //   rpc_save:id=I[,path=P]        SaveCheckpoint by session id (operator call)
@@ -19,8 +22,10 @@
 //   rpc_import:id=I[,token=T]     ImportState of tensor 0 (buffer name "x")
 //   rpc_stats[:id=I]              GetStats
 //   rpc_list                      ListSessions (prints the count)
-//   rpc_attach:name=N             raw Attach claiming this process's pid
-// Exit status: 0 when every line was printed (whatever each op answered), 2 on
+//   rpc_attach:name=N[,n=K,keep=1] K raw Attach calls claiming this process's pid (keep=1:
+//                                 go on after a refusal)
+//   rpc_resume:id=I,token=T       raw Attach resuming session I with token T
+// `id=self` names the session this process attached. Exit status: 0 when every line was printed (whatever each op answered), 2 on
 // bad usage.
 #include <unistd.h>
 
@@ -85,7 +90,8 @@ void PrintRpc(const std::string& op, const grpc::Status& st, const std::string& 
   } else {
     std::string msg = st.error_message();
     for (char& c : msg) c = c == '\n' ? ' ' : c;
-    Print(absl::StrCat("ERR ", op, " code=", static_cast<int>(st.error_code()), " msg=", msg));
+    Print(absl::StrCat("ERR ", op, " code=", static_cast<int>(st.error_code()),
+                       extra.empty() ? "" : " ", extra, " msg=", msg));
   }
 }
 
@@ -95,6 +101,16 @@ void PrintDos(const std::string& op, dos_status st, const std::string& extra = "
   } else {
     Print(absl::StrCat("ERR ", op, " code=", static_cast<int>(st), " msg=", dos_last_error()));
   }
+}
+
+uint64_t SessionId(const Args& a, dos_session* session) {
+  if (Str(a, "id") == "self") return session != nullptr ? dos_session_id(session) : 0;
+  return U64(a, "id");
+}
+
+std::string Token(const Args& a, dos_session* session) {
+  if (Str(a, "token") == "self") return session != nullptr ? dos_session_token(session) : "";
+  return Str(a, "token");
 }
 
 std::unique_ptr<grpc::ClientContext> Context() {
@@ -162,8 +178,47 @@ int main(int argc, char** argv) {
       dos_step_result r{};
       dos_status st = DOS_OK;
       const uint64_t n = U64(a, "n", 1);
+      if (U64(a, "bad") != 0) {
+        sa.grad_scale = -1;
+        uint64_t failed = 0;
+        for (uint64_t k = 0; k < n; ++k) failed += dos_step(session, &sa, &r) != DOS_OK ? 1 : 0;
+        Print(absl::StrCat("OK step failed=", failed));
+        continue;
+      }
       for (uint64_t k = 0; k < n && st == DOS_OK; ++k) st = dos_step(session, &sa, &r);
       PrintDos("step", st, st == DOS_OK ? absl::StrCat("step=", r.step) : "");
+    } else if (op.name == "many") {
+      const uint64_t n = U64(a, "n", 1);
+      const uint64_t numel = U64(a, "numel", 256);
+      static std::vector<dos_session*> extra;
+      dos_status st = DOS_OK;
+      uint64_t done = 0;
+      for (; done < n && st == DOS_OK; ++done) {
+        dos_attach_options o;
+        dos_attach_options_init(&o);
+        o.socket_path = socket.c_str();
+        o.client_name = "many";
+        dos_session* m = nullptr;
+        st = dos_attach(&o, &m);
+        void* p = nullptr;
+        void* g = nullptr;
+        if (st == DOS_OK) st = dos_buffer_alloc(m, numel * 4, &p);
+        if (st == DOS_OK) st = dos_buffer_alloc(m, numel * 4, &g);
+        if (st == DOS_OK) {
+          dos_tensor t{"w", DOS_DTYPE_F32, p, DOS_DTYPE_F32, g, numel, 0};
+          st = dos_register(m, &t, 1, &h, 1, nullptr);
+        }
+        if (m != nullptr) extra.push_back(m);
+      }
+      PrintDos("many", st, absl::StrCat("sessions=", st == DOS_OK ? done : done - 1));
+    } else if (op.name == "state_write") {
+      int64_t step = 0;
+      absl::SimpleAtoi(Str(a, "step", "0"), &step);
+      int64_t cur = 0;
+      dos_status st = dos_state_read(session, 0, nullptr, nullptr, nullptr, &cur);
+      std::vector<float> v(static_cast<size_t>(U64(a, "numel", 1024)), 0.25f);
+      if (st == DOS_OK) st = dos_state_write(session, 0, v.data(), v.data(), v.data(), step);
+      PrintDos("state_write", st);
     } else if (op.name == "wait") {
       Print("OK wait");
       char c;
@@ -174,35 +229,35 @@ int main(int argc, char** argv) {
       session = nullptr;
     } else if (op.name == "rpc_save") {
       dos::v1::SaveCheckpointRequest req;
-      req.set_session_id(U64(a, "id"));
+      req.set_session_id(SessionId(a, session));
       req.set_path(Str(a, "path"));
       dos::v1::SaveCheckpointResponse resp;
-      PrintRpc("rpc_save", stub->SaveCheckpoint(Context().get(), req, &resp),
-               absl::StrCat("path=", resp.path()));
+      grpc::Status st = stub->SaveCheckpoint(Context().get(), req, &resp);
+      PrintRpc("rpc_save", st, absl::StrCat("path=", resp.path()));
     } else if (op.name == "rpc_load") {
       dos::v1::LoadCheckpointRequest req;
-      req.mutable_session()->set_session_id(U64(a, "id"));
-      req.mutable_session()->set_token(Str(a, "token"));
+      req.mutable_session()->set_session_id(SessionId(a, session));
+      req.mutable_session()->set_token(Token(a, session));
       req.set_path(Str(a, "path"));
       dos::v1::LoadCheckpointResponse resp;
       PrintRpc("rpc_load", stub->LoadCheckpoint(Context().get(), req, &resp));
     } else if (op.name == "rpc_policy") {
       dos::v1::SetPolicyRequest req;
-      req.mutable_session()->set_session_id(U64(a, "id"));
-      req.mutable_session()->set_token(Str(a, "token"));
+      req.mutable_session()->set_session_id(SessionId(a, session));
+      req.mutable_session()->set_token(Token(a, session));
       req.set_policy(Str(a, "policy", "cpu"));
       dos::v1::SetPolicyResponse resp;
       PrintRpc("rpc_policy", stub->SetPolicy(Context().get(), req, &resp));
     } else if (op.name == "rpc_detach") {
       dos::v1::DetachRequest req;
-      req.mutable_session()->set_session_id(U64(a, "id"));
-      req.mutable_session()->set_token(Str(a, "token"));
+      req.mutable_session()->set_session_id(SessionId(a, session));
+      req.mutable_session()->set_token(Token(a, session));
       dos::v1::DetachResponse resp;
       PrintRpc("rpc_detach", stub->Detach(Context().get(), req, &resp));
     } else if (op.name == "rpc_export" || op.name == "rpc_import") {
       dos::v1::TransferStateRequest req;
-      req.mutable_session()->set_session_id(U64(a, "id"));
-      req.mutable_session()->set_token(Str(a, "token"));
+      req.mutable_session()->set_session_id(SessionId(a, session));
+      req.mutable_session()->set_token(Token(a, session));
       req.mutable_buffer()->set_name(Str(a, "buffer", "/x"));
       req.set_step(static_cast<int64_t>(U64(a, "step", 0)));
       dos::v1::TransferStateResponse resp;
@@ -212,23 +267,44 @@ int main(int argc, char** argv) {
       PrintRpc(op.name, st);
     } else if (op.name == "rpc_stats") {
       dos::v1::GetStatsRequest req;
-      req.set_session_id(U64(a, "id"));
+      req.set_session_id(SessionId(a, session));
       dos::v1::GetStatsResponse resp;
-      PrintRpc("rpc_stats", stub->GetStats(Context().get(), req, &resp),
-               absl::StrCat("sessions=", resp.sessions_size()));
+      grpc::Status st = stub->GetStats(Context().get(), req, &resp);
+      PrintRpc("rpc_stats", st, absl::StrCat("sessions=", resp.sessions_size()));
     } else if (op.name == "rpc_list") {
       dos::v1::ListSessionsRequest req;
       dos::v1::ListSessionsResponse resp;
-      PrintRpc("rpc_list", stub->ListSessions(Context().get(), req, &resp),
-               absl::StrCat("sessions=", resp.sessions_size()));
-    } else if (op.name == "rpc_attach") {
+      grpc::Status st = stub->ListSessions(Context().get(), req, &resp);
+      PrintRpc("rpc_list", st, absl::StrCat("sessions=", resp.sessions_size()));
+    } else if (op.name == "rpc_attach" || op.name == "rpc_resume") {
       dos::v1::AttachRequest req;
       req.set_client_name(Str(a, "name", "sec"));
       req.set_pid(static_cast<int32_t>(::getpid()));
       req.set_protocol_version(dos::kProtocolVersion);
+      if (op.name == "rpc_resume") {
+        req.mutable_resume()->set_session_id(SessionId(a, session));
+        req.mutable_resume()->set_token(Token(a, session));
+      }
       dos::v1::AttachResponse resp;
-      PrintRpc("rpc_attach", stub->Attach(Context().get(), req, &resp),
-               absl::StrCat("id=", resp.session().session_id()));
+      grpc::Status st;
+      uint64_t ok = 0;
+      uint64_t failed = 0;
+      const uint64_t n = U64(a, "n", 1);
+      const bool keep_going = U64(a, "keep") != 0;
+      for (uint64_t k = 0; k < n; ++k) {
+        resp.Clear();
+        grpc::Status one = stub->Attach(Context().get(), req, &resp);
+        if (one.ok()) {
+          ++ok;
+        } else {
+          ++failed;
+          st = one;
+          if (!keep_going) break;
+        }
+      }
+      PrintRpc(op.name, st,
+               absl::StrCat("id=", resp.session().session_id(), " attached=", ok,
+                            " failed=", failed));
     } else {
       std::fprintf(stderr, "sec_client: unknown op %s\n", op.name.c_str());
       return 2;

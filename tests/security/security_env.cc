@@ -19,8 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kUsers[] = {"dos-sec-d", "dos-sec-a", "dos-sec-b", "dos-sec-c",
-                                  "dos-sec-o"};
+constexpr const char* kUsers[] = {"dos-sec-d", "dos-sec-a", "dos-sec-e", "dos-sec-b",
+                                  "dos-sec-c", "dos-sec-o"};
 
 // Whether every directory above `path` and the file itself may be reached by
 // anyone (o+x on directories, o+rx on the file).
@@ -224,7 +224,7 @@ std::string Field(const std::string& line, const std::string& key) {
   size_t at = line.find(k);
   if (at == std::string::npos) return "";
   at += k.size();
-  return line.substr(at, line.find(' ', at) - at);
+  return line.substr(at, line.find_first_of(" \n", at) - at);
 }
 
 int Code(const std::string& line) {

@@ -4,7 +4,8 @@
 // trainer or operator processes (sec_client) running as those users.
 //
 //   group dos-sec: the trainers' group (the role of `dos`)
-//   dos-sec-d: dosd's user; dos-sec-a: trainer, primary group dos-sec;
+//   dos-sec-d: dosd's user; dos-sec-a and dos-sec-e: trainers, primary group
+//   dos-sec;
 //   dos-sec-b: trainer, dos-sec by supplementary membership; dos-sec-c: a
 //   local user outside the group; dos-sec-o: an operator (group dos-sec-op).
 //

@@ -4,6 +4,7 @@
 #   group dos-sec      plays the role of `dos` (the trainers' group)
 #   user  dos-sec-d    runs dosd (primary group dos-sec, like the `dos` user)
 #   user  dos-sec-a    a trainer whose primary group is dos-sec
+#   user  dos-sec-e    another trainer whose primary group is dos-sec
 #   user  dos-sec-b    a trainer in dos-sec by supplementary membership only
 #   user  dos-sec-c    a local user outside dos-sec
 #   user  dos-sec-o    an operator: in group dos-sec-op (dosd --operator_gids)
@@ -15,7 +16,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "security fixture: not root, no users created; the security tests skip (run them as root, as CI does)"
   exit 0
 fi
-users="dos-sec-d dos-sec-a dos-sec-b dos-sec-c dos-sec-o"
+users="dos-sec-d dos-sec-a dos-sec-e dos-sec-b dos-sec-c dos-sec-o"
 case "$action" in
   create)
     # Leftovers of an interrupted run are replaced.
@@ -24,6 +25,7 @@ case "$action" in
     groupadd --system dos-sec-op
     useradd --system --no-create-home --shell /usr/sbin/nologin -g dos-sec dos-sec-d
     useradd --system --no-create-home --shell /usr/sbin/nologin -g dos-sec dos-sec-a
+    useradd --system --no-create-home --shell /usr/sbin/nologin -g dos-sec dos-sec-e
     useradd --system --no-create-home --shell /usr/sbin/nologin -U -G dos-sec dos-sec-b
     useradd --system --no-create-home --shell /usr/sbin/nologin -U dos-sec-c
     useradd --system --no-create-home --shell /usr/sbin/nologin -U -G dos-sec,dos-sec-op dos-sec-o

@@ -101,7 +101,7 @@ TEST_F(MetricsHttpServerTest, OversizedRequestIsRefused) {
 
 TEST_F(MetricsHttpServerTest, SilentClientDoesNotBlockOthers) {
   // A client that connects and sends nothing is dropped at the read deadline;
-  // a later scrape is still answered.
+  // a later scrape is answered meanwhile (connections are served together).
   int idle = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -111,7 +111,7 @@ TEST_F(MetricsHttpServerTest, SilentClientDoesNotBlockOthers) {
   EXPECT_THAT(Exchange(server_->port(), "GET /metrics HTTP/1.1\r\n\r\n"),
               StartsWith("HTTP/1.1 200 "));
   ::close(idle);
-  EXPECT_GE(server_->requests(), 2u);
+  EXPECT_GE(server_->requests(), 1u);
 }
 
 TEST(MetricsHttpServerBindTest, RefusesNonLoopbackUnlessAllowed) {

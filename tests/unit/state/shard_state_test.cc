@@ -74,24 +74,36 @@ TEST(ShardStateTest, StateStartsZeroAndTensorsRoundTrip) {
   EXPECT_EQ(t1[12], 112.0f);
 }
 
+// The budget is charged what is allocated: each subgroup is page-aligned
+// (1024 elements are 3 pages exactly; a 1-element tail still takes a page).
 TEST(ShardStateTest, BudgetIsReservedAndReleased) {
-  HostMemoryBudget budget(1000 * 12);
+  HostMemoryBudget budget(3072 * 12);
   {
-    auto a = ShardState::Create(Tensors({600}), {GroupConfig{}}, 128, &budget, "a");
+    auto a = ShardState::Create(Tensors({2048}), {GroupConfig{}}, 1024, &budget, "a");
     ASSERT_TRUE(a.ok());
-    EXPECT_EQ(budget.used(), 600u * 12);
-    auto b = ShardState::Create(Tensors({401}), {GroupConfig{}}, 128, &budget, "register b");
+    EXPECT_EQ(budget.used(), 2048u * 12);
+    auto b = ShardState::Create(Tensors({1025}), {GroupConfig{}}, 1024, &budget, "register b");
     ASSERT_FALSE(b.ok());
     EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
     EXPECT_NE(b.status().message().find("register b needs"), absl::string_view::npos)
         << b.status();
-    EXPECT_NE(b.status().message().find("4812 bytes"), absl::string_view::npos) << b.status();
-    EXPECT_EQ(budget.used(), 600u * 12);
-    auto c = ShardState::Create(Tensors({400}), {GroupConfig{}}, 128, &budget, "c");
+    EXPECT_NE(b.status().message().find("16384 bytes"), absl::string_view::npos) << b.status();
+    EXPECT_EQ(budget.used(), 2048u * 12);
+    auto c = ShardState::Create(Tensors({1024}), {GroupConfig{}}, 1024, &budget, "c");
     EXPECT_TRUE(c.ok());
-    EXPECT_EQ(budget.used(), 1000u * 12);
+    EXPECT_EQ(budget.used(), 3072u * 12);
   }
   EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(ShardStateTest, TinySubgroupsAreChargedTheirPages) {
+  EXPECT_EQ(ShardState::AllocatedBytes(1000, 1), 1000u * 4096);
+  EXPECT_EQ(ShardState::AllocatedBytes(1000, 100'000'000), 12288u);
+  EXPECT_EQ(ShardState::AllocatedBytes(3072, 1024), 3072u * 12);
+  HostMemoryBudget budget(1 << 20);
+  auto a = ShardState::Create(Tensors({1000}), {GroupConfig{}}, 1, &budget, "tiny");
+  ASSERT_FALSE(a.ok());  // 4 MB of pages for 12 KB of state
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(ShardStateTest, RejectsEmptyShardAndZeroSubgroupSize) {

@@ -1,0 +1,233 @@
+// Issue 11, items 7, 9 and 11: honest accounting and bounded resources.
+// Tiny subgroups cannot grow dosd past its accounting; staging copies go with
+// their session; session caps; idle sessions cost no thread; SIGTERM with
+// hundreds of sessions is quick; repeated failures are logged a few times with
+// a count; metrics scrapes are not held up by idle connections; ImportState
+// checks the step counter; a clean stop leaves no lock file.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "tests/security/security_env.h"
+
+namespace dos::testing {
+namespace {
+
+constexpr int kInvalidArgument = 3;
+constexpr int kResourceExhausted = 8;
+
+// A field of /proc/<pid>/status as a number ("VmRSS" in kB, "Threads").
+long ProcStatus(pid_t pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::stol(line.substr(key.size() + 1));
+  }
+  return -1;
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = 0; (at = text.find(what, at)) != std::string::npos; at += what.size()) ++n;
+  return n;
+}
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+int Connect(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(Resources, TinySubgroupsCannotGrowDosdPastItsAccounting) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--session_memory_limit=16M"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  const long before = ProcStatus(d->pid(), "VmRSS");
+  // 100k parameters in subgroups of 1 would be 100k page-sized allocations
+  // (400 MB) accounted as 1.2 MB.
+  UserProcess a(User("dos-sec-a"), d->socket(),
+                {"attach", "register:numel=100000,subgroup=1", "step", "wait"});
+  const std::string reg = a.Await("register");
+  ASSERT_EQ(Code(reg), 0) << reg << d->log();
+  ASSERT_EQ(Code(a.Await("step")), 0) << a.output();
+  const long grown_kb = ProcStatus(d->pid(), "VmRSS") - before;
+  EXPECT_LT(grown_kb, 32 * 1024) << "dosd grew " << grown_kb << " kB for 1.2 MB of state";
+  EXPECT_NE(d->log().find("session.subgroup_size_raised"), std::string::npos) << d->log();
+  a.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, StagingCopyIsFreedWhenItsSessionEnds) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  const long before = ProcStatus(d->pid(), "VmRSS");
+  {
+    // 4 Mi parameters: 48 MiB of state, and as much again for the staging
+    // copy of a checkpoint saved by id.
+    UserProcess a(User("dos-sec-a"), d->socket(),
+                  {"attach", "register:numel=4194304", "rpc_save:id=self", "wait"});
+    ASSERT_EQ(Code(a.Await("rpc_save", 60000)), 0) << a.output() << d->log();
+    ASSERT_EQ(Code(a.Await("wait")), 0);
+    EXPECT_GT(ProcStatus(d->pid(), "VmRSS") - before, 80 * 1024);
+    a.Finish();  // detaches
+  }
+  EXPECT_TRUE(WaitFor([&] { return ProcStatus(d->pid(), "VmRSS") - before < 24 * 1024; }, 10000))
+      << "dosd still holds " << ProcStatus(d->pid(), "VmRSS") - before
+      << " kB more than before the session\n"
+      << d->log();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, SessionCapsAnswerResourceExhaustedNamingTheFlag) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--max_sessions_per_uid=3", "--max_sessions=5"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess a(User("dos-sec-a"), d->socket(), {"rpc_attach:n=4", "wait"});
+  const std::string line = a.Await("rpc_attach");
+  EXPECT_EQ(Code(line), kResourceExhausted) << line;
+  EXPECT_EQ(Field(line, "attached"), "3") << line;
+  EXPECT_NE(line.find("--max_sessions_per_uid=3"), std::string::npos) << line;
+  UserProcess e(User("dos-sec-e"), d->socket(), {"rpc_attach:n=3", "wait"});
+  const std::string line_e = e.Await("rpc_attach");
+  EXPECT_EQ(Code(line_e), kResourceExhausted) << line_e;
+  EXPECT_EQ(Field(line_e, "attached"), "2") << line_e;
+  EXPECT_NE(line_e.find("--max_sessions=5"), std::string::npos) << line_e;
+  a.Finish();
+  e.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, IdleAttachesCostNoThreads) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  const long before = ProcStatus(d->pid(), "Threads");
+  UserProcess a(User("dos-sec-a"), d->socket(), {"rpc_attach:n=200", "wait"});
+  const std::string line = a.Await("rpc_attach", 60000);
+  ASSERT_EQ(Code(line), 0) << line << d->log();
+  const long threads = ProcStatus(d->pid(), "Threads");
+  EXPECT_LT(threads - before, 20) << threads << " threads for 200 idle sessions";
+  a.Finish();
+  // The reaper still notices that their process is gone.
+  EXPECT_TRUE(WaitFor([&] { return Count(d->log(), "reason=client_exited") == 200; }, 15000))
+      << d->log();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, SigtermWithHundredsOfSessionsStopsQuickly) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess a(User("dos-sec-a"), d->socket(), {"many:n=200", "wait"});
+  const std::string line = a.Await("many", 120000);
+  ASSERT_EQ(Code(line), 0) << line << d->log();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(secs, 10.0) << "SIGTERM with 200 sessions took " << secs << " s";
+  std::printf("SIGTERM with 200 registered sessions: %.2f s\n", secs);
+  EXPECT_EQ(Count(d->log(), "reason=shutdown"), 200u);
+}
+
+TEST(Resources, RepeatedFailuresAreLoggedAFewTimesWithACount) {
+  DOS_SECURITY_REQUIRE();
+  // A client that keeps making a refused call: an Attach without the ticket
+  // that --allow_uids requires, 300 times (dosd warns on each refusal).
+  auto d = SecureDaemon({"--allow_uids=" + std::to_string(User("dos-sec-a").uid)});
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::string out =
+      RunAs(User("dos-sec-e"), d->socket(), {"rpc_attach:n=300,keep=1"});
+  EXPECT_EQ(Field(out, "failed"), "300") << out;
+  const std::string log = d->log();
+  EXPECT_LE(Count(log, " event=auth.attach_refused"), 10u) << log.size() << " bytes of log";
+  EXPECT_EQ(Count(log, "event=log.rate_limited limited_event=auth.attach_refused"), 1u) << log;
+  // Other events are limited apart: the trainer that may attach still logs.
+  const std::string a = RunAs(User("dos-sec-a"), d->socket(), {"attach", "register:numel=256"});
+  EXPECT_NE(a.find("OK register"), std::string::npos) << a << d->log();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, MetricsScrapeIsNotHeldUpByIdleConnections) {
+  DOS_SECURITY_REQUIRE();
+  const int port = FreePort();
+  auto d = SecureDaemon({"--metrics_port=" + std::to_string(port)});
+  ASSERT_TRUE(d->Start()) << d->log();
+  std::vector<int> idle;
+  for (int i = 0; i < 8; ++i) idle.push_back(Connect(port));
+  const auto start = std::chrono::steady_clock::now();
+  int fd = Connect(port);
+  ASSERT_GE(fd, 0);
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  ASSERT_EQ(::write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));
+  std::string page;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) page.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(page.find("dos_sessions 0"), std::string::npos) << page;
+  EXPECT_LT(secs, 1.5) << "scrape took " << secs << " s behind 8 idle connections";
+  for (int c : idle) ::close(c);
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, ImportStateRefusesAStepCounterThatWouldOverflow) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::string out = RunAs(User("dos-sec-a"), d->socket(),
+                                {"attach", "register:numel=1024",
+                                 "state_write:step=9223372036854775807", "step",
+                                 "state_write:step=-1", "state_write:step=41", "step"});
+  const size_t first = out.find("state_write");
+  ASSERT_NE(first, std::string::npos) << out;
+  EXPECT_NE(out.find("ERR state_write code=3"), std::string::npos) << out;
+  EXPECT_EQ(Count(out, "ERR state_write code=3"), 2u) << out;
+  EXPECT_NE(out.find("is out of range"), std::string::npos) << out;
+  EXPECT_NE(out.find("OK step step=1"), std::string::npos) << out;
+  EXPECT_NE(out.find("OK step step=42"), std::string::npos) << out;
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+TEST(Resources, CleanStopLeavesNoSocketOrLockFile) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  EXPECT_TRUE(std::filesystem::exists(d->socket() + ".lock"));
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+  EXPECT_FALSE(std::filesystem::exists(d->socket()));
+  EXPECT_FALSE(std::filesystem::exists(d->socket() + ".lock"));
+  // And the next daemon on the same socket starts as usual.
+}
+
+}  // namespace
+}  // namespace dos::testing
