@@ -13,13 +13,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 #include "dos/dos.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
