@@ -45,10 +45,12 @@ def rank_data(rank, steps, device):
 
 def fully_shard_fn():
     """torch's FSDP2 entry point, or None before torch 2.4."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+        return None
     for mod in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
         try:
             m = __import__(mod, fromlist=["fully_shard"])
-        except ImportError:
+        except Exception:  # ImportError, or a broken import on this Python
             continue
         if hasattr(m, "fully_shard"):
             return m.fully_shard
