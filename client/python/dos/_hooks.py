@@ -1,16 +1,20 @@
 """Hooks on the model: per-layer waits for an asynchronous step (forward
-pre-hooks and gradient hooks, `model=`), deferred zero_grad, and the overlap
-hooks that begin a step when the last gradient is final (`overlap=True`).
+pre-hooks and gradient hooks, `model=`), the module state_dict() and
+load_state_dict() hooks that finish a step in flight before anyone reads or
+overwrites the weights, deferred zero_grad, and the overlap hooks that begin a
+step when the last gradient is final (`overlap=True`).
 
 `_HooksMixin` is one part of dos.torch's optimizer class. It owns `_async`,
-`_stream_sync`, `_ranges`, `_num_subgroups`, `_layer_waits`, `_grad_hooks`,
-`_pending_zero`, `_ready`, `ready_log` and each entry's `hook`.
+`_stream_sync`, `_ranges`, `_num_subgroups`, `_layer_waits` (forward and
+state-dict hook handles), `_grad_hooks`, `_pending_zero`, `_ready`,
+`ready_log`, `_sync_stream` and each entry's `hook`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 
 import torch
 
@@ -37,7 +41,13 @@ class _HooksMixin:
         self._num_subgroups = max(r[1] for r in self._ranges) + 1
         possible = (self._stream_sync or model is not None) and not dtensor
         if async_step is None:
-            async_step = possible
+            # By default steps overlap the next forward only on CUDA, where the
+            # trainer's stream orders every later reader (whole-step stream
+            # wait), or model='s hooks and torch.cuda.synchronize() do. On the
+            # CPU path step() returns after the update: a read of the shared
+            # memory that passes through no hook (p.cpu(), parameters(),
+            # torch.save of a parameter) could not be made to wait.
+            async_step = possible and self._device is not None
         elif async_step and not possible:
             why = ("FSDP2/DTensor parameters are copied at step()" if dtensor else
                    "without model= nothing would order the next forward after the step on "
@@ -61,14 +71,50 @@ class _HooksMixin:
             first = min(self._ranges[e.index][0] for e in ents)
             last = max(self._ranges[e.index][1] for e in ents)
 
-            def pre_hook(_module, _inputs, ents=ents, first=first, last=last):
-                self._wait_layer(ents, first, last)
-            self._layer_waits.append(module.register_forward_pre_hook(pre_hook))
+            def pre_hook(opt, _module, _inputs, ents=ents, first=first, last=last):
+                opt._wait_layer(ents, first, last)
+            self._layer_waits.append(module.register_forward_pre_hook(self._weak(pre_hook)))
+            self._layer_waits += self._install_reader_hooks(module)
         for e in self._entries:
-            def grad_hook(_grad, e=e):
-                r = self._ranges[e.index]
-                self._wait_layer([e], r[0], r[1])
-            self._grad_hooks.append(e.param.register_hook(grad_hook))
+            def grad_hook(opt, _grad, i=e.index):
+                r = opt._ranges[i]
+                opt._wait_layer([opt._entries[i]], r[0], r[1])
+            self._grad_hooks.append(e.param.register_hook(self._weak(grad_hook)))
+
+    def _weak(self, fn):
+        """A hook that calls fn(optimizer, *args) through a weak reference:
+        hooks live on the model and its parameters, and a strong reference
+        back would put the optimizer in reference cycles with them, so that
+        only the cyclic collector (at interpreter exit: after torch's module
+        is torn down) could finalize it. Dropping the optimizer closes it."""
+        ref = weakref.ref(self)
+
+        def hook(*args, **kwargs):
+            opt = ref()
+            if opt is not None:
+                return fn(opt, *args, **kwargs)
+        return hook
+
+    def _install_reader_hooks(self, module):
+        """module.state_dict() and module.load_state_dict() finish the step in
+        flight first: every framework saves weights through state_dict()
+        (Trainer, Accelerate, Lightning, torch.save(model.state_dict())), and
+        a load must not be overwritten by the daemon's late writes. Installed
+        on each module that owns registered parameters, so a state_dict() of
+        any enclosing module (DDP, a wrapper, a submodule) passes one."""
+        finish = self._weak(lambda opt, *_args, **_kwargs: opt._finish_inflight())
+        if hasattr(module, "register_state_dict_pre_hook"):  # torch >= 2.0
+            on_save = module.register_state_dict_pre_hook(finish)
+        else:
+            # torch 1.13 has only the post-hook: state_dict() holds detached
+            # aliases of the parameters, so finishing before it returns is
+            # as good.
+            on_save = module._register_state_dict_hook(finish)
+        if hasattr(module, "register_load_state_dict_pre_hook"):
+            on_load = module.register_load_state_dict_pre_hook(finish)
+        else:
+            on_load = module._register_load_state_dict_pre_hook(finish)
+        return [on_save, on_load]
 
     def _wait_layer(self, ents, first, last):
         if self._session is None:
@@ -90,13 +136,23 @@ class _HooksMixin:
                     self._pending_zero.discard(e.index)
                     self._zero_entry(e)
 
-    def _queue_wait_all(self):
-        """Stream-ordered session without per-layer waits: everything queued
-        on the current stream from now on waits for the whole step."""
+    def _queue_wait_all(self, stream=None):
+        """Stream-ordered session: everything queued on `stream` (default:
+        the current one) from now on waits for the whole step."""
         if self._num_subgroups:
             call("dos_wait_subgroups", self._session, ctypes.c_uint32(0),
-                         ctypes.c_uint32(self._num_subgroups - 1), self._stream(),
-                         ctypes.c_int64(-1))
+                 ctypes.c_uint32(self._num_subgroups - 1), stream or self._stream(),
+                 ctypes.c_int64(-1))
+
+    def _queue_device_wait(self):
+        """With per-layer waits the current stream stays free to start the
+        next forward; a stream of the optimizer's own waits for the whole
+        step instead, so that torch.cuda.synchronize() (which waits for every
+        stream of the device) returns only once the new weights are in."""
+        stream = getattr(self, "_sync_stream", None)
+        if stream is None:
+            stream = self._sync_stream = torch.cuda.Stream(device=self._device)
+        self._queue_wait_all(ctypes.c_void_p(stream.cuda_stream))
 
     def _install_hooks(self):
         for e in self._entries:
@@ -105,9 +161,9 @@ class _HooksMixin:
             e.hook = e.param.register_post_accumulate_grad_hook(self._make_hook(e))
 
     def _make_hook(self, e):
-        def hook(_param):
-            self._on_ready(e)
-        return hook
+        def hook(opt, _param, i=e.index):
+            opt._on_ready(opt._entries[i])
+        return self._weak(hook)
 
     def _on_ready(self, e):
         """Post-accumulate-grad hook: e's gradient is final for this

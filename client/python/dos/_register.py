@@ -191,6 +191,8 @@ class _RegisterMixin:
         base = ctypes.c_void_p()
         call("dos_buffer_alloc", self._session, ctypes.c_uint64(total), ctypes.byref(base))
         self._arena = (ctypes.c_ubyte * total).from_address(base.value)
+        # Every tensor over the arena keeps the session, hence the mapping, alive.
+        self._arena.owner = self._handle
 
         tensors = (_native.Tensor * len(entries))()
         name_bufs = []
@@ -333,5 +335,6 @@ class _RegisterMixin:
             self._write(e, saved.get(id(e.param)))
         if self.overlap:
             self._install_hooks()
-        self._setup_async(*self._async_args)
+        model_ref, async_step = self._async_args
+        self._setup_async(None if model_ref is None else model_ref(), async_step)
 
