@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/log.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
