@@ -19,6 +19,7 @@
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/cuda_ipc_transport.h"
+#include "daemon/sched/step_planner.h"
 #include "daemon/sched/subgroup_queue.h"
 
 namespace dos::gpu {
@@ -35,7 +36,7 @@ constexpr int kCpuBuffers = 4;
 constexpr uint64_t kHostElemBytes = 4;
 
 uint64_t StateBytes(const Subgroup& g) { return g.numel * ShardState::kStateBytesPerParam; }
-uint64_t AllocBytes(const Subgroup& g) { return (StateBytes(g) + 4095) / 4096 * 4096; }
+uint64_t AllocBytes(const Subgroup& g) { return ShardState::AllocationBytes(g.numel); }
 
 const char* At(const void* base, DType dtype, uint64_t elems) {
   return static_cast<const char*>(base) + elems * DTypeSize(dtype);
@@ -87,24 +88,13 @@ class GpuEngine::Shard final : public ShardAttachment {
   std::atomic<uint64_t>* resident_bytes_;
 };
 
-// One timeline entry: which subgroup ran where and when (microseconds from
-// the step's start). Path 'r' resident, 'g' streamed, 'c' CPU; `in` is the
-// inbound copy (state H2D or gradients D2H), `out` the outbound one.
-struct TimelineEntry {
-  uint32_t subgroup = 0;
-  char path = 'c';
-  double in0 = 0, in1 = 0, k0 = 0, k1 = 0, out0 = 0, out1 = 0;
-};
-
 struct GpuEngine::StepRun {
   ShardState* shard = nullptr;
   std::span<const TensorBinding> bindings;
   std::span<const cpu::AdamScalars> scalars;
   Shard* gs = nullptr;
+  const StepPlan* plan = nullptr;
   SubgroupQueue* queue = nullptr;
-  PerfInputs inputs;
-  double cpu_rate = 0;  // CPU-path params/s as a whole (copies and waits included)
-  double gpu_rate = 0;  // GPU-path (streamed) params/s as a whole; 0 until measured
   double gpu_loop_us = 0;
   uint64_t streamed_params = 0;
   cudaEvent_t start = nullptr;
@@ -146,7 +136,12 @@ absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun:
 }  // namespace
 
 GpuEngine::GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu)
-    : options_(options), cpu_(cpu), model_(options.model) {}
+    : options_(options),
+      cpu_(cpu),
+      planner_(PlannerOptions{.budgets = {.gpu = true,
+                                          .gpu_resident_bytes = options.resident_budget_bytes},
+                              .initial = options.model,
+                              .timeline_path = options.timeline_path}) {}
 
 int GpuEngine::VisibleDevices() {
   int count = 0;
@@ -228,10 +223,7 @@ absl::Status GpuEngine::CopyToDevice(void* dst, const void* src, uint64_t bytes)
   return absl::OkStatus();
 }
 
-PerfInputs GpuEngine::model_inputs() const {
-  absl::MutexLock lock(&step_mu_);
-  return model_.inputs();
-}
+PerfInputs GpuEngine::model_inputs() const { return planner_.model_inputs(); }
 
 absl::Status GpuEngine::AttachShard(ShardState& shard) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
@@ -475,25 +467,9 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     return absl::OkStatus();
   };
 
-  // Would the GPU finish one more subgroup sooner than the CPU would, given
-  // what each still has to do? (The dynamic-claiming rule of `auto`.)
-  const PerfInputs& in = run.inputs;
+  // The plan's rule for shared subgroups (auto's dynamic claiming).
   auto take = [&](uint64_t n, uint64_t shared_left) {
-    const double bytes = 12.0 * static_cast<double>(n);
-    // The GPU path's measured throughput as a whole (both copy directions
-    // sharing PCIe and host memory with the CPU path) sets its period; the
-    // copy-engine rates alone overstate it.
-    const double period = run.gpu_rate > 0
-                              ? static_cast<double>(n) / run.gpu_rate
-                              : bytes / std::min(in.h2d_bytes_per_s, in.d2h_bytes_per_s);
-    const double latency =
-        bytes / in.h2d_bytes_per_s + n / in.gpu_params_per_s + bytes / in.d2h_bytes_per_s;
-    const double inflight = static_cast<double>(busy.size());
-    const double gpu_without = inflight * period;
-    const double gpu_with = std::max(latency, (inflight + 1) * period);
-    const double cpu_with_gpu = static_cast<double>(shared_left - n) / run.cpu_rate;
-    const double cpu_alone = static_cast<double>(shared_left) / run.cpu_rate;
-    return std::max(gpu_with, cpu_with_gpu) <= std::max(gpu_without, cpu_alone);
+    return run.plan->TakeShared(n, shared_left, busy.size());
   };
 
   while (status.ok()) {
@@ -709,107 +685,18 @@ absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding>
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto* gs = static_cast<Shard*>(shard.attachment());
   if (gs == nullptr) return absl::InternalError("gpu: shard was not attached to the GPU engine");
-  std::span<Subgroup> sgs = shard.subgroups();
-  const uint32_t n = static_cast<uint32_t>(sgs.size());
-  uint64_t max_numel = 0;
-  for (const Subgroup& g : sgs) max_numel = std::max(max_numel, g.numel);
-  DOS_RETURN_IF_ERROR(EnsureBuffers(max_numel));
-
-  // Resident share: static:<f> asks for it; auto takes what the budget allows.
-  uint32_t resident = 0;
-  const uint64_t sg_bytes = max_numel * ShardState::kStateBytesPerParam;
-  if (policy.kind == Policy::Kind::kStatic) {
-    resident = static_cast<uint32_t>(std::lround(policy.fraction * n));
-  } else if (policy.kind == Policy::Kind::kAuto && options_.resident_budget_bytes > 0) {
-    resident = static_cast<uint32_t>(std::min<uint64_t>(n, options_.resident_budget_bytes / sg_bytes));
-  }
-  DOS_RETURN_IF_ERROR(SetResident(shard, resident));
-
-  // Placement of the streamed subgroups.
-  std::vector<uint32_t> gpu_only, cpu_only, shared;
-  std::vector<uint64_t> numel(n);
-  uint64_t streamed_params = 0, resident_params = 0, fixed_gpu_params = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    numel[i] = sgs[i].numel;
-    if (i < resident) {
-      resident_params += sgs[i].numel;
-      continue;
-    }
-    streamed_params += sgs[i].numel;
-    switch (policy.kind) {
-      case Policy::Kind::kCpu:
-      case Policy::Kind::kStatic: cpu_only.push_back(i); break;
-      case Policy::Kind::kInterleave:
-        if ((i - resident) % static_cast<uint32_t>(policy.stride) == 0) {
-          gpu_only.push_back(i);
-          fixed_gpu_params += sgs[i].numel;
-        } else {
-          cpu_only.push_back(i);
-        }
-        break;
-      case Policy::Kind::kAuto: shared.push_back(i); break;
-    }
-  }
-  // Transfer sizes per CPU-path param, from the first tensor's dtypes.
-  const TensorInfo& t0 = shard.tensors()[0];
-  model_.set_transfer_sizes(
-      options_.cpu_grad_fp32 ? 4.0 : static_cast<double>(DTypeSize(t0.grad_dtype)),
-      static_cast<double>(DTypeSize(t0.param_dtype)));
-  const PerfInputs inputs = model_.inputs();
-  double x = 0;
-  std::string binding;
-  if (policy.kind == Policy::Kind::kAuto) {
-    PerfPrediction p = PerfModel::Solve(inputs);
-    x = p.gpu_share;
-    binding = p.binding;
-  } else {
-    x = streamed_params > 0 ? static_cast<double>(fixed_gpu_params) / streamed_params : 0;
-    binding = PerfModel::Bound(inputs, x).binding;
-  }
-  if (policy.kind == Policy::Kind::kAuto && shared.size() > 2) {
-    // Pre-assign half of each side's share by the model's x: the GPU
-    // pipeline owns the front quarter-ish, the CPU pool the back, so both
-    // start at once, and the middle stays shared for dynamic claiming (GPU
-    // from its front, CPU from its back) to balance the phase's end. Pinning
-    // all of x made a misjudged x final (measured: the GPU pipeline idle for
-    // the last quarter of a step while the CPU worked through its pins); not
-    // pinning at all let the GPU claim nearly everything in the first steps.
-    const double total = static_cast<double>(streamed_params);
-    const double gpu_pin = 0.5 * x * total;
-    const double cpu_pin = 0.5 * (1 - x) * total;
-    size_t front = 0, back = shared.size();
-    for (double acc = 0; front < shared.size() && acc + sgs[shared[front]].numel <= gpu_pin;
-         ++front) {
-      acc += static_cast<double>(sgs[shared[front]].numel);
-    }
-    for (double acc = 0; back > front && acc + sgs[shared[back - 1]].numel <= cpu_pin; --back) {
-      acc += static_cast<double>(sgs[shared[back - 1]].numel);
-    }
-    gpu_only.assign(shared.begin(), shared.begin() + front);
-    // The CPU pops its own from the front of cpu_only: the far end first.
-    cpu_only.assign(shared.rbegin(), shared.rbegin() + (shared.size() - back));
-    shared = std::vector<uint32_t>(shared.begin() + front, shared.begin() + back);
-  }
-  uint64_t max_streamed = 0;
-  for (uint32_t i = resident; i < n; ++i) max_streamed = std::max(max_streamed, sgs[i].numel);
-  const double predicted_us =
-      PerfModel::PhaseSeconds(inputs, x, static_cast<double>(streamed_params),
-                              static_cast<double>(resident_params),
-                              static_cast<double>(max_streamed)) * 1e6;
-
-  SubgroupQueue queue(std::move(gpu_only), std::move(cpu_only), std::move(shared),
-                      std::move(numel));
+  const uint32_t n = static_cast<uint32_t>(shard.subgroups().size());
+  const StepPlan plan = planner_.Plan(policy, ShardLayout::Of(shard, options_.cpu_grad_fp32));
+  DOS_RETURN_IF_ERROR(EnsureBuffers(plan.max_numel));
+  DOS_RETURN_IF_ERROR(SetResident(shard, plan.resident));
+  SubgroupQueue queue = plan.MakeQueue();
   StepRun run;
   run.shard = &shard;
   run.bindings = bindings;
   run.scalars = scalars;
   run.gs = gs;
+  run.plan = &plan;
   run.queue = &queue;
-  run.inputs = inputs;
-  // The CPU path's throughput as a whole (copies and waits included) is what
-  // the claiming rule compares against; the kernel rate alone feeds the model.
-  run.cpu_rate = cpu_path_rate_ > 0 ? cpu_path_rate_ : 0.6 * inputs.cpu_params_per_s;
-  run.gpu_rate = gpu_path_rate_;
   run.sync = &sync;
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(run.start, h2d_));
@@ -836,71 +723,47 @@ absl::Status GpuEngine::Update(ShardState& shard, std::span<const TensorBinding>
                                             " of ", n, " subgroups"));
   }
 
-  // Learn from what was measured.
-  model_.ObserveCpu(static_cast<double>(run.cpu_params), run.cpu_kernel_us * 1e-6);
-  model_.ObserveGpuKernel(static_cast<double>(run.gpu_params), run.kernel_us * 1e-6);
-  model_.ObserveH2d(static_cast<double>(run.gpu_h2d), run.h2d_us * 1e-6);
-  model_.ObserveD2h(static_cast<double>(run.gpu_d2h), run.d2h_us * 1e-6);
-  if (run.cpu_params > 0 && run.cpu_loop_us > 0) {
-    const double r = run.cpu_params / (run.cpu_loop_us * 1e-6);
-    cpu_path_rate_ = cpu_path_rate_ > 0 ? 0.7 * cpu_path_rate_ + 0.3 * r : r;
-  }
-  if (run.streamed_params > 0 && run.gpu_loop_us > 0) {
-    const double r = run.streamed_params / (run.gpu_loop_us * 1e-6);
-    gpu_path_rate_ = gpu_path_rate_ > 0 ? 0.7 * gpu_path_rate_ + 0.3 * r : r;
-  }
-  if (run.cpu_params > 0 && run.gpu_h2d > 0) {
-    const double host_bytes = run.cpu_params * (24.0 + 2 * (inputs.grad_bytes + inputs.weight_bytes)) +
-                              2.0 * static_cast<double>(run.gpu_h2d);
-    model_.ObserveHostTraffic(host_bytes, wall_us * 1e-6);
-  }
+  StepMeasurements m;
+  m.cpu_params = run.cpu_params;
+  m.gpu_params = run.gpu_params;
+  m.streamed_params = run.streamed_params;
+  m.gpu_h2d_bytes = run.gpu_h2d;
+  m.gpu_d2h_bytes = run.gpu_d2h;
+  m.cpu_h2d_bytes = run.cpu_h2d;
+  m.cpu_d2h_bytes = run.cpu_d2h;
+  m.cpu_kernel_us = run.cpu_kernel_us;
+  m.gpu_kernel_us = run.kernel_us;
+  m.h2d_us = run.h2d_us;
+  m.d2h_us = run.d2h_us;
+  m.cpu_loop_us = run.cpu_loop_us;
+  m.gpu_loop_us = run.gpu_loop_us;
+  m.wall_us = wall_us;
+  m.gpu_memory_bytes = slots_.size() * buffer_numel_ * ShardState::kStateBytesPerParam +
+                       cast_dev_.size() * buffer_numel_ * sizeof(float) + resident_bytes_.load();
+  m.entries = std::move(run.gpu_entries);
+  m.entries.insert(m.entries.end(), run.cpu_entries.begin(), run.cpu_entries.end());
+  planner_.Learn(plan, m);
 
   uint64_t resident_count = 0, streamed_count = 0;
-  for (const TimelineEntry& e : run.gpu_entries) (e.path == 'r' ? resident_count : streamed_count)++;
+  for (const TimelineEntry& e : m.entries) {
+    if (e.path == 'r') ++resident_count;
+    if (e.path == 'g') ++streamed_count;
+  }
   out->cpu_subgroups = run.cpu_entries.size();
   out->gpu_subgroups = streamed_count;
   out->resident_subgroups = resident_count;
-  out->cpu_params = run.cpu_params;
-  out->gpu_params = run.gpu_params;
-  out->h2d_bytes = run.gpu_h2d + run.cpu_h2d;
-  out->d2h_bytes = run.gpu_d2h + run.cpu_d2h;
-  out->cpu_busy_us = run.cpu_kernel_us;
-  out->gpu_busy_us = run.kernel_us;
-  out->h2d_busy_us = run.h2d_us;
-  out->d2h_busy_us = run.d2h_us;
-  out->predicted_us = predicted_us;
-  out->model_gpu_share = x;
-  out->model_binding = binding;
-  out->gpu_memory_bytes = slots_.size() * buffer_numel_ * ShardState::kStateBytesPerParam +
-                          cast_dev_.size() * buffer_numel_ * sizeof(float) +
-                          resident_bytes_.load();
-  ++steps_;
-  DOS_LOG_DEBUG("gpu.step", "policy", FormatPolicy(policy), "measured_us", wall_us,
-                "predicted_us", predicted_us, "x_model", x, "gpu_subgroups", streamed_count,
-                "resident", resident_count, "cpu_subgroups", run.cpu_entries.size(), "binding",
-                binding);
-
-  if (!options_.timeline_path.empty()) {
-    std::string line = absl::StrFormat(
-        "{\"step\":%d,\"policy\":\"%s\",\"wall_us\":%.1f,\"predicted_us\":%.1f,\"entries\":[",
-        steps_, FormatPolicy(policy), wall_us, predicted_us);
-    bool first = true;
-    for (const auto* v : {&run.gpu_entries, &run.cpu_entries}) {
-      for (const TimelineEntry& e : *v) {
-        absl::StrAppend(&line, first ? "" : ",",
-                        absl::StrFormat("{\"sg\":%d,\"path\":\"%c\",\"in\":[%.1f,%.1f],"
-                                        "\"kernel\":[%.1f,%.1f],\"out\":[%.1f,%.1f]}",
-                                        e.subgroup, e.path, e.in0, e.in1, e.k0, e.k1, e.out0,
-                                        e.out1));
-        first = false;
-      }
-    }
-    absl::StrAppend(&line, "]}\n");
-    if (FILE* f = std::fopen(options_.timeline_path.c_str(), "a")) {
-      std::fwrite(line.data(), 1, line.size(), f);
-      std::fclose(f);
-    }
-  }
+  out->cpu_params = m.cpu_params;
+  out->gpu_params = m.gpu_params;
+  out->h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes;
+  out->d2h_bytes = m.gpu_d2h_bytes + m.cpu_d2h_bytes;
+  out->cpu_busy_us = m.cpu_kernel_us;
+  out->gpu_busy_us = m.gpu_kernel_us;
+  out->h2d_busy_us = m.h2d_us;
+  out->d2h_busy_us = m.d2h_us;
+  out->predicted_us = plan.predicted_us;
+  out->model_gpu_share = plan.gpu_share;
+  out->model_binding = plan.binding;
+  out->gpu_memory_bytes = m.gpu_memory_bytes;
   return absl::OkStatus();
 }
 

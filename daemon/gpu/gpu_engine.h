@@ -43,6 +43,7 @@
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/sched/gpu_backend.h"
 #include "daemon/sched/perf_model.h"
+#include "daemon/sched/step_planner.h"
 #include "daemon/sched/step_executor.h"
 
 namespace dos::gpu {
@@ -106,7 +107,7 @@ class GpuEngine final : public GpuBackend {
   std::string name_;
 
   mutable absl::Mutex step_mu_;
-  PerfModel model_ ABSL_GUARDED_BY(step_mu_);
+  StepPlanner planner_;  // placement and rates of this device's steps
   cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
@@ -119,9 +120,6 @@ class GpuEngine final : public GpuBackend {
   // pointer: they may outlive a step, never the engine).
   std::atomic<uint64_t> resident_bytes_{0};
   int* flag_host_ = nullptr;  // pinned
-  int64_t steps_ ABSL_GUARDED_BY(step_mu_) = 0;
-  double cpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // CPU path params/s, copies included
-  double gpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // GPU path params/s, pipeline as a whole
 };
 
 }  // namespace dos::gpu
