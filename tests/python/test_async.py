@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import dos  # noqa: E402
 import dos.torch  # noqa: E402
-from dos._native import DosError  # noqa: E402
+from dos import DosError  # noqa: E402
 
 LR = dict(lr=2e-3, weight_decay=0.05)
 # Small subgroups: the 7 tensors below span ~30 subgroups, several per layer
