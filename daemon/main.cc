@@ -356,6 +356,49 @@ int Fail(absl::string_view event, const absl::Status& status) {
   return 1;
 }
 
+#ifdef DOS_WITH_CUDA
+// One GPU engine per device --gpu_devices names, each with the executor (and
+// planner) over it. No device at all is not an error: the daemon runs CPU only.
+absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_updater,
+                           ExecutorSet* executors,
+                           std::vector<std::unique_ptr<gpu::GpuEngine>>* engines) {
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return ordinals.status();
+  for (int ordinal : *ordinals) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = ordinal;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    PlannerOptions planner;
+    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                                ? config.gpu_timeline
+                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, cpu_updater);
+    if (engine.ok()) {
+      executors->AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                        engine->get(), planner);
+      engines->push_back(*std::move(engine));
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return engine.status();
+    }
+  }
+  return absl::OkStatus();
+}
+#endif
+
 int Run(const DaemonConfig& config) {
   SetMinLogLevel(config.log_level);
   // Block the stop signals in every thread; main() takes them with sigwait.
@@ -375,36 +418,8 @@ int Run(const DaemonConfig& config) {
   ExecutorSet executors(&cpu_updater);
 #ifdef DOS_WITH_CUDA
   std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
-  absl::StatusOr<std::vector<int>> ordinals =
-      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
-  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
-    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
-    ordinals = std::vector<int>();
-  }
-  if (!ordinals.ok()) return Fail("daemon.gpu", ordinals.status());
-  for (int ordinal : *ordinals) {
-    gpu::GpuEngineOptions gopt;
-    gopt.device = ordinal;
-    gopt.staging_slots = config.gpu_staging_slots;
-    if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
-    gopt.resident_budget_bytes = config.gpu_memory_budget;
-    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    // Several engines write a file each (a step's line is too long to append
-    // atomically beside another engine's).
-    gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
-                             ? config.gpu_timeline
-                             : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
-    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, &cpu_updater);
-    if (engine.ok()) {
-      executors.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
-                       engine->get());
-      gpu_engines.push_back(*std::move(engine));
-    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
-      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
-    } else {
-      return Fail("daemon.gpu", engine.status());
-    }
+  if (absl::Status st = AddGpuEngines(config, &cpu_updater, &executors, &gpu_engines); !st.ok()) {
+    return Fail("daemon.gpu", st);
   }
 #endif
   DaemonCounters counters;

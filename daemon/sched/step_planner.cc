@@ -178,6 +178,10 @@ StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout) {
   return plan;
 }
 
+StepPlan StepPlanner::Plan(const Policy& policy, const ShardState& shard) {
+  return Plan(policy, ShardLayout::Of(shard, options_.grad_fp32));
+}
+
 void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
   absl::MutexLock lock(&mu_);
   model_.ObserveCpu(static_cast<double>(m.cpu_params), m.cpu_kernel_us * 1e-6);

@@ -37,6 +37,7 @@
 #include "daemon/sched/perf_model.h"
 #include "daemon/sched/policy.h"
 #include "daemon/sched/step_plan.h"
+#include "daemon/state/shard_state.h"
 
 namespace dos {
 
@@ -44,6 +45,9 @@ struct PlannerOptions {
   PlanBudgets budgets;
   PerfInputs initial;         // the model's starting rates
   std::string timeline_path;  // append one JSON line per GPU step (for plots); empty: off
+  // The engine casts CPU-path gradients to fp32 on the GPU before D2H
+  // (--gpu_cpu_grad_fp32): 4 bytes per parameter cross PCIe, not 2.
+  bool grad_fp32 = false;
 };
 
 class StepPlanner {
@@ -54,6 +58,8 @@ class StepPlanner {
 
   // The plan of one step of a shard of `layout` under `policy`.
   StepPlan Plan(const Policy& policy, const ShardLayout& layout) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for a registered shard (its layout read with the options' grad_fp32).
+  StepPlan Plan(const Policy& policy, const ShardState& shard) ABSL_LOCKS_EXCLUDED(mu_);
   // Learns from what executing `plan` measured; appends the step's timeline
   // when configured.
   void Learn(const StepPlan& plan, const StepMeasurements& measured) ABSL_LOCKS_EXCLUDED(mu_);

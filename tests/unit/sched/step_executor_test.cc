@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "daemon/cpu/adam_reference.h"
+#include "daemon/cpu/host_engine.h"
 
 namespace dos {
 namespace {
@@ -23,6 +24,7 @@ constexpr uint64_t kSubgroup = 1000;
 struct Fixture {
   HostMemoryBudget budget{0};
   cpu::CpuUpdater cpu{cpu::CpuUpdaterOptions{.threads = 2}};
+  cpu::HostEngine engine{&cpu};
   std::unique_ptr<ShardState> shard;
   std::vector<std::vector<float>> params, grads;
   std::vector<TensorBinding> bindings;
@@ -41,9 +43,9 @@ struct Fixture {
       }
     }
     for (size_t t = 0; t < params.size(); ++t) {
-      bindings.push_back({params[t].data(), grads[t].data(), false});
+      bindings.push_back({params[t].data(), grads[t].data()});
     }
-    StepExecutor ex(&cpu);
+    StepExecutor ex(&engine);
     for (uint32_t t = 0; t < 2; ++t) EXPECT_TRUE(ex.ReadWeights(*shard, bindings, t).ok());
   }
 
@@ -65,7 +67,7 @@ struct Fixture {
 
 TEST(StepExecutorTest, AHostStepMatchesTheDoubleReference) {
   Fixture f;
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_FALSE(out->found_inf);
@@ -91,7 +93,7 @@ TEST(StepExecutorTest, NonFiniteGradientsSkipTheStepAndKeepTheCounters) {
   Fixture f;
   f.grads[1][77] = std::numeric_limits<float>::infinity();
   const std::vector<float> before = f.Master(0);
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(out->found_inf);
@@ -105,7 +107,7 @@ TEST(StepExecutorTest, GradientsCheckedByTheClientAreNotScannedAgain) {
   f.grads[0][5] = std::numeric_limits<float>::quiet_NaN();
   StepRequest r = Fixture::Request();
   r.flags = kStepGradientsChecked;
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_FALSE(out->found_inf);
@@ -113,19 +115,11 @@ TEST(StepExecutorTest, GradientsCheckedByTheClientAreNotScannedAgain) {
   EXPECT_TRUE(std::isnan(f.Master(0)[5]));
 }
 
-TEST(StepExecutorTest, DeviceTensorsWithoutAGpuEngineAreRefused) {
-  Fixture f;
-  for (TensorBinding& b : f.bindings) b.device = true;
-  StepExecutor ex(&f.cpu);
-  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{});
-  EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
-}
-
 TEST(StepExecutorTest, ATrainerEventFlagWithoutAnEventIsRefused) {
   Fixture f;
   StepRequest r = Fixture::Request();
   r.flags = kStepTrainerEventRecorded;
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
   EXPECT_EQ(f.shard->tensors()[0].step, 0);
@@ -136,7 +130,7 @@ TEST(StepExecutorTest, InvalidHyperparametersLeaveTheStateUntouched) {
   const std::vector<float> before = f.Master(1);
   StepRequest r = Fixture::Request();
   r.groups[0].lr = -1;
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("lr"), absl::string_view::npos) << out.status();
@@ -151,7 +145,7 @@ TEST(StepExecutorTest, EveryPolicyRunsOnTheHostPathAlike) {
   std::vector<float> first;
   for (const char* policy : {"cpu", "static:0.5", "interleave:2", "auto"}) {
     Fixture f;
-    StepExecutor ex(&f.cpu);
+    StepExecutor ex(&f.engine);
     for (int s = 0; s < 3; ++s) {
       ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), *ParsePolicy(policy)).ok());
     }
@@ -168,7 +162,7 @@ TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheBoundaryInTheStagingCopy) {
   auto staging = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &staging_budget, "s");
   const std::vector<float> boundary = f.Master(0);
   f.shard->BeginSnapshot(staging.get());
-  StepExecutor ex(&f.cpu);
+  StepExecutor ex(&f.engine);
   ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{}).ok());
   f.shard->FinishSnapshot();
   ASSERT_TRUE(ex.Run(*plain.shard, plain.bindings, Fixture::Request(), Policy{}).ok());
@@ -188,8 +182,9 @@ TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
   auto shard = *ShardState::Create(tensors, {GroupConfig{}}, 4, &budget, "t");
   std::vector<uint16_t> param(10), grad(10);
   for (int i = 0; i < 10; ++i) param[i] = FloatToBF16(0.25f * static_cast<float>(i) - 1.0f);
-  std::vector<TensorBinding> b = {{param.data(), grad.data(), false}};
-  StepExecutor ex(&cpu);
+  std::vector<TensorBinding> b = {{param.data(), grad.data()}};
+  cpu::HostEngine engine(&cpu);
+  StepExecutor ex(&engine);
   ASSERT_TRUE(ex.ReadWeights(*shard, b, 0).ok());
   std::vector<float> master(10);
   shard->ReadTensor(0, 0, master.data());
