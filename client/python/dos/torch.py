@@ -105,6 +105,7 @@ Threads: like torch optimizers, use one optimizer from one thread at a time.
 from __future__ import annotations
 
 import ctypes
+import sys
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -115,6 +116,7 @@ from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
+from dos._session import SessionHandle, track, untrack
 from dos._state import _StateMixin
 from dos._step import StepMachine, StepState
 
@@ -155,7 +157,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._session = None
+        self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
+        self._handle = None  # SessionHandle (dos/_session.py); set by _attach via _session
         self._step_state = StepMachine()  # the step in flight, if any (dos/_step.py)
         self._entries: List[Entry] = []
         self._arena = None
@@ -188,6 +191,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                           "has none, so steps start at step() as usual")
             self.overlap = False
         self._attach(*self._attach_args)
+        track(self)
         try:
             self._register(subgroup_size)
         except BaseException:
@@ -250,6 +254,44 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     def resumed(self) -> bool:
         """True when this optimizer continued a dead trainer's session."""
         return self._session is not None and bool(_native.lib.dos_session_resumed(self._session))
+
+    @property
+    def _session(self):
+        """The dos_session* (ctypes.c_void_p), or None once closed."""
+        h = self._handle
+        return None if h is None or h.closed else h.ptr
+
+    @_session.setter
+    def _session(self, ptr) -> None:
+        self._handle = None if ptr is None else SessionHandle(ptr)
+
+    @property
+    def state(self):
+        """torch.optim's per-parameter state (empty here: the state lives in
+        dosd; state_dict() pulls it). Reading it finishes the step in flight,
+        as frameworks read it to move or save the optimizer (Lightning's
+        teardown, for one, then moves the model to the CPU)."""
+        if self._inflight:
+            self._finish_inflight()
+        return self._torch_state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._torch_state = value
+
+    def synchronize(self) -> None:
+        """Waits until the step in flight, if any, is finished: once it
+        returns, the new weights are in the parameters for every reader (this
+        thread, another thread, and any work queued from now on on any CUDA
+        stream), and the step's result is collected (`last_step`; a step the
+        daemon failed raises here). A no-op without a step in flight.
+
+        Needed only for reads that pass through none of the optimizer's
+        hooks while steps overlap the next forward (`model=` on CUDA, or
+        `async_step=True` on the CPU): a tensor read directly (`p.cpu()`,
+        `parameters()`, `model.to()`); module state_dict()/load_state_dict(),
+        the model's forward, and the optimizer's state wait by themselves."""
+        self._finish_inflight()
 
     @property
     def _inflight(self) -> bool:
@@ -475,10 +517,13 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._ready.clear()
         if self._async and grad_scaler is None:
             # Queued: the result is collected at the next step() (or by
-            # found_inf, last_step, state access); the next forward waits per
-            # layer (model=) or behind the whole step on the stream.
+            # found_inf, last_step, state access, synchronize()); the next
+            # forward waits per layer (model=) or behind the whole step on the
+            # stream; module state_dict()/load_state_dict() finish it.
             if not self._layer_waits:
                 self._queue_wait_all()
+            elif self._stream_sync:
+                self._queue_device_wait()
             return loss
         self._wait()
         self._record_amp(grad_scaler)
@@ -493,15 +538,17 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     # ---- teardown ----
 
     def close(self) -> None:
-        """Moves parameters and gradients back to ordinary memory and detaches
-        (the daemon frees this session's state). Idempotent."""
-        session = getattr(self, "_session", None)
-        if session is None:
+        """Finishes the step in flight, moves parameters and gradients back to
+        ordinary memory and detaches (the daemon frees this session's state).
+        Idempotent; also after dosd stopped. The shared memory itself is
+        released once no tensor over it is left (dos/_session.py)."""
+        handle = getattr(self, "_handle", None)
+        if handle is None or handle.closed:
             return
         if self._inflight:
             try:
                 self._wait()
-            except Exception:
+            except Exception:  # dosd gone or the step failed: nothing more to collect
                 pass
         for h in getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", []):
             h.remove()
@@ -519,12 +566,21 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                     p.data = e.param_shm.clone()
                 if p.grad is not None and p.grad.data_ptr() == e.grad_shm.data_ptr():
                     p.grad = e.grad_shm.clone()
-                e.param_shm = e.grad_shm = None
-        self._session = None
+                e.param_shm = e.grad_shm = e.local = None
+        handle.closed = True  # every view of this optimizer sees it closed
+        self._handle = None
         self._arena = None
-        call("dos_detach", session)
+        untrack(self)
+        # Detach now unless tensors over the arena are still alive (they keep
+        # the handle, which detaches when they go): 2 = `handle` + the argument.
+        if sys.getrefcount(handle) <= 2:
+            handle.detach()
 
     def __del__(self):
+        # Frameworks make objects of the optimizer's class that share its
+        # state (LightningOptimizer): only the optimizer itself closes.
+        if self.__dict__.get("_owner_id") != id(self):
+            return
         try:
             self.close()
         except Exception:  # interpreter shutdown or daemon gone: nothing to do
