@@ -115,7 +115,7 @@ from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
-from dos._state import _StateMixin
+from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
 
 __all__ = ["AdamW", "Adam", "DosError"]
@@ -161,7 +161,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._arena = None
         self._device = None  # torch.device of the parameters in GPU mode, else None
         self._registering = True
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+        # torch's own optimizer's keys (foreach, fused, capturable, ...) too,
+        # so that state dicts move between the two without losing them.
+        defaults = torch_defaults(torch.optim.AdamW if self._decoupled else torch.optim.Adam)
+        defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False)
         super().__init__(params, defaults)
         self._registering = False
