@@ -42,10 +42,15 @@ _CHUNK = 1 << 22
 def torch_defaults(cls) -> Dict[str, Any]:
     """The defaults of torch's own optimizer `cls` in the running torch
     version (its param_groups' keys), from a throwaway instance."""
-    try:
-        return dict(cls([torch.zeros(1, requires_grad=True)]).defaults)
-    except Exception:  # pragma: no cover - a torch that cannot build it
-        return {}
+    if cls not in _TORCH_DEFAULTS:
+        try:
+            _TORCH_DEFAULTS[cls] = dict(cls([torch.zeros(1, requires_grad=True)]).defaults)
+        except Exception:  # pragma: no cover - a torch that cannot build it
+            _TORCH_DEFAULTS[cls] = {}
+    return dict(_TORCH_DEFAULTS[cls])
+
+
+_TORCH_DEFAULTS: Dict[Any, Dict[str, Any]] = {}
 
 
 def _state_tensor(e: Entry, local: torch.Tensor):

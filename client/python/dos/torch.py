@@ -98,6 +98,11 @@ accumulation micro-steps). The ready order and times of the last step are in
 `opt.ready_log`; bench/e2e/README.md describes what the daemon would need to
 start per subgroup (a ready bitmap in the control block).
 
+State: `state_dict()` has torch.optim.AdamW's format with CPU tensors
+(DTensors over CPU shards for FSDP2 parameters), streamed from the daemon
+after any step in flight; `load_state_dict()` accepts it, or torch's AdamW
+state on any device, in bounded pieces (dos/_state.py has the details).
+
 Parameters with requires_grad=False are not registered and never updated.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
