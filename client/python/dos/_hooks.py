@@ -1,10 +1,13 @@
 """Hooks on the model: per-layer waits for an asynchronous step (forward
-pre-hooks and gradient hooks, `model=`), deferred zero_grad, and the overlap
-hooks that begin a step when the last gradient is final (`overlap=True`).
+pre-hooks and gradient hooks, `model=`), the module state_dict() and
+load_state_dict() hooks that finish a step in flight before anyone reads or
+overwrites the weights, deferred zero_grad, and the overlap hooks that begin a
+step when the last gradient is final (`overlap=True`).
 
 `_HooksMixin` is one part of dos.torch's optimizer class. It owns `_async`,
-`_stream_sync`, `_ranges`, `_num_subgroups`, `_layer_waits`, `_grad_hooks`,
-`_pending_zero`, `_ready`, `ready_log` and each entry's `hook`.
+`_stream_sync`, `_ranges`, `_num_subgroups`, `_layer_waits` (forward and
+state-dict hook handles), `_grad_hooks`, `_pending_zero`, `_ready`,
+`ready_log`, `_sync_stream` and each entry's `hook`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ class _HooksMixin:
         self._num_subgroups = max(r[1] for r in self._ranges) + 1
         possible = (self._stream_sync or model is not None) and not dtensor
         if async_step is None:
-            async_step = possible
+            # By default steps overlap the next forward only on CUDA, where the
+            # trainer's stream orders every later reader (whole-step stream
+            # wait), or model='s hooks and torch.cuda.synchronize() do. On the
+            # CPU path step() returns after the update: a read of the shared
+            # memory that passes through no hook (p.cpu(), parameters(),
+            # torch.save of a parameter) could not be made to wait.
+            async_step = possible and self._device is not None
         elif async_step and not possible:
             why = ("FSDP2/DTensor parameters are copied at step()" if dtensor else
                    "without model= nothing would order the next forward after the step on "
@@ -64,11 +73,34 @@ class _HooksMixin:
             def pre_hook(_module, _inputs, ents=ents, first=first, last=last):
                 self._wait_layer(ents, first, last)
             self._layer_waits.append(module.register_forward_pre_hook(pre_hook))
+            self._layer_waits += self._install_reader_hooks(module)
         for e in self._entries:
             def grad_hook(_grad, e=e):
                 r = self._ranges[e.index]
                 self._wait_layer([e], r[0], r[1])
             self._grad_hooks.append(e.param.register_hook(grad_hook))
+
+    def _install_reader_hooks(self, module):
+        """module.state_dict() and module.load_state_dict() finish the step in
+        flight first: every framework saves weights through state_dict()
+        (Trainer, Accelerate, Lightning, torch.save(model.state_dict())), and
+        a load must not be overwritten by the daemon's late writes. Installed
+        on each module that owns registered parameters, so a state_dict() of
+        any enclosing module (DDP, a wrapper, a submodule) passes one."""
+        def finish(*_args, **_kwargs):
+            self._finish_inflight()
+        if hasattr(module, "register_state_dict_pre_hook"):  # torch >= 2.0
+            on_save = module.register_state_dict_pre_hook(finish)
+        else:
+            # torch 1.13 has only the post-hook: state_dict() holds detached
+            # aliases of the parameters, so finishing before it returns is
+            # as good.
+            on_save = module._register_state_dict_hook(finish)
+        if hasattr(module, "register_load_state_dict_pre_hook"):
+            on_load = module.register_load_state_dict_pre_hook(finish)
+        else:
+            on_load = module._register_load_state_dict_pre_hook(finish)
+        return [on_save, on_load]
 
     def _wait_layer(self, ents, first, last):
         if self._session is None:
@@ -90,13 +122,23 @@ class _HooksMixin:
                     self._pending_zero.discard(e.index)
                     self._zero_entry(e)
 
-    def _queue_wait_all(self):
-        """Stream-ordered session without per-layer waits: everything queued
-        on the current stream from now on waits for the whole step."""
+    def _queue_wait_all(self, stream=None):
+        """Stream-ordered session: everything queued on `stream` (default:
+        the current one) from now on waits for the whole step."""
         if self._num_subgroups:
             call("dos_wait_subgroups", self._session, ctypes.c_uint32(0),
-                         ctypes.c_uint32(self._num_subgroups - 1), self._stream(),
-                         ctypes.c_int64(-1))
+                 ctypes.c_uint32(self._num_subgroups - 1), stream or self._stream(),
+                 ctypes.c_int64(-1))
+
+    def _queue_device_wait(self):
+        """With per-layer waits the current stream stays free to start the
+        next forward; a stream of the optimizer's own waits for the whole
+        step instead, so that torch.cuda.synchronize() (which waits for every
+        stream of the device) returns only once the new weights are in."""
+        stream = getattr(self, "_sync_stream", None)
+        if stream is None:
+            stream = self._sync_stream = torch.cuda.Stream(device=self._device)
+        self._queue_wait_all(ctypes.c_void_p(stream.cuda_stream))
 
     def _install_hooks(self):
         for e in self._entries:

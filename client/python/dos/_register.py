@@ -191,6 +191,8 @@ class _RegisterMixin:
         base = ctypes.c_void_p()
         call("dos_buffer_alloc", self._session, ctypes.c_uint64(total), ctypes.byref(base))
         self._arena = (ctypes.c_ubyte * total).from_address(base.value)
+        # Every tensor over the arena keeps the session, hence the mapping, alive.
+        self._arena.owner = self._handle
 
         tensors = (_native.Tensor * len(entries))()
         name_bufs = []

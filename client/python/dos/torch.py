@@ -25,9 +25,14 @@ Rules that follow from the shared binding:
   new tensor); in-place writes such as `model.load_state_dict()` are fine, but
   call `opt.load_state_dict()` (or construct the optimizer) afterwards so the
   daemon's master weights follow.
-- `close()` (also run by `__del__`) copies parameters and gradients back into
-  ordinary memory, then detaches; tensors kept from before that which alias
-  the arena become invalid.
+- `close()` (also run by `__del__`, and at interpreter exit for optimizers
+  still open) finishes the step in flight, copies parameters and gradients
+  back into ordinary memory, then detaches; a tensor kept from before that
+  which aliases the arena keeps the shared memory mapped (the session is
+  detached when the last such tensor goes; dos/_session.py). close() works
+  also after dosd stopped or died. Frameworks' wrapper objects of the
+  optimizer's class (LightningOptimizer) share its session and never close
+  it when they are collected.
 
 CUDA parameters (GPU mode): if every trainable parameter is on one CUDA
 device, nothing is copied: the parameters and their gradients are registered
@@ -51,11 +56,35 @@ registered parameters waits for just the subgroups holding them, so the next
 forward starts while later layers are still being updated (`zero_grad()`
 then defers each gradient's zeroing to its layer's wait, and each
 parameter's gradient hook waits too, so backward never writes a gradient
-the daemon still reads). On the CPU (shared memory), `model=` gives the same
+the daemon still reads). On the CPU (shared memory) `step()` returns after
+the update by default; `model=` with `async_step=True` gives the same
 per-layer waits on the host. The daemon's result (found_inf, errors) is
-collected at the next `step()`, or when `found_inf`, `last_step` or the
-state is read; `async_step=False` restores a `step()` that returns after the
-update. FSDP2 (DTensor) parameters always step synchronously.
+collected at the next `step()`, or when `found_inf`, `last_step`, `state` or
+`state_dict()` is read or `synchronize()` is called; `async_step=False`
+restores a `step()` that returns after the update everywhere. FSDP2
+(DTensor) parameters always step synchronously.
+
+Reading the weights after step(): every reader must see the finished step,
+never weights the daemon is still writing. What guarantees it:
+- CPU path, default: step() returns after the update, so any read does.
+- CUDA without model=: the current stream waits for the whole step, so any
+  read queued on it (`p.cpu()`, `torch.save`, evaluation) does.
+- With overlap (model= on CUDA; async_step=True on the CPU) reads go through
+  hooks: the model's forward waits per layer; `state_dict()` and
+  `load_state_dict()` of any module owning registered parameters (hence of
+  the model, a wrapper such as DDP, or a submodule) finish the step first,
+  and that is how the Hugging Face Trainer, Accelerate's save_state and
+  Lightning's ModelCheckpoint save weights; reading `opt.state` or
+  `opt.state_dict()` finishes it (Lightning's teardown reads the optimizer's
+  state before it moves the model to the CPU); on CUDA a stream of the
+  optimizer's own waits for the whole step, so `torch.cuda.synchronize()`
+  returns only once the weights are in. `opt.synchronize()` finishes it
+  explicitly. Not covered: a read that passes through none of these while
+  the step is in flight, e.g. `p.detach().cpu()`, `model.cpu()`, iterating
+  `parameters()` into an EMA, or another CUDA stream: call `opt.synchronize()`
+  (or `torch.cuda.synchronize()`) first, or build the optimizer without
+  model= (whose gain is the next forward's first layers; 1.412 vs 1.413
+  s/iter at 6B, bench/results/e2e_nvidia-h200_2026-11-29_6b_80g.json).
 
 Crash survival: `opt.session_info()` gives the session id and token (keep
 them private to the job); a restarted trainer builds its optimizer with
@@ -110,6 +139,7 @@ Threads: like torch optimizers, use one optimizer from one thread at a time.
 from __future__ import annotations
 
 import ctypes
+import sys
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -120,6 +150,7 @@ from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
+from dos._session import SessionHandle, track, untrack
 from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
 
@@ -160,7 +191,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._session = None
+        self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
+        self._handle = None  # SessionHandle (dos/_session.py); set by _attach via _session
         self._step_state = StepMachine()  # the step in flight, if any (dos/_step.py)
         self._entries: List[Entry] = []
         self._arena = None
@@ -196,6 +228,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                           "has none, so steps start at step() as usual")
             self.overlap = False
         self._attach(*self._attach_args)
+        track(self)
         try:
             self._register(subgroup_size)
         except BaseException:
@@ -258,6 +291,44 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     def resumed(self) -> bool:
         """True when this optimizer continued a dead trainer's session."""
         return self._session is not None and bool(_native.lib.dos_session_resumed(self._session))
+
+    @property
+    def _session(self):
+        """The dos_session* (ctypes.c_void_p), or None once closed."""
+        h = self._handle
+        return None if h is None or h.closed else h.ptr
+
+    @_session.setter
+    def _session(self, ptr) -> None:
+        self._handle = None if ptr is None else SessionHandle(ptr)
+
+    @property
+    def state(self):
+        """torch.optim's per-parameter state (empty here: the state lives in
+        dosd; state_dict() pulls it). Reading it finishes the step in flight,
+        as frameworks read it to move or save the optimizer (Lightning's
+        teardown, for one, then moves the model to the CPU)."""
+        if self._inflight:
+            self._finish_inflight()
+        return self._torch_state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._torch_state = value
+
+    def synchronize(self) -> None:
+        """Waits until the step in flight, if any, is finished: once it
+        returns, the new weights are in the parameters for every reader (this
+        thread, another thread, and any work queued from now on on any CUDA
+        stream), and the step's result is collected (`last_step`; a step the
+        daemon failed raises here). A no-op without a step in flight.
+
+        Needed only for reads that pass through none of the optimizer's
+        hooks while steps overlap the next forward (`model=` on CUDA, or
+        `async_step=True` on the CPU): a tensor read directly (`p.cpu()`,
+        `parameters()`, `model.to()`); module state_dict()/load_state_dict(),
+        the model's forward, and the optimizer's state wait by themselves."""
+        self._finish_inflight()
 
     @property
     def _inflight(self) -> bool:
@@ -483,10 +554,13 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._ready.clear()
         if self._async and grad_scaler is None:
             # Queued: the result is collected at the next step() (or by
-            # found_inf, last_step, state access); the next forward waits per
-            # layer (model=) or behind the whole step on the stream.
+            # found_inf, last_step, state access, synchronize()); the next
+            # forward waits per layer (model=) or behind the whole step on the
+            # stream; module state_dict()/load_state_dict() finish it.
             if not self._layer_waits:
                 self._queue_wait_all()
+            elif self._stream_sync:
+                self._queue_device_wait()
             return loss
         self._wait()
         self._record_amp(grad_scaler)
@@ -501,15 +575,17 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     # ---- teardown ----
 
     def close(self) -> None:
-        """Moves parameters and gradients back to ordinary memory and detaches
-        (the daemon frees this session's state). Idempotent."""
-        session = getattr(self, "_session", None)
-        if session is None:
+        """Finishes the step in flight, moves parameters and gradients back to
+        ordinary memory and detaches (the daemon frees this session's state).
+        Idempotent; also after dosd stopped. The shared memory itself is
+        released once no tensor over it is left (dos/_session.py)."""
+        handle = getattr(self, "_handle", None)
+        if handle is None or handle.closed:
             return
         if self._inflight:
             try:
                 self._wait()
-            except Exception:
+            except Exception:  # dosd gone or the step failed: nothing more to collect
                 pass
         for h in getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", []):
             h.remove()
@@ -527,12 +603,21 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                     p.data = e.param_shm.clone()
                 if p.grad is not None and p.grad.data_ptr() == e.grad_shm.data_ptr():
                     p.grad = e.grad_shm.clone()
-                e.param_shm = e.grad_shm = None
-        self._session = None
+                e.param_shm = e.grad_shm = e.local = None
+        handle.closed = True  # every view of this optimizer sees it closed
+        self._handle = None
         self._arena = None
-        call("dos_detach", session)
+        untrack(self)
+        # Detach now unless tensors over the arena are still alive (they keep
+        # the handle, which detaches when they go): 2 = `handle` + the argument.
+        if sys.getrefcount(handle) <= 2:
+            handle.detach()
 
     def __del__(self):
+        # Frameworks make objects of the optimizer's class that share its
+        # state (LightningOptimizer): only the optimizer itself closes.
+        if self.__dict__.get("_owner_id") != id(self):
+            return
         try:
             self.close()
         except Exception:  # interpreter shutdown or daemon gone: nothing to do
