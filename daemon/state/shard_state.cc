@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
