@@ -11,9 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "client/include/dos/dos.h"
-#include "client/src/device_memory.h"
-#include "client/src/session.h"
+#include "dos/dos.h"
+#include "device_memory.h"
+#include "session.h"
 
 struct dos_session {
   std::unique_ptr<dos::client::ClientSession> impl;
@@ -260,6 +260,26 @@ dos_status dos_state_write(dos_session* session, uint32_t tensor, const float* m
   return Guard("state_write", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "state_write"); !st.ok()) return st;
     return session->impl->WriteState(tensor, master, exp_avg, exp_avg_sq, step);
+  });
+}
+
+dos_status dos_state_read_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                uint64_t count, float* master, float* exp_avg, float* exp_avg_sq,
+                                int64_t* step) {
+  return Guard("state_read_range", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_read_range"); !st.ok()) return st;
+    return session->impl->ReadStateRange(tensor, offset, count, master, exp_avg, exp_avg_sq,
+                                         step);
+  });
+}
+
+dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                 uint64_t count, const float* master, const float* exp_avg,
+                                 const float* exp_avg_sq, int64_t step) {
+  return Guard("state_write_range", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_write_range"); !st.ok()) return st;
+    return session->impl->WriteStateRange(tensor, offset, count, master, exp_avg, exp_avg_sq,
+                                          step);
   });
 }
 

@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/sched/subgroup_queue.h"

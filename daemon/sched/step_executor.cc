@@ -168,16 +168,24 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
 absl::Status StepExecutor::WriteWeights(const ShardState& shard,
                                         std::span<const TensorBinding> bindings,
                                         uint32_t tensor) {
+  return WriteWeightsRange(shard, bindings, tensor, 0, shard.tensors()[tensor].numel);
+}
+
+absl::Status StepExecutor::WriteWeightsRange(const ShardState& shard,
+                                             std::span<const TensorBinding> bindings,
+                                             uint32_t tensor, uint64_t offset, uint64_t count) {
   const TensorInfo& t = shard.tensors()[tensor];
-  std::vector<float> master(t.numel);
-  shard.ReadTensor(tensor, 0, master.data());
+  std::vector<float> master(count);
+  shard.ReadTensorRange(tensor, 0, offset, count, master.data());
+  const uint64_t esize = DTypeSize(t.param_dtype);
+  char* param = static_cast<char*>(bindings[tensor].param) + offset * esize;
   if (engine_->host_addressable()) {
-    FloatToWeights(master.data(), t.numel, t.param_dtype, static_cast<char*>(bindings[tensor].param));
+    FloatToWeights(master.data(), count, t.param_dtype, param);
     return absl::OkStatus();
   }
-  std::vector<char> staging(t.numel * DTypeSize(t.param_dtype));
-  FloatToWeights(master.data(), t.numel, t.param_dtype, staging.data());
-  return engine_->CopyToTrainer(bindings[tensor].param, staging.data(), staging.size());
+  std::vector<char> staging(count * esize);
+  FloatToWeights(master.data(), count, t.param_dtype, staging.data());
+  return engine_->CopyToTrainer(param, staging.data(), staging.size());
 }
 
 absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,

@@ -23,7 +23,7 @@
 #include "daemon/sched/policy.h"
 #include "daemon/sched/step_planner.h"
 #include "daemon/state/shard_state.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 
 namespace dos {
 
@@ -74,6 +74,10 @@ class StepExecutor {
   // import or a checkpoint load), in the parameter's dtype.
   absl::Status WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
                             uint32_t tensor);
+  // The same for elements [offset, offset + count) of the tensor (a ranged
+  // state import); the caller checks that the range lies inside it.
+  absl::Status WriteWeightsRange(const ShardState& shard, std::span<const TensorBinding> bindings,
+                                 uint32_t tensor, uint64_t offset, uint64_t count);
   // Initialises tensor `tensor`'s fp32 master weights from the trainer's
   // weights.
   absl::Status ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 #include "daemon/sched/device_selection.h"
 #include "daemon/sched/step_executor.h"
 

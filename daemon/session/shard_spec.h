@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/transport.h"
 

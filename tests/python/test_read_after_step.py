@@ -145,3 +145,75 @@ def test_synchronize_without_a_step_is_a_no_op(dos_socket):
         opt.synchronize()
         opt.synchronize()
         assert opt.last_step["step"] == 1
+
+
+# ---- GPU mode (skipped without CUDA): step() returns at once there ----
+
+def need_cuda():
+    from dos import _native
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible: GPU-mode read-after-step tests skipped")
+    if not _native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+
+
+def make_cuda_opt(model, socket, policy, with_model):
+    try:
+        opt = dos.torch.AdamW(model.parameters(), socket=socket, lr=1e-3, weight_decay=0.01,
+                              subgroup_size=65536, client_name=f"cuda-read-after-step-{policy}",
+                              **(dict(model=model) if with_model else {}))
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    opt.set_policy(policy)
+    return opt
+
+
+def make_wide_cuda():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(1024, 8))
+    return torch.nn.Sequential(*layers).cuda()  # 4.2M parameters, 65 subgroups
+
+
+@pytest.mark.parametrize("with_model", [False, True], ids=["plain", "model"])
+@pytest.mark.parametrize("policy", ["auto", "cpu"])
+def test_cuda_reads_right_after_step(dos_socket, policy, with_model):
+    """CUDA: step() returns while dosd is still writing. torch.save of the
+    model's state_dict, a read after torch.cuda.synchronize(), and a read
+    after opt.synchronize() all see the finished step; without model= every
+    read queued on the current stream does too (it waits for the whole step)."""
+    need_cuda()
+    model = make_wide_cuda()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(8)]
+    opt = make_cuda_opt(model, dos_socket, policy, with_model)
+    try:
+        if not opt._stream_sync:
+            pytest.skip("the CUDA driver has no stream memory operations")
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            assert opt._inflight
+            reader = i % (3 if with_model else 4)
+            if reader == 0:
+                buf = io.BytesIO()
+                torch.save(model.state_dict(), buf)
+                buf.seek(0)
+                got = torch.load(buf, map_location="cpu")
+            else:
+                if reader == 1:
+                    torch.cuda.synchronize()
+                elif reader == 2:
+                    opt.synchronize()
+                # reader 3 (no model=): a plain read queued on the current stream
+                got = {k: p.detach().cpu() for k, p in model.named_parameters()}
+            final = {k: v.cpu() for k, v in finished(opt, model).items()}
+            assert_equal_state(got, {k: final[k] for k in got}, f"step {i + 1}, reader {reader}")
+    finally:
+        opt.close()

@@ -25,9 +25,14 @@ Rules that follow from the shared binding:
   new tensor); in-place writes such as `model.load_state_dict()` are fine, but
   call `opt.load_state_dict()` (or construct the optimizer) afterwards so the
   daemon's master weights follow.
-- `close()` (also run by `__del__`) copies parameters and gradients back into
-  ordinary memory, then detaches; tensors kept from before that which alias
-  the arena become invalid.
+- `close()` (also run by `__del__`, and at interpreter exit for optimizers
+  still open) finishes the step in flight, copies parameters and gradients
+  back into ordinary memory, then detaches; a tensor kept from before that
+  which aliases the arena keeps the shared memory mapped (the session is
+  detached when the last such tensor goes; dos/_session.py). close() works
+  also after dosd stopped or died. Frameworks' wrapper objects of the
+  optimizer's class (LightningOptimizer) share its session and never close
+  it when they are collected.
 
 CUDA parameters (GPU mode): if every trainable parameter is on one CUDA
 device, nothing is copied: the parameters and their gradients are registered
@@ -51,11 +56,35 @@ registered parameters waits for just the subgroups holding them, so the next
 forward starts while later layers are still being updated (`zero_grad()`
 then defers each gradient's zeroing to its layer's wait, and each
 parameter's gradient hook waits too, so backward never writes a gradient
-the daemon still reads). On the CPU (shared memory), `model=` gives the same
+the daemon still reads). On the CPU (shared memory) `step()` returns after
+the update by default; `model=` with `async_step=True` gives the same
 per-layer waits on the host. The daemon's result (found_inf, errors) is
-collected at the next `step()`, or when `found_inf`, `last_step` or the
-state is read; `async_step=False` restores a `step()` that returns after the
-update. FSDP2 (DTensor) parameters always step synchronously.
+collected at the next `step()`, or when `found_inf`, `last_step`, `state` or
+`state_dict()` is read or `synchronize()` is called; `async_step=False`
+restores a `step()` that returns after the update everywhere. FSDP2
+(DTensor) parameters always step synchronously.
+
+Reading the weights after step(): every reader must see the finished step,
+never weights the daemon is still writing. What guarantees it:
+- CPU path, default: step() returns after the update, so any read does.
+- CUDA without model=: the current stream waits for the whole step, so any
+  read queued on it (`p.cpu()`, `torch.save`, evaluation) does.
+- With overlap (model= on CUDA; async_step=True on the CPU) reads go through
+  hooks: the model's forward waits per layer; `state_dict()` and
+  `load_state_dict()` of any module owning registered parameters (hence of
+  the model, a wrapper such as DDP, or a submodule) finish the step first,
+  and that is how the Hugging Face Trainer, Accelerate's save_state and
+  Lightning's ModelCheckpoint save weights; reading `opt.state` or
+  `opt.state_dict()` finishes it (Lightning's teardown reads the optimizer's
+  state before it moves the model to the CPU); on CUDA a stream of the
+  optimizer's own waits for the whole step, so `torch.cuda.synchronize()`
+  returns only once the weights are in. `opt.synchronize()` finishes it
+  explicitly. Not covered: a read that passes through none of these while
+  the step is in flight, e.g. `p.detach().cpu()`, `model.cpu()`, iterating
+  `parameters()` into an EMA, or another CUDA stream: call `opt.synchronize()`
+  (or `torch.cuda.synchronize()`) first, or build the optimizer without
+  model= (whose gain is the next forward's first layers; 1.412 vs 1.413
+  s/iter at 6B, bench/results/e2e_nvidia-h200_2026-11-29_6b_80g.json).
 
 Crash survival: `opt.session_info()` gives the session id and token (keep
 them private to the job); a restarted trainer builds its optimizer with
@@ -98,6 +127,11 @@ accumulation micro-steps). The ready order and times of the last step are in
 `opt.ready_log`; bench/e2e/README.md describes what the daemon would need to
 start per subgroup (a ready bitmap in the control block).
 
+State: `state_dict()` has torch.optim.AdamW's format with CPU tensors
+(DTensors over CPU shards for FSDP2 parameters), streamed from the daemon
+after any step in flight; `load_state_dict()` accepts it, or torch's AdamW
+state on any device, in bounded pieces (dos/_state.py has the details).
+
 Parameters with requires_grad=False are not registered and never updated.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
@@ -107,6 +141,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -117,7 +152,7 @@ from dos._hooks import _HooksMixin
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
 from dos._session import SessionHandle, track, untrack
-from dos._state import _StateMixin
+from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
 
 __all__ = ["AdamW", "Adam", "DosError"]
@@ -164,7 +199,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._arena = None
         self._device = None  # torch.device of the parameters in GPU mode, else None
         self._registering = True
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+        # torch's own optimizer's keys (foreach, fused, capturable, ...) too,
+        # so that state dicts move between the two without losing them.
+        defaults = torch_defaults(torch.optim.AdamW if self._decoupled else torch.optim.Adam)
+        defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False)
         super().__init__(params, defaults)
         self._registering = False
@@ -199,7 +237,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             raise
         if self.overlap:
             self._install_hooks()
-        self._async_args = (model, async_step)
+        # The model only weakly: it holds this optimizer's hooks (no cycle).
+        self._async_args = (None if model is None else weakref.ref(model), async_step)
         self._setup_async(model, async_step)
 
     # found_inf: the daemon's verdict on the last step (a bool). torch 2.x's

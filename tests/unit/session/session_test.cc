@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/sched/executor_set.h"
-#include "daemon/transport/control_channel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
 #include "tests/unit/sched/fake_engine.h"
 
 namespace dos {
