@@ -229,3 +229,36 @@ def test_lightning_style_wrapper_zero_grad_before_first_backward(dos_socket):
     w.close()  # closing through a wrapper closes the optimizer itself, once
     assert opt._session is None
     opt.close()
+
+
+def test_cuda_close_with_stream_waits_still_queued(dos_socket):
+    """GPU mode: the next forward's per-layer waits sit on the stream behind
+    other GPU work when the optimizer is closed. The library releases them
+    and lets the device pass them before the control block they read is
+    unregistered and unmapped; otherwise the GPU would fault when it reached
+    them (an illegal memory access at the trainer's next CUDA call)."""
+    import dos.torch
+    from dos import _native
+    if not torch.cuda.is_available() or not _native.cuda_supported():
+        pytest.skip("needs a CUDA device and a CUDA build of libdos_client")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    try:
+        opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=65536,
+                              model=model)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    if not opt._stream_sync:
+        opt.close()
+        pytest.skip("the CUDA driver has no stream memory operations")
+    x = torch.randn(64, 1024, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time ahead of the waits
+    with torch.no_grad():
+        model(x)  # its per-layer waits are queued behind the sleep
+    opt.close()
+    torch.cuda.synchronize()  # raises if a wait read the vanished block
+    assert torch.isfinite(model(x)).all()

@@ -97,7 +97,7 @@ else torch.distributed when initialised, else $RANK/$LOCAL_RANK/$WORLD_SIZE).
 DDP: build the optimizer after wrapping the model; DDP copies the reduced
 gradients into p.grad in place (keep gradient_as_bucket_view=False, the
 default). FSDP2 (`fully_shard`): parameters are DTensors; each rank registers
-its local shard (`tolocal_of()`). On CUDA the shard is registered in place and
+its local shard (`to_local()`). On CUDA the shard is registered in place and
 the sharded gradient is copied into a registered buffer at `step()`; on the
 CPU both go through shared memory and the new weights are copied back into
 the shard after the step.
