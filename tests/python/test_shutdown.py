@@ -262,3 +262,20 @@ def test_cuda_close_with_stream_waits_still_queued(dos_socket):
     opt.close()
     torch.cuda.synchronize()  # raises if a wait read the vanished block
     assert torch.isfinite(model(x)).all()
+
+
+def test_open_optimizers_are_known_to_the_exit_handler(dos_socket):
+    """The atexit handler closes what is still open, also an optimizer that
+    re-registered (moved storage: a new session)."""
+    import dos.torch
+    from dos import _session
+    model = torch.nn.Linear(4, 2)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket)
+    assert opt in _session._open
+    model.weight.data = model.weight.data.clone()  # moved: re-registered at step()
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="re-registering"):
+        opt.step()
+    assert opt in _session._open
+    opt.close()
+    assert opt not in _session._open

@@ -229,7 +229,6 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                           "has none, so steps start at step() as usual")
             self.overlap = False
         self._attach(*self._attach_args)
-        track(self)
         try:
             self._register(subgroup_size)
         except BaseException:
@@ -303,6 +302,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     @_session.setter
     def _session(self, ptr) -> None:
         self._handle = None if ptr is None else SessionHandle(ptr)
+        if ptr is not None:
+            track(self)  # closed at interpreter exit if still open (also after re-registration)
 
     @property
     def state(self):
