@@ -11,18 +11,15 @@ Found on the GPU machine: a Python process died with SIGSEGV (exit status
 """
 
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import _wait_for_socket  # noqa: E402
+from conftest import running_dosd  # noqa: E402
 
 CHILD = textwrap.dedent("""
     import gc, os, signal, sys, time
@@ -125,25 +122,8 @@ CASES = {
 @pytest.fixture
 def private_dosd():
     """A dosd of this test alone (the child may stop or kill it)."""
-    binary = os.environ.get("DOS_DOSD")
-    if not binary or not os.path.exists(binary):
-        pytest.skip("DOS_DOSD does not name a dosd binary")
-    tmp = tempfile.mkdtemp(prefix="dos-shutdown-")
-    path = os.path.join(tmp, "dosd.sock")
-    log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_socket(path, proc, time.monotonic() + 20)
-        yield path, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+    with running_dosd(killed_ok=True) as daemon:
+        yield daemon
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
