@@ -23,7 +23,6 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "daemon/common/log.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
@@ -99,17 +98,12 @@ ABSL_FLAG(std::string, tcp_listen, "",
           "unless --tcp_operator_calls, and cannot attach; a non-loopback HOST is refused "
           "unless --tcp_allow_remote.");
 ABSL_FLAG(std::string, operator_gids, "",
-          "Comma-separated gids (or group names) whose members are operators: they may act on "
-          "every session (dosctl checkpoint/policy of other users' sessions, save all). Root "
-          "and dosd's own uid always are.");
+          "Groups (names or gids, comma-separated) whose members are operators: they act on "
+          "every session. Root and dosd's own uid always are.");
 ABSL_FLAG(bool, tcp_operator_calls, false,
-          "Let callers over --tcp_listen (who carry no identity) make operator calls; off: "
-          "they may only read (GetStats, ListSessions, GetPolicy).");
-ABSL_FLAG(int, max_sessions, 1024,
-          "Sessions dosd holds at once (attached and waiting for a resume); more Attach calls "
-          "are RESOURCE_EXHAUSTED. 0 = no cap.");
-ABSL_FLAG(int, max_sessions_per_uid, 256,
-          "Sessions one uid holds at once; 0 = no cap.");
+          "Let --tcp_listen callers (no identity) make operator calls; off: they only read.");
+ABSL_FLAG(int, max_sessions, 1024, "Sessions held at once (attached or orphaned); 0 = no cap.");
+ABSL_FLAG(int, max_sessions_per_uid, 256, "Sessions one uid holds at once; 0 = no cap.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
           "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
           "operator calls).");
@@ -167,6 +161,84 @@ bool ParseBytes(absl::string_view text, uint64_t* out) {
   return true;
 }
 
+// The GPU engines' and planners' flags.
+absl::Status GpuFlags(DaemonConfig& c) {
+  absl::StatusOr<GpuDeviceSelection> devices =
+      GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
+  if (!devices.ok()) return devices.status();
+  c.gpu_devices = *std::move(devices);
+  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
+        " is not a size; write e.g. 12G or 0"));
+  }
+  c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
+  c.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
+  if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
+  if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
+  c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
+  c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
+  return absl::OkStatus();
+}
+
+// Who may use the daemon: the socket's group, the Attach allow lists, the TCP listener.
+absl::Status AccessFlags(DaemonConfig& c) {
+  if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
+    struct group* gr = ::getgrnam(g.c_str());
+    unsigned gid = 0;
+    if (gr != nullptr) {
+      c.group = gr->gr_gid;
+    } else if (absl::SimpleAtoi(g, &gid)) {
+      c.group = gid;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--group=", g, " is not a known group"));
+    }
+  }
+  c.session.shm_group = c.group;
+  std::vector<uint32_t> ids;
+  if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
+    return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
+  }
+  c.peer_auth.allow_uids.assign(ids.begin(), ids.end());
+  if (!ParseIdList(absl::GetFlag(FLAGS_allow_gids), &ids)) {
+    return absl::InvalidArgumentError("--allow_gids must be a comma-separated list of gids");
+  }
+  c.peer_auth.allow_gids.assign(ids.begin(), ids.end());
+  if (!ParseGroupList(absl::GetFlag(FLAGS_operator_gids), &c.authz.operator_gids)) {
+    return absl::InvalidArgumentError(absl::StrCat("--operator_gids=", absl::GetFlag(FLAGS_operator_gids),
+                                                   " must be comma-separated group names or gids"));
+  }
+  c.authz.tcp_operator_calls = absl::GetFlag(FLAGS_tcp_operator_calls);
+  c.authz.daemon_uid = ::geteuid();
+  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_sessions_per_uid) < 0) {
+    return absl::InvalidArgumentError("--max_sessions and --max_sessions_per_uid must be >= 0");
+  }
+  c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
+  c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
+  c.peer_auth.socket_mode = c.socket_mode;
+  c.peer_auth.group = c.group;
+  c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
+  if (!c.tcp_listen.empty()) {
+    const size_t colon = c.tcp_listen.rfind(':');
+    std::string host = colon == std::string::npos ? "" : c.tcp_listen.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+    uint32_t port = 0;
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(c.tcp_listen.substr(colon + 1), &port) || port == 0 || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tcp_listen=", c.tcp_listen, " is not HOST:PORT, e.g. 127.0.0.1:7070"));
+    }
+    if (!IsLoopbackHost(host) && !absl::GetFlag(FLAGS_tcp_allow_remote)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tcp_listen=", c.tcp_listen, " is not a loopback address; TCP callers cannot be "
+          "identified, so dosd listens remotely only with --tcp_allow_remote"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   DaemonConfig c;
   c.socket_path = absl::GetFlag(FLAGS_socket);
@@ -205,21 +277,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
   if (!policy.ok()) return policy.status();
   c.default_policy = *policy;
-  absl::StatusOr<GpuDeviceSelection> devices =
-      GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
-  if (!devices.ok()) return devices.status();
-  c.gpu_devices = *std::move(devices);
-  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
-        " is not a size; write e.g. 12G or 0"));
-  }
-  c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
-  c.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
-  if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
-  if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
-  c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
-  c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
+  if (absl::Status st = GpuFlags(c); !st.ok()) return st;
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
@@ -239,69 +297,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
         " is not a size; write e.g. 16G or 0"));
   }
-  if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
-    struct group* gr = ::getgrnam(g.c_str());
-    unsigned gid = 0;
-    if (gr != nullptr) {
-      c.group = gr->gr_gid;
-    } else if (absl::SimpleAtoi(g, &gid)) {
-      c.group = gid;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("--group=", g, " is not a known group"));
-    }
-  }
-  c.session.shm_group = c.group;
-  std::vector<uint32_t> ids;
-  if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
-    return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
-  }
-  c.peer_auth.allow_uids.assign(ids.begin(), ids.end());
-  if (!ParseIdList(absl::GetFlag(FLAGS_allow_gids), &ids)) {
-    return absl::InvalidArgumentError("--allow_gids must be a comma-separated list of gids");
-  }
-  c.peer_auth.allow_gids.assign(ids.begin(), ids.end());
-  for (absl::string_view g : absl::StrSplit(absl::GetFlag(FLAGS_operator_gids), ',',
-                                            absl::SkipEmpty())) {
-    const std::string name(g);
-    struct group* gr = ::getgrnam(name.c_str());
-    unsigned gid = 0;
-    if (gr != nullptr) {
-      c.authz.operator_gids.push_back(gr->gr_gid);
-    } else if (absl::SimpleAtoi(name, &gid)) {
-      c.authz.operator_gids.push_back(gid);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--operator_gids: ", name, " is neither a gid nor a known group"));
-    }
-  }
-  c.authz.tcp_operator_calls = absl::GetFlag(FLAGS_tcp_operator_calls);
-  c.authz.daemon_uid = ::geteuid();
-  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_sessions_per_uid) < 0) {
-    return absl::InvalidArgumentError("--max_sessions and --max_sessions_per_uid must be >= 0");
-  }
-  c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
-  c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
-  c.peer_auth.socket_mode = c.socket_mode;
-  c.peer_auth.group = c.group;
-  c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
-  if (!c.tcp_listen.empty()) {
-    const size_t colon = c.tcp_listen.rfind(':');
-    std::string host = colon == std::string::npos ? "" : c.tcp_listen.substr(0, colon);
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-      host = host.substr(1, host.size() - 2);
-    }
-    uint32_t port = 0;
-    if (colon == std::string::npos ||
-        !absl::SimpleAtoi(c.tcp_listen.substr(colon + 1), &port) || port == 0 || port > 65535) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tcp_listen=", c.tcp_listen, " is not HOST:PORT, e.g. 127.0.0.1:7070"));
-    }
-    if (!IsLoopbackHost(host) && !absl::GetFlag(FLAGS_tcp_allow_remote)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tcp_listen=", c.tcp_listen, " is not a loopback address; TCP callers cannot be "
-          "identified, so dosd listens remotely only with --tcp_allow_remote"));
-    }
-  }
+  if (absl::Status st = AccessFlags(c); !st.ok()) return st;
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (c.metrics_port < 0 || c.metrics_port > 65535) {
     return absl::InvalidArgumentError("--metrics_port must be in [0, 65535]");
@@ -392,6 +388,114 @@ int Fail(absl::string_view event, const absl::Status& status) {
   return 1;
 }
 
+#ifdef DOS_WITH_CUDA
+// One GPU engine per device --gpu_devices names, each with the executor (and
+// planner) over it. No device at all is not an error: the daemon runs CPU only.
+absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_updater,
+                           ExecutorSet* executors,
+                           std::vector<std::unique_ptr<gpu::GpuEngine>>* engines) {
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return ordinals.status();
+  for (int ordinal : *ordinals) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = ordinal;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    PlannerOptions planner;
+    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                                ? config.gpu_timeline
+                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, cpu_updater);
+    if (engine.ok()) {
+      executors->AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                        engine->get(), planner);
+      engines->push_back(*std::move(engine));
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return engine.status();
+    }
+  }
+  return absl::OkStatus();
+}
+#endif
+
+// The gRPC server on the unix socket (and --tcp_listen), the socket given
+// --socket_mode and --group. On failure `*event` names the log event.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const DaemonConfig& config,
+                                                          DosService* service,
+                                                          std::string* event) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // The unix socket is dosd's own (UnixListener): gRPC gets its connections
+  // one by one, with the caller's kernel identity recorded.
+  if (!config.tcp_listen.empty()) {
+    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    *event = "daemon.listen";
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", config.socket_path,
+        config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
+        "; check the directory's permissions and that the port is free"));
+  }
+  return server;
+}
+
+// The Prometheus endpoint on --metrics_port (null when off).
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConfig& config,
+                                                                MetricsRegistry* metrics) {
+  if (config.metrics_port == 0) return std::unique_ptr<MetricsHttpServer>();
+  MetricsHttpOptions mopt;
+  mopt.port = static_cast<uint16_t>(config.metrics_port);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+      MetricsHttpServer::Start(mopt, [metrics] { return metrics->RenderText(); });
+  if (!m.ok()) return m.status();
+  DOS_LOG_INFO("daemon.metrics", "url",
+               absl::StrCat("http://127.0.0.1:", (*m)->port(), "/metrics"));
+  return m;
+}
+
+// SIGTERM/SIGINT: stop taking calls, then drain: each session finishes its
+// in-flight step. Calls in flight get a second to answer; after that gRPC
+// cancels them (their handlers still run to the end before Wait() returns, so
+// nothing they write is lost). Debian's gRPC also holds Shutdown until the
+// deadline while a client keeps an idle channel open, so a long deadline would
+// only delay every stop of a daemon with trainers attached.
+void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* listener,
+           Checkpointer* checkpointer, SessionManager* sessions) {
+  SdNotify("STOPPING=1").IgnoreError();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  listener->Stop();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (checkpointer != nullptr) {
+    // With autosave on, a clean stop (upgrade, reboot) saves every session
+    // so the restarted daemon restores it.
+    if (config.checkpoint.autosave_interval > absl::ZeroDuration()) {
+      absl::StatusOr<std::vector<CheckpointRecord>> saved = checkpointer->Save(0, "");
+      DOS_LOG_INFO("daemon.final_checkpoint", "ok", saved.ok(), "files",
+                   saved.ok() ? saved->size() : 0);
+    }
+    checkpointer->Stop();
+  }
+  sessions->Shutdown();
+  server->Wait();
+}
+
 int Run(const DaemonConfig& config) {
   SetMinLogLevel(config.log_level);
   // Block the stop signals in every thread; main() takes them with sigwait.
@@ -411,36 +515,8 @@ int Run(const DaemonConfig& config) {
   ExecutorSet executors(&cpu_updater);
 #ifdef DOS_WITH_CUDA
   std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
-  absl::StatusOr<std::vector<int>> ordinals =
-      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
-  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
-    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
-    ordinals = std::vector<int>();
-  }
-  if (!ordinals.ok()) return Fail("daemon.gpu", ordinals.status());
-  for (int ordinal : *ordinals) {
-    gpu::GpuEngineOptions gopt;
-    gopt.device = ordinal;
-    gopt.staging_slots = config.gpu_staging_slots;
-    if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
-    gopt.resident_budget_bytes = config.gpu_memory_budget;
-    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    // Several engines write a file each (a step's line is too long to append
-    // atomically beside another engine's).
-    gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
-                             ? config.gpu_timeline
-                             : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
-    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, &cpu_updater);
-    if (engine.ok()) {
-      executors.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
-                       engine->get());
-      gpu_engines.push_back(*std::move(engine));
-    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
-      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
-    } else {
-      return Fail("daemon.gpu", engine.status());
-    }
+  if (absl::Status st = AddGpuEngines(config, &cpu_updater, &executors, &gpu_engines); !st.ok()) {
+    return Fail("daemon.gpu", st);
   }
 #endif
   DaemonCounters counters;
@@ -473,36 +549,16 @@ int Run(const DaemonConfig& config) {
       UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  if (!config.tcp_listen.empty()) {
-    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return Fail("daemon.listen",
-                absl::UnavailableError(absl::StrCat(
-                    "cannot listen on unix:", config.socket_path,
-                    config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
-                    "; check the directory's permissions and that the port is free")));
-  }
-  std::unique_ptr<MetricsHttpServer> metrics_server;
-  if (config.metrics_port != 0) {
-    MetricsHttpOptions mopt;
-    mopt.port = static_cast<uint16_t>(config.metrics_port);
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
-        MetricsHttpServer::Start(mopt, [&metrics] { return metrics.RenderText(); });
-    if (!m.ok()) return Fail("daemon.metrics", m.status());
-    metrics_server = *std::move(m);
-    DOS_LOG_INFO("daemon.metrics", "url",
-                 absl::StrCat("http://127.0.0.1:", metrics_server->port(), "/metrics"));
-  }
+  std::string failed_event;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(config, &service, &failed_event);
+  if (!server.ok()) return Fail(failed_event.c_str(), server.status());
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
+      StartMetrics(config, &metrics);
+  if (!metrics_server.ok()) return Fail("daemon.metrics", metrics_server.status());
   // The socket accepts calls once everything is up (tests and operators take
   // an accepting socket for a ready daemon).
-  (*listener)->Serve(server.get());
-  server->GetHealthCheckService()->SetServingStatus(true);
+  (*listener)->Serve(server->get());
+  (*server)->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
   // pings only while the session table can be locked (a wedged daemon stops
   // pinging and systemd restarts it). Both are no-ops outside systemd.
@@ -524,28 +580,7 @@ int Run(const DaemonConfig& config) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  SdNotify("STOPPING=1").IgnoreError();
-  server->GetHealthCheckService()->SetServingStatus(false);
-  // Stop taking calls, then drain: each session finishes its in-flight step.
-  // Calls in flight get a second to answer; after that gRPC cancels them
-  // (their handlers still run to the end before Wait() returns, so nothing
-  // they write is lost). Debian's gRPC also holds Shutdown until the deadline
-  // while a client keeps an idle channel open, so a long deadline would only
-  // delay every stop of a daemon with trainers attached.
-  (*listener)->Stop();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  if (checkpointer != nullptr) {
-    // With autosave on, a clean stop (upgrade, reboot) saves every session
-    // so the restarted daemon restores it.
-    if (config.checkpoint.autosave_interval > absl::ZeroDuration()) {
-      absl::StatusOr<std::vector<CheckpointRecord>> saved = checkpointer->Save(0, "");
-      DOS_LOG_INFO("daemon.final_checkpoint", "ok", saved.ok(), "files",
-                   saved.ok() ? saved->size() : 0);
-    }
-    checkpointer->Stop();
-  }
-  sessions.Shutdown();
-  server->Wait();
+  Drain(config, server->get(), listener->get(), checkpointer.get(), &sessions);
   DOS_LOG_INFO("daemon.stopped");
   return 0;
 }

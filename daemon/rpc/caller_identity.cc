@@ -1,5 +1,6 @@
 #include "daemon/rpc/caller_identity.h"
 
+#include <grp.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace dos {
 
@@ -30,6 +32,23 @@ CallerIdentity PeerTable::Lookup(absl::string_view peer) const {
   CallerIdentity id = it->second.id;
   id.peer = unknown.peer;
   return id;
+}
+
+bool ParseGroupList(absl::string_view text, std::vector<gid_t>* out) {
+  out->clear();
+  for (absl::string_view g : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const std::string name(g);
+    const struct group* gr = ::getgrnam(name.c_str());
+    uint32_t gid = 0;
+    if (gr != nullptr) {
+      out->push_back(gr->gr_gid);
+    } else if (absl::SimpleAtoi(name, &gid)) {
+      out->push_back(gid);
+    } else {
+      return false;
+    }
+  }
+  return true;
 }
 
 bool Authorizer::IsOperator(const CallerIdentity& c) const {

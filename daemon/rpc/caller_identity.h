@@ -63,6 +63,10 @@ struct AuthorizerOptions {
   uid_t daemon_uid = 0;              // dosd's own uid (an operator)
 };
 
+// Parses "dos-admin,1005" (group names or gids) into gids; false on an
+// unknown name or a bad number.
+bool ParseGroupList(absl::string_view text, std::vector<gid_t>* out);
+
 class Authorizer {
  public:
   explicit Authorizer(AuthorizerOptions options) : options_(std::move(options)) {}

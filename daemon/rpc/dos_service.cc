@@ -383,7 +383,8 @@ grpc::Status DosService::ExportState(ServerContext* ctx, const v1::TransferState
   if (!s.ok()) return ToGrpcStatus(s.status());
   if (absl::Status st = MayActOn(ctx, **s, "export state"); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<int64_t> step =
-      (*s)->ExportState(req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()));
+      (*s)->ExportState(req->tensor(), req->offset(), req->count(),
+                        ShmRef(req->buffer().name(), req->buffer().offset()));
   if (!step.ok()) return ToGrpcStatus(step.status());
   resp->set_step(*step);
   return grpc::Status::OK;
@@ -399,8 +400,9 @@ grpc::Status DosService::ImportState(ServerContext* ctx, const v1::TransferState
         "import state: step ", req->step(), " is out of range; a step count is in [0, ",
         kMaxImportedStep, "] (the next step must not overflow)")));
   }
-  absl::Status st = (*s)->ImportState(
-      req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()), req->step());
+  absl::Status st = (*s)->ImportState(req->tensor(), req->offset(), req->count(),
+                                      ShmRef(req->buffer().name(), req->buffer().offset()),
+                                      req->step());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->set_step(req->step());
   return grpc::Status::OK;

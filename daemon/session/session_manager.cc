@@ -41,7 +41,22 @@ SessionManager::SessionManager(const SessionOptions& options, const Policy& defa
 SessionManager::~SessionManager() { Shutdown(); }
 
 namespace {
-bool ProcessAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+// Only the uid that attached a session, holding its token, resumes it.
+absl::Status CheckResume(const Session& s, uint32_t uid, absl::string_view token) {
+  if (s.identity().uid != uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "attach: session ", s.identity().id, " belongs to uid ", s.identity().uid,
+        ", not to uid ", uid, "; a session is resumed by the user who attached it"));
+  }
+  if (!s.TokenMatches(token)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "attach: resume.token does not match session ", s.identity().id,
+        "; pass the token the first Attach returned"));
+  }
+  return absl::OkStatus();
+}
+
+bool ProcessAlive(int32_t pid) { return ControlBlockChannel::ProcessAlive(pid); }
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity,
@@ -62,16 +77,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     } else {
       auto live = sessions_.find(resume_id);
       if (live != sessions_.end()) {
-        if (live->second->identity().uid != identity.uid) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "attach: session ", resume_id, " belongs to uid ", live->second->identity().uid,
-              ", not to uid ", identity.uid, "; a session is resumed by the user who attached it"));
-        }
-        if (!live->second->TokenMatches(resume_token)) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "attach: resume.token does not match session ", resume_id,
-              "; pass the token the first Attach returned"));
-        }
+        DOS_RETURN_IF_ERROR(CheckResume(*live->second, identity.uid, resume_token));
         if (ProcessAlive(live->second->identity().pid)) {
           return absl::FailedPreconditionError(absl::StrCat(
               "attach: session ", resume_id, " is still attached by pid ",
@@ -89,16 +95,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
               "trainer (never attached, detached, its lease of ", absl::FormatDuration(lease_),
               " ran out, or the daemon restarted); attach a new session"));
         }
-        if (o->second.session->identity().uid != identity.uid) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "attach: session ", resume_id, " belongs to uid ", o->second.session->identity().uid,
-              ", not to uid ", identity.uid, "; a session is resumed by the user who attached it"));
-        }
-        if (!o->second.session->TokenMatches(resume_token)) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "attach: resume.token does not match session ", resume_id,
-              "; pass the token the first Attach returned"));
-        }
+        DOS_RETURN_IF_ERROR(CheckResume(*o->second.session, identity.uid, resume_token));
         old = o->second.session;
         orphans_.erase(o);
       }
