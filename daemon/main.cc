@@ -10,8 +10,10 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -23,6 +25,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/cli.h"
 #include "daemon/common/log.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
@@ -37,6 +40,7 @@
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
+#include "dos/version.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
@@ -71,9 +75,12 @@ ABSL_FLAG(std::string, gpu_timeline, "",
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
-ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
+ABSL_FLAG(std::string, checkpoint_dir, "auto",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
-          "relative to it); scanned at startup for state to restore; empty: checkpoints off.");
+          "relative to it); scanned at startup for state to restore; empty: checkpoints off. "
+          "auto: the user's own $XDG_STATE_HOME/dos/checkpoints (else "
+          "~/.local/state/dos/checkpoints), never the system folder: the packaged service's "
+          "flagfile sets /var/lib/dos/checkpoints.");
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
@@ -108,7 +115,7 @@ ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
 namespace dos {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
+constexpr char kVersion[] = DOS_VERSION_STRING;
 
 // Everything the daemon is configured with, one field per flag.
 struct DaemonConfig {
@@ -150,6 +157,20 @@ bool ParseBytes(absl::string_view text, uint64_t* out) {
   if (!absl::SimpleAtoi(text, &v)) return false;
   *out = v * mult;
   return true;
+}
+
+// --checkpoint_dir=auto: a dosd started by hand or by a test writes under its
+// user's state folder; only the packaged service (its flagfile) uses
+// /var/lib/dos. "" (no HOME either): checkpoints off.
+std::string ResolveCheckpointDir(const std::string& flag) {
+  if (flag != "auto") return flag;
+  const char* xdg = std::getenv("XDG_STATE_HOME");
+  if (xdg != nullptr && xdg[0] == '/') return absl::StrCat(xdg, "/dos/checkpoints");
+  const char* home = std::getenv("HOME");
+  if (home != nullptr && home[0] == '/') {
+    return absl::StrCat(home, "/.local/state/dos/checkpoints");
+  }
+  return "";
 }
 
 absl::StatusOr<DaemonConfig> ConfigFromFlags() {
@@ -208,7 +229,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
-  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoint.dir = ResolveCheckpointDir(absl::GetFlag(FLAGS_checkpoint_dir));
   c.checkpoints = !c.checkpoint.dir.empty();
   c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
   c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
@@ -518,10 +539,27 @@ int Run(const DaemonConfig& config) {
 }  // namespace dos
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Deep Optimizer States daemon: holds optimizer state for the trainers on this node.\n"
-      "  dosd [--socket=/run/dos/dosd.sock] [--flagfile=/etc/dos/dosd.flags] ...");
+  constexpr char kUsage[] =
+      "dosd: the Deep Optimizer States daemon; holds the optimizer state of the trainers on "
+      "this node.\n"
+      "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
+      "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
+  absl::SetProgramUsageMessage(kUsage);
+  switch (dos::cli::ScanEarlyAction(argc, argv)) {
+    case dos::cli::EarlyAction::kHelp:
+      dos::cli::PrintHelp(std::cout, kUsage, "daemon/main.cc");
+      return 0;
+    case dos::cli::EarlyAction::kVersion:
+      dos::cli::PrintVersion(std::cout, "dosd");
+      return 0;
+    case dos::cli::EarlyAction::kNone:
+      break;
+  }
+  const std::vector<std::string> overridden = dos::cli::FlagfileOverrides(argc, argv);
   absl::ParseCommandLine(argc, argv);
+  for (const std::string& w : overridden) {
+    DOS_LOG_WARNING("daemon.flag_overridden", "message", w);
+  }
   absl::StatusOr<dos::DaemonConfig> config = dos::ConfigFromFlags();
   if (!config.ok()) return dos::Fail("daemon.config", config.status());
   return dos::Run(*config);

@@ -14,6 +14,7 @@
 #include "client/include/dos/dos.h"
 #include "client/src/device_memory.h"
 #include "client/src/session.h"
+#include "dos/version.h"
 
 struct dos_session {
   std::unique_ptr<dos::client::ClientSession> impl;
@@ -62,6 +63,8 @@ absl::Duration TimeoutFromMs(int64_t ms) {
 extern "C" {
 
 const char* dos_last_error(void) { return g_last_error.c_str(); }
+
+const char* dos_version(void) { return DOS_VERSION_STRING; }
 
 int32_t dos_cuda_supported(void) { return dos::client::DeviceMemory::Compiled() ? 1 : 0; }
 

@@ -6,6 +6,7 @@ Environment (set by tests/python/CMakeLists.txt under ctest):
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,7 +45,10 @@ def dosd():
     tmp = tempfile.mkdtemp(prefix="dos-pytest-")
     path = os.path.join(tmp, "dosd.sock")
     log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}"], stdout=log, stderr=subprocess.STDOUT)
+    # Checkpoints in the test's folder, never the user's or the system's.
+    proc = subprocess.Popen([binary, f"--socket={path}",
+                             f"--checkpoint_dir={os.path.join(tmp, 'checkpoints')}"],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(path, proc, time.monotonic() + 20)
         yield path
@@ -63,6 +67,10 @@ def dosd():
         text = log.read()
         log.close()
         assert code == 0, f"dosd exited with {code} after SIGTERM; its log:\n{text[-4000:]}"
+        # A clean stop leaves nothing behind: no socket, no lock file.
+        left = sorted(set(os.listdir(tmp)) - {"dosd.log", "checkpoints"})
+        assert not left, f"dosd left {left} in {tmp} after a clean stop"
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture
