@@ -154,6 +154,16 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
 absl::Status ClientSession::Detach() {
   if (!attached_) return absl::OkStatus();
   attached_ = false;
+  if (control_ != nullptr &&
+      (control_->closed.load(std::memory_order_acquire) != 0 ||
+       !ControlBlockChannel::ProcessAlive(control_->daemon_pid))) {
+    // dosd already closed the session (it stopped or dropped us) or is gone:
+    // nothing to detach. No RPC either: a channel to a dead socket would start
+    // reconnecting, and a process exiting right after must not have gRPC
+    // threads busy while its static destructors run.
+    for (auto& b : buffers_) b->Unlink();
+    return absl::OkStatus();
+  }
   v1::DetachRequest req;
   *req.mutable_session() = ref_;
   v1::DetachResponse resp;
