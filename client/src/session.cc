@@ -1,4 +1,4 @@
-#include "client/src/session.h"
+#include "session.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/request_builder.h"
-#include "daemon/common/status_macros.h"
+#include "request_builder.h"
+#include "dos/wire/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 

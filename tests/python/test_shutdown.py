@@ -161,3 +161,71 @@ def test_child_exits_cleanly(private_dosd, case):
     assert "Fatal Python error" not in text, text[-3000:]
     if case == "wrapper_collected":
         assert "STEP 3" in out.stdout, text[-3000:]
+
+
+@pytest.mark.parametrize("kw", [{}, {"async_step": True}], ids=["model", "model_async"])
+def test_dropping_the_optimizer_closes_it_at_once(dos_socket, kw):
+    """Hooks on the model and its parameters refer to the optimizer weakly:
+    the last reference gone, it is finalized at once (not by a later cyclic
+    collection, at exit after torch is torn down), the session is detached
+    and the model keeps its trained weights in ordinary memory."""
+    import gc
+    import weakref
+
+    import dos.torch
+    gc.disable()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 2))
+        opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, **kw)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        handle = weakref.ref(opt._handle)
+        gone = weakref.ref(opt)
+        del opt
+        assert gone() is None, "the optimizer is kept alive by a reference cycle"
+        assert handle() is None, "the session handle outlived the optimizer"
+        weights = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(4, 8)).sum().backward()  # hooks are gone, nothing waits
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+    finally:
+        gc.enable()
+
+
+def test_lightning_style_wrapper_zero_grad_before_first_backward(dos_socket):
+    """PyTorch Lightning wraps the optimizer in an object whose class derives
+    from the optimizer's (attribute reads forwarded), calls zero_grad() on it
+    before the first backward, and drops and re-creates such wrappers. A
+    collected wrapper used to run the optimizer's __del__ and close the live
+    optimizer under it: zero_grad() then failed with AttributeError
+    ('NoneType' object has no attribute 'zero_')."""
+    import gc
+
+    import dos.torch
+
+    class Wrapper:  # lightning.pytorch.core.optimizer.LightningOptimizer's mechanics
+        def __init__(self, o):
+            self._optimizer = o
+            self.__class__ = type("Lightning" + o.__class__.__name__,
+                                  (self.__class__, o.__class__), {})
+
+        def __getattr__(self, item):
+            return getattr(self._optimizer, item)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model)
+    for _ in range(2):  # the strategy sets its optimizers twice
+        w = Wrapper(opt)
+        w.zero_grad()
+        del w
+        gc.collect()
+    w = Wrapper(opt)
+    for _ in range(3):
+        w.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert w.last_step["step"] == 3 and opt.last_step["step"] == 3
+    w.close()  # closing through a wrapper closes the optimizer itself, once
+    assert opt._session is None
+    opt.close()

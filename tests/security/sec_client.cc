@@ -37,7 +37,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "dos/dos.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace {

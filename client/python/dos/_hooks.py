@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 
 import torch
 
@@ -70,15 +71,29 @@ class _HooksMixin:
             first = min(self._ranges[e.index][0] for e in ents)
             last = max(self._ranges[e.index][1] for e in ents)
 
-            def pre_hook(_module, _inputs, ents=ents, first=first, last=last):
-                self._wait_layer(ents, first, last)
-            self._layer_waits.append(module.register_forward_pre_hook(pre_hook))
+            def pre_hook(opt, _module, _inputs, ents=ents, first=first, last=last):
+                opt._wait_layer(ents, first, last)
+            self._layer_waits.append(module.register_forward_pre_hook(self._weak(pre_hook)))
             self._layer_waits += self._install_reader_hooks(module)
         for e in self._entries:
-            def grad_hook(_grad, e=e):
-                r = self._ranges[e.index]
-                self._wait_layer([e], r[0], r[1])
-            self._grad_hooks.append(e.param.register_hook(grad_hook))
+            def grad_hook(opt, _grad, i=e.index):
+                r = opt._ranges[i]
+                opt._wait_layer([opt._entries[i]], r[0], r[1])
+            self._grad_hooks.append(e.param.register_hook(self._weak(grad_hook)))
+
+    def _weak(self, fn):
+        """A hook that calls fn(optimizer, *args) through a weak reference:
+        hooks live on the model and its parameters, and a strong reference
+        back would put the optimizer in reference cycles with them, so that
+        only the cyclic collector (at interpreter exit: after torch's module
+        is torn down) could finalize it. Dropping the optimizer closes it."""
+        ref = weakref.ref(self)
+
+        def hook(*args, **kwargs):
+            opt = ref()
+            if opt is not None:
+                return fn(opt, *args, **kwargs)
+        return hook
 
     def _install_reader_hooks(self, module):
         """module.state_dict() and module.load_state_dict() finish the step in
@@ -87,8 +102,7 @@ class _HooksMixin:
         a load must not be overwritten by the daemon's late writes. Installed
         on each module that owns registered parameters, so a state_dict() of
         any enclosing module (DDP, a wrapper, a submodule) passes one."""
-        def finish(*_args, **_kwargs):
-            self._finish_inflight()
+        finish = self._weak(lambda opt, *_args, **_kwargs: opt._finish_inflight())
         if hasattr(module, "register_state_dict_pre_hook"):  # torch >= 2.0
             on_save = module.register_state_dict_pre_hook(finish)
         else:
@@ -147,9 +161,9 @@ class _HooksMixin:
             e.hook = e.param.register_post_accumulate_grad_hook(self._make_hook(e))
 
     def _make_hook(self, e):
-        def hook(_param):
-            self._on_ready(e)
-        return hook
+        def hook(opt, _param, i=e.index):
+            opt._on_ready(opt._entries[i])
+        return self._weak(hook)
 
     def _on_ready(self, e):
         """Post-accumulate-grad hook: e's gradient is final for this

@@ -335,5 +335,6 @@ class _RegisterMixin:
             self._write(e, saved.get(id(e.param)))
         if self.overlap:
             self._install_hooks()
-        self._setup_async(*self._async_args)
+        model_ref, async_step = self._async_args
+        self._setup_async(None if model_ref is None else model_ref(), async_step)
 

@@ -136,6 +136,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -228,7 +229,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             raise
         if self.overlap:
             self._install_hooks()
-        self._async_args = (model, async_step)
+        # The model only weakly: it holds this optimizer's hooks (no cycle).
+        self._async_args = (None if model is None else weakref.ref(model), async_step)
         self._setup_async(model, async_step)
 
     # found_inf: the daemon's verdict on the last step (a bool). torch 2.x's
