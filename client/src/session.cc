@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,14 @@ ClientSession::~ClientSession() {
     watchdog_.join();
   }
   if (attached_) Detach().IgnoreError();
+  if (device_sync_ != nullptr && step_channel_ != nullptr) {
+    // The trainer's streams may still hold waits on the progress words that
+    // the GPU has not reached (a per-layer wait queued behind other work).
+    // Release them all and let the device pass them before device_sync_
+    // unregisters the block and control_segment_ unmaps it.
+    step_channel_->MarkAllDone(std::numeric_limits<uint32_t>::max(), num_subgroups_);
+    device_sync_->Drain();
+  }
 }
 
 void ClientSession::WatchSteps() {

@@ -97,7 +97,7 @@ else torch.distributed when initialised, else $RANK/$LOCAL_RANK/$WORLD_SIZE).
 DDP: build the optimizer after wrapping the model; DDP copies the reduced
 gradients into p.grad in place (keep gradient_as_bucket_view=False, the
 default). FSDP2 (`fully_shard`): parameters are DTensors; each rank registers
-its local shard (`tolocal_of()`). On CUDA the shard is registered in place and
+its local shard (`to_local()`). On CUDA the shard is registered in place and
 the sharded gradient is copied into a registered buffer at `step()`; on the
 CPU both go through shared memory and the new weights are copied back into
 the shard after the step.
@@ -229,7 +229,6 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                           "has none, so steps start at step() as usual")
             self.overlap = False
         self._attach(*self._attach_args)
-        track(self)
         try:
             self._register(subgroup_size)
         except BaseException:
@@ -303,6 +302,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     @_session.setter
     def _session(self, ptr) -> None:
         self._handle = None if ptr is None else SessionHandle(ptr)
+        if ptr is not None:
+            track(self)  # closed at interpreter exit if still open (also after re-registration)
 
     @property
     def state(self):
