@@ -13,7 +13,7 @@ namespace dos {
 namespace {
 // Page alignment keeps each subgroup's arrays on their own pages (no false
 // sharing between subgroups, and ready for cudaHostRegister later).
-constexpr size_t kAlignment = 4096;
+constexpr size_t kAlignment = ShardState::kAllocationAlignment;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorInfo> tensors,
@@ -60,7 +60,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
         tensor_offset = 0;
       }
     }
-    size_t bytes = (g.numel * kStateBytesPerParam + kAlignment - 1) / kAlignment * kAlignment;
+    size_t bytes = AllocationBytes(g.numel);
     void* mem = std::aligned_alloc(kAlignment, bytes);
     if (mem == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(

@@ -83,6 +83,13 @@ class ShardState {
  public:
   // Bytes of state per parameter: fp32 master, exp_avg, exp_avg_sq.
   static constexpr uint64_t kStateBytesPerParam = 12;
+  // Bytes of the one page-aligned allocation holding a subgroup of `numel`
+  // parameters' state (what an engine page-locks).
+  static constexpr uint64_t kAllocationAlignment = 4096;
+  static constexpr uint64_t AllocationBytes(uint64_t numel) {
+    return (numel * kStateBytesPerParam + kAllocationAlignment - 1) / kAllocationAlignment *
+           kAllocationAlignment;
+  }
 
   // Lays out `tensors`, reserves the state's bytes from `budget` (which must
   // outlive the ShardState) and allocates it, zeroed. `what` names the
