@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,7 +24,6 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/common/cli.h"
 #include "daemon/common/log.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
@@ -41,6 +39,7 @@
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 #include "dos/version.h"
+#include "tools/cli/cli.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
@@ -180,19 +179,6 @@ absl::Status GpuFlags(DaemonConfig& c) {
 }
 
 // Who may use the daemon: the socket's group, the Attach allow lists, the TCP listener.
-// --checkpoint_dir=auto: a dosd started by hand or by a test writes under its
-// user's state folder; only the packaged service (its flagfile) uses
-// /var/lib/dos. "" (no HOME either): checkpoints off.
-std::string ResolveCheckpointDir(const std::string& flag) {
-  if (flag != "auto") return flag;
-  const char* xdg = std::getenv("XDG_STATE_HOME");
-  if (xdg != nullptr && xdg[0] == '/') return absl::StrCat(xdg, "/dos/checkpoints");
-  const char* home = std::getenv("HOME");
-  if (home != nullptr && home[0] == '/') {
-    return absl::StrCat(home, "/.local/state/dos/checkpoints");
-  }
-  return "";
-}
 
 absl::Status AccessFlags(DaemonConfig& c) {
   if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
@@ -282,7 +268,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
-  c.checkpoint.dir = ResolveCheckpointDir(absl::GetFlag(FLAGS_checkpoint_dir));
+  // auto: a dosd started by hand or by a test writes under its user's state
+  // folder; only the packaged service's flagfile names /var/lib/dos.
+  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (c.checkpoint.dir == "auto") c.checkpoint.dir = cli::UserStateDir("dos/checkpoints");
   c.checkpoints = !c.checkpoint.dir.empty();
   c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
   c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
@@ -590,15 +579,9 @@ int main(int argc, char** argv) {
       "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
       "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
   absl::SetProgramUsageMessage(kUsage);
-  switch (dos::cli::ScanEarlyAction(argc, argv)) {
-    case dos::cli::EarlyAction::kHelp:
-      dos::cli::PrintHelp(std::cout, kUsage, "daemon/main.cc");
-      return 0;
-    case dos::cli::EarlyAction::kVersion:
-      dos::cli::PrintVersion(std::cout, "dosd");
-      return 0;
-    case dos::cli::EarlyAction::kNone:
-      break;
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+      rc >= 0) {
+    return rc;
   }
   const std::vector<std::string> overridden = dos::cli::FlagfileOverrides(argc, argv);
   absl::ParseCommandLine(argc, argv);

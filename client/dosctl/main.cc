@@ -25,7 +25,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/dosctl/commands.h"
-#include "daemon/common/cli.h"
+#include "tools/cli/cli.h"
 
 namespace {
 
@@ -84,15 +84,10 @@ bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(te
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  switch (dos::cli::ScanEarlyAction(argc, argv)) {
-    case dos::cli::EarlyAction::kHelp:
-      dos::cli::PrintHelp(std::cout, kHelp, "client/dosctl/main.cc");
-      return 0;
-    case dos::cli::EarlyAction::kVersion:
-      dos::cli::PrintVersion(std::cout, "dosctl");
-      return 0;
-    case dos::cli::EarlyAction::kNone:
-      break;
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosctl", kHelp,
+                                               "client/dosctl/main.cc");
+      rc >= 0) {
+    return rc;
   }
   for (const std::string& w : dos::cli::FlagfileOverrides(argc, argv)) {
     std::cerr << "dosctl: warning: " << w << '\n';

@@ -1,6 +1,6 @@
-// daemon/common/cli: -h/--help/--version detection, the help text, and the
+// tools/cli: -h/--help/--version detection, the help text, and the
 // warning for flags a later --flagfile overrides.
-#include "daemon/common/cli.h"
+#include "tools/cli/cli.h"
 
 #include <cstdio>
 #include <fstream>

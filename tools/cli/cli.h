@@ -1,9 +1,10 @@
-// Command-line conveniences shared by dosd and dosctl, on top of abseil flags:
+// Command-line conveniences shared by dosd and dosctl (tools/: neither daemon
+// nor client code), on top of abseil flags:
 // -h/--help that lists the program's own flags and exits 0, --version that
 // prints the project version, and a check for flags that a later --flagfile
 // silently overrides.
-#ifndef DOS_DAEMON_COMMON_CLI_H_
-#define DOS_DAEMON_COMMON_CLI_H_
+#ifndef DOS_TOOLS_CLI_CLI_H_
+#define DOS_TOOLS_CLI_CLI_H_
 
 #include <ostream>
 #include <string>
@@ -33,6 +34,16 @@ void PrintVersion(std::ostream& out, absl::string_view program);
 // Files that cannot be read are skipped (abseil reports them).
 std::vector<std::string> FlagfileOverrides(int argc, char** argv);
 
+// For main(): handles -h/--help (PrintHelp) and --version (PrintVersion) on
+// stdout and returns the exit status (0), or -1 when argv asks for neither.
+int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
+                         absl::string_view usage, absl::string_view flags_file);
+
+// The user's own state folder for `sub` (e.g. "dos/checkpoints"):
+// $XDG_STATE_HOME/sub, else $HOME/.local/state/sub; "" when neither is an
+// absolute path.
+std::string UserStateDir(absl::string_view sub);
+
 }  // namespace dos::cli
 
-#endif  // DOS_DAEMON_COMMON_CLI_H_
+#endif  // DOS_TOOLS_CLI_CLI_H_

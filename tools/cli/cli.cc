@@ -1,6 +1,8 @@
-#include "daemon/common/cli.h"
+#include "tools/cli/cli.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <fstream>
 #include <map>
 #include <utility>
@@ -180,6 +182,29 @@ std::vector<std::string> FlagfileOverrides(int argc, char** argv) {
     }
   }
   return warnings;
+}
+
+int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
+                         absl::string_view usage, absl::string_view flags_file) {
+  switch (ScanEarlyAction(argc, argv)) {
+    case EarlyAction::kHelp:
+      PrintHelp(std::cout, usage, flags_file);
+      return 0;
+    case EarlyAction::kVersion:
+      PrintVersion(std::cout, program);
+      return 0;
+    case EarlyAction::kNone:
+      break;
+  }
+  return -1;
+}
+
+std::string UserStateDir(absl::string_view sub) {
+  const char* xdg = std::getenv("XDG_STATE_HOME");
+  if (xdg != nullptr && xdg[0] == '/') return absl::StrCat(xdg, "/", sub);
+  const char* home = std::getenv("HOME");
+  if (home != nullptr && home[0] == '/') return absl::StrCat(home, "/.local/state/", sub);
+  return "";
 }
 
 }  // namespace dos::cli
