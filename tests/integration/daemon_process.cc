@@ -30,6 +30,17 @@ bool SocketAccepts(const std::string& path) {
   return ok;
 }
 
+namespace {
+
+void RemoveTestDir(const std::string& dir) {
+  const char* keep = std::getenv("DOS_KEEP_TEST_DIRS");
+  if (dir.empty() || (keep != nullptr && std::string(keep) == "1")) return;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+}  // namespace
+
 DaemonProcess::DaemonProcess(std::vector<std::string> extra_flags)
     : flags_(std::move(extra_flags)) {
   char tmpl[] = "/tmp/dos-it-XXXXXX";
@@ -45,12 +56,15 @@ DaemonProcess::~DaemonProcess() {
   }
   // The socket folder, dosd's log and its checkpoints go with the test
   // (DOS_KEEP_TEST_DIRS=1 keeps them for a post-mortem).
-  const char* keep = std::getenv("DOS_KEEP_TEST_DIRS");
-  if (keep == nullptr || std::string(keep) != "1") {
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
+  RemoveTestDir(dir_);
 }
+
+TempDir::TempDir(const std::string& prefix) {
+  std::string tmpl = "/tmp/" + prefix + "-XXXXXX";
+  path_ = ::mkdtemp(tmpl.data()) != nullptr ? tmpl : "";
+}
+
+TempDir::~TempDir() { RemoveTestDir(path_); }
 
 void DaemonProcess::RunAs(uid_t uid, gid_t gid, mode_t umask, std::string binary) {
   run_as_ = true;
