@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -41,6 +42,13 @@ DaemonProcess::~DaemonProcess() {
   if (pid_ > 0) {
     ::kill(pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
+  }
+  // The socket folder, dosd's log and its checkpoints go with the test
+  // (DOS_KEEP_TEST_DIRS=1 keeps them for a post-mortem).
+  const char* keep = std::getenv("DOS_KEEP_TEST_DIRS");
+  if (keep == nullptr || std::string(keep) != "1") {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
   }
 }
 

@@ -8,6 +8,7 @@ Environment (set by tests/python/CMakeLists.txt under ctest):
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,8 +85,11 @@ def running_dosd(*flags, killed_ok=False):
     tmp = tempfile.mkdtemp(prefix="dos-pytest-")
     path = os.path.join(tmp, "dosd.sock")
     log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}", *flags], stdout=log,
-                            stderr=subprocess.STDOUT)
+    # Checkpoints in the test's folder, never the user's or the system's
+    # (a --checkpoint_dir in flags comes later and wins).
+    proc = subprocess.Popen([binary, f"--socket={path}",
+                             f"--checkpoint_dir={os.path.join(tmp, 'checkpoints')}", *flags],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(path, proc, time.monotonic() + 20)
         yield path, proc
@@ -106,6 +110,11 @@ def running_dosd(*flags, killed_ok=False):
         log.close()
         if running or not killed_ok:
             assert code == 0, f"dosd exited with {code} after SIGTERM; its log:\n{text[-4000:]}"
+        if running:
+            # A clean stop leaves nothing behind: no socket, no lock file.
+            left = sorted(set(os.listdir(tmp)) - {"dosd.log", "checkpoints"})
+            assert not left, f"dosd left {left} in {tmp} after a clean stop"
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
