@@ -7,6 +7,7 @@ Environment (set by tests/python/CMakeLists.txt under ctest):
 
 import contextlib
 import faulthandler
+import gc
 import os
 import shutil
 import signal
@@ -55,6 +56,10 @@ def pytest_sessionfinish(session, exitstatus):
     # Not cancelled: interpreter finalization ends the timer (after atexit
     # handlers and the last collection, the places a session close runs).
     faulthandler.dump_traceback_later(EXIT_TIMEOUT_S, exit=True, file=_dump_file)
+    # Optimizers that tests left in reference cycles are finalized (closed,
+    # detached) here, under the timer and at a known point, rather than by
+    # whichever collection happens to run while the summary is printed.
+    gc.collect()
 
 
 def _wait_for_socket(path, proc, deadline):
