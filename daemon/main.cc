@@ -69,7 +69,9 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
-ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
+ABSL_FLAG(std::string, shm_prefix, "",
+          "Deprecated and ignored: dosd names nothing in /dev/shm (memory travels as sealed "
+          "memfds over <socket>.fd).");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
@@ -166,7 +168,6 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
         " is not a size; write e.g. 64G, 512M or 0 for no cap"));
   }
-  c.session.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
   c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
   if (c.session.default_subgroup_size == 0) {
     return absl::InvalidArgumentError("--subgroup_size must be positive");
@@ -235,7 +236,6 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
       return absl::InvalidArgumentError(absl::StrCat("--group=", g, " is not a known group"));
     }
   }
-  c.session.shm_group = c.group;
   std::vector<uint32_t> ids;
   if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
     return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
@@ -427,8 +427,33 @@ int Run(const DaemonConfig& config) {
   absl::StatusOr<std::unique_ptr<PeerAuth>> peer_auth =
       PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
   if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
+  // The descriptor socket: attaching processes' kernel identity, control
+  // blocks out, sealed memfd segments in, each bound to its session by id,
+  // token and owner uid.
+  DescriptorServer::Options fd_options;
+  fd_options.socket_mode = config.socket_mode;
+  fd_options.group = config.group;
+  absl::StatusOr<std::unique_ptr<DescriptorServer>> descriptors = DescriptorServer::Start(
+      fdproto::SocketPathFor(config.socket_path), fd_options,
+      [&sessions](uint64_t id, absl::string_view token,
+                  const PeerProcess& caller) -> absl::StatusOr<SessionPort> {
+        absl::StatusOr<std::shared_ptr<Session>> s = sessions.Find(id, token);
+        if (!s.ok()) return s.status();
+        if ((*s)->identity().process != nullptr && (*s)->identity().uid != caller.uid()) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "session ", id, " belongs to uid ", (*s)->identity().uid, ", not to uid ",
+              caller.uid(), "; only the attaching user may pass memory to or from it"));
+        }
+        SessionPort port;
+        port.control_fd = (*s)->control_fd();
+        port.inbox = (*s)->inbox();
+        port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
+        port.keep_alive = *s;
+        return port;
+      });
+  if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   DosService service(&sessions, &budget, kVersion, checkpointer.get(),
-                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr);
+                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr, descriptors->get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

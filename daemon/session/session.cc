@@ -62,20 +62,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     std::function<void(uint64_t id)> on_client_gone) {
   std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executors, budget,
                                          std::move(on_client_gone)));
-  std::string name = absl::StrCat(
-      options.shm_prefix, ".", getpid(), ".", s->identity_.id,
-      s->identity_.generation == 0 ? "" : absl::StrCat(".g", s->identity_.generation), ".ctl");
-  ShmSegment::CreateOptions shm_options;
-  shm_options.mode = options.shm_mode;
-  shm_options.unlink_on_destroy = true;
-  DOS_ASSIGN_OR_RETURN(s->control_, ShmSegment::Create(name, sizeof(ControlBlock), shm_options));
-  if (options.shm_group != static_cast<gid_t>(-1) &&
-      ::chown(absl::StrCat("/dev/shm", name).c_str(), static_cast<uid_t>(-1),
-              options.shm_group) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "attach: cannot give control block ", name, " group ", options.shm_group, ": ",
-        std::strerror(errno)));
-  }
+  // A sealed memfd: no name anyone could open or squat; the owner fetches it
+  // from the descriptor socket with the session's token.
+  DOS_ASSIGN_OR_RETURN(s->control_,
+                       ShmSegment::Create(absl::StrCat("dos.ctl.", s->identity_.id),
+                                          sizeof(ControlBlock)));
   auto* block = new (s->control_->data()) ControlBlock();
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
@@ -129,6 +120,8 @@ void Session::Stop() {
     Doorbell(&block->done_bell, &block->client_sleeping)
         .Ring(block->done_bell.load(std::memory_order_relaxed));
   }
+  absl::MutexLock lock(&conn_mu_);
+  client_connections_.clear();  // the client's watchdog sees the hang-up
 }
 
 bool Session::TokenMatches(absl::string_view token) const {
@@ -139,9 +132,39 @@ bool Session::TokenMatches(absl::string_view token) const {
   return diff == 0;
 }
 
-bool Session::ClientAlive() const {
-  if (identity_.pid <= 0) return true;
-  return kill(identity_.pid, 0) == 0 || errno == EPERM;
+bool SessionIdentity::ClientAlive() const {
+  if (process != nullptr) return process->Alive();
+  if (pid <= 0) return true;
+  return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+bool Session::ClientAlive() const { return identity_.ClientAlive(); }
+
+void Session::HoldClientConnection(UniqueFd connection) {
+  absl::MutexLock lock(&conn_mu_);
+  if (stop_.load(std::memory_order_acquire)) return;  // closes it: the session is over
+  // A few at most (each fetch of the control block leaves one); the oldest
+  // goes first.
+  if (client_connections_.size() >= 8) client_connections_.erase(client_connections_.begin());
+  client_connections_.push_back(std::move(connection));
+}
+
+absl::Status Session::ResolveSegments(ShardSpec* spec) {
+  std::map<uint64_t, std::shared_ptr<ShmSegment>> taken;
+  for (uint32_t i = 0; i < spec->tensors.size(); ++i) {
+    TensorSpec& t = spec->tensors[i];
+    for (auto [ref, part] : {std::pair{&t.param, "param"}, std::pair{&t.grad, "grad"}}) {
+      if (ref->is_cuda_ipc() || ref->segment_id == 0) continue;  // ShmTransport says why
+      auto it = taken.find(ref->segment_id);
+      if (it == taken.end()) {
+        DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
+                             inbox_.Take(ref->segment_id, TensorWhat(i, t.name, part)));
+        it = taken.emplace(ref->segment_id, std::move(seg)).first;
+      }
+      ref->segment = it->second;
+    }
+  }
+  return absl::OkStatus();
 }
 
 void Session::StepLoop() {
@@ -244,8 +267,9 @@ void Session::HandleRequest(uint32_t seq) {
   channel_->PostResult(seq);
 }
 
-absl::Status Session::Register(const ShardSpec& spec) {
+absl::Status Session::Register(const ShardSpec& given) {
   absl::MutexLock lock(&mu_);
+  ShardSpec spec = given;  // its segments resolved below
   if (shard_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("register: session ", identity_.id,
@@ -268,6 +292,9 @@ absl::Status Session::Register(const ShardSpec& spec) {
         "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
         "event only with CUDA IPC tensors");
   }
+  // The segments the spec names by id, out of the inbox (a failed Register
+  // frees them: the client sends them again).
+  DOS_RETURN_IF_ERROR(ResolveSegments(&spec));
   // GPU mode runs on the engine of the device the tensors live on (the
   // rank's GPU), matched by UUID; host memory on the executor without one.
   std::unique_ptr<Transport> transport;
@@ -439,11 +466,12 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef&
   // Buffers for state transfer are short-lived: `holder` unmaps this one when
   // the call returns.
   uint64_t numel = shard_->tensors()[tensor].numel;
-  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg, ShmSegment::Open(buf.shm_name));
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
+                       inbox_.Take(buf.segment_id, "state transfer: buffer"));
   uint64_t bytes = 3 * numel * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "state transfer: buffer ", buf.shm_name, " has ", seg->size(), " bytes; tensor ", tensor,
+        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; tensor ", tensor,
         " needs ", bytes, " at offset ", buf.offset, " (3 x numel fp32)"));
   }
   *holder = std::move(seg);

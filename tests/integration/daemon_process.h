@@ -54,6 +54,9 @@ class DaemonProcess {
 };
 
 // True once a unix socket at `path` accepts a connection.
+// A ticket from dosd's descriptor socket beside `socket` for this process
+// (what a raw Attach must carry in fd_ticket); "" if it cannot be had.
+std::string FdTicket(const std::string& socket);
 bool SocketAccepts(const std::string& path);
 
 }  // namespace dos::testing
