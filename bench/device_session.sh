@@ -30,9 +30,10 @@ case "$what" in
         grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED  |Failure|SKIP' "/tmp/$t.log" | head -30
         cp "/tmp/$t.log" "$O/"
       done
-      echo "== pytest (CUDA, async, GPT loss)"
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
-        tests/python/test_async.py tests/python/test_gpt_loss.py 2>&1 | tail -40
+      echo "== pytest (CUDA, async, GPT loss, state I/O, DCP with DDP and FSDP2)"
+      timeout 360 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py \
+        tests/python/test_async.py tests/python/test_gpt_loss.py tests/python/test_state_io.py \
+        tests/python/test_dcp.py 2>&1 | tail -40
     } > "$O/tests.log" 2>&1
     ;;
   e2e)
@@ -60,7 +61,9 @@ case "$what" in
     echo "dosd exit=$?" >> "$O/ranks.log"
     ;;
   frameworks)
-    machine=$(python3 -c 'import torch; n=torch.cuda.device_count(); print("nvidia-h200" if n < 2 else f"nvidia-h200-x{n}")')
+    # The framework tests use one GPU: their figures are named for one H200 (the JSON
+    # records how many GPUs the host had).
+    machine=${DOS_MACHINE:-nvidia-h200}
     DOS_MACHINE=$machine timeout 250 bash tests/python/frameworks/run_gpu.sh "$B/dosd" \
       "$DIST/lib/libdos_client.so" > "$O/frameworks.log" 2>&1
     echo "exit=$?" >> "$O/frameworks.log"

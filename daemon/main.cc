@@ -32,6 +32,7 @@
 #include "daemon/metrics/metrics_http_server.h"
 #include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
+#include "daemon/rpc/session_ports.h"
 #include "daemon/rpc/socket_guard.h"
 #include "daemon/sched/device_selection.h"
 #include "daemon/sched/executor_set.h"
@@ -69,9 +70,7 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
-ABSL_FLAG(std::string, shm_prefix, "",
-          "Deprecated and ignored: dosd names nothing in /dev/shm (memory travels as sealed "
-          "memfds over <socket>.fd).");
+ABSL_FLAG(std::string, shm_prefix, "", "Ignored (dosd names nothing in /dev/shm).");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
@@ -154,43 +153,8 @@ bool ParseBytes(absl::string_view text, uint64_t* out) {
   return true;
 }
 
-absl::StatusOr<DaemonConfig> ConfigFromFlags() {
-  DaemonConfig c;
-  c.socket_path = absl::GetFlag(FLAGS_socket);
-  unsigned mode = 0;
-  if (!absl::numbers_internal::safe_strtou32_base(absl::GetFlag(FLAGS_socket_mode), &mode, 8) ||
-      mode > 0777) {
-    return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
-  }
-  c.socket_mode = mode;
-  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
-        " is not a size; write e.g. 64G, 512M or 0 for no cap"));
-  }
-  c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
-  if (c.session.default_subgroup_size == 0) {
-    return absl::InvalidArgumentError("--subgroup_size must be positive");
-  }
-  c.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
-  c.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
-  if (c.cpu.threads < 0 || c.cpu.tile_elems == 0) {
-    return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
-  }
-  std::string isa = absl::GetFlag(FLAGS_cpu_isa);
-  if (!isa.empty()) {
-    if (!cpu::ParseIsa(isa, &c.cpu.isa)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--cpu_isa=", isa, " is unknown; use scalar, avx2 or avx512"));
-    }
-    if (!cpu::IsaSupported(c.cpu.isa)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--cpu_isa=", isa, " is not supported by this CPU"));
-    }
-  }
-  absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
-  if (!policy.ok()) return policy.status();
-  c.default_policy = *policy;
+// The GPU engines' and planners' flags.
+absl::Status GpuFlags(DaemonConfig& c) {
   absl::StatusOr<GpuDeviceSelection> devices =
       GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
   if (!devices.ok()) return devices.status();
@@ -206,25 +170,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
   c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
-  if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
-    return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
-  }
-  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  c.checkpoints = !c.checkpoint.dir.empty();
-  c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
-  c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
-  c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
-  if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
-    return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
-  }
-  if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
-    return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
-  }
-  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
-        " is not a size; write e.g. 16G or 0"));
-  }
+  return absl::OkStatus();
+}
+
+// Who may use the daemon: the socket's group, the Attach allow lists, the TCP listener.
+absl::Status AccessFlags(DaemonConfig& c) {
   if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
     struct group* gr = ::getgrnam(g.c_str());
     unsigned gid = 0;
@@ -266,6 +216,67 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
           "identified, so dosd listens remotely only with --tcp_allow_remote"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> ConfigFromFlags() {
+  DaemonConfig c;
+  c.socket_path = absl::GetFlag(FLAGS_socket);
+  unsigned mode = 0;
+  if (!absl::numbers_internal::safe_strtou32_base(absl::GetFlag(FLAGS_socket_mode), &mode, 8) ||
+      mode > 0777) {
+    return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
+  }
+  c.socket_mode = mode;
+  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
+        " is not a size; write e.g. 64G, 512M or 0 for no cap"));
+  }
+  c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
+  if (c.session.default_subgroup_size == 0) {
+    return absl::InvalidArgumentError("--subgroup_size must be positive");
+  }
+  c.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
+  if (c.cpu.threads < 0 || c.cpu.tile_elems == 0) {
+    return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
+  }
+  std::string isa = absl::GetFlag(FLAGS_cpu_isa);
+  if (!isa.empty()) {
+    if (!cpu::ParseIsa(isa, &c.cpu.isa)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cpu_isa=", isa, " is unknown; use scalar, avx2 or avx512"));
+    }
+    if (!cpu::IsaSupported(c.cpu.isa)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cpu_isa=", isa, " is not supported by this CPU"));
+    }
+  }
+  absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) return policy.status();
+  c.default_policy = *policy;
+  if (absl::Status st = GpuFlags(c); !st.ok()) return st;
+  if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
+    return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
+  }
+  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  c.checkpoints = !c.checkpoint.dir.empty();
+  c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
+  c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
+  c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
+  if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
+    return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
+  }
+  if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
+    return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
+  }
+  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
+        " is not a size; write e.g. 16G or 0"));
+  }
+  if (absl::Status st = AccessFlags(c); !st.ok()) return st;
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (c.metrics_port < 0 || c.metrics_port > 65535) {
     return absl::InvalidArgumentError("--metrics_port must be in [0, 65535]");
@@ -356,6 +367,98 @@ int Fail(absl::string_view event, const absl::Status& status) {
   return 1;
 }
 
+#ifdef DOS_WITH_CUDA
+// One GPU engine per device --gpu_devices names, each with the executor (and
+// planner) over it. No device at all is not an error: the daemon runs CPU only.
+absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_updater,
+                           ExecutorSet* executors,
+                           std::vector<std::unique_ptr<gpu::GpuEngine>>* engines) {
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return ordinals.status();
+  for (int ordinal : *ordinals) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = ordinal;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    PlannerOptions planner;
+    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                                ? config.gpu_timeline
+                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, cpu_updater);
+    if (engine.ok()) {
+      executors->AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                        engine->get(), planner);
+      engines->push_back(*std::move(engine));
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return engine.status();
+    }
+  }
+  return absl::OkStatus();
+}
+#endif
+
+// The gRPC server on the unix socket (and --tcp_listen), the socket given
+// --socket_mode and --group. On failure `*event` names the log event.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const DaemonConfig& config,
+                                                          DosService* service,
+                                                          std::string* event) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
+  if (!config.tcp_listen.empty()) {
+    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    *event = "daemon.listen";
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", config.socket_path,
+        config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
+        "; check the directory's permissions and that the port is free"));
+  }
+  if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
+    DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
+  }
+  if (config.group != static_cast<gid_t>(-1) &&
+      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
+    *event = "daemon.chown";
+    return absl::PermissionDeniedError(absl::StrCat("cannot give ", config.socket_path,
+                                                    " group ", config.group, ": ",
+                                                    std::strerror(errno),
+                                                    "; run dosd as a member of that group"));
+  }
+  return server;
+}
+
+// The Prometheus endpoint on --metrics_port (null when off).
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConfig& config,
+                                                                MetricsRegistry* metrics) {
+  if (config.metrics_port == 0) return std::unique_ptr<MetricsHttpServer>();
+  MetricsHttpOptions mopt;
+  mopt.port = static_cast<uint16_t>(config.metrics_port);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+      MetricsHttpServer::Start(mopt, [metrics] { return metrics->RenderText(); });
+  if (!m.ok()) return m.status();
+  DOS_LOG_INFO("daemon.metrics", "url",
+               absl::StrCat("http://127.0.0.1:", (*m)->port(), "/metrics"));
+  return m;
+}
+
 int Run(const DaemonConfig& config) {
   SetMinLogLevel(config.log_level);
   // Block the stop signals in every thread; main() takes them with sigwait.
@@ -375,36 +478,8 @@ int Run(const DaemonConfig& config) {
   ExecutorSet executors(&cpu_updater);
 #ifdef DOS_WITH_CUDA
   std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
-  absl::StatusOr<std::vector<int>> ordinals =
-      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
-  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
-    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
-    ordinals = std::vector<int>();
-  }
-  if (!ordinals.ok()) return Fail("daemon.gpu", ordinals.status());
-  for (int ordinal : *ordinals) {
-    gpu::GpuEngineOptions gopt;
-    gopt.device = ordinal;
-    gopt.staging_slots = config.gpu_staging_slots;
-    if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
-    gopt.resident_budget_bytes = config.gpu_memory_budget;
-    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    // Several engines write a file each (a step's line is too long to append
-    // atomically beside another engine's).
-    gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
-                             ? config.gpu_timeline
-                             : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
-    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, &cpu_updater);
-    if (engine.ok()) {
-      executors.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
-                       engine->get());
-      gpu_engines.push_back(*std::move(engine));
-    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
-      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
-    } else {
-      return Fail("daemon.gpu", engine.status());
-    }
+  if (absl::Status st = AddGpuEngines(config, &cpu_updater, &executors, &gpu_engines); !st.ok()) {
+    return Fail("daemon.gpu", st);
   }
 #endif
   DaemonCounters counters;
@@ -424,75 +499,21 @@ int Run(const DaemonConfig& config) {
       checkpointer.reset();
     }
   }
-  absl::StatusOr<std::unique_ptr<PeerAuth>> peer_auth =
-      PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
+  auto peer_auth = PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
   if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
-  // The descriptor socket: attaching processes' kernel identity, control
-  // blocks out, sealed memfd segments in, each bound to its session by id,
-  // token and owner uid.
-  DescriptorServer::Options fd_options;
-  fd_options.socket_mode = config.socket_mode;
-  fd_options.group = config.group;
-  absl::StatusOr<std::unique_ptr<DescriptorServer>> descriptors = DescriptorServer::Start(
-      fdproto::SocketPathFor(config.socket_path), fd_options,
-      [&sessions](uint64_t id, absl::string_view token,
-                  const PeerProcess& caller) -> absl::StatusOr<SessionPort> {
-        absl::StatusOr<std::shared_ptr<Session>> s = sessions.Find(id, token);
-        if (!s.ok()) return s.status();
-        if ((*s)->identity().process != nullptr && (*s)->identity().uid != caller.uid()) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "session ", id, " belongs to uid ", (*s)->identity().uid, ", not to uid ",
-              caller.uid(), "; only the attaching user may pass memory to or from it"));
-        }
-        SessionPort port;
-        port.control_fd = (*s)->control_fd();
-        port.inbox = (*s)->inbox();
-        port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
-        port.keep_alive = *s;
-        return port;
-      });
+  auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
+                                          config.socket_mode, config.group, &sessions);
   if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   DosService service(&sessions, &budget, kVersion, checkpointer.get(),
                      (*peer_auth)->enabled() ? peer_auth->get() : nullptr, descriptors->get());
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
-  if (!config.tcp_listen.empty()) {
-    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return Fail("daemon.listen",
-                absl::UnavailableError(absl::StrCat(
-                    "cannot listen on unix:", config.socket_path,
-                    config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
-                    "; check the directory's permissions and that the port is free")));
-  }
-  if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
-    DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
-  }
-  if (config.group != static_cast<gid_t>(-1) &&
-      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
-    return Fail("daemon.chown", absl::PermissionDeniedError(absl::StrCat(
-                                    "cannot give ", config.socket_path, " group ", config.group,
-                                    ": ", std::strerror(errno),
-                                    "; run dosd as a member of that group")));
-  }
-  std::unique_ptr<MetricsHttpServer> metrics_server;
-  if (config.metrics_port != 0) {
-    MetricsHttpOptions mopt;
-    mopt.port = static_cast<uint16_t>(config.metrics_port);
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
-        MetricsHttpServer::Start(mopt, [&metrics] { return metrics.RenderText(); });
-    if (!m.ok()) return Fail("daemon.metrics", m.status());
-    metrics_server = *std::move(m);
-    DOS_LOG_INFO("daemon.metrics", "url",
-                 absl::StrCat("http://127.0.0.1:", metrics_server->port(), "/metrics"));
-  }
-  server->GetHealthCheckService()->SetServingStatus(true);
+  std::string failed_event;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(config, &service, &failed_event);
+  if (!server.ok()) return Fail(failed_event.c_str(), server.status());
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
+      StartMetrics(config, &metrics);
+  if (!metrics_server.ok()) return Fail("daemon.metrics", metrics_server.status());
+  (*server)->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
   // pings only while the session table can be locked (a wedged daemon stops
   // pinging and systemd restarts it). Both are no-ops outside systemd.
@@ -515,14 +536,14 @@ int Run(const DaemonConfig& config) {
   sigwait(&stop_signals, &sig);
   DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   SdNotify("STOPPING=1").IgnoreError();
-  server->GetHealthCheckService()->SetServingStatus(false);
+  (*server)->GetHealthCheckService()->SetServingStatus(false);
   // Stop taking calls, then drain: each session finishes its in-flight step.
   // Calls in flight get a second to answer; after that gRPC cancels them
   // (their handlers still run to the end before Wait() returns, so nothing
   // they write is lost). Debian's gRPC also holds Shutdown until the deadline
   // while a client keeps an idle channel open, so a long deadline would only
   // delay every stop of a daemon with trainers attached.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (checkpointer != nullptr) {
     // With autosave on, a clean stop (upgrade, reboot) saves every session
     // so the restarted daemon restores it.
@@ -534,7 +555,7 @@ int Run(const DaemonConfig& config) {
     checkpointer->Stop();
   }
   sessions.Shutdown();
-  server->Wait();
+  (*server)->Wait();
   DOS_LOG_INFO("daemon.stopped");
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
@@ -24,34 +25,6 @@ void PostError(ControlBlock* block, const absl::Status& status) {
   size_t n = std::min(msg.size(), static_cast<size_t>(kMaxStatusMessage - 1));
   std::memcpy(block->result.message, msg.data(), n);
   block->result.message[n] = '\0';
-}
-
-std::string TensorWhat(uint32_t index, const std::string& name, absl::string_view part) {
-  return absl::StrCat("register: tensor ", index, name.empty() ? "" : absl::StrCat(" (", name, ")"),
-                      " ", part);
-}
-
-// One session's steps run on one engine: INVALID_ARGUMENT naming the first
-// tensor whose CUDA memory is on another device than tensor 0's param.
-// (shm locations are skipped; Register refuses a mix of both later.)
-absl::Status CheckOneDevice(const ShardSpec& spec) {
-  const TensorSpec& t0 = spec.tensors[0];
-  const std::string first = FormatDeviceUuid(t0.param.device_uuid);
-  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    for (auto [ref, part] : {std::pair{&t.param, "param"}, std::pair{&t.grad, "grad"}}) {
-      if (!ref->is_cuda_ipc()) continue;
-      const std::string uuid = FormatDeviceUuid(ref->device_uuid);
-      if (uuid == first) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          TensorWhat(i, t.name, part), " lives on GPU ", uuid.empty() ? "(no UUID sent)" : uuid,
-          " but tensor 0", t0.name.empty() ? "" : absl::StrCat(" (", t0.name, ")"),
-          " param lives on GPU ", first.empty() ? "(no UUID sent)" : first,
-          "; all tensors of a session must be on one device (the rank's GPU): move them "
-          "there, or attach one session per device"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -93,9 +66,7 @@ Session::~Session() {
 }
 
 void Session::CloseTrainerEvent() {
-  if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
-    executor_->gpu()->CloseTrainerEvent(trainer_event_);
-  }
+  if (trainer_event_ != nullptr) engine()->CloseTrainerEvent(trainer_event_);
   trainer_event_ = nullptr;
 }
 
@@ -133,9 +104,11 @@ bool Session::TokenMatches(absl::string_view token) const {
 }
 
 bool SessionIdentity::ClientAlive() const {
+  // The pidfd from the descriptor socket's Hello: exit (zombies included) and
+  // pid reuse in any pid namespace. Without one (in-process tests) the pid;
+  // Attach refuses pid <= 0.
   if (process != nullptr) return process->Alive();
-  if (pid <= 0) return true;
-  return kill(pid, 0) == 0 || errno == EPERM;
+  return ControlBlockChannel::ProcessAlive(pid);
 }
 
 bool Session::ClientAlive() const { return identity_.ClientAlive(); }
@@ -157,8 +130,12 @@ absl::Status Session::ResolveSegments(ShardSpec* spec) {
       if (ref->is_cuda_ipc() || ref->segment_id == 0) continue;  // ShmTransport says why
       auto it = taken.find(ref->segment_id);
       if (it == taken.end()) {
-        DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
-                             inbox_.Take(ref->segment_id, TensorWhat(i, t.name, part)));
+        DOS_ASSIGN_OR_RETURN(
+            std::unique_ptr<ShmSegment> seg,
+            inbox_.Take(ref->segment_id,
+                        absl::StrCat("register: tensor ", i,
+                                     t.name.empty() ? "" : absl::StrCat(" (", t.name, ")"), " ",
+                                     part)));
         it = taken.emplace(ref->segment_id, std::move(seg)).first;
       }
       ref->segment = it->second;
@@ -211,6 +188,7 @@ void Session::HandleRequest(uint32_t seq) {
         channel_->MarkSubgroupDone(subgroup, seq);
       };
       outcome = executor_->Run(*shard_, bindings_, block->request, policy(), sync);
+      ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
       num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
     }
@@ -267,192 +245,8 @@ void Session::HandleRequest(uint32_t seq) {
   channel_->PostResult(seq);
 }
 
-absl::Status Session::Register(const ShardSpec& given) {
-  absl::MutexLock lock(&mu_);
-  ShardSpec spec = given;  // its segments resolved below
-  if (shard_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("register: session ", identity_.id,
-                     " already has a registered shard; attach a new session to register "
-                     "different tensors"));
-  }
-  if (spec.groups.empty() || spec.groups.size() > kMaxGroups) {
-    return absl::InvalidArgumentError(absl::StrCat("register: ", spec.groups.size(),
-                                                   " param groups given; 1 to ", kMaxGroups,
-                                                   " are supported"));
-  }
-  if (spec.tensors.empty()) {
-    return absl::InvalidArgumentError("register: no tensors given");
-  }
-  // GPU mode when the client sent CUDA IPC locations; one session is all one
-  // or all the other (the step runs wholly on one engine).
-  const bool device = spec.tensors[0].param.is_cuda_ipc();
-  if (!spec.cuda_ipc_event.empty() && !device) {
-    return absl::InvalidArgumentError(
-        "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
-        "event only with CUDA IPC tensors");
-  }
-  // The segments the spec names by id, out of the inbox (a failed Register
-  // frees them: the client sends them again).
-  DOS_RETURN_IF_ERROR(ResolveSegments(&spec));
-  // GPU mode runs on the engine of the device the tensors live on (the
-  // rank's GPU), matched by UUID; host memory on the executor without one.
-  std::unique_ptr<Transport> transport;
-  GpuDeviceInfo gpu_device;
-  if (device) {
-    DOS_RETURN_IF_ERROR(CheckOneDevice(spec));
-    const TensorSpec& t0 = spec.tensors[0];
-    DOS_ASSIGN_OR_RETURN(ExecutorSet::Engine engine,
-                         executors_->ForDeviceUuid(t0.param.device_uuid,
-                                                   TensorWhat(0, t0.name, "param")));
-    executor_ = engine.executor;
-    gpu_device = engine.device;
-    transport = executor_->gpu()->NewTransport();
-  } else {
-    executor_ = executors_->host();
-    transport = std::make_unique<ShmTransport>();
-  }
-  std::vector<TensorBinding> bindings;
-  std::vector<TensorInfo> infos;
-  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    if (t.numel == 0) {
-      return absl::InvalidArgumentError(TensorWhat(i, t.name, "has 0 elements; leave it out"));
-    }
-    if (t.group >= spec.groups.size()) {
-      return absl::InvalidArgumentError(TensorWhat(
-          i, t.name, absl::StrCat("names param group ", t.group, " but only ",
-                                  spec.groups.size(), " groups were given")));
-    }
-    constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-    if (t.numel > kMaxNumel) {
-      return absl::InvalidArgumentError(
-          TensorWhat(i, t.name, absl::StrCat("has ", t.numel, " elements, more than the ",
-                                             kMaxNumel, " supported")));
-    }
-    for (auto [ref, dtype, part] : {std::tuple{&t.param, t.param_dtype, "param"},
-                                    std::tuple{&t.grad, t.grad_dtype, "grad"}}) {
-      if (ref->offset % DTypeSize(dtype) != 0) {
-        return absl::InvalidArgumentError(TensorWhat(
-            i, t.name, absl::StrCat(part, " offset ", ref->offset, " is not a multiple of the ",
-                                    DTypeName(dtype), " element size")));
-      }
-    }
-    if (t.param.is_cuda_ipc() != device || t.grad.is_cuda_ipc() != device) {
-      return absl::InvalidArgumentError(TensorWhat(
-          i, t.name, "mixes CUDA IPC and shared-memory locations; a session registers either "
-                     "all tensors in GPU memory or all in shared memory"));
-    }
-    TensorBinding b;
-    b.device = device;
-    DOS_ASSIGN_OR_RETURN(b.param, transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
-                                                 TensorWhat(i, t.name, "param")));
-    DOS_ASSIGN_OR_RETURN(void* grad, transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
-                                                    TensorWhat(i, t.name, "grad")));
-    b.grad = grad;
-    bindings.push_back(b);
-    infos.push_back(TensorInfo{.name = t.name,
-                               .param_dtype = t.param_dtype,
-                               .grad_dtype = t.grad_dtype,
-                               .numel = t.numel,
-                               .group = t.group});
-  }
-  std::unique_ptr<ShardState> shard;
-  std::string restored_from;
-  if (adopted_ != nullptr) {
-    // A resumed session: the state survived the trainer's death. The new
-    // process must register the same layout; its weights are rewritten from
-    // the fp32 masters, so it continues exactly where the state stands.
-    CheckpointLayout wanted;
-    wanted.tensors.reserve(infos.size());
-    for (const TensorInfo& t : infos) {
-      wanted.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, 0});
-    }
-    wanted.groups = spec.groups;
-    DOS_RETURN_IF_ERROR(CheckLayoutMatches(
-        wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
-    shard = std::move(adopted_);
-    restored_from = "resume";
-  } else {
-    uint64_t numel = 0;
-    for (const TensorInfo& t : infos) numel += t.numel;
-    if (options_.memory_limit != 0 && numel * ShardState::kStateBytesPerParam > options_.memory_limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "register: the tensors hold ", numel, " parameters, ",
-          FormatBytes(numel * ShardState::kStateBytesPerParam), " of optimizer state; dosd's "
-          "--session_memory_limit allows ", FormatBytes(options_.memory_limit),
-          " per session; shard the model over more ranks or raise the limit"));
-    }
-    uint64_t subgroup_size =
-        spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
-    DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(std::move(infos), spec.groups, subgroup_size,
-                                                   budget_,
-                                                   absl::StrCat("register: session ", identity_.id)));
-    // Initialise the fp32 masters from the trainer's weights.
-    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-      DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
-    }
-    // A daemon restarted with checkpoints of this client name and rank: the
-    // first (highest step) whose layout matches is loaded. LoadShard leaves
-    // the state untouched on any failure, so a bad file only costs a log line.
-    for (const std::string& path : restore_candidates_) {
-      absl::Status st = LoadShard(shard.get(), path, Env::Default());
-      if (st.ok()) {
-        restored_from = path;
-        break;
-      }
-      DOS_LOG_WARNING("session.restore_skipped", "session", identity_.id, "path", path, "error",
-                      st.message());
-    }
-    restore_candidates_.clear();
-  }
-  if (!restored_from.empty()) {
-    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-      DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard, bindings, i));
-    }
-    DOS_LOG_INFO("session.restored", "session", identity_.id, "from", restored_from, "step",
-                 shard->tensors()[0].step);
-  }
-  if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
-  void* trainer_event = nullptr;
-  if (!spec.cuda_ipc_event.empty()) {
-    DOS_ASSIGN_OR_RETURN(trainer_event, executor_->gpu()->OpenTrainerEvent(spec.cuda_ipc_event));
-  }
-  std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups(
-      shard->tensors().size(), {UINT32_MAX, 0});
-  for (uint32_t k = 0; k < shard->subgroups().size(); ++k) {
-    for (const SubgroupSegment& seg : shard->subgroups()[k].segments) {
-      auto& r = tensor_subgroups[seg.tensor];
-      r.first = std::min(r.first, k);
-      r.second = std::max(r.second, k);
-    }
-  }
-  {
-    absl::MutexLock stats_lock(&stats_mu_);
-    summary_ = Summary{.registered = true,
-                       .params = shard->total_params(),
-                       .tensors = static_cast<uint32_t>(shard->tensors().size()),
-                       .subgroups = static_cast<uint32_t>(shard->subgroups().size()),
-                       .state_bytes = shard->state_bytes(),
-                       .step = shard->tensors()[0].step,
-                       .restored_from = restored_from,
-                       .tensor_subgroups = std::move(tensor_subgroups),
-                       .gpu_device = gpu_device.ordinal,
-                       .gpu_uuid = gpu_device.uuid};
-  }
-  DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard->tensors().size(),
-               "params", shard->total_params(), "subgroups", shard->subgroups().size(),
-               "state_bytes", shard->state_bytes(), "device",
-               device ? absl::StrCat("cuda:", gpu_device.ordinal) : std::string("host"),
-               "gpu_uuid", gpu_device.uuid);
-  transport_ = std::move(transport);
-  bindings_ = std::move(bindings);
-  trainer_event_ = trainer_event;
-  shard_ = std::move(shard);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
+absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
+                                               uint64_t* count, const MemoryRef& buf,
                                                std::unique_ptr<ShmSegment>* holder) {
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -463,48 +257,69 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef&
                                                    " is out of range; ",
                                                    shard_->tensors().size(), " are registered"));
   }
+  const uint64_t numel = shard_->tensors()[tensor].numel;
+  if (*count == 0) {
+    if (offset != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state transfer: tensor ", tensor, ": count 0 (the whole tensor) with offset ", offset,
+          "; give the range's count"));
+    }
+    *count = numel;
+  }
+  if (offset > numel || *count > numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("state transfer: elements [", offset, ", ",
+                                              offset + *count, ") of tensor ", tensor,
+                                              " are out of range; it has ", numel));
+  }
   // Buffers for state transfer are short-lived: `holder` unmaps this one when
   // the call returns.
-  uint64_t numel = shard_->tensors()[tensor].numel;
   DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
                        inbox_.Take(buf.segment_id, "state transfer: buffer"));
-  uint64_t bytes = 3 * numel * sizeof(float);
+  uint64_t bytes = 3 * *count * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; tensor ", tensor,
-        " needs ", bytes, " at offset ", buf.offset, " (3 x numel fp32)"));
+        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; ", *count,
+        " elements of tensor ", tensor, " need ", bytes, " at offset ", buf.offset,
+        " (3 x count fp32)"));
   }
   *holder = std::move(seg);
   return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
 }
 
-absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, const MemoryRef& buf) {
+absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                             const MemoryRef& buf) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, buf, &holder));
-  if (!bindings_.empty() && bindings_[0].device) {
+  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
+  if (resident_synced_at_ != steps_run_) {
     shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
-    DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    resident_synced_at_ = steps_run_;
   }
-  uint64_t numel = shard_->tensors()[tensor].numel;
-  for (int which = 0; which < 3; ++which) shard_->ReadTensor(tensor, which, out + which * numel);
+  for (int which = 0; which < 3; ++which) {
+    shard_->ReadTensorRange(tensor, which, offset, count, out + which * count);
+  }
   return shard_->tensors()[tensor].step;
 }
 
-absl::Status Session::ImportState(uint32_t tensor, const MemoryRef& buf, int64_t step) {
+absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                  const MemoryRef& buf, int64_t step) {
   absl::MutexLock lock(&mu_);
   if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("state transfer: step ", step, " is negative"));
   }
   std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, buf, &holder));
-  uint64_t numel = shard_->tensors()[tensor].numel;
+  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
-  for (int which = 0; which < 3; ++which) shard_->WriteTensor(tensor, which, in + which * numel);
+  for (int which = 0; which < 3; ++which) {
+    shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
+  }
   shard_->tensors()[tensor].step = step;
-  if (!bindings_.empty() && bindings_[0].device) executor_->gpu()->DropResident(*shard_);
-  return executor_->WriteWeights(*shard_, bindings_, tensor);
+  // The host state is now the truth: resident GPU copies are dropped (the
+  // next step uploads them again).
+  engine()->DropResident(*shard_);
+  return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
 }
 
 void Session::SetPolicy(const Policy& policy) {
@@ -556,9 +371,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
           "checkpoint: session ", identity_.id, " gave up its state while being saved"));
     }
     shard_->FinishSnapshot();  // none in flight unless two savers race
-    if (!bindings_.empty() && bindings_[0].device) {
-      DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
-    }
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
     // Holding mu_ means no step is in flight: a step boundary. Only the step
     // counters are copied here; steps after it copy a subgroup before they
     // first write it (ShardState::BeforeWrite), and the rest is copied below.
@@ -594,8 +407,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
   }
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, Env::Default()));
-  const bool device = !bindings_.empty() && bindings_[0].device;
-  if (device) executor_->gpu()->DropResident(*shard_);
+  engine()->DropResident(*shard_);
   for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
     DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
   }
@@ -617,9 +429,7 @@ std::unique_ptr<ShardState> Session::TakeShard() {
   // The dead client's memory: unmap it (the step thread is stopped).
   bindings_.clear();
   CloseTrainerEvent();
-  if (shard_ != nullptr && executor_->gpu() != nullptr && shard_->attachment() != nullptr) {
-    shard_->set_attachment(nullptr);
-  }
+  if (shard_ != nullptr) shard_->set_attachment(nullptr);
   transport_.reset();
   return std::move(shard_);
 }

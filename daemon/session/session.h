@@ -4,9 +4,11 @@
 // its scheduling policy, its statistics, and the step thread that answers its
 // doorbell.
 //
-// Devices: a session in GPU mode runs on the engine of the device its CUDA
-// IPC memory lives on, picked at Register by the device UUID the client sent
-// (ExecutorSet); all its tensors must be on that one device.
+// Engines: Register picks the session's executor (an engine and its planner)
+// once: the host engine for tensors in shared memory, else the GPU engine of
+// the device the CUDA IPC memory lives on, by the device UUID the client sent
+// (ExecutorSet); all its tensors must be on that one device. Everything after
+// that asks the engine, never the kind of memory again.
 //
 // Lifecycle: Create (at Attach) -> Register (once) -> steps over the control
 // block -> Stop (detach, client death, daemon shutdown). Stop lets an
@@ -35,6 +37,7 @@
 #include "absl/time/time.h"
 #include "daemon/sched/policy.h"
 #include "daemon/session/daemon_counters.h"
+#include "daemon/session/shard_spec.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/shard_state.h"
@@ -63,26 +66,6 @@ struct SessionIdentity {
   std::shared_ptr<const PeerProcess> process;
   // Whether the attaching process still runs (pidfd; else kill(pid, 0)).
   bool ClientAlive() const;
-};
-
-// One tensor as the client describes it at registration.
-struct TensorSpec {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  MemoryRef param;
-  MemoryRef grad;
-};
-
-struct ShardSpec {
-  std::vector<TensorSpec> tensors;
-  std::vector<GroupConfig> groups;
-  uint64_t subgroup_size = 0;  // 0: the daemon's default
-  // GPU mode, optional: the trainer's "gradients ready" cudaIpcEventHandle_t
-  // (see kStepTrainerEventRecorded in control_block.h).
-  std::string cuda_ipc_event;
 };
 
 struct SessionOptions {
@@ -131,9 +114,14 @@ class Session {
   // trainer's weights. FAILED_PRECONDITION if already registered.
   absl::Status Register(const ShardSpec& spec);
 
-  // State transfer (fp32 master, exp_avg, exp_avg_sq back to back at `buf`).
-  absl::StatusOr<int64_t> ExportState(uint32_t tensor, const MemoryRef& buf);
-  absl::Status ImportState(uint32_t tensor, const MemoryRef& buf, int64_t step);
+  // State transfer of elements [offset, offset + count) of one tensor (count
+  // 0: the whole tensor, offset 0): count fp32 master weights, exp_avg and
+  // exp_avg_sq back to back at `buf`. Import rewrites the trainer's weights
+  // of the range from the new masters and sets the tensor's step.
+  absl::StatusOr<int64_t> ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                      const MemoryRef& buf);
+  absl::Status ImportState(uint32_t tensor, uint64_t offset, uint64_t count, const MemoryRef& buf,
+                           int64_t step);
 
   void SetPolicy(const Policy& policy);
   Policy policy() const;
@@ -202,16 +190,33 @@ class Session {
   void StepLoop();
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
-  absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
-                                        std::unique_ptr<ShmSegment>* holder)
+
+  // Register's steps (session_register.cc), in order.
+  struct Registration;
+  absl::Status PickExecutor(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MapTensors(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ResumeState(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NewState(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BindEngine(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Publish(Registration* reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Checks the range (count 0 becomes the tensor's numel) and maps `buf`.
+  absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
+                                        const MemoryRef& buf, std::unique_ptr<ShmSegment>* holder)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionIdentity identity_;
   const SessionOptions options_;
   const ExecutorSet* const executors_;
-  // The executor the session's steps run on: the host one until Register
-  // picks the engine of the device the tensors live on.
+  // The executor (engine and planner) the session's steps run on: the host
+  // one until Register picks the one of the tensors' memory.
   StepExecutor* executor_ ABSL_GUARDED_BY(mu_);
+  Engine* engine() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return executor_->engine(); }
   HostMemoryBudget* const budget_;
   const std::function<void(uint64_t)> on_client_gone_;
 
@@ -225,6 +230,11 @@ class Session {
   mutable absl::Mutex mu_;
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ShardState> shard_ ABSL_GUARDED_BY(mu_);
+  // Steps run on the shard, and the count at which the GPU-resident state
+  // was last copied to the host: a state export streamed in many ranged
+  // calls copies it once, not once per call.
+  int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
   // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;

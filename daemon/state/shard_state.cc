@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "dos/wire/status_macros.h"
@@ -12,7 +13,7 @@ namespace dos {
 namespace {
 // Page alignment keeps each subgroup's arrays on their own pages (no false
 // sharing between subgroups, and ready for cudaHostRegister later).
-constexpr size_t kAlignment = 4096;
+constexpr size_t kAlignment = ShardState::kAllocationAlignment;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorInfo> tensors,
@@ -59,7 +60,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
         tensor_offset = 0;
       }
     }
-    size_t bytes = (g.numel * kStateBytesPerParam + kAlignment - 1) / kAlignment * kAlignment;
+    size_t bytes = AllocationBytes(g.numel);
     void* mem = std::aligned_alloc(kAlignment, bytes);
     if (mem == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -109,6 +110,38 @@ void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
     float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
     std::memcpy(base + seg.subgroup_offset, buf + seg.tensor_offset, seg.count * sizeof(float));
+  });
+}
+
+namespace {
+// The part of `seg` inside the tensor range [offset, offset + n): its first
+// element within the tensor and its length (0 when they do not meet).
+std::pair<uint64_t, uint64_t> Clip(const SubgroupSegment& seg, uint64_t offset, uint64_t n) {
+  const uint64_t begin = std::max(seg.tensor_offset, offset);
+  const uint64_t end = std::min(seg.tensor_offset + seg.count, offset + n);
+  return {begin, end > begin ? end - begin : 0};
+}
+}  // namespace
+
+void ShardState::ReadTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n,
+                                 float* buf) const {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    auto [begin, count] = Clip(seg, offset, n);
+    if (count == 0) return;
+    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(buf + (begin - offset), base + seg.subgroup_offset + (begin - seg.tensor_offset),
+                count * sizeof(float));
+  });
+}
+
+void ShardState::WriteTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n,
+                                  const float* buf) {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    auto [begin, count] = Clip(seg, offset, n);
+    if (count == 0) return;
+    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(base + seg.subgroup_offset + (begin - seg.tensor_offset), buf + (begin - offset),
+                count * sizeof(float));
   });
 }
 

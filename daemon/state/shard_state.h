@@ -83,6 +83,13 @@ class ShardState {
  public:
   // Bytes of state per parameter: fp32 master, exp_avg, exp_avg_sq.
   static constexpr uint64_t kStateBytesPerParam = 12;
+  // Bytes of the one page-aligned allocation holding a subgroup of `numel`
+  // parameters' state (what an engine page-locks).
+  static constexpr uint64_t kAllocationAlignment = 4096;
+  static constexpr uint64_t AllocationBytes(uint64_t numel) {
+    return (numel * kStateBytesPerParam + kAllocationAlignment - 1) / kAllocationAlignment *
+           kAllocationAlignment;
+  }
 
   // Lays out `tensors`, reserves the state's bytes from `budget` (which must
   // outlive the ShardState) and allocates it, zeroed. `what` names the
@@ -110,6 +117,10 @@ class ShardState {
   // master, 1 for exp_avg, 2 for exp_avg_sq.
   void ReadTensor(uint32_t tensor, int which, float* buf) const;
   void WriteTensor(uint32_t tensor, int which, const float* buf);
+  // The same for elements [offset, offset + n) of the tensor only (the
+  // caller checks that the range lies inside it); buf holds n elements.
+  void ReadTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n, float* buf) const;
+  void WriteTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n, const float* buf);
 
   // Copy-on-write snapshot (see the top of this file). BeginSnapshot: the
   // caller holds the lock that serialises writers (a step boundary);

@@ -29,6 +29,12 @@ TEST(CApiTest, NullArguments) {
   EXPECT_THAT(dos_last_error(), HasSubstr("session is NULL"));
   EXPECT_EQ(dos_step(nullptr, nullptr, nullptr), DOS_INVALID_ARGUMENT);
   EXPECT_EQ(dos_session_id(nullptr), 0u);
+  EXPECT_EQ(dos_state_read_range(nullptr, 0, 0, 1, nullptr, nullptr, nullptr, nullptr),
+            DOS_INVALID_ARGUMENT);
+  EXPECT_THAT(dos_last_error(), HasSubstr("state_read_range"));
+  EXPECT_EQ(dos_state_write_range(nullptr, 0, 0, 1, nullptr, nullptr, nullptr, 0),
+            DOS_INVALID_ARGUMENT);
+  EXPECT_THAT(dos_last_error(), HasSubstr("session is NULL"));
 }
 
 TEST(CApiTest, DefaultSocketFollowsEnvironment) {
