@@ -14,6 +14,7 @@
 #include "daemon/rpc/peer_auth.h"
 #include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
+#include "daemon/transport/fd_server.h"
 #include "daemon/state/host_memory_budget.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
@@ -22,18 +23,22 @@ namespace dos {
 class DosService final : public v1::Dos::Service {
  public:
   // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
-  // `peer_auth` may be null: no allow-list check at Attach.
-  // `peers` and `authorizer` may be null: no per-call identity check (every
-  // caller is trusted; tests of the adapter only). dosd passes both: each
+  // `peer_auth` may be null: no peer-credential check. `descriptors` (the
+  // descriptor socket) may be null only in-process (tests, fuzzers): Attach
+  // then trusts the claimed pid; dosd always passes it, and Attach requires
+  // its ticket. `peers` and `authorizer` may be null: no per-call identity
+  // check (in-process tests of the adapter only); dosd passes both, and each
   // call's kernel identity decides what it may touch (caller_identity.h).
   DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
              Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr,
-             const PeerTable* peers = nullptr, const Authorizer* authorizer = nullptr)
+             DescriptorServer* descriptors = nullptr, const PeerTable* peers = nullptr,
+             const Authorizer* authorizer = nullptr)
       : sessions_(sessions),
         budget_(budget),
         version_(std::move(version)),
         checkpointer_(checkpointer),
         peer_auth_(peer_auth),
+        descriptors_(descriptors),
         peers_(peers),
         authorizer_(authorizer) {}
 
@@ -64,6 +69,7 @@ class DosService final : public v1::Dos::Service {
   const std::string version_;
   Checkpointer* const checkpointer_;
   PeerAuth* const peer_auth_;
+  DescriptorServer* const descriptors_;
   const PeerTable* const peers_;
   const Authorizer* const authorizer_;
 

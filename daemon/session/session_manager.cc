@@ -55,8 +55,6 @@ absl::Status CheckResume(const Session& s, uint32_t uid, absl::string_view token
   }
   return absl::OkStatus();
 }
-
-bool ProcessAlive(int32_t pid) { return ControlBlockChannel::ProcessAlive(pid); }
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity,
@@ -78,7 +76,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
       auto live = sessions_.find(resume_id);
       if (live != sessions_.end()) {
         DOS_RETURN_IF_ERROR(CheckResume(*live->second, identity.uid, resume_token));
-        if (ProcessAlive(live->second->identity().pid)) {
+        if (live->second->identity().ClientAlive()) {
           return absl::FailedPreconditionError(absl::StrCat(
               "attach: session ", resume_id, " is still attached by pid ",
               live->second->identity().pid, "; only a session whose process exited can be "
@@ -144,7 +142,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   }
   DOS_LOG_INFO(old != nullptr ? "session.resume" : "session.attach", "session", identity.id,
                "client", identity.client_name, "pid", identity.pid, "rank", identity.rank,
-               "control_block", session->control_block_name());
+               "uid", identity.uid);
   return session;
 }
 

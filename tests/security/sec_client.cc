@@ -43,6 +43,7 @@
 #include "absl/strings/str_split.h"
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/fd_protocol.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace {
@@ -293,6 +294,13 @@ int main(int argc, char** argv) {
       const bool keep_going = U64(a, "keep") != 0;
       for (uint64_t k = 0; k < n; ++k) {
         resp.Clear();
+        // Like the client library: the kernel's word for who we are first
+        // (a ticket per Attach; none over TCP).
+        if (!tcp) {
+          absl::StatusOr<std::string> ticket =
+              dos::fdproto::Hello(dos::fdproto::SocketPathFor(socket));
+          if (ticket.ok()) req.set_fd_ticket(*ticket);
+        }
         grpc::Status one = stub->Attach(Context().get(), req, &resp);
         if (one.ok()) {
           ++ok;
