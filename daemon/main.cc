@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -37,6 +38,8 @@
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
+#include "dos/version.h"
+#include "tools/cli/cli.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
@@ -71,9 +74,12 @@ ABSL_FLAG(std::string, gpu_timeline, "",
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
-ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
+ABSL_FLAG(std::string, checkpoint_dir, "auto",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
-          "relative to it); scanned at startup for state to restore; empty: checkpoints off.");
+          "relative to it); scanned at startup for state to restore; empty: checkpoints off. "
+          "auto: the user's own $XDG_STATE_HOME/dos/checkpoints (else "
+          "~/.local/state/dos/checkpoints), never the system folder: the packaged service's "
+          "flagfile sets /var/lib/dos/checkpoints.");
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
@@ -108,7 +114,7 @@ ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
 namespace dos {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
+constexpr char kVersion[] = DOS_VERSION_STRING;
 
 // Everything the daemon is configured with, one field per flag.
 struct DaemonConfig {
@@ -173,6 +179,7 @@ absl::Status GpuFlags(DaemonConfig& c) {
 }
 
 // Who may use the daemon: the socket's group, the Attach allow lists, the TCP listener.
+
 absl::Status AccessFlags(DaemonConfig& c) {
   if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
     struct group* gr = ::getgrnam(g.c_str());
@@ -261,7 +268,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
+  // auto: a dosd started by hand or by a test writes under its user's state
+  // folder; only the packaged service's flagfile names /var/lib/dos.
   c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (c.checkpoint.dir == "auto") c.checkpoint.dir = cli::UserStateDir("dos/checkpoints");
   c.checkpoints = !c.checkpoint.dir.empty();
   c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
   c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
@@ -563,10 +573,21 @@ int Run(const DaemonConfig& config) {
 }  // namespace dos
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Deep Optimizer States daemon: holds optimizer state for the trainers on this node.\n"
-      "  dosd [--socket=/run/dos/dosd.sock] [--flagfile=/etc/dos/dosd.flags] ...");
+  constexpr char kUsage[] =
+      "dosd: the Deep Optimizer States daemon; holds the optimizer state of the trainers on "
+      "this node.\n"
+      "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
+      "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
+  absl::SetProgramUsageMessage(kUsage);
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+      rc >= 0) {
+    return rc;
+  }
+  const std::vector<std::string> overridden = dos::cli::FlagfileOverrides(argc, argv);
   absl::ParseCommandLine(argc, argv);
+  for (const std::string& w : overridden) {
+    DOS_LOG_WARNING("daemon.flag_overridden", "message", w);
+  }
   absl::StatusOr<dos::DaemonConfig> config = dos::ConfigFromFlags();
   if (!config.ok()) return dos::Fail("daemon.config", config.status());
   return dos::Run(*config);

@@ -80,6 +80,11 @@ typedef struct dos_session dos_session; /* opaque */
  * thread's next call into the library. */
 const char* dos_last_error(void);
 
+/* The DOS release this library belongs to, "MAJOR.MINOR.PATCH" (the same
+ * string dosd --version and dosctl --version print; DOS_VERSION_STRING of the
+ * generated <dos/version.h>). Static storage; never NULL. */
+const char* dos_version(void);
+
 /* 1 when this library can register CUDA device memory (built with CUDA; a
  * driver and GPU are needed too at registration), else 0. */
 int32_t dos_cuda_supported(void);

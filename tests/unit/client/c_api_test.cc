@@ -4,6 +4,7 @@
 
 #include "dos/dos.h"
 #include "dos/dos.hpp"
+#include "dos/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -20,6 +21,12 @@ TEST(CApiTest, AttachWithoutDaemonNamesSocketAndFix) {
   EXPECT_EQ(s, nullptr);
   EXPECT_THAT(dos_last_error(), HasSubstr("/nonexistent/dosd.sock"));
   EXPECT_THAT(dos_last_error(), HasSubstr("DOS_SOCKET"));
+}
+
+TEST(CApiTest, VersionIsTheProjectVersion) {
+  // One version: CMake's project(VERSION), through the generated dos/version.h.
+  EXPECT_STREQ(dos_version(), DOS_VERSION_STRING);
+  EXPECT_THAT(std::string(dos_version()), ::testing::MatchesRegex("[0-9]+\\.[0-9]+\\.[0-9]+"));
 }
 
 TEST(CApiTest, NullArguments) {
