@@ -87,8 +87,8 @@ void RegisterSeeds(const std::string& dir) {
     ts->set_param_dtype(dos::v1::DTYPE_BF16);
     ts->set_grad_dtype(dos::v1::DTYPE_BF16);
     ts->set_numel(1000 + t);
-    ts->mutable_param()->mutable_shm()->set_name("/dos.seed.params");
-    ts->mutable_grad()->mutable_shm()->set_name("/dos.seed.grads");
+    ts->mutable_param()->mutable_shm()->set_segment(1);
+    ts->mutable_grad()->mutable_shm()->set_segment(2);
     ts->mutable_grad()->mutable_shm()->set_offset(4096 * t);
   }
   WriteFile(dir + "/two_tensors", req.SerializeAsString());
