@@ -69,6 +69,15 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
+ABSL_FLAG(int, pin_threads, 0,
+          "Registration in GPU mode: threads page-locking the state, a subgroup at a time "
+          "(0: one per core, at most 16; 1: one after another).");
+ABSL_FLAG(bool, pin_whole, false,
+          "Registration in GPU mode: page-lock a shard's state with one cudaHostRegister call "
+          "instead of one per subgroup (for measurement; see bench/register).");
+ABSL_FLAG(bool, state_huge_pages, true,
+          "Ask for transparent huge pages (madvise) for shards of 64 MiB of state or more: "
+          "faster first touch and page-locking at registration.");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
@@ -124,6 +133,8 @@ struct DaemonConfig {
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off
+  int pin_threads = 0;               // registration: threads page-locking (0: auto)
+  bool pin_whole = false;            // registration: one cudaHostRegister per shard
   LogLevel log_level = LogLevel::kInfo;
   bool checkpoints = true;           // false: --checkpoint_dir is empty
   CheckpointerOptions checkpoint;    // directory, autosave, restore
@@ -205,6 +216,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
   c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
+  c.pin_threads = absl::GetFlag(FLAGS_pin_threads);
+  if (c.pin_threads < 0) return absl::InvalidArgumentError("--pin_threads must be >= 0");
+  c.pin_whole = absl::GetFlag(FLAGS_pin_whole);
+  c.session.huge_pages = absl::GetFlag(FLAGS_state_huge_pages);
   if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
     return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
   }
@@ -389,6 +404,8 @@ int Run(const DaemonConfig& config) {
     if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
     gopt.resident_budget_bytes = config.gpu_memory_budget;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    gopt.pin_threads = config.pin_threads;
+    gopt.pin_whole = config.pin_whole;
     // Several engines write a file each (a step's line is too long to append
     // atomically beside another engine's).
     gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1

@@ -183,6 +183,23 @@ dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t 
   });
 }
 
+dos_status dos_register_progress_read(const dos_session* session, dos_register_progress* out) {
+  return Guard("register_progress", [&]() -> absl::Status {
+    if (session == nullptr || session->impl == nullptr) {
+      return absl::InvalidArgumentError("register_progress: session is NULL");
+    }
+    if (out == nullptr) return absl::InvalidArgumentError("register_progress: out is NULL");
+    const dos::client::RegisterProgressView v = session->impl->register_progress();
+    out->phase = static_cast<int32_t>(v.phase);
+    out->phase_name = v.phase_name;
+    out->bytes_done = v.bytes_done;
+    out->bytes_total = v.bytes_total;
+    out->phase_seconds = v.phase_seconds;
+    out->total_seconds = v.total_seconds;
+    return absl::OkStatus();
+  });
+}
+
 void dos_step_args_init(dos_step_args* args) {
   if (args == nullptr) return;
   args->groups = nullptr;

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -149,6 +150,26 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   s->step_channel_ = std::make_unique<ControlBlockChannel>(s->control_);
   s->control_->client_pid = static_cast<int32_t>(::getpid());
   return s;
+}
+
+RegisterProgressView ClientSession::register_progress() const {
+  RegisterProgressView v;
+  const RegisterProgressWords& w = control_->register_progress;
+  v.phase = w.phase.load(std::memory_order_acquire);
+  v.phase_name = RegisterPhaseName(v.phase);
+  if (v.phase == kRegisterIdle) return v;
+  v.bytes_done = w.bytes_done.load(std::memory_order_relaxed);
+  v.bytes_total = w.bytes_total.load(std::memory_order_relaxed);
+  // Both processes read CLOCK_MONOTONIC, one clock per host.
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  const uint64_t now =
+      static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
+  const uint64_t phase_start = w.phase_start_ns.load(std::memory_order_relaxed);
+  const uint64_t start = w.start_ns.load(std::memory_order_relaxed);
+  v.phase_seconds = now > phase_start ? (now - phase_start) * 1e-9 : 0;
+  v.total_seconds = now > start ? (now - start) * 1e-9 : 0;
+  return v;
 }
 
 absl::Status ClientSession::Detach() {

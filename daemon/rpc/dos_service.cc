@@ -298,7 +298,19 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
     info->set_local_rank(id.local_rank);
     info->set_world_size(id.world_size);
     // "orphaned": its trainer died; the state waits --session_lease for a resume.
-    info->set_state(i >= live.size() ? "orphaned" : sum.registered ? "registered" : "attached");
+    const RegisterProgress::View reg = s->register_progress();
+    info->set_state(i >= live.size()            ? "orphaned"
+                    : sum.registered              ? "registered"
+                    : reg.phase != kRegisterIdle ? "registering"
+                                                  : "attached");
+    if (reg.phase != kRegisterIdle) {
+      v1::RegisterProgress* p = info->mutable_register_progress();
+      p->set_phase(RegisterPhaseName(reg.phase));
+      p->set_bytes_done(reg.bytes_done);
+      p->set_bytes_total(reg.bytes_total);
+      p->set_phase_seconds(reg.phase_seconds);
+      p->set_total_seconds(reg.total_seconds);
+    }
     info->set_params(sum.params);
     info->set_num_tensors(sum.tensors);
     info->set_num_subgroups(sum.subgroups);

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/cpu/adam_kernel.h"
 #include "daemon/sched/policy.h"
+#include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/transport.h"
 
@@ -37,8 +38,9 @@ class GpuBackend {
   virtual absl::Status CopyToDevice(void* device_dst, const void* src, uint64_t bytes) = 0;
   // Page-locks the shard's host state (cudaHostRegister) so that the DMA
   // engines read and write it directly; the registration is attached to the
-  // shard and undone when the shard is freed. Once per shard, at registration.
-  virtual absl::Status AttachShard(ShardState& shard) = 0;
+  // shard and undone when the shard is freed. Once per shard, at registration;
+  // reports phase kRegisterPinning to `progress` (may be null).
+  virtual absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) = 0;
   // Opens the trainer's "gradients ready" event from its cudaIpcEventHandle_t
   // bytes (RegisterShard's cuda_ipc_event); INVALID_ARGUMENT for a handle of
   // the wrong size or one CUDA refuses. CloseTrainerEvent releases it.

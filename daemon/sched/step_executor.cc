@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_for.h"
 #include "daemon/cpu/adam_kernel.h"
@@ -184,27 +186,51 @@ absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const Tensor
   if (device && gpu_ == nullptr) {
     return absl::FailedPreconditionError("the tensor is in GPU memory but there is no GPU engine");
   }
-  std::vector<char> staging;
-  const char* src = static_cast<const char*>(bindings[tensor].param);
+  // Converted straight into the masters' runs, in parallel. Device weights
+  // are first copied into the run's exp_avg (still all zeros, and
+  // page-locked when the engine pinned the shard first, so the copy runs at
+  // PCIe speed; a 16-bit run needs half its room), converted from there, and
+  // the exp_avg bytes zeroed again.
+  constexpr uint64_t kBlock = uint64_t{1} << 20;  // elements per parallel task
+  const std::vector<ShardState::MasterRun> runs = shard.MasterRuns(tensor);
+  const size_t esize = DTypeSize(t.param_dtype);
+  const char* base = static_cast<const char*>(bindings[tensor].param);
   if (device) {
-    staging.resize(t.numel * DTypeSize(t.param_dtype));
-    absl::Status st = gpu_->CopyToHost(staging.data(), src, staging.size());
-    if (!st.ok()) return st;
-    src = staging.data();
+    for (const ShardState::MasterRun& r : runs) {
+      DOS_RETURN_IF_ERROR(
+          gpu_->CopyToHost(r.exp_avg, base + r.tensor_offset * esize, r.count * esize));
+    }
   }
-  std::vector<float> master(t.numel);
-  tbb::parallel_for(tbb::blocked_range<uint64_t>(0, t.numel, uint64_t{1} << 20),
-                    [&](const tbb::blocked_range<uint64_t>& r) {
-    for (uint64_t e = r.begin(); e < r.end(); ++e) {
-      uint16_t h;
-      switch (t.param_dtype) {
-        case DType::kF32: std::memcpy(&master[e], src + 4 * e, 4); break;
-        case DType::kBF16: std::memcpy(&h, src + 2 * e, 2); master[e] = BF16ToFloat(h); break;
-        case DType::kF16: std::memcpy(&h, src + 2 * e, 2); master[e] = F16ToFloat(h); break;
+  struct Piece {
+    float* dst;
+    const char* src;
+    uint64_t count;
+  };
+  std::vector<Piece> pieces;
+  for (const ShardState::MasterRun& r : runs) {
+    const char* src = device ? reinterpret_cast<const char*>(r.exp_avg)
+                             : base + r.tensor_offset * esize;
+    for (uint64_t e = 0; e < r.count; e += kBlock) {
+      pieces.push_back({r.master + e, src + e * esize, std::min(kBlock, r.count - e)});
+    }
+  }
+  const DType dtype = t.param_dtype;
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, pieces.size(), 1),
+                    [&](const tbb::blocked_range<size_t>& range) {
+    for (size_t i = range.begin(); i != range.end(); ++i) {
+      const Piece& p = pieces[i];
+      for (uint64_t e = 0; e < p.count; ++e) {
+        uint16_t h;
+        switch (dtype) {
+          case DType::kF32: std::memcpy(&p.dst[e], p.src + 4 * e, 4); break;
+          case DType::kBF16: std::memcpy(&h, p.src + 2 * e, 2); p.dst[e] = BF16ToFloat(h); break;
+          case DType::kF16: std::memcpy(&h, p.src + 2 * e, 2); p.dst[e] = F16ToFloat(h); break;
+        }
       }
+      // The staging bytes were exp_avg: zero again (its pieces are disjoint).
+      if (device) std::memset(const_cast<char*>(p.src), 0, p.count * esize);
     }
   });
-  shard.WriteTensor(tensor, 0, master.data());
   return absl::OkStatus();
 }
 

@@ -88,7 +88,9 @@ class StepExecutor {
   absl::Status WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
                             uint32_t tensor);
   // Initialises tensor `tensor`'s fp32 master weights from the trainer's
-  // weights (host or device memory).
+  // weights (host or device memory). Uses the tensor's exp_avg as staging
+  // for device weights (zero before and after): call at registration only.
+  // Fastest when the shard is already page-locked (GpuBackend::AttachShard).
   absl::Status ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
                            uint32_t tensor);
 

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
@@ -80,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
   s->channel_ = std::make_unique<ControlBlockChannel>(block);
+  s->register_progress_ = std::make_unique<RegisterProgress>(&block->register_progress);
   s->step_thread_ = std::thread([raw = s.get()] { raw->StepLoop(); });
   return s;
 }
@@ -246,6 +248,7 @@ void Session::HandleRequest(uint32_t seq) {
 
 absl::Status Session::Register(const ShardSpec& spec) {
   absl::MutexLock lock(&mu_);
+  absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
   if (shard_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("register: session ", identity_.id,
@@ -358,12 +361,20 @@ absl::Status Session::Register(const ShardSpec& spec) {
     }
     uint64_t subgroup_size =
         spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
-    DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(std::move(infos), spec.groups, subgroup_size,
-                                                   budget_,
-                                                   absl::StrCat("register: session ", identity_.id)));
+    DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(
+                                    std::move(infos), spec.groups, subgroup_size, budget_,
+                                    absl::StrCat("register: session ", identity_.id),
+                                    {.huge_pages = options_.huge_pages,
+                                     .progress = register_progress_.get()}));
+    // Page-locked before the weights come over: they then land at PCIe speed.
+    if (device) {
+      DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard, register_progress_.get()));
+    }
     // Initialise the fp32 masters from the trainer's weights.
+    register_progress_->BeginPhase(kRegisterReadingWeights, numel * sizeof(float));
     for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
       DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
+      register_progress_->Add(shard->tensors()[i].numel * sizeof(float));
     }
     // A daemon restarted with checkpoints of this client name and rank: the
     // first (highest step) whose layout matches is loaded. LoadShard leaves
@@ -386,7 +397,9 @@ absl::Status Session::Register(const ShardSpec& spec) {
     DOS_LOG_INFO("session.restored", "session", identity_.id, "from", restored_from, "step",
                  shard->tensors()[0].step);
   }
-  if (device) DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard));
+  if (device && shard->attachment() == nullptr) {  // a resumed shard
+    DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard, register_progress_.get()));
+  }
   void* trainer_event = nullptr;
   if (!spec.cuda_ipc_event.empty()) {
     DOS_ASSIGN_OR_RETURN(trainer_event, executor_->gpu()->OpenTrainerEvent(spec.cuda_ipc_event));

@@ -37,6 +37,7 @@
 #include "daemon/session/daemon_counters.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
+#include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/control_channel.h"
 #include "daemon/transport/shm_segment.h"
@@ -83,6 +84,7 @@ struct SessionOptions {
   absl::Duration liveness_interval = absl::Milliseconds(200);
   DaemonCounters* counters = nullptr;  // daemon-wide totals (metrics); may be null
   uint64_t memory_limit = 0;           // bytes of state per session; 0 = no cap
+  bool huge_pages = true;              // transparent huge pages for large shards' state
 };
 
 struct SessionStatsSnapshot {
@@ -180,6 +182,9 @@ class Session {
   };
   Summary summary() const;
   SessionStatsSnapshot stats() const;
+  // The registration in flight (phase kRegisterIdle when none); never blocks
+  // on a registration.
+  RegisterProgress::View register_progress() const { return register_progress_->Read(); }
 
  private:
   Session(SessionIdentity identity, const SessionOptions& options, const Policy& policy,
@@ -203,6 +208,8 @@ class Session {
 
   std::unique_ptr<ShmSegment> control_;
   std::unique_ptr<ControlBlockChannel> channel_;
+  // Mirrored into the control block for the trainer's log.
+  std::unique_ptr<RegisterProgress> register_progress_;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);
