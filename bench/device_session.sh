@@ -5,11 +5,14 @@
 #   bash bench/device_session.sh tests OUT          # gpu-labelled tests + CUDA Python tests
 #   bash bench/device_session.sh e2e OUT ARGS...    # bench/e2e/run.py with ARGS
 #   bash bench/device_session.sh ranks OUT          # 1 vs 2 ranks on one dosd (DDP, FSDP2)
+#   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
+#       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
+#       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
 #
 # Logs and results go to OUT (the device tool's $OUT). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|ranks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|ranks|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -55,6 +58,24 @@ case "$what" in
     "$B/dosctl" --socket=$sock sessions >> "$O/ranks.log" 2>&1
     kill $dpid; wait $dpid
     echo "dosd exit=$?" >> "$O/ranks.log"
+    ;;
+  frameworks)
+    machine=$(python3 -c 'import torch; n=torch.cuda.device_count(); print("nvidia-h200" if n < 2 else f"nvidia-h200-x{n}")')
+    DOS_MACHINE=$machine timeout 250 bash tests/python/frameworks/run_gpu.sh "$B/dosd" \
+      "$DIST/lib/libdos_client.so" > "$O/frameworks.log" 2>&1
+    echo "exit=$?" >> "$O/frameworks.log"
+    cp bench/results/integration_${machine}_* "$O/" 2>/dev/null
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_read_after_step.py \
+      tests/python/test_shutdown.py tests/python/test_multinode.py > "$O/read_after_step.log" 2>&1
+    echo "exit=$?" >> "$O/read_after_step.log"
+    if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+      for wrap in ddp fsdp2; do
+        echo "== two nodes, NCCL, $wrap" >> "$O/multinode_nccl.log"
+        timeout 100 bash client/python/examples/multinode_localhost.sh --dosd "$B/dosd" \
+          --device cuda --wrap $wrap >> "$O/multinode_nccl.log" 2>&1
+        echo "exit=$?" >> "$O/multinode_nccl.log"
+      done
+    fi
     ;;
   *) echo "unknown part $what" >&2; exit 2 ;;
 esac

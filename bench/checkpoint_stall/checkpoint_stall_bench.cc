@@ -19,7 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/shard_state.h"

@@ -33,8 +33,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/transport/control_channel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
 
 ABSL_FLAG(std::string, machine, "", "machine name for the results file (default: hostname)");
 ABSL_FLAG(int, rounds, 100000, "measured back-to-back round trips");

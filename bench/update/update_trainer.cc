@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "daemon/transport/control_channel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace {

@@ -1,4 +1,4 @@
-#include "client/src/buffer_table.h"
+#include "buffer_table.h"
 
 #include <algorithm>
 

@@ -11,9 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "client/include/dos/dos.h"
-#include "client/src/device_memory.h"
-#include "client/src/session.h"
+#include "dos/dos.h"
+#include "device_memory.h"
+#include "session.h"
 
 struct dos_session {
   std::unique_ptr<dos::client::ClientSession> impl;

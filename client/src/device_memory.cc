@@ -1,4 +1,4 @@
-#include "client/src/device_memory.h"
+#include "device_memory.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -7,7 +7,7 @@
 #ifdef DOS_CLIENT_WITH_CUDA
 #include <cuda_runtime.h>
 
-#include "client/src/cuda_util.h"
+#include "cuda_util.h"
 #endif
 
 namespace dos::client {

@@ -1,4 +1,4 @@
-#include "client/src/device_sync.h"
+#include "device_sync.h"
 
 #include <utility>
 
@@ -8,7 +8,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "client/src/cuda_util.h"
+#include "cuda_util.h"
 #endif
 
 namespace dos::client {

@@ -1,4 +1,4 @@
-#include "client/src/request_builder.h"
+#include "request_builder.h"
 
 #include <cstring>
 
@@ -6,8 +6,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/dtype.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/dtype.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos::client {
 namespace {

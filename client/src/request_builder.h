@@ -15,10 +15,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/include/dos/dos.h"
-#include "client/src/buffer_table.h"
-#include "client/src/device_memory.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/dos.h"
+#include "buffer_table.h"
+#include "device_memory.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.pb.h"
 
 namespace dos::client {

@@ -1,4 +1,4 @@
-#include "client/src/session.h"
+#include "session.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/request_builder.h"
-#include "daemon/common/status_macros.h"
+#include "request_builder.h"
+#include "dos/wire/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 
@@ -175,6 +175,16 @@ RegisterProgressView ClientSession::register_progress() const {
 absl::Status ClientSession::Detach() {
   if (!attached_) return absl::OkStatus();
   attached_ = false;
+  if (control_ != nullptr &&
+      (control_->closed.load(std::memory_order_acquire) != 0 ||
+       !ControlBlockChannel::ProcessAlive(control_->daemon_pid))) {
+    // dosd already closed the session (it stopped or dropped us) or is gone:
+    // nothing to detach. No RPC either: a channel to a dead socket would start
+    // reconnecting, and a process exiting right after must not have gRPC
+    // threads busy while its static destructors run.
+    for (auto& b : buffers_) b->Unlink();
+    return absl::OkStatus();
+  }
   v1::DetachRequest req;
   *req.mutable_session() = ref_;
   v1::DetachResponse resp;

@@ -4,7 +4,7 @@
 // block, and every shared-memory buffer allocated for the session. Control
 // calls (attach, register, state transfer, policy) go over gRPC; steps go
 // through the control block and its doorbells only (see
-// proto/dos/v1/control_block.h).
+// dos/wire/control_block.h).
 //
 // Lifetime: buffers stay mapped until the session is destroyed; their shm
 // names are unlinked as soon as the daemon has mapped them (after a
@@ -28,13 +28,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/include/dos/dos.h"
-#include "client/src/buffer_table.h"
-#include "client/src/device_memory.h"
-#include "client/src/device_sync.h"
-#include "daemon/transport/control_channel.h"
-#include "daemon/transport/shm_segment.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/dos.h"
+#include "buffer_table.h"
+#include "device_memory.h"
+#include "device_sync.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace dos::client {

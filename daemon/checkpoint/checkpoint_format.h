@@ -29,7 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "daemon/state/shard_state.h"
 
 namespace dos {

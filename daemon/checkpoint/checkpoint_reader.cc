@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/checkpoint/crc32c.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {

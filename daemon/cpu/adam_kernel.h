@@ -41,8 +41,8 @@
 #include <cstdint>
 #include <string_view>
 
-#include "daemon/common/dtype.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/dtype.h"
+#include "dos/wire/step_params.h"
 
 namespace dos::cpu {
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
 
 namespace dos::gpu {

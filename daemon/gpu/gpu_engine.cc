@@ -15,7 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/cuda_ipc_transport.h"

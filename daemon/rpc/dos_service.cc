@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
 #include "daemon/rpc/grpc_status.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 
 namespace dos {
 namespace {

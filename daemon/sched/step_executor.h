@@ -22,7 +22,7 @@
 #include "daemon/sched/gpu_backend.h"
 #include "daemon/sched/policy.h"
 #include "daemon/state/shard_state.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 
 namespace dos {
 

@@ -15,7 +15,7 @@
 #include "daemon/checkpoint/checkpoint_writer.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {

@@ -13,7 +13,7 @@
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
-#include "daemon/common/status_macros.h"
+#include "dos/wire/status_macros.h"
 #include "daemon/transport/shm_transport.h"
 
 namespace dos {

@@ -39,8 +39,8 @@
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
-#include "daemon/transport/control_channel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
 #include "daemon/transport/transport.h"
 
 namespace dos {

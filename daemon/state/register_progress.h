@@ -16,7 +16,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 
 namespace dos {
 

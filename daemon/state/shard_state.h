@@ -34,11 +34,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/common/dtype.h"
 #include "daemon/state/host_arena.h"
 #include "daemon/state/host_memory_budget.h"
 #include "daemon/state/register_progress.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/dtype.h"
+#include "dos/wire/step_params.h"
 
 namespace dos {
 

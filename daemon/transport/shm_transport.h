@@ -1,5 +1,5 @@
 // ShmTransport: Transport over POSIX shared memory created by the client
-// (daemon/transport/shm_segment.h). Each distinct object is opened and
+// (dos/wire/shm_segment.h). Each distinct object is opened and
 // mapped once; ranges are checked against the object's size.
 //
 // Thread-safety: not thread-safe (see transport.h).
@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 #include "daemon/transport/transport.h"
 
 namespace dos {

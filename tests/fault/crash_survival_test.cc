@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
 

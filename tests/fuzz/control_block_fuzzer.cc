@@ -12,8 +12,8 @@
 #include <new>
 
 #include "daemon/sched/step_executor.h"
-#include "daemon/transport/control_channel.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/control_block.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;

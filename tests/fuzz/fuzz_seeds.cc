@@ -9,7 +9,7 @@
 #include <string>
 
 #include "daemon/checkpoint/checkpoint_writer.h"
-#include "daemon/transport/control_channel.h"
+#include "dos/wire/control_channel.h"
 #include "proto/dos/v1/dos.pb.h"
 #include "tests/unit/checkpoint/fake_env.h"
 

@@ -14,7 +14,7 @@
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 
 namespace {
 

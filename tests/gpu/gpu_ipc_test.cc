@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "dos/dos.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
 

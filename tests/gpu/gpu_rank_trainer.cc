@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "dos/dos.h"
 
 namespace {

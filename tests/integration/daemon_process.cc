@@ -1,6 +1,8 @@
 #include "tests/integration/daemon_process.h"
 
 #include <fcntl.h>
+#include <grp.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -42,10 +44,23 @@ DaemonProcess::~DaemonProcess() {
   }
 }
 
+void DaemonProcess::RunAs(uid_t uid, gid_t gid, mode_t umask, std::string binary) {
+  run_as_ = true;
+  binary_ = std::move(binary);
+  uid_ = uid;
+  gid_ = gid;
+  umask_ = umask;
+}
+
 bool DaemonProcess::Start() {
+  if (run_as_ && (::chown(dir_.c_str(), uid_, gid_) != 0 || ::chmod(dir_.c_str(), 0750) != 0)) {
+    return false;
+  }
   // $DOS_DOSD overrides the build tree's dosd (tests run from an install).
   const char* env = std::getenv("DOS_DOSD");
-  std::vector<std::string> args = {env != nullptr && env[0] != '\0' ? env : DOS_DOSD_PATH,
+  std::vector<std::string> args = {!binary_.empty()                   ? binary_
+                                   : env != nullptr && env[0] != '\0' ? env
+                                                                       : DOS_DOSD_PATH,
                                    "--socket=" + socket_,
                                    "--shm_prefix=/dos-it" + std::to_string(::getpid()),
                                    "--checkpoint_dir=" + dir_ + "/checkpoints"};
@@ -54,6 +69,12 @@ bool DaemonProcess::Start() {
   if (pid_ == 0) {
     int log = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     ::dup2(log, STDERR_FILENO);
+    if (run_as_) {
+      ::umask(umask_);
+      if (::setgroups(0, nullptr) != 0 || ::setgid(gid_) != 0 || ::setuid(uid_) != 0) {
+        ::_exit(126);
+      }
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -17,6 +17,14 @@ class DaemonProcess {
   explicit DaemonProcess(std::vector<std::string> extra_flags = {});
   ~DaemonProcess();  // SIGKILLs the daemon if it still runs.
 
+  // Runs dosd as `uid`:`gid` (no supplementary groups) with `umask`, as the
+  // systemd unit does (User=, Group=, UMask=); needs root. Call before Start():
+  // the temporary directory is handed to that user (mode 0750: the group may
+  // reach the socket, others may not, like /run/dos).
+  // `binary`, if not empty, replaces the dosd to run (a copy that user can
+  // execute).
+  void RunAs(uid_t uid, gid_t gid, mode_t umask, std::string binary = "");
+
   // Starts dosd and waits (with a deadline) until its socket accepts
   // connections. Returns false if it exits or never listens.
   bool Start();
@@ -38,6 +46,11 @@ class DaemonProcess {
   std::string log_path_;
   std::vector<std::string> flags_;
   pid_t pid_ = -1;
+  bool run_as_ = false;
+  uid_t uid_ = 0;
+  gid_t gid_ = 0;
+  mode_t umask_ = 022;
+  std::string binary_;
 };
 
 // True once a unix socket at `path` accepts a connection.

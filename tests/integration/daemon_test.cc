@@ -13,13 +13,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/dtype.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "dos/wire/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 #include "dos/dos.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
@@ -501,6 +503,29 @@ TEST(DaemonCrash, StepInFlightWhenDosdDiesReleasesEveryWaiter) {
   dos_step_result r;
   EXPECT_EQ(dos_step_wait(s, 5000, &r), DOS_UNAVAILABLE);
   (*ctl)->Unlink();
+}
+
+// dosd stopped (SIGTERM) or was killed before the trainer detached: detach has
+// nothing left to do and answers OK at once, without trying the dead socket
+// (a process exiting right after must not leave gRPC reconnecting).
+TEST(DaemonLifecycle, DetachAfterDosdIsGoneIsOk) {
+  for (bool kill : {false, true}) {
+    DaemonProcess daemon;
+    ASSERT_TRUE(daemon.Start()) << daemon.log();
+    dos_attach_options o;
+    dos_attach_options_init(&o);
+    o.socket_path = daemon.socket().c_str();
+    dos_session* s = nullptr;
+    ASSERT_EQ(dos_attach(&o, &s), DOS_OK) << dos_last_error();
+    if (kill) {
+      daemon.Kill();
+    } else {
+      ASSERT_EQ(daemon.Stop(), 0) << daemon.log();
+    }
+    const absl::Time start = absl::Now();
+    EXPECT_EQ(dos_detach(s), DOS_OK) << (kill ? "killed: " : "stopped: ") << dos_last_error();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  }
 }
 
 TEST_F(DaemonTest, HostMemoryCapAnswersResourceExhausted) {

@@ -17,7 +17,7 @@
 #include <sys/un.h>
 
 #include "dos/dos.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import dos  # noqa: E402
 import dos.torch  # noqa: E402
-from dos._native import DosError  # noqa: E402
+from dos import DosError  # noqa: E402
 
 LR = dict(lr=2e-3, weight_decay=0.05)
 # Small subgroups: the 7 tensors below span ~30 subgroups, several per layer
@@ -65,7 +65,7 @@ def test_layer_waits_equal_synchronous_steps(dos_socket, zero_at):
     with dos.torch.AdamW(sync_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          **LR) as sync_opt, \
             dos.torch.AdamW(async_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
-                            model=async_model, **LR) as async_opt:
+                            model=async_model, async_step=True, **LR) as async_opt:
         assert async_opt._async and not sync_opt._async
         assert async_opt._num_subgroups > 10
         ref = train(sync_model, sync_opt, data, zero_at)
@@ -80,10 +80,24 @@ def test_layer_waits_equal_synchronous_steps(dos_socket, zero_at):
             assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
 
 
-def test_step_returns_before_the_update_is_collected(dos_socket):
+def test_cpu_steps_finish_before_step_returns_by_default(dos_socket):
+    """On the CPU path model= alone keeps step() synchronous: a read of the
+    shared memory that passes through no hook could not be made to wait
+    (test_read_after_step.py); async_step=True opts in to the overlap."""
     model = make_deep()
     with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          model=model, **LR) as opt:
+        assert not opt._async
+        x, y = batches(1)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert not opt._inflight
+
+
+def test_step_returns_before_the_update_is_collected(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         model=model, async_step=True, **LR) as opt:
         x, y = batches(1)[0]
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -187,7 +201,7 @@ def test_overlap_steps_every_iteration(dos_socket, with_model):
     step() returns before the step is done (model=)."""
     data = batches(15)
     sync_model, model = make_deep(), make_deep()
-    kw = dict(model=model) if with_model else {}
+    kw = dict(model=model, async_step=True) if with_model else {}
     with dos.torch.AdamW(sync_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          **LR) as sync_opt, \
             dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,

@@ -214,7 +214,7 @@ def test_daemon_down_message(tmp_path):
 def test_second_step_begin_without_wait_is_refused(dos_socket):
     import ctypes
 
-    from dos import _native
+    from dos import _errors, _native
     model = torch.nn.Linear(4, 2)
     with dos.torch.AdamW(model.parameters(), socket=dos_socket) as opt:
         model(torch.randn(2, 4)).sum().backward()
@@ -222,10 +222,10 @@ def test_second_step_begin_without_wait_is_refused(dos_socket):
         args = _native.StepArgs()
         _native.lib.dos_step_args_init(ctypes.byref(args))
         args.groups, args.num_groups = groups, len(groups)
-        _native.call("dos_step_begin", opt._session, ctypes.byref(args))
+        _errors.call("dos_step_begin", opt._session, ctypes.byref(args))
         with pytest.raises(dos.DosError) as e:
-            _native.call("dos_step_begin", opt._session, ctypes.byref(args))
+            _errors.call("dos_step_begin", opt._session, ctypes.byref(args))
         assert e.value.code_name == "FAILED_PRECONDITION" and "in flight" in e.value.message
         res = _native.StepResult()
-        _native.call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
+        _errors.call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
         assert res.step == 1

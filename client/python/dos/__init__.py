@@ -5,7 +5,8 @@ state lives in the node's dosd daemon. `DosError` is raised by every failed
 call; its `code` is the gRPC canonical code (`code_name` spells it).
 """
 
-from dos._native import DosError, default_socket
+from dos._errors import DosError
+from dos._native import default_socket
 
 __all__ = ["DosError", "default_socket"]
 __version__ = "0.1.0"

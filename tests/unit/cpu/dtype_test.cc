@@ -1,4 +1,4 @@
-// daemon/common/dtype.h's conversions against independent implementations:
+// dos/wire/dtype.h's conversions against independent implementations:
 // decoding by ldexp, rounding by comparing distances to both neighbours
 // (bf16) or by nearbyint on the exact quotient in double (fp16). Every tie,
 // subnormal, overflow and NaN pattern is covered exhaustively over the upper
@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 #include "gtest/gtest.h"
 
 namespace dos {

@@ -1,4 +1,4 @@
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 
 #include <fcntl.h>
 

@@ -10,7 +10,7 @@
 //   wait until done_bell == n         ◀───── write result (seq = n),
 //   read result (acquire)                    done_bell.store(n, release) + wake
 //
-// The bells are futex words (see daemon/transport/doorbell.h): waiters spin
+// The bells are futex words (see dos/wire/doorbell.h): waiters spin
 // briefly, then sleep in FUTEX_WAIT; ringers FUTEX_WAKE only when the other
 // side announced that it sleeps. std::atomic<uint32_t> is lock-free and
 // address-free on every platform we build for, so it is valid across
@@ -48,6 +48,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "dos/wire/step_params.h"
+
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
@@ -55,16 +57,6 @@ inline constexpr uint32_t kProtocolVersion = 3;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
-
-// Per-step hyperparameters of one param group (they change per step under an
-// lr scheduler; the weight decay mode is fixed at registration).
-struct GroupStepParams {
-  double lr;
-  double beta1;
-  double beta2;
-  double eps;
-  double weight_decay;
-};
 
 enum StepFlags : uint32_t {
   // The client already knows every gradient is finite (e.g. AMP's GradScaler

@@ -1,4 +1,4 @@
-// ControlBlockChannel: the step protocol of proto/dos/v1/control_block.h as
+// ControlBlockChannel: the step protocol of dos/wire/control_block.h as
 // calls, shared by the daemon (one per session) and the client library.
 //
 //   client                                daemon (session's step thread)
@@ -8,7 +8,7 @@
 //   WaitResult(n, timeout)      ◀───────  PostResult(seq)
 //   read block()->result
 //
-// Ordering comes from the doorbells (daemon/transport/doorbell.h): a value
+// Ordering comes from the doorbells (dos/wire/doorbell.h): a value
 // returned by WaitRequest / WaitResult acquires everything the other side
 // wrote before ringing, so request and result are plain data.
 //
@@ -30,8 +30,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "daemon/transport/doorbell.h"
-#include "proto/dos/v1/control_block.h"
+#include "dos/wire/doorbell.h"
+#include "dos/wire/control_block.h"
 
 namespace dos {
 

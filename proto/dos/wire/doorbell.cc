@@ -1,4 +1,4 @@
-#include "daemon/transport/doorbell.h"
+#include "dos/wire/doorbell.h"
 
 #include <linux/futex.h>
 #include <sched.h>

@@ -1,4 +1,4 @@
-#include "daemon/transport/control_channel.h"
+#include "dos/wire/control_channel.h"
 
 #include <fcntl.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/unit/transport/test_util.h"
+#include "tests/unit/wire/test_util.h"
 
 namespace dos {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/transport/doorbell.h"
+#include "dos/wire/doorbell.h"
 
 #include <signal.h>
 
@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 #include "gtest/gtest.h"
-#include "tests/unit/transport/test_util.h"
+#include "tests/unit/wire/test_util.h"
 
 namespace dos {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/transport/control_channel.h"
+#include "dos/wire/control_channel.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -8,10 +8,10 @@
 #include <memory>
 
 #include "absl/time/clock.h"
-#include "daemon/transport/shm_segment.h"
+#include "dos/wire/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/unit/transport/test_util.h"
+#include "tests/unit/wire/test_util.h"
 
 namespace dos {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/common/dtype.h"
+#include "dos/wire/dtype.h"
 
 namespace dos {
 

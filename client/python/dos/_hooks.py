@@ -1,0 +1,191 @@
+"""Hooks on the model: per-layer waits for an asynchronous step (forward
+pre-hooks and gradient hooks, `model=`), the module state_dict() and
+load_state_dict() hooks that finish a step in flight before anyone reads or
+overwrites the weights, deferred zero_grad, and the overlap hooks that begin a
+step when the last gradient is final (`overlap=True`).
+
+`_HooksMixin` is one part of dos.torch's optimizer class. It owns `_async`,
+`_stream_sync`, `_ranges`, `_num_subgroups`, `_layer_waits` (forward and
+state-dict hook handles), `_grad_hooks`, `_pending_zero`, `_ready`,
+`ready_log`, `_sync_stream` and each entry's `hook`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+
+import torch
+
+from dos import _native
+from dos._errors import DosError, call
+from dos._native import Status
+
+__all__ = []
+
+
+class _HooksMixin:
+    def _setup_async(self, model, async_step):
+        if not self._entries:
+            return
+        dtensor = any(e.copy_grad or e.copy_out for e in self._entries)
+        if self._device is not None and not dtensor:
+            self._stream_sync = bool(_native.lib.dos_stream_sync_supported(self._session))
+        first, last = ctypes.c_uint32(), ctypes.c_uint32()
+        self._ranges = []
+        for e in self._entries:
+            call("dos_tensor_subgroups", self._session, ctypes.c_uint32(e.index),
+                         ctypes.byref(first), ctypes.byref(last))
+            self._ranges.append((int(first.value), int(last.value)))
+        self._num_subgroups = max(r[1] for r in self._ranges) + 1
+        possible = (self._stream_sync or model is not None) and not dtensor
+        if async_step is None:
+            # By default steps overlap the next forward only on CUDA, where the
+            # trainer's stream orders every later reader (whole-step stream
+            # wait), or model='s hooks and torch.cuda.synchronize() do. On the
+            # CPU path step() returns after the update: a read of the shared
+            # memory that passes through no hook (p.cpu(), parameters(),
+            # torch.save of a parameter) could not be made to wait.
+            async_step = possible and self._device is not None
+        elif async_step and not possible:
+            why = ("FSDP2/DTensor parameters are copied at step()" if dtensor else
+                   "without model= nothing would order the next forward after the step on "
+                   "this session (shared-memory tensors, or no CUDA stream memory operations)")
+            raise DosError(Status.INVALID_ARGUMENT, f"async_step=True is not possible here: {why}")
+        self._async = bool(async_step)
+        if model is not None and self._async:
+            self._install_layer_waits(model)
+
+    def _install_layer_waits(self, model):
+        """Forward pre-hooks: each module with registered parameters of its
+        own waits for just their subgroups before it runs, so the next forward
+        starts while later layers are still being updated. Gradients are
+        guarded too: a parameter's pre-accumulation hook waits for its
+        subgroups (and applies a deferred zero_grad) if no forward did."""
+        by_param = {id(e.param): e for e in self._entries}
+        for module in model.modules():
+            ents = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
+            if not ents:
+                continue
+            first = min(self._ranges[e.index][0] for e in ents)
+            last = max(self._ranges[e.index][1] for e in ents)
+
+            def pre_hook(opt, _module, _inputs, ents=ents, first=first, last=last):
+                opt._wait_layer(ents, first, last)
+            self._layer_waits.append(module.register_forward_pre_hook(self._weak(pre_hook)))
+            self._layer_waits += self._install_reader_hooks(module)
+        for e in self._entries:
+            def grad_hook(opt, _grad, i=e.index):
+                r = opt._ranges[i]
+                opt._wait_layer([opt._entries[i]], r[0], r[1])
+            self._grad_hooks.append(e.param.register_hook(self._weak(grad_hook)))
+
+    def _weak(self, fn):
+        """A hook that calls fn(optimizer, *args) through a weak reference:
+        hooks live on the model and its parameters, and a strong reference
+        back would put the optimizer in reference cycles with them, so that
+        only the cyclic collector (at interpreter exit: after torch's module
+        is torn down) could finalize it. Dropping the optimizer closes it."""
+        ref = weakref.ref(self)
+
+        def hook(*args, **kwargs):
+            opt = ref()
+            if opt is not None:
+                return fn(opt, *args, **kwargs)
+        return hook
+
+    def _install_reader_hooks(self, module):
+        """module.state_dict() and module.load_state_dict() finish the step in
+        flight first: every framework saves weights through state_dict()
+        (Trainer, Accelerate, Lightning, torch.save(model.state_dict())), and
+        a load must not be overwritten by the daemon's late writes. Installed
+        on each module that owns registered parameters, so a state_dict() of
+        any enclosing module (DDP, a wrapper, a submodule) passes one."""
+        finish = self._weak(lambda opt, *_args, **_kwargs: opt._finish_inflight())
+        if hasattr(module, "register_state_dict_pre_hook"):  # torch >= 2.0
+            on_save = module.register_state_dict_pre_hook(finish)
+        else:
+            # torch 1.13 has only the post-hook: state_dict() holds detached
+            # aliases of the parameters, so finishing before it returns is
+            # as good.
+            on_save = module._register_state_dict_hook(finish)
+        if hasattr(module, "register_load_state_dict_pre_hook"):
+            on_load = module.register_load_state_dict_pre_hook(finish)
+        else:
+            on_load = module._register_load_state_dict_pre_hook(finish)
+        return [on_save, on_load]
+
+    def _wait_layer(self, ents, first, last):
+        if self._session is None:
+            return
+        if self._step_state.in_flight and not all(e.index in self._step_state.waited for e in ents):
+            call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
+                         ctypes.c_uint32(last), self._stream() if self._stream_sync else None,
+                         ctypes.c_int64(-1))
+            self._step_state.waited.update(e.index for e in ents)
+        if self._pending_zero:  # zero_grad() came after this layer's wait, or had no forward
+            self._zero_pending(ents)
+
+    def _zero_pending(self, entries) -> None:
+        """Applies a deferred zero_grad to `entries` (their new weights were
+        waited for, so the daemon is done with their gradients)."""
+        with torch.no_grad():
+            for e in entries:
+                if e.index in self._pending_zero:
+                    self._pending_zero.discard(e.index)
+                    self._zero_entry(e)
+
+    def _queue_wait_all(self, stream=None):
+        """Stream-ordered session: everything queued on `stream` (default:
+        the current one) from now on waits for the whole step."""
+        if self._num_subgroups:
+            call("dos_wait_subgroups", self._session, ctypes.c_uint32(0),
+                 ctypes.c_uint32(self._num_subgroups - 1), stream or self._stream(),
+                 ctypes.c_int64(-1))
+
+    def _queue_device_wait(self):
+        """With per-layer waits the current stream stays free to start the
+        next forward; a stream of the optimizer's own waits for the whole
+        step instead, so that torch.cuda.synchronize() (which waits for every
+        stream of the device) returns only once the new weights are in."""
+        stream = getattr(self, "_sync_stream", None)
+        if stream is None:
+            stream = self._sync_stream = torch.cuda.Stream(device=self._device)
+        self._queue_wait_all(ctypes.c_void_p(stream.cuda_stream))
+
+    def _install_hooks(self):
+        for e in self._entries:
+            if e.hook is not None:
+                e.hook.remove()
+            e.hook = e.param.register_post_accumulate_grad_hook(self._make_hook(e))
+
+    def _make_hook(self, e):
+        def hook(opt, _param, i=e.index):
+            opt._on_ready(opt._entries[i])
+        return self._weak(hook)
+
+    def _on_ready(self, e):
+        """Post-accumulate-grad hook: e's gradient is final for this
+        backward. When every registered tensor is, begin the step."""
+        if not self.overlap_armed or self._step_state.hook_begun or self._session is None:
+            return
+        if self._step_state.in_flight:
+            self._finish_inflight()  # the previous asynchronous step (already done)
+        now = time.perf_counter()
+        if not self._ready:
+            self._ready_t0 = now
+            self.ready_log = []
+        if e.index in self._ready:
+            return
+        self._ready.add(e.index)
+        self.ready_log.append((e.index, now - self._ready_t0))
+        # What the daemon would take per subgroup: here only the last one
+        # matters, as the control block has one doorbell per step.
+        if len(self._ready) == len(self._entries):
+            with torch.no_grad():
+                self._bind_grads()
+                args, _groups = self._args(1.0, 1.0)
+                self._begin(args, by_hooks=True)
+            self._ready = set()
+

@@ -1,0 +1,231 @@
+"""Clean shutdown in every order: each case runs a child interpreter that
+trains a few steps through its own dosd and then ends in one particular
+order (the optimizer garbage-collected late, at interpreter exit; the daemon
+stopped or killed first; an exception in the middle of a step; a framework's
+wrapper object collected while the optimizer lives on). The child must exit
+with its own status (0, or 1 for an uncaught exception), never by a signal,
+and print nothing from finalizers ("Exception ignored in ...").
+
+Found on the GPU machine: a Python process died with SIGSEGV (exit status
+139) at interpreter exit after Accelerate runs, once dosd had stopped.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import _wait_for_socket  # noqa: E402
+
+CHILD = textwrap.dedent("""
+    import gc, os, signal, sys, time
+    import torch
+    import dos.torch
+    from dos import DosError
+
+    case, sock, dosd_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    def stop_daemon(sig):
+        # Waits (bounded) until dosd is gone: after SIGTERM it drains, removes
+        # its socket and exits; after SIGKILL it is a zombie (our parent reaps it).
+        os.kill(dosd_pid, sig)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{dosd_pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                return
+            if state in ("Z", "X") and (sig == signal.SIGKILL or not os.path.exists(sock)):
+                return
+            time.sleep(0.01)
+        raise SystemExit(f"dosd {dosd_pid} did not stop within 30 s")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    kw = {}
+    if "inflight" in case:
+        kw = dict(model=model, async_step=True)  # step() returns with the step in flight
+    opt = dos.torch.AdamW(model.parameters(), socket=sock, lr=1e-2, subgroup_size=64, **kw)
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+
+    def one_step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if case == "wrapper_collected":
+        # What PyTorch Lightning does (lightning.pytorch.core.optimizer): a
+        # wrapper whose class derives from the optimizer's class and forwards
+        # attribute reads; the strategy drops and re-creates such wrappers.
+        class Wrapper:
+            def __init__(self, o):
+                self._optimizer = o
+                self.__class__ = type("Lightning" + o.__class__.__name__,
+                                      (self.__class__, o.__class__), {})
+            def __getattr__(self, item):
+                return getattr(self._optimizer, item)
+        w = Wrapper(opt)
+        w.zero_grad()
+        del w
+        gc.collect()
+    for _ in range(3):
+        one_step()
+
+    if case.startswith("daemon_stopped"):
+        stop_daemon(signal.SIGTERM)
+    elif case.startswith("daemon_killed"):
+        stop_daemon(signal.SIGKILL)
+    if case == "daemon_stopped_close":
+        opt.close()  # the daemon already dropped the session: nothing to detach
+        opt.close()
+    if case == "exception_mid_step":
+        def closure():
+            raise RuntimeError("the closure failed inside step()")
+        opt.step(closure)
+    if case == "exception_inflight":
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        raise RuntimeError("the trainer failed with a step in flight")
+    if case == "cycle":
+        # Only the interpreter's final collection can free the optimizer.
+        model.dos_opt = opt
+        opt.cycle = model
+        gc.disable()
+    if case == "wrapper_collected":
+        ref = [p.detach().clone() for p in model.parameters()]
+        print("STEP", opt.last_step["step"], flush=True)
+    print("END", flush=True)
+    # The optimizer (and model) stay referenced: finalized at interpreter exit.
+""")
+
+# case -> the exit status the child must end with.
+CASES = {
+    "daemon_alive": 0,
+    "daemon_stopped": 0,
+    "daemon_stopped_inflight": 0,
+    "daemon_stopped_close": 0,
+    "daemon_killed": 0,
+    "daemon_killed_inflight": 0,
+    "cycle": 0,
+    "exception_mid_step": 1,
+    "exception_inflight": 1,
+    "wrapper_collected": 0,
+}
+
+
+@pytest.fixture
+def private_dosd():
+    """A dosd of this test alone (the child may stop or kill it)."""
+    binary = os.environ.get("DOS_DOSD")
+    if not binary or not os.path.exists(binary):
+        pytest.skip("DOS_DOSD does not name a dosd binary")
+    tmp = tempfile.mkdtemp(prefix="dos-shutdown-")
+    path = os.path.join(tmp, "dosd.sock")
+    log = open(os.path.join(tmp, "dosd.log"), "w+")
+    proc = subprocess.Popen([binary, f"--socket={path}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_socket(path, proc, time.monotonic() + 20)
+        yield path, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_child_exits_cleanly(private_dosd, case):
+    sock, proc = private_dosd
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    out = subprocess.run([sys.executable, "-c", CHILD, case, sock, str(proc.pid)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == CASES[case], (
+        f"{case}: exit status {out.returncode} (negative: killed by that signal), expected "
+        f"{CASES[case]}; output:\n{text[-3000:]}")
+    assert "END" in out.stdout or CASES[case] != 0, text[-3000:]
+    assert "Exception ignored" not in text, text[-3000:]
+    assert "Fatal Python error" not in text, text[-3000:]
+    if case == "wrapper_collected":
+        assert "STEP 3" in out.stdout, text[-3000:]
+
+
+@pytest.mark.parametrize("kw", [{}, {"async_step": True}], ids=["model", "model_async"])
+def test_dropping_the_optimizer_closes_it_at_once(dos_socket, kw):
+    """Hooks on the model and its parameters refer to the optimizer weakly:
+    the last reference gone, it is finalized at once (not by a later cyclic
+    collection, at exit after torch is torn down), the session is detached
+    and the model keeps its trained weights in ordinary memory."""
+    import gc
+    import weakref
+
+    import dos.torch
+    gc.disable()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 2))
+        opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, **kw)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        handle = weakref.ref(opt._handle)
+        gone = weakref.ref(opt)
+        del opt
+        assert gone() is None, "the optimizer is kept alive by a reference cycle"
+        assert handle() is None, "the session handle outlived the optimizer"
+        weights = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(4, 8)).sum().backward()  # hooks are gone, nothing waits
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+    finally:
+        gc.enable()
+
+
+def test_lightning_style_wrapper_zero_grad_before_first_backward(dos_socket):
+    """PyTorch Lightning wraps the optimizer in an object whose class derives
+    from the optimizer's (attribute reads forwarded), calls zero_grad() on it
+    before the first backward, and drops and re-creates such wrappers. A
+    collected wrapper used to run the optimizer's __del__ and close the live
+    optimizer under it: zero_grad() then failed with AttributeError
+    ('NoneType' object has no attribute 'zero_')."""
+    import gc
+
+    import dos.torch
+
+    class Wrapper:  # lightning.pytorch.core.optimizer.LightningOptimizer's mechanics
+        def __init__(self, o):
+            self._optimizer = o
+            self.__class__ = type("Lightning" + o.__class__.__name__,
+                                  (self.__class__, o.__class__), {})
+
+        def __getattr__(self, item):
+            return getattr(self._optimizer, item)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model)
+    for _ in range(2):  # the strategy sets its optimizers twice
+        w = Wrapper(opt)
+        w.zero_grad()
+        del w
+        gc.collect()
+    w = Wrapper(opt)
+    for _ in range(3):
+        w.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert w.last_step["step"] == 3 and opt.last_step["step"] == 3
+    w.close()  # closing through a wrapper closes the optimizer itself, once
+    assert opt._session is None
+    opt.close()

@@ -1,0 +1,239 @@
+// sec_client: a trainer or operator tool that the security tests run as a
+// throwaway user (tests/security/security_env.h starts it after setgroups,
+// setgid and setuid). It performs the operations named on its command line in
+// order and prints one line per operation on stdout:
+//
+//   OK <op> key=value ...        or        ERR <op> code=<grpc code> msg=<text>
+//
+// Usage: sec_client SOCKET_OR_tcp:HOST:PORT OP...
+//   attach:name=N,rank=R          dos_attach (the client library, as a trainer)
+//   register:numel=K[,subgroup=S] allocate shared memory, dos_register one f32 tensor
+//   step[:n=K]                    K steps with gradients of 0.5 (default 1)
+//   wait                          print "OK wait" and block until stdin closes
+//   detach                        dos_detach the attached session
+//   rpc_save:id=I[,path=P]        SaveCheckpoint by session id (operator call)
+//   rpc_load:id=I,path=P          LoadCheckpoint by session id, no token
+//   rpc_policy:id=I,policy=P      SetPolicy of session I, no token
+//   rpc_detach:id=I[,token=T]     Detach by id
+//   rpc_export:id=I[,token=T]     ExportState of tensor 0 (buffer name "x")
+//   rpc_import:id=I[,token=T]     ImportState of tensor 0 (buffer name "x")
+//   rpc_stats[:id=I]              GetStats
+//   rpc_list                      ListSessions (prints the count)
+//   rpc_attach:name=N             raw Attach claiming this process's pid
+// Exit status: 0 when every line was printed (whatever each op answered), 2 on
+// bad usage.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "dos/dos.h"
+#include "dos/wire/control_block.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
+
+namespace {
+
+using Args = std::map<std::string, std::string>;
+
+struct Op {
+  std::string name;
+  Args args;
+};
+
+Op ParseOp(const std::string& text) {
+  Op op;
+  const size_t colon = text.find(':');
+  op.name = text.substr(0, colon);
+  if (colon == std::string::npos) return op;
+  for (absl::string_view kv : absl::StrSplit(text.substr(colon + 1), ',', absl::SkipEmpty())) {
+    const size_t eq = kv.find('=');
+    op.args[std::string(kv.substr(0, eq))] =
+        eq == absl::string_view::npos ? "" : std::string(kv.substr(eq + 1));
+  }
+  return op;
+}
+
+uint64_t U64(const Args& a, const std::string& key, uint64_t def = 0) {
+  auto it = a.find(key);
+  uint64_t v = def;
+  if (it != a.end() && !absl::SimpleAtoi(it->second, &v)) v = def;
+  return v;
+}
+
+std::string Str(const Args& a, const std::string& key, const std::string& def = "") {
+  auto it = a.find(key);
+  return it == a.end() ? def : it->second;
+}
+
+void Print(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+void PrintRpc(const std::string& op, const grpc::Status& st, const std::string& extra = "") {
+  if (st.ok()) {
+    Print(absl::StrCat("OK ", op, extra.empty() ? "" : " ", extra));
+  } else {
+    std::string msg = st.error_message();
+    for (char& c : msg) c = c == '\n' ? ' ' : c;
+    Print(absl::StrCat("ERR ", op, " code=", static_cast<int>(st.error_code()), " msg=", msg));
+  }
+}
+
+void PrintDos(const std::string& op, dos_status st, const std::string& extra = "") {
+  if (st == DOS_OK) {
+    Print(absl::StrCat("OK ", op, extra.empty() ? "" : " ", extra));
+  } else {
+    Print(absl::StrCat("ERR ", op, " code=", static_cast<int>(st), " msg=", dos_last_error()));
+  }
+}
+
+std::unique_ptr<grpc::ClientContext> Context() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  return ctx;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: sec_client SOCKET|tcp:HOST:PORT OP...\n");
+    return 2;
+  }
+  const std::string target = argv[1];
+  const bool tcp = target.rfind("tcp:", 0) == 0;
+  const std::string socket = tcp ? "" : target;
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      tcp ? target.substr(4) : "unix:" + target, grpc::InsecureChannelCredentials());
+  std::unique_ptr<dos::v1::Dos::Stub> stub = dos::v1::Dos::NewStub(channel);
+
+  dos_session* session = nullptr;
+  dos_hparams h;
+  dos_hparams_init_adamw(&h);
+  for (int i = 2; i < argc; ++i) {
+    const Op op = ParseOp(argv[i]);
+    const Args& a = op.args;
+    if (op.name == "attach") {
+      dos_attach_options o;
+      dos_attach_options_init(&o);
+      o.socket_path = socket.c_str();
+      const std::string name = Str(a, "name", "sec");
+      o.client_name = name.c_str();
+      o.rank = static_cast<int32_t>(std::stoi(Str(a, "rank", "-1")));
+      o.world_size = o.rank >= 0 ? o.rank + 1 : 1;
+      dos_status st = dos_attach(&o, &session);
+      PrintDos("attach", st,
+               st == DOS_OK ? absl::StrCat("id=", dos_session_id(session),
+                                           " token=", dos_session_token(session))
+                            : "");
+    } else if (op.name == "register") {
+      const uint64_t n = U64(a, "numel", 1024);
+      void* p = nullptr;
+      void* g = nullptr;
+      dos_status st = dos_buffer_alloc(session, n * 4, &p);
+      if (st == DOS_OK) st = dos_buffer_alloc(session, n * 4, &g);
+      if (st == DOS_OK) {
+        for (uint64_t k = 0; k < n; ++k) {
+          static_cast<float*>(p)[k] = 1.0f;
+          static_cast<float*>(g)[k] = 0.5f;
+        }
+        dos_tensor t{"w", DOS_DTYPE_F32, p, DOS_DTYPE_F32, g, n, 0};
+        dos_register_options ro{U64(a, "subgroup", 0)};
+        st = dos_register(session, &t, 1, &h, 1, &ro);
+      }
+      int64_t step = -1;
+      if (st == DOS_OK) dos_state_read(session, 0, nullptr, nullptr, nullptr, &step);
+      PrintDos("register", st, st == DOS_OK ? absl::StrCat("step=", step) : "");
+    } else if (op.name == "step") {
+      dos_step_args sa;
+      dos_step_args_init(&sa);
+      sa.groups = &h;
+      sa.num_groups = 1;
+      dos_step_result r{};
+      dos_status st = DOS_OK;
+      const uint64_t n = U64(a, "n", 1);
+      for (uint64_t k = 0; k < n && st == DOS_OK; ++k) st = dos_step(session, &sa, &r);
+      PrintDos("step", st, st == DOS_OK ? absl::StrCat("step=", r.step) : "");
+    } else if (op.name == "wait") {
+      Print("OK wait");
+      char c;
+      while (::read(STDIN_FILENO, &c, 1) > 0) {
+      }
+    } else if (op.name == "detach") {
+      PrintDos("detach", dos_detach(session));
+      session = nullptr;
+    } else if (op.name == "rpc_save") {
+      dos::v1::SaveCheckpointRequest req;
+      req.set_session_id(U64(a, "id"));
+      req.set_path(Str(a, "path"));
+      dos::v1::SaveCheckpointResponse resp;
+      PrintRpc("rpc_save", stub->SaveCheckpoint(Context().get(), req, &resp),
+               absl::StrCat("path=", resp.path()));
+    } else if (op.name == "rpc_load") {
+      dos::v1::LoadCheckpointRequest req;
+      req.mutable_session()->set_session_id(U64(a, "id"));
+      req.mutable_session()->set_token(Str(a, "token"));
+      req.set_path(Str(a, "path"));
+      dos::v1::LoadCheckpointResponse resp;
+      PrintRpc("rpc_load", stub->LoadCheckpoint(Context().get(), req, &resp));
+    } else if (op.name == "rpc_policy") {
+      dos::v1::SetPolicyRequest req;
+      req.mutable_session()->set_session_id(U64(a, "id"));
+      req.mutable_session()->set_token(Str(a, "token"));
+      req.set_policy(Str(a, "policy", "cpu"));
+      dos::v1::SetPolicyResponse resp;
+      PrintRpc("rpc_policy", stub->SetPolicy(Context().get(), req, &resp));
+    } else if (op.name == "rpc_detach") {
+      dos::v1::DetachRequest req;
+      req.mutable_session()->set_session_id(U64(a, "id"));
+      req.mutable_session()->set_token(Str(a, "token"));
+      dos::v1::DetachResponse resp;
+      PrintRpc("rpc_detach", stub->Detach(Context().get(), req, &resp));
+    } else if (op.name == "rpc_export" || op.name == "rpc_import") {
+      dos::v1::TransferStateRequest req;
+      req.mutable_session()->set_session_id(U64(a, "id"));
+      req.mutable_session()->set_token(Str(a, "token"));
+      req.mutable_buffer()->set_name(Str(a, "buffer", "/x"));
+      req.set_step(static_cast<int64_t>(U64(a, "step", 0)));
+      dos::v1::TransferStateResponse resp;
+      grpc::Status st = op.name == "rpc_export"
+                            ? stub->ExportState(Context().get(), req, &resp)
+                            : stub->ImportState(Context().get(), req, &resp);
+      PrintRpc(op.name, st);
+    } else if (op.name == "rpc_stats") {
+      dos::v1::GetStatsRequest req;
+      req.set_session_id(U64(a, "id"));
+      dos::v1::GetStatsResponse resp;
+      PrintRpc("rpc_stats", stub->GetStats(Context().get(), req, &resp),
+               absl::StrCat("sessions=", resp.sessions_size()));
+    } else if (op.name == "rpc_list") {
+      dos::v1::ListSessionsRequest req;
+      dos::v1::ListSessionsResponse resp;
+      PrintRpc("rpc_list", stub->ListSessions(Context().get(), req, &resp),
+               absl::StrCat("sessions=", resp.sessions_size()));
+    } else if (op.name == "rpc_attach") {
+      dos::v1::AttachRequest req;
+      req.set_client_name(Str(a, "name", "sec"));
+      req.set_pid(static_cast<int32_t>(::getpid()));
+      req.set_protocol_version(dos::kProtocolVersion);
+      dos::v1::AttachResponse resp;
+      PrintRpc("rpc_attach", stub->Attach(Context().get(), req, &resp),
+               absl::StrCat("id=", resp.session().session_id()));
+    } else {
+      std::fprintf(stderr, "sec_client: unknown op %s\n", op.name.c_str());
+      return 2;
+    }
+  }
+  if (session != nullptr) dos_detach(session);
+  return 0;
+}
