@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -118,6 +119,15 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   req.set_local_rank(options.local_rank);
   req.set_world_size(options.world_size);
   req.set_protocol_version(kProtocolVersion);
+  req.set_client_version(DOS_CLIENT_RELEASE);
+  // Test hook (tests/integration/versions_test.cc): claim another protocol
+  // or release, as an older or newer client would.
+  if (const char* v = std::getenv("DOS_TEST_CLAIM_PROTOCOL_VERSION"); v != nullptr && *v) {
+    req.set_protocol_version(static_cast<uint32_t>(std::strtoul(v, nullptr, 10)));
+  }
+  if (const char* v = std::getenv("DOS_TEST_CLAIM_CLIENT_VERSION"); v != nullptr) {
+    req.set_client_version(v);
+  }
   // A dosd that checks peer credentials serves <socket>.auth: the kernel
   // tells it who we are there, and it answers a ticket for our pid.
   const std::string auth = options.socket_path + ".auth";

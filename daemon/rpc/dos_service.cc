@@ -142,14 +142,33 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
 }
 
+// Attach from a client of another protocol: both versions, which side is
+// older, and what to install.
+absl::Status VersionMismatch(absl::string_view client_version, uint32_t client_protocol,
+                             absl::string_view daemon_version) {
+  const std::string client =
+      client_version.empty() ? std::string("a client library older than DOS 0.1.0")
+                             : absl::StrCat("libdos_client ", client_version);
+  const bool older = client_protocol < kProtocolVersion;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "attach: ", client, " (protocol ", client_protocol, ") cannot work with dosd ",
+      daemon_version, " (protocol ", kProtocolVersion, "): the client is ",
+      older ? "older" : "newer", " than the daemon. ",
+      older ? absl::StrCat("Upgrade the trainer's DOS client to ", daemon_version,
+                           " (pip install dos-optimizer==", daemon_version,
+                           ", or the dos package's libdos_client) or run a dosd as old as it")
+            : absl::StrCat("Upgrade dosd on this node to the client's release (install the "
+                           "dos package of ", client_version.empty() ? "it" : client_version,
+                           ", then systemctl restart dosd) or use a DOS client ",
+                           daemon_version)));
+}
+
 }  // namespace
 
 grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
                                 v1::AttachResponse* resp) {
   if (req->protocol_version() != kProtocolVersion) {
-    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-        "attach: client speaks protocol version ", req->protocol_version(), ", daemon speaks ",
-        kProtocolVersion, "; use a client library from the same DOS release as dosd")));
+    return ToGrpcStatus(VersionMismatch(req->client_version(), req->protocol_version(), version_));
   }
   if (req->pid() <= 0) {
     return ToGrpcStatus(absl::InvalidArgumentError(
@@ -322,6 +341,7 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
   }
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
+  resp->set_protocol_version(kProtocolVersion);
   return grpc::Status::OK;
 }
 

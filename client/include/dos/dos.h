@@ -80,6 +80,22 @@ typedef struct dos_session dos_session; /* opaque */
  * thread's next call into the library. */
 const char* dos_last_error(void);
 
+/* A dosd as seen without attaching (diagnostics: `python -m dos`). */
+typedef struct dos_daemon_info {
+  int32_t pid;
+  const char* version;        /* the daemon's DOS release */
+  uint32_t protocol_version;  /* 0: a daemon too old to say */
+  uint32_t client_protocol_version; /* this library's; Attach needs them equal */
+  const char* client_version; /* this library's DOS release */
+  const char* health;         /* "SERVING", "NOT_SERVING", "UNKNOWN (...)" */
+  uint32_t sessions;
+} dos_daemon_info;
+/* Asks the dosd at `socket_path` (NULL: $DOS_SOCKET or the default) for its
+ * pid, release, protocol and health; creates no session. The strings stay
+ * valid until the calling thread's next dos_daemon_probe(). UNAVAILABLE when
+ * nothing answers (the message names the socket and how to start dosd). */
+dos_status dos_daemon_probe(const char* socket_path, int64_t timeout_ms, dos_daemon_info* out);
+
 /* 1 when this library can register CUDA device memory (built with CUDA; a
  * driver and GPU are needed too at registration), else 0. */
 int32_t dos_cuda_supported(void);
