@@ -301,6 +301,26 @@ dos_status dos_state_write(dos_session* session, uint32_t tensor, const float* m
   });
 }
 
+dos_status dos_state_read_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                uint64_t count, float* master, float* exp_avg, float* exp_avg_sq,
+                                int64_t* step) {
+  return Guard("state_read_range", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_read_range"); !st.ok()) return st;
+    return session->impl->ReadStateRange(tensor, offset, count, master, exp_avg, exp_avg_sq,
+                                         step);
+  });
+}
+
+dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                 uint64_t count, const float* master, const float* exp_avg,
+                                 const float* exp_avg_sq, int64_t step) {
+  return Guard("state_write_range", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_write_range"); !st.ok()) return st;
+    return session->impl->WriteStateRange(tensor, offset, count, master, exp_avg, exp_avg_sq,
+                                          step);
+  });
+}
+
 dos_status dos_set_policy(dos_session* session, const char* policy) {
   return Guard("set_policy", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "set_policy"); !st.ok()) return st;

@@ -102,6 +102,7 @@ absl::Status DeviceSync::StreamWait(void* stream, const std::atomic<uint32_t>* w
   DeviceScope scope(impl_->device);
   const auto offset = reinterpret_cast<const char*>(word) - static_cast<const char*>(impl_->block);
   const CUdeviceptr addr = reinterpret_cast<CUdeviceptr>(impl_->block_device + offset);
+  waits_queued_ = true;
   CUresult r = impl_->wait_value32(static_cast<CUstream>(stream), addr, value,
                                    CU_STREAM_WAIT_VALUE_GEQ);
   if (r != CUDA_SUCCESS) {
@@ -109,6 +110,13 @@ absl::Status DeviceSync::StreamWait(void* stream, const std::atomic<uint32_t>* w
         absl::StrCat("stream sync: cuStreamWaitValue32 failed with CUresult ", static_cast<int>(r)));
   }
   return absl::OkStatus();
+}
+
+void DeviceSync::Drain() {
+  if (!waits_queued_) return;
+  DeviceScope scope(impl_->device);
+  cudaDeviceSynchronize();
+  cudaGetLastError();  // a failed context reports it to the trainer's next call, not here
 }
 
 #else  // !DOS_CLIENT_WITH_CUDA
@@ -125,6 +133,7 @@ absl::Status DeviceSync::RecordGradientsReady(void*) {
 absl::Status DeviceSync::StreamWait(void*, const std::atomic<uint32_t>*, uint32_t) {
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
+void DeviceSync::Drain() {}
 
 #endif
 

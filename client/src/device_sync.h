@@ -43,12 +43,19 @@ class DeviceSync {
   absl::Status RecordGradientsReady(void* stream);
   // Makes `stream` wait until `*word` >= value (a word inside the block).
   absl::Status StreamWait(void* stream, const std::atomic<uint32_t>* word, uint32_t value);
+  // Before the block is unregistered and unmapped: a wait that a stream
+  // still holds is read by the GPU only when the stream reaches it, and would
+  // then fault on the vanished mapping. The caller first stores values that
+  // release every such wait; Drain waits until the device has passed them
+  // (cudaDeviceSynchronize), if this session ever queued one.
+  void Drain();
 
  private:
   DeviceSync() = default;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::string event_handle_;
+  bool waits_queued_ = false;
 };
 
 }  // namespace dos::client

@@ -108,6 +108,16 @@ class ClientSession {
                          int64_t* step);
   absl::Status WriteState(uint32_t tensor, const float* master, const float* exp_avg,
                           const float* exp_avg_sq, int64_t step);
+  // The same for elements [offset, offset + count) of the tensor. Whole
+  // tensors and ranges alike travel in pieces of at most
+  // kStateTransferChunk elements through one shared-memory buffer of
+  // 12 bytes per element of a piece (48 MiB at most).
+  static constexpr uint64_t kStateTransferChunk = uint64_t{4} << 20;
+  absl::Status ReadStateRange(uint32_t tensor, uint64_t offset, uint64_t count, float* master,
+                              float* exp_avg, float* exp_avg_sq, int64_t* step);
+  absl::Status WriteStateRange(uint32_t tensor, uint64_t offset, uint64_t count,
+                               const float* master, const float* exp_avg, const float* exp_avg_sq,
+                               int64_t step);
 
   absl::Status SetPolicy(const std::string& policy);
 
@@ -123,6 +133,12 @@ class ClientSession {
                       absl::Duration extra = absl::ZeroDuration()) const;
   absl::StatusOr<std::unique_ptr<ShmSegment>> CreateSegment(uint64_t bytes, bool transfer);
   absl::Status CheckTensor(uint32_t tensor, const char* call) const;
+  absl::Status CheckRange(uint32_t tensor, uint64_t offset, uint64_t count,
+                          const char* call) const;
+  // One ExportState (import false) or ImportState RPC of elements
+  // [offset, offset + count) through `seg`.
+  absl::Status TransferPiece(bool import, uint32_t tensor, uint64_t offset, uint64_t count,
+                             const ShmSegment& seg, int64_t step, int64_t* step_out);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -363,7 +363,8 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
   absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::StatusOr<int64_t> step =
-      (*s)->ExportState(req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()));
+      (*s)->ExportState(req->tensor(), req->offset(), req->count(),
+                        ShmRef(req->buffer().name(), req->buffer().offset()));
   if (!step.ok()) return ToGrpcStatus(step.status());
   resp->set_step(*step);
   return grpc::Status::OK;
@@ -373,8 +374,9 @@ grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequ
                                      v1::TransferStateResponse* resp) {
   absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
-  absl::Status st = (*s)->ImportState(
-      req->tensor(), ShmRef(req->buffer().name(), req->buffer().offset()), req->step());
+  absl::Status st = (*s)->ImportState(req->tensor(), req->offset(), req->count(),
+                                      ShmRef(req->buffer().name(), req->buffer().offset()),
+                                      req->step());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->set_step(req->step());
   return grpc::Status::OK;

@@ -150,22 +150,30 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
 absl::Status StepExecutor::WriteWeights(const ShardState& shard,
                                         std::span<const TensorBinding> bindings,
                                         uint32_t tensor) {
+  return WriteWeightsRange(shard, bindings, tensor, 0, shard.tensors()[tensor].numel);
+}
+
+absl::Status StepExecutor::WriteWeightsRange(const ShardState& shard,
+                                             std::span<const TensorBinding> bindings,
+                                             uint32_t tensor, uint64_t offset, uint64_t count) {
   const TensorInfo& t = shard.tensors()[tensor];
-  std::vector<float> master(t.numel);
-  shard.ReadTensor(tensor, 0, master.data());
+  std::vector<float> master(count);
+  shard.ReadTensorRange(tensor, 0, offset, count, master.data());
   const bool device = bindings[tensor].device;
   if (device && gpu_ == nullptr) {
     return absl::FailedPreconditionError("the tensor is in GPU memory but there is no GPU engine");
   }
+  const uint64_t esize = DTypeSize(t.param_dtype);
   std::vector<char> staging;
-  char* out = static_cast<char*>(bindings[tensor].param);
+  char* param = static_cast<char*>(bindings[tensor].param) + offset * esize;
+  char* out = param;
   if (device) {
-    staging.resize(t.numel * DTypeSize(t.param_dtype));
+    staging.resize(count * esize);
     out = staging.data();
   }
   // Chunks in parallel: a 6B-parameter shard converts 6e9 elements at
   // registration and after every state load.
-  tbb::parallel_for(tbb::blocked_range<uint64_t>(0, t.numel, uint64_t{1} << 20),
+  tbb::parallel_for(tbb::blocked_range<uint64_t>(0, count, uint64_t{1} << 20),
                     [&](const tbb::blocked_range<uint64_t>& r) {
     for (uint64_t i = r.begin(); i < r.end(); ++i) {
       switch (t.param_dtype) {
@@ -175,7 +183,7 @@ absl::Status StepExecutor::WriteWeights(const ShardState& shard,
       }
     }
   });
-  if (device) return gpu_->CopyToDevice(bindings[tensor].param, staging.data(), staging.size());
+  if (device) return gpu_->CopyToDevice(param, staging.data(), staging.size());
   return absl::OkStatus();
 }
 

@@ -87,6 +87,10 @@ class StepExecutor {
   // import or a checkpoint load), in the parameter's dtype.
   absl::Status WriteWeights(const ShardState& shard, std::span<const TensorBinding> bindings,
                             uint32_t tensor);
+  // The same for elements [offset, offset + count) of the tensor (a ranged
+  // state import); the caller checks that the range lies inside it.
+  absl::Status WriteWeightsRange(const ShardState& shard, std::span<const TensorBinding> bindings,
+                                 uint32_t tensor, uint64_t offset, uint64_t count);
   // Initialises tensor `tensor`'s fp32 master weights from the trainer's
   // weights (host or device memory). Uses the tensor's exp_avg as staging
   // for device weights (zero before and after): call at registration only.

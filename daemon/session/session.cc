@@ -190,6 +190,7 @@ void Session::HandleRequest(uint32_t seq) {
         channel_->MarkSubgroupDone(subgroup, seq);
       };
       outcome = executor_->Run(*shard_, bindings_, block->request, policy(), sync);
+      ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
       num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
     }
@@ -438,7 +439,8 @@ absl::Status Session::Register(const ShardSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
+absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
+                                               uint64_t* count, const MemoryRef& buf,
                                                std::unique_ptr<ShmSegment>* holder) {
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -449,47 +451,68 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, const MemoryRef&
                                                    " is out of range; ",
                                                    shard_->tensors().size(), " are registered"));
   }
+  const uint64_t numel = shard_->tensors()[tensor].numel;
+  if (*count == 0) {
+    if (offset != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state transfer: tensor ", tensor, ": count 0 (the whole tensor) with offset ", offset,
+          "; give the range's count"));
+    }
+    *count = numel;
+  }
+  if (offset > numel || *count > numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("state transfer: elements [", offset, ", ",
+                                              offset + *count, ") of tensor ", tensor,
+                                              " are out of range; it has ", numel));
+  }
   // Buffers for state transfer are short-lived: `holder` unmaps this one when
   // the call returns.
-  uint64_t numel = shard_->tensors()[tensor].numel;
   DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg, ShmSegment::Open(buf.shm_name));
-  uint64_t bytes = 3 * numel * sizeof(float);
+  uint64_t bytes = 3 * *count * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "state transfer: buffer ", buf.shm_name, " has ", seg->size(), " bytes; tensor ", tensor,
-        " needs ", bytes, " at offset ", buf.offset, " (3 x numel fp32)"));
+        "state transfer: buffer ", buf.shm_name, " has ", seg->size(), " bytes; ", *count,
+        " elements of tensor ", tensor, " need ", bytes, " at offset ", buf.offset,
+        " (3 x count fp32)"));
   }
   *holder = std::move(seg);
   return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
 }
 
-absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, const MemoryRef& buf) {
+absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                             const MemoryRef& buf) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, buf, &holder));
-  if (!bindings_.empty() && bindings_[0].device) {
+  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
+  if (!bindings_.empty() && bindings_[0].device && resident_synced_at_ != steps_run_) {
     shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
     DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
+    resident_synced_at_ = steps_run_;
   }
-  uint64_t numel = shard_->tensors()[tensor].numel;
-  for (int which = 0; which < 3; ++which) shard_->ReadTensor(tensor, which, out + which * numel);
+  for (int which = 0; which < 3; ++which) {
+    shard_->ReadTensorRange(tensor, which, offset, count, out + which * count);
+  }
   return shard_->tensors()[tensor].step;
 }
 
-absl::Status Session::ImportState(uint32_t tensor, const MemoryRef& buf, int64_t step) {
+absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                  const MemoryRef& buf, int64_t step) {
   absl::MutexLock lock(&mu_);
   if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("state transfer: step ", step, " is negative"));
   }
   std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, buf, &holder));
-  uint64_t numel = shard_->tensors()[tensor].numel;
+  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
-  for (int which = 0; which < 3; ++which) shard_->WriteTensor(tensor, which, in + which * numel);
+  for (int which = 0; which < 3; ++which) {
+    shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
+  }
   shard_->tensors()[tensor].step = step;
+  // The host state is now the truth: resident GPU copies are dropped (the
+  // next step uploads them again).
   if (!bindings_.empty() && bindings_[0].device) executor_->gpu()->DropResident(*shard_);
-  return executor_->WriteWeights(*shard_, bindings_, tensor);
+  return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
 }
 
 void Session::SetPolicy(const Policy& policy) {

@@ -126,9 +126,14 @@ class Session {
   // trainer's weights. FAILED_PRECONDITION if already registered.
   absl::Status Register(const ShardSpec& spec);
 
-  // State transfer (fp32 master, exp_avg, exp_avg_sq back to back at `buf`).
-  absl::StatusOr<int64_t> ExportState(uint32_t tensor, const MemoryRef& buf);
-  absl::Status ImportState(uint32_t tensor, const MemoryRef& buf, int64_t step);
+  // State transfer of elements [offset, offset + count) of one tensor (count
+  // 0: the whole tensor, offset 0): count fp32 master weights, exp_avg and
+  // exp_avg_sq back to back at `buf`. Import rewrites the trainer's weights
+  // of the range from the new masters and sets the tensor's step.
+  absl::StatusOr<int64_t> ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                      const MemoryRef& buf);
+  absl::Status ImportState(uint32_t tensor, uint64_t offset, uint64_t count, const MemoryRef& buf,
+                           int64_t step);
 
   void SetPolicy(const Policy& policy);
   Policy policy() const;
@@ -193,8 +198,9 @@ class Session {
   void StepLoop();
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
-  absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, const MemoryRef& buf,
-                                        std::unique_ptr<ShmSegment>* holder)
+  // Checks the range (count 0 becomes the tensor's numel) and maps `buf`.
+  absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
+                                        const MemoryRef& buf, std::unique_ptr<ShmSegment>* holder)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionIdentity identity_;
@@ -214,6 +220,11 @@ class Session {
   mutable absl::Mutex mu_;
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ShardState> shard_ ABSL_GUARDED_BY(mu_);
+  // Steps run on the shard, and the count at which the GPU-resident state
+  // was last copied to the host: a state export streamed in many ranged
+  // calls copies it once, not once per call.
+  int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
   // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "dos/wire/status_macros.h"
@@ -116,6 +117,38 @@ void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
     float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
     std::memcpy(base + seg.subgroup_offset, buf + seg.tensor_offset, seg.count * sizeof(float));
+  });
+}
+
+namespace {
+// The part of `seg` inside the tensor range [offset, offset + n): its first
+// element within the tensor and its length (0 when they do not meet).
+std::pair<uint64_t, uint64_t> Clip(const SubgroupSegment& seg, uint64_t offset, uint64_t n) {
+  const uint64_t begin = std::max(seg.tensor_offset, offset);
+  const uint64_t end = std::min(seg.tensor_offset + seg.count, offset + n);
+  return {begin, end > begin ? end - begin : 0};
+}
+}  // namespace
+
+void ShardState::ReadTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n,
+                                 float* buf) const {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    auto [begin, count] = Clip(seg, offset, n);
+    if (count == 0) return;
+    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(buf + (begin - offset), base + seg.subgroup_offset + (begin - seg.tensor_offset),
+                count * sizeof(float));
+  });
+}
+
+void ShardState::WriteTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n,
+                                  const float* buf) {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    auto [begin, count] = Clip(seg, offset, n);
+    if (count == 0) return;
+    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(base + seg.subgroup_offset + (begin - seg.tensor_offset), buf + (begin - offset),
+                count * sizeof(float));
   });
 }
 

@@ -126,6 +126,10 @@ class ShardState {
   // master, 1 for exp_avg, 2 for exp_avg_sq.
   void ReadTensor(uint32_t tensor, int which, float* buf) const;
   void WriteTensor(uint32_t tensor, int which, const float* buf);
+  // The same for elements [offset, offset + n) of the tensor only (the
+  // caller checks that the range lies inside it); buf holds n elements.
+  void ReadTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n, float* buf) const;
+  void WriteTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n, const float* buf);
 
   // Copy-on-write snapshot (see the top of this file). BeginSnapshot: the
   // caller holds the lock that serialises writers (a step boundary);

@@ -5,6 +5,7 @@ Environment (set by tests/python/CMakeLists.txt under ctest):
   DOS_CLIENT_LIB  path to libdos_client.so (read by dos._native)
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -34,22 +35,25 @@ def _wait_for_socket(path, proc, deadline):
     raise TimeoutError(f"dosd did not accept connections on {path} within the deadline")
 
 
-@pytest.fixture(scope="session")
-def dosd():
-    """Starts dosd on a temporary socket; yields the socket path. At the end,
-    SIGTERM must make it exit 0."""
+@contextlib.contextmanager
+def running_dosd(*flags, killed_ok=False):
+    """A dosd of its own on a temporary socket: yields (socket path, Popen).
+    At the end SIGTERM must make it exit 0; with killed_ok, a daemon that the
+    test already stopped or killed is not checked."""
     binary = os.environ.get("DOS_DOSD")
     if not binary or not os.path.exists(binary):
         pytest.skip("DOS_DOSD does not name a dosd binary")
     tmp = tempfile.mkdtemp(prefix="dos-pytest-")
     path = os.path.join(tmp, "dosd.sock")
     log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([binary, f"--socket={path}", *flags], stdout=log,
+                            stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(path, proc, time.monotonic() + 20)
-        yield path
+        yield path, proc
     finally:
-        if proc.poll() is None:
+        running = proc.poll() is None
+        if running:
             proc.send_signal(signal.SIGTERM)
             try:
                 code = proc.wait(timeout=20)
@@ -62,7 +66,16 @@ def dosd():
         log.seek(0)
         text = log.read()
         log.close()
-        assert code == 0, f"dosd exited with {code} after SIGTERM; its log:\n{text[-4000:]}"
+        if running or not killed_ok:
+            assert code == 0, f"dosd exited with {code} after SIGTERM; its log:\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def dosd():
+    """Starts dosd on a temporary socket for the whole session; yields the
+    socket path."""
+    with running_dosd() as (path, _proc):
+        yield path
 
 
 @pytest.fixture

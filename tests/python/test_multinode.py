@@ -9,19 +9,16 @@ and the comparison; multinode_localhost.sh is the same on 2 GPUs with NCCL).
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from conftest import _wait_for_socket  # noqa: E402
+from conftest import running_dosd  # noqa: E402
 
 EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "client",
                                         "python", "examples"))
@@ -34,33 +31,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.fixture
 def two_daemons():
-    binary = os.environ.get("DOS_DOSD")
-    if not binary or not os.path.exists(binary):
-        pytest.skip("DOS_DOSD does not name a dosd binary")
-    tmp = tempfile.mkdtemp(prefix="dos-nodes-")
-    procs, sockets = [], []
-    try:
-        for node in range(2):
-            path = os.path.join(tmp, f"node{node}.sock")
-            log = open(os.path.join(tmp, f"dosd{node}.log"), "w")
-            procs.append(subprocess.Popen([binary, f"--socket={path}", "--cpu_threads=1"],
-                                          stdout=log, stderr=subprocess.STDOUT))
-            log.close()
-            sockets.append(path)
-        for p, path in zip(procs, sockets):
-            _wait_for_socket(path, p, time.monotonic() + 20)
-        yield sockets
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                assert p.wait(timeout=20) == 0, "dosd did not exit 0 after SIGTERM"
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                raise
+    """Node 0's and node 1's dosd."""
+    with running_dosd("--cpu_threads=1") as (node0, _), \
+            running_dosd("--cpu_threads=1") as (node1, _):
+        yield [node0, node1]
 
 
 def free_port():

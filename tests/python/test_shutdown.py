@@ -11,18 +11,15 @@ Found on the GPU machine: a Python process died with SIGSEGV (exit status
 """
 
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import _wait_for_socket  # noqa: E402
+from conftest import running_dosd  # noqa: E402
 
 CHILD = textwrap.dedent("""
     import gc, os, signal, sys, time
@@ -125,25 +122,8 @@ CASES = {
 @pytest.fixture
 def private_dosd():
     """A dosd of this test alone (the child may stop or kill it)."""
-    binary = os.environ.get("DOS_DOSD")
-    if not binary or not os.path.exists(binary):
-        pytest.skip("DOS_DOSD does not name a dosd binary")
-    tmp = tempfile.mkdtemp(prefix="dos-shutdown-")
-    path = os.path.join(tmp, "dosd.sock")
-    log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_socket(path, proc, time.monotonic() + 20)
-        yield path, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+    with running_dosd(killed_ok=True) as daemon:
+        yield daemon
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -229,3 +209,53 @@ def test_lightning_style_wrapper_zero_grad_before_first_backward(dos_socket):
     w.close()  # closing through a wrapper closes the optimizer itself, once
     assert opt._session is None
     opt.close()
+
+
+def test_cuda_close_with_stream_waits_still_queued(dos_socket):
+    """GPU mode: the next forward's per-layer waits sit on the stream behind
+    other GPU work when the optimizer is closed. The library releases them
+    and lets the device pass them before the control block they read is
+    unregistered and unmapped; otherwise the GPU would fault when it reached
+    them (an illegal memory access at the trainer's next CUDA call)."""
+    import dos.torch
+    from dos import _native
+    if not torch.cuda.is_available() or not _native.cuda_supported():
+        pytest.skip("needs a CUDA device and a CUDA build of libdos_client")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    try:
+        opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=65536,
+                              model=model)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    if not opt._stream_sync:
+        opt.close()
+        pytest.skip("the CUDA driver has no stream memory operations")
+    x = torch.randn(64, 1024, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time ahead of the waits
+    with torch.no_grad():
+        model(x)  # its per-layer waits are queued behind the sleep
+    opt.close()
+    torch.cuda.synchronize()  # raises if a wait read the vanished block
+    assert torch.isfinite(model(x)).all()
+
+
+def test_open_optimizers_are_known_to_the_exit_handler(dos_socket):
+    """The atexit handler closes what is still open, also an optimizer that
+    re-registered (moved storage: a new session)."""
+    import dos.torch
+    from dos import _session
+    model = torch.nn.Linear(4, 2)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket)
+    assert opt in _session._open
+    model.weight.data = model.weight.data.clone()  # moved: re-registered at step()
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="re-registering"):
+        opt.step()
+    assert opt in _session._open
+    opt.close()
+    assert opt not in _session._open

@@ -254,6 +254,23 @@ dos_status dos_state_read(dos_session* session, uint32_t tensor, float* master, 
 dos_status dos_state_write(dos_session* session, uint32_t tensor, const float* master,
                            const float* exp_avg, const float* exp_avg_sq, int64_t step);
 
+/* Ranged state transfer: elements [offset, offset + count) of tensor
+ * `tensor`'s state, each pointer holding `count` floats (NULL: skip that part
+ * on read, keep the daemon's values on write). Write sets the tensor's step
+ * count and rewrites the trainer's weights of the range. Both the ranged and
+ * the whole-tensor calls move the state in pieces of at most 4 Mi elements
+ * through one shared-memory buffer (48 MiB at most), so a trainer can stream
+ * any state into host memory of its own, tensor by tensor or range by
+ * range, with no other copy. A step in flight must be waited for first.
+ * Added within API version 1: code that must also run with an older
+ * libdos_client looks them up with dlsym. */
+dos_status dos_state_read_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                uint64_t count, float* master, float* exp_avg, float* exp_avg_sq,
+                                int64_t* step);
+dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t offset,
+                                 uint64_t count, const float* master, const float* exp_avg,
+                                 const float* exp_avg_sq, int64_t step);
+
 /* Scheduling policy of this session: "cpu", "static:<f>", "interleave:<k>", "auto". */
 dos_status dos_set_policy(dos_session* session, const char* policy);
 

@@ -152,6 +152,10 @@ SIGNATURES = {
     "dos_step": (_S, [_P, ctypes.POINTER(StepArgs), ctypes.POINTER(StepResult)]),
     "dos_state_read": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.c_int64]),
+    "dos_state_read_range": (_S, [_P, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64, _F, _F,
+                                  _F, ctypes.POINTER(ctypes.c_int64)]),
+    "dos_state_write_range": (_S, [_P, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64, _F, _F,
+                                   _F, ctypes.c_int64]),
     "dos_set_policy": (_S, [_P, ctypes.c_char_p]),
 }
 

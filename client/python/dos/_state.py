@@ -1,5 +1,22 @@
 """Optimizer state I/O: state_dict() and load_state_dict() in
-torch.optim.AdamW's format, read from and written to the daemon.
+torch.optim.AdamW's format, streamed from and to the daemon.
+
+state_dict() returns CPU tensors, whatever device the parameters are on: the
+state is read tensor by tensor straight into the tensors it returns (the
+client library moves it through one shared-memory buffer of at most 48 MiB),
+so the only copy besides the daemon's is the one handed to the caller and no
+GPU memory is used. FSDP2 (DTensor) parameters get DTensor state with the
+parameter's mesh and placements over CPU local shards, so that
+torch.distributed.checkpoint can save each rank's shard and reshard on load.
+
+load_state_dict() takes CPU tensors as they are (fp32 and contiguous: no copy)
+and converts anything else (other dtypes or devices, DTensors) in pieces of
+_CHUNK elements, so loading also needs no more than a bounded staging buffer.
+
+param_groups carry the keys torch.optim.AdamW (or Adam) of the running torch
+has (foreach, fused, capturable, differentiable, ...), so a DOS state dict
+loads into torch's optimizer without resetting them, and keys loaded from a
+torch state dict are kept and saved again.
 
 `_StateMixin` is one part of dos.torch's optimizer class.
 """
@@ -14,36 +31,82 @@ import torch
 
 from dos._errors import DosError, call
 from dos._native import Status
-from dos._register import Entry, local_of
+from dos._register import Entry, is_dtensor, local_of
 
-__all__ = []
+__all__ = ["torch_defaults"]
+
+# Elements per piece when a loaded tensor must be converted (dtype, device).
+_CHUNK = 1 << 22
+
+
+def torch_defaults(cls) -> Dict[str, Any]:
+    """The defaults of torch's own optimizer `cls` in the running torch
+    version (its param_groups' keys), from a throwaway instance."""
+    if cls not in _TORCH_DEFAULTS:
+        try:
+            _TORCH_DEFAULTS[cls] = dict(cls([torch.zeros(1, requires_grad=True)]).defaults)
+        except Exception:  # pragma: no cover - a torch that cannot build it
+            _TORCH_DEFAULTS[cls] = {}
+    return dict(_TORCH_DEFAULTS[cls])
+
+
+_TORCH_DEFAULTS: Dict[Any, Dict[str, Any]] = {}
+
+
+def _state_tensor(e: Entry, local: torch.Tensor):
+    """`local` (this rank's state, CPU) as the caller sees it: a DTensor with
+    the parameter's mesh and placements for FSDP2 parameters, else as is."""
+    if not is_dtensor(e.param):
+        return local
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
+        from torch.distributed._tensor.placement_types import DTensorSpec, TensorMeta
+    p = e.param
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(p.shape, p.stride(), torch.float32))
+    # Built directly (as FSDP2's CPU offload does): DTensor.from_local would
+    # move the local shard to the mesh's device.
+    return DTensor(local, spec, requires_grad=False)
 
 
 class _StateMixin:
     def _read(self, e: Entry):
+        """e's state as (CPU fp32 [3, n] buffer, step); used when re-registering."""
         self._finish_inflight()
         n = e.local.numel()
         buf = torch.empty(3, n, dtype=torch.float32)
         step = ctypes.c_int64()
         call("dos_state_read", self._session, ctypes.c_uint32(e.index),
-                     buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
+             buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
         return buf, int(step.value)
 
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim.AdamW's format: state[i] = {'step', 'exp_avg',
-        'exp_avg_sq'} (fp32, shaped like the param), plus 'master_param' (fp32)
-        for 16-bit params. Pulled from the daemon."""
+        'exp_avg_sq'} (fp32 CPU tensors shaped like the parameter, or like a
+        DTensor's local shard wrapped as a DTensor), plus 'master_param'
+        (fp32) for 16-bit parameters. Waits for a step in flight first, so it
+        always shows finished steps."""
         self._check_open("state_dict")
+        self._finish_inflight()
         self._sync_device()
         state = defaultdict(dict)
         for e in self._entries:
-            buf, step = self._read(e)
             shape = e.local.shape  # a DTensor's local shard: this rank's state
-            dev = e.local.device  # torch.optim keeps state beside the param
-            s = {"step": torch.tensor(float(step)), "exp_avg": buf[1].view(shape).to(dev),
-                 "exp_avg_sq": buf[2].view(shape).to(dev)}
-            if e.param.dtype != torch.float32:
-                s["master_param"] = buf[0].view(shape).to(dev)
+            m = torch.empty(shape, dtype=torch.float32)
+            v = torch.empty(shape, dtype=torch.float32)
+            master = None if e.param.dtype == torch.float32 else torch.empty(
+                shape, dtype=torch.float32)
+            step = ctypes.c_int64()
+            call("dos_state_read", self._session, ctypes.c_uint32(e.index),
+                 None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
+                 ctypes.byref(step))
+            s = {"step": torch.tensor(float(step.value)), "exp_avg": _state_tensor(e, m),
+                 "exp_avg_sq": _state_tensor(e, v)}
+            if master is not None:
+                s["master_param"] = _state_tensor(e, master)
             state[e.param] = s
         saved, self.state = self.state, state
         try:
@@ -52,9 +115,9 @@ class _StateMixin:
             self.state = saved
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Accepts this class's or torch.optim.Adam/AdamW's state dicts and
-        pushes the state to the daemon. The master weight is 'master_param'
-        where present, else the parameter itself."""
+        """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,
+        GPU or DTensor state) and pushes the state to the daemon. The master
+        weight is 'master_param' where present, else the parameter itself."""
         self._check_open("load_state_dict")
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
@@ -64,8 +127,10 @@ class _StateMixin:
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError("loaded state dict contains a parameter group that doesn't "
                                  "match the size of optimizer's group")
-            if sg.get("amsgrad", False):
-                raise NotImplementedError("dos.torch: cannot load an amsgrad=True state dict")
+            for flag in ("amsgrad", "maximize"):
+                if sg.get(flag, False):
+                    raise NotImplementedError(
+                        f"dos.torch: cannot load a {flag}=True state dict (dosd has no {flag})")
         id_map = {}
         for g, sg in zip(groups, saved_groups):
             for old, p in zip(sg["params"], g["params"]):
@@ -95,28 +160,45 @@ class _StateMixin:
             g.update({k: v for k, v in sg.items() if k != "params"})
 
     def _write(self, e: Entry, s: Optional[Dict[str, Any]]):
+        """Pushes one tensor's state: `s` (torch's per-parameter state) or,
+        for None, a fresh start from the parameter's current value."""
         p = local_of(e.param)
         n = p.numel()
 
-        def fp32(t, what):
+        def flat(t, what):
             t = local_of(torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t).detach()
             if t.numel() != n:
                 raise DosError(Status.INVALID_ARGUMENT,
                                f"load_state_dict: {e.name} has {n} elements but its saved "
                                f"'{what}' has {t.numel()}")
-            return t.to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+            return t.reshape(-1)
 
         if s is None:
-            master = p.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
-            m = torch.zeros(n, dtype=torch.float32)
-            v = torch.zeros(n, dtype=torch.float32)
-            step = 0
+            master, m, v, step = flat(p, "param"), None, None, 0
         else:
-            master = fp32(s["master_param"] if "master_param" in s else p, "master_param")
-            m = fp32(s["exp_avg"], "exp_avg")
-            v = fp32(s["exp_avg_sq"], "exp_avg_sq")
+            master = flat(s["master_param"] if "master_param" in s else p, "master_param")
+            m = flat(s["exp_avg"], "exp_avg")
+            v = flat(s["exp_avg_sq"], "exp_avg_sq")
             step = int(float(s.get("step", 0)))
         self._finish_inflight()
-        call("dos_state_write", self._session, ctypes.c_uint32(e.index),
-                     master.data_ptr(), m.data_ptr(), v.data_ptr(), ctypes.c_int64(step))
-
+        parts = [master, m, v]
+        if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                             and t.is_contiguous()) for t in parts):
+            zeros = None if m is not None and v is not None else torch.zeros(n)
+            ptrs = [t.data_ptr() if t is not None else zeros.data_ptr() for t in parts]
+            call("dos_state_write", self._session, ctypes.c_uint32(e.index), *ptrs,
+                 ctypes.c_int64(step))
+            return
+        # Pieces: each part converted to fp32 on the CPU into one bounded buffer.
+        k = min(n, _CHUNK)
+        staging = torch.empty(3, k, dtype=torch.float32)
+        for off in range(0, n, k):
+            c = min(k, n - off)
+            for row, t in zip(staging, parts):
+                if t is None:
+                    row[:c].zero_()
+                else:
+                    row[:c].copy_(t[off:off + c])
+            call("dos_state_write_range", self._session, ctypes.c_uint32(e.index),
+                 ctypes.c_uint64(off), ctypes.c_uint64(c), staging[0].data_ptr(),
+                 staging[1].data_ptr(), staging[2].data_ptr(), ctypes.c_int64(step))

@@ -97,7 +97,7 @@ else torch.distributed when initialised, else $RANK/$LOCAL_RANK/$WORLD_SIZE).
 DDP: build the optimizer after wrapping the model; DDP copies the reduced
 gradients into p.grad in place (keep gradient_as_bucket_view=False, the
 default). FSDP2 (`fully_shard`): parameters are DTensors; each rank registers
-its local shard (`tolocal_of()`). On CUDA the shard is registered in place and
+its local shard (`to_local()`). On CUDA the shard is registered in place and
 the sharded gradient is copied into a registered buffer at `step()`; on the
 CPU both go through shared memory and the new weights are copied back into
 the shard after the step.
@@ -127,6 +127,11 @@ accumulation micro-steps). The ready order and times of the last step are in
 `opt.ready_log`; bench/e2e/README.md describes what the daemon would need to
 start per subgroup (a ready bitmap in the control block).
 
+State: `state_dict()` has torch.optim.AdamW's format with CPU tensors
+(DTensors over CPU shards for FSDP2 parameters), streamed from the daemon
+after any step in flight; `load_state_dict()` accepts it, or torch's AdamW
+state on any device, in bounded pieces (dos/_state.py has the details).
+
 Parameters with requires_grad=False are not registered and never updated.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
@@ -147,7 +152,7 @@ from dos._hooks import _HooksMixin
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
 from dos._session import SessionHandle, track, untrack
-from dos._state import _StateMixin
+from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
 
 __all__ = ["AdamW", "Adam", "DosError"]
@@ -194,7 +199,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._arena = None
         self._device = None  # torch.device of the parameters in GPU mode, else None
         self._registering = True
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+        # torch's own optimizer's keys (foreach, fused, capturable, ...) too,
+        # so that state dicts move between the two without losing them.
+        defaults = torch_defaults(torch.optim.AdamW if self._decoupled else torch.optim.Adam)
+        defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False)
         super().__init__(params, defaults)
         self._registering = False
@@ -221,7 +229,6 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                           "has none, so steps start at step() as usual")
             self.overlap = False
         self._attach(*self._attach_args)
-        track(self)
         try:
             self._register(subgroup_size)
         except BaseException:
@@ -295,6 +302,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     @_session.setter
     def _session(self, ptr) -> None:
         self._handle = None if ptr is None else SessionHandle(ptr)
+        if ptr is not None:
+            track(self)  # closed at interpreter exit if still open (also after re-registration)
 
     @property
     def state(self):

@@ -40,9 +40,10 @@ for name in ("torch", "transformers", "accelerate", "lightning", "pytorch_lightn
         versions[name] = __import__(name).__version__
     except Exception:
         pass
-gpu = None
+gpu, gpus_in_host = None, 0
 try:
     import torch
+    gpus_in_host = torch.cuda.device_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 except Exception:
     pass
@@ -50,6 +51,7 @@ result = {"what": "framework integration: checkpoint saved at the last step equa
                   "weights bit for bit (1/0); largest |loss difference| of a run resumed from "
                   "the mid-run checkpoint (0 = identical)",
           "machine": machine, "date": day, "commit": commit, "gpu": gpu,
+          "gpus_in_host": gpus_in_host, "gpus_used": 1,
           "device": os.environ.get("DOS_FRAMEWORK_DEVICE"), "versions": versions,
           "pytest_exit_status": int(rc), "seconds": int(seconds)}
 result.update(figures)

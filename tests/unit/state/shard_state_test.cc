@@ -74,6 +74,40 @@ TEST(ShardStateTest, StateStartsZeroAndTensorsRoundTrip) {
   EXPECT_EQ(t1[12], 112.0f);
 }
 
+TEST(ShardStateTest, RangesReadAndWriteOnlyTheirElementsAcrossSubgroups) {
+  HostMemoryBudget budget(0);
+  // t1 (13 elements) spans subgroups of 4 starting mid-subgroup.
+  auto s = ShardState::Create(Tensors({5, 13, 9}), {GroupConfig{}}, 4, &budget, "test");
+  ASSERT_TRUE(s.ok());
+  ShardState& shard = **s;
+  for (uint32_t t = 0; t < 3; ++t) {
+    std::vector<float> in(shard.tensors()[t].numel);
+    std::iota(in.begin(), in.end(), 100.0f * t);
+    for (int which = 0; which < 3; ++which) shard.WriteTensor(t, which, in.data());
+  }
+  for (uint64_t offset = 0; offset < 13; ++offset) {
+    for (uint64_t n = 0; offset + n <= 13; ++n) {
+      std::vector<float> out(n + 1, -1.0f);
+      shard.ReadTensorRange(1, 2, offset, n, out.data());
+      for (uint64_t i = 0; i < n; ++i) EXPECT_EQ(out[i], 100.0f + offset + i) << offset << "+" << n;
+      EXPECT_EQ(out[n], -1.0f) << "read past the range";
+    }
+  }
+  const std::vector<float> patch = {-1.0f, -2.0f, -3.0f, -4.0f, -5.0f, -6.0f};
+  shard.WriteTensorRange(1, 1, 3, patch.size(), patch.data());
+  std::vector<float> t1(13), t0(5), t2(9), t1_master(13);
+  shard.ReadTensor(1, 1, t1.data());
+  for (uint64_t i = 0; i < 13; ++i) {
+    EXPECT_EQ(t1[i], i >= 3 && i < 9 ? patch[i - 3] : 100.0f + i) << i;
+  }
+  shard.ReadTensor(0, 1, t0.data());
+  shard.ReadTensor(2, 1, t2.data());
+  shard.ReadTensor(1, 0, t1_master.data());
+  EXPECT_EQ(t0[4], 4.0f);    // neighbours untouched
+  EXPECT_EQ(t2[0], 200.0f);
+  EXPECT_EQ(t1_master[3], 103.0f);  // other arrays untouched
+}
+
 TEST(ShardStateTest, BudgetIsReservedAndReleased) {
   HostMemoryBudget budget(1000 * 12);
   {

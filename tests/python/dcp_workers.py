@@ -1,0 +1,178 @@
+"""Worker bodies for test_dcp.py (spawned by torch.multiprocessing; kept out
+of test_*.py so that the children import nothing pytest collects).
+
+save_worker: `world` ranks train a DDP or FSDP2 model with dos.torch.AdamW
+(each rank its own session on the test's dosd) and save the optimizer state
+with torch.distributed.checkpoint (or, where torch's DCP cannot be
+imported, rank 0 with torch.save: DDP state is replicated); rank 0 also writes the full state
+(gathered from the shards for FSDP2) with torch.save as the reference.
+load_worker: a different number of ranks builds the same model and optimizer,
+loads the checkpoint with DCP (resharding) and reports how its full state
+compares with the reference. Each worker writes a JSON report."""
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ddp_workers import LR, fully_shard_fn, init
+
+STEPS = 5
+
+
+def make_model():
+    # Every dimension divisible by 1, 2 and 3: no rank holds an empty FSDP2 shard.
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 6))
+
+
+def rank_data(rank, n):
+    g = torch.Generator().manual_seed(200 + rank)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 6, generator=g)) for _ in range(n)]
+
+
+def dcp_module():
+    try:
+        import torch.distributed.checkpoint as dcp  # torch >= 2.0
+    except ImportError:
+        import torch.distributed._shard.checkpoint as dcp  # torch 1.13
+    return dcp
+
+
+def dcp_save(flat, path, backend):
+    if backend == "torch.save":  # replicated (DDP) state: rank 0 writes it
+        if dist.get_rank() == 0:
+            torch.save(flat, path + ".pt")
+        dist.barrier()
+        return
+    dcp = dcp_module()
+    writer = dcp.FileSystemWriter(path)
+    if hasattr(dcp, "save"):  # torch >= 2.2
+        dcp.save(flat, storage_writer=writer)
+    else:
+        dcp.save_state_dict(flat, writer)
+
+
+def dcp_load(flat, path, backend):
+    if backend == "torch.save":
+        saved = torch.load(path + ".pt")
+        for key, t in flat.items():
+            t.copy_(saved[key])
+        return
+    dcp = dcp_module()
+    reader = dcp.FileSystemReader(path)
+    if hasattr(dcp, "load"):
+        dcp.load(flat, storage_reader=reader)
+    else:
+        dcp.load_state_dict(flat, reader)
+
+
+def build(mode, world):
+    model = make_model()
+    if mode == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    fully_shard = fully_shard_fn()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def flatten(model, sd):
+    """The optimizer state as a flat {name: tensor} dict keyed by parameter
+    name (stable across world sizes), as torch.distributed.checkpoint 1.13
+    needs it; the tensors are sd's own, so loading into them fills sd."""
+    names = [n for n, _ in model.named_parameters()]
+    flat = {}
+    for idx, s in sd["state"].items():
+        for key, value in s.items():
+            flat[f"optim.{names[idx]}.{key}"] = value
+    return flat
+
+
+def full_state(model, sd):
+    """{name: {key: full CPU tensor}} (DTensor shards gathered: collective)."""
+    names = [n for n, _ in model.named_parameters()]
+    out = {}
+    for idx, s in sd["state"].items():
+        out[names[idx]] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                           for k, v in s.items()}
+    return out
+
+
+def report_to(out_dir, name, report):
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(report, f)
+
+
+def save_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
+    import dos.torch
+    init(rank, world, rendezvous)
+    report = {"rank": rank}
+    try:
+        model = build(mode, world)
+        opt = dos.torch.AdamW(model.parameters(), socket=socket,
+                              client_name=f"pytest-dcp-save-{rank}", **LR)
+        for x, y in rank_data(rank, STEPS):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        sd = opt.state_dict()
+        report["devices"] = sorted({str(t.device) for s in sd["state"].values()
+                                    for t in s.values()})
+        report["dtensor"] = any(hasattr(t, "device_mesh") for s in sd["state"].values()
+                                for t in s.values())
+        dcp_save(flatten(model, sd), ckpt, backend)
+        full = full_state(model, sd)
+        if rank == 0:
+            torch.save(full, os.path.join(out_dir, "reference.pt"))
+        opt.close()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    finally:
+        report_to(out_dir, f"save{rank}.json", report)
+        dist.destroy_process_group()
+
+
+def load_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
+    import dos.torch
+    init(rank, world, rendezvous)
+    report = {"rank": rank}
+    try:
+        model = build(mode, world)
+        opt = dos.torch.AdamW(model.parameters(), socket=socket,
+                              client_name=f"pytest-dcp-load-{rank}", **LR)
+        sd = opt.state_dict()  # this rank's layout, filled in place by DCP
+        dcp_load(flatten(model, sd), ckpt, backend)
+        opt.load_state_dict(sd)
+        full = full_state(model, opt.state_dict())  # read back from the daemon
+        ref = torch.load(os.path.join(out_dir, "reference.pt"))
+        worst, keys = 0.0, 0
+        for name, s in ref.items():
+            for key, want in s.items():
+                got = full[name][key]
+                keys += 1
+                if got.shape != want.shape:
+                    report.setdefault("mismatch", f"{name}.{key}: {got.shape} vs {want.shape}")
+                    continue
+                worst = max(worst, (got.float() - want.float()).abs().max().item())
+        report["keys"] = keys
+        report["max_diff"] = worst
+        report["local_numel"] = sum(e.local.numel() for e in opt._entries)
+        # Training goes on from the loaded state.
+        x, y = rank_data(rank, 1)[0]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        report["step_after"] = opt.last_step["step"]
+        opt.close()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    finally:
+        report_to(out_dir, f"load{rank}.json", report)
+        dist.destroy_process_group()

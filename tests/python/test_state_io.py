@@ -1,0 +1,276 @@
+"""State at any scale: state_dict() streams the daemon's state into CPU
+tensors (values equal to the daemon's, host memory bounded by the result
+plus one staging buffer), load_state_dict() streams it back, ranged state
+transfer through the C ABI, and param_groups that carry torch.optim.AdamW's
+keys both ways."""
+
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos  # noqa: E402
+import dos.torch  # noqa: E402
+from dos import _errors  # noqa: E402
+from test_equivalence import make_data, make_mlp  # noqa: E402
+
+LR = dict(lr=2e-3, weight_decay=0.05)
+MiB = 1 << 20
+
+
+def train(model, opt, data):
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def storage_bytes(t):
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage().nbytes()
+    return t.storage().size() * t.element_size()  # torch 1.13
+
+
+def daemon_state(opt, e):
+    """Tensor e's (master, exp_avg, exp_avg_sq, step) read with the C ABI."""
+    n = e.local.numel()
+    buf = torch.empty(3, n)
+    step = ctypes.c_int64()
+    _errors.call("dos_state_read", opt._session, ctypes.c_uint32(e.index), buf[0].data_ptr(),
+                 buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
+    return buf, step.value
+
+
+def test_state_dict_is_cpu_and_equals_the_daemons(dos_socket):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    model[1].to(torch.bfloat16)  # a 16-bit layer: its state carries master_param
+    data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        for x, y in data:
+            opt.zero_grad()
+            out = model[1](model[0](x).to(torch.bfloat16)).float()
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+        sd = opt.state_dict()
+        for e in opt._entries:
+            s = sd["state"][e.index]
+            buf, step = daemon_state(opt, e)
+            assert float(s["step"]) == step == 5
+            keys = {"step", "exp_avg", "exp_avg_sq"}
+            if e.param.dtype != torch.float32:
+                keys.add("master_param")
+                assert torch.equal(s["master_param"].reshape(-1), buf[0])
+            assert set(s) == keys
+            for key, row in (("exp_avg", 1), ("exp_avg_sq", 2)):
+                t = s[key]
+                assert t.device.type == "cpu" and t.dtype == torch.float32
+                assert t.shape == e.param.shape
+                assert torch.equal(t.reshape(-1), buf[row])
+            # Own storage per tensor: no larger buffer is kept alive behind it.
+            assert storage_bytes(s["exp_avg"]) == 4 * e.param.numel()
+
+
+def test_state_dict_waits_for_the_step_in_flight(dos_socket):
+    """A step begun and not collected (as the overlap hooks or an asynchronous
+    GPU step leave it) is finished before the state is read."""
+    model = make_mlp()
+    data = make_data(n=4)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, data[:3])
+        x, y = data[3]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            opt._bind_grads()
+            args, _groups = opt._args(1.0, 1.0)
+            opt._begin(args)  # what the overlap hooks do at the end of backward
+        assert opt._inflight
+        sd = opt.state_dict()
+        assert not opt._inflight
+        assert all(float(s["step"]) == 4 for s in sd["state"].values())
+
+
+def test_ranged_transfer_matches_whole_tensor(dos_socket):
+    """dos_state_read_range / dos_state_write_range on a tensor larger than the
+    client's 4 Mi-element transfer piece."""
+    n = (4 << 20) + 12345
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    with dos.torch.AdamW([p], socket=dos_socket, **LR) as opt:
+        opt.step()
+        whole, step = daemon_state(opt, opt._entries[0])
+        sess = opt._session
+        off, cnt = (4 << 20) - 100, 5000  # crosses a piece boundary
+        part = torch.empty(3, cnt)
+        got = ctypes.c_int64()
+        _errors.call("dos_state_read_range", sess, ctypes.c_uint32(0), ctypes.c_uint64(off),
+                     ctypes.c_uint64(cnt), part[0].data_ptr(), part[1].data_ptr(),
+                     part[2].data_ptr(), ctypes.byref(got))
+        assert got.value == step == 1
+        assert torch.equal(part, whole[:, off:off + cnt])
+        # Write a range: only it changes, and the weights there follow the masters.
+        new = torch.full((3, cnt), 0.5)
+        _errors.call("dos_state_write_range", sess, ctypes.c_uint32(0), ctypes.c_uint64(off),
+                     ctypes.c_uint64(cnt), new[0].data_ptr(), new[1].data_ptr(),
+                     new[2].data_ptr(), ctypes.c_int64(7))
+        after, step = daemon_state(opt, opt._entries[0])
+        assert step == 7
+        assert torch.equal(after[:, off:off + cnt], new)
+        assert torch.equal(after[:, :off], whole[:, :off])
+        assert torch.equal(after[:, off + cnt:], whole[:, off + cnt:])
+        assert torch.equal(p.detach()[off:off + cnt], torch.full((cnt,), 0.5))
+        assert torch.equal(p.detach()[:off], whole[0, :off])
+        with pytest.raises(dos.DosError) as e:
+            _errors.call("dos_state_read_range", sess, ctypes.c_uint32(0), ctypes.c_uint64(n),
+                         ctypes.c_uint64(1), None, None, None, None)
+        assert e.value.code_name == "OUT_OF_RANGE" and str(n) in e.value.message
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS through /proc/self/clear_refs: {e}")
+
+
+def _peak_and_rss():
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                k, v = line.split(":")
+                vals[k] = int(v.split()[0]) * 1024
+    return vals["VmHWM"], vals["VmRSS"]
+
+
+def test_state_dict_and_load_peak_memory_is_bounded(dos_socket):
+    """A 33.6M-parameter (134 MB) model: state_dict() adds its result (8 B per
+    fp32 parameter) plus at most one 48 MiB transfer buffer to the peak RSS;
+    load_state_dict() from it adds only the buffer. (Before: 12 B/param kept
+    plus the whole largest tensor's 12 B/elem staged at once.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False),
+                                torch.nn.Linear(4096, 4096, bias=False))
+    nparams = sum(p.numel() for p in model.parameters())
+    margin = 24 * MiB  # interpreter and allocator noise
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        for p in model.parameters():
+            p.grad.normal_()
+        opt.step()
+        _reset_peak()
+        base_peak, base_rss = _peak_and_rss()
+        sd = opt.state_dict()
+        peak, rss = _peak_and_rss()
+        result = 8 * nparams
+        grown = peak - base_rss
+        assert grown <= result + 48 * MiB + margin, (
+            f"state_dict raised the peak RSS by {grown / MiB:.0f} MiB for a "
+            f"{result / MiB:.0f} MiB result")
+        assert rss - base_rss >= result - margin  # the result is really resident
+        for s in sd["state"].values():  # something to load that differs from the daemon's
+            s["exp_avg"].mul_(2)
+        _reset_peak()
+        base_peak, base_rss = _peak_and_rss()
+        opt.load_state_dict(sd)
+        peak, _ = _peak_and_rss()
+        grown = peak - base_rss
+        assert grown <= 48 * MiB + margin, (
+            f"load_state_dict raised the peak RSS by {grown / MiB:.0f} MiB")
+        e = opt._entries[0]
+        buf, _ = daemon_state(opt, e)
+        assert torch.equal(buf[1], sd["state"][0]["exp_avg"].reshape(-1))
+
+
+def test_load_converts_other_dtypes_and_shapes_in_pieces(dos_socket):
+    """fp64 / non-contiguous state (as from another tool) goes through the
+    ranged path; the daemon gets the fp32 values."""
+    model = make_mlp()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, make_data(n=2))
+        sd = opt.state_dict()
+        want = {}
+        for k, s in sd["state"].items():
+            want[k] = (s["exp_avg"] + 1, s["exp_avg_sq"] + 2)
+            s["exp_avg"] = want[k][0].double()
+            t = want[k][1]
+            s["exp_avg_sq"] = t.t().contiguous().t() if t.dim() == 2 else t.double()
+            s["step"] = torch.tensor(9.0)
+        opt.load_state_dict(sd)
+        for e in opt._entries:
+            buf, step = daemon_state(opt, e)
+            assert step == 9
+            assert torch.equal(buf[1], want[e.index][0].reshape(-1))
+            assert torch.equal(buf[2], want[e.index][1].reshape(-1))
+
+
+def test_param_groups_carry_torch_adamw_keys(dos_socket):
+    """A DOS state dict has every key of torch.optim.AdamW's param_groups, so
+    loading it into torch's AdamW keeps them; a torch AdamW state dict with
+    non-default keys loads into DOS and comes back out unchanged."""
+    model = make_mlp()
+    torch_keys = set(torch.optim.AdamW(make_mlp().parameters()).state_dict()["param_groups"][0])
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, make_data(n=3))
+        sd = opt.state_dict()
+    assert torch_keys <= set(sd["param_groups"][0]), torch_keys - set(sd["param_groups"][0])
+    other = make_mlp()
+    topt = torch.optim.AdamW(other.parameters(), **LR)
+    topt.load_state_dict(sd)
+    for key in torch_keys - {"params"}:
+        assert topt.param_groups[0][key] == sd["param_groups"][0][key], key
+    train(other, topt, make_data(n=1))  # torch steps with the loaded state
+
+    # torch -> DOS -> torch: the non-default flag survives the round trip.
+    flag = "foreach" if "foreach" in torch_keys else None
+    src = make_mlp()
+    kwargs = {flag: False} if flag else {}
+    topt2 = torch.optim.AdamW(src.parameters(), **LR, **kwargs)
+    train(src, topt2, make_data(n=4))
+    tsd = topt2.state_dict()
+    dst = make_mlp()
+    with dos.torch.AdamW(dst.parameters(), socket=dos_socket, **LR) as opt:
+        opt.load_state_dict(tsd)
+        back = opt.state_dict()
+    if flag:
+        assert back["param_groups"][0][flag] is False
+    for k, s in tsd["state"].items():
+        b = back["state"][k]
+        assert float(b["step"]) == float(s["step"]) == 4
+        assert torch.equal(b["exp_avg"], s["exp_avg"])
+        assert torch.equal(b["exp_avg_sq"], s["exp_avg_sq"])
+
+
+def test_round_trip_dos_torch_dos_continues_exactly(dos_socket):
+    """DOS state -> torch AdamW -> its state dict -> a new DOS optimizer:
+    training continues as the first DOS optimizer would have."""
+    data = make_data(n=8)
+    a = make_mlp()
+    with dos.torch.AdamW(a.parameters(), socket=dos_socket, **LR) as opt:
+        train(a, opt, data[:4])
+        sd = opt.state_dict()
+        weights = {k: v.clone() for k, v in a.state_dict().items()}
+        train(a, opt, data[4:])
+        expected = [p.detach().clone() for p in a.parameters()]
+    mid = make_mlp()
+    mid.load_state_dict(weights)
+    topt = torch.optim.AdamW(mid.parameters(), **LR)
+    topt.load_state_dict(sd)
+    tsd = topt.state_dict()
+    b = make_mlp()
+    b.load_state_dict(weights)
+    with dos.torch.AdamW(b.parameters(), socket=dos_socket, **LR) as opt:
+        opt.load_state_dict(tsd)
+        train(b, opt, data[4:])
+        for x, y in zip(b.parameters(), expected):
+            assert torch.equal(x.detach(), y)
+
+
+def test_state_dict_of_closed_optimizer_is_refused(dos_socket):
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR)
+    opt.close()
+    with pytest.raises(dos.DosError) as e:
+        opt.state_dict()
+    assert e.value.code_name == "FAILED_PRECONDITION"
