@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -37,6 +38,8 @@
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
+#include "dos/version.h"
+#include "tools/cli/cli.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
@@ -69,20 +72,16 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
-ABSL_FLAG(int, pin_threads, 0,
-          "Registration in GPU mode: threads page-locking the state, a subgroup at a time "
-          "(0: one per core, at most 16; 1: one after another).");
-ABSL_FLAG(bool, pin_whole, false,
-          "Registration in GPU mode: page-lock a shard's state with one cudaHostRegister call "
-          "instead of one per subgroup (for measurement; see bench/register).");
 ABSL_FLAG(bool, state_huge_pages, true,
-          "Ask for transparent huge pages (madvise) for shards of 64 MiB of state or more: "
-          "faster first touch and page-locking at registration.");
+          "Transparent huge pages (madvise) for shards of 64 MiB of state or more.");
 ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
-ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/dos/checkpoints",
+ABSL_FLAG(std::string, checkpoint_dir, "auto",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
-          "relative to it); scanned at startup for state to restore; empty: checkpoints off.");
+          "relative to it); scanned at startup for state to restore; empty: checkpoints off. "
+          "auto: the user's own $XDG_STATE_HOME/dos/checkpoints (else "
+          "~/.local/state/dos/checkpoints), never the system folder: the packaged service's "
+          "flagfile sets /var/lib/dos/checkpoints.");
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
@@ -117,7 +116,7 @@ ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
 namespace dos {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
+constexpr char kVersion[] = DOS_VERSION_STRING;
 
 // Everything the daemon is configured with, one field per flag.
 struct DaemonConfig {
@@ -133,8 +132,6 @@ struct DaemonConfig {
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off
-  int pin_threads = 0;               // registration: threads page-locking (0: auto)
-  bool pin_whole = false;            // registration: one cudaHostRegister per shard
   LogLevel log_level = LogLevel::kInfo;
   bool checkpoints = true;           // false: --checkpoint_dir is empty
   CheckpointerOptions checkpoint;    // directory, autosave, restore
@@ -163,44 +160,8 @@ bool ParseBytes(absl::string_view text, uint64_t* out) {
   return true;
 }
 
-absl::StatusOr<DaemonConfig> ConfigFromFlags() {
-  DaemonConfig c;
-  c.socket_path = absl::GetFlag(FLAGS_socket);
-  unsigned mode = 0;
-  if (!absl::numbers_internal::safe_strtou32_base(absl::GetFlag(FLAGS_socket_mode), &mode, 8) ||
-      mode > 0777) {
-    return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
-  }
-  c.socket_mode = mode;
-  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
-        " is not a size; write e.g. 64G, 512M or 0 for no cap"));
-  }
-  c.session.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
-  c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
-  if (c.session.default_subgroup_size == 0) {
-    return absl::InvalidArgumentError("--subgroup_size must be positive");
-  }
-  c.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
-  c.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
-  if (c.cpu.threads < 0 || c.cpu.tile_elems == 0) {
-    return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
-  }
-  std::string isa = absl::GetFlag(FLAGS_cpu_isa);
-  if (!isa.empty()) {
-    if (!cpu::ParseIsa(isa, &c.cpu.isa)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--cpu_isa=", isa, " is unknown; use scalar, avx2 or avx512"));
-    }
-    if (!cpu::IsaSupported(c.cpu.isa)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--cpu_isa=", isa, " is not supported by this CPU"));
-    }
-  }
-  absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
-  if (!policy.ok()) return policy.status();
-  c.default_policy = *policy;
+// The GPU engines' and planners' flags.
+absl::Status GpuFlags(DaemonConfig& c) {
   absl::StatusOr<GpuDeviceSelection> devices =
       GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
   if (!devices.ok()) return devices.status();
@@ -216,29 +177,12 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
   c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
-  c.pin_threads = absl::GetFlag(FLAGS_pin_threads);
-  if (c.pin_threads < 0) return absl::InvalidArgumentError("--pin_threads must be >= 0");
-  c.pin_whole = absl::GetFlag(FLAGS_pin_whole);
-  c.session.huge_pages = absl::GetFlag(FLAGS_state_huge_pages);
-  if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
-    return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
-  }
-  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
-  c.checkpoints = !c.checkpoint.dir.empty();
-  c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
-  c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
-  c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
-  if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
-    return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
-  }
-  if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
-    return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
-  }
-  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
-        " is not a size; write e.g. 16G or 0"));
-  }
+  return absl::OkStatus();
+}
+
+// Who may use the daemon: the socket's group, the Attach allow lists, the TCP listener.
+
+absl::Status AccessFlags(DaemonConfig& c) {
   if (const std::string g = absl::GetFlag(FLAGS_group); !g.empty()) {
     struct group* gr = ::getgrnam(g.c_str());
     unsigned gid = 0;
@@ -281,6 +225,72 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
           "identified, so dosd listens remotely only with --tcp_allow_remote"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> ConfigFromFlags() {
+  DaemonConfig c;
+  c.socket_path = absl::GetFlag(FLAGS_socket);
+  unsigned mode = 0;
+  if (!absl::numbers_internal::safe_strtou32_base(absl::GetFlag(FLAGS_socket_mode), &mode, 8) ||
+      mode > 0777) {
+    return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
+  }
+  c.socket_mode = mode;
+  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
+        " is not a size; write e.g. 64G, 512M or 0 for no cap"));
+  }
+  c.session.huge_pages = absl::GetFlag(FLAGS_state_huge_pages);
+  c.session.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
+  c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
+  if (c.session.default_subgroup_size == 0) {
+    return absl::InvalidArgumentError("--subgroup_size must be positive");
+  }
+  c.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
+  if (c.cpu.threads < 0 || c.cpu.tile_elems == 0) {
+    return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
+  }
+  std::string isa = absl::GetFlag(FLAGS_cpu_isa);
+  if (!isa.empty()) {
+    if (!cpu::ParseIsa(isa, &c.cpu.isa)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cpu_isa=", isa, " is unknown; use scalar, avx2 or avx512"));
+    }
+    if (!cpu::IsaSupported(c.cpu.isa)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cpu_isa=", isa, " is not supported by this CPU"));
+    }
+  }
+  absl::StatusOr<Policy> policy = ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) return policy.status();
+  c.default_policy = *policy;
+  if (absl::Status st = GpuFlags(c); !st.ok()) return st;
+  if (!ParseLogLevel(absl::GetFlag(FLAGS_log_level), &c.log_level)) {
+    return absl::InvalidArgumentError("--log_level must be debug, info, warning or error");
+  }
+  // auto: a dosd started by hand or by a test writes under its user's state
+  // folder; only the packaged service's flagfile names /var/lib/dos.
+  c.checkpoint.dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (c.checkpoint.dir == "auto") c.checkpoint.dir = cli::UserStateDir("dos/checkpoints");
+  c.checkpoints = !c.checkpoint.dir.empty();
+  c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
+  c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
+  c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
+  if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
+    return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
+  }
+  if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
+    return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
+  }
+  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
+        " is not a size; write e.g. 16G or 0"));
+  }
+  if (absl::Status st = AccessFlags(c); !st.ok()) return st;
   c.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (c.metrics_port < 0 || c.metrics_port > 65535) {
     return absl::InvalidArgumentError("--metrics_port must be in [0, 65535]");
@@ -371,6 +381,98 @@ int Fail(absl::string_view event, const absl::Status& status) {
   return 1;
 }
 
+#ifdef DOS_WITH_CUDA
+// One GPU engine per device --gpu_devices names, each with the executor (and
+// planner) over it. No device at all is not an error: the daemon runs CPU only.
+absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_updater,
+                           ExecutorSet* executors,
+                           std::vector<std::unique_ptr<gpu::GpuEngine>>* engines) {
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return ordinals.status();
+  for (int ordinal : *ordinals) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = ordinal;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    PlannerOptions planner;
+    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                                ? config.gpu_timeline
+                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, cpu_updater);
+    if (engine.ok()) {
+      executors->AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                        engine->get(), planner);
+      engines->push_back(*std::move(engine));
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return engine.status();
+    }
+  }
+  return absl::OkStatus();
+}
+#endif
+
+// The gRPC server on the unix socket (and --tcp_listen), the socket given
+// --socket_mode and --group. On failure `*event` names the log event.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const DaemonConfig& config,
+                                                          DosService* service,
+                                                          std::string* event) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
+  if (!config.tcp_listen.empty()) {
+    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    *event = "daemon.listen";
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", config.socket_path,
+        config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
+        "; check the directory's permissions and that the port is free"));
+  }
+  if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
+    DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
+  }
+  if (config.group != static_cast<gid_t>(-1) &&
+      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
+    *event = "daemon.chown";
+    return absl::PermissionDeniedError(absl::StrCat("cannot give ", config.socket_path,
+                                                    " group ", config.group, ": ",
+                                                    std::strerror(errno),
+                                                    "; run dosd as a member of that group"));
+  }
+  return server;
+}
+
+// The Prometheus endpoint on --metrics_port (null when off).
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConfig& config,
+                                                                MetricsRegistry* metrics) {
+  if (config.metrics_port == 0) return std::unique_ptr<MetricsHttpServer>();
+  MetricsHttpOptions mopt;
+  mopt.port = static_cast<uint16_t>(config.metrics_port);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+      MetricsHttpServer::Start(mopt, [metrics] { return metrics->RenderText(); });
+  if (!m.ok()) return m.status();
+  DOS_LOG_INFO("daemon.metrics", "url",
+               absl::StrCat("http://127.0.0.1:", (*m)->port(), "/metrics"));
+  return m;
+}
+
 int Run(const DaemonConfig& config) {
   SetMinLogLevel(config.log_level);
   // Block the stop signals in every thread; main() takes them with sigwait.
@@ -390,38 +492,8 @@ int Run(const DaemonConfig& config) {
   ExecutorSet executors(&cpu_updater);
 #ifdef DOS_WITH_CUDA
   std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
-  absl::StatusOr<std::vector<int>> ordinals =
-      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
-  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
-    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
-    ordinals = std::vector<int>();
-  }
-  if (!ordinals.ok()) return Fail("daemon.gpu", ordinals.status());
-  for (int ordinal : *ordinals) {
-    gpu::GpuEngineOptions gopt;
-    gopt.device = ordinal;
-    gopt.staging_slots = config.gpu_staging_slots;
-    if (config.model_host_gbps > 0) gopt.model.host_bytes_per_s = config.model_host_gbps * 1e9;
-    gopt.resident_budget_bytes = config.gpu_memory_budget;
-    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    gopt.pin_threads = config.pin_threads;
-    gopt.pin_whole = config.pin_whole;
-    // Several engines write a file each (a step's line is too long to append
-    // atomically beside another engine's).
-    gopt.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
-                             ? config.gpu_timeline
-                             : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
-    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, &cpu_updater);
-    if (engine.ok()) {
-      executors.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
-                       engine->get());
-      gpu_engines.push_back(*std::move(engine));
-    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
-      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
-    } else {
-      return Fail("daemon.gpu", engine.status());
-    }
+  if (absl::Status st = AddGpuEngines(config, &cpu_updater, &executors, &gpu_engines); !st.ok()) {
+    return Fail("daemon.gpu", st);
   }
 #endif
   DaemonCounters counters;
@@ -447,44 +519,13 @@ int Run(const DaemonConfig& config) {
   DosService service(&sessions, &budget, kVersion, checkpointer.get(),
                      (*peer_auth)->enabled() ? peer_auth->get() : nullptr);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
-  if (!config.tcp_listen.empty()) {
-    builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return Fail("daemon.listen",
-                absl::UnavailableError(absl::StrCat(
-                    "cannot listen on unix:", config.socket_path,
-                    config.tcp_listen.empty() ? "" : " or tcp " + config.tcp_listen,
-                    "; check the directory's permissions and that the port is free")));
-  }
-  if (::chmod(config.socket_path.c_str(), config.socket_mode) != 0) {
-    DOS_LOG_WARNING("daemon.chmod_failed", "socket", config.socket_path);
-  }
-  if (config.group != static_cast<gid_t>(-1) &&
-      ::chown(config.socket_path.c_str(), static_cast<uid_t>(-1), config.group) != 0) {
-    return Fail("daemon.chown", absl::PermissionDeniedError(absl::StrCat(
-                                    "cannot give ", config.socket_path, " group ", config.group,
-                                    ": ", std::strerror(errno),
-                                    "; run dosd as a member of that group")));
-  }
-  std::unique_ptr<MetricsHttpServer> metrics_server;
-  if (config.metrics_port != 0) {
-    MetricsHttpOptions mopt;
-    mopt.port = static_cast<uint16_t>(config.metrics_port);
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
-        MetricsHttpServer::Start(mopt, [&metrics] { return metrics.RenderText(); });
-    if (!m.ok()) return Fail("daemon.metrics", m.status());
-    metrics_server = *std::move(m);
-    DOS_LOG_INFO("daemon.metrics", "url",
-                 absl::StrCat("http://127.0.0.1:", metrics_server->port(), "/metrics"));
-  }
-  server->GetHealthCheckService()->SetServingStatus(true);
+  std::string failed_event;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(config, &service, &failed_event);
+  if (!server.ok()) return Fail(failed_event.c_str(), server.status());
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
+      StartMetrics(config, &metrics);
+  if (!metrics_server.ok()) return Fail("daemon.metrics", metrics_server.status());
+  (*server)->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
   // pings only while the session table can be locked (a wedged daemon stops
   // pinging and systemd restarts it). Both are no-ops outside systemd.
@@ -507,14 +548,14 @@ int Run(const DaemonConfig& config) {
   sigwait(&stop_signals, &sig);
   DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   SdNotify("STOPPING=1").IgnoreError();
-  server->GetHealthCheckService()->SetServingStatus(false);
+  (*server)->GetHealthCheckService()->SetServingStatus(false);
   // Stop taking calls, then drain: each session finishes its in-flight step.
   // Calls in flight get a second to answer; after that gRPC cancels them
   // (their handlers still run to the end before Wait() returns, so nothing
   // they write is lost). Debian's gRPC also holds Shutdown until the deadline
   // while a client keeps an idle channel open, so a long deadline would only
   // delay every stop of a daemon with trainers attached.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (checkpointer != nullptr) {
     // With autosave on, a clean stop (upgrade, reboot) saves every session
     // so the restarted daemon restores it.
@@ -526,7 +567,7 @@ int Run(const DaemonConfig& config) {
     checkpointer->Stop();
   }
   sessions.Shutdown();
-  server->Wait();
+  (*server)->Wait();
   DOS_LOG_INFO("daemon.stopped");
   return 0;
 }
@@ -535,10 +576,21 @@ int Run(const DaemonConfig& config) {
 }  // namespace dos
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Deep Optimizer States daemon: holds optimizer state for the trainers on this node.\n"
-      "  dosd [--socket=/run/dos/dosd.sock] [--flagfile=/etc/dos/dosd.flags] ...");
+  constexpr char kUsage[] =
+      "dosd: the Deep Optimizer States daemon; holds the optimizer state of the trainers on "
+      "this node.\n"
+      "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
+      "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
+  absl::SetProgramUsageMessage(kUsage);
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+      rc >= 0) {
+    return rc;
+  }
+  const std::vector<std::string> overridden = dos::cli::FlagfileOverrides(argc, argv);
   absl::ParseCommandLine(argc, argv);
+  for (const std::string& w : overridden) {
+    DOS_LOG_WARNING("daemon.flag_overridden", "message", w);
+  }
   absl::StatusOr<dos::DaemonConfig> config = dos::ConfigFromFlags();
   if (!config.ok()) return dos::Fail("daemon.config", config.status());
   return dos::Run(*config);

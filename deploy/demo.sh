@@ -5,20 +5,33 @@
 #   bash deploy/demo.sh [--steps N] [--device cpu|cuda]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${DOS_SKIP_DEPS:-0}" != 1 ]; then bash deploy/install-deps.sh; fi
-bash deploy/build.sh >/tmp/dos-demo-build.log 2>&1 || { tail -50 /tmp/dos-demo-build.log; exit 1; }
+source deploy/progress.sh
+if [ "${DOS_SKIP_DEPS:-0}" != 1 ]; then
+  progress_stage "demo: Debian packages (deploy/install-deps.sh)"
+  bash deploy/install-deps.sh
+fi
 build=${DOS_BUILD_DIR:-build}
+mkdir -p "$build"
+build_log=$build/demo-build.log
+progress_stage "demo: building DOS into $build/ (a first build takes minutes; full log: $build_log)"
+bash deploy/build.sh 2>&1 | progress_filter build "$build_log" ||
+  { tail -50 "$build_log"; echo "demo: build failed; full log: $build_log"; exit 1; }
+progress_stage "demo: build done"
 py=python3
 if /usr/bin/python3 -c 'import torch' 2>/dev/null; then py=/usr/bin/python3; fi
 
 run_dir=$(mktemp -d /tmp/dos-demo.XXXXXX)
 sock=$run_dir/dosd.sock
-"$build/daemon/dosd" --socket="$sock" 2>"$run_dir/dosd.log" &
+# Checkpoints in the demo's own folder: a dosd started by hand never writes
+# under the system's /var/lib/dos.
+"$build/daemon/dosd" --socket="$sock" --checkpoint_dir="$run_dir/checkpoints" \
+  2>"$run_dir/dosd.log" &
 dosd_pid=$!
 trap 'kill -TERM $dosd_pid 2>/dev/null || true' EXIT
 for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
 [ -S "$sock" ] || { cat "$run_dir/dosd.log"; exit 1; }
 echo "dosd (pid $dosd_pid) listening on $sock"
+progress_stage "demo: training (client/python/examples/train_demo.py $*)"
 
 set +e
 DOS_SOCKET=$sock DOSCTL=$build/client/dosctl/dosctl \
@@ -28,6 +41,7 @@ rc=$?
 set -e
 kill -TERM $dosd_pid
 wait $dosd_pid && echo "dosd stopped cleanly (exit 0)"
+progress_stage "demo: done"
 trap - EXIT
 echo "daemon log: $run_dir/dosd.log"
 exit $rc

@@ -11,6 +11,7 @@
 # 'tsan' for tsan), DOS_CMAKE_ARGS (extra configure arguments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source deploy/progress.sh
 jobs=${JOBS:-$(nproc)}
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(asan tsan)
@@ -81,10 +82,11 @@ for cfg in "${configs[@]}"; do
   t0=$(date +%s)
   mkdir -p "$build"
   rc=0
+  progress_stage "$cfg: configure and build $build/ (full log: $build/build.log)"
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDOS_WITH_CUDA=OFF \
     -DDOS_BUILD_BENCHMARKS=OFF -DDOS_SANITIZE="$sanitize" "${extra_flags[@]}" ${DOS_CMAKE_ARGS:-} \
-    > "$build/configure.log" && cmake --build "$build" -j "$jobs" "${targets[@]}" \
-    > "$build/build.log" 2>&1 || rc=$?
+    > "$build/configure.log" && cmake --build "$build" -j "$jobs" "${targets[@]}" 2>&1 |
+    progress_filter "$cfg build" "$build/build.log" || rc=$?
   t1=$(date +%s)
   if [ "$rc" -ne 0 ]; then
     tail -n 40 "$build/configure.log" "$build/build.log"
@@ -96,9 +98,10 @@ for cfg in "${configs[@]}"; do
   # randomisation break it, so run without ASLR where setarch is available.
   runner=()
   if [ "$cfg" = tsan ] && command -v setarch >/dev/null; then runner=(setarch "$(uname -m)" -R); fi
-  # Only failures are printed in full; the whole log stays in $build/ctest.log.
+  # Only progress and failures reach the console; the whole log stays in $build/ctest.log.
+  progress_stage "$cfg: ctest -L '$labels' (full log: $build/ctest.log)"
   "${runner[@]}" ctest --test-dir "$build" -L "$labels" --output-on-failure -j "$jobs" \
-    --timeout 900 > "$build/ctest.log" 2>&1 || rc=$?
+    --timeout 900 2>&1 | progress_filter "$cfg test" "$build/ctest.log" || rc=$?
   t2=$(date +%s)
   grep -vE '^ *(Start +[0-9]+:|[0-9]+/[0-9]+ Test +#[0-9]+: .* Passed)' "$build/ctest.log" || true
   counted=$(grep -oE 'tests passed, [0-9]+ tests failed out of [0-9]+' "$build/ctest.log" || true)

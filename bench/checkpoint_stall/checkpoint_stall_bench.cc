@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "dos/wire/dtype.h"
 #include "daemon/cpu/cpu_updater.h"
+#include "daemon/cpu/host_engine.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/shard_state.h"
 
@@ -63,9 +64,10 @@ int main(int argc, char** argv) {
   }
   std::vector<uint16_t> param(n, 0x3f80), grad(n);
   for (uint64_t i = 0; i < n; ++i) grad[i] = static_cast<uint16_t>(0x3c00 + (i * 7 & 0x1ff));
-  std::vector<dos::TensorBinding> bindings{{param.data(), grad.data(), false}};
+  std::vector<dos::TensorBinding> bindings{{param.data(), grad.data()}};
   dos::cpu::CpuUpdater cpu(dos::cpu::CpuUpdaterOptions{});
-  dos::StepExecutor executor(&cpu);
+  dos::cpu::HostEngine engine(&cpu);
+  dos::StepExecutor executor(&engine);
   dos::StepRequest req{};
   req.num_groups = 1;
   req.grad_scale = 1;

@@ -7,10 +7,9 @@
 # PARAMS defaults to 6B (~72 GB of fp32 state, the 5.9B e2e model's size
 # rounded up). Runs the default dosd twice in a row (the first registration
 # also pays for host memory the machine hands out for the first time), then
-# one registration per variant: one cudaHostRegister for the whole shard
-# (--pin_whole), per subgroup one after another (--pin_threads=1) instead of
-# from 16 threads, and 4 KiB pages (--state_huge_pages=false). JSON per
-# variant in OUT.
+# one registration with 4 KiB pages (--state_huge_pages=false). JSON per
+# variant in OUT. (The pinning variants of 2026-11-30 used dosd flags
+# --pin_whole / --pin_threads, since folded into GpuEngineOptions.)
 set -u
 DIST=${1:?dist dir}; O=${2:?out dir}; P=${3:-6B}
 export LD_LIBRARY_PATH=$DIST/lib
@@ -31,6 +30,4 @@ run() {  # name repeat dosd-flags...
   echo "exit=$?"
 }
 run default 2
-run pin_whole 1 --pin_whole=true
-run pin_serial 1 --pin_threads=1
 run no_huge_pages 1 --state_huge_pages=false

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/dosctl/json.h"
 #include "client/dosctl/table.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -16,7 +17,8 @@
 namespace dos::dosctl {
 namespace {
 
-std::string Json(const google::protobuf::Message& m) {
+// Status's hand-built object (a google.protobuf.Struct: numbers are doubles).
+std::string StructJson(const google::protobuf::Struct& m) {
   std::string out;
   google::protobuf::util::JsonPrintOptions o;
   o.add_whitespace = true;
@@ -121,7 +123,7 @@ absl::Status Commands::Status(std::ostream& out) {
     f["daemon_pid"].set_number_value(list.daemon_pid());
     f["daemon_version"].set_string_value(list.daemon_version());
     f["sessions"].set_number_value(list.sessions_size());
-    out << Json(j);
+    out << StructJson(j);
     return absl::OkStatus();
   }
   Table t({"FIELD", "VALUE"});
@@ -142,7 +144,7 @@ absl::Status Commands::Sessions(std::ostream& out) {
   grpc::Status s = dos_->ListSessions(&ctx, v1::ListSessionsRequest(), &list);
   if (!s.ok()) return FromRpc("sessions", s);
   if (options_.json) {
-    out << Json(list);
+    out << ToJson(list);
     return absl::OkStatus();
   }
   Table t({"ID", "CLIENT", "PID", "RANK", "STATE", "DEVICE", "TENSORS", "PARAMS", "SUBGROUPS",
@@ -175,7 +177,7 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
   grpc::Status s = dos_->GetStats(&ctx, req, &resp);
   if (!s.ok()) return FromRpc("stats", s);
   if (options_.json) {
-    out << Json(resp);
+    out << ToJson(resp);
     return absl::OkStatus();
   }
   out << "uptime " << Num(resp.uptime_s()) << " s, host state " << Bytes(resp.host_state_bytes())
@@ -217,7 +219,7 @@ absl::Status Commands::GetPolicy(uint64_t session_id, const std::string& token,
   grpc::Status s = dos_->GetPolicy(&ctx, req, &resp);
   if (!s.ok()) return FromRpc("policy get", s);
   if (options_.json) {
-    out << Json(resp);
+    out << ToJson(resp);
   } else {
     out << resp.policy() << '\n';
   }
@@ -236,7 +238,7 @@ absl::Status Commands::SetPolicy(uint64_t session_id, const std::string& policy,
   grpc::Status s = dos_->SetPolicy(&ctx, req, &resp);
   if (!s.ok()) return FromRpc("policy set", s);
   if (options_.json) {
-    out << Json(resp);
+    out << ToJson(resp);
   } else {
     out << (session_id == 0 ? std::string("default") : absl::StrCat("session ", session_id))
         << " policy: " << resp.policy() << '\n';
@@ -267,7 +269,7 @@ absl::Status Commands::SaveCheckpoint(uint64_t session_id, const std::string& pa
   grpc::Status s = dos_->SaveCheckpoint(&ctx, req, &resp);
   if (!s.ok()) return FromRpc("checkpoint save", s);
   if (options_.json) {
-    out << Json(resp);
+    out << ToJson(resp);
   } else {
     PrintFiles(resp.files(), out);
   }
@@ -286,7 +288,7 @@ absl::Status Commands::LoadCheckpoint(uint64_t session_id, const std::string& pa
   grpc::Status s = dos_->LoadCheckpoint(&ctx, req, &resp);
   if (!s.ok()) return FromRpc("checkpoint load", s);
   if (options_.json) {
-    out << Json(resp);
+    out << ToJson(resp);
   } else {
     PrintFiles(resp.files(), out);
   }

@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/dosctl/commands.h"
+#include "tools/cli/cli.h"
 
 namespace {
 
@@ -57,6 +58,21 @@ constexpr char kUsage[] =
     "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
     "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto";
 
+constexpr char kHelp[] =
+    "dosctl: inspect and steer the node's dosd (the Deep Optimizer States daemon).\n"
+    "usage: dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND\n"
+    "  status                               daemon pid, version, health\n"
+    "  sessions                             attached sessions\n"
+    "  stats [SESSION_ID] [--watch [--interval=2s] [--count=N]]\n"
+    "                                       step statistics\n"
+    "  checkpoint save SESSION_ID|all [PATH] checkpoint (PATH under dosd's --checkpoint_dir)\n"
+    "  checkpoint load SESSION_ID|all PATH  restore state (and the trainers' weights)\n"
+    "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
+    "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto\n"
+    "--json prints one JSON object per command; every 64-bit integer (ids, counters, bytes)\n"
+    "is a JSON number. Exit status: 0 success, 1 the daemon refused or is unreachable,\n"
+    "2 usage.";
+
 int Usage(const std::string& why) {
   std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';
   return 2;
@@ -68,6 +84,14 @@ bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(te
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosctl", kHelp,
+                                               "client/dosctl/main.cc");
+      rc >= 0) {
+    return rc;
+  }
+  for (const std::string& w : dos::cli::FlagfileOverrides(argc, argv)) {
+    std::cerr << "dosctl: warning: " << w << '\n';
+  }
   std::vector<char*> raw = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(raw.begin() + 1, raw.end());
   if (args.empty()) return Usage("no command given");

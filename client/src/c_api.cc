@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "dos/dos.h"
 #include "daemon_probe.h"
+#include "dos/version.h"
 #include "device_memory.h"
 #include "session.h"
 
@@ -63,6 +64,8 @@ absl::Duration TimeoutFromMs(int64_t ms) {
 extern "C" {
 
 const char* dos_last_error(void) { return g_last_error.c_str(); }
+
+const char* dos_version(void) { return DOS_VERSION_STRING; }
 
 int32_t dos_cuda_supported(void) { return dos::client::DeviceMemory::Compiled() ? 1 : 0; }
 

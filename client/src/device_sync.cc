@@ -1,8 +1,12 @@
 #include "device_sync.h"
 
+#include <memory>
+#include <thread>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 #ifdef DOS_CLIENT_WITH_CUDA
 #include <cuda.h>
@@ -112,11 +116,25 @@ absl::Status DeviceSync::StreamWait(void* stream, const std::atomic<uint32_t>* w
   return absl::OkStatus();
 }
 
-void DeviceSync::Drain() {
-  if (!waits_queued_) return;
-  DeviceScope scope(impl_->device);
-  cudaDeviceSynchronize();
-  cudaGetLastError();  // a failed context reports it to the trainer's next call, not here
+bool DeviceSync::Drain(absl::Duration timeout) {
+  if (!waits_queued_) return true;
+  // cudaDeviceSynchronize has no deadline of its own: it runs on a helper
+  // thread, and this one waits for it with one. The state is shared so that
+  // a helper still blocked after the timeout touches nothing of ours.
+  struct Shared {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  const int device = impl_->device;
+  std::thread([shared, device] {
+    if (cudaSetDevice(device) == cudaSuccess) cudaDeviceSynchronize();
+    cudaGetLastError();  // a failed context reports it to the trainer's next call, not here
+    absl::MutexLock lock(&shared->mu);
+    shared->done = true;
+  }).detach();
+  absl::MutexLock lock(&shared->mu);
+  return shared->mu.AwaitWithTimeout(absl::Condition(&shared->done), timeout);
 }
 
 #else  // !DOS_CLIENT_WITH_CUDA
@@ -133,7 +151,7 @@ absl::Status DeviceSync::RecordGradientsReady(void*) {
 absl::Status DeviceSync::StreamWait(void*, const std::atomic<uint32_t>*, uint32_t) {
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
-void DeviceSync::Drain() {}
+bool DeviceSync::Drain(absl::Duration) { return true; }
 
 #endif
 

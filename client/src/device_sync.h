@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace dos::client {
 
@@ -43,12 +44,19 @@ class DeviceSync {
   absl::Status RecordGradientsReady(void* stream);
   // Makes `stream` wait until `*word` >= value (a word inside the block).
   absl::Status StreamWait(void* stream, const std::atomic<uint32_t>* word, uint32_t value);
+  // Whether StreamWait ever queued a wait on a trainer stream.
+  bool waits_queued() const { return waits_queued_; }
   // Before the block is unregistered and unmapped: a wait that a stream
   // still holds is read by the GPU only when the stream reaches it, and would
   // then fault on the vanished mapping. The caller first stores values that
-  // release every such wait; Drain waits until the device has passed them
-  // (cudaDeviceSynchronize), if this session ever queued one.
-  void Drain();
+  // release every such wait; Drain then waits until the device has passed
+  // them (cudaDeviceSynchronize, on a helper thread), for at most `timeout`.
+  // True when the device is past them (or none was ever queued). False on
+  // timeout: the device is still busy (work of the trainer's own that takes
+  // longer, or a wait that nothing releases), and the caller must then leave
+  // the block registered and mapped (leak it) rather than block the process
+  // (at interpreter exit, forever) or let the GPU fault.
+  bool Drain(absl::Duration timeout);
 
  private:
   DeviceSync() = default;

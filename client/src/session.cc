@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
-#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -34,13 +34,31 @@ ClientSession::~ClientSession() {
     watchdog_.join();
   }
   if (attached_) Detach().IgnoreError();
-  if (device_sync_ != nullptr && step_channel_ != nullptr) {
+  if (device_sync_ != nullptr && step_channel_ != nullptr && device_sync_->waits_queued()) {
     // The trainer's streams may still hold waits on the progress words that
     // the GPU has not reached (a per-layer wait queued behind other work).
     // Release them all and let the device pass them before device_sync_
     // unregisters the block and control_segment_ unmaps it.
-    step_channel_->MarkAllDone(std::numeric_limits<uint32_t>::max(), num_subgroups_);
-    device_sync_->Drain();
+    //
+    // The release value is seq_, the last step published: every wait was
+    // queued for a step <= seq_. Not UINT32_MAX: cuStreamWaitValue32's GEQ
+    // compares cyclically ((int32_t)(*word - value) >= 0), so UINT32_MAX is
+    // *below* every small seq and turned each pending wait into one that
+    // never passes, and the synchronisation below into a hang whenever the
+    // GPU had not evaluated a wait yet when the word was overwritten.
+    step_channel_->MarkAllDone(seq_, num_subgroups_);
+    if (!device_sync_->Drain(kDrainTimeout)) {
+      // The device did not get past the waits in time: leave the block
+      // registered and mapped (a bounded leak at teardown) rather than block
+      // this thread or let the GPU read a vanished mapping.
+      std::fprintf(stderr,
+                   "libdos_client: session %llu: the GPU did not finish its queued work within "
+                   "%s of closing the session; its control block stays mapped\n",
+                   static_cast<unsigned long long>(id()),
+                   absl::FormatDuration(kDrainTimeout).c_str());
+      (void)device_sync_.release();
+      (void)control_segment_.release();
+    }
   }
 }
 

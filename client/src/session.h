@@ -158,6 +158,8 @@ class ClientSession {
   // hanging the trainer's GPU forever; the step itself then reports
   // UNAVAILABLE at dos_step_wait, and host waits report it at once.
   void WatchSteps();
+  // How long the destructor lets the device pass the released stream waits.
+  static constexpr absl::Duration kDrainTimeout = absl::Seconds(20);
   std::atomic<uint32_t> inflight_seq_{0};  // 0: none
   std::atomic<bool> abandoned_{false};     // the watchdog released a step
   absl::Mutex watchdog_mu_;

@@ -1,33 +1,32 @@
-// GpuEngine: the GPU update path of one device (DESIGN.md section 3), and the
-// hybrid step that runs it beside the CPU pool under a scheduling policy
-// (section 4). It implements dos::GpuBackend for the step executor.
+// GpuEngine: the Engine of one CUDA device (DESIGN.md section 3). It executes
+// the planner's plans; it decides no placement itself.
 //
-// Per step, subgroups go three ways:
-//  - resident: state kept in GPU memory (static:<f>, or auto under a GPU
-//    memory budget): the fused kernel alone.
-//  - streamed (GPU path): H2D the subgroup's fp32 [p|m|v] into a staging
-//    slot, the fused kernel (gradients read and weights written in place
-//    through CUDA IPC), D2H [p|m|v] back. Three streams and `staging_slots`
-//    slots make a pipeline: H2D(i+1) || kernel(i) || D2H(i-1).
-//  - CPU path: D2H the gradients (16-bit as they are, or cast to fp32 on the
-//    GPU first with cpu_grad_fp32) into pinned buffers, the CPU kernel over
-//    the pinned host state, 16-bit weights H2D into the trainer's buffer;
-//    double-buffered so the next subgroup's gradients arrive while the CPU
-//    works.
-// Placement comes from the policy; `auto` lets the GPU pipeline and the CPU
-// pool claim subgroups from a shared SubgroupQueue, the GPU taking one only
-// when the PerfModel says it would finish it sooner than the CPU would. Rates
-// are measured every step (CUDA events and host clocks) into the PerfModel;
-// the predicted phase time is reported beside the measured one.
+// Per step, subgroups go the way the plan says:
+//  - resident: state kept in GPU memory between steps: the fused kernel alone
+//    (gpu_shard.cc keeps the plan's resident count allocated).
+//  - streamed (GPU path, gpu_stream_path.cc): H2D the subgroup's fp32
+//    [p|m|v] into a staging slot, the fused kernel (gradients read and
+//    weights written in place through CUDA IPC), D2H [p|m|v] back. Three
+//    streams and `staging_slots` slots make a pipeline: H2D(i+1) ||
+//    kernel(i) || D2H(i-1).
+//  - CPU path (gpu_cpu_path.cc): D2H the gradients (16-bit as they are, or
+//    cast to fp32 on the GPU first with cpu_grad_fp32) into pinned buffers,
+//    the CPU kernel over the pinned host state, 16-bit weights H2D into the
+//    trainer's buffer; four buffers deep so the next subgroup's gradients
+//    arrive while the CPU works.
+// The GPU path runs on the engine's long-lived worker thread (`dos-gpu-N`)
+// while the step's thread runs the CPU path; both claim from the plan's
+// SubgroupQueue, the GPU side asking the plan's TakeShared rule. Timings are
+// measured (CUDA events and host clocks) into StepMeasurements.
 //
 // Host state is page-locked in place (cudaHostRegister of each subgroup's
-// allocation) at registration; resident and staging memory is plain
-// cudaMalloc inside the configured budget.
+// allocation) at AttachShard; resident and staging memory is plain
+// cudaMalloc.
 //
 // Ownership: the engine owns its streams, events, staging and pinned
-// buffers; per-shard registrations and resident copies are attached to the
-// ShardState and freed with it. It must outlive every session.
-// Thread-safety: thread-safe; Update calls are serialised on `step_mu_`.
+// buffers and its worker; per-shard registrations and resident copies are
+// attached to the ShardState and freed with it. It must outlive every session.
+// Thread-safety: thread-safe; Execute calls are serialised on `step_mu_`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,30 +40,25 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/cpu/cpu_updater.h"
-#include "daemon/sched/gpu_backend.h"
-#include "daemon/sched/perf_model.h"
-#include "daemon/sched/step_executor.h"
+#include "daemon/gpu/gpu_worker.h"
+#include "daemon/sched/engine.h"
 
 namespace dos::gpu {
 
 struct GpuEngineOptions {
   int device = 0;                  // CUDA device ordinal
   int staging_slots = 3;           // streamed subgroups in flight
-  // GPU memory the engine may hold for resident state beyond its staging
-  // slots under `auto`; 0: none (every non-CPU subgroup is streamed).
-  uint64_t resident_budget_bytes = 0;
   bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
-  std::string timeline_path;       // append one JSON line per step (for plots); empty: off
-  PerfInputs model;                // the model's starting rates
   // Page-locking a shard's state at registration: one cudaHostRegister per
   // subgroup from `pin_threads` threads (0: one per core, at most 16), or
   // (`pin_whole`) one for the shard's whole mapping; equally fast when
-  // measured, but per subgroup reports progress as it goes.
+  // measured (bench/register; dosd has no flags for them since), but per
+  // subgroup reports progress as it goes.
   bool pin_whole = false;
   int pin_threads = 0;
 };
 
-class GpuEngine final : public GpuBackend {
+class GpuEngine final : public Engine {
  public:
   // UNAVAILABLE when there is no such device (the daemon then runs CPU only).
   static absl::StatusOr<std::unique_ptr<GpuEngine>> Create(const GpuEngineOptions& options,
@@ -77,22 +71,24 @@ class GpuEngine final : public GpuBackend {
   const std::string& device_name() const { return name_; }
   int device() const { return options_.device; }
 
+  bool has_gpu() const override { return true; }
+  bool host_addressable() const override { return false; }
+  std::string name() const override;
   std::unique_ptr<Transport> NewTransport() override;
   absl::Status CopyToHost(void* dst, const void* device_src, uint64_t bytes) override;
-  absl::Status CopyToDevice(void* device_dst, const void* src, uint64_t bytes) override;
+  absl::Status CopyToTrainer(void* device_dst, const void* src, uint64_t bytes) override;
   absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) override;
   absl::StatusOr<bool> AllFinite(const ShardState& shard,
                                  std::span<const TensorBinding> bindings) override;
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void* event) override;
   absl::Status WaitTrainerEvent(void* event) override;
-  absl::Status Update(ShardState& shard, std::span<const TensorBinding> bindings,
-                      std::span<const cpu::AdamScalars> scalars, const Policy& policy,
-                      const StepSync& sync, StepOutcome* out) override;
+  absl::Status Execute(const StepPlan& plan, ShardState& shard,
+                       std::span<const TensorBinding> bindings,
+                       std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
+                       StepMeasurements* measured) override;
   absl::Status SyncResidentToHost(ShardState& shard) override;
   void DropResident(ShardState& shard) override;
-
-  PerfInputs model_inputs() const;
 
   class Shard;     // per-shard attachment (gpu_engine.cc)
   struct StepRun;  // one step's working state (gpu_engine.cc)
@@ -103,8 +99,13 @@ class GpuEngine final : public GpuBackend {
   absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status SetResident(ShardState& shard, uint32_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // The step's two sides (gpu_stream_path.cc, gpu_cpu_path.cc), run at once.
   absl::Status GpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  absl::Status StreamSubgroups(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status CpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // Fills `measured` from a finished run.
+  void Measure(StepRun& run, double wall_us, StepMeasurements* measured)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
 
   const GpuEngineOptions options_;
   cpu::CpuUpdater* const cpu_;
@@ -112,7 +113,6 @@ class GpuEngine final : public GpuBackend {
   std::string name_;
 
   mutable absl::Mutex step_mu_;
-  PerfModel model_ ABSL_GUARDED_BY(step_mu_);
   cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
@@ -125,9 +125,8 @@ class GpuEngine final : public GpuBackend {
   // pointer: they may outlive a step, never the engine).
   std::atomic<uint64_t> resident_bytes_{0};
   int* flag_host_ = nullptr;  // pinned
-  int64_t steps_ ABSL_GUARDED_BY(step_mu_) = 0;
-  double cpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // CPU path params/s, copies included
-  double gpu_path_rate_ ABSL_GUARDED_BY(step_mu_) = 0;  // GPU path params/s, pipeline as a whole
+  // Runs the GPU path of each step beside the step's thread (started once).
+  std::unique_ptr<GpuWorker> worker_;
 };
 
 }  // namespace dos::gpu

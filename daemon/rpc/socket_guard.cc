@@ -33,21 +33,39 @@ absl::StatusOr<std::unique_ptr<SocketGuard>> SocketGuard::Claim(const std::strin
     }
   }
   std::string lock_path = socket_path + ".lock";
-  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot open lock file ", lock_path, ": ",
-                                                    std::strerror(errno)));
-  }
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    char buf[32] = {0};
-    ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    ::close(fd);
-    std::string owner = n > 0 ? std::string(absl::StripAsciiWhitespace(absl::string_view(buf, n)))
+  int fd = -1;
+  // A stopping daemon unlinks its lock file before it lets go of the lock, so
+  // the file locked here may already be gone from the path: then the lock
+  // proves nothing and we try again on the file now there.
+  for (int attempt = 0;; ++attempt) {
+    fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      return absl::PermissionDeniedError(absl::StrCat("cannot open lock file ", lock_path, ": ",
+                                                      std::strerror(errno)));
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char buf[32] = {0};
+      ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+      ::close(fd);
+      std::string owner = n > 0
+                              ? std::string(absl::StripAsciiWhitespace(absl::string_view(buf, n)))
                               : std::string("unknown");
-    return absl::AlreadyExistsError(absl::StrCat(
-        "another dosd (pid ", owner, ") is serving ", socket_path,
-        "; stop it first (systemctl stop dosd, or kill ", owner,
-        ") or give this one another --socket"));
+      return absl::AlreadyExistsError(absl::StrCat(
+          "another dosd (pid ", owner, ") is serving ", socket_path,
+          "; stop it first (systemctl stop dosd, or kill ", owner,
+          ") or give this one another --socket"));
+    }
+    struct stat held, named;
+    if (::fstat(fd, &held) == 0 && ::stat(lock_path.c_str(), &named) == 0 &&
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      break;
+    }
+    ::close(fd);
+    if (attempt == 100) {
+      return absl::UnavailableError(absl::StrCat(
+          "the lock file ", lock_path, " keeps being replaced; is another dosd starting and "
+          "stopping on ", socket_path, "?"));
+    }
   }
   // We own the path now: whatever socket file is there is stale.
   if (::unlink(socket_path.c_str()) != 0 && errno != ENOENT) {
@@ -65,6 +83,9 @@ absl::StatusOr<std::unique_ptr<SocketGuard>> SocketGuard::Claim(const std::strin
 
 SocketGuard::~SocketGuard() {
   ::unlink(socket_path_.c_str());
+  // Unlinked while still locked (Claim re-checks the path after locking), so
+  // a clean stop leaves neither the socket nor the lock file behind.
+  ::unlink((socket_path_ + ".lock").c_str());
   ::close(lock_fd_);
 }
 

@@ -5,7 +5,9 @@
 // ALREADY_EXISTS naming that daemon's pid; otherwise the lock is taken and a
 // stale socket file left by a crashed daemon is removed. The kernel drops
 // the lock when the process dies, so a SIGKILLed daemon never blocks its
-// successor. The destructor removes the socket and releases the lock.
+// successor. The destructor removes the socket and the lock file (unlinked
+// while still locked: Claim re-checks that the file it locked is still the
+// one at the path) and releases the lock, so a clean stop leaves neither.
 //
 // Thread-safety: not thread-safe; owned by main().
 #pragma once

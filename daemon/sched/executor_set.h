@@ -5,12 +5,12 @@
 // its own GPU; CUDA IPC maps memory only on the device it lives on, so a
 // session's steps run on the engine of that device. Register picks it from the
 // device UUID of the session's tensors (ForDeviceUuid); sessions whose
-// tensors are in shared memory run on host(), which has no GPU engine. All
+// tensors are in shared memory run on host(), over the host engine. All
 // executors share the daemon's one CPU updater (its thread pool).
 //
-// Ownership: the set owns its executors; the engines (GpuBackend) and the CPU
-// updater are owned by the caller and outlive the set. The set outlives every
-// session.
+// Ownership: the set owns its executors (each with its planner) and the host
+// engine; the GPU engines and the CPU updater are owned by the caller and
+// outlive the set. The set outlives every session.
 // Thread-safety: AddGpu is called during start-up only, before any session
 // exists; every other method is const and thread-safe.
 #pragma once
@@ -24,15 +24,17 @@
 #include "absl/strings/string_view.h"
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/sched/device_selection.h"
-#include "daemon/sched/gpu_backend.h"
+#include "daemon/cpu/host_engine.h"
+#include "daemon/sched/engine.h"
+#include "daemon/sched/step_planner.h"
 #include "daemon/sched/step_executor.h"
 
 namespace dos {
 
 class ExecutorSet {
  public:
-  // One GPU engine and the executor over it.
-  struct Engine {
+  // One GPU device and the executor over its engine.
+  struct Device {
     GpuDeviceInfo device;
     StepExecutor* executor = nullptr;
   };
@@ -41,20 +43,21 @@ class ExecutorSet {
   ExecutorSet(const ExecutorSet&) = delete;
   ExecutorSet& operator=(const ExecutorSet&) = delete;
 
-  // Adds the engine driving `device` (start-up only).
-  void AddGpu(GpuDeviceInfo device, GpuBackend* engine);
+  // Adds the engine driving `device` and its executor, whose planner is made
+  // with `planner` (start-up only).
+  void AddGpu(GpuDeviceInfo device, Engine* engine, const PlannerOptions& planner = {});
 
-  // The executor of host-memory sessions (no GPU engine: every step on the CPU).
+  // The executor of host-memory sessions (the host engine: every step on the CPU).
   StepExecutor* host() const { return host_.get(); }
   // The engine of the device whose UUID (raw or text) is `uuid`;
   // FAILED_PRECONDITION as MatchDeviceUuid describes otherwise.
-  absl::StatusOr<Engine> ForDeviceUuid(absl::string_view uuid, absl::string_view what) const;
+  absl::StatusOr<Device> ForDeviceUuid(absl::string_view uuid, absl::string_view what) const;
 
   std::span<const GpuDeviceInfo> devices() const { return devices_; }
   bool has_gpu() const { return !devices_.empty(); }
 
  private:
-  cpu::CpuUpdater* const cpu_;
+  cpu::HostEngine host_engine_;
   std::unique_ptr<StepExecutor> host_;
   std::vector<GpuDeviceInfo> devices_;                    // parallel to gpu_
   std::vector<std::unique_ptr<StepExecutor>> gpu_;

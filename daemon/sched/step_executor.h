@@ -1,49 +1,31 @@
-// StepExecutor: runs one optimizer step of one shard.
+// StepExecutor: runs one optimizer step of one shard on one engine.
 //
-// It validates the step's hyperparameters, scans the gradients for
-// non-finite values (unless the client already did), and then updates every
-// subgroup: today all of them on the CPU updater; the GPU engine and the
-// performance model plug in here (the policy is passed through for that).
-// A step with non-finite gradients applies nothing and leaves every step
-// counter unchanged, as AMP's GradScaler skips optimizer.step().
+// A step: validate the hyperparameters (ValidateStepRequest), make the
+// engine wait for the trainer's event when the step says it was recorded,
+// scan the gradients for non-finite values (unless the client already did),
+// compute each tensor's Adam scalars, ask the planner for the step's plan,
+// have the engine execute it, and let the planner learn from what the engine
+// measured. A step with non-finite gradients applies nothing and leaves
+// every step counter unchanged, as AMP's GradScaler skips optimizer.step().
 //
-// Thread-safety: Run may be called concurrently for different shards; the
-// caller serialises calls for one shard. The executor owns nothing but
-// pointers to engines that outlive it.
+// Ownership: one executor per engine (ExecutorSet); it owns that engine's
+// planner (its rates are the engine's) and a pointer to the engine, which
+// outlives it. Thread-safety: Run may be called concurrently for different
+// shards; the caller serialises calls for one shard.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "daemon/cpu/cpu_updater.h"
-#include "daemon/sched/gpu_backend.h"
+#include "daemon/sched/engine.h"
 #include "daemon/sched/policy.h"
+#include "daemon/sched/step_planner.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_block.h"
 
 namespace dos {
-
-// Where one registered tensor's trainer memory is mapped in the daemon.
-struct TensorBinding {
-  void* param = nullptr;        // param_dtype elements, written each step
-  const void* grad = nullptr;   // grad_dtype elements, read each step
-  bool device = false;          // both live in GPU memory (CUDA IPC): GPU mode
-};
-
-// How one step synchronises with the trainer beyond the doorbells.
-struct StepSync {
-  // GPU mode: the trainer's IPC event (opened by GpuBackend::OpenTrainerEvent)
-  // recorded after its gradients were final; every daemon stream that reads
-  // gradients waits on it. Null: the trainer synchronised before ringing.
-  void* trainer_event = nullptr;
-  // Called once per subgroup as soon as its new weights are in the trainer's
-  // memory, from any thread (CUDA host callbacks included): it must be cheap
-  // and must not call CUDA. May be empty.
-  std::function<void(uint32_t subgroup)> subgroup_done;
-};
 
 struct StepOutcome {
   bool found_inf = false;
@@ -52,7 +34,7 @@ struct StepOutcome {
   uint64_t cpu_subgroups = 0;
   uint64_t gpu_subgroups = 0;      // streamed through staging slots
   uint64_t resident_subgroups = 0; // updated in place in GPU memory
-  // GPU mode only (zero on the CPU path):
+  // GPU engines only (zero on the host engine):
   uint64_t cpu_params = 0;
   uint64_t gpu_params = 0;         // streamed and resident
   uint64_t h2d_bytes = 0;          // state, weights
@@ -67,17 +49,22 @@ struct StepOutcome {
   uint64_t gpu_memory_bytes = 0;   // staging slots + resident state on the GPU
 };
 
-// INVALID_ARGUMENT naming the group and field when a hyperparameter is out of
-// range (lr < 0, beta outside [0, 1), eps <= 0, ...).
+// The torch rules for one param group's hyperparameters (lr >= 0, betas in
+// [0, 1), eps >= 0, weight_decay >= 0, all finite): INVALID_ARGUMENT naming
+// `where` ("step", "register"), the group and the field otherwise. The one
+// check every daemon entry point applies.
+absl::Status ValidateGroupParams(const GroupStepParams& g, size_t group, absl::string_view where);
+// The whole request: one group per registered group, grad_scale > 0 and
+// clip_coef >= 0 (finite), and every group by ValidateGroupParams.
 absl::Status ValidateStepRequest(const StepRequest& request, size_t num_groups);
 
 class StepExecutor {
  public:
-  // `gpu` may be null (no CUDA build or no GPU): device bindings are then
-  // refused at registration, and every step runs on the CPU.
-  explicit StepExecutor(cpu::CpuUpdater* cpu, GpuBackend* gpu = nullptr) : cpu_(cpu), gpu_(gpu) {}
+  // `planner.budgets.gpu` is taken from the engine.
+  StepExecutor(Engine* engine, PlannerOptions planner = {});
 
-  GpuBackend* gpu() const { return gpu_; }
+  Engine* engine() const { return engine_; }
+  StepPlanner& planner() { return planner_; }
 
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy,
@@ -92,15 +79,16 @@ class StepExecutor {
   absl::Status WriteWeightsRange(const ShardState& shard, std::span<const TensorBinding> bindings,
                                  uint32_t tensor, uint64_t offset, uint64_t count);
   // Initialises tensor `tensor`'s fp32 master weights from the trainer's
-  // weights (host or device memory). Uses the tensor's exp_avg as staging
-  // for device weights (zero before and after): call at registration only.
-  // Fastest when the shard is already page-locked (GpuBackend::AttachShard).
+  // weights.
   absl::Status ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
                            uint32_t tensor);
 
  private:
-  cpu::CpuUpdater* cpu_;
-  GpuBackend* gpu_;
+  static PlannerOptions WithEngine(PlannerOptions options, const Engine& engine);
+  StepOutcome Outcome(const StepPlan& plan, const StepMeasurements& measured) const;
+
+  Engine* const engine_;
+  StepPlanner planner_;
 };
 
 }  // namespace dos

@@ -8,7 +8,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
@@ -25,34 +24,6 @@ void PostError(ControlBlock* block, const absl::Status& status) {
   size_t n = std::min(msg.size(), static_cast<size_t>(kMaxStatusMessage - 1));
   std::memcpy(block->result.message, msg.data(), n);
   block->result.message[n] = '\0';
-}
-
-std::string TensorWhat(uint32_t index, const std::string& name, absl::string_view part) {
-  return absl::StrCat("register: tensor ", index, name.empty() ? "" : absl::StrCat(" (", name, ")"),
-                      " ", part);
-}
-
-// One session's steps run on one engine: INVALID_ARGUMENT naming the first
-// tensor whose CUDA memory is on another device than tensor 0's param.
-// (shm locations are skipped; Register refuses a mix of both later.)
-absl::Status CheckOneDevice(const ShardSpec& spec) {
-  const TensorSpec& t0 = spec.tensors[0];
-  const std::string first = FormatDeviceUuid(t0.param.device_uuid);
-  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    for (auto [ref, part] : {std::pair{&t.param, "param"}, std::pair{&t.grad, "grad"}}) {
-      if (!ref->is_cuda_ipc()) continue;
-      const std::string uuid = FormatDeviceUuid(ref->device_uuid);
-      if (uuid == first) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          TensorWhat(i, t.name, part), " lives on GPU ", uuid.empty() ? "(no UUID sent)" : uuid,
-          " but tensor 0", t0.name.empty() ? "" : absl::StrCat(" (", t0.name, ")"),
-          " param lives on GPU ", first.empty() ? "(no UUID sent)" : first,
-          "; all tensors of a session must be on one device (the rank's GPU): move them "
-          "there, or attach one session per device"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -104,9 +75,7 @@ Session::~Session() {
 }
 
 void Session::CloseTrainerEvent() {
-  if (trainer_event_ != nullptr && executor_->gpu() != nullptr) {
-    executor_->gpu()->CloseTrainerEvent(trainer_event_);
-  }
+  if (trainer_event_ != nullptr) engine()->CloseTrainerEvent(trainer_event_);
   trainer_event_ = nullptr;
 }
 
@@ -142,8 +111,8 @@ bool Session::TokenMatches(absl::string_view token) const {
 }
 
 bool Session::ClientAlive() const {
-  if (identity_.pid <= 0) return true;
-  return kill(identity_.pid, 0) == 0 || errno == EPERM;
+  // Attach refuses pid <= 0; a zombie trainer counts as gone.
+  return ControlBlockChannel::ProcessAlive(identity_.pid);
 }
 
 void Session::StepLoop() {
@@ -247,198 +216,6 @@ void Session::HandleRequest(uint32_t seq) {
   channel_->PostResult(seq);
 }
 
-absl::Status Session::Register(const ShardSpec& spec) {
-  absl::MutexLock lock(&mu_);
-  absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
-  if (shard_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("register: session ", identity_.id,
-                     " already has a registered shard; attach a new session to register "
-                     "different tensors"));
-  }
-  if (spec.groups.empty() || spec.groups.size() > kMaxGroups) {
-    return absl::InvalidArgumentError(absl::StrCat("register: ", spec.groups.size(),
-                                                   " param groups given; 1 to ", kMaxGroups,
-                                                   " are supported"));
-  }
-  if (spec.tensors.empty()) {
-    return absl::InvalidArgumentError("register: no tensors given");
-  }
-  // GPU mode when the client sent CUDA IPC locations; one session is all one
-  // or all the other (the step runs wholly on one engine).
-  const bool device = spec.tensors[0].param.is_cuda_ipc();
-  if (!spec.cuda_ipc_event.empty() && !device) {
-    return absl::InvalidArgumentError(
-        "register: cuda_ipc_event was sent but the tensors are in shared memory; send an "
-        "event only with CUDA IPC tensors");
-  }
-  // GPU mode runs on the engine of the device the tensors live on (the
-  // rank's GPU), matched by UUID; host memory on the executor without one.
-  std::unique_ptr<Transport> transport;
-  GpuDeviceInfo gpu_device;
-  if (device) {
-    DOS_RETURN_IF_ERROR(CheckOneDevice(spec));
-    const TensorSpec& t0 = spec.tensors[0];
-    DOS_ASSIGN_OR_RETURN(ExecutorSet::Engine engine,
-                         executors_->ForDeviceUuid(t0.param.device_uuid,
-                                                   TensorWhat(0, t0.name, "param")));
-    executor_ = engine.executor;
-    gpu_device = engine.device;
-    transport = executor_->gpu()->NewTransport();
-  } else {
-    executor_ = executors_->host();
-    transport = std::make_unique<ShmTransport>();
-  }
-  std::vector<TensorBinding> bindings;
-  std::vector<TensorInfo> infos;
-  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    if (t.numel == 0) {
-      return absl::InvalidArgumentError(TensorWhat(i, t.name, "has 0 elements; leave it out"));
-    }
-    if (t.group >= spec.groups.size()) {
-      return absl::InvalidArgumentError(TensorWhat(
-          i, t.name, absl::StrCat("names param group ", t.group, " but only ",
-                                  spec.groups.size(), " groups were given")));
-    }
-    constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-    if (t.numel > kMaxNumel) {
-      return absl::InvalidArgumentError(
-          TensorWhat(i, t.name, absl::StrCat("has ", t.numel, " elements, more than the ",
-                                             kMaxNumel, " supported")));
-    }
-    for (auto [ref, dtype, part] : {std::tuple{&t.param, t.param_dtype, "param"},
-                                    std::tuple{&t.grad, t.grad_dtype, "grad"}}) {
-      if (ref->offset % DTypeSize(dtype) != 0) {
-        return absl::InvalidArgumentError(TensorWhat(
-            i, t.name, absl::StrCat(part, " offset ", ref->offset, " is not a multiple of the ",
-                                    DTypeName(dtype), " element size")));
-      }
-    }
-    if (t.param.is_cuda_ipc() != device || t.grad.is_cuda_ipc() != device) {
-      return absl::InvalidArgumentError(TensorWhat(
-          i, t.name, "mixes CUDA IPC and shared-memory locations; a session registers either "
-                     "all tensors in GPU memory or all in shared memory"));
-    }
-    TensorBinding b;
-    b.device = device;
-    DOS_ASSIGN_OR_RETURN(b.param, transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
-                                                 TensorWhat(i, t.name, "param")));
-    DOS_ASSIGN_OR_RETURN(void* grad, transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
-                                                    TensorWhat(i, t.name, "grad")));
-    b.grad = grad;
-    bindings.push_back(b);
-    infos.push_back(TensorInfo{.name = t.name,
-                               .param_dtype = t.param_dtype,
-                               .grad_dtype = t.grad_dtype,
-                               .numel = t.numel,
-                               .group = t.group});
-  }
-  std::unique_ptr<ShardState> shard;
-  std::string restored_from;
-  if (adopted_ != nullptr) {
-    // A resumed session: the state survived the trainer's death. The new
-    // process must register the same layout; its weights are rewritten from
-    // the fp32 masters, so it continues exactly where the state stands.
-    CheckpointLayout wanted;
-    wanted.tensors.reserve(infos.size());
-    for (const TensorInfo& t : infos) {
-      wanted.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, 0});
-    }
-    wanted.groups = spec.groups;
-    DOS_RETURN_IF_ERROR(CheckLayoutMatches(
-        wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
-    shard = std::move(adopted_);
-    restored_from = "resume";
-  } else {
-    uint64_t numel = 0;
-    for (const TensorInfo& t : infos) numel += t.numel;
-    if (options_.memory_limit != 0 && numel * ShardState::kStateBytesPerParam > options_.memory_limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "register: the tensors hold ", numel, " parameters, ",
-          FormatBytes(numel * ShardState::kStateBytesPerParam), " of optimizer state; dosd's "
-          "--session_memory_limit allows ", FormatBytes(options_.memory_limit),
-          " per session; shard the model over more ranks or raise the limit"));
-    }
-    uint64_t subgroup_size =
-        spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
-    DOS_ASSIGN_OR_RETURN(shard, ShardState::Create(
-                                    std::move(infos), spec.groups, subgroup_size, budget_,
-                                    absl::StrCat("register: session ", identity_.id),
-                                    {.huge_pages = options_.huge_pages,
-                                     .progress = register_progress_.get()}));
-    // Page-locked before the weights come over: they then land at PCIe speed.
-    if (device) {
-      DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard, register_progress_.get()));
-    }
-    // Initialise the fp32 masters from the trainer's weights.
-    register_progress_->BeginPhase(kRegisterReadingWeights, numel * sizeof(float));
-    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-      DOS_RETURN_IF_ERROR(executor_->ReadWeights(*shard, bindings, i));
-      register_progress_->Add(shard->tensors()[i].numel * sizeof(float));
-    }
-    // A daemon restarted with checkpoints of this client name and rank: the
-    // first (highest step) whose layout matches is loaded. LoadShard leaves
-    // the state untouched on any failure, so a bad file only costs a log line.
-    for (const std::string& path : restore_candidates_) {
-      absl::Status st = LoadShard(shard.get(), path, Env::Default());
-      if (st.ok()) {
-        restored_from = path;
-        break;
-      }
-      DOS_LOG_WARNING("session.restore_skipped", "session", identity_.id, "path", path, "error",
-                      st.message());
-    }
-    restore_candidates_.clear();
-  }
-  if (!restored_from.empty()) {
-    for (uint32_t i = 0; i < shard->tensors().size(); ++i) {
-      DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard, bindings, i));
-    }
-    DOS_LOG_INFO("session.restored", "session", identity_.id, "from", restored_from, "step",
-                 shard->tensors()[0].step);
-  }
-  if (device && shard->attachment() == nullptr) {  // a resumed shard
-    DOS_RETURN_IF_ERROR(executor_->gpu()->AttachShard(*shard, register_progress_.get()));
-  }
-  void* trainer_event = nullptr;
-  if (!spec.cuda_ipc_event.empty()) {
-    DOS_ASSIGN_OR_RETURN(trainer_event, executor_->gpu()->OpenTrainerEvent(spec.cuda_ipc_event));
-  }
-  std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups(
-      shard->tensors().size(), {UINT32_MAX, 0});
-  for (uint32_t k = 0; k < shard->subgroups().size(); ++k) {
-    for (const SubgroupSegment& seg : shard->subgroups()[k].segments) {
-      auto& r = tensor_subgroups[seg.tensor];
-      r.first = std::min(r.first, k);
-      r.second = std::max(r.second, k);
-    }
-  }
-  {
-    absl::MutexLock stats_lock(&stats_mu_);
-    summary_ = Summary{.registered = true,
-                       .params = shard->total_params(),
-                       .tensors = static_cast<uint32_t>(shard->tensors().size()),
-                       .subgroups = static_cast<uint32_t>(shard->subgroups().size()),
-                       .state_bytes = shard->state_bytes(),
-                       .step = shard->tensors()[0].step,
-                       .restored_from = restored_from,
-                       .tensor_subgroups = std::move(tensor_subgroups),
-                       .gpu_device = gpu_device.ordinal,
-                       .gpu_uuid = gpu_device.uuid};
-  }
-  DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard->tensors().size(),
-               "params", shard->total_params(), "subgroups", shard->subgroups().size(),
-               "state_bytes", shard->state_bytes(), "device",
-               device ? absl::StrCat("cuda:", gpu_device.ordinal) : std::string("host"),
-               "gpu_uuid", gpu_device.uuid);
-  transport_ = std::move(transport);
-  bindings_ = std::move(bindings);
-  trainer_event_ = trainer_event;
-  shard_ = std::move(shard);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
                                                uint64_t* count, const MemoryRef& buf,
                                                std::unique_ptr<ShmSegment>* holder) {
@@ -484,9 +261,9 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, u
   absl::MutexLock lock(&mu_);
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
-  if (!bindings_.empty() && bindings_[0].device && resident_synced_at_ != steps_run_) {
+  if (resident_synced_at_ != steps_run_) {
     shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
-    DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
     resident_synced_at_ = steps_run_;
   }
   for (int which = 0; which < 3; ++which) {
@@ -511,7 +288,7 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
   shard_->tensors()[tensor].step = step;
   // The host state is now the truth: resident GPU copies are dropped (the
   // next step uploads them again).
-  if (!bindings_.empty() && bindings_[0].device) executor_->gpu()->DropResident(*shard_);
+  engine()->DropResident(*shard_);
   return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
 }
 
@@ -564,9 +341,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
           "checkpoint: session ", identity_.id, " gave up its state while being saved"));
     }
     shard_->FinishSnapshot();  // none in flight unless two savers race
-    if (!bindings_.empty() && bindings_[0].device) {
-      DOS_RETURN_IF_ERROR(executor_->gpu()->SyncResidentToHost(*shard_));
-    }
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
     // Holding mu_ means no step is in flight: a step boundary. Only the step
     // counters are copied here; steps after it copy a subgroup before they
     // first write it (ShardState::BeforeWrite), and the rest is copied below.
@@ -602,8 +377,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
   }
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, Env::Default()));
-  const bool device = !bindings_.empty() && bindings_[0].device;
-  if (device) executor_->gpu()->DropResident(*shard_);
+  engine()->DropResident(*shard_);
   for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
     DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
   }
@@ -625,9 +399,7 @@ std::unique_ptr<ShardState> Session::TakeShard() {
   // The dead client's memory: unmap it (the step thread is stopped).
   bindings_.clear();
   CloseTrainerEvent();
-  if (shard_ != nullptr && executor_->gpu() != nullptr && shard_->attachment() != nullptr) {
-    shard_->set_attachment(nullptr);
-  }
+  if (shard_ != nullptr) shard_->set_attachment(nullptr);
   transport_.reset();
   return std::move(shard_);
 }

@@ -4,9 +4,11 @@
 // its scheduling policy, its statistics, and the step thread that answers its
 // doorbell.
 //
-// Devices: a session in GPU mode runs on the engine of the device its CUDA
-// IPC memory lives on, picked at Register by the device UUID the client sent
-// (ExecutorSet); all its tensors must be on that one device.
+// Engines: Register picks the session's executor (an engine and its planner)
+// once: the host engine for tensors in shared memory, else the GPU engine of
+// the device the CUDA IPC memory lives on, by the device UUID the client sent
+// (ExecutorSet); all its tensors must be on that one device. Everything after
+// that asks the engine, never the kind of memory again.
 //
 // Lifecycle: Create (at Attach) -> Register (once) -> steps over the control
 // block -> Stop (detach, client death, daemon shutdown). Stop lets an
@@ -35,6 +37,7 @@
 #include "absl/time/time.h"
 #include "daemon/sched/policy.h"
 #include "daemon/session/daemon_counters.h"
+#include "daemon/session/shard_spec.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/register_progress.h"
@@ -54,26 +57,6 @@ struct SessionIdentity {
   int32_t local_rank = 0;
   int32_t world_size = 1;
   uint32_t generation = 0;  // 0 at Attach, +1 at each resume (names the control block)
-};
-
-// One tensor as the client describes it at registration.
-struct TensorSpec {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  MemoryRef param;
-  MemoryRef grad;
-};
-
-struct ShardSpec {
-  std::vector<TensorSpec> tensors;
-  std::vector<GroupConfig> groups;
-  uint64_t subgroup_size = 0;  // 0: the daemon's default
-  // GPU mode, optional: the trainer's "gradients ready" cudaIpcEventHandle_t
-  // (see kStepTrainerEventRecorded in control_block.h).
-  std::string cuda_ipc_event;
 };
 
 struct SessionOptions {
@@ -198,6 +181,21 @@ class Session {
   void StepLoop();
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
+
+  // Register's steps (session_register.cc), in order.
+  struct Registration;
+  absl::Status PickExecutor(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MapTensors(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ResumeState(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NewState(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BindEngine(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Publish(Registration* reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Checks the range (count 0 becomes the tensor's numel) and maps `buf`.
   absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
                                         const MemoryRef& buf, std::unique_ptr<ShmSegment>* holder)
@@ -206,9 +204,10 @@ class Session {
   const SessionIdentity identity_;
   const SessionOptions options_;
   const ExecutorSet* const executors_;
-  // The executor the session's steps run on: the host one until Register
-  // picks the engine of the device the tensors live on.
+  // The executor (engine and planner) the session's steps run on: the host
+  // one until Register picks the one of the tensors' memory.
   StepExecutor* executor_ ABSL_GUARDED_BY(mu_);
+  Engine* engine() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return executor_->engine(); }
   HostMemoryBudget* const budget_;
   const std::function<void(uint64_t)> on_client_gone_;
 

@@ -38,7 +38,7 @@ SessionManager::SessionManager(const SessionOptions& options, const Policy& defa
 SessionManager::~SessionManager() { Shutdown(); }
 
 namespace {
-bool ProcessAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+bool ProcessAlive(int32_t pid) { return ControlBlockChannel::ProcessAlive(pid); }
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity,

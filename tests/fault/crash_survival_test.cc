@@ -137,8 +137,8 @@ TEST(CrashSurvivalTest, ResumeRefusesWrongTokenUnknownIdAndExpiredLease) {
 }
 
 TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExactly) {
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   std::string ref;
   {
     DaemonProcess d({"--checkpoint_dir=" + ckpt, "--session_lease=60s"});
@@ -178,8 +178,8 @@ TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExa
 }
 
 TEST(CrashSurvivalTest, CheckpointPathsAreCheckedAndACorruptFileIsRefused) {
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt, "--session_lease=60s"});
   ASSERT_TRUE(d.Start());
   const std::string out = d.dir() + "/killed.bin";

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/cpu/cpu_updater.h"
+#include "daemon/cpu/host_engine.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/sched/step_executor.h"
@@ -127,7 +128,7 @@ Model MakeModel() {
   return m;
 }
 
-std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, GpuBackend* gpu,
+std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
                                const Policy& policy, std::vector<float>* master) {
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
@@ -146,7 +147,6 @@ std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, GpuBackend* gpu
   uint64_t off = 0;
   for (const TensorInfo& t : (*shard)->tensors()) {
     TensorBinding tb;
-    tb.device = gpu != nullptr;
     tb.param = (gpu ? static_cast<uint16_t*>(dw) : w.data()) + off;
     tb.grad = (gpu ? static_cast<uint16_t*>(dg) : g.data()) + off;
     b.push_back(tb);
@@ -184,17 +184,20 @@ TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {
   SKIP_WITHOUT_GPU();
   Model m = MakeModel();
   cpu::CpuUpdater cpu({.threads = 4});
-  StepExecutor cpu_only(&cpu);
+  cpu::HostEngine host(&cpu);
+  StepExecutor cpu_only(&host);
   std::vector<float> ref_master;
   std::vector<uint16_t> ref = RunSteps(m, cpu_only, nullptr, Policy{}, &ref_master);
   for (bool fp32_grads : {false, true}) {
     GpuEngineOptions opt;
     opt.staging_slots = 2;
-    opt.resident_budget_bytes = 2 * 100000 * 12;  // auto keeps two subgroups resident
     opt.cpu_grad_fp32 = fp32_grads;
     auto engine = GpuEngine::Create(opt, &cpu);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    StepExecutor ex(&cpu, engine->get());
+    PlannerOptions planner;
+    planner.budgets.gpu_resident_bytes = 2 * 100000 * 12;  // auto keeps two subgroups resident
+    planner.grad_fp32 = fp32_grads;
+    StepExecutor ex(engine->get(), planner);
     for (const char* text : {"cpu", "static:0.5", "interleave:1", "interleave:2", "interleave:3",
                              "auto"}) {
       Policy p = *ParsePolicy(text);
@@ -225,7 +228,6 @@ TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   void* dg = DeviceCopy<void>(g.data(), 2000);
   void* dw = DeviceCopy<void>(g.data(), 2000);
   TensorBinding b;
-  b.device = true;
   b.param = dw;
   b.grad = dg;
   auto finite = (*engine)->AllFinite(**shard, {&b, 1});

@@ -27,8 +27,8 @@ class CheckpointStallTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
   const int gap_us = GetParam();
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
   ASSERT_TRUE(d.Start());
   dos_attach_options o;
@@ -135,8 +135,8 @@ void RegisterProbe(dos_session* s, uint64_t n, uint64_t subgroup, dos_hparams* h
 // exactly (bitwise) the state at the step count it records: a second session
 // replays the same steps and compares its state with each file loaded back.
 TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBoundaries) {
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
   ASSERT_TRUE(d.Start());
   dos_attach_options o;

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -29,6 +30,17 @@ bool SocketAccepts(const std::string& path) {
   return ok;
 }
 
+namespace {
+
+void RemoveTestDir(const std::string& dir) {
+  const char* keep = std::getenv("DOS_KEEP_TEST_DIRS");
+  if (dir.empty() || (keep != nullptr && std::string(keep) == "1")) return;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+}  // namespace
+
 DaemonProcess::DaemonProcess(std::vector<std::string> extra_flags)
     : flags_(std::move(extra_flags)) {
   char tmpl[] = "/tmp/dos-it-XXXXXX";
@@ -42,7 +54,17 @@ DaemonProcess::~DaemonProcess() {
     ::kill(pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
   }
+  // The socket folder, dosd's log and its checkpoints go with the test
+  // (DOS_KEEP_TEST_DIRS=1 keeps them for a post-mortem).
+  RemoveTestDir(dir_);
 }
+
+TempDir::TempDir(const std::string& prefix) {
+  std::string tmpl = "/tmp/" + prefix + "-XXXXXX";
+  path_ = ::mkdtemp(tmpl.data()) != nullptr ? tmpl : "";
+}
+
+TempDir::~TempDir() { RemoveTestDir(path_); }
 
 void DaemonProcess::RunAs(uid_t uid, gid_t gid, mode_t umask, std::string binary) {
   run_as_ = true;

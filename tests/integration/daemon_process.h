@@ -53,6 +53,21 @@ class DaemonProcess {
   std::string binary_;
 };
 
+// A fresh folder /tmp/<prefix>-XXXXXX, removed with everything in it when
+// the TempDir goes (DOS_KEEP_TEST_DIRS=1 keeps it), so test runs leave
+// nothing behind in /tmp.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix);
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 // True once a unix socket at `path` accepts a connection.
 bool SocketAccepts(const std::string& path);
 

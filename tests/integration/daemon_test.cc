@@ -575,6 +575,10 @@ TEST(DaemonLifecycle, StaleSocketIsReplacedAndSigtermExitsZero) {
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(d.Stop(), 0) << d.log();
   EXPECT_NE(access(d.socket().c_str(), F_OK), 0) << "socket left behind after a clean stop";
+  EXPECT_NE(access((d.socket() + ".lock").c_str(), F_OK), 0)
+      << "lock file left behind after a clean stop";
+  EXPECT_NE(access((d.socket() + ".auth").c_str(), F_OK), 0)
+      << "auth socket left behind after a clean stop";
 }
 
 }  // namespace

@@ -128,8 +128,8 @@ TEST(OpsTest, SessionMemoryLimitRefusesAnOversizedRegistration) {
 }
 
 TEST(OpsTest, DosctlCheckpointSaveLoadAndStatsWatch) {
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
   ASSERT_TRUE(d.Start());
   {
@@ -185,8 +185,8 @@ TEST(OpsTest, GroupIsGivenToTheSocketAndControlBlocks) {
 }
 
 TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
-  char tmpl[] = "/tmp/dos-ckpt-XXXXXX";
-  const std::string ckpt = ::mkdtemp(tmpl);
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt, "--autosave_interval=50ms", "--autosave_keep=2"});
   ASSERT_TRUE(d.Start());
   const std::string dir = ckpt + "/ops_test.r-1/";

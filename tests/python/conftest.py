@@ -6,7 +6,10 @@ Environment (set by tests/python/CMakeLists.txt under ctest):
 """
 
 import contextlib
+import faulthandler
+import gc
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +19,47 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
+
+# Hangs are bounded and say where they are: each test (setup, call and
+# teardown, session fixtures' teardown included) gets DOS_PYTEST_TIMEOUT
+# seconds (default 300), and from session finish on (summary, atexit
+# handlers, the final garbage collection) the process gets
+# DOS_PYTEST_EXIT_TIMEOUT seconds (default 60) to exit. Past either,
+# faulthandler prints every thread's Python stack and exits with status 1,
+# instead of the run eating the CI or device time limit in silence.
+TEST_TIMEOUT_S = float(os.environ.get("DOS_PYTEST_TIMEOUT", "300"))
+EXIT_TIMEOUT_S = float(os.environ.get("DOS_PYTEST_EXIT_TIMEOUT", "60"))
+_dump_file = None  # the real stderr (pytest captures fd 2 during tests)
+
+
+def pytest_configure(config):
+    global _dump_file
+    capman = config.pluginmanager.getplugin("capturemanager")
+    ctx = capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
+    with ctx:
+        # Kept open until the process ends (closefd=False: no ResourceWarning).
+        _dump_file = os.fdopen(os.dup(2), "w", closefd=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TEST_TIMEOUT_S > 0:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_dump_file)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    # Not cancelled: interpreter finalization ends the timer (after atexit
+    # handlers and the last collection, the places a session close runs).
+    faulthandler.dump_traceback_later(EXIT_TIMEOUT_S, exit=True, file=_dump_file)
+    # Optimizers that tests left in reference cycles are finalized (closed,
+    # detached) here, under the timer and at a known point, rather than by
+    # whichever collection happens to run while the summary is printed.
+    gc.collect()
 
 
 def _wait_for_socket(path, proc, deadline):
@@ -46,8 +90,11 @@ def running_dosd(*flags, killed_ok=False):
     tmp = tempfile.mkdtemp(prefix="dos-pytest-")
     path = os.path.join(tmp, "dosd.sock")
     log = open(os.path.join(tmp, "dosd.log"), "w+")
-    proc = subprocess.Popen([binary, f"--socket={path}", *flags], stdout=log,
-                            stderr=subprocess.STDOUT)
+    # Checkpoints in the test's folder, never the user's or the system's
+    # (a --checkpoint_dir in flags comes later and wins).
+    proc = subprocess.Popen([binary, f"--socket={path}",
+                             f"--checkpoint_dir={os.path.join(tmp, 'checkpoints')}", *flags],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(path, proc, time.monotonic() + 20)
         yield path, proc
@@ -68,6 +115,11 @@ def running_dosd(*flags, killed_ok=False):
         log.close()
         if running or not killed_ok:
             assert code == 0, f"dosd exited with {code} after SIGTERM; its log:\n{text[-4000:]}"
+        if running:
+            # A clean stop leaves nothing behind: no socket, no lock file.
+            left = sorted(set(os.listdir(tmp)) - {"dosd.log", "checkpoints"})
+            assert not left, f"dosd left {left} in {tmp} after a clean stop"
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -259,3 +259,79 @@ def test_open_optimizers_are_known_to_the_exit_handler(dos_socket):
     assert opt in _session._open
     opt.close()
     assert opt not in _session._open
+
+
+# The exact order of a test run's end: the trainer's steps are in flight
+# (async), the fixture kills dosd (SIGKILL) and reaps it, and only then does
+# the interpreter exit, the optimizer still referenced globally: its close
+# runs from the atexit handler against a daemon that is gone.
+KILLED_FIRST = textwrap.dedent("""
+    import sys
+    import torch
+    import dos.torch
+    from dos import DosError, _native
+
+    sock, device = sys.argv[1], sys.argv[2]
+    if device == "cuda" and not (torch.cuda.is_available() and _native.cuda_supported()):
+        print("SKIP needs a CUDA device and a CUDA build of libdos_client", flush=True)
+        sys.exit(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(device)
+    try:
+        opt = dos.torch.AdamW(model.parameters(), socket=sock, lr=1e-2, subgroup_size=4096,
+                              model=model, async_step=True)
+    except DosError as e:
+        if "no GPU engine" in e.message:
+            print("SKIP dosd has no GPU engine", flush=True)
+            sys.exit(0)
+        raise
+    x = torch.randn(32, 256, device=device)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        model(x)  # the next forward: on CUDA its per-layer waits are queued
+    assert opt._inflight
+    print("INFLIGHT", flush=True)
+    sys.stdin.readline()  # the parent kills dosd
+    print("END", flush=True)
+""")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_exit_after_daemon_killed_with_step_in_flight(device):
+    import select
+    import signal
+    import time
+    with running_dosd(killed_ok=True) as (sock, proc):
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        env = dict(os.environ, PYTHONFAULTHANDLER="1")
+        child = subprocess.Popen([sys.executable, "-c", KILLED_FIRST, sock, device], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            ready, _, _ = select.select([child.stdout], [], [], 120)
+            assert ready, "the child did not train 3 steps within 120 s"
+            first = child.stdout.readline()  # one flushed line (or EOF if it failed)
+            if first.startswith("SKIP"):
+                child.communicate(timeout=60)
+                pytest.skip(first.strip())
+            assert first.strip() == "INFLIGHT", first + child.communicate(timeout=60)[1][-3000:]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            start = time.monotonic()
+            out, err = child.communicate("go\n", timeout=60)
+            elapsed = time.monotonic() - start
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    text = first + out + err
+    assert child.returncode == 0, f"exit status {child.returncode}; output:\n{text[-3000:]}"
+    assert "END" in out, text[-3000:]
+    assert "Exception ignored" not in text and "Fatal Python error" not in text, text[-3000:]
+    # Interpreter exit with torch loaded takes about a second; a wait left
+    # unbounded would take the whole timeout.
+    assert elapsed < 20, f"the child took {elapsed:.1f} s to exit after dosd was killed"

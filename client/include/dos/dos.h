@@ -96,6 +96,11 @@ typedef struct dos_daemon_info {
  * nothing answers (the message names the socket and how to start dosd). */
 dos_status dos_daemon_probe(const char* socket_path, int64_t timeout_ms, dos_daemon_info* out);
 
+/* The DOS release this library belongs to, "MAJOR.MINOR.PATCH" (the same
+ * string dosd --version and dosctl --version print; DOS_VERSION_STRING of the
+ * generated <dos/version.h>). Static storage; never NULL. */
+const char* dos_version(void);
+
 /* 1 when this library can register CUDA device memory (built with CUDA; a
  * driver and GPU are needed too at registration), else 0. */
 int32_t dos_cuda_supported(void);

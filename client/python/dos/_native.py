@@ -121,6 +121,7 @@ _F = ctypes.c_void_p  # float* (tensor data, passed as an address)
 SIGNATURES = {
     "dos_last_error": (ctypes.c_char_p, []),
     "dos_daemon_probe": (_S, [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(DaemonInfo)]),
+    "dos_version": (ctypes.c_char_p, []),
     "dos_cuda_supported": (ctypes.c_int32, []),
     "dos_default_socket": (ctypes.c_char_p, []),
     "dos_attach_options_init": (None, [ctypes.POINTER(AttachOptions)]),

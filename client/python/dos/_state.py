@@ -24,6 +24,7 @@ torch state dict are kept and saved again.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections import defaultdict
 from typing import Any, Dict, Optional
 
@@ -65,8 +66,12 @@ def _state_tensor(e: Entry, local: torch.Tensor):
         from torch.distributed._tensor import DTensor
         from torch.distributed._tensor.placement_types import DTensorSpec, TensorMeta
     p = e.param
-    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
-                       tensor_meta=TensorMeta(p.shape, p.stride(), torch.float32))
+    meta = TensorMeta(p.shape, p.stride(), torch.float32)
+    base = getattr(p, "_spec", None)
+    if dataclasses.is_dataclass(base):  # the parameter's own spec: every field kept
+        spec = dataclasses.replace(base, tensor_meta=meta)
+    else:
+        spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=meta)
     # Built directly (as FSDP2's CPU offload does): DTensor.from_local would
     # move the local shard to the mesh's device.
     return DTensor(local, spec, requires_grad=False)

@@ -167,6 +167,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     _decoupled = True  # AdamW; Adam (L2) overrides
     # GradScaler hands the loss scale to step() instead of unscaling in place.
     _step_supports_amp_scaling = True
+    # close() waits this long for the step in flight before detaching anyway.
+    _CLOSE_WAIT_MS = 120_000
     # torch 2.x's GradScaler sets `grad_scale` (a tensor, or None after
     # unscale_) and `found_inf` around step() and deletes them after; it
     # multiplies by a grad_scale it finds, so there is no class default.
@@ -475,11 +477,11 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         args.gradients_checked = 1 if gradients_checked else 0
         return args, groups
 
-    def _wait(self):
+    def _wait(self, timeout_ms: int = -1):
         res = _native.StepResult()
         overlapped = self._step_state.overlapped
         try:
-            call("dos_step_wait", self._session, ctypes.c_int64(-1), ctypes.byref(res))
+            call("dos_step_wait", self._session, ctypes.c_int64(timeout_ms), ctypes.byref(res))
         finally:
             self._step_state.collected()
         self._found_inf = bool(res.found_inf)
@@ -586,10 +588,17 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         if handle is None or handle.closed:
             return
         if self._inflight:
+            # Bounded: close() also runs from the atexit handler and from
+            # finalizers, where a daemon that is alive but stuck must not keep
+            # the process from exiting (a daemon that is gone or closed the
+            # session is noticed at once, within the library's liveness slice).
             try:
-                self._wait()
-            except Exception:  # dosd gone or the step failed: nothing more to collect
-                pass
+                self._wait(timeout_ms=self._CLOSE_WAIT_MS)
+            except Exception as e:  # dosd gone, stuck, or the step failed
+                if getattr(e, "code", None) == Status.DEADLINE_EXCEEDED:
+                    warnings.warn(f"dos.torch: close(): the step in flight did not finish within "
+                                  f"{self._CLOSE_WAIT_MS // 1000} s; detaching without it",
+                                  RuntimeWarning)
         for h in getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", []):
             h.remove()
         self._layer_waits, self._grad_hooks = [], []

@@ -4,6 +4,7 @@
 
 #include "dos/dos.h"
 #include "dos/dos.hpp"
+#include "dos/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -22,6 +23,12 @@ TEST(CApiTest, AttachWithoutDaemonNamesSocketAndFix) {
   EXPECT_THAT(dos_last_error(), HasSubstr("DOS_SOCKET"));
 }
 
+TEST(CApiTest, VersionIsTheProjectVersion) {
+  // One version: CMake's project(VERSION), through the generated dos/version.h.
+  EXPECT_STREQ(dos_version(), DOS_VERSION_STRING);
+  EXPECT_THAT(std::string(dos_version()), ::testing::MatchesRegex("[0-9]+\\.[0-9]+\\.[0-9]+"));
+}
+
 TEST(CApiTest, NullArguments) {
   EXPECT_EQ(dos_detach(nullptr), DOS_OK);
   void* p;
@@ -29,6 +36,12 @@ TEST(CApiTest, NullArguments) {
   EXPECT_THAT(dos_last_error(), HasSubstr("session is NULL"));
   EXPECT_EQ(dos_step(nullptr, nullptr, nullptr), DOS_INVALID_ARGUMENT);
   EXPECT_EQ(dos_session_id(nullptr), 0u);
+  EXPECT_EQ(dos_state_read_range(nullptr, 0, 0, 1, nullptr, nullptr, nullptr, nullptr),
+            DOS_INVALID_ARGUMENT);
+  EXPECT_THAT(dos_last_error(), HasSubstr("state_read_range"));
+  EXPECT_EQ(dos_state_write_range(nullptr, 0, 0, 1, nullptr, nullptr, nullptr, 0),
+            DOS_INVALID_ARGUMENT);
+  EXPECT_THAT(dos_last_error(), HasSubstr("session is NULL"));
 }
 
 TEST(CApiTest, DefaultSocketFollowsEnvironment) {

@@ -1,0 +1,88 @@
+#include "daemon/cpu/host_engine.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/cpu/subgroup_spans.h"
+#include "daemon/transport/shm_transport.h"
+
+namespace dos::cpu {
+
+std::unique_ptr<Transport> HostEngine::NewTransport() { return std::make_unique<ShmTransport>(); }
+
+absl::StatusOr<void*> HostEngine::OpenTrainerEvent(const std::string&) {
+  return absl::InvalidArgumentError(
+      "register: cuda_ipc_event was sent but the tensors are in shared memory; send an event "
+      "only with CUDA IPC tensors");
+}
+
+absl::Status HostEngine::WaitTrainerEvent(void*) {
+  return absl::InvalidArgumentError(
+      "step: flag kStepTrainerEventRecorded is set but the session's tensors are in shared "
+      "memory; clear the flag");
+}
+
+absl::Status HostEngine::CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) {
+  std::memcpy(dst, trainer_src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status HostEngine::CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) {
+  std::memcpy(trainer_dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> HostEngine::AllFinite(const ShardState& shard,
+                                           std::span<const TensorBinding> bindings) {
+  std::span<const TensorInfo> tensors = shard.tensors();
+  std::vector<CpuUpdater::GradRun> runs;
+  runs.reserve(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    runs.push_back({bindings[t].grad, tensors[t].grad_dtype, tensors[t].numel});
+  }
+  return cpu_->AllFinite(runs);
+}
+
+absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
+                                 std::span<const TensorBinding> bindings,
+                                 std::span<const AdamScalars> scalars, const StepSync&,
+                                 StepMeasurements* measured) {
+  if (plan.resident != 0 || !plan.gpu_only.empty() || !plan.shared.empty() ||
+      plan.cpu_only.size() != shard.subgroups().size()) {
+    return absl::InternalError(absl::StrCat(
+        "host engine: the plan places ", plan.resident + plan.gpu_only.size() + plan.shared.size(),
+        " subgroups off the CPU; a host session's plan must be all CPU"));
+  }
+  const absl::Time start = absl::Now();
+  std::span<const TensorInfo> tensors = shard.tensors();
+  std::vector<CpuUpdater::Item> items;
+  for (uint32_t sg : plan.cpu_only) {
+    const Subgroup& g = shard.subgroups()[sg];
+    absl::Status st = ForEachSegmentSpan(
+        tensors, g, g.master,
+        [&](const SubgroupSegment& seg, const TensorInfo& t) {
+          return TrainerIo(t, seg, bindings[seg.tensor].grad, bindings[seg.tensor].param);
+        },
+        [&](const SubgroupSegment& seg, const AdamSpan& span) {
+          items.push_back({scalars[seg.tensor], span});
+          return absl::OkStatus();
+        });
+    if (!st.ok()) return st;
+    if (shard.snapshot_in_progress()) {  // checkpoint copy-on-write: per subgroup, in order
+      shard.BeforeWrite(sg);
+      cpu_->Run(items);
+      items.clear();
+    }
+    measured->cpu_params += g.numel;
+    measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'c'});
+  }
+  cpu_->Run(items);
+  measured->wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  measured->cpu_kernel_us = measured->wall_us;
+  measured->cpu_loop_us = measured->wall_us;
+  return absl::OkStatus();
+}
+
+}  // namespace dos::cpu

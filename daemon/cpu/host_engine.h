@@ -1,0 +1,49 @@
+// HostEngine: the engine of sessions whose tensors live in shared memory
+// (CPU mode, what CI runs end to end): every subgroup on the CPU updater,
+// the trainer's weights written in place in its dtype.
+//
+// Ownership: owns nothing but a pointer to the daemon's CPU updater, which
+// outlives it. Thread-safety: thread-safe (the updater is).
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+
+#include "daemon/cpu/cpu_updater.h"
+#include "daemon/sched/engine.h"
+
+namespace dos::cpu {
+
+class HostEngine final : public Engine {
+ public:
+  explicit HostEngine(CpuUpdater* cpu) : cpu_(cpu) {}
+
+  bool has_gpu() const override { return false; }
+  bool host_addressable() const override { return true; }
+  std::string name() const override { return "host"; }
+  std::unique_ptr<Transport> NewTransport() override;
+  absl::Status AttachShard(ShardState&, RegisterProgress*) override { return absl::OkStatus(); }
+  absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
+  void CloseTrainerEvent(void*) override {}
+  absl::Status WaitTrainerEvent(void* event) override;
+  absl::Status CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) override;
+  absl::Status CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) override;
+  absl::StatusOr<bool> AllFinite(const ShardState& shard,
+                                 std::span<const TensorBinding> bindings) override;
+  // Every subgroup of `plan` must be on the CPU path (a host plan);
+  // INTERNAL otherwise. All subgroups go to the updater as one batch (one
+  // parallel pass), or subgroup by subgroup while a checkpoint snapshot is
+  // in flight (each is copied before it is written).
+  absl::Status Execute(const StepPlan& plan, ShardState& shard,
+                       std::span<const TensorBinding> bindings,
+                       std::span<const AdamScalars> scalars, const StepSync& sync,
+                       StepMeasurements* measured) override;
+  absl::Status SyncResidentToHost(ShardState&) override { return absl::OkStatus(); }
+  void DropResident(ShardState&) override {}
+
+ private:
+  CpuUpdater* const cpu_;
+};
+
+}  // namespace dos::cpu

@@ -1,0 +1,108 @@
+// Private to daemon/gpu: one step's working state shared by the GPU path
+// (gpu_stream_path.cc, on the engine's worker) and the CPU path
+// (gpu_cpu_path.cc, on the step's thread), the per-shard attachment
+// (gpu_shard.cc), and small CUDA helpers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "dos/wire/status_macros.h"
+#include "daemon/gpu/cuda_check.h"
+#include "daemon/gpu/gpu_engine.h"
+#include "daemon/sched/subgroup_queue.h"
+
+namespace dos::gpu {
+
+// Pinned gradient/weight buffers of the CPU path, used round robin. Four, not
+// two: a finished subgroup's weights wait in the H2D queue behind the GPU
+// path's state copies (tens of ms), and the CPU must not stall on reusing
+// their buffer meanwhile (measured on nvidia-h200: with two, the CPU kernel
+// sat idle for about a tenth of an `auto` step).
+inline constexpr int kCpuBuffers = 4;
+// Bytes per element reserved in the CPU path's pinned buffers: the widest
+// dtype, so one layout (element offset * 4) serves every tensor of a subgroup.
+inline constexpr uint64_t kHostElemBytes = 4;
+
+inline uint64_t StateBytes(const Subgroup& g) { return g.numel * ShardState::kStateBytesPerParam; }
+
+// Microseconds from `start` to `ev` (both complete).
+inline double EventUs(cudaEvent_t start, cudaEvent_t ev) {
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, start, ev) != cudaSuccess) return 0;
+  return ms * 1e3;
+}
+
+inline absl::Status NewEvents(cudaEvent_t* evs, int n) {
+  for (int i = 0; i < n; ++i) DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&evs[i]));
+  return absl::OkStatus();
+}
+
+inline void DestroyEvents(std::span<cudaEvent_t> evs) {
+  for (cudaEvent_t& ev : evs) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+    ev = nullptr;
+  }
+}
+
+// Per-shard resources: the page-locked registrations of its host state and
+// the resident GPU copies of its first subgroups.
+class GpuEngine::Shard final : public ShardAttachment {
+ public:
+  Shard(int device, std::atomic<uint64_t>* resident_bytes)
+      : device_(device), resident_bytes_(resident_bytes) {}
+  ~Shard() override;
+  void FreeResident(size_t i);
+
+  std::vector<void*> registered;
+  std::vector<float*> resident;        // per subgroup; null when streamed
+  std::vector<uint64_t> resident_size;
+  uint32_t resident_count = 0;         // resident are subgroups [0, resident_count)
+
+ private:
+  const int device_;
+  std::atomic<uint64_t>* resident_bytes_;
+};
+
+struct GpuEngine::StepRun {
+  ShardState* shard = nullptr;
+  std::span<const TensorBinding> bindings;
+  std::span<const cpu::AdamScalars> scalars;
+  Shard* gs = nullptr;
+  const StepPlan* plan = nullptr;
+  SubgroupQueue* queue = nullptr;
+  double gpu_loop_us = 0;
+  uint64_t streamed_params = 0;
+  cudaEvent_t start = nullptr;
+  absl::Time t0;
+  // Written by the GPU loop only.
+  std::vector<TimelineEntry> gpu_entries;
+  uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0;
+  double h2d_us = 0, d2h_us = 0, kernel_us = 0;
+  // Written by the CPU loop only.
+  std::vector<TimelineEntry> cpu_entries;
+  uint64_t cpu_params = 0, cpu_h2d = 0, cpu_d2h = 0;
+  double cpu_kernel_us = 0, cpu_loop_us = 0;
+  // Progress: one DoneCall per subgroup, passed to cudaLaunchHostFunc (so
+  // its address must stay put: deques, one per loop thread).
+  const StepSync* sync = nullptr;
+  struct DoneCall {
+    const StepSync* sync;
+    uint32_t subgroup;
+  };
+  std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
+};
+
+// Enqueues "subgroup `sg` is done" (StepSync::subgroup_done) on `stream`
+// after the work queued there.
+absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun::DoneCall>* calls,
+                         uint32_t sg, cudaStream_t stream);
+
+}  // namespace dos::gpu

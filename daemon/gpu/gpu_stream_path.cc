@@ -1,0 +1,196 @@
+// GpuEngine's GPU path: the resident subgroups' kernels, then the streamed
+// subgroups through the staging slots (H2D, kernel, D2H on three streams),
+// claimed from the plan's queue. Runs on the engine's worker thread.
+#include <optional>
+
+#include "daemon/cpu/subgroup_spans.h"
+#include "daemon/gpu/adam_kernel.h"
+#include "daemon/gpu/gpu_step.h"
+
+namespace dos::gpu {
+namespace {
+
+// The fused kernel over every segment of subgroup `g` whose state is at
+// `state` (a staging slot or a resident copy), on `stream`.
+absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, const Subgroup& g, float* state,
+                            cudaStream_t stream) {
+  return cpu::ForEachSegmentSpan(
+      run.shard->tensors(), g, state,
+      [&](const SubgroupSegment& seg, const TensorInfo& t) {
+        return cpu::TrainerIo(t, seg, run.bindings[seg.tensor].grad,
+                              run.bindings[seg.tensor].param);
+      },
+      [&](const SubgroupSegment& seg, const cpu::AdamSpan& s) {
+        const DeviceAdamSpan span{.grad = s.grad, .grad_dtype = s.grad_dtype,
+                                  .master = s.master, .exp_avg = s.exp_avg,
+                                  .exp_avg_sq = s.exp_avg_sq, .param_out = s.param_out,
+                                  .param_dtype = s.param_dtype, .n = s.n};
+        return LaunchAdam(run.scalars[seg.tensor], span, stream);
+      });
+}
+
+// The staging-slot pipeline of one step: slots in flight oldest first, each
+// with its six events (H2D start/end, kernel start/end, D2H start/end).
+class StreamPipeline {
+ public:
+  struct Streams {
+    cudaStream_t h2d, compute, d2h;
+  };
+  StreamPipeline(GpuEngine::StepRun& run, Streams streams, std::span<float* const> slots)
+      : run_(run), streams_(streams), buffers_(slots), slots_(slots.size()) {
+    for (int i = static_cast<int>(slots.size()) - 1; i >= 0; --i) free_.push_back(i);
+  }
+  ~StreamPipeline() {
+    for (Slot& s : slots_) DestroyEvents(s.ev);
+  }
+
+  absl::Status Init() {
+    for (Slot& s : slots_) DOS_RETURN_IF_ERROR(NewEvents(s.ev, 6));
+    return absl::OkStatus();
+  }
+  bool full() const { return free_.empty(); }
+  size_t in_flight() const { return busy_.size(); }
+
+  // Waits for the oldest slot's D2H and records its timeline entry.
+  absl::Status RetireOldest() {
+    Slot& s = slots_[busy_.front()];
+    absl::Status st = DOS_CUDA_STATUS(cudaEventSynchronize(s.ev[5]));
+    if (st.ok()) {
+      TimelineEntry e{.subgroup = s.subgroup, .path = 'g'};
+      double* t[6] = {&e.in0, &e.in1, &e.k0, &e.k1, &e.out0, &e.out1};
+      for (int i = 0; i < 6; ++i) *t[i] = EventUs(run_.start, s.ev[i]);
+      run_.h2d_us += e.in1 - e.in0;
+      run_.kernel_us += e.k1 - e.k0;
+      run_.d2h_us += e.out1 - e.out0;
+      run_.gpu_entries.push_back(e);
+    }
+    free_.push_back(busy_.front());
+    busy_.pop_front();
+    return st;
+  }
+
+  // Sends subgroup `sg` through a free slot.
+  absl::Status Issue(uint32_t sg) {
+    const int si = free_.back();
+    free_.pop_back();
+    busy_.push_back(si);
+    Slot& s = slots_[si];
+    s.subgroup = sg;
+    const Subgroup& g = run_.shard->subgroups()[sg];
+    run_.shard->BeforeWrite(sg);  // checkpoint copy-on-write: the D2H below writes it back
+    float* state = buffers_[si];
+    const uint64_t bytes = StateBytes(g);
+    run_.gpu_params += g.numel;
+    run_.streamed_params += g.numel;
+    run_.gpu_h2d += bytes;
+    run_.gpu_d2h += bytes;
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[0], streams_.h2d));
+    DOS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[1], streams_.h2d));
+    DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
+    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, g, state, streams_.compute));
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[3], streams_.compute));
+    // The trainer's weights are final once the kernel ran (the state's way
+    // back to the host does not concern it).
+    DOS_RETURN_IF_ERROR(EnqueueDone(run_, &run_.gpu_done_calls, sg, streams_.compute));
+    DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.d2h, s.ev[3], 0));
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[4], streams_.d2h));
+    DOS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(g.master, state, bytes, cudaMemcpyDeviceToHost, streams_.d2h));
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[5], streams_.d2h));
+    return absl::OkStatus();
+  }
+
+  // Retires every slot in flight; the first error wins.
+  absl::Status Drain(absl::Status status) {
+    while (!busy_.empty()) {
+      absl::Status st = RetireOldest();
+      if (status.ok()) status = st;
+    }
+    return status;
+  }
+
+ private:
+  struct Slot {
+    uint32_t subgroup = 0;
+    cudaEvent_t ev[6] = {};
+  };
+  GpuEngine::StepRun& run_;
+  const Streams streams_;
+  std::span<float* const> buffers_;
+  std::vector<Slot> slots_;
+  std::deque<int> busy_;
+  std::vector<int> free_;
+};
+
+}  // namespace
+
+absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun::DoneCall>* calls,
+                         uint32_t sg, cudaStream_t stream) {
+  if (run.sync == nullptr || !run.sync->subgroup_done) return absl::OkStatus();
+  calls->push_back({run.sync, sg});
+  DOS_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
+      stream,
+      [](void* arg) {
+        const auto* call = static_cast<const GpuEngine::StepRun::DoneCall*>(arg);
+        call->sync->subgroup_done(call->subgroup);
+      },
+      &calls->back()));
+  return absl::OkStatus();
+}
+
+absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
+  StreamPipeline pipe(run, {h2d_, compute_, d2h_}, slots_);
+  absl::Status status = pipe.Init();
+  // The plan's rule for shared subgroups (auto's dynamic claiming).
+  auto take = [&](uint64_t n, uint64_t shared_left) {
+    return run.plan->TakeShared(n, shared_left, pipe.in_flight());
+  };
+  while (status.ok()) {
+    if (pipe.full()) {
+      status = pipe.RetireOldest();
+      continue;
+    }
+    std::optional<uint32_t> claim = run.queue->ClaimGpu(take);
+    if (!claim) {
+      if (pipe.in_flight() == 0 || !run.queue->GpuMayHaveWork()) break;
+      status = pipe.RetireOldest();  // a freed slot may change the answer
+      continue;
+    }
+    status = pipe.Issue(*claim);
+  }
+  return pipe.Drain(status);
+}
+
+absl::Status GpuEngine::GpuLoop(StepRun& run) {
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  std::span<Subgroup> sgs = run.shard->subgroups();
+  // Resident subgroups: kernels only, first, on the compute stream.
+  std::vector<cudaEvent_t> res_events(2 * run.gs->resident_count);
+  absl::Status status = NewEvents(res_events.data(), static_cast<int>(res_events.size()));
+  for (uint32_t i = 0; i < run.gs->resident_count && status.ok(); ++i) {
+    status = [&]() -> absl::Status {
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], compute_));
+      DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], compute_));
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], compute_));
+      return EnqueueDone(run, &run.gpu_done_calls, i, compute_);
+    }();
+    run.gpu_params += sgs[i].numel;
+  }
+  if (status.ok()) status = StreamSubgroups(run);
+  absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(compute_));
+  if (status.ok()) status = st;
+  for (uint32_t i = 0; i < run.gs->resident_count && status.ok(); ++i) {
+    TimelineEntry e{.subgroup = i, .path = 'r'};
+    e.k0 = EventUs(run.start, res_events[2 * i]);
+    e.k1 = EventUs(run.start, res_events[2 * i + 1]);
+    run.kernel_us += e.k1 - e.k0;
+    run.gpu_entries.push_back(e);
+  }
+  DestroyEvents(res_events);
+  return status;
+}
+
+}  // namespace dos::gpu

@@ -1,0 +1,101 @@
+// Engine: what executes step plans for the sessions whose trainer memory it
+// can reach. Two implementations: the host engine (daemon/cpu/host_engine.h:
+// tensors in shared memory, every subgroup on the CPU) and one GPU engine per
+// device (daemon/gpu/gpu_engine.h: tensors in CUDA memory shared by IPC, the
+// GPU and the CPU paths under the plan). Tests use a fake
+// (tests/unit/session/fake_engine.h).
+//
+// The engine decides nothing: the StepPlanner makes the plan, the engine
+// executes it and reports what it measured. Each engine owns its mechanism:
+// mapping the trainer's memory (NewTransport), readying a shard's state
+// (AttachShard: the GPU engine page-locks it), the trainer's event, its
+// threads, streams and buffers.
+//
+// Ownership: an engine outlives every session and executor that uses it.
+// Thread-safety: every method is thread-safe; Execute calls of one engine are
+// serialised inside it where they share resources.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/cpu/adam_kernel.h"
+#include "daemon/sched/step_plan.h"
+#include "daemon/state/register_progress.h"
+#include "daemon/state/shard_state.h"
+#include "daemon/transport/transport.h"
+
+namespace dos {
+
+// Where one registered tensor's trainer memory is mapped in the daemon.
+struct TensorBinding {
+  void* param = nullptr;        // param_dtype elements, written each step
+  const void* grad = nullptr;   // grad_dtype elements, read each step
+};
+
+// How one step synchronises with the trainer beyond the doorbells.
+struct StepSync {
+  // GPU engines: the trainer's IPC event (Engine::OpenTrainerEvent) recorded
+  // after its gradients were final; every stream that reads gradients waits
+  // on it. Null: the trainer synchronised before ringing.
+  void* trainer_event = nullptr;
+  // Called once per subgroup as soon as its new weights are in the trainer's
+  // memory, from any thread (CUDA host callbacks included): it must be cheap
+  // and must not call CUDA. May be empty.
+  std::function<void(uint32_t subgroup)> subgroup_done;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Plans for this engine may place subgroups on a GPU.
+  virtual bool has_gpu() const = 0;
+  // The trainer's tensors are addressable by the daemon's CPU (shared
+  // memory): weights are converted in place, not through a staging copy.
+  virtual bool host_addressable() const = 0;
+  // "host" or "cuda:N" (logs, dosctl).
+  virtual std::string name() const = 0;
+
+  // A transport that maps the trainer's memory locations this engine reads.
+  virtual std::unique_ptr<Transport> NewTransport() = 0;
+  // Readies a registered shard's state (GPU: page-locks it; the registration
+  // is attached to the shard and undone when it is freed). Once per shard;
+  // reports phase kRegisterPinning to `progress` (may be null).
+  virtual absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) = 0;
+  // The trainer's "gradients ready" event from its cudaIpcEventHandle_t
+  // bytes; INVALID_ARGUMENT for a bad handle or an engine without a GPU.
+  virtual absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) = 0;
+  virtual void CloseTrainerEvent(void* event) = 0;
+  // Makes the engine's work wait (on the GPU) for the event's last record.
+  virtual absl::Status WaitTrainerEvent(void* event) = 0;
+
+  // Synchronous copies between host memory and trainer memory (registration,
+  // state loads). Host engines copy bytes; GPU engines cross PCIe.
+  virtual absl::Status CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) = 0;
+  virtual absl::Status CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) = 0;
+
+  // True when every gradient of every tensor is finite.
+  virtual absl::StatusOr<bool> AllFinite(const ShardState& shard,
+                                         std::span<const TensorBinding> bindings) = 0;
+  // Updates every subgroup of the shard where `plan` puts it, with one
+  // AdamScalars per tensor, writes the trainer's weights in place and fills
+  // `measured`. When it returns every copy and kernel of the step completed.
+  virtual absl::Status Execute(const StepPlan& plan, ShardState& shard,
+                               std::span<const TensorBinding> bindings,
+                               std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
+                               StepMeasurements* measured) = 0;
+
+  // State kept on the GPU between steps (resident subgroups): copied back to
+  // the host arrays before the state is read, forgotten after it was
+  // replaced. No-ops for engines that keep none.
+  virtual absl::Status SyncResidentToHost(ShardState& shard) = 0;
+  virtual void DropResident(ShardState& shard) = 0;
+};
+
+}  // namespace dos

@@ -1,0 +1,234 @@
+#include "daemon/sched/step_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "daemon/common/log.h"
+#include "daemon/sched/step_timeline.h"
+#include "daemon/state/shard_state.h"
+
+namespace dos {
+namespace {
+
+// The CPU path's throughput before it was measured, as a share of the CPU
+// kernel's rate (its copies and waits cost the rest).
+constexpr double kCpuPathShareOfKernel = 0.6;
+// Weight of a new sample in the whole-path throughput averages.
+constexpr double kPathRateAlpha = 0.3;
+
+double Ewma(double old_value, double sample) {
+  return old_value > 0 ? (1 - kPathRateAlpha) * old_value + kPathRateAlpha * sample : sample;
+}
+
+double CapAt(double value, double cap) { return cap > 0 ? std::min(value, cap) : value; }
+
+// `auto` with more than two shared subgroups: pin half of each side's share
+// by the model's x. The GPU pipeline owns the front, the CPU pool the back,
+// so both start at once, and the middle stays shared for dynamic claiming
+// (GPU from its front, CPU from its back) to balance the phase's end. Pinning
+// all of x made a misjudged x final (measured: the GPU pipeline idle for the
+// last quarter of a step while the CPU worked through its pins); not pinning
+// at all let the GPU claim nearly everything in the first steps.
+void PinHalfOfEachShare(StepPlan& plan) {
+  std::vector<uint32_t>& shared = plan.shared;
+  const double total = static_cast<double>(plan.streamed_params);
+  const double gpu_pin = 0.5 * plan.gpu_share * total;
+  const double cpu_pin = 0.5 * (1 - plan.gpu_share) * total;
+  size_t front = 0, back = shared.size();
+  for (double acc = 0; front < shared.size() && acc + plan.numel[shared[front]] <= gpu_pin;
+       ++front) {
+    acc += static_cast<double>(plan.numel[shared[front]]);
+  }
+  for (double acc = 0; back > front && acc + plan.numel[shared[back - 1]] <= cpu_pin; --back) {
+    acc += static_cast<double>(plan.numel[shared[back - 1]]);
+  }
+  plan.gpu_only.assign(shared.begin(), shared.begin() + front);
+  // The CPU pops its own from the front of cpu_only: the far end first.
+  plan.cpu_only.assign(shared.rbegin(), shared.rbegin() + (shared.size() - back));
+  shared = std::vector<uint32_t>(shared.begin() + front, shared.begin() + back);
+}
+
+// Splits the non-resident subgroups between the lists by the policy;
+// returns the parameters the policy fixes on the GPU path.
+uint64_t PlaceStreamed(StepPlan& plan, bool gpu) {
+  uint64_t fixed_gpu_params = 0;
+  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
+    plan.streamed_params += plan.numel[i];
+    Policy::Kind kind = gpu ? plan.policy.kind : Policy::Kind::kCpu;
+    switch (kind) {
+      case Policy::Kind::kCpu:
+      case Policy::Kind::kStatic: plan.cpu_only.push_back(i); break;
+      case Policy::Kind::kInterleave:
+        if ((i - plan.resident) % static_cast<uint32_t>(std::max(plan.policy.stride, 1)) == 0) {
+          plan.gpu_only.push_back(i);
+          fixed_gpu_params += plan.numel[i];
+        } else {
+          plan.cpu_only.push_back(i);
+        }
+        break;
+      case Policy::Kind::kAuto: plan.shared.push_back(i); break;
+    }
+  }
+  return fixed_gpu_params;
+}
+
+}  // namespace
+
+ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
+  ShardLayout layout;
+  layout.subgroup_numel.reserve(shard.subgroups().size());
+  for (const Subgroup& g : shard.subgroups()) layout.subgroup_numel.push_back(g.numel);
+  if (!shard.tensors().empty()) {
+    const TensorInfo& t0 = shard.tensors()[0];
+    layout.grad_bytes = grad_fp32 ? 4.0 : static_cast<double>(DTypeSize(t0.grad_dtype));
+    layout.weight_bytes = static_cast<double>(DTypeSize(t0.param_dtype));
+  }
+  return layout;
+}
+
+bool StepPlan::TakeShared(uint64_t n, uint64_t shared_left, size_t in_flight) const {
+  const PerfInputs& in = inputs;
+  const double bytes = 12.0 * static_cast<double>(n);
+  // The GPU path's measured throughput as a whole (both copy directions
+  // sharing PCIe and host memory with the CPU path) sets its period; the
+  // copy-engine rates alone overstate it.
+  const double period = gpu_path_rate > 0
+                            ? static_cast<double>(n) / gpu_path_rate
+                            : bytes / std::min(in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+  const double latency =
+      bytes / in.h2d_bytes_per_s + n / in.gpu_params_per_s + bytes / in.d2h_bytes_per_s;
+  const double inflight = static_cast<double>(in_flight);
+  const double gpu_without = inflight * period;
+  const double gpu_with = std::max(latency, (inflight + 1) * period);
+  const double cpu_with_gpu = static_cast<double>(shared_left - n) / cpu_path_rate;
+  const double cpu_alone = static_cast<double>(shared_left) / cpu_path_rate;
+  return std::max(gpu_with, cpu_with_gpu) <= std::max(gpu_without, cpu_alone);
+}
+
+StepPlanner::StepPlanner(const PlannerOptions& options)
+    : options_(options), model_(options.initial) {}
+
+uint32_t StepPlanner::ResidentCount(const Policy& policy, const ShardLayout& layout,
+                                    const PlanBudgets& budgets) {
+  const uint64_t n = layout.subgroup_numel.size();
+  if (!budgets.gpu || n == 0) return 0;
+  if (policy.kind == Policy::Kind::kStatic) {
+    const double f = std::clamp(policy.fraction, 0.0, 1.0);
+    return static_cast<uint32_t>(std::min<uint64_t>(n, std::lround(f * n)));
+  }
+  if (policy.kind != Policy::Kind::kAuto || budgets.gpu_resident_bytes == 0) return 0;
+  // Every resident subgroup is charged the largest one's state: the budget
+  // then holds whichever subgroups the count selects.
+  const uint64_t max_numel =
+      *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
+  const uint64_t sg_bytes = max_numel * ShardState::kStateBytesPerParam;
+  if (sg_bytes == 0) return 0;
+  return static_cast<uint32_t>(std::min<uint64_t>(n, budgets.gpu_resident_bytes / sg_bytes));
+}
+
+PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets) {
+  PerfInputs out = in;
+  out.h2d_bytes_per_s = CapAt(in.h2d_bytes_per_s, budgets.pcie_bytes_per_s);
+  out.d2h_bytes_per_s = CapAt(in.d2h_bytes_per_s, budgets.pcie_bytes_per_s);
+  out.pcie_both_bytes_per_s = CapAt(in.pcie_both_bytes_per_s, 2 * budgets.pcie_bytes_per_s);
+  out.host_bytes_per_s = CapAt(in.host_bytes_per_s, budgets.host_bytes_per_s);
+  return out;
+}
+
+StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout) {
+  StepPlan plan;
+  plan.policy = policy;
+  plan.num_subgroups = static_cast<uint32_t>(layout.subgroup_numel.size());
+  plan.numel = layout.subgroup_numel;
+  for (uint64_t n : plan.numel) plan.max_numel = std::max(plan.max_numel, n);
+  const PlanBudgets& budgets = options_.budgets;
+  plan.resident = ResidentCount(policy, layout, budgets);
+  for (uint32_t i = 0; i < plan.resident; ++i) plan.resident_params += plan.numel[i];
+  const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
+  {
+    absl::MutexLock lock(&mu_);
+    model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes);
+    plan.inputs = Capped(model_.inputs(), budgets);
+    plan.cpu_path_rate = cpu_path_rate_ > 0
+                             ? cpu_path_rate_
+                             : kCpuPathShareOfKernel * plan.inputs.cpu_params_per_s;
+    plan.gpu_path_rate = gpu_path_rate_;
+  }
+  if (budgets.gpu && policy.kind == Policy::Kind::kAuto) {
+    PerfPrediction p = PerfModel::Solve(plan.inputs);
+    plan.gpu_share = p.gpu_share;
+    plan.binding = p.binding;
+    if (plan.shared.size() > 2) PinHalfOfEachShare(plan);
+  } else {
+    plan.gpu_share = plan.streamed_params > 0
+                         ? static_cast<double>(fixed_gpu_params) / plan.streamed_params
+                         : 0;
+    plan.binding = PerfModel::Bound(plan.inputs, plan.gpu_share).binding;
+  }
+  uint64_t max_streamed = 0;
+  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
+    max_streamed = std::max(max_streamed, plan.numel[i]);
+  }
+  plan.predicted_us =
+      PerfModel::PhaseSeconds(plan.inputs, plan.gpu_share,
+                              static_cast<double>(plan.streamed_params),
+                              static_cast<double>(plan.resident_params),
+                              static_cast<double>(max_streamed)) * 1e6;
+  return plan;
+}
+
+StepPlan StepPlanner::Plan(const Policy& policy, const ShardState& shard) {
+  return Plan(policy, ShardLayout::Of(shard, options_.grad_fp32));
+}
+
+void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
+  absl::MutexLock lock(&mu_);
+  model_.ObserveCpu(static_cast<double>(m.cpu_params), m.cpu_kernel_us * 1e-6);
+  model_.ObserveGpuKernel(static_cast<double>(m.gpu_params), m.gpu_kernel_us * 1e-6);
+  model_.ObserveH2d(static_cast<double>(m.gpu_h2d_bytes), m.h2d_us * 1e-6);
+  model_.ObserveD2h(static_cast<double>(m.gpu_d2h_bytes), m.d2h_us * 1e-6);
+  if (m.cpu_params > 0 && m.cpu_loop_us > 0) {
+    cpu_path_rate_ = Ewma(cpu_path_rate_, m.cpu_params / (m.cpu_loop_us * 1e-6));
+  }
+  if (m.streamed_params > 0 && m.gpu_loop_us > 0) {
+    gpu_path_rate_ = Ewma(gpu_path_rate_, m.streamed_params / (m.gpu_loop_us * 1e-6));
+  }
+  if (m.cpu_params > 0 && m.gpu_h2d_bytes > 0) {
+    // Host bytes per CPU-path parameter: the kernel's 24 of state plus the
+    // gradient and weight, each once by the kernel and once by DMA; the GPU
+    // path's state crosses host memory twice (H2D read, D2H write).
+    const double per_cpu_param = 24.0 + 2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
+    const double host_bytes =
+        m.cpu_params * per_cpu_param + 2.0 * static_cast<double>(m.gpu_h2d_bytes);
+    model_.ObserveHostTraffic(host_bytes, m.wall_us * 1e-6);
+  }
+  ++steps_;
+  if (!options_.budgets.gpu) return;
+  uint64_t resident = 0, streamed = 0, cpu = 0;
+  for (const TimelineEntry& e : m.entries) (e.path == 'r' ? resident : e.path == 'g' ? streamed : cpu)++;
+  DOS_LOG_DEBUG("gpu.step", "policy", FormatPolicy(plan.policy), "measured_us", m.wall_us,
+                "predicted_us", plan.predicted_us, "x_model", plan.gpu_share, "gpu_subgroups",
+                streamed, "resident", resident, "cpu_subgroups", cpu, "binding", plan.binding);
+  if (!options_.timeline_path.empty()) {
+    AppendTimeline(options_.timeline_path,
+                   TimelineLine(steps_, plan.policy, m.wall_us, plan.predicted_us, m.entries));
+  }
+}
+
+PerfInputs StepPlanner::model_inputs() const {
+  absl::MutexLock lock(&mu_);
+  return model_.inputs();
+}
+
+double StepPlanner::cpu_path_rate() const {
+  absl::MutexLock lock(&mu_);
+  return cpu_path_rate_;
+}
+
+double StepPlanner::gpu_path_rate() const {
+  absl::MutexLock lock(&mu_);
+  return gpu_path_rate_;
+}
+
+}  // namespace dos

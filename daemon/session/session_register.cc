@@ -1,0 +1,207 @@
+// Session::Register, one step per function: validate the spec, pick the
+// executor (engine and planner) of the tensors' memory, map the tensors, get
+// the state (the resumed session's, or a new one initialised from the
+// trainer's weights or a checkpoint), bind it to the engine (page-lock,
+// trainer event), publish. Nothing is kept if any step fails.
+#include <algorithm>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/checkpoint/checkpoint_reader.h"
+#include "daemon/checkpoint/shard_checkpoint.h"
+#include "daemon/common/log.h"
+#include "dos/wire/status_macros.h"
+#include "daemon/session/session.h"
+
+namespace dos {
+
+// What Register builds before it commits it to the session.
+struct Session::Registration {
+  StepExecutor* executor = nullptr;
+  GpuDeviceInfo device;  // ordinal -1: the host engine
+  std::unique_ptr<Transport> transport;
+  std::vector<TensorBinding> bindings;
+  std::vector<TensorInfo> infos;
+  std::unique_ptr<ShardState> shard;
+  std::string restored_from;  // "", "resume" or a checkpoint path
+  void* trainer_event = nullptr;
+  bool attached = false;  // the engine's AttachShard ran (new state: before its weights)
+};
+
+absl::Status Session::Register(const ShardSpec& spec) {
+  absl::MutexLock lock(&mu_);
+  absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
+  if (shard_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("register: session ", identity_.id,
+                     " already has a registered shard; attach a new session to register "
+                     "different tensors"));
+  }
+  DOS_RETURN_IF_ERROR(ValidateShardSpec(spec));
+  Registration reg;
+  DOS_RETURN_IF_ERROR(PickExecutor(spec, &reg));
+  DOS_RETURN_IF_ERROR(MapTensors(spec, &reg));
+  DOS_RETURN_IF_ERROR(adopted_ != nullptr ? ResumeState(spec, &reg) : NewState(spec, &reg));
+  absl::Status bound = BindEngine(spec, &reg);
+  if (!bound.ok()) {
+    // A resumed state goes back to wait for the next attempt.
+    if (reg.restored_from == "resume") adopted_ = std::move(reg.shard);
+    return bound;
+  }
+  Publish(&reg);
+  return absl::OkStatus();
+}
+
+absl::Status Session::PickExecutor(const ShardSpec& spec, Registration* reg) {
+  if (!InDeviceMemory(spec)) {
+    reg->executor = executors_->host();
+  } else {
+    // The engine of the device the tensors live on (the rank's GPU), by UUID.
+    const TensorSpec& t0 = spec.tensors[0];
+    DOS_ASSIGN_OR_RETURN(ExecutorSet::Device d,
+                         executors_->ForDeviceUuid(t0.param.device_uuid,
+                                                   TensorWhat(0, t0.name, "param")));
+    reg->executor = d.executor;
+    reg->device = d.device;
+  }
+  reg->transport = reg->executor->engine()->NewTransport();
+  return absl::OkStatus();
+}
+
+absl::Status Session::MapTensors(const ShardSpec& spec, Registration* reg) {
+  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    TensorBinding b;
+    DOS_ASSIGN_OR_RETURN(b.param, reg->transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
+                                                      TensorWhat(i, t.name, "param")));
+    DOS_ASSIGN_OR_RETURN(void* grad,
+                         reg->transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
+                                             TensorWhat(i, t.name, "grad")));
+    b.grad = grad;
+    reg->bindings.push_back(b);
+    reg->infos.push_back(TensorInfo{.name = t.name,
+                                    .param_dtype = t.param_dtype,
+                                    .grad_dtype = t.grad_dtype,
+                                    .numel = t.numel,
+                                    .group = t.group});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ResumeState(const ShardSpec& spec, Registration* reg) {
+  // A resumed session: the state survived the trainer's death. The new
+  // process must register the same layout; its weights are rewritten from
+  // the fp32 masters, so it continues exactly where the state stands.
+  CheckpointLayout wanted;
+  wanted.tensors.reserve(reg->infos.size());
+  for (const TensorInfo& t : reg->infos) {
+    wanted.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, 0});
+  }
+  wanted.groups = spec.groups;
+  DOS_RETURN_IF_ERROR(CheckLayoutMatches(
+      wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
+  reg->shard = std::move(adopted_);
+  reg->restored_from = "resume";
+  return absl::OkStatus();
+}
+
+absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
+  uint64_t numel = 0;
+  for (const TensorInfo& t : reg->infos) numel += t.numel;
+  if (options_.memory_limit != 0 &&
+      numel * ShardState::kStateBytesPerParam > options_.memory_limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: the tensors hold ", numel, " parameters, ",
+        FormatBytes(numel * ShardState::kStateBytesPerParam), " of optimizer state; dosd's "
+        "--session_memory_limit allows ", FormatBytes(options_.memory_limit),
+        " per session; shard the model over more ranks or raise the limit"));
+  }
+  const uint64_t subgroup_size =
+      spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
+  DOS_ASSIGN_OR_RETURN(reg->shard,
+                       ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
+                                          budget_,
+                                          absl::StrCat("register: session ", identity_.id),
+                                          {.huge_pages = options_.huge_pages,
+                                           .progress = register_progress_.get()}));
+  // Page-locked (GPU engines) before the weights come over: they then land
+  // at PCIe speed (StepExecutor::ReadWeights stages them in exp_avg).
+  DOS_RETURN_IF_ERROR(reg->executor->engine()->AttachShard(*reg->shard, register_progress_.get()));
+  reg->attached = true;
+  // Initialise the fp32 masters from the trainer's weights.
+  register_progress_->BeginPhase(kRegisterReadingWeights, numel * sizeof(float));
+  for (uint32_t i = 0; i < reg->shard->tensors().size(); ++i) {
+    DOS_RETURN_IF_ERROR(reg->executor->ReadWeights(*reg->shard, reg->bindings, i));
+    register_progress_->Add(reg->shard->tensors()[i].numel * sizeof(float));
+  }
+  // A daemon restarted with checkpoints of this client name and rank: the
+  // first (highest step) whose layout matches is loaded. LoadShard leaves
+  // the state untouched on any failure, so a bad file only costs a log line.
+  for (const std::string& path : restore_candidates_) {
+    absl::Status st = LoadShard(reg->shard.get(), path, Env::Default());
+    if (st.ok()) {
+      reg->restored_from = path;
+      break;
+    }
+    DOS_LOG_WARNING("session.restore_skipped", "session", identity_.id, "path", path, "error",
+                    st.message());
+  }
+  restore_candidates_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Session::BindEngine(const ShardSpec& spec, Registration* reg) {
+  if (!reg->restored_from.empty()) {
+    for (uint32_t i = 0; i < reg->shard->tensors().size(); ++i) {
+      DOS_RETURN_IF_ERROR(reg->executor->WriteWeights(*reg->shard, reg->bindings, i));
+    }
+    DOS_LOG_INFO("session.restored", "session", identity_.id, "from", reg->restored_from, "step",
+                 reg->shard->tensors()[0].step);
+  }
+  Engine* engine = reg->executor->engine();
+  if (!reg->attached) {  // a resumed shard (new ones are attached in NewState)
+    DOS_RETURN_IF_ERROR(engine->AttachShard(*reg->shard, register_progress_.get()));
+  }
+  if (!spec.cuda_ipc_event.empty()) {
+    DOS_ASSIGN_OR_RETURN(reg->trainer_event, engine->OpenTrainerEvent(spec.cuda_ipc_event));
+  }
+  return absl::OkStatus();
+}
+
+void Session::Publish(Registration* reg) {
+  const ShardState& shard = *reg->shard;
+  std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups(shard.tensors().size(),
+                                                              {UINT32_MAX, 0});
+  for (uint32_t k = 0; k < shard.subgroups().size(); ++k) {
+    for (const SubgroupSegment& seg : shard.subgroups()[k].segments) {
+      auto& r = tensor_subgroups[seg.tensor];
+      r.first = std::min(r.first, k);
+      r.second = std::max(r.second, k);
+    }
+  }
+  {
+    absl::MutexLock stats_lock(&stats_mu_);
+    summary_ = Summary{.registered = true,
+                       .params = shard.total_params(),
+                       .tensors = static_cast<uint32_t>(shard.tensors().size()),
+                       .subgroups = static_cast<uint32_t>(shard.subgroups().size()),
+                       .state_bytes = shard.state_bytes(),
+                       .step = shard.tensors()[0].step,
+                       .restored_from = reg->restored_from,
+                       .tensor_subgroups = std::move(tensor_subgroups),
+                       .gpu_device = reg->device.ordinal,
+                       .gpu_uuid = reg->device.uuid};
+  }
+  DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard.tensors().size(),
+               "params", shard.total_params(), "subgroups", shard.subgroups().size(),
+               "state_bytes", shard.state_bytes(), "device", reg->executor->engine()->name(),
+               "gpu_uuid", reg->device.uuid);
+  executor_ = reg->executor;
+  transport_ = std::move(reg->transport);
+  bindings_ = std::move(reg->bindings);
+  trainer_event_ = reg->trainer_event;
+  shard_ = std::move(reg->shard);
+}
+
+}  // namespace dos

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# What a new user meets on the command line (ctest cli_integration): --help
+# and -h list the flags and exit 0, --version prints the project version, a
+# --flagfile that overrides an earlier command-line flag is warned about, and a
+# dosd started by hand keeps its checkpoints under the user's state folder
+# (never /var/lib/dos) and leaves nothing behind after a clean stop.
+#
+#   tests/integration/cli_test.sh DOSD DOSCTL VERSION
+set -euo pipefail
+dosd=${1:?usage: cli_test.sh DOSD DOSCTL VERSION}
+dosctl=${2:?}
+version=${3:?}
+tmp=$(mktemp -d /tmp/dos-cli-test.XXXXXX)
+pid=
+cleanup() {
+  if [ -n "$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+for prog in "$dosd" "$dosctl"; do
+  name=$(basename "$prog")
+  [ "$("$prog" --version)" = "$name $version" ] || fail "$name --version: $("$prog" --version)"
+  for h in --help -h; do
+    "$prog" "$h" > "$tmp/help" || fail "$name $h exited $?"
+    grep -q -- '--socket=STRING' "$tmp/help" || fail "$name $h does not list --socket"
+  done
+done
+grep -q -- '--host_memory_limit=STRING' <("$dosd" --help) || fail "dosd --help lacks --host_memory_limit"
+grep -q -- 'policy set' <("$dosctl" --help) || fail "dosctl --help lacks the commands"
+echo "ok: --help, -h, --version"
+
+# The README's old order: the flagfile's value wins, and dosd says so.
+printf -- '--host_memory_limit=0\n--socket_mode=not-octal\n' > "$tmp/dosd.flags"
+rc=0
+"$dosd" --socket="$tmp/x.sock" --host_memory_limit=512G --flagfile="$tmp/dosd.flags" \
+  2> "$tmp/err" || rc=$?
+[ "$rc" -eq 1 ] || fail "dosd should stop at --socket_mode=not-octal (exit 1), got $rc"
+grep -q 'event=daemon.flag_overridden' "$tmp/err" || { cat "$tmp/err"; fail "no override warning"; }
+grep -q -- '--host_memory_limit=512G from the command line is overridden by --host_memory_limit=0' \
+  "$tmp/err" || { cat "$tmp/err"; fail "the warning does not name both values"; }
+"$dosd" --flagfile="$tmp/dosd.flags" --host_memory_limit=512G --socket="$tmp/x.sock" \
+  2> "$tmp/err" || true
+if grep -q 'flag_overridden' "$tmp/err"; then fail "warned with --flagfile first"; fi
+echo "ok: a flagfile overriding a command-line flag is warned about"
+
+# Started by hand: checkpoints in $XDG_STATE_HOME (else ~/.local/state), not /var/lib/dos.
+mkdir -p "$tmp/home" "$tmp/run"
+env -u XDG_STATE_HOME HOME="$tmp/home" "$dosd" --socket="$tmp/run/dosd.sock" \
+  --shm_prefix="/dos-cli$$" 2> "$tmp/dosd.log" &
+pid=$!
+for _ in $(seq 400); do [ -S "$tmp/run/dosd.sock" ] && break; sleep 0.05; done
+[ -S "$tmp/run/dosd.sock" ] || { cat "$tmp/dosd.log"; fail "dosd did not listen"; }
+grep -q "dir=$tmp/home/.local/state/dos/checkpoints" "$tmp/dosd.log" ||
+  { cat "$tmp/dosd.log"; fail "checkpoints not under \$HOME/.local/state/dos"; }
+[ -d "$tmp/home/.local/state/dos/checkpoints" ] || fail "checkpoint folder not created"
+json=$("$dosctl" --socket="$tmp/run/dosd.sock" --json status)
+grep -q "\"daemon_version\": \"$version\"" <<<"$json" || fail "dosctl status --json: $json"
+kill -TERM "$pid"
+wait "$pid" || fail "dosd exited $? after SIGTERM"
+pid=
+left=$(ls -A "$tmp/run")
+[ -z "$left" ] || fail "a clean stop left $left in the socket folder"
+echo "ok: checkpoints under the user's state folder; a clean stop leaves no socket, lock or auth file"
+
+XDG_STATE_HOME="$tmp/state" "$dosd" --socket="$tmp/run/dosd.sock" 2> "$tmp/dosd.log" &
+pid=$!
+for _ in $(seq 400); do [ -S "$tmp/run/dosd.sock" ] && break; sleep 0.05; done
+grep -q "dir=$tmp/state/dos/checkpoints" "$tmp/dosd.log" ||
+  { cat "$tmp/dosd.log"; fail "checkpoints not under \$XDG_STATE_HOME/dos"; }
+kill -TERM "$pid"
+wait "$pid" || fail "dosd exited $? after SIGTERM"
+pid=
+echo "ok: \$XDG_STATE_HOME honoured"

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Structure limits of the repository (issue 13), run by ctest as `structure`.
+
+  - no source file under daemon/ longer than 600 lines;
+  - no function under daemon/ longer than 100 lines (from its opening brace
+    to its closing one), found by a brace counter that skips comments,
+    string and character literals: a `{` whose enclosing scopes are all
+    namespaces, classes or `extern` blocks and whose preceding text holds a
+    parameter list opens a function (lambdas and nested blocks count toward
+    the function they sit in);
+  - nothing under client/ includes a daemon/ header.
+
+Usage: check_structure.py [--only=daemon|client] REPO_ROOT. Prints every
+violation with its file and line and exits 1 if there is any.
+"""
+import os
+import re
+import sys
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
+SOURCE_EXT = (".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh")
+
+
+def strip_code(text):
+    """Text with comments and literals blanked (newlines kept)."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif text.startswith('R"', i) and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            m = re.match(r'R"([^(\s]*)\(', text[i:])
+            if not m:
+                out.append(c)
+                i += 1
+                continue
+            end = ")" + m.group(1) + '"'
+            j = text.find(end, i + m.end())
+            j = n if j < 0 else j + len(end)
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif c in "\"'":
+            # A digit separator (1'000) is not a character literal.
+            if c == "'" and i > 0 and text[i - 1].isalnum() and i + 1 < n and text[i + 1].isalnum():
+                out.append(" ")
+                i += 1
+                continue
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            j = min(j + 1, n)
+            out.append(" " * (j - i))
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+SCOPE_RE = re.compile(r"\b(namespace|class|struct|union|enum)\b[^;()]*$|\bextern\s*$")
+
+
+def functions(code):
+    """(start_line, lines, head) of every function body in stripped code."""
+    stack = []  # per open brace: (kind, start_line, head)
+    found = []
+    line = 1
+    last = 0  # index after the last ; { }
+    for i, c in enumerate(code):
+        if c == "\n":
+            line += 1
+        elif c == "{":
+            head = code[last:i]
+            head_flat = " ".join(head.split())
+            if all(k == "scope" for k, _, _ in stack):
+                if SCOPE_RE.search(head_flat) or head_flat.endswith("extern \"C\""):
+                    kind = "scope"
+                elif ")" in head_flat and not head_flat.endswith("="):
+                    kind = "function"
+                else:
+                    kind = "block"  # an initializer or a class-like scope we did not recognise
+            else:
+                kind = "inner"
+            stack.append((kind, line, head_flat))
+            last = i + 1
+        elif c == "}":
+            if stack:
+                kind, start, head = stack.pop()
+                if kind == "function":
+                    found.append((start, line - start + 1, head))
+            last = i + 1
+        elif c == ";":
+            last = i + 1
+    return found
+
+
+def main(root, only=None):
+    problems = []
+    if only != "client":
+        problems += check_daemon(root)
+    if only != "daemon":
+        problems += check_client(root)
+    for p in problems:
+        print(p)
+    print(f"structure: {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def check_daemon(root):
+    problems = []
+    daemon = os.path.join(root, "daemon")
+    for dirpath, _, files in os.walk(daemon):
+        for f in sorted(files):
+            if not f.endswith(SOURCE_EXT):
+                continue
+            path = os.path.join(dirpath, f)
+            rel = os.path.relpath(path, root)
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+            n_lines = text.count("\n")
+            if n_lines > MAX_FILE_LINES:
+                problems.append(f"{rel}: {n_lines} lines (limit {MAX_FILE_LINES}): split it by responsibility")
+            for start, length, head in functions(strip_code(text)):
+                if length > MAX_FUNCTION_LINES:
+                    name = head[-80:]
+                    problems.append(f"{rel}:{start}: function of {length} lines (limit "
+                                    f"{MAX_FUNCTION_LINES}): {name}")
+    return problems
+
+
+def check_client(root):
+    problems = []
+    client = os.path.join(root, "client")
+    include_re = re.compile(r'^\s*#\s*include\s*[<"](daemon/[^">]+)[">]', re.M)
+    for dirpath, _, files in os.walk(client):
+        for f in sorted(files):
+            if not f.endswith(SOURCE_EXT):
+                continue
+            path = os.path.join(dirpath, f)
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+            for m in include_re.finditer(text):
+                ln = text.count("\n", 0, m.start()) + 1
+                problems.append(f"{os.path.relpath(path, root)}:{ln}: includes {m.group(1)}; the "
+                                "client may use only shared code, never daemon/ headers")
+    return problems
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--only=")]
+    only = next((a[len("--only="):] for a in sys.argv[1:] if a.startswith("--only=")), None)
+    root = args[0] if args else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    sys.exit(main(root, only))

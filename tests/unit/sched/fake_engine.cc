@@ -1,0 +1,229 @@
+#include "tests/unit/sched/fake_engine.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/cpu/subgroup_spans.h"
+#include "daemon/transport/shm_transport.h"
+
+namespace dos {
+namespace {
+
+// Shared memory as the host transport maps it; lent "device" memory from the
+// engine; either fails when the engine says so.
+class FakeTransport final : public Transport {
+ public:
+  explicit FakeTransport(FakeEngine* engine) : engine_(engine) {}
+  absl::StatusOr<void*> Map(const MemoryRef& ref, uint64_t bytes,
+                            absl::string_view what) override {
+    if (absl::Status st = engine_->map_fault(); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+    }
+    if (ref.is_cuda_ipc()) return engine_->Resolve(ref, bytes, what);
+    return shm_.Map(ref, bytes, what);
+  }
+
+ private:
+  FakeEngine* const engine_;
+  ShmTransport shm_;
+};
+
+int event_token = 0;  // the address is the fake event
+
+}  // namespace
+
+FakeEngine::FakeEngine(Options options)
+    : options_(options), cpu_(cpu::CpuUpdaterOptions{.threads = 1}) {}
+
+void FakeEngine::LendDeviceMemory(const std::string& handle, void* base, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  device_memory_[handle] = {static_cast<char*>(base), bytes};
+}
+
+void FakeEngine::FailExecuteAfter(uint32_t subgroups, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  fail_execute_after_ = status.ok() ? std::nullopt : std::optional<uint32_t>(subgroups);
+  execute_fault_ = std::move(status);
+}
+void FakeEngine::FailAllFinite(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  all_finite_fault_ = std::move(status);
+}
+void FakeEngine::FailAttach(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  attach_fault_ = std::move(status);
+}
+void FakeEngine::FailMap(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  map_fault_ = std::move(status);
+}
+void FakeEngine::FailOpenEvent(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  event_fault_ = std::move(status);
+}
+absl::Status FakeEngine::map_fault() const {
+  absl::MutexLock lock(&mu_);
+  return map_fault_;
+}
+
+std::vector<StepPlan> FakeEngine::plans() const {
+  absl::MutexLock lock(&mu_);
+  return plans_;
+}
+int FakeEngine::attached() const {
+  absl::MutexLock lock(&mu_);
+  return attached_;
+}
+int FakeEngine::open_events() const {
+  absl::MutexLock lock(&mu_);
+  return open_events_;
+}
+std::vector<uint32_t> FakeEngine::done_subgroups() const {
+  absl::MutexLock lock(&mu_);
+  return done_;
+}
+
+std::unique_ptr<Transport> FakeEngine::NewTransport() {
+  return std::make_unique<FakeTransport>(this);
+}
+
+absl::StatusOr<void*> FakeEngine::Resolve(const MemoryRef& ref, uint64_t bytes,
+                                          absl::string_view what) {
+  absl::MutexLock lock(&mu_);
+  auto it = device_memory_.find(ref.cuda_ipc_handle);
+  if (it == device_memory_.end() || ref.offset + bytes > it->second.second) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": no lent device memory holds ", bytes, " bytes at ", ref.offset));
+  }
+  return static_cast<void*>(it->second.first + ref.offset);
+}
+
+absl::Status FakeEngine::AttachShard(ShardState&, RegisterProgress*) {
+  absl::MutexLock lock(&mu_);
+  if (!attach_fault_.ok()) return attach_fault_;
+  ++attached_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> FakeEngine::OpenTrainerEvent(const std::string& handle) {
+  absl::MutexLock lock(&mu_);
+  if (!options_.gpu) return absl::InvalidArgumentError("fake host engine: no events");
+  if (!event_fault_.ok()) return event_fault_;
+  if (handle.empty()) return absl::InvalidArgumentError("empty event handle");
+  ++open_events_;
+  return static_cast<void*>(&event_token);
+}
+
+void FakeEngine::CloseTrainerEvent(void* event) {
+  absl::MutexLock lock(&mu_);
+  if (event == &event_token) --open_events_;
+}
+
+absl::Status FakeEngine::WaitTrainerEvent(void* event) {
+  if (event != &event_token) return absl::InvalidArgumentError("not a fake event");
+  return absl::OkStatus();
+}
+
+absl::Status FakeEngine::CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) {
+  std::memcpy(dst, trainer_src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status FakeEngine::CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) {
+  std::memcpy(trainer_dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> FakeEngine::AllFinite(const ShardState& shard,
+                                           std::span<const TensorBinding> bindings) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!all_finite_fault_.ok()) return all_finite_fault_;
+  }
+  std::vector<cpu::CpuUpdater::GradRun> runs;
+  for (size_t t = 0; t < shard.tensors().size(); ++t) {
+    runs.push_back({bindings[t].grad, shard.tensors()[t].grad_dtype, shard.tensors()[t].numel});
+  }
+  return cpu_.AllFinite(runs);
+}
+
+std::vector<std::pair<uint32_t, char>> FakeEngine::Order(const StepPlan& plan) {
+  std::vector<std::pair<uint32_t, char>> order;
+  for (uint32_t i = 0; i < plan.resident; ++i) order.emplace_back(i, 'r');
+  for (uint32_t i : plan.gpu_only) order.emplace_back(i, 'g');
+  // Shared subgroups: alternately from the front (GPU) and the back (CPU),
+  // as the two sides claim them.
+  size_t front = 0, back = plan.shared.size();
+  for (bool gpu = true; front < back; gpu = !gpu) {
+    order.emplace_back(gpu ? plan.shared[front++] : plan.shared[--back], gpu ? 'g' : 'c');
+  }
+  for (uint32_t i : plan.cpu_only) order.emplace_back(i, 'c');
+  return order;
+}
+
+void FakeEngine::Measure(uint32_t sg, char path, uint64_t numel, StepMeasurements* m) const {
+  const double n = static_cast<double>(numel);
+  TimelineEntry e{.subgroup = sg, .path = path};
+  if (path == 'c') {
+    m->cpu_params += numel;
+    m->cpu_kernel_us += n / options_.cpu_params_per_s * 1e6;
+    m->cpu_loop_us += n / options_.cpu_params_per_s * 1e6;
+  } else {
+    m->gpu_params += numel;
+    m->gpu_kernel_us += n / options_.gpu_params_per_s * 1e6;
+  }
+  if (path == 'g') {
+    m->streamed_params += numel;
+    m->gpu_h2d_bytes += 12 * numel;
+    m->gpu_d2h_bytes += 12 * numel;
+    m->h2d_us += 12 * n / options_.copy_bytes_per_s * 1e6;
+    m->d2h_us += 12 * n / options_.copy_bytes_per_s * 1e6;
+    m->gpu_loop_us += 12 * n / options_.copy_bytes_per_s * 1e6;
+  }
+  m->entries.push_back(e);
+}
+
+absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
+                                 std::span<const TensorBinding> bindings,
+                                 std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
+                                 StepMeasurements* measured) {
+  std::optional<uint32_t> fail_after;
+  absl::Status fault;
+  {
+    absl::MutexLock lock(&mu_);
+    plans_.push_back(plan);
+    done_.clear();
+    fail_after = fail_execute_after_;
+    fault = execute_fault_;
+  }
+  uint32_t updated = 0;
+  for (auto [sg, path] : Order(plan)) {
+    if (fail_after && updated == *fail_after) return fault;
+    const Subgroup& g = shard.subgroups()[sg];
+    std::vector<cpu::CpuUpdater::Item> items;
+    absl::Status st = cpu::ForEachSegmentSpan(
+        shard.tensors(), g, g.master,
+        [&](const SubgroupSegment& seg, const TensorInfo& t) {
+          return cpu::TrainerIo(t, seg, bindings[seg.tensor].grad, bindings[seg.tensor].param);
+        },
+        [&](const SubgroupSegment& seg, const cpu::AdamSpan& span) {
+          items.push_back({scalars[seg.tensor], span});
+          return absl::OkStatus();
+        });
+    if (!st.ok()) return st;
+    shard.BeforeWrite(sg);
+    cpu_.Run(items);
+    Measure(sg, path, g.numel, measured);
+    if (sync.subgroup_done) sync.subgroup_done(sg);
+    {
+      absl::MutexLock lock(&mu_);
+      done_.push_back(sg);
+    }
+    ++updated;
+  }
+  measured->wall_us = measured->cpu_loop_us + measured->gpu_loop_us;
+  return absl::OkStatus();
+}
+
+}  // namespace dos

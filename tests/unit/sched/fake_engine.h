@@ -1,0 +1,102 @@
+// FakeEngine: an Engine for tests, without a GPU. It executes every plan on
+// the CPU updater whatever the placement (so results are the host engine's,
+// bit for bit), records each plan and reports the path the plan chose for
+// each subgroup ('r', 'g', 'c') with synthetic timings from configured rates
+// (so the planner's learning can be tested). "Device" memory is host memory
+// the test lends it under a CUDA IPC handle string (LendDeviceMemory), so a
+// session can register GPU-mode tensors and run its full step flow on it.
+//
+// Faults are injected at the engine and transport seams: Execute failing
+// after N subgroups (an engine error mid-step), AllFinite, AttachShard,
+// OpenTrainerEvent failing, and transports that fail to map.
+//
+// Thread-safety: thread-safe (one mutex around its records and faults).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/cpu/cpu_updater.h"
+#include "daemon/sched/engine.h"
+
+namespace dos {
+
+struct FakeEngineOptions {
+  bool gpu = false;                    // plans may use a GPU
+  double cpu_params_per_s = 1e9;       // synthetic rates the measurements report
+  double gpu_params_per_s = 100e9;
+  double copy_bytes_per_s = 50e9;
+};
+
+class FakeEngine final : public Engine {
+ public:
+  using Options = FakeEngineOptions;
+  explicit FakeEngine(Options options = {});
+
+  // Memory a CUDA IPC location with handle `handle` resolves to.
+  void LendDeviceMemory(const std::string& handle, void* base, uint64_t bytes);
+
+  // Faults (a default Status clears one).
+  void FailExecuteAfter(uint32_t subgroups, absl::Status status);
+  void FailAllFinite(absl::Status status);
+  void FailAttach(absl::Status status);
+  void FailMap(absl::Status status);
+  void FailOpenEvent(absl::Status status);
+
+  // Records.
+  std::vector<StepPlan> plans() const;
+  int attached() const;
+  int open_events() const;  // opened and not closed
+  std::vector<uint32_t> done_subgroups() const;  // subgroup_done calls of the last step
+
+  bool has_gpu() const override { return options_.gpu; }
+  bool host_addressable() const override { return true; }
+  std::string name() const override { return options_.gpu ? "fake-gpu" : "fake-host"; }
+  std::unique_ptr<Transport> NewTransport() override;
+  absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) override;
+  absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
+  void CloseTrainerEvent(void* event) override;
+  absl::Status WaitTrainerEvent(void* event) override;
+  absl::Status CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) override;
+  absl::Status CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) override;
+  absl::StatusOr<bool> AllFinite(const ShardState& shard,
+                                 std::span<const TensorBinding> bindings) override;
+  absl::Status Execute(const StepPlan& plan, ShardState& shard,
+                       std::span<const TensorBinding> bindings,
+                       std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
+                       StepMeasurements* measured) override;
+  absl::Status SyncResidentToHost(ShardState&) override { return absl::OkStatus(); }
+  void DropResident(ShardState&) override {}
+
+  // Resolves a lent CUDA IPC location (FakeTransport).
+  absl::StatusOr<void*> Resolve(const MemoryRef& ref, uint64_t bytes, absl::string_view what);
+  absl::Status map_fault() const;
+
+ private:
+  // The order the plan's subgroups are updated in, with each one's path.
+  static std::vector<std::pair<uint32_t, char>> Order(const StepPlan& plan);
+  void Measure(uint32_t sg, char path, uint64_t numel, StepMeasurements* m) const;
+
+  const Options options_;
+  cpu::CpuUpdater cpu_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::pair<char*, uint64_t>> device_memory_ ABSL_GUARDED_BY(mu_);
+  std::optional<uint32_t> fail_execute_after_ ABSL_GUARDED_BY(mu_);
+  absl::Status execute_fault_ ABSL_GUARDED_BY(mu_);
+  absl::Status all_finite_fault_ ABSL_GUARDED_BY(mu_);
+  absl::Status attach_fault_ ABSL_GUARDED_BY(mu_);
+  absl::Status map_fault_ ABSL_GUARDED_BY(mu_);
+  absl::Status event_fault_ ABSL_GUARDED_BY(mu_);
+  std::vector<StepPlan> plans_ ABSL_GUARDED_BY(mu_);
+  int attached_ ABSL_GUARDED_BY(mu_) = 0;
+  int open_events_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint32_t> done_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace dos

@@ -1,0 +1,201 @@
+// StepExecutor on the host path (no GPU): a step against the double
+// reference, skipped steps, the flags and refusals, copy-on-write snapshots
+// during a step, and the weight conversions at registration.
+#include "daemon/sched/step_executor.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "daemon/cpu/adam_reference.h"
+#include "daemon/cpu/host_engine.h"
+
+namespace dos {
+namespace {
+
+constexpr uint64_t kSubgroup = 1000;
+
+// Two fp32 tensors (3001 and 1500 elements: subgroups cross the boundary)
+// whose trainer memory is plain host vectors.
+struct Fixture {
+  HostMemoryBudget budget{0};
+  cpu::CpuUpdater cpu{cpu::CpuUpdaterOptions{.threads = 2}};
+  cpu::HostEngine engine{&cpu};
+  std::unique_ptr<ShardState> shard;
+  std::vector<std::vector<float>> params, grads;
+  std::vector<TensorBinding> bindings;
+
+  Fixture() {
+    std::vector<TensorInfo> tensors(2);
+    tensors[0].numel = 3001;
+    tensors[1].numel = 1500;
+    shard = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &budget, "test");
+    for (const TensorInfo& t : shard->tensors()) {
+      params.emplace_back(t.numel);
+      grads.emplace_back(t.numel);
+      for (uint64_t i = 0; i < t.numel; ++i) {
+        params.back()[i] = 0.5f + 1e-3f * static_cast<float>(i % 97);
+        grads.back()[i] = 1e-2f * static_cast<float>(static_cast<int>(i % 13) - 6);
+      }
+    }
+    for (size_t t = 0; t < params.size(); ++t) {
+      bindings.push_back({params[t].data(), grads[t].data()});
+    }
+    StepExecutor ex(&engine);
+    for (uint32_t t = 0; t < 2; ++t) EXPECT_TRUE(ex.ReadWeights(*shard, bindings, t).ok());
+  }
+
+  static StepRequest Request() {
+    StepRequest r{};
+    r.num_groups = 1;
+    r.grad_scale = 1;
+    r.clip_coef = 1;
+    r.groups[0] = GroupStepParams{1e-2, 0.9, 0.999, 1e-8, 0.01};
+    return r;
+  }
+
+  std::vector<float> Master(uint32_t t) const {
+    std::vector<float> v(shard->tensors()[t].numel);
+    shard->ReadTensor(t, 0, v.data());
+    return v;
+  }
+};
+
+TEST(StepExecutorTest, AHostStepMatchesTheDoubleReference) {
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(out->found_inf);
+  EXPECT_EQ(out->step, 1);
+  EXPECT_EQ(out->cpu_subgroups, 5u);
+  for (uint32_t t = 0; t < 2; ++t) {
+    const uint64_t n = f.shard->tensors()[t].numel;
+    std::vector<float> p0(n), m0(n, 0), v0(n, 0);
+    for (uint64_t i = 0; i < n; ++i) p0[i] = 0.5f + 1e-3f * static_cast<float>(i % 97);
+    cpu::AdamSpan span{f.grads[t].data(), DType::kF32, p0.data(), m0.data(), v0.data(),
+                       nullptr, DType::kF32, n};
+    std::vector<cpu::ReferenceElement> ref(n);
+    cpu::AdamReference({Fixture::Request().groups[0], true, 1, 1, 1}, span, ref.data());
+    std::vector<float> got = f.Master(t);
+    for (uint64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(got[i], ref[i].p.value, 8 * 0x1p-24 * ref[i].p.magnitude + 1e-30) << t << " " << i;
+      ASSERT_EQ(f.params[t][i], got[i]);  // the trainer's fp32 weights are the masters
+    }
+  }
+}
+
+TEST(StepExecutorTest, NonFiniteGradientsSkipTheStepAndKeepTheCounters) {
+  Fixture f;
+  f.grads[1][77] = std::numeric_limits<float>::infinity();
+  const std::vector<float> before = f.Master(0);
+  StepExecutor ex(&f.engine);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->found_inf);
+  EXPECT_EQ(out->step, 0);
+  EXPECT_EQ(f.shard->tensors()[1].step, 0);
+  EXPECT_EQ(f.Master(0), before);
+}
+
+TEST(StepExecutorTest, GradientsCheckedByTheClientAreNotScannedAgain) {
+  Fixture f;
+  f.grads[0][5] = std::numeric_limits<float>::quiet_NaN();
+  StepRequest r = Fixture::Request();
+  r.flags = kStepGradientsChecked;
+  StepExecutor ex(&f.engine);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(out->found_inf);
+  EXPECT_EQ(out->step, 1);
+  EXPECT_TRUE(std::isnan(f.Master(0)[5]));
+}
+
+TEST(StepExecutorTest, ATrainerEventFlagWithoutAnEventIsRefused) {
+  Fixture f;
+  StepRequest r = Fixture::Request();
+  r.flags = kStepTrainerEventRecorded;
+  StepExecutor ex(&f.engine);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_EQ(f.shard->tensors()[0].step, 0);
+}
+
+TEST(StepExecutorTest, InvalidHyperparametersLeaveTheStateUntouched) {
+  Fixture f;
+  const std::vector<float> before = f.Master(1);
+  StepRequest r = Fixture::Request();
+  r.groups[0].lr = -1;
+  StepExecutor ex(&f.engine);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(out.status().message().find("lr"), absl::string_view::npos) << out.status();
+  EXPECT_EQ(f.Master(1), before);
+  r = Fixture::Request();
+  r.num_groups = 2;
+  EXPECT_EQ(ex.Run(*f.shard, f.bindings, r, Policy{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepExecutorTest, EveryPolicyRunsOnTheHostPathAlike) {
+  std::vector<float> first;
+  for (const char* policy : {"cpu", "static:0.5", "interleave:2", "auto"}) {
+    Fixture f;
+    StepExecutor ex(&f.engine);
+    for (int s = 0; s < 3; ++s) {
+      ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), *ParsePolicy(policy)).ok());
+    }
+    if (first.empty()) first = f.Master(1);
+    EXPECT_EQ(f.Master(1), first) << policy;
+  }
+}
+
+TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheBoundaryInTheStagingCopy) {
+  Fixture f;
+  Fixture plain;
+  HostMemoryBudget staging_budget{0};
+  std::vector<TensorInfo> tensors(f.shard->tensors().begin(), f.shard->tensors().end());
+  auto staging = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &staging_budget, "s");
+  const std::vector<float> boundary = f.Master(0);
+  f.shard->BeginSnapshot(staging.get());
+  StepExecutor ex(&f.engine);
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{}).ok());
+  f.shard->FinishSnapshot();
+  ASSERT_TRUE(ex.Run(*plain.shard, plain.bindings, Fixture::Request(), Policy{}).ok());
+  std::vector<float> snap(boundary.size());
+  staging->ReadTensor(0, 0, snap.data());
+  EXPECT_EQ(snap, boundary);
+  EXPECT_EQ(f.Master(0), plain.Master(0));
+}
+
+TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
+  HostMemoryBudget budget{0};
+  cpu::CpuUpdater cpu{cpu::CpuUpdaterOptions{.threads = 1}};
+  std::vector<TensorInfo> tensors(1);
+  tensors[0].numel = 10;
+  tensors[0].param_dtype = DType::kBF16;
+  tensors[0].grad_dtype = DType::kBF16;
+  auto shard = *ShardState::Create(tensors, {GroupConfig{}}, 4, &budget, "t");
+  std::vector<uint16_t> param(10), grad(10);
+  for (int i = 0; i < 10; ++i) param[i] = FloatToBF16(0.25f * static_cast<float>(i) - 1.0f);
+  std::vector<TensorBinding> b = {{param.data(), grad.data()}};
+  cpu::HostEngine engine(&cpu);
+  StepExecutor ex(&engine);
+  ASSERT_TRUE(ex.ReadWeights(*shard, b, 0).ok());
+  std::vector<float> master(10);
+  shard->ReadTensor(0, 0, master.data());
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(master[i], 0.25f * static_cast<float>(i) - 1.0f);
+  master[3] = 1.00390625f;  // needs rounding to nearest even in bf16: 1.0
+  shard->WriteTensor(0, 0, master.data());
+  std::fill(param.begin(), param.end(), 0);
+  ASSERT_TRUE(ex.WriteWeights(*shard, b, 0).ok());
+  EXPECT_EQ(BF16ToFloat(param[3]), 1.0f);
+  EXPECT_EQ(BF16ToFloat(param[9]), 1.25f);
+}
+
+}  // namespace
+}  // namespace dos

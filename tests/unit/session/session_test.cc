@@ -1,0 +1,265 @@
+// Session's step flow on fake engines, in CI without a GPU: registration
+// picks the executor (engine and planner) of the tensors' memory, steps go
+// through the control block to the engine's Execute, faults at the engine
+// and transport seams come back as errors that leave the session usable, the
+// hyperparameter rules hold at registration and at every step (eps = 0
+// included), and a zombie trainer counts as gone.
+#include "daemon/session/session.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/sched/executor_set.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
+#include "tests/unit/sched/fake_engine.h"
+
+namespace dos {
+namespace {
+
+constexpr char kUuid[] = "GPU-11111111-2222-3333-4444-555555555555";
+constexpr uint64_t kNumel[] = {2500, 1300};  // subgroups of 1000 cross the boundary
+constexpr uint64_t kTotal = 3800;
+
+GroupStepParams Hyper(double eps = 1e-8) { return GroupStepParams{1e-2, 0.9, 0.999, eps, 0.01}; }
+
+class SessionTest : public testing::Test {
+ protected:
+  SessionTest() : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), executors_(&cpu_) {
+    PlannerOptions planner;
+    planner.budgets.gpu_resident_bytes = 1000 * 12;  // auto keeps one subgroup resident
+    executors_.AddGpu({0, kUuid, "fake"}, &gpu_, planner);
+    for (uint64_t i = 0; i < kTotal; ++i) {
+      params_[i] = 0.25f + 1e-3f * static_cast<float>(i % 101);
+      grads_[i] = 1e-2f * static_cast<float>(static_cast<int>(i % 17) - 8);
+    }
+    gpu_.LendDeviceMemory("params", params_.data(), 4 * kTotal);
+    gpu_.LendDeviceMemory("grads", grads_.data(), 4 * kTotal);
+  }
+
+  std::unique_ptr<Session> NewSession(const char* policy, int32_t pid = getpid(),
+                                      std::function<void(uint64_t)> gone = nullptr) {
+    SessionIdentity id;
+    id.id = ++next_id_;
+    id.token = "token";
+    id.pid = pid;
+    SessionOptions options;
+    options.shm_prefix = absl::StrCat("/dos-session-test-", getpid());
+    options.default_subgroup_size = 1000;
+    options.liveness_interval = absl::Milliseconds(10);
+    absl::StatusOr<std::unique_ptr<Session>> s = Session::Create(
+        id, options, *ParsePolicy(policy), &executors_, &budget_, std::move(gone));
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *std::move(s) : nullptr;
+  }
+
+  // GPU-mode tensors in the fake engine's lent memory.
+  static ShardSpec DeviceSpec(double eps = 1e-8) {
+    ShardSpec spec;
+    spec.groups.push_back(GroupConfig{Hyper(eps), true});
+    uint64_t off = 0;
+    for (uint64_t n : kNumel) {
+      TensorSpec t;
+      t.name = absl::StrCat("t", spec.tensors.size());
+      t.numel = n;
+      for (auto [ref, handle] : {std::pair{&t.param, "params"}, std::pair{&t.grad, "grads"}}) {
+        ref->cuda_ipc_handle = handle;
+        ref->offset = 4 * off;
+        ref->alloc_bytes = 4 * kTotal;
+        ref->device_uuid = kUuid;
+      }
+      spec.tensors.push_back(t);
+      off += n;
+    }
+    return spec;
+  }
+
+  // The same tensors in shared memory (host engine).
+  ShardSpec HostSpec() {
+    const std::string name = absl::StrCat("/dos-session-test-", getpid(), "-t", ++next_id_);
+    shm_ = *ShmSegment::Create(name, 8 * kTotal);
+    std::memcpy(shm_->data(), params_.data(), 4 * kTotal);
+    std::memcpy(static_cast<char*>(shm_->data()) + 4 * kTotal, grads_.data(), 4 * kTotal);
+    ShardSpec spec = DeviceSpec();
+    uint64_t off = 0;
+    for (TensorSpec& t : spec.tensors) {
+      t.param = ShmRef(name, 4 * off);
+      t.grad = ShmRef(name, 4 * (kTotal + off));
+      off += t.numel;
+    }
+    return spec;
+  }
+
+  // Rings one step through the control block and waits for its result.
+  static StepResult Step(Session& s, double eps = 1e-8, uint32_t flags = 0) {
+    std::unique_ptr<ShmSegment> seg = *ShmSegment::Open(s.control_block_name());
+    auto* block = static_cast<ControlBlock*>(seg->data());
+    ControlBlockChannel channel(block);
+    block->request.flags = flags;
+    block->request.num_groups = 1;
+    block->request.grad_scale = 1;
+    block->request.clip_coef = 1;
+    block->request.groups[0] = Hyper(eps);
+    const uint32_t seq = channel.PublishRequest();
+    EXPECT_TRUE(channel.WaitResult(seq, absl::Seconds(30)).ok());
+    EXPECT_EQ(channel.DoneWord(kMaxTrackedSubgroups - 1)->load(), seq);  // nobody left waiting
+    return block->result;
+  }
+
+  cpu::CpuUpdater cpu_;
+  FakeEngine gpu_{FakeEngine::Options{.gpu = true}};
+  ExecutorSet executors_;
+  HostMemoryBudget budget_{0};
+  std::vector<float> params_ = std::vector<float>(kTotal);
+  std::vector<float> grads_ = std::vector<float>(kTotal);
+  std::unique_ptr<ShmSegment> shm_;
+  uint64_t next_id_ = 0;
+};
+
+TEST_F(SessionTest, GpuModeStepsRunTheDevicesPlanOnItsEngine) {
+  auto s = NewSession("interleave:2");
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  EXPECT_EQ(gpu_.attached(), 1);
+  EXPECT_EQ(s->summary().gpu_device, 0);
+  EXPECT_EQ(s->summary().gpu_uuid, kUuid);
+  StepResult r = Step(*s);
+  EXPECT_EQ(r.status_code, 0) << r.message;
+  EXPECT_EQ(r.step, 1);
+  ASSERT_EQ(gpu_.plans().size(), 1u);
+  const StepPlan plan = gpu_.plans()[0];
+  EXPECT_EQ(plan.num_subgroups, 4u);
+  EXPECT_EQ(plan.gpu_only, (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(plan.cpu_only, (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(gpu_.done_subgroups().size(), 4u);
+  SessionStatsSnapshot st = s->stats();
+  EXPECT_EQ(st.last.gpu_subgroups, 2u);
+  EXPECT_EQ(st.last.cpu_subgroups, 2u);
+  EXPECT_GT(st.last.predicted_us, 0);
+  // A policy set later reaches the next plan.
+  s->SetPolicy(*ParsePolicy("auto"));
+  Step(*s);
+  EXPECT_EQ(gpu_.plans().back().resident, 1u);
+}
+
+TEST_F(SessionTest, HostAndGpuModeGiveTheSameStateBitForBit) {
+  auto host = NewSession("auto");
+  ASSERT_TRUE(host->Register(HostSpec()).ok());
+  EXPECT_EQ(host->summary().gpu_device, -1);
+  auto dev = NewSession("auto");
+  ASSERT_TRUE(dev->Register(DeviceSpec()).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Step(*host).status_code, 0);
+    EXPECT_EQ(Step(*dev).status_code, 0);
+  }
+  EXPECT_EQ(std::memcmp(shm_->data(), params_.data(), 4 * kTotal), 0);
+  EXPECT_EQ(host->stats().last.cpu_subgroups, 4u);
+  EXPECT_EQ(host->stats().last.predicted_us, 0);  // GPU-mode fields stay zero on the host
+}
+
+TEST_F(SessionTest, AnEngineErrorMidStepIsReportedAndTheNextStepRuns) {
+  auto s = NewSession("cpu");
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  gpu_.FailExecuteAfter(2, absl::InternalError("fake: copy engine fault"));
+  StepResult r = Step(*s);
+  EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kInternal));
+  EXPECT_NE(std::string(r.message).find("copy engine fault"), std::string::npos) << r.message;
+  EXPECT_EQ(s->stats().failed_steps, 1u);
+  gpu_.FailExecuteAfter(0, absl::OkStatus());
+  r = Step(*s);
+  EXPECT_EQ(r.status_code, 0) << r.message;
+  EXPECT_EQ(r.step, 1);  // the failed step advanced no counter
+}
+
+TEST_F(SessionTest, AGradientScanErrorFailsTheStep) {
+  auto s = NewSession("auto");
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  gpu_.FailAllFinite(absl::UnavailableError("fake: scan failed"));
+  EXPECT_EQ(Step(*s).status_code, static_cast<int>(absl::StatusCode::kUnavailable));
+  EXPECT_TRUE(gpu_.plans().empty());
+}
+
+TEST_F(SessionTest, ATransportThatFailsToMapRefusesRegistrationCleanly) {
+  auto s = NewSession("auto");
+  gpu_.FailMap(absl::UnavailableError("fake: cannot map"));
+  absl::Status st = s->Register(DeviceSpec());
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("tensor 0 (t0) param"), absl::string_view::npos) << st;
+  EXPECT_FALSE(s->registered());
+  EXPECT_EQ(gpu_.attached(), 0);
+  StepResult r = Step(*s);
+  EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  gpu_.FailMap(absl::OkStatus());
+  EXPECT_TRUE(s->Register(DeviceSpec()).ok());
+}
+
+TEST_F(SessionTest, AnAttachFailureLeavesTheSessionUnregistered) {
+  auto s = NewSession("auto");
+  gpu_.FailAttach(absl::ResourceExhaustedError("fake: cannot page-lock"));
+  EXPECT_EQ(s->Register(DeviceSpec()).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(s->registered());
+  EXPECT_EQ(budget_.used(), 0u);  // the state built for it was freed
+}
+
+TEST_F(SessionTest, TheTrainerEventIsOpenedAtRegistrationWaitedOnAndClosed) {
+  {
+    auto s = NewSession("auto");
+    ShardSpec spec = DeviceSpec();
+    spec.cuda_ipc_event = "event";
+    ASSERT_TRUE(s->Register(spec).ok());
+    EXPECT_EQ(gpu_.open_events(), 1);
+    EXPECT_EQ(Step(*s, 1e-8, kStepTrainerEventRecorded).status_code, 0);
+  }
+  EXPECT_EQ(gpu_.open_events(), 0);
+  auto s = NewSession("auto");
+  ShardSpec spec = DeviceSpec();
+  spec.cuda_ipc_event = "event";
+  gpu_.FailOpenEvent(absl::InvalidArgumentError("fake: bad handle"));
+  EXPECT_EQ(s->Register(spec).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_.open_events(), 0);
+}
+
+TEST_F(SessionTest, EpsZeroIsAcceptedAtRegistrationAndAtEveryStep) {
+  auto s = NewSession("auto");
+  ASSERT_TRUE(s->Register(DeviceSpec(/*eps=*/0)).ok());
+  for (int i = 1; i <= 3; ++i) {
+    StepResult r = Step(*s, /*eps=*/0);
+    EXPECT_EQ(r.status_code, 0) << r.message;
+    EXPECT_EQ(r.step, i);
+  }
+}
+
+TEST_F(SessionTest, HyperparametersOutsideTorchsRulesAreRefusedEverywhere) {
+  auto s = NewSession("auto");
+  ShardSpec spec = DeviceSpec(/*eps=*/-1e-8);
+  absl::Status st = s->Register(spec);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("register: group 0 eps"), absl::string_view::npos) << st;
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  StepResult r = Step(*s, /*eps=*/-1);
+  EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(std::string(r.message).find("step: group 0 eps"), std::string::npos) << r.message;
+}
+
+TEST_F(SessionTest, AZombieTrainerCountsAsGone) {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  // Not reaped yet: kill(child, 0) still succeeds on the zombie.
+  absl::Notification gone;
+  auto s = NewSession("auto", child, [&](uint64_t) { gone.Notify(); });
+  EXPECT_TRUE(gone.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  s->Stop();
+  waitpid(child, nullptr, 0);
+}
+
+}  // namespace
+}  // namespace dos
