@@ -33,6 +33,7 @@
 #include "daemon/metrics/metrics_http_server.h"
 #include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
+#include "daemon/rpc/session_ports.h"
 #include "daemon/rpc/socket_guard.h"
 #include "daemon/sched/device_selection.h"
 #include "daemon/sched/executor_set.h"
@@ -74,7 +75,7 @@ ABSL_FLAG(std::string, gpu_timeline, "",
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
 ABSL_FLAG(bool, state_huge_pages, true,
           "Transparent huge pages (madvise) for shards of 64 MiB of state or more.");
-ABSL_FLAG(std::string, shm_prefix, "/dos", "Prefix of the daemon's shared-memory names.");
+ABSL_FLAG(std::string, shm_prefix, "", "Ignored (dosd names nothing in /dev/shm).");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "auto",
           "Directory every checkpoint lives under (SaveCheckpoint/LoadCheckpoint paths are "
@@ -194,7 +195,6 @@ absl::Status AccessFlags(DaemonConfig& c) {
       return absl::InvalidArgumentError(absl::StrCat("--group=", g, " is not a known group"));
     }
   }
-  c.session.shm_group = c.group;
   std::vector<uint32_t> ids;
   if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
     return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
@@ -243,7 +243,6 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         " is not a size; write e.g. 64G, 512M or 0 for no cap"));
   }
   c.session.huge_pages = absl::GetFlag(FLAGS_state_huge_pages);
-  c.session.shm_prefix = absl::GetFlag(FLAGS_shm_prefix);
   c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
   if (c.session.default_subgroup_size == 0) {
     return absl::InvalidArgumentError("--subgroup_size must be positive");
@@ -513,11 +512,13 @@ int Run(const DaemonConfig& config) {
       checkpointer.reset();
     }
   }
-  absl::StatusOr<std::unique_ptr<PeerAuth>> peer_auth =
-      PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
+  auto peer_auth = PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
   if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
+  auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
+                                          config.socket_mode, config.group, &sessions);
+  if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   DosService service(&sessions, &budget, kVersion, checkpointer.get(),
-                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr);
+                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr, descriptors->get());
 
   std::string failed_event;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(config, &service, &failed_event);

@@ -43,8 +43,8 @@ ctest_stage() {
 stage ctest ctest_stage -LE package
 # The Debian package: cpack -G DEB, lintian, dpkg -i, checks, dpkg -r, dpkg -P
 # (deploy/test_package.sh; it installs onto this machine, hence the variable).
-stage package env DOS_TEST_PACKAGE="${DOS_TEST_PACKAGE:-1}" ctest --test-dir "$build" \
-  -L package --output-on-failure --timeout 900
+export DOS_TEST_PACKAGE=${DOS_TEST_PACKAGE:-1}
+stage package ctest_stage -L package
 if [ "${DOS_CI_SKIP_SANITIZERS:-0}" = 1 ]; then
   echo "DOS_CI_SKIP_SANITIZERS=1: sanitizer and fuzzing stages skipped"
 else

@@ -3,7 +3,8 @@
 
 ctest shows a skipped test as "***Skipped" without the reason; this groups
 the skipped tests by the reason they printed (GTEST_SKIP()'s message, or a
-script's "SKIP: ..." line before exit 77) so that it reaches the console:
+script's "SKIP: ..." line before exit 77), plus the cases pytest skipped
+inside a test that passed (its -rs summary), so that it reaches the console:
 
     python3 tests/skipped_report.py build/ctest-junit.xml
 """
@@ -39,16 +40,22 @@ def main(path: str) -> int:
         return 0
     groups = collections.OrderedDict()
     for case in root.iter("testcase"):
-        if case.find("skipped") is None:
-            continue
         out = case.findtext("system-out") or ""
+        if case.find("skipped") is None:
+            # A test that ran but skipped some of its cases (pytest -rs):
+            # "SKIPPED [2] test_cuda.py:40: no CUDA device".
+            for m in re.finditer(r"^SKIPPED \[(\d+)\] ([^:\n]+):\d+: (.*)$", out, re.M):
+                names = groups.setdefault(f"{m.group(3)} (pytest)", [])
+                names.extend([f"{case.get('name', '?')}: {m.group(2)}"] * int(m.group(1)))
+            continue
         groups.setdefault(reason(out), []).append(case.get("name", "?"))
     if not groups:
         return 0
     total = sum(len(v) for v in groups.values())
     print(f"== {total} tests skipped, by reason:")
     for why, names in groups.items():
-        shown = ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
+        unique = list(dict.fromkeys(names))
+        shown = ", ".join(unique[:3]) + (f", ... ({len(unique) - 3} more)" if len(unique) > 3 else "")
         print(f"  {len(names):4d} x {why}\n         {shown}")
     return 0
 

@@ -163,8 +163,9 @@ int Main() {
   std::string commit =
       Sanitize(Capture("git -C " DOS_SOURCE_DIR " rev-parse --short HEAD 2>/dev/null"));
 
-  auto seg = ShmSegment::Create(absl::StrCat("/dos_bench_doorbell.", getpid()),
-                                sizeof(ControlBlock), {.mode = 0600});
+  // A sealed memfd the forked "daemon" inherits.
+  auto seg = ShmSegment::Create(absl::StrCat("dos_bench_doorbell.", getpid()),
+                                sizeof(ControlBlock));
   if (!seg.ok()) {
     std::fprintf(stderr, "%s\n", seg.status().ToString().c_str());
     return 1;

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_split.h"
 #include "dos/wire/control_channel.h"
+#include "dos/wire/fd_protocol.h"
 #include "dos/wire/shm_segment.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
@@ -109,6 +110,15 @@ int main(int argc, char** argv) {
   areq.set_rank(-1);
   areq.set_world_size(1);
   areq.set_protocol_version(dos::kProtocolVersion);
+  const std::string fd_socket = dos::fdproto::SocketPathFor(socket);
+  {
+    auto ticket = dos::fdproto::Hello(fd_socket);
+    if (!ticket.ok()) {
+      std::fprintf(stderr, "hello: %s\n", std::string(ticket.status().message()).c_str());
+      return 4;
+    }
+    areq.set_fd_ticket(*ticket);
+  }
   dos::v1::AttachResponse aresp;
   {
     grpc::ClientContext ctx;
@@ -153,10 +163,14 @@ int main(int argc, char** argv) {
                  static_cast<unsigned long long>(rresp.total_params()), rresp.num_subgroups(),
                  Now() - t0);
   }
-  auto segment = dos::ShmSegment::Open(aresp.control_block_name());
+  auto handle = dos::fdproto::FetchControlBlock(fd_socket, aresp.session().session_id(),
+                                                aresp.session().token());
+  if (!handle.ok()) { std::fprintf(stderr, "control block: %s\n", std::string(handle.status().message()).c_str()); return 4; }
+  auto segment = dos::ShmSegment::Adopt(std::move(handle->memfd), "control block");
   if (!segment.ok()) { std::fprintf(stderr, "control block: %s\n", std::string(segment.status().message()).c_str()); return 4; }
   auto* block = static_cast<dos::ControlBlock*>((*segment)->data());
   dos::ControlBlockChannel chan(block);
+  chan.SetDaemonConnection(handle->connection.get());
 
   auto step = [&](double* update_us) {
     dos::StepRequest& r = block->request;

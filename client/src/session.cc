@@ -11,10 +11,13 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "request_builder.h"
+#include "dos/wire/fd_protocol.h"
 #include "dos/wire/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -72,7 +75,7 @@ void ClientSession::WatchSteps() {
     uint32_t seq = inflight_seq_.load(std::memory_order_acquire);
     if (seq == 0 || control_->done_bell.load(std::memory_order_acquire) == seq) continue;
     if (control_->closed.load(std::memory_order_acquire) != 0 ||
-        !ControlBlockChannel::ProcessAlive(control_->daemon_pid)) {
+        !step_channel_->DaemonAlive()) {
       abandoned_.store(true, std::memory_order_release);
       step_channel_->MarkAllDone(seq, num_subgroups_);
       inflight_seq_.compare_exchange_strong(seq, 0);
@@ -155,6 +158,17 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   if (const char* v = std::getenv("DOS_TEST_CLAIM_CLIENT_VERSION"); v != nullptr) {
     req.set_client_version(v);
   }
+  // The kernel tells dosd who we are on its descriptor socket (whatever our
+  // pid namespace); the ticket it answers makes the session ours.
+  s->fd_socket_ = fdproto::SocketPathFor(options.socket_path);
+  {
+    absl::StatusOr<std::string> ticket = fdproto::Hello(s->fd_socket_);
+    if (!ticket.ok()) {
+      return absl::Status(ticket.status().code(),
+                          absl::StrCat("attach: ", ticket.status().message()));
+    }
+    req.set_fd_ticket(*ticket);
+  }
   // A dosd that checks peer credentials serves <socket>.auth: the kernel
   // tells it who we are there, and it answers a ticket for our pid.
   const std::string auth = options.socket_path + ".auth";
@@ -176,15 +190,24 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   s->resumed_ = resp.resumed();
   s->attached_ = true;  // from here on the destructor detaches
 
-  DOS_ASSIGN_OR_RETURN(s->control_segment_, ShmSegment::Open(resp.control_block_name()));
+  absl::StatusOr<fdproto::ControlBlockHandle> cb =
+      fdproto::FetchControlBlock(s->fd_socket_, s->id(), s->token());
+  if (!cb.ok()) {
+    return absl::Status(cb.status().code(),
+                        absl::StrCat("attach: control block: ", cb.status().message()));
+  }
+  DOS_ASSIGN_OR_RETURN(s->control_segment_, ShmSegment::Adopt(std::move(cb->memfd),
+                                                              "control block"));
+  s->daemon_connection_ = std::move(cb->connection);
   s->control_ = static_cast<ControlBlock*>(s->control_segment_->data());
   if (absl::Status st = ControlBlockChannel::Validate(s->control_, s->control_segment_->size());
       !st.ok()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("attach: control block ", resp.control_block_name(), ": ", st.message(),
+        absl::StrCat("attach: control block: ", st.message(),
                      "; upgrade the client or the daemon so they match"));
   }
   s->step_channel_ = std::make_unique<ControlBlockChannel>(s->control_);
+  s->step_channel_->SetDaemonConnection(s->daemon_connection_.get());
   s->control_->client_pid = static_cast<int32_t>(::getpid());
   return s;
 }
@@ -214,12 +237,11 @@ absl::Status ClientSession::Detach() {
   attached_ = false;
   if (control_ != nullptr &&
       (control_->closed.load(std::memory_order_acquire) != 0 ||
-       !ControlBlockChannel::ProcessAlive(control_->daemon_pid))) {
+       step_channel_ == nullptr || !step_channel_->DaemonAlive())) {
     // dosd already closed the session (it stopped or dropped us) or is gone:
     // nothing to detach. No RPC either: a channel to a dead socket would start
     // reconnecting, and a process exiting right after must not have gRPC
     // threads busy while its static destructors run.
-    for (auto& b : buffers_) b->Unlink();
     return absl::OkStatus();
   }
   v1::DetachRequest req;
@@ -228,7 +250,6 @@ absl::Status ClientSession::Detach() {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   grpc::Status rpc = stub_->Detach(&ctx, req, &resp);
-  for (auto& b : buffers_) b->Unlink();
   if (!rpc.ok()) return FromRpc("detach", rpc);
   return absl::OkStatus();
 }
@@ -237,19 +258,24 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ClientSession::CreateSegment(uint64_
                                                                          bool transfer) {
   const long page = ::sysconf(_SC_PAGESIZE);
   const uint64_t rounded = (std::max<uint64_t>(bytes, 1) + page - 1) / page * page;
-  const std::string name = absl::StrCat("/dos.", ::getpid(), ".", id(), transfer ? ".x" : ".",
-                                        next_segment_++);
-  ShmSegment::CreateOptions opts;
-  opts.mode = 0660;
-  opts.unlink_on_destroy = true;
-  return ShmSegment::Create(name, rounded, opts);
+  // A label, not a name: it shows in /proc/<pid>/fd as "/memfd:<label>".
+  const std::string label =
+      absl::StrCat("dos.", id(), transfer ? ".x" : ".", next_segment_++);
+  return ShmSegment::Create(label, rounded);
+}
+
+absl::StatusOr<std::vector<uint64_t>> ClientSession::SendSegments(
+    const std::vector<const ShmSegment*>& segs) {
+  std::vector<int> fds;
+  for (const ShmSegment* s : segs) fds.push_back(s->fd());
+  return fdproto::SendSegments(fd_socket_, id(), token(), fds);
 }
 
 absl::StatusOr<void*> ClientSession::AllocBuffer(uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("buffer_alloc: 0 bytes requested");
   DOS_ASSIGN_OR_RETURN(auto seg, CreateSegment(bytes, /*transfer=*/false));
   void* data = seg->data();
-  table_.Add(seg->name(), data, seg->size());
+  table_.Add(seg->label(), data, seg->size());
   buffers_.push_back(std::move(seg));
   return data;
 }
@@ -265,6 +291,36 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   DOS_ASSIGN_OR_RETURN(v1::RegisterShardRequest req,
                        BuildRegisterRequest(tensors, groups, subgroup_size, table_, &device_));
   *req.mutable_session() = ref_;
+  // The buffers the tensors lie in go to dosd by descriptor; the request
+  // names them by the ids it answers.
+  {
+    std::map<std::string, const ShmSegment*> used;
+    for (const auto& b : buffers_) {
+      for (const v1::TensorSpec& t : req.tensors()) {
+        for (const v1::MemoryLocation* loc : {&t.param(), &t.grad()}) {
+          if (loc->has_shm() && loc->shm().name() == b->label()) used[b->label()] = b.get();
+        }
+      }
+    }
+    std::vector<const ShmSegment*> segs;
+    for (const auto& [label, seg] : used) segs.push_back(seg);
+    std::map<std::string, uint64_t> ids;
+    if (!segs.empty()) {
+      absl::StatusOr<std::vector<uint64_t>> sent = SendSegments(segs);
+      if (!sent.ok()) {
+        return absl::Status(sent.status().code(),
+                            absl::StrCat("register: ", sent.status().message()));
+      }
+      for (size_t i = 0; i < segs.size(); ++i) ids[segs[i]->label()] = (*sent)[i];
+    }
+    for (v1::TensorSpec& t : *req.mutable_tensors()) {
+      for (v1::MemoryLocation* loc : {t.mutable_param(), t.mutable_grad()}) {
+        if (!loc->has_shm()) continue;
+        loc->mutable_shm()->set_segment(ids[loc->shm().name()]);
+        loc->mutable_shm()->clear_name();
+      }
+    }
+  }
   // GPU mode: stream-ordered step synchronisation where the driver has it;
   // otherwise the caller synchronises and waits on the host.
   std::unique_ptr<DeviceSync> device_sync;
@@ -299,9 +355,6 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   num_groups_ = groups.size();
   numel_.clear();
   for (const dos_tensor& t : tensors) numel_.push_back(t.numel);
-  // The daemon holds its own mappings now; drop the names so nothing is left
-  // in /dev/shm if this process dies.
-  for (auto& b : buffers_) b->Unlink();
   return absl::OkStatus();
 }
 
@@ -465,7 +518,8 @@ absl::Status ClientSession::TransferPiece(bool import, uint32_t tensor, uint64_t
   v1::TransferStateRequest req;
   *req.mutable_session() = ref_;
   req.set_tensor(tensor);
-  req.mutable_buffer()->set_name(seg.name());
+  DOS_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, SendSegments({&seg}));
+  req.mutable_buffer()->set_segment(ids[0]);
   req.mutable_buffer()->set_offset(0);
   // The whole tensor goes as count 0, which daemons without ranged
   // transfers understand too.

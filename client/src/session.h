@@ -6,10 +6,11 @@
 // through the control block and its doorbells only (see
 // dos/wire/control_block.h).
 //
-// Lifetime: buffers stay mapped until the session is destroyed; their shm
-// names are unlinked as soon as the daemon has mapped them (after a
-// successful Register) and in any case at destruction, so nothing leaks in
-// /dev/shm when the trainer exits.
+// Memory travels by descriptor (proto/dos/wire/fd_protocol.h): Attach
+// proves who we are on dosd's descriptor socket (Hello) and fetches the
+// control block's memfd there; buffers are sealed memfds that Register (and
+// state transfer) send there before naming them by id. Nothing has a name in
+// /dev/shm. Buffers stay mapped until the session is destroyed.
 //
 // Thread-safety: not thread-safe; one thread at a time per session (the C
 // ABI's contract). Distinct sessions are independent.
@@ -33,6 +34,7 @@
 #include "device_memory.h"
 #include "device_sync.h"
 #include "dos/wire/control_channel.h"
+#include "dos/wire/unique_fd.h"
 #include "dos/wire/shm_segment.h"
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
@@ -132,6 +134,10 @@ class ClientSession {
   void PrepareContext(grpc::ClientContext* context,
                       absl::Duration extra = absl::ZeroDuration()) const;
   absl::StatusOr<std::unique_ptr<ShmSegment>> CreateSegment(uint64_t bytes, bool transfer);
+  // Sends segments over the descriptor socket; their ids in order.
+  absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::vector<const ShmSegment*>& segs);
+  std::string fd_socket_;
+  UniqueFd daemon_connection_;  // see ControlBlockChannel::SetDaemonConnection
   absl::Status CheckTensor(uint32_t tensor, const char* call) const;
   absl::Status CheckRange(uint32_t tensor, uint64_t offset, uint64_t count,
                           const char* call) const;

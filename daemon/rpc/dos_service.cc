@@ -37,6 +37,23 @@ absl::StatusOr<DType> ToDType(v1::DType d, absl::string_view field) {
   return static_cast<DType>(d);
 }
 
+// Shared memory travels by descriptor only: a name is refused (dosd would
+// open it with its own rights: a confused deputy), an id must be set.
+absl::StatusOr<MemoryRef> ToSegmentRef(const v1::ShmLocation& shm, absl::string_view field) {
+  if (!shm.name().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shm.name is set (\"", shm.name().substr(0, 64),
+        "\"); dosd maps no memory by name: send the buffer's sealed memfd over the descriptor "
+        "socket (<socket>.fd) and set shm.segment to the id it answers"));
+  }
+  if (shm.segment() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shm.segment is 0; set it to the id the descriptor socket answered for the "
+        "buffer's memfd"));
+  }
+  return SegmentRef(shm.segment(), shm.offset());
+}
+
 absl::StatusOr<MemoryRef> ToMemoryRef(const v1::MemoryLocation& loc, absl::string_view field) {
   if (loc.has_cuda_ipc()) {
     const v1::CudaIpcLocation& c = loc.cuda_ipc();
@@ -53,7 +70,7 @@ absl::StatusOr<MemoryRef> ToMemoryRef(const v1::MemoryLocation& loc, absl::strin
   if (!loc.has_shm()) {
     return absl::InvalidArgumentError(absl::StrCat(field, " has no location; set shm"));
   }
-  return ShmRef(loc.shm().name(), loc.shm().offset());
+  return ToSegmentRef(loc.shm(), field);
 }
 
 absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
@@ -174,9 +191,22 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("attach: pid ", req->pid(), " is invalid; send the trainer's getpid()")));
   }
+  // Who attaches, from the kernel (the descriptor socket's Hello), not from
+  // the pid the request claims: a trainer in a pid namespace claims its
+  // namespace's pid.
+  std::shared_ptr<const PeerProcess> process;
+  if (descriptors_ != nullptr) {
+    absl::StatusOr<std::shared_ptr<const PeerProcess>> p = descriptors_->Redeem(req->fd_ticket());
+    if (!p.ok()) {
+      DOS_LOG_WARNING("auth.attach_refused", "pid", req->pid(), "error", p.status().message());
+      return ToGrpcStatus(p.status());
+    }
+    process = *std::move(p);
+  }
+  const int32_t pid = process != nullptr ? process->pid() : req->pid();
   if (peer_auth_ != nullptr) {
-    if (absl::Status st = peer_auth_->Check(req->peer_ticket(), req->pid()); !st.ok()) {
-      DOS_LOG_WARNING("auth.attach_refused", "pid", req->pid(), "error", st.message());
+    if (absl::Status st = peer_auth_->Check(req->peer_ticket(), pid); !st.ok()) {
+      DOS_LOG_WARNING("auth.attach_refused", "pid", pid, "error", st.message());
       return ToGrpcStatus(st);
     }
   }
@@ -191,7 +221,9 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
   }
   SessionIdentity id;
   id.client_name = req->client_name();
-  id.pid = req->pid();
+  id.pid = pid;
+  if (process != nullptr) id.uid = process->uid();
+  id.process = std::move(process);
   id.rank = req->rank();
   id.local_rank = req->local_rank();
   id.world_size = req->world_size();
@@ -207,7 +239,6 @@ grpc::Status DosService::Attach(ServerContext*, const v1::AttachRequest* req,
   resp->set_resumed(resumed);
   resp->mutable_session()->set_session_id((*s)->identity().id);
   resp->mutable_session()->set_token((*s)->identity().token);
-  resp->set_control_block_name((*s)->control_block_name());
   resp->set_control_block_bytes((*s)->control_block_bytes());
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
@@ -349,10 +380,9 @@ namespace {
 // The session a state transfer names, after checking the request's buffer.
 absl::StatusOr<std::shared_ptr<Session>> FindTransferSession(const SessionManager& sessions,
                                                              const v1::TransferStateRequest& req) {
-  if (req.buffer().name().empty()) {
-    return absl::InvalidArgumentError(
-        "state transfer: buffer.name is empty; name the shared-memory object holding 3 x numel "
-        "fp32 values");
+  if (absl::StatusOr<MemoryRef> ref = ToSegmentRef(req.buffer(), "state transfer: buffer");
+      !ref.ok()) {
+    return ref.status();
   }
   return FindSession(sessions, req.session());
 }
@@ -364,7 +394,7 @@ grpc::Status DosService::ExportState(ServerContext*, const v1::TransferStateRequ
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::StatusOr<int64_t> step =
       (*s)->ExportState(req->tensor(), req->offset(), req->count(),
-                        ShmRef(req->buffer().name(), req->buffer().offset()));
+                        SegmentRef(req->buffer().segment(), req->buffer().offset()));
   if (!step.ok()) return ToGrpcStatus(step.status());
   resp->set_step(*step);
   return grpc::Status::OK;
@@ -375,7 +405,7 @@ grpc::Status DosService::ImportState(ServerContext*, const v1::TransferStateRequ
   absl::StatusOr<std::shared_ptr<Session>> s = FindTransferSession(*sessions_, *req);
   if (!s.ok()) return ToGrpcStatus(s.status());
   absl::Status st = (*s)->ImportState(req->tensor(), req->offset(), req->count(),
-                                      ShmRef(req->buffer().name(), req->buffer().offset()),
+                                      SegmentRef(req->buffer().segment(), req->buffer().offset()),
                                       req->step());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->set_step(req->step());

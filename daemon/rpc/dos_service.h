@@ -13,6 +13,7 @@
 #include "daemon/rpc/peer_auth.h"
 #include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
+#include "daemon/transport/fd_server.h"
 #include "daemon/state/host_memory_budget.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
@@ -21,14 +22,19 @@ namespace dos {
 class DosService final : public v1::Dos::Service {
  public:
   // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
-  // `peer_auth` may be null: no peer-credential check.
+  // `peer_auth` may be null: no peer-credential check. `descriptors` (the
+  // descriptor socket) may be null only in-process (tests, fuzzers): Attach
+  // then trusts the claimed pid; dosd always passes it, and Attach requires
+  // its ticket.
   DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
-             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr)
+             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr,
+             DescriptorServer* descriptors = nullptr)
       : sessions_(sessions),
         budget_(budget),
         version_(std::move(version)),
         checkpointer_(checkpointer),
-        peer_auth_(peer_auth) {}
+        peer_auth_(peer_auth),
+        descriptors_(descriptors) {}
 
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
@@ -57,6 +63,7 @@ class DosService final : public v1::Dos::Service {
   const std::string version_;
   Checkpointer* const checkpointer_;
   PeerAuth* const peer_auth_;
+  DescriptorServer* const descriptors_;
   const absl::Time started_ = absl::Now();
 };
 

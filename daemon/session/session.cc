@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
@@ -34,20 +35,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     std::function<void(uint64_t id)> on_client_gone) {
   std::unique_ptr<Session> s(new Session(std::move(identity), options, policy, executors, budget,
                                          std::move(on_client_gone)));
-  std::string name = absl::StrCat(
-      options.shm_prefix, ".", getpid(), ".", s->identity_.id,
-      s->identity_.generation == 0 ? "" : absl::StrCat(".g", s->identity_.generation), ".ctl");
-  ShmSegment::CreateOptions shm_options;
-  shm_options.mode = options.shm_mode;
-  shm_options.unlink_on_destroy = true;
-  DOS_ASSIGN_OR_RETURN(s->control_, ShmSegment::Create(name, sizeof(ControlBlock), shm_options));
-  if (options.shm_group != static_cast<gid_t>(-1) &&
-      ::chown(absl::StrCat("/dev/shm", name).c_str(), static_cast<uid_t>(-1),
-              options.shm_group) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "attach: cannot give control block ", name, " group ", options.shm_group, ": ",
-        std::strerror(errno)));
-  }
+  // A sealed memfd: no name anyone could open or squat; the owner fetches it
+  // from the descriptor socket with the session's token.
+  DOS_ASSIGN_OR_RETURN(s->control_,
+                       ShmSegment::Create(absl::StrCat("dos.ctl.", s->identity_.id),
+                                          sizeof(ControlBlock)));
   auto* block = new (s->control_->data()) ControlBlock();
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
@@ -100,6 +92,8 @@ void Session::Stop() {
     Doorbell(&block->done_bell, &block->client_sleeping)
         .Ring(block->done_bell.load(std::memory_order_relaxed));
   }
+  absl::MutexLock lock(&conn_mu_);
+  client_connections_.clear();  // the client's watchdog sees the hang-up
 }
 
 bool Session::TokenMatches(absl::string_view token) const {
@@ -110,9 +104,45 @@ bool Session::TokenMatches(absl::string_view token) const {
   return diff == 0;
 }
 
-bool Session::ClientAlive() const {
-  // Attach refuses pid <= 0; a zombie trainer counts as gone.
-  return ControlBlockChannel::ProcessAlive(identity_.pid);
+bool SessionIdentity::ClientAlive() const {
+  // The pidfd from the descriptor socket's Hello: exit (zombies included) and
+  // pid reuse in any pid namespace. Without one (in-process tests) the pid;
+  // Attach refuses pid <= 0.
+  if (process != nullptr) return process->Alive();
+  return ControlBlockChannel::ProcessAlive(pid);
+}
+
+bool Session::ClientAlive() const { return identity_.ClientAlive(); }
+
+void Session::HoldClientConnection(UniqueFd connection) {
+  absl::MutexLock lock(&conn_mu_);
+  if (stop_.load(std::memory_order_acquire)) return;  // closes it: the session is over
+  // A few at most (each fetch of the control block leaves one); the oldest
+  // goes first.
+  if (client_connections_.size() >= 8) client_connections_.erase(client_connections_.begin());
+  client_connections_.push_back(std::move(connection));
+}
+
+absl::Status Session::ResolveSegments(ShardSpec* spec) {
+  std::map<uint64_t, std::shared_ptr<ShmSegment>> taken;
+  for (uint32_t i = 0; i < spec->tensors.size(); ++i) {
+    TensorSpec& t = spec->tensors[i];
+    for (auto [ref, part] : {std::pair{&t.param, "param"}, std::pair{&t.grad, "grad"}}) {
+      if (ref->is_cuda_ipc() || ref->segment_id == 0) continue;  // ShmTransport says why
+      auto it = taken.find(ref->segment_id);
+      if (it == taken.end()) {
+        DOS_ASSIGN_OR_RETURN(
+            std::unique_ptr<ShmSegment> seg,
+            inbox_.Take(ref->segment_id,
+                        absl::StrCat("register: tensor ", i,
+                                     t.name.empty() ? "" : absl::StrCat(" (", t.name, ")"), " ",
+                                     part)));
+        it = taken.emplace(ref->segment_id, std::move(seg)).first;
+      }
+      ref->segment = it->second;
+    }
+  }
+  return absl::OkStatus();
 }
 
 void Session::StepLoop() {
@@ -244,11 +274,12 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
   }
   // Buffers for state transfer are short-lived: `holder` unmaps this one when
   // the call returns.
-  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg, ShmSegment::Open(buf.shm_name));
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
+                       inbox_.Take(buf.segment_id, "state transfer: buffer"));
   uint64_t bytes = 3 * *count * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "state transfer: buffer ", buf.shm_name, " has ", seg->size(), " bytes; ", *count,
+        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; ", *count,
         " elements of tensor ", tensor, " need ", bytes, " at offset ", buf.offset,
         " (3 x count fp32)"));
   }

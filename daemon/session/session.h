@@ -44,6 +44,9 @@
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
+#include "dos/wire/unique_fd.h"
+#include "daemon/transport/peer_process.h"
+#include "daemon/transport/segment_inbox.h"
 #include "daemon/transport/transport.h"
 
 namespace dos {
@@ -56,13 +59,17 @@ struct SessionIdentity {
   int32_t rank = -1;
   int32_t local_rank = 0;
   int32_t world_size = 1;
-  uint32_t generation = 0;  // 0 at Attach, +1 at each resume (names the control block)
+  uint32_t generation = 0;  // 0 at Attach, +1 at each resume
+  // Owner: the attaching process's uid and the process itself (a pidfd), from
+  // the kernel via the descriptor socket's Hello. Null process: in-process
+  // tests, where `pid` is trusted.
+  uint32_t uid = 0;
+  std::shared_ptr<const PeerProcess> process;
+  // Whether the attaching process still runs (pidfd; else kill(pid, 0)).
+  bool ClientAlive() const;
 };
 
 struct SessionOptions {
-  std::string shm_prefix = "/dos";   // control block name: <prefix>.<daemon pid>.<id>.ctl
-  mode_t shm_mode = 0660;
-  gid_t shm_group = static_cast<gid_t>(-1);  // group of the control blocks; -1: unchanged
   uint64_t default_subgroup_size = 100'000'000;
   absl::Duration liveness_interval = absl::Milliseconds(200);
   DaemonCounters* counters = nullptr;  // daemon-wide totals (metrics); may be null
@@ -149,8 +156,15 @@ class Session {
 
   const SessionIdentity& identity() const { return identity_; }
   bool TokenMatches(absl::string_view token) const;
-  const std::string& control_block_name() const { return control_->name(); }
   uint64_t control_block_bytes() const { return control_->size(); }
+  // The control block's memfd (the descriptor socket sends dups of it).
+  int control_fd() const { return control_->fd(); }
+  // Segments the client sent over the descriptor socket, waiting for use.
+  SegmentInbox* inbox() { return &inbox_; }
+  // Keeps the client's descriptor-socket connection open until the session
+  // stops: its hang-up tells the client (in any pid namespace) that dosd or
+  // the session is gone.
+  void HoldClientConnection(UniqueFd connection);
 
   struct Summary {
     bool registered = false;
@@ -215,6 +229,10 @@ class Session {
   std::unique_ptr<ControlBlockChannel> channel_;
   // Mirrored into the control block for the trainer's log.
   std::unique_ptr<RegisterProgress> register_progress_;
+  SegmentInbox inbox_;
+  absl::Status ResolveSegments(ShardSpec* spec);
+  absl::Mutex conn_mu_;
+  std::vector<UniqueFd> client_connections_ ABSL_GUARDED_BY(conn_mu_);
 
   mutable absl::Mutex mu_;
   std::unique_ptr<Transport> transport_ ABSL_GUARDED_BY(mu_);

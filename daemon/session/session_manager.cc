@@ -37,10 +37,6 @@ SessionManager::SessionManager(const SessionOptions& options, const Policy& defa
 
 SessionManager::~SessionManager() { Shutdown(); }
 
-namespace {
-bool ProcessAlive(int32_t pid) { return ControlBlockChannel::ProcessAlive(pid); }
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity identity,
                                                                 uint64_t resume_id,
                                                                 absl::string_view resume_token,
@@ -63,7 +59,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
               "attach: resume.token does not match session ", resume_id,
               "; pass the token the first Attach returned"));
         }
-        if (ProcessAlive(live->second->identity().pid)) {
+        if (live->second->identity().ClientAlive()) {
           return absl::FailedPreconditionError(absl::StrCat(
               "attach: session ", resume_id, " is still attached by pid ",
               live->second->identity().pid, "; only a session whose process exited can be "
@@ -133,7 +129,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   }
   DOS_LOG_INFO(old != nullptr ? "session.resume" : "session.attach", "session", identity.id,
                "client", identity.client_name, "pid", identity.pid, "rank", identity.rank,
-               "control_block", session->control_block_name());
+               "uid", identity.uid);
   return session;
 }
 

@@ -29,9 +29,10 @@ struct Session::Registration {
   bool attached = false;  // the engine's AttachShard ran (new state: before its weights)
 };
 
-absl::Status Session::Register(const ShardSpec& spec) {
+absl::Status Session::Register(const ShardSpec& given) {
   absl::MutexLock lock(&mu_);
   absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
+  ShardSpec spec = given;  // its segments resolved below
   if (shard_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("register: session ", identity_.id,
@@ -41,6 +42,9 @@ absl::Status Session::Register(const ShardSpec& spec) {
   DOS_RETURN_IF_ERROR(ValidateShardSpec(spec));
   Registration reg;
   DOS_RETURN_IF_ERROR(PickExecutor(spec, &reg));
+  // The segments the spec names by id, out of the inbox (a failed Register
+  // frees them: the client sends them again).
+  DOS_RETURN_IF_ERROR(ResolveSegments(&spec));
   DOS_RETURN_IF_ERROR(MapTensors(spec, &reg));
   DOS_RETURN_IF_ERROR(adopted_ != nullptr ? ResumeState(spec, &reg) : NewState(spec, &reg));
   absl::Status bound = BindEngine(spec, &reg);

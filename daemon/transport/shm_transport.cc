@@ -6,22 +6,20 @@ namespace dos {
 
 absl::StatusOr<void*> ShmTransport::Map(const MemoryRef& ref, uint64_t bytes,
                                         absl::string_view what) {
-  auto it = segments_.find(ref.shm_name);
-  if (it == segments_.end()) {
-    absl::StatusOr<std::unique_ptr<ShmSegment>> seg = ShmSegment::Open(ref.shm_name);
-    if (!seg.ok()) {
-      return absl::Status(seg.status().code(),
-                          absl::StrCat(what, ": ", seg.status().message()));
-    }
-    it = segments_.emplace(ref.shm_name, *std::move(seg)).first;
+  if (ref.segment == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": names no memory segment (segment id ", ref.segment_id,
+        "); shared memory is passed by descriptor: send the sealed memfd over dosd's descriptor "
+        "socket and name the id it answers (libdos_client does this)"));
   }
-  const ShmSegment& seg = *it->second;
+  const ShmSegment& seg = *ref.segment;
   if (ref.offset > seg.size() || bytes > seg.size() - ref.offset) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": range [", ref.offset, ", ", ref.offset + bytes, ") overruns shm ",
-                     ref.shm_name, " of ", seg.size(), " bytes; the tensor does not fit in the "
+        absl::StrCat(what, ": range [", ref.offset, ", ", ref.offset + bytes, ") overruns segment ",
+                     ref.segment_id, " of ", seg.size(), " bytes; the tensor does not fit in the "
                      "buffer it names"));
   }
+  segments_.emplace(ref.segment.get(), ref.segment);
   return static_cast<char*>(seg.data()) + ref.offset;
 }
 

@@ -1,13 +1,14 @@
-// ShmTransport: Transport over POSIX shared memory created by the client
-// (dos/wire/shm_segment.h). Each distinct object is opened and
-// mapped once; ranges are checked against the object's size.
+// ShmTransport: Transport over the client's sealed memfd segments
+// (dos/wire/shm_segment.h), already mapped when they arrived on the
+// descriptor socket; the session resolves each MemoryRef's segment id to its
+// segment. The transport keeps the segments mapped for the session's life and
+// checks ranges against their sizes. Nothing is opened by name.
 //
 // Thread-safety: not thread-safe (see transport.h).
 #pragma once
 
 #include <map>
 #include <memory>
-#include <string>
 
 #include "dos/wire/shm_segment.h"
 #include "daemon/transport/transport.h"
@@ -20,7 +21,7 @@ class ShmTransport final : public Transport {
   size_t num_segments() const { return segments_.size(); }
 
  private:
-  std::map<std::string, std::unique_ptr<ShmSegment>> segments_;
+  std::map<const ShmSegment*, std::shared_ptr<ShmSegment>> segments_;
 };
 
 }  // namespace dos

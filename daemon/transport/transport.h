@@ -1,7 +1,8 @@
 // Transport: how the daemon reaches a trainer's tensor memory.
 //
-// A MemoryRef names a range the client exported (a POSIX shm object today;
-// a CUDA IPC allocation for the GPU path). A Transport maps such ranges once,
+// A MemoryRef names a range the client exported: a sealed memfd segment it
+// sent over the descriptor socket (by id; the session resolves the id to the
+// mapped segment before mapping), or a CUDA IPC allocation for the GPU path. A Transport maps such ranges once,
 // at registration, keeps the mappings for the session's lifetime, and
 // releases them when destroyed. Implementations: ShmTransport (CPU mode);
 // CudaIpcTransport (GPU mode, daemon/gpu).
@@ -10,16 +11,20 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "dos/wire/shm_segment.h"
 
 namespace dos {
 
 struct MemoryRef {
-  std::string shm_name;  // POSIX shm object created by the client
-  uint64_t offset = 0;   // bytes from the start of the object (or CUDA allocation)
+  uint64_t segment_id = 0;  // the client's memfd, as the descriptor socket numbered it
+  // The mapped segment `segment_id` names (Session fills it from its inbox).
+  std::shared_ptr<ShmSegment> segment;
+  uint64_t offset = 0;   // bytes from the start of the segment (or CUDA allocation)
   // CUDA IPC (GPU mode): set when cuda_ipc_handle is non-empty.
   std::string cuda_ipc_handle;  // cudaIpcMemHandle_t bytes (64)
   uint64_t alloc_bytes = 0;     // size of the allocation the handle names
@@ -27,9 +32,9 @@ struct MemoryRef {
   bool is_cuda_ipc() const { return !cuda_ipc_handle.empty(); }
 };
 
-inline MemoryRef ShmRef(std::string name, uint64_t offset) {
+inline MemoryRef SegmentRef(uint64_t segment_id, uint64_t offset) {
   MemoryRef r;
-  r.shm_name = std::move(name);
+  r.segment_id = segment_id;
   r.offset = offset;
   return r;
 }

@@ -107,6 +107,7 @@ TEST(CrashSurvivalTest, ResumeRefusesWrongTokenUnknownIdAndExpiredLease) {
     req.set_client_name("intruder");
     req.set_pid(::getpid());
     req.set_protocol_version(kProtocolVersion);
+    req.set_fd_ticket(FdTicket(d.socket()));
     req.mutable_resume()->set_session_id(sid);
     req.mutable_resume()->set_token(tok);
     v1::AttachResponse resp;

@@ -30,11 +30,7 @@ struct Daemon {
     o.threads = 1;
     return o;
   }
-  static dos::SessionOptions SessionOpts() {
-    dos::SessionOptions o;
-    o.shm_prefix = "/dosfuzz";
-    return o;
-  }
+  static dos::SessionOptions SessionOpts() { return dos::SessionOptions{}; }
   // Attaches a fresh session (after one registered successfully).
   void Attach() {
     dos::v1::AttachRequest req;

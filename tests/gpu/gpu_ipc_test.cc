@@ -113,6 +113,7 @@ class GpuIpcTest : public ::testing::Test {
     areq.set_rank(-1);
     areq.set_world_size(1);
     areq.set_protocol_version(kProtocolVersion);
+    areq.set_fd_ticket(testing::FdTicket(daemon_.socket()));
     v1::AttachResponse aresp;
     {
       grpc::ClientContext ctx;

@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include "dos/wire/fd_protocol.h"
+
 namespace dos::testing {
 
 bool SocketAccepts(const std::string& path) {
@@ -84,7 +86,6 @@ bool DaemonProcess::Start() {
                                    : env != nullptr && env[0] != '\0' ? env
                                                                        : DOS_DOSD_PATH,
                                    "--socket=" + socket_,
-                                   "--shm_prefix=/dos-it" + std::to_string(::getpid()),
                                    "--checkpoint_dir=" + dir_ + "/checkpoints"};
   args.insert(args.end(), flags_.begin(), flags_.end());
   pid_ = ::fork();
@@ -147,6 +148,11 @@ std::string DaemonProcess::log() const {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+std::string FdTicket(const std::string& socket) {
+  absl::StatusOr<std::string> t = fdproto::Hello(fdproto::SocketPathFor(socket));
+  return t.ok() ? *t : std::string();
 }
 
 }  // namespace dos::testing

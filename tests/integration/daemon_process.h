@@ -69,6 +69,9 @@ class TempDir {
 };
 
 // True once a unix socket at `path` accepts a connection.
+// A ticket from dosd's descriptor socket beside `socket` for this process
+// (what a raw Attach must carry in fd_ticket); "" if it cannot be had.
+std::string FdTicket(const std::string& socket);
 bool SocketAccepts(const std::string& path);
 
 }  // namespace dos::testing

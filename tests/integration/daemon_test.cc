@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "dos/wire/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "dos/wire/fd_protocol.h"
 #include "dos/wire/shm_segment.h"
 #include "dos/dos.h"
 #include "gmock/gmock.h"
@@ -293,13 +294,31 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
   FakeTrainer tr(9);
   ASSERT_EQ(tr.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
   tr.AddTensor(DOS_DTYPE_F32, 16, 0);
+  const std::string fd_socket = fdproto::SocketPathFor(daemon_.socket());
   v1::AttachRequest areq;
   areq.set_pid(getpid());
   areq.set_protocol_version(kProtocolVersion);
   v1::AttachResponse aresp;
   {
+    // Without the descriptor socket's ticket, no session.
+    grpc::ClientContext ctx;
+    grpc::Status st = stub->Attach(&ctx, areq, &aresp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_NE(st.error_message().find("fd_ticket"), std::string::npos) << st.error_message();
+  }
+  {
+    absl::StatusOr<std::string> ticket = fdproto::Hello(fd_socket);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    areq.set_fd_ticket(*ticket);
     grpc::ClientContext ctx;
     ASSERT_TRUE(stub->Attach(&ctx, areq, &aresp).ok());
+    EXPECT_TRUE(aresp.control_block_name().empty());
+  }
+  {
+    // A ticket is single-use.
+    grpc::ClientContext ctx;
+    v1::AttachResponse again;
+    EXPECT_EQ(stub->Attach(&ctx, areq, &again).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
   auto make_req = [&]() {
     v1::RegisterShardRequest req;
@@ -314,8 +333,8 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
     t->set_param_dtype(v1::DTYPE_F32);
     t->set_grad_dtype(v1::DTYPE_F32);
     t->set_numel(16);
-    t->mutable_param()->mutable_shm()->set_name("/dos-missing-segment");
-    t->mutable_grad()->mutable_shm()->set_name("/dos-missing-segment");
+    t->mutable_param()->mutable_shm()->set_segment(12345);  // never sent
+    t->mutable_grad()->mutable_shm()->set_segment(12345);
     return req;
   };
   {
@@ -352,18 +371,31 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
     v1::RegisterShardResponse resp;
     grpc::Status st = stub->RegisterShard(&ctx, make_req(), &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
-    EXPECT_NE(st.error_message().find("/dos-missing-segment"), std::string::npos)
+    EXPECT_NE(st.error_message().find("segment 12345"), std::string::npos)
         << st.error_message();
   }
   {
-    // A real segment of 4096 bytes, but 16 fp32 grads claimed at offset 4048.
-    std::string name = "/dos-it-small-" + std::to_string(getpid());
-    auto seg = ShmSegment::Create(name, 4096);
-    ASSERT_TRUE(seg.ok()) << seg.status();
+    // Memory by name is refused outright (dosd would open it with its rights).
     grpc::ClientContext ctx;
     auto req = make_req();
-    req.mutable_tensors(0)->mutable_param()->mutable_shm()->set_name(name);
-    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_name(name);
+    req.mutable_tensors(0)->mutable_param()->mutable_shm()->set_name("/dos-by-name");
+    v1::RegisterShardResponse resp;
+    grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("by name"), std::string::npos) << st.error_message();
+  }
+  {
+    // A real segment of 4096 bytes, but 16 fp32 grads claimed at offset 4048.
+    auto seg = ShmSegment::Create("dos-it-small", 4096);
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    const int fd = (*seg)->fd();
+    absl::StatusOr<std::vector<uint64_t>> ids = fdproto::SendSegments(
+        fd_socket, aresp.session().session_id(), aresp.session().token(), {&fd, 1});
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    grpc::ClientContext ctx;
+    auto req = make_req();
+    req.mutable_tensors(0)->mutable_param()->mutable_shm()->set_segment((*ids)[0]);
+    req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_segment((*ids)[0]);
     req.mutable_tensors(0)->mutable_grad()->mutable_shm()->set_offset(4048);
     v1::RegisterShardResponse resp;
     grpc::Status st = stub->RegisterShard(&ctx, req, &resp);
@@ -475,9 +507,11 @@ TEST(DaemonCrash, StepInFlightWhenDosdDiesReleasesEveryWaiter) {
   tr.AddTensor(DOS_DTYPE_F32, 5000, 0);
   ASSERT_EQ(tr.Register({AdamW(1e-3, 0.0)}, 1000), DOS_OK) << dos_last_error();
   dos_session* s = tr.session();
-  // DaemonProcess names shared memory /dos-it<test pid>.<dosd pid>.<session>.ctl.
-  auto ctl = ShmSegment::Open(absl::StrCat("/dos-it", ::getpid(), ".", daemon.pid(), ".",
-                                           dos_session_id(s), ".ctl"));
+  // The test's own view of the control block, fetched like the client does.
+  auto handle = fdproto::FetchControlBlock(fdproto::SocketPathFor(daemon.socket()),
+                                           dos_session_id(s), dos_session_token(s));
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  auto ctl = ShmSegment::Adopt(std::move(handle->memfd), "control block");
   ASSERT_TRUE(ctl.ok()) << ctl.status();
   auto* block = static_cast<ControlBlock*>((*ctl)->data());
 
@@ -502,7 +536,6 @@ TEST(DaemonCrash, StepInFlightWhenDosdDiesReleasesEveryWaiter) {
   EXPECT_THAT(dos_last_error(), ::testing::HasSubstr("abandoned"));
   dos_step_result r;
   EXPECT_EQ(dos_step_wait(s, 5000, &r), DOS_UNAVAILABLE);
-  (*ctl)->Unlink();
 }
 
 // dosd stopped (SIGTERM) or was killed before the trainer detached: detach has

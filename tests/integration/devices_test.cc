@@ -45,6 +45,7 @@ class DevicesTest : public ::testing::Test {
     areq.set_client_name("devices_test");
     areq.set_pid(getpid());
     areq.set_protocol_version(kProtocolVersion);
+    areq.set_fd_ticket(FdTicket(daemon_.socket()));
     v1::AttachResponse aresp;
     {
       grpc::ClientContext ctx;

@@ -38,6 +38,7 @@
 #include "absl/strings/str_split.h"
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/fd_protocol.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace {
@@ -226,6 +227,10 @@ int main(int argc, char** argv) {
       req.set_client_name(Str(a, "name", "sec"));
       req.set_pid(static_cast<int32_t>(::getpid()));
       req.set_protocol_version(dos::kProtocolVersion);
+      // Like the client library: the kernel's word for who we are first.
+      absl::StatusOr<std::string> ticket =
+          dos::fdproto::Hello(dos::fdproto::SocketPathFor(socket));
+      if (ticket.ok()) req.set_fd_ticket(*ticket);
       dos::v1::AttachResponse resp;
       PrintRpc("rpc_attach", stub->Attach(Context().get(), req, &resp),
                absl::StrCat("id=", resp.session().session_id()));

@@ -121,12 +121,21 @@ std::unique_ptr<DaemonProcess> SecureDaemon(std::vector<std::string> flags) {
   return d;
 }
 
-UserProcess::UserProcess(const SecUser& user, const std::string& target,
-                         std::vector<std::string> ops) {
-  int in[2], out[2];
-  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) return;
+namespace {
+std::vector<std::string> SecClientArgv(const std::string& target, std::vector<std::string> ops) {
   std::vector<std::string> argv = {ReachableBinary(DOS_SEC_CLIENT_PATH), target};
   argv.insert(argv.end(), ops.begin(), ops.end());
+  return argv;
+}
+}  // namespace
+
+UserProcess::UserProcess(const SecUser& user, const std::string& target,
+                         std::vector<std::string> ops)
+    : UserProcess(user, SecClientArgv(target, std::move(ops))) {}
+
+UserProcess::UserProcess(const SecUser& user, std::vector<std::string> argv) {
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) return;
   int devnull = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
   pid_ = SpawnAs(user, argv, in[0], out[1], getenv("DOS_SEC_VERBOSE") ? STDERR_FILENO : devnull);
   ::close(devnull);

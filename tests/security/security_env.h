@@ -54,6 +54,9 @@ std::unique_ptr<DaemonProcess> SecureDaemon(std::vector<std::string> flags = {})
 class UserProcess {
  public:
   UserProcess(const SecUser& user, const std::string& target, std::vector<std::string> ops);
+  // Any program speaking the same "OK <op>" / "ERR <op>" lines (argv[0]: a
+  // path `user` can execute, see ReachableBinary).
+  UserProcess(const SecUser& user, std::vector<std::string> argv);
   ~UserProcess();  // closes stdin, SIGKILLs after a deadline, reaps
   UserProcess(const UserProcess&) = delete;
   UserProcess& operator=(const UserProcess&) = delete;

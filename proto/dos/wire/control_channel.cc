@@ -1,6 +1,7 @@
 #include "dos/wire/control_channel.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -72,6 +73,16 @@ bool ControlBlockChannel::ProcessAlive(pid_t pid) {
   return stat[paren + 2] != 'Z' && stat[paren + 2] != 'X';
 }
 
+bool ControlBlockChannel::DaemonAlive() const {
+  if (daemon_connection_ < 0) return ProcessAlive(block_->daemon_pid);
+  pollfd p{daemon_connection_, POLLIN, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, 0);
+  } while (r < 0 && errno == EINTR);
+  return r == 0;  // dosd never writes on it: readable means hung up
+}
+
 void ControlBlockChannel::PostResult(uint32_t seq) {
   block_->result.seq = seq;
   done_.Ring(seq);
@@ -100,7 +111,7 @@ absl::Status ControlBlockChannel::WaitResult(uint32_t seq, absl::Duration timeou
     const absl::Duration elapsed = absl::FromChrono(Clock::now() - start);
     const absl::Duration slice = std::min(kLivenessSlice, timeout - elapsed);
     if (done_.WaitFor(seq, slice)) return absl::OkStatus();
-    if (!ProcessAlive(block_->daemon_pid)) {
+    if (!DaemonAlive()) {
       return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ", block_->daemon_pid,
                                                  ") is gone; restart it and attach again"));
     }
@@ -136,7 +147,7 @@ absl::Status ControlBlockChannel::WaitSubgroups(uint32_t first, uint32_t last, u
             absl::StrCat("step ", seq, ": dosd closed session ", block_->session_id,
                          " while subgroup ", i, " was in flight; attach again to continue"));
       }
-      if (!ProcessAlive(block_->daemon_pid)) {
+      if (!DaemonAlive()) {
         return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ",
                                                    block_->daemon_pid,
                                                    ") is gone; restart it and attach again"));

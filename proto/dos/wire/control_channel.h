@@ -57,6 +57,15 @@ class ControlBlockChannel {
 
   ControlBlock* block() const { return block_; }
 
+  // Client: `fd` is the descriptor-socket connection the control block came
+  // on (fd_protocol.h), which dosd holds open for the session; from now on
+  // "dosd is alive" means "it has not hung up", not the block's daemon_pid
+  // (meaningless in another pid namespace). The caller keeps `fd` open.
+  void SetDaemonConnection(int fd) { daemon_connection_ = fd; }
+  // Whether dosd still serves this session (the connection above, else
+  // ProcessAlive(daemon_pid)).
+  bool DaemonAlive() const;
+
   // --- daemon side ---
   // Waits for a request newer than `last_seq`; returns its seq, or last_seq
   // on timeout (the caller loops, checking its own shutdown flag).
@@ -104,6 +113,7 @@ class ControlBlockChannel {
 
  private:
   ControlBlock* block_;
+  int daemon_connection_ = -1;
   Doorbell request_;  // client rings, daemon waits
   Doorbell done_;     // daemon rings, client waits
 };

@@ -7,6 +7,7 @@
 #include "daemon/session/session.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,7 +54,6 @@ class SessionTest : public testing::Test {
     id.token = "token";
     id.pid = pid;
     SessionOptions options;
-    options.shm_prefix = absl::StrCat("/dos-session-test-", getpid());
     options.default_subgroup_size = 1000;
     options.liveness_interval = absl::Milliseconds(10);
     absl::StatusOr<std::unique_ptr<Session>> s = Session::Create(
@@ -83,17 +83,20 @@ class SessionTest : public testing::Test {
     return spec;
   }
 
-  // The same tensors in shared memory (host engine).
-  ShardSpec HostSpec() {
-    const std::string name = absl::StrCat("/dos-session-test-", getpid(), "-t", ++next_id_);
-    shm_ = *ShmSegment::Create(name, 8 * kTotal);
+  // The same tensors in shared memory (host engine): one sealed memfd, filed
+  // in the session's inbox as the descriptor socket would.
+  ShardSpec HostSpec(Session& s) {
+    shm_ = *ShmSegment::Create(absl::StrCat("dos-session-test-", ++next_id_), 8 * kTotal);
     std::memcpy(shm_->data(), params_.data(), 4 * kTotal);
     std::memcpy(static_cast<char*>(shm_->data()) + 4 * kTotal, grads_.data(), 4 * kTotal);
+    std::vector<std::unique_ptr<ShmSegment>> segs;
+    segs.push_back(*ShmSegment::Adopt(UniqueFd(fcntl(shm_->fd(), F_DUPFD_CLOEXEC, 0)), "test"));
+    const uint64_t id = (*s.inbox()->AddAll(std::move(segs)))[0];
     ShardSpec spec = DeviceSpec();
     uint64_t off = 0;
     for (TensorSpec& t : spec.tensors) {
-      t.param = ShmRef(name, 4 * off);
-      t.grad = ShmRef(name, 4 * (kTotal + off));
+      t.param = SegmentRef(id, 4 * off);
+      t.grad = SegmentRef(id, 4 * (kTotal + off));
       off += t.numel;
     }
     return spec;
@@ -101,7 +104,8 @@ class SessionTest : public testing::Test {
 
   // Rings one step through the control block and waits for its result.
   static StepResult Step(Session& s, double eps = 1e-8, uint32_t flags = 0) {
-    std::unique_ptr<ShmSegment> seg = *ShmSegment::Open(s.control_block_name());
+    std::unique_ptr<ShmSegment> seg =
+        *ShmSegment::Adopt(UniqueFd(fcntl(s.control_fd(), F_DUPFD_CLOEXEC, 0)), "control block");
     auto* block = static_cast<ControlBlock*>(seg->data());
     ControlBlockChannel channel(block);
     block->request.flags = flags;
@@ -152,7 +156,7 @@ TEST_F(SessionTest, GpuModeStepsRunTheDevicesPlanOnItsEngine) {
 
 TEST_F(SessionTest, HostAndGpuModeGiveTheSameStateBitForBit) {
   auto host = NewSession("auto");
-  ASSERT_TRUE(host->Register(HostSpec()).ok());
+  ASSERT_TRUE(host->Register(HostSpec(*host)).ok());
   EXPECT_EQ(host->summary().gpu_device, -1);
   auto dev = NewSession("auto");
   ASSERT_TRUE(dev->Register(DeviceSpec()).ok());

@@ -1,11 +1,12 @@
 #include "dos/wire/shm_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -16,143 +17,116 @@
 namespace dos {
 namespace {
 
-using ::dos::testing::UniqueShmName;
+using ::dos::testing::ForkPeer;
+using ::dos::testing::WaitExit;
 using ::testing::HasSubstr;
 
-// Sets the umask for a scope.
-class ScopedUmask {
- public:
-  explicit ScopedUmask(mode_t mask) : old_(umask(mask)) {}
-  ~ScopedUmask() { umask(old_); }
-
- private:
-  mode_t old_;
-};
-
-mode_t ModeOf(const std::string& name) {
-  struct stat st {};
-  if (stat(("/dev/shm" + name).c_str(), &st) != 0) return 0;
-  return st.st_mode & 07777;
+// Number of /dev/shm entries whose name starts with `prefix`.
+int DevShmEntries(const std::string& prefix) {
+  int n = 0;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) n += std::string(e->d_name).rfind(prefix, 0) == 0;
+  closedir(d);
+  return n;
 }
 
-TEST(ShmSegmentTest, CreateThenOpenSharesBytes) {
-  const std::string name = UniqueShmName("share");
-  auto created = ShmSegment::Create(name, 10000);
+UniqueFd Dup(int fd) { return UniqueFd(fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
+
+TEST(ShmSegmentTest, CreateMapsASealedMemfdAndNamesNothingInDevShm) {
+  const int before = DevShmEntries("dos");
+  auto seg = ShmSegment::Create("dos.test.create", 10000);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_GE((*seg)->size(), 10000u);
+  EXPECT_GE((*seg)->fd(), 0);
+  std::memset((*seg)->data(), 0x5a, 10000);
+  EXPECT_EQ(fcntl((*seg)->fd(), F_GET_SEALS) & ShmSegment::kRequiredSeals,
+            ShmSegment::kRequiredSeals);
+  EXPECT_TRUE(ShmSegment::CheckSealed((*seg)->fd(), "seg").ok());
+  EXPECT_EQ(DevShmEntries("dos"), before);
+}
+
+TEST(ShmSegmentTest, AdoptSharesBytesAndDropsTheDescriptor) {
+  auto created = ShmSegment::Create("dos.test.adopt", 8192);
   ASSERT_TRUE(created.ok()) << created.status();
-  EXPECT_EQ((*created)->name(), name);
-  EXPECT_EQ((*created)->size(), 10000u);
-  std::memcpy((*created)->data(), "hello", 6);
-
-  auto opened = ShmSegment::Open(name);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  EXPECT_EQ((*opened)->size(), 10000u);  // mapping size = object size
-  EXPECT_STREQ(static_cast<const char*>((*opened)->data()), "hello");
-  static_cast<char*>((*opened)->data())[9999] = 'x';
-  EXPECT_EQ(static_cast<const char*>((*created)->data())[9999], 'x');
+  auto adopted = ShmSegment::Adopt(Dup((*created)->fd()), "peer");
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ((*adopted)->size(), 8192u);
+  EXPECT_EQ((*adopted)->fd(), -1);
+  static_cast<char*>((*created)->data())[100] = 42;
+  EXPECT_EQ(static_cast<char*>((*adopted)->data())[100], 42);
 }
 
-TEST(ShmSegmentTest, CreateOnTakenNameIsAlreadyExists) {
-  const std::string name = UniqueShmName("dup");
-  auto first = ShmSegment::Create(name, 4096);
-  ASSERT_TRUE(first.ok()) << first.status();
-  auto second = ShmSegment::Create(name, 4096);
-  ASSERT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists) << second.status();
-  EXPECT_THAT(second.status().message(), HasSubstr(name));
-  // The failed Create must not have removed the first one's name.
-  EXPECT_TRUE(ShmSegment::Open(name).ok());
+// The SIGBUS a peer could cause by shrinking shared memory under a mapping:
+// the seals make it impossible, here and across a fork.
+TEST(ShmSegmentTest, SealedSegmentCannotBeResized) {
+  auto seg = ShmSegment::Create("dos.test.seal", 4096);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(ftruncate((*seg)->fd(), 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(ftruncate((*seg)->fd(), 1 << 20), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(fcntl((*seg)->fd(), F_ADD_SEALS, F_SEAL_WRITE), -1);  // F_SEAL_SEAL
+  const int fd = (*seg)->fd();
+  pid_t peer = ForkPeer([fd] { return ftruncate(fd, 0) == -1 && errno == EPERM ? 0 : 1; });
+  EXPECT_EQ(WaitExit(peer), 0);
+  static_cast<char*>((*seg)->data())[4095] = 1;  // still mapped, no SIGBUS
 }
 
-TEST(ShmSegmentTest, OpenMissingIsNotFound) {
-  const std::string name = UniqueShmName("missing");
-  auto opened = ShmSegment::Open(name);
-  ASSERT_EQ(opened.status().code(), absl::StatusCode::kNotFound) << opened.status();
-  EXPECT_THAT(opened.status().message(), HasSubstr(name));
+TEST(ShmSegmentTest, UnsealedMemfdIsRefusedNamingTheSeal) {
+  UniqueFd fd(memfd_create("dos.test.unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(ftruncate(fd.get(), 4096), 0);
+  auto a = ShmSegment::Adopt(Dup(fd.get()), "segment 0");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(a.status().message(), HasSubstr("F_SEAL_SHRINK"));
+  ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  a = ShmSegment::Adopt(Dup(fd.get()), "segment 0");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(a.status().message(), HasSubstr("F_SEAL_SEAL"));
+  // Not sealable at all (no MFD_ALLOW_SEALING: born with F_SEAL_SEAL only).
+  UniqueFd plain(memfd_create("dos.test.plain", MFD_CLOEXEC));
+  ASSERT_EQ(ftruncate(plain.get(), 4096), 0);
+  EXPECT_EQ(ShmSegment::Adopt(std::move(plain), "plain").status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
-TEST(ShmSegmentTest, MalformedNamesAreInvalidArgument) {
-  const std::string too_long = "/" + std::string(ShmSegment::kMaxNameLength, 'a');
-  for (const std::string& bad : {std::string(""), std::string("noslash"), std::string("/"),
-                                 std::string("/a/b"), std::string("/.."), too_long}) {
-    EXPECT_EQ(ShmSegment::Create(bad, 4096).status().code(), absl::StatusCode::kInvalidArgument)
-        << "name: " << bad;
-    EXPECT_EQ(ShmSegment::Open(bad).status().code(), absl::StatusCode::kInvalidArgument)
-        << "name: " << bad;
-  }
-  // The longest accepted name works.
-  std::string longest = UniqueShmName("long");
-  longest.append(ShmSegment::kMaxNameLength - longest.size(), 'z');
-  auto created = ShmSegment::Create(longest, 4096);
-  EXPECT_TRUE(created.ok()) << created.status();
+TEST(ShmSegmentTest, WriteSealedAndEmptyMemfdsAreRefused) {
+  UniqueFd fd(memfd_create("dos.test.ro", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(ftruncate(fd.get(), 4096), 0);
+  ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, ShmSegment::kRequiredSeals | F_SEAL_WRITE), 0);
+  auto a = ShmSegment::Adopt(std::move(fd), "ro");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(a.status().message(), HasSubstr("writes"));
+  UniqueFd empty(memfd_create("dos.test.empty", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(fcntl(empty.get(), F_ADD_SEALS, ShmSegment::kRequiredSeals), 0);
+  EXPECT_EQ(ShmSegment::Adopt(std::move(empty), "empty").status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
-TEST(ShmSegmentTest, ZeroSizeIsRefusedAndLeavesNothing) {
-  const std::string name = UniqueShmName("zero");
-  EXPECT_EQ(ShmSegment::Create(name, 0).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ShmSegment::Open(name).status().code(), absl::StatusCode::kNotFound);
+TEST(ShmSegmentTest, FilesPipesAndSocketsAreNotMemfds) {
+  char path[] = "/tmp/dos_shm_test.XXXXXX";
+  UniqueFd file(mkstemp(path));
+  ASSERT_TRUE(file.valid());
+  unlink(path);
+  ASSERT_EQ(ftruncate(file.get(), 4096), 0);
+  EXPECT_EQ(ShmSegment::Adopt(std::move(file), "file").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  UniqueFd r(p[0]), w(p[1]);
+  auto a = ShmSegment::Adopt(std::move(r), "pipe");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(a.status().message(), HasSubstr("memfd"));
+  EXPECT_EQ(ShmSegment::Adopt(UniqueFd(), "none").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
-TEST(ShmSegmentTest, OpenOfUnsizedObjectIsFailedPrecondition) {
-  const std::string name = UniqueShmName("unsized");
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0) << std::strerror(errno);
-  close(fd);
-  auto opened = ShmSegment::Open(name);
-  EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
-  shm_unlink(name.c_str());
-}
-
-TEST(ShmSegmentTest, DestructorUnlinksUnlessAskedNotTo) {
-  const std::string kept = UniqueShmName("kept");
-  const std::string dropped = UniqueShmName("dropped");
-  {
-    auto a = ShmSegment::Create(kept, 4096, {.unlink_on_destroy = false});
-    auto b = ShmSegment::Create(dropped, 4096);
-    ASSERT_TRUE(a.ok() && b.ok());
-  }
-  EXPECT_EQ(ShmSegment::Open(dropped).status().code(), absl::StatusCode::kNotFound);
-  auto reopened = ShmSegment::Open(kept);
-  ASSERT_TRUE(reopened.ok()) << reopened.status();
-  (*reopened)->Unlink();
-  EXPECT_EQ(ShmSegment::Open(kept).status().code(), absl::StatusCode::kNotFound);
-}
-
-TEST(ShmSegmentTest, MappingOutlivesUnlink) {
-  const std::string name = UniqueShmName("outlive");
-  auto creator = ShmSegment::Create(name, 4096);
-  ASSERT_TRUE(creator.ok());
-  auto peer = ShmSegment::Open(name);
-  ASSERT_TRUE(peer.ok());
-  (*creator)->Unlink();
-  (*creator)->Unlink();  // idempotent
-  EXPECT_EQ(ShmSegment::Open(name).status().code(), absl::StatusCode::kNotFound);
-  static_cast<int*>((*creator)->data())[0] = 42;
-  EXPECT_EQ(static_cast<int*>((*peer)->data())[0], 42);
-}
-
-TEST(ShmSegmentTest, ModeIsExactRegardlessOfUmask) {
-  for (mode_t mode : {mode_t{0600}, mode_t{0640}, mode_t{0660}, mode_t{0666}}) {
-    for (mode_t mask : {mode_t{0}, mode_t{022}, mode_t{077}}) {
-      ScopedUmask scoped(mask);
-      const std::string name = UniqueShmName("mode");
-      auto seg = ShmSegment::Create(name, 4096, {.mode = mode});
-      ASSERT_TRUE(seg.ok()) << seg.status();
-      EXPECT_EQ(ModeOf(name), mode) << std::oct << "mode " << mode << " umask " << mask;
-    }
-  }
-}
-
-TEST(ShmSegmentTest, FullShmIsResourceExhaustedWithAdvice) {
-  struct statvfs fs {};
-  ASSERT_EQ(statvfs("/dev/shm", &fs), 0);
-  const uint64_t capacity = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
-  if (capacity == 0) GTEST_SKIP() << "/dev/shm has no size limit here";
-  const std::string name = UniqueShmName("full");
-  auto seg = ShmSegment::Create(name, 2 * capacity);
-  ASSERT_EQ(seg.status().code(), absl::StatusCode::kResourceExhausted) << seg.status();
-  EXPECT_THAT(seg.status().message(), HasSubstr("cannot size " + name));
-  EXPECT_THAT(seg.status().message(), HasSubstr("/dev/shm"));
-  // The half-made object was removed.
-  EXPECT_EQ(ShmSegment::Open(name).status().code(), absl::StatusCode::kNotFound);
+TEST(ShmSegmentTest, ZeroAndHugeSizesAreRefused) {
+  EXPECT_EQ(ShmSegment::Create("dos.test.zero", 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmSegment::Create("dos.test.huge", ~uint64_t{0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,35 @@
+#include "daemon/rpc/session_ports.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace dos {
+
+absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
+                                                                        mode_t mode, gid_t group,
+                                                                        SessionManager* sessions) {
+  DescriptorServer::Options options;
+  options.socket_mode = mode;
+  options.group = group;
+  return DescriptorServer::Start(
+      path, options,
+      [sessions](uint64_t id, absl::string_view token,
+                 const PeerProcess& caller) -> absl::StatusOr<SessionPort> {
+        absl::StatusOr<std::shared_ptr<Session>> s = sessions->Find(id, token);
+        if (!s.ok()) return s.status();
+        if ((*s)->identity().process != nullptr && (*s)->identity().uid != caller.uid()) {
+          return absl::PermissionDeniedError(absl::StrCat(
+              "session ", id, " belongs to uid ", (*s)->identity().uid, ", not to uid ",
+              caller.uid(), "; only the attaching user may pass memory to or from it"));
+        }
+        SessionPort port;
+        port.control_fd = (*s)->control_fd();
+        port.inbox = (*s)->inbox();
+        port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
+        port.keep_alive = *s;
+        return port;
+      });
+}
+
+}  // namespace dos

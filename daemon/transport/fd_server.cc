@@ -1,0 +1,231 @@
+#include "daemon/transport/fd_server.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "daemon/common/log.h"
+
+namespace dos {
+namespace {
+
+std::string NewTicket() {
+  std::random_device rd;  // /dev/urandom
+  std::string t;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&t, absl::StrFormat("%08x", rd()));
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DescriptorServer>> DescriptorServer::Start(const std::string& path,
+                                                                           Options options,
+                                                                           ResolveFn resolve) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("descriptor socket path ", path, " is too long; use a shorter --socket"));
+  }
+  ::unlink(path.c_str());  // ours: the gRPC socket's lock is already held
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) {
+    return absl::InternalError(absl::StrCat("descriptor socket: ", std::strerror(errno)));
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  // Created 0600 and opened up only once its mode and group are right.
+  const mode_t old_umask = ::umask(0177);
+  const int bound = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::umask(old_umask);
+  if (bound != 0 || ::listen(fd.get(), 128) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", path, ": ", std::strerror(errno)));
+  }
+  if (options.group != static_cast<gid_t>(-1) &&
+      ::chown(path.c_str(), static_cast<uid_t>(-1), options.group) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot give ", path, " group ", options.group,
+                                                    ": ", std::strerror(errno)));
+  }
+  if (::chmod(path.c_str(), options.socket_mode) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot set the mode of ", path, ": ", std::strerror(errno)));
+  }
+  int wake = ::eventfd(0, EFD_CLOEXEC);
+  if (wake < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  std::unique_ptr<DescriptorServer> s(
+      new DescriptorServer(path, std::move(options), std::move(resolve), fd.release(), wake));
+  s->thread_ = std::thread([raw = s.get()] {
+    pthread_setname_np(pthread_self(), "dos-fd");
+    raw->Loop();
+  });
+  return s;
+}
+
+std::unique_ptr<DescriptorServer> DescriptorServer::ForTesting(Options options,
+                                                               ResolveFn resolve) {
+  return std::unique_ptr<DescriptorServer>(
+      new DescriptorServer("", std::move(options), std::move(resolve), -1, -1));
+}
+
+DescriptorServer::DescriptorServer(std::string path, Options options, ResolveFn resolve,
+                                   int listen_fd, int wake_fd)
+    : path_(std::move(path)),
+      options_(std::move(options)),
+      resolve_(std::move(resolve)),
+      listen_fd_(listen_fd),
+      wake_fd_(wake_fd) {}
+
+DescriptorServer::~DescriptorServer() {
+  if (listen_fd_ < 0) return;
+  uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof one);
+  if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::close(wake_fd_);
+  ::unlink(path_.c_str());
+}
+
+void DescriptorServer::Loop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    UniqueFd conn(::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) continue;
+    Serve(std::move(conn));
+  }
+}
+
+void DescriptorServer::Serve(UniqueFd conn) {
+  const int fd = conn.get();
+  timeval tv{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  absl::StatusOr<std::shared_ptr<const PeerProcess>> caller = PeerProcess::FromSocket(fd);
+  if (!caller.ok()) {
+    fdproto::Reply r = fdproto::MakeReply(caller.status());
+    fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+    return;
+  }
+  alignas(fdproto::Request) char buf[sizeof(fdproto::Request) + 1];
+  std::vector<UniqueFd> fds;
+  absl::StatusOr<size_t> n = fdproto::ReceiveMessage(fd, buf, sizeof buf, &fds);
+  if (!n.ok()) {
+    DOS_LOG_WARNING("fd.bad_request", "pid", (*caller)->pid(), "uid", (*caller)->uid(), "error",
+                    n.status().message());
+    fdproto::Reply r = fdproto::MakeReply(n.status());
+    fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+    return;
+  }
+  int send_fd = -1;
+  SessionPort port;
+  fdproto::Reply reply = Handle(buf, *n, std::move(fds), *caller, &send_fd, &port);
+  absl::Status sent =
+      send_fd >= 0 ? fdproto::SendMessage(fd, &reply, sizeof reply, {&send_fd, 1})
+                   : fdproto::SendMessage(fd, &reply, sizeof reply, {});
+  if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(conn));
+}
+
+absl::StatusOr<std::string> DescriptorServer::IssueTicket(
+    std::shared_ptr<const PeerProcess> caller) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  size_t of_uid = 0;
+  for (auto it = tickets_.begin(); it != tickets_.end();) {
+    if (it->second.expires < now) {
+      it = tickets_.erase(it);
+      continue;
+    }
+    if (it->second.process->uid() == caller->uid()) ++of_uid;
+    ++it;
+  }
+  if (tickets_.size() >= options_.max_tickets || of_uid >= options_.max_tickets_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "too many attaches in progress (", of_uid, " of uid ", caller->uid(), ", ",
+        tickets_.size(), " in all); attach after the pending ones finish (tickets expire in ",
+        absl::FormatDuration(options_.ticket_life), ")"));
+  }
+  std::string ticket = NewTicket();
+  tickets_[ticket] = Ticket{std::move(caller), now + options_.ticket_life};
+  return ticket;
+}
+
+absl::StatusOr<std::shared_ptr<const PeerProcess>> DescriptorServer::Redeem(
+    absl::string_view ticket) {
+  absl::MutexLock lock(&mu_);
+  auto it = tickets_.find(std::string(ticket));
+  if (ticket.empty() || it == tickets_.end() || it->second.expires < absl::Now()) {
+    if (it != tickets_.end()) tickets_.erase(it);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "attach: fd_ticket is missing, unknown or expired; connect to dosd's descriptor socket ",
+        path_.empty() ? "<socket>.fd" : path_,
+        " first and pass the ticket it answers (libdos_client does this)"));
+  }
+  std::shared_ptr<const PeerProcess> p = std::move(it->second.process);
+  tickets_.erase(it);
+  return p;
+}
+
+fdproto::Reply DescriptorServer::Handle(const void* data, size_t n, std::vector<UniqueFd> fds,
+                                        const std::shared_ptr<const PeerProcess>& caller,
+                                        int* send_fd, SessionPort* port_out) {
+  *send_fd = -1;
+  absl::StatusOr<fdproto::Request> req = fdproto::ParseRequest(data, n, fds.size());
+  if (!req.ok()) return fdproto::MakeReply(req.status());
+  const auto op = static_cast<fdproto::Op>(req->op);
+  if (op == fdproto::Op::kHello) {
+    absl::StatusOr<std::string> ticket = IssueTicket(caller);
+    if (!ticket.ok()) return fdproto::MakeReply(ticket.status());
+    fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
+    std::memcpy(r.text, ticket->data(), std::min(ticket->size(), sizeof(r.text) - 1));
+    return r;
+  }
+  const std::string token = fdproto::RequestToken(*req);
+  absl::StatusOr<SessionPort> port = resolve_(req->session_id, token, *caller);
+  if (!port.ok()) {
+    DOS_LOG_WARNING("fd.refused", "session", req->session_id, "pid", caller->pid(), "uid",
+                    caller->uid(), "error", port.status().message());
+    return fdproto::MakeReply(port.status());
+  }
+  if (op == fdproto::Op::kControlBlock) {
+    fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
+    r.num_fds = 1;
+    *send_fd = port->control_fd;
+    if (port_out != nullptr) *port_out = *port;
+    return r;
+  }
+  std::vector<std::unique_ptr<ShmSegment>> segments;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<ShmSegment>> seg = ShmSegment::Adopt(
+        std::move(fds[i]), absl::StrCat("session ", req->session_id, " segment ", i));
+    if (!seg.ok()) {
+      DOS_LOG_WARNING("fd.segment_refused", "session", req->session_id, "pid", caller->pid(),
+                      "error", seg.status().message());
+      return fdproto::MakeReply(seg.status());
+    }
+    segments.push_back(*std::move(seg));
+  }
+  absl::StatusOr<std::vector<uint64_t>> ids = port->inbox->AddAll(std::move(segments));
+  if (!ids.ok()) return fdproto::MakeReply(ids.status());
+  fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
+  r.count = static_cast<uint32_t>(ids->size());
+  for (size_t i = 0; i < ids->size(); ++i) r.segment_ids[i] = (*ids)[i];
+  return r;
+}
+
+}  // namespace dos

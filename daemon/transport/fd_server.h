@@ -1,0 +1,107 @@
+// DescriptorServer: dosd's end of the descriptor socket (proto/dos/wire/
+// fd_protocol.h), "<socket>.fd" beside the gRPC socket, with the same mode
+// and group.
+//
+// - Hello: the caller's identity from the kernel (PeerProcess) is kept under
+//   a random single-use ticket for 30 s; Attach redeems it (Redeem), so a
+//   session belongs to the process that connected here and to its uid.
+// - ControlBlock / Segments: `resolve` finds the session by id and token and
+//   checks that the caller's uid owns it (it is dosd's session manager); the
+//   control block's memfd is sent back, or the received memfds are checked
+//   (sealed, ShmSegment::Adopt) and filed in the session's SegmentInbox.
+//
+// Connections are served one at a time by one thread ("dos-fd"), each with a
+// 1 s receive timeout, so a stalled peer delays others by at most that.
+//
+// Thread-safety: thread-safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/transport/peer_process.h"
+#include "daemon/transport/segment_inbox.h"
+#include "dos/wire/fd_protocol.h"
+#include "dos/wire/unique_fd.h"
+
+namespace dos {
+
+// What the descriptor server may touch of one session.
+struct SessionPort {
+  int control_fd = -1;           // the control block's memfd (sent as a dup)
+  SegmentInbox* inbox = nullptr;
+  // Takes the connection a control block was sent on and keeps it open for
+  // the session's life (its hang-up is the client's sign that dosd or the
+  // session is gone); may be empty.
+  std::function<void(UniqueFd)> hold_connection;
+  std::shared_ptr<void> keep_alive;  // holds the session while the port is used
+};
+
+class DescriptorServer {
+ public:
+  // PERMISSION_DENIED / NOT_FOUND as the session manager answers them.
+  using ResolveFn = std::function<absl::StatusOr<SessionPort>(
+      uint64_t session_id, absl::string_view token, const PeerProcess& caller)>;
+
+  struct Options {
+    mode_t socket_mode = 0660;
+    gid_t group = static_cast<gid_t>(-1);
+    absl::Duration ticket_life = absl::Seconds(30);
+    size_t max_tickets = 4096;         // outstanding, all callers
+    size_t max_tickets_per_uid = 64;   // outstanding, one uid
+  };
+
+  static absl::StatusOr<std::unique_ptr<DescriptorServer>> Start(const std::string& path,
+                                                                 Options options,
+                                                                 ResolveFn resolve);
+  // Without a socket: Handle() only (tests, the fuzz target).
+  static std::unique_ptr<DescriptorServer> ForTesting(Options options, ResolveFn resolve);
+  ~DescriptorServer();  // Stops the thread, removes the socket.
+
+  const std::string& path() const { return path_; }
+
+  // For Attach: the identity a Hello recorded under `ticket` (consumed).
+  // PERMISSION_DENIED, saying what to do, for a missing/unknown/expired one.
+  absl::StatusOr<std::shared_ptr<const PeerProcess>> Redeem(absl::string_view ticket);
+
+  // Serves one received request from `caller` (the connection's peer).
+  // *send_fd: a descriptor to send with the reply, or -1; *port: the session
+  // a control block request resolved to (for the connection hand-over).
+  fdproto::Reply Handle(const void* data, size_t n, std::vector<UniqueFd> fds,
+                        const std::shared_ptr<const PeerProcess>& caller, int* send_fd,
+                        SessionPort* port = nullptr);
+
+ private:
+  DescriptorServer(std::string path, Options options, ResolveFn resolve, int listen_fd,
+                   int wake_fd);
+  void Loop();
+  void Serve(UniqueFd fd);
+  absl::StatusOr<std::string> IssueTicket(std::shared_ptr<const PeerProcess> caller);
+
+  const std::string path_;
+  const Options options_;
+  const ResolveFn resolve_;
+  const int listen_fd_;
+  const int wake_fd_;
+  std::thread thread_;
+
+  struct Ticket {
+    std::shared_ptr<const PeerProcess> process;
+    absl::Time expires;
+  };
+  absl::Mutex mu_;
+  std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace dos

@@ -1,0 +1,195 @@
+#include "daemon/transport/fd_server.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dos {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A descriptor server on a temporary socket with one fake session (id 7,
+// token "secret", owned by this process's uid).
+class FdServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/dos_fd_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    path_ = dir_ + "/dosd.sock.fd";
+    auto ctl = ShmSegment::Create("dos.ctl.test", 4096);
+    ASSERT_TRUE(ctl.ok()) << ctl.status();
+    control_ = *std::move(ctl);
+    auto s = DescriptorServer::Start(
+        path_, DescriptorServer::Options{},
+        [this](uint64_t id, absl::string_view token,
+               const PeerProcess& caller) -> absl::StatusOr<SessionPort> {
+          if (id != 7) return absl::NotFoundError("no such session");
+          if (token != "secret") return absl::PermissionDeniedError("wrong token");
+          if (caller.uid() != owner_) return absl::PermissionDeniedError("not the owner");
+          SessionPort p;
+          p.control_fd = control_->fd();
+          p.inbox = &inbox_;
+          p.hold_connection = [this](UniqueFd c) { held_.push_back(std::move(c)); };
+          return p;
+        });
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+  }
+  void TearDown() override {
+    server_.reset();
+    std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+
+  std::string dir_, path_;
+  uid_t owner_ = getuid();
+  std::unique_ptr<ShmSegment> control_;
+  SegmentInbox inbox_;
+  std::vector<UniqueFd> held_;  // touched by the server thread only while a test waits on it
+  std::unique_ptr<DescriptorServer> server_;
+};
+
+TEST_F(FdServerTest, HelloTicketRedeemsOnceToTheCallersKernelIdentity) {
+  auto ticket = fdproto::Hello(path_);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  EXPECT_EQ(ticket->size(), 32u);
+  auto p = server_->Redeem(*ticket);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->pid(), getpid());
+  EXPECT_EQ((*p)->uid(), getuid());
+  EXPECT_TRUE((*p)->Alive());
+  EXPECT_EQ(server_->Redeem(*ticket).status().code(), absl::StatusCode::kPermissionDenied);
+  auto none = server_->Redeem("");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(none.status().message(), HasSubstr(path_));
+  EXPECT_EQ(server_->Redeem("0123456789abcdef0123456789abcdef").status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(FdServerTest, PidfdSeesAChildExitEvenAsAZombie) {
+  pid_t child = fork();
+  if (child == 0) {
+    char c;
+    (void)!read(0, &c, 0);
+    _exit(0);
+  }
+  auto p = PeerProcess::FromPid(child);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // Not reaped yet: a zombie is not alive.
+  for (int i = 0; i < 500 && (*p)->Alive(); ++i) {
+    pollfd none{};
+    poll(&none, 0, 10);  // bounded wait for the exit (5 s)
+  }
+  EXPECT_FALSE((*p)->Alive());
+  int status;
+  waitpid(child, &status, 0);
+  EXPECT_FALSE((*p)->Alive());
+}
+
+TEST_F(FdServerTest, ControlBlockGoesToTheOwnerWithTheTokenAndTheConnectionIsHeld) {
+  auto cb = fdproto::FetchControlBlock(path_, 7, "secret");
+  ASSERT_TRUE(cb.ok()) << cb.status();
+  auto seg = ShmSegment::Adopt(std::move(cb->memfd), "control block");
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  static_cast<char*>(control_->data())[10] = 9;
+  EXPECT_EQ(static_cast<char*>((*seg)->data())[10], 9);
+  // dosd keeps its end: our end does not read as hung up.
+  pollfd p{cb->connection.get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0);
+  EXPECT_EQ(fdproto::FetchControlBlock(path_, 7, "wrong").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(fdproto::FetchControlBlock(path_, 8, "secret").status().code(),
+            absl::StatusCode::kNotFound);
+  owner_ = getuid() + 1;  // the session belongs to someone else now
+  EXPECT_EQ(fdproto::FetchControlBlock(path_, 7, "secret").status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(FdServerTest, SealedSegmentsAreFiledUnsealedOnesRefused) {
+  auto a = ShmSegment::Create("dos.a", 4096);
+  auto b = ShmSegment::Create("dos.b", 8192);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const int fds[] = {(*a)->fd(), (*b)->fd()};
+  auto ids = fdproto::SendSegments(path_, 7, "secret", fds);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_EQ(ids->size(), 2u);
+  EXPECT_EQ(inbox_.pending(), 2u);
+  auto sb = inbox_.Take((*ids)[1], "b");
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  EXPECT_EQ((*sb)->size(), 8192u);
+  EXPECT_EQ(inbox_.Take((*ids)[1], "b again").status().code(), absl::StatusCode::kNotFound);
+
+  UniqueFd raw(memfd_create("dos.raw", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(ftruncate(raw.get(), 4096), 0);
+  const int r = raw.get();
+  auto refused = fdproto::SendSegments(path_, 7, "secret", {&r, 1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("F_SEAL_SHRINK"));
+  // All or nothing: a good one next to a bad one is not filed either.
+  const int mixed[] = {(*a)->fd(), r};
+  EXPECT_FALSE(fdproto::SendSegments(path_, 7, "secret", mixed).ok());
+  EXPECT_EQ(inbox_.pending(), 1u);
+  EXPECT_EQ(fdproto::SendSegments(path_, 7, "wrong", {fds, 1}).status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(FdServerTest, MalformedRequestsGetAnError) {
+  fdproto::Request req = fdproto::MakeRequest(fdproto::Op::kSegments, 7, "secret", 3);
+  auto ex = fdproto::Call(path_, req, {});  // announces 3, carries 0
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument);
+  req = fdproto::MakeRequest(fdproto::Op::kHello, 0, "", 0);
+  req.version = 99;
+  EXPECT_EQ(fdproto::Call(path_, req, {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  req = fdproto::MakeRequest(static_cast<fdproto::Op>(9), 7, "secret", 0);
+  EXPECT_EQ(fdproto::Call(path_, req, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  // The server still answers.
+  EXPECT_TRUE(fdproto::Hello(path_).ok());
+}
+
+TEST_F(FdServerTest, OutstandingTicketsPerUidAreCapped) {
+  std::vector<std::string> tickets;
+  absl::Status last;
+  for (int i = 0; i < 70; ++i) {
+    auto t = fdproto::Hello(path_);
+    if (!t.ok()) {
+      last = t.status();
+      break;
+    }
+    tickets.push_back(*t);
+  }
+  EXPECT_EQ(tickets.size(), 64u);
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(server_->Redeem(tickets[0]).ok());
+  EXPECT_TRUE(fdproto::Hello(path_).ok());  // one slot free again
+}
+
+TEST(FdProtocolTest, ParseRejectsEverythingButWellFormedRequests) {
+  fdproto::Request r = fdproto::MakeRequest(fdproto::Op::kControlBlock, 1, "t", 0);
+  EXPECT_TRUE(fdproto::ParseRequest(&r, sizeof r, 0).ok());
+  EXPECT_FALSE(fdproto::ParseRequest(&r, sizeof r - 1, 0).ok());
+  EXPECT_FALSE(fdproto::ParseRequest(&r, sizeof r, 1).ok());
+  r.session_id = 0;
+  EXPECT_FALSE(fdproto::ParseRequest(&r, sizeof r, 0).ok());
+  r = fdproto::MakeRequest(fdproto::Op::kSegments, 1, "t", fdproto::kMaxFds + 1);
+  EXPECT_FALSE(fdproto::ParseRequest(&r, sizeof r, fdproto::kMaxFds + 1).ok());
+  r.magic = 0;
+  EXPECT_FALSE(fdproto::ParseRequest(&r, sizeof r, 0).ok());
+  fdproto::Reply rep = fdproto::MakeReply(absl::OkStatus());
+  rep.count = fdproto::kMaxFds + 1;
+  EXPECT_FALSE(fdproto::ParseReply(&rep, sizeof rep, 0).ok());
+}
+
+}  // namespace
+}  // namespace dos
