@@ -7,7 +7,7 @@
 # Each DIST holds bin/{dosd,dos_bench_update_trainer,dos_bench_update_probe}
 # and lib/ (see run.sh).
 set -u
-OLD=${1:?old dist}; NEW=${2:?new dist}; OUT=${3:?out dir}; ROUNDS=${4:-2}
+OLD=${1:?old dist}; NEW=${2:?new dist}; OUT=${3:?out dir}; ROUNDS=${4:-3}
 mkdir -p "$OUT"
 for r in $(seq "$ROUNDS"); do
   for side in old new; do

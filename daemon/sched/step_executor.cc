@@ -10,6 +10,7 @@
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_for.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "dos/wire/hparams.h"
 #include "dos/wire/status_macros.h"
 
 namespace dos {
@@ -47,23 +48,6 @@ void FloatToWeights(const float* in, uint64_t n, DType dtype, char* out) {
 
 }  // namespace
 
-absl::Status ValidateGroupParams(const GroupStepParams& g, size_t group, absl::string_view where) {
-  auto bad = [&](absl::string_view field, double value, absl::string_view want) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": group ", group, " ", field, " = ",
-                                                   value, " is invalid; it must be ", want));
-  };
-  if (!std::isfinite(g.lr) || g.lr < 0) return bad("lr", g.lr, "finite and >= 0");
-  if (!(g.beta1 >= 0 && g.beta1 < 1)) return bad("beta1", g.beta1, "in [0, 1)");
-  if (!(g.beta2 >= 0 && g.beta2 < 1)) return bad("beta2", g.beta2, "in [0, 1)");
-  // torch.optim.Adam(W) accepts eps = 0 (the update then divides by
-  // sqrt(v)/bc2, infinite where v is 0, as torch's does).
-  if (!std::isfinite(g.eps) || g.eps < 0) return bad("eps", g.eps, "finite and >= 0");
-  if (!std::isfinite(g.weight_decay) || g.weight_decay < 0) {
-    return bad("weight_decay", g.weight_decay, "finite and >= 0");
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
   if (r.num_groups != num_groups) {
     return absl::InvalidArgumentError(
@@ -79,7 +63,7 @@ absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
         "step: clip_coef = ", r.clip_coef, " is invalid; it must be finite and >= 0 (1 = none)"));
   }
   for (size_t i = 0; i < num_groups; ++i) {
-    absl::Status st = ValidateGroupParams(r.groups[i], i, "step");
+    absl::Status st = ValidateGroupStepParams(r.groups[i], i, "step");
     if (!st.ok()) return st;
   }
   return absl::OkStatus();

@@ -49,13 +49,9 @@ struct StepOutcome {
   uint64_t gpu_memory_bytes = 0;   // staging slots + resident state on the GPU
 };
 
-// The torch rules for one param group's hyperparameters (lr >= 0, betas in
-// [0, 1), eps >= 0, weight_decay >= 0, all finite): INVALID_ARGUMENT naming
-// `where` ("step", "register"), the group and the field otherwise. The one
-// check every daemon entry point applies.
-absl::Status ValidateGroupParams(const GroupStepParams& g, size_t group, absl::string_view where);
 // The whole request: one group per registered group, grad_scale > 0 and
-// clip_coef >= 0 (finite), and every group by ValidateGroupParams.
+// clip_coef >= 0 (finite), and every group by ValidateGroupStepParams
+// (dos/wire/hparams.h, in the library the client links too).
 absl::Status ValidateStepRequest(const StepRequest& request, size_t num_groups);
 
 class StepExecutor {

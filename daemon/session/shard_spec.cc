@@ -6,7 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "dos/wire/status_macros.h"
 #include "daemon/sched/device_selection.h"
-#include "daemon/sched/step_executor.h"
+#include "dos/wire/control_block.h"
+#include "dos/wire/hparams.h"
 
 namespace dos {
 namespace {
@@ -80,7 +81,7 @@ absl::Status ValidateShardSpec(const ShardSpec& spec) {
                                                    " are supported"));
   }
   for (size_t g = 0; g < spec.groups.size(); ++g) {
-    DOS_RETURN_IF_ERROR(ValidateGroupParams(spec.groups[g].defaults, g, "register"));
+    DOS_RETURN_IF_ERROR(ValidateGroupStepParams(spec.groups[g].defaults, g, "register"));
   }
   if (spec.tensors.empty()) {
     return absl::InvalidArgumentError("register: no tensors given");

@@ -41,7 +41,7 @@ std::string TensorWhat(uint32_t index, const std::string& name, absl::string_vie
 
 // INVALID_ARGUMENT naming the tensor or group and the fix when the spec
 // cannot be registered: no tensors or groups (or too many groups), a group's
-// hyperparameters outside torch's rules (ValidateGroupParams), a tensor with
+// hyperparameters outside torch's rules (ValidateGroupStepParams), a tensor with
 // no elements or too many, a group index out of range, a misaligned offset,
 // CUDA IPC and shared memory mixed, CUDA memory on more than one device, an
 // IPC event with shared-memory tensors.

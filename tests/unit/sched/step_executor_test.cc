@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "daemon/cpu/adam_reference.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/cpu/host_engine.h"
 
 namespace dos {
@@ -195,6 +196,47 @@ TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
   ASSERT_TRUE(ex.WriteWeights(*shard, b, 0).ok());
   EXPECT_EQ(BF16ToFloat(param[3]), 1.0f);
   EXPECT_EQ(BF16ToFloat(param[9]), 1.25f);
+}
+
+}  // namespace
+}  // namespace dos
+
+namespace dos {
+namespace {
+
+// The one hyperparameter check (dos/wire/hparams.h) as every step applies
+// it: torch's rules, eps = 0 included.
+TEST(ValidateStepRequestTest, FollowsTorchsRulesForEveryField) {
+  StepRequest r{};
+  r.num_groups = 2;
+  r.grad_scale = 1;
+  r.clip_coef = 1;
+  r.groups[0] = GroupStepParams{1e-3, 0.9, 0.999, 0.0, 0.0};  // eps = 0, wd = 0: valid
+  r.groups[1] = GroupStepParams{0.0, 0.0, 0.0, 1e-8, 0.1};     // lr = 0, betas 0: valid
+  EXPECT_TRUE(ValidateStepRequest(r, 2).ok());
+  struct Bad {
+    double GroupStepParams::*field;
+    double value;
+    const char* name;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const Bad& b : {Bad{&GroupStepParams::lr, -1e-3, "lr"}, Bad{&GroupStepParams::lr, inf, "lr"},
+                       Bad{&GroupStepParams::beta1, 1.0, "beta1"},
+                       Bad{&GroupStepParams::beta2, -0.1, "beta2"},
+                       Bad{&GroupStepParams::eps, -1e-12, "eps"},
+                       Bad{&GroupStepParams::eps, std::nan(""), "eps"},
+                       Bad{&GroupStepParams::weight_decay, -0.01, "weight_decay"}}) {
+    StepRequest bad = r;
+    bad.groups[1].*b.field = b.value;
+    absl::Status st = ValidateStepRequest(bad, 2);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.name;
+    EXPECT_NE(st.message().find(absl::StrCat("step: group 1 ", b.name, " = ")),
+              absl::string_view::npos) << st;
+  }
+  StepRequest scale = r;
+  scale.grad_scale = 0;
+  EXPECT_EQ(ValidateStepRequest(scale, 2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateStepRequest(r, 1).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
