@@ -13,7 +13,7 @@ seconds=${1:-60}
 jobs=${JOBS:-$(nproc)}
 build=${DOS_FUZZ_BUILD:-build-fuzz}  # DOS_FUZZ_BUILD: another build directory
 command -v clang++ >/dev/null || { echo "run_fuzz.sh: clang++ not found (apt-get install clang)" >&2; exit 1; }
-targets=(checkpoint_reader_fuzzer control_block_fuzzer register_request_fuzzer)
+targets=(checkpoint_reader_fuzzer control_block_fuzzer register_request_fuzzer fd_handshake_fuzzer)
 
 t0=$(date +%s)
 mkdir -p "$build"

@@ -6,10 +6,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "daemon/checkpoint/checkpoint_writer.h"
 #include "dos/wire/control_channel.h"
+#include "dos/wire/fd_protocol.h"
 #include "proto/dos/v1/dos.pb.h"
 #include "tests/unit/checkpoint/fake_env.h"
 
@@ -85,13 +87,26 @@ void RegisterSeeds(const std::string& dir) {
     ts->set_param_dtype(dos::v1::DTYPE_BF16);
     ts->set_grad_dtype(dos::v1::DTYPE_BF16);
     ts->set_numel(1000 + t);
-    ts->mutable_param()->mutable_shm()->set_name("/dos.seed.params");
-    ts->mutable_grad()->mutable_shm()->set_name("/dos.seed.grads");
+    ts->mutable_param()->mutable_shm()->set_segment(1);
+    ts->mutable_grad()->mutable_shm()->set_segment(2);
     ts->mutable_grad()->mutable_shm()->set_offset(4096 * t);
   }
   WriteFile(dir + "/two_tensors", req.SerializeAsString());
   req.mutable_tensors(1)->set_numel(~uint64_t{0});
   WriteFile(dir + "/huge_numel", req.SerializeAsString());
+}
+
+// Each op, with 0-2 descriptors of the kinds fd_handshake_fuzzer makes.
+void FdHandshakeSeeds(const std::string& dir) {
+  using dos::fdproto::Op;
+  int n = 0;
+  for (auto [op, fds] : {std::pair{Op::kHello, 0}, std::pair{Op::kControlBlock, 0},
+                         std::pair{Op::kSegments, 1}, std::pair{Op::kSegments, 2}}) {
+    dos::fdproto::Request r = dos::fdproto::MakeRequest(op, 7, "secret", fds);
+    std::string bytes = {static_cast<char>(fds), 0, 1, 0, 0};
+    bytes.append(reinterpret_cast<const char*>(&r), sizeof r);
+    std::ofstream(dir + "/seed" + std::to_string(n++), std::ios::binary) << bytes;
+  }
 }
 
 }  // namespace
@@ -103,11 +118,12 @@ int main(int argc, char** argv) {
   }
   const std::string root = argv[1];
   for (const char* d : {"checkpoint_reader_fuzzer", "control_block_fuzzer",
-                        "register_request_fuzzer"}) {
+                        "register_request_fuzzer", "fd_handshake_fuzzer"}) {
     std::filesystem::create_directories(root + "/" + d);
   }
   CheckpointSeeds(root + "/checkpoint_reader_fuzzer");
   ControlBlockSeeds(root + "/control_block_fuzzer");
   RegisterSeeds(root + "/register_request_fuzzer");
+  FdHandshakeSeeds(root + "/fd_handshake_fuzzer");
   return 0;
 }
