@@ -75,6 +75,8 @@ ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
+ABSL_FLAG(bool, state_huge_pages, true,
+          "Transparent huge pages (madvise) for shards of 64 MiB of state or more.");
 ABSL_FLAG(std::string, shm_prefix, "", "Ignored (dosd names nothing in /dev/shm).");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");
 ABSL_FLAG(std::string, checkpoint_dir, "auto",
@@ -261,6 +263,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
         " is not a size; write e.g. 64G, 512M or 0 for no cap"));
   }
+  c.session.huge_pages = absl::GetFlag(FLAGS_state_huge_pages);
   c.session.default_subgroup_size = absl::GetFlag(FLAGS_subgroup_size);
   if (c.session.default_subgroup_size == 0) {
     return absl::InvalidArgumentError("--subgroup_size must be positive");

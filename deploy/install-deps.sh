@@ -10,6 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libtbb-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-pytest python3-numpy systemd
+  python3-pip python3-venv python3-setuptools python3-wheel  # the Python package (tests/python_package)
   clang libclang-rt-dev  # the libFuzzer targets (tests/run_fuzz.sh); libFuzzer is in libclang-rt
   dpkg-dev lintian help2man  # the Debian package: dpkg-shlibdeps, lintian, man pages
 )

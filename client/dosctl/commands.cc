@@ -41,6 +41,21 @@ std::string Bytes(uint64_t b) {
 
 std::string Num(double v, int digits = 1) { return absl::StrFormat("%.*f", digits, v); }
 
+// "registering: pinning 34.1 GiB of 66.1 GiB, 12.3 GB/s, 3 s left (21 s so far)".
+std::string RegisterProgressLine(const v1::RegisterProgress& p) {
+  std::string line = absl::StrCat("registering: ", p.phase(), " ", Bytes(p.bytes_done()), " of ",
+                                  Bytes(p.bytes_total()));
+  const double rate = p.phase_seconds() > 0 ? p.bytes_done() / p.phase_seconds() : 0;
+  if (rate > 0) {
+    absl::StrAppend(&line, ", ", Num(rate * 1e-9), " GB/s");
+    if (p.bytes_total() > p.bytes_done()) {
+      absl::StrAppend(&line, ", ", Num((p.bytes_total() - p.bytes_done()) / rate, 0), " s left");
+    }
+  }
+  absl::StrAppend(&line, " (", Num(p.total_seconds(), 0), " s so far)");
+  return line;
+}
+
 }  // namespace
 
 Commands::Commands(Options options) : options_(std::move(options)) {
@@ -143,6 +158,12 @@ absl::Status Commands::Sessions(std::ostream& out) {
               absl::StrCat(x.steps())});
   }
   t.Print(out);
+  // Registrations in flight: a 6B shard's state takes seconds to allocate and pin.
+  for (const auto& x : list.sessions()) {
+    if (!x.has_register_progress()) continue;
+    out << "session " << x.session_id() << " " << RegisterProgressLine(x.register_progress())
+        << "\n";
+  }
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "dos/dos.h"
+#include "daemon_probe.h"
 #include "dos/version.h"
 #include "device_memory.h"
 #include "session.h"
@@ -71,6 +72,26 @@ int32_t dos_cuda_supported(void) { return dos::client::DeviceMemory::Compiled() 
 const char* dos_default_socket(void) {
   const char* env = std::getenv("DOS_SOCKET");
   return (env != nullptr && env[0] != '\0') ? env : "/run/dos/dosd.sock";
+}
+
+dos_status dos_daemon_probe(const char* socket_path, int64_t timeout_ms, dos_daemon_info* out) {
+  thread_local dos::client::DaemonInfo info;
+  return Guard("daemon_probe", [&]() -> absl::Status {
+    if (out == nullptr) return absl::InvalidArgumentError("daemon_probe: out is NULL");
+    const std::string socket = socket_path != nullptr ? socket_path : dos_default_socket();
+    absl::StatusOr<dos::client::DaemonInfo> got =
+        dos::client::ProbeDaemon(socket, timeout_ms > 0 ? timeout_ms : 5000);
+    out->client_protocol_version = dos::client::ClientProtocolVersion();
+    out->client_version = dos::client::ClientRelease();
+    if (!got.ok()) return got.status();
+    info = *std::move(got);
+    out->pid = info.pid;
+    out->version = info.version.c_str();
+    out->protocol_version = info.protocol_version;
+    out->health = info.health.c_str();
+    out->sessions = info.sessions;
+    return absl::OkStatus();
+  });
 }
 
 void dos_attach_options_init(dos_attach_options* options) {
@@ -183,6 +204,23 @@ dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t 
     return session->impl->Register(absl::MakeConstSpan(tensors, num_tensors),
                                    absl::MakeConstSpan(groups, num_groups),
                                    options != nullptr ? options->subgroup_size : 0);
+  });
+}
+
+dos_status dos_register_progress_read(const dos_session* session, dos_register_progress* out) {
+  return Guard("register_progress", [&]() -> absl::Status {
+    if (session == nullptr || session->impl == nullptr) {
+      return absl::InvalidArgumentError("register_progress: session is NULL");
+    }
+    if (out == nullptr) return absl::InvalidArgumentError("register_progress: out is NULL");
+    const dos::client::RegisterProgressView v = session->impl->register_progress();
+    out->phase = static_cast<int32_t>(v.phase);
+    out->phase_name = v.phase_name;
+    out->bytes_done = v.bytes_done;
+    out->bytes_total = v.bytes_total;
+    out->phase_seconds = v.phase_seconds;
+    out->total_seconds = v.total_seconds;
+    return absl::OkStatus();
   });
 }
 

@@ -3,10 +3,12 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -147,6 +149,15 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   req.set_local_rank(options.local_rank);
   req.set_world_size(options.world_size);
   req.set_protocol_version(kProtocolVersion);
+  req.set_client_version(DOS_CLIENT_RELEASE);
+  // Test hook (tests/integration/versions_test.cc): claim another protocol
+  // or release, as an older or newer client would.
+  if (const char* v = std::getenv("DOS_TEST_CLAIM_PROTOCOL_VERSION"); v != nullptr && *v) {
+    req.set_protocol_version(static_cast<uint32_t>(std::strtoul(v, nullptr, 10)));
+  }
+  if (const char* v = std::getenv("DOS_TEST_CLAIM_CLIENT_VERSION"); v != nullptr) {
+    req.set_client_version(v);
+  }
   // The kernel tells dosd who we are on its descriptor socket (whatever our
   // pid namespace); the ticket it answers makes the session ours.
   s->fd_socket_ = fdproto::SocketPathFor(options.socket_path);
@@ -199,6 +210,26 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   s->step_channel_->SetDaemonConnection(s->daemon_connection_.get());
   s->control_->client_pid = static_cast<int32_t>(::getpid());
   return s;
+}
+
+RegisterProgressView ClientSession::register_progress() const {
+  RegisterProgressView v;
+  const RegisterProgressWords& w = control_->register_progress;
+  v.phase = w.phase.load(std::memory_order_acquire);
+  v.phase_name = RegisterPhaseName(v.phase);
+  if (v.phase == kRegisterIdle) return v;
+  v.bytes_done = w.bytes_done.load(std::memory_order_relaxed);
+  v.bytes_total = w.bytes_total.load(std::memory_order_relaxed);
+  // Both processes read CLOCK_MONOTONIC, one clock per host.
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  const uint64_t now =
+      static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
+  const uint64_t phase_start = w.phase_start_ns.load(std::memory_order_relaxed);
+  const uint64_t start = w.start_ns.load(std::memory_order_relaxed);
+  v.phase_seconds = now > phase_start ? (now - phase_start) * 1e-9 : 0;
+  v.total_seconds = now > start ? (now - start) * 1e-9 : 0;
+  return v;
 }
 
 absl::Status ClientSession::Detach() {

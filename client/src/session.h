@@ -41,6 +41,16 @@
 
 namespace dos::client {
 
+// The daemon's progress on the registration in flight (control block words).
+struct RegisterProgressView {
+  uint32_t phase = 0;  // RegisterPhase; 0: none in flight
+  const char* phase_name = "";
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  double phase_seconds = 0;
+  double total_seconds = 0;
+};
+
 class ClientSession {
  public:
   struct Options {
@@ -74,6 +84,8 @@ class ClientSession {
   // resume it. Keep it private to the job.
   const std::string& token() const { return ref_.token(); }
   bool resumed() const { return resumed_; }
+  // Safe from any thread while Register runs (reads the control block only).
+  RegisterProgressView register_progress() const;
 
   absl::StatusOr<void*> AllocBuffer(uint64_t bytes);
 

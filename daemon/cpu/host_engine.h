@@ -23,7 +23,7 @@ class HostEngine final : public Engine {
   bool host_addressable() const override { return true; }
   std::string name() const override { return "host"; }
   std::unique_ptr<Transport> NewTransport() override;
-  absl::Status AttachShard(ShardState&) override { return absl::OkStatus(); }
+  absl::Status AttachShard(ShardState&, RegisterProgress*) override { return absl::OkStatus(); }
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void*) override {}
   absl::Status WaitTrainerEvent(void* event) override;

@@ -49,6 +49,13 @@ struct GpuEngineOptions {
   int device = 0;                  // CUDA device ordinal
   int staging_slots = 3;           // streamed subgroups in flight
   bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
+  // Page-locking a shard's state at registration: one cudaHostRegister per
+  // subgroup from `pin_threads` threads (0: one per core, at most 16), or
+  // (`pin_whole`) one for the shard's whole mapping; equally fast when
+  // measured (bench/register; dosd has no flags for them since), but per
+  // subgroup reports progress as it goes.
+  bool pin_whole = false;
+  int pin_threads = 0;
 };
 
 class GpuEngine final : public Engine {
@@ -70,7 +77,7 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Transport> NewTransport() override;
   absl::Status CopyToHost(void* dst, const void* device_src, uint64_t bytes) override;
   absl::Status CopyToTrainer(void* device_dst, const void* src, uint64_t bytes) override;
-  absl::Status AttachShard(ShardState& shard) override;
+  absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) override;
   absl::StatusOr<bool> AllFinite(const ShardState& shard,
                                  std::span<const TensorBinding> bindings) override;
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;

@@ -174,6 +174,27 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
 }
 
+// Attach from a client of another protocol: both versions, which side is
+// older, and what to install.
+absl::Status VersionMismatch(absl::string_view client_version, uint32_t client_protocol,
+                             absl::string_view daemon_version) {
+  const std::string client =
+      client_version.empty() ? std::string("a client library older than DOS 0.1.0")
+                             : absl::StrCat("libdos_client ", client_version);
+  const bool older = client_protocol < kProtocolVersion;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "attach: ", client, " (protocol ", client_protocol, ") cannot work with dosd ",
+      daemon_version, " (protocol ", kProtocolVersion, "): the client is ",
+      older ? "older" : "newer", " than the daemon. ",
+      older ? absl::StrCat("Upgrade the trainer's DOS client to ", daemon_version,
+                           " (pip install dos-optimizer==", daemon_version,
+                           ", or the dos package's libdos_client) or run a dosd as old as it")
+            : absl::StrCat("Upgrade dosd on this node to the client's release (install the "
+                           "dos package of ", client_version.empty() ? "it" : client_version,
+                           ", then systemctl restart dosd) or use a DOS client ",
+                           daemon_version)));
+}
+
 }  // namespace
 
 CallerIdentity DosService::Caller(const grpc::ServerContext* ctx) const {
@@ -206,9 +227,7 @@ grpc::Status DosService::Attach(ServerContext* ctx, const v1::AttachRequest* req
     }
   }
   if (req->protocol_version() != kProtocolVersion) {
-    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-        "attach: client speaks protocol version ", req->protocol_version(), ", daemon speaks ",
-        kProtocolVersion, "; use a client library from the same DOS release as dosd")));
+    return ToGrpcStatus(VersionMismatch(req->client_version(), req->protocol_version(), version_));
   }
   if (req->pid() <= 0) {
     return ToGrpcStatus(absl::InvalidArgumentError(
@@ -389,7 +408,19 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
     info->set_local_rank(id.local_rank);
     info->set_world_size(id.world_size);
     // "orphaned": its trainer died; the state waits --session_lease for a resume.
-    info->set_state(i >= live.size() ? "orphaned" : sum.registered ? "registered" : "attached");
+    const RegisterProgress::View reg = s->register_progress();
+    info->set_state(i >= live.size()            ? "orphaned"
+                    : sum.registered              ? "registered"
+                    : reg.phase != kRegisterIdle ? "registering"
+                                                  : "attached");
+    if (reg.phase != kRegisterIdle) {
+      v1::RegisterProgress* p = info->mutable_register_progress();
+      p->set_phase(RegisterPhaseName(reg.phase));
+      p->set_bytes_done(reg.bytes_done);
+      p->set_bytes_total(reg.bytes_total);
+      p->set_phase_seconds(reg.phase_seconds);
+      p->set_total_seconds(reg.total_seconds);
+    }
     info->set_params(sum.params);
     info->set_num_tensors(sum.tensors);
     info->set_num_subgroups(sum.subgroups);
@@ -401,6 +432,7 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
   }
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
+  resp->set_protocol_version(kProtocolVersion);
   return grpc::Status::OK;
 }
 

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/cpu/adam_kernel.h"
 #include "daemon/sched/step_plan.h"
+#include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/transport.h"
 
@@ -64,8 +65,9 @@ class Engine {
   // A transport that maps the trainer's memory locations this engine reads.
   virtual std::unique_ptr<Transport> NewTransport() = 0;
   // Readies a registered shard's state (GPU: page-locks it; the registration
-  // is attached to the shard and undone when it is freed). Once per shard.
-  virtual absl::Status AttachShard(ShardState& shard) = 0;
+  // is attached to the shard and undone when it is freed). Once per shard;
+  // reports phase kRegisterPinning to `progress` (may be null).
+  virtual absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) = 0;
   // The trainer's "gradients ready" event from its cudaIpcEventHandle_t
   // bytes; INVALID_ARGUMENT for a bad handle or an engine without a GPU.
   virtual absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) = 0;

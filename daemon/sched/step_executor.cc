@@ -11,6 +11,7 @@
 #include "oneapi/tbb/parallel_for.h"
 #include "daemon/cpu/adam_kernel.h"
 #include "dos/wire/hparams.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
@@ -175,17 +176,23 @@ absl::Status StepExecutor::WriteWeightsRange(const ShardState& shard,
 absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
                                        uint32_t tensor) {
   const TensorInfo& t = shard.tensors()[tensor];
-  std::vector<char> staging;
-  const char* src = static_cast<const char*>(bindings[tensor].param);
-  if (!engine_->host_addressable()) {
-    staging.resize(t.numel * DTypeSize(t.param_dtype));
-    absl::Status st = engine_->CopyToHost(staging.data(), src, staging.size());
-    if (!st.ok()) return st;
-    src = staging.data();
+  // Converted straight into the masters' runs, in parallel (no temporary of
+  // the whole tensor). Weights the CPU cannot address are first copied into
+  // the run's exp_avg (still all zeros, and page-locked when the engine
+  // pinned the shard first, so the copy runs at PCIe speed; a 16-bit run
+  // needs half its room), converted from there, and exp_avg zeroed again.
+  const bool staged = !engine_->host_addressable();
+  const size_t esize = DTypeSize(t.param_dtype);
+  const char* base = static_cast<const char*>(bindings[tensor].param);
+  for (const ShardState::MasterRun& r : shard.MasterRuns(tensor)) {
+    const char* src = base + r.tensor_offset * esize;
+    if (staged) {
+      DOS_RETURN_IF_ERROR(engine_->CopyToHost(r.exp_avg, src, r.count * esize));
+      src = reinterpret_cast<const char*>(r.exp_avg);
+    }
+    WeightsToFloat(src, t.param_dtype, r.count, r.master);
+    if (staged) std::memset(r.exp_avg, 0, r.count * esize);
   }
-  std::vector<float> master(t.numel);
-  WeightsToFloat(src, t.param_dtype, t.numel, master.data());
-  shard.WriteTensor(tensor, 0, master.data());
   return absl::OkStatus();
 }
 

@@ -44,6 +44,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   ControlBlockChannel::InitBlock(block, s->identity_.id, getpid());
   block->client_pid = s->identity_.pid;
   s->channel_ = std::make_unique<ControlBlockChannel>(block);
+  s->register_progress_ = std::make_unique<RegisterProgress>(&block->register_progress);
   // The step thread starts at registration: an attached session that never
   // registers costs no thread (SessionManager's reaper checks its client).
   return s;

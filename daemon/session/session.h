@@ -40,6 +40,7 @@
 #include "daemon/session/shard_spec.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
+#include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
@@ -73,6 +74,7 @@ struct SessionOptions {
   absl::Duration liveness_interval = absl::Milliseconds(200);
   DaemonCounters* counters = nullptr;  // daemon-wide totals (metrics); may be null
   uint64_t memory_limit = 0;           // bytes of state per session; 0 = no cap
+  bool huge_pages = true;              // transparent huge pages for large shards' state
   uint32_t max_sessions = 0;           // sessions held at once (live + orphaned); 0 = no cap
   uint32_t max_sessions_per_uid = 0;   // of them, per owner uid; 0 = no cap
 };
@@ -194,6 +196,9 @@ class Session {
   };
   Summary summary() const;
   SessionStatsSnapshot stats() const;
+  // The registration in flight (phase kRegisterIdle when none); never blocks
+  // on a registration.
+  RegisterProgress::View register_progress() const { return register_progress_->Read(); }
 
  private:
   Session(SessionIdentity identity, const SessionOptions& options, const Policy& policy,
@@ -236,6 +241,8 @@ class Session {
 
   std::unique_ptr<ShmSegment> control_;
   std::unique_ptr<ControlBlockChannel> channel_;
+  // Mirrored into the control block for the trainer's log.
+  std::unique_ptr<RegisterProgress> register_progress_;
   SegmentInbox inbox_;
   absl::Status ResolveSegments(ShardSpec* spec);
   absl::Mutex conn_mu_;

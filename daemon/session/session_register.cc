@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
@@ -25,10 +26,12 @@ struct Session::Registration {
   std::unique_ptr<ShardState> shard;
   std::string restored_from;  // "", "resume" or a checkpoint path
   void* trainer_event = nullptr;
+  bool attached = false;  // the engine's AttachShard ran (new state: before its weights)
 };
 
 absl::Status Session::Register(const ShardSpec& given) {
   absl::MutexLock lock(&mu_);
+  absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
   ShardSpec spec = given;  // its segments resolved below
   if (shard_ != nullptr) {
     return absl::FailedPreconditionError(
@@ -134,10 +137,18 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
                                           budget_,
-                                          absl::StrCat("register: session ", identity_.id)));
+                                          absl::StrCat("register: session ", identity_.id),
+                                          {.huge_pages = options_.huge_pages,
+                                           .progress = register_progress_.get()}));
+  // Page-locked (GPU engines) before the weights come over: they then land
+  // at PCIe speed (StepExecutor::ReadWeights stages them in exp_avg).
+  DOS_RETURN_IF_ERROR(reg->executor->engine()->AttachShard(*reg->shard, register_progress_.get()));
+  reg->attached = true;
   // Initialise the fp32 masters from the trainer's weights.
+  register_progress_->BeginPhase(kRegisterReadingWeights, numel * sizeof(float));
   for (uint32_t i = 0; i < reg->shard->tensors().size(); ++i) {
     DOS_RETURN_IF_ERROR(reg->executor->ReadWeights(*reg->shard, reg->bindings, i));
+    register_progress_->Add(reg->shard->tensors()[i].numel * sizeof(float));
   }
   // A daemon restarted with checkpoints of this client name and rank: the
   // first (highest step) whose layout matches is loaded. LoadShard leaves
@@ -164,7 +175,9 @@ absl::Status Session::BindEngine(const ShardSpec& spec, Registration* reg) {
                  reg->shard->tensors()[0].step);
   }
   Engine* engine = reg->executor->engine();
-  DOS_RETURN_IF_ERROR(engine->AttachShard(*reg->shard));
+  if (!reg->attached) {  // a resumed shard (new ones are attached in NewState)
+    DOS_RETURN_IF_ERROR(engine->AttachShard(*reg->shard, register_progress_.get()));
+  }
   if (!spec.cuda_ipc_event.empty()) {
     DOS_ASSIGN_OR_RETURN(reg->trainer_event, engine->OpenTrainerEvent(spec.cuda_ipc_event));
   }

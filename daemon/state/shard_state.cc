@@ -32,7 +32,8 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
                                                                 std::vector<GroupConfig> groups,
                                                                 uint64_t subgroup_size,
                                                                 HostMemoryBudget* budget,
-                                                                absl::string_view what) {
+                                                                absl::string_view what,
+                                                                const StateAllocOptions& alloc) {
   if (subgroup_size == 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": subgroup_size must be positive"));
   }
@@ -57,6 +58,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   // Cut the flat space into subgroups and record which tensor runs each covers.
   uint32_t tensor = 0;
   uint64_t tensor_offset = 0;
+  std::vector<uint64_t> slot_bytes;
   for (uint64_t begin = 0; begin < flat; begin += subgroup_size) {
     Subgroup g;
     g.flat_begin = begin;
@@ -73,19 +75,20 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
         tensor_offset = 0;
       }
     }
-    size_t bytes = AllocationBytes(g.numel);
-    void* mem = std::aligned_alloc(kAlignment, bytes);
-    if (mem == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          what, ": cannot allocate ", FormatBytes(bytes), " of host memory for subgroup ",
-          s->subgroups_.size(), "; the host is out of memory"));
-    }
-    s->allocations_.push_back(mem);
-    std::memset(mem, 0, bytes);
-    g.master = static_cast<float*>(mem);
+    slot_bytes.push_back(AllocationBytes(g.numel));
+    s->subgroups_.push_back(std::move(g));
+  }
+  DOS_ASSIGN_OR_RETURN(s->arena_,
+                       HostArena::Create(slot_bytes, {.huge_pages = alloc.huge_pages}, what));
+  if (alloc.progress != nullptr) {
+    alloc.progress->BeginPhase(kRegisterAllocating, s->arena_->mapped_bytes());
+  }
+  DOS_RETURN_IF_ERROR(s->arena_->Touch(alloc.progress));
+  for (size_t i = 0; i < s->subgroups_.size(); ++i) {
+    Subgroup& g = s->subgroups_[i];
+    g.master = static_cast<float*>(s->arena_->slot(i));
     g.exp_avg = g.master + g.numel;
     g.exp_avg_sq = g.exp_avg + g.numel;
-    s->subgroups_.push_back(std::move(g));
   }
   // Value-initialised: every subgroup kCopied, no snapshot in flight.
   s->copy_state_ = std::make_unique<std::atomic<uint32_t>[]>(s->subgroups_.size());
@@ -94,7 +97,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
 
 ShardState::~ShardState() {
   attachment_.reset();  // unpins / frees GPU copies while the memory still exists
-  for (void* p : allocations_) std::free(p);
+  arena_.reset();
   if (budget_ != nullptr) budget_->Release(reserved_bytes_);
 }
 
@@ -110,6 +113,16 @@ void ShardState::ForEachRun(uint32_t tensor, Fn fn) const {
       if (seg.tensor == tensor) fn(g, seg);
     }
   }
+}
+
+std::vector<ShardState::MasterRun> ShardState::MasterRuns(uint32_t tensor) {
+  std::vector<MasterRun> runs;
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    const auto k = static_cast<uint32_t>(&g - subgroups_.data());
+    runs.push_back({subgroups_[k].master + seg.subgroup_offset,
+                    subgroups_[k].exp_avg + seg.subgroup_offset, seg.tensor_offset, seg.count, k});
+  });
+  return runs;
 }
 
 void ShardState::ReadTensor(uint32_t tensor, int which, float* buf) const {

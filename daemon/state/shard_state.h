@@ -34,8 +34,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "dos/wire/dtype.h"
+#include "daemon/state/host_arena.h"
 #include "daemon/state/host_memory_budget.h"
+#include "daemon/state/register_progress.h"
+#include "dos/wire/dtype.h"
 #include "dos/wire/step_params.h"
 
 namespace dos {
@@ -79,6 +81,12 @@ class ShardAttachment {
   virtual ~ShardAttachment() = default;
 };
 
+// How ShardState::Create allocates the state.
+struct StateAllocOptions {
+  bool huge_pages = true;                // HostArena::Options::huge_pages
+  RegisterProgress* progress = nullptr;  // phase kRegisterAllocating; may be null
+};
+
 class ShardState {
  public:
   // Bytes of state per parameter: fp32 master, exp_avg, exp_avg_sq.
@@ -92,13 +100,14 @@ class ShardState {
   }
 
   // Lays out `tensors`, reserves the state's bytes from `budget` (which must
-  // outlive the ShardState) and allocates it, zeroed. `what` names the
-  // registration in error messages.
+  // outlive the ShardState) and allocates it, zeroed and faulted in from all
+  // cores (HostArena). `what` names the registration in error messages.
   static absl::StatusOr<std::unique_ptr<ShardState>> Create(std::vector<TensorInfo> tensors,
                                                             std::vector<GroupConfig> groups,
                                                             uint64_t subgroup_size,
                                                             HostMemoryBudget* budget,
-                                                            absl::string_view what);
+                                                            absl::string_view what,
+                                                            const StateAllocOptions& alloc = {});
   ~ShardState();
   ShardState(const ShardState&) = delete;
   ShardState& operator=(const ShardState&) = delete;
@@ -148,6 +157,21 @@ class ShardState {
   // snapshot (the copy-on-write stall) since the last call; resets it.
   double TakeWriteWaitUs();
 
+  // The state's memory: subgroup i's state is arena().slot(i).
+  const HostArena& arena() const { return *arena_; }
+
+  // Where tensor `tensor`'s fp32 masters live: runs of `count` elements from
+  // `tensor_offset` at `master` (and the same run's `exp_avg`), in order (for
+  // filling them in place).
+  struct MasterRun {
+    float* master;
+    float* exp_avg;
+    uint64_t tensor_offset;
+    uint64_t count;
+    uint32_t subgroup;
+  };
+  std::vector<MasterRun> MasterRuns(uint32_t tensor);
+
   // The GPU engine's per-shard resources (null in CPU mode).
   ShardAttachment* attachment() const { return attachment_.get(); }
   void set_attachment(std::unique_ptr<ShardAttachment> a) { attachment_ = std::move(a); }
@@ -167,7 +191,7 @@ class ShardState {
   std::vector<TensorInfo> tensors_;
   std::vector<GroupConfig> groups_;
   std::vector<Subgroup> subgroups_;
-  std::vector<void*> allocations_;
+  std::unique_ptr<HostArena> arena_;
   uint64_t total_params_ = 0;
   uint64_t subgroup_size_ = 0;
   HostMemoryBudget* budget_ = nullptr;

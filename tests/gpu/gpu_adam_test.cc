@@ -154,7 +154,7 @@ std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
   }
   for (uint32_t i = 0; i < b.size(); ++i) EXPECT_TRUE(ex.ReadWeights(**shard, b, i).ok());
   if (gpu) {
-    EXPECT_TRUE(gpu->AttachShard(**shard).ok());
+    EXPECT_TRUE(gpu->AttachShard(**shard, nullptr).ok());
   }
   StepRequest req{};
   req.num_groups = 1;

@@ -34,8 +34,8 @@
  * are gRPC's / absl's canonical codes). On failure, dos_last_error() returns a
  * message for the calling thread naming the bad input and what to do.
  *
- * Threads: a dos_session may be used from one thread at a time. Different
- * sessions are independent.
+ * Threads: a dos_session may be used from one thread at a time (except
+ * dos_register_progress_read(), below). Different sessions are independent.
  *
  * Stability: this header is the library's whole API; the shared library's
  * soname changes when it changes incompatibly. */
@@ -79,6 +79,22 @@ typedef struct dos_session dos_session; /* opaque */
 /* The last error message of the calling thread ("" if none). Valid until the
  * thread's next call into the library. */
 const char* dos_last_error(void);
+
+/* A dosd as seen without attaching (diagnostics: `python -m dos`). */
+typedef struct dos_daemon_info {
+  int32_t pid;
+  const char* version;        /* the daemon's DOS release */
+  uint32_t protocol_version;  /* 0: a daemon too old to say */
+  uint32_t client_protocol_version; /* this library's; Attach needs them equal */
+  const char* client_version; /* this library's DOS release */
+  const char* health;         /* "SERVING", "NOT_SERVING", "UNKNOWN (...)" */
+  uint32_t sessions;
+} dos_daemon_info;
+/* Asks the dosd at `socket_path` (NULL: $DOS_SOCKET or the default) for its
+ * pid, release, protocol and health; creates no session. The strings stay
+ * valid until the calling thread's next dos_daemon_probe(). UNAVAILABLE when
+ * nothing answers (the message names the socket and how to start dosd). */
+dos_status dos_daemon_probe(const char* socket_path, int64_t timeout_ms, dos_daemon_info* out);
 
 /* The DOS release this library belongs to, "MAJOR.MINOR.PATCH" (the same
  * string dosd --version and dosctl --version print; DOS_VERSION_STRING of the
@@ -163,6 +179,22 @@ typedef struct dos_register_options {
 dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t num_tensors,
                         const dos_hparams* groups, size_t num_groups,
                         const dos_register_options* options);
+
+/* Progress of the dos_register() in flight on `session` (a 6B shard is ~71 GB
+ * of state for the daemon to allocate, fill and page-lock: seconds). The one
+ * function that may be called from another thread while dos_register() runs
+ * on the session: it only reads the control block, never calls the daemon.
+ * phase: 0 none in flight, 1 allocating, 2 reading weights, 3 pinning (GPU
+ * mode); bytes of the current phase; seconds from the daemon's clock. */
+typedef struct dos_register_progress {
+  int32_t phase;
+  const char* phase_name;  /* "", "allocating", "reading weights", "pinning" */
+  uint64_t bytes_done;
+  uint64_t bytes_total;
+  double phase_seconds;    /* since the phase began */
+  double total_seconds;    /* since the registration began */
+} dos_register_progress;
+dos_status dos_register_progress_read(const dos_session* session, dos_register_progress* out);
 
 /* Per-step arguments. `groups` has one entry per registered group; its
  * decoupled_weight_decay field is ignored (fixed at registration). */

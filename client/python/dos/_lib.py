@@ -3,53 +3,90 @@ library the package uses.
 
 The package is pure Python: it loads the C library at import time and never
 compiles against torch, so one copy works with any torch and Python 3.11+.
+
+Search order (find_library() returns the first that loads):
+  1. $DOS_CLIENT_LIB, a path to libdos_client.so; when set, nothing else is
+     tried (an override must not fall back silently)
+  2. libdos_client.so next to this package (a wheel or folder that bundles it)
+  3. the system's library, by its soname: what the `dos` Debian package
+     installs (/usr/lib/<multiarch>/libdos_client.so.1), found through the
+     ldconfig cache (ctypes.util.find_library), then through the dynamic
+     linker's own search (LD_LIBRARY_PATH, the default paths)
+  4. the build trees of a source checkout, for developers: <repo>/build/
+     client/src, then <repo>/build*/client/src in sorted order
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import glob
 import os
-from typing import Iterator
+from typing import Iterator, List, Tuple
 
-__all__ = ["find_library", "candidates"]
+__all__ = ["find_library", "candidates", "loaded_path", "SONAME"]
+
+# libdos_client's soname: CMake's DOS_CLIENT_SOVERSION. It changes only with
+# an incompatible change of dos.h, and then this package changes with it.
+SONAME = "libdos_client.so.1"
 
 
-def candidates() -> Iterator[str]:
-    """The paths (or sonames) tried, in order; see find_library()."""
+def candidates() -> Iterator[Tuple[str, str]]:
+    """(path or soname, where it comes from), in the order tried."""
     env = os.environ.get("DOS_CLIENT_LIB")
     if env:
-        yield env
+        yield env, "$DOS_CLIENT_LIB"
         return
     here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, "libdos_client.so")
+    yield os.path.join(here, "libdos_client.so"), "next to the package"
+    found = ctypes.util.find_library("dos_client")
+    if found:
+        yield found, "the system's library path (ldconfig)"
+    yield SONAME, "the dynamic linker's search path"
     repo = os.path.abspath(os.path.join(here, "..", "..", ".."))
-    yield os.path.join(repo, "build", "client", "src", "libdos_client.so")
-    yield from sorted(glob.glob(os.path.join(repo, "build*", "client", "src", "libdos_client.so")))
-    yield "libdos_client.so.1"
+    builds = [os.path.join(repo, "build", "client", "src", "libdos_client.so")]
+    builds += sorted(glob.glob(os.path.join(repo, "build*", "client", "src", "libdos_client.so")))
+    for b in dict.fromkeys(builds):
+        yield b, "a build tree of this checkout"
 
 
 def find_library() -> ctypes.CDLL:
-    """Loads libdos_client; the first candidate that loads wins:
+    """Loads libdos_client from the first candidate that loads (see the top
+    of this module). Raises ImportError naming every candidate tried and how
+    to fix it."""
+    lib, _, tried = _find()
+    if lib is None:
+        raise ImportError(
+            "dos: cannot load libdos_client.so; tried " + "; ".join(tried) +
+            ". Install the dos Debian package (it ships libdos_client.so.1), build it "
+            "(cmake --build build --target dos_client), or set DOS_CLIENT_LIB to its path.")
+    return lib
 
-      1. $DOS_CLIENT_LIB (path to libdos_client.so); when set, nothing else
-         is tried
-      2. libdos_client.so next to this package (installed wheels / bundles)
-      3. the build trees of a source checkout: <repo>/build/client/src, then
-         <repo>/build*/client/src in sorted order
-      4. the dynamic linker's search path (ldconfig, LD_LIBRARY_PATH) for
-         libdos_client.so.1
 
-    Raises ImportError naming every path tried and how to fix it."""
-    tried = []
-    for path in candidates():
+def _find():
+    """(CDLL or None, where it came from, what was tried)."""
+    tried: List[str] = []
+    for path, source in candidates():
         if os.path.sep in path and not os.path.exists(path):
-            tried.append(path)
+            tried.append(f"{path} ({source}: no such file)")
             continue
         try:
-            return ctypes.CDLL(path)
+            return ctypes.CDLL(path), source, tried
         except OSError as e:
-            tried.append(f"{path} ({e})")
-    raise ImportError(
-        "dos: cannot load libdos_client.so; tried " + ", ".join(tried) +
-        ". Build it (cmake --build build --target dos_client) or set DOS_CLIENT_LIB to its path.")
+            tried.append(f"{path} ({source}: {e})")
+    return None, "", tried
+
+
+def loaded_path(lib: ctypes.CDLL) -> str:
+    """The file the dynamic linker mapped for `lib` (resolves sonames)."""
+    name = os.path.basename(getattr(lib, "_name", "") or "") or "libdos_client"
+    stem = name.split(".so")[0]
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and os.path.basename(parts[5]).startswith(stem + ".so"):
+                    return parts[5]
+    except OSError:
+        pass
+    return getattr(lib, "_name", "")

@@ -16,7 +16,7 @@ from typing import Optional
 from dos._lib import find_library
 
 __all__ = ["lib", "Status", "DType", "Tensor", "Hparams", "AttachOptions", "StepArgs",
-           "StepResult", "RegisterOptions", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16",
+           "StepResult", "RegisterOptions", "DaemonInfo", "RegisterProgress", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16",
            "STATUS_NAMES", "SIGNATURES", "cuda_supported", "default_socket", "ptr"]
 
 
@@ -88,8 +88,24 @@ class StepResult(ctypes.Structure):
                 ("wall_us", ctypes.c_double), ("update_us", ctypes.c_double)]
 
 
+class DaemonInfo(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_int32), ("version", ctypes.c_char_p),
+                ("protocol_version", ctypes.c_uint32),
+                ("client_protocol_version", ctypes.c_uint32),
+                ("client_version", ctypes.c_char_p), ("health", ctypes.c_char_p),
+                ("sessions", ctypes.c_uint32)]
+
+
+class RegisterProgress(ctypes.Structure):
+    _fields_ = [("phase", ctypes.c_int32), ("phase_name", ctypes.c_char_p),
+                ("bytes_done", ctypes.c_uint64), ("bytes_total", ctypes.c_uint64),
+                ("phase_seconds", ctypes.c_double), ("total_seconds", ctypes.c_double)]
+
+
 # C struct name in dos.h -> its ctypes mirror (checked by test_native_abi.py).
 STRUCTS = {
+    "dos_daemon_info": DaemonInfo,
+    "dos_register_progress": RegisterProgress,
     "dos_attach_options": AttachOptions,
     "dos_tensor": Tensor,
     "dos_hparams": Hparams,
@@ -104,6 +120,7 @@ _F = ctypes.c_void_p  # float* (tensor data, passed as an address)
 # name -> (restype, argtypes), in dos.h's order.
 SIGNATURES = {
     "dos_last_error": (ctypes.c_char_p, []),
+    "dos_daemon_probe": (_S, [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(DaemonInfo)]),
     "dos_version": (ctypes.c_char_p, []),
     "dos_cuda_supported": (ctypes.c_int32, []),
     "dos_default_socket": (ctypes.c_char_p, []),
@@ -121,6 +138,8 @@ SIGNATURES = {
     "dos_hparams_init_adamw": (None, [ctypes.POINTER(Hparams)]),
     "dos_register": (_S, [_P, ctypes.POINTER(Tensor), ctypes.c_size_t, ctypes.POINTER(Hparams),
                           ctypes.c_size_t, ctypes.POINTER(RegisterOptions)]),
+    # Safe from another thread while dos_register runs (dos._progress).
+    "dos_register_progress_read": (_S, [_P, ctypes.POINTER(RegisterProgress)]),
     "dos_step_args_init": (None, [ctypes.POINTER(StepArgs)]),
     "dos_step_begin": (_S, [_P, ctypes.POINTER(StepArgs)]),
     "dos_step_wait": (_S, [_P, ctypes.c_int64, ctypes.POINTER(StepResult)]),

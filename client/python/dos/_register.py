@@ -20,6 +20,7 @@ import torch
 from dos import _native
 from dos._errors import DosError, call
 from dos._native import Status
+from dos._progress import with_progress
 
 __all__ = ["Entry", "local_of", "is_dtensor", "dist_info", "DTYPES"]
 
@@ -58,6 +59,12 @@ class Entry:
         self.copy_out = False
         self.copy_grad = False
         self.hook = None
+
+
+def _state_what(entries) -> str:
+    """'1.2 GB of optimizer state' for the progress log (12 bytes a parameter)."""
+    n = sum(e.local.numel() for e in entries)
+    return f"{n * 12 / 1e9:.1f} GB of optimizer state"
 
 
 def is_dtensor(t) -> bool:
@@ -220,8 +227,9 @@ class _RegisterMixin:
                 t.group = e.group
         groups = self._hparams()
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        call("dos_register", self._session, tensors, len(entries), groups, len(groups),
-                     ctypes.byref(opts))
+        with_progress(self._session, _state_what(entries),
+                      lambda: call("dos_register", self._session, tensors, len(entries), groups,
+                                   len(groups), ctypes.byref(opts)))
         # Only now rebind the model: on failure above it is left untouched.
         for e in entries:
             if e.copy_out:
@@ -272,8 +280,9 @@ class _RegisterMixin:
             torch.cuda.synchronize(device)
         groups = self._hparams()
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        call("dos_register", self._session, tensors, len(entries), groups, len(groups),
-                     ctypes.byref(opts))
+        with_progress(self._session, _state_what(entries),
+                      lambda: call("dos_register", self._session, tensors, len(entries), groups,
+                                   len(groups), ctypes.byref(opts)))
         self._device = device
         self._entries = entries
 

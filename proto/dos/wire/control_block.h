@@ -34,7 +34,15 @@
 // daemon's streams wait on that event before reading a gradient, so the
 // trainer never synchronises its stream for a step.
 //
-// Layout changes bump kProtocolVersion.
+// Registration progress: while RegisterShard runs (a 6B shard is ~71 GB of
+// state to allocate, fill and page-lock), the daemon publishes its phase and
+// bytes in `register_progress`; the trainer's library reads them from another
+// thread to log progress. Advisory: relaxed stores, no doorbell.
+//
+// Layout changes bump kProtocolVersion. Both sides check `magic` and
+// `version` when they map the block (daemon/transport/control_channel.h) and
+// refuse another layout with both versions in the message; Attach carries the
+// same number, so a mismatch is caught before any block is mapped.
 #pragma once
 
 #include <atomic>
@@ -45,7 +53,7 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-inline constexpr uint32_t kProtocolVersion = 2;
+inline constexpr uint32_t kProtocolVersion = 3;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -80,6 +88,33 @@ struct StepResult {
   char message[kMaxStatusMessage];  // NUL-terminated, set when status_code != 0
 };
 
+// Phases of a registration, in order (kRegisterPinning in GPU mode only).
+enum RegisterPhase : uint32_t {
+  kRegisterIdle = 0,            // no registration in flight
+  kRegisterAllocating = 1,      // first touch of the fp32 state (zeroed pages)
+  kRegisterReadingWeights = 2,  // trainer weights -> fp32 masters
+  kRegisterPinning = 3,         // page-locking the state (cudaHostRegister)
+};
+
+// "allocating", "reading weights", "pinning"; "" for idle or unknown.
+inline const char* RegisterPhaseName(uint32_t phase) {
+  switch (phase) {
+    case kRegisterAllocating: return "allocating";
+    case kRegisterReadingWeights: return "reading weights";
+    case kRegisterPinning: return "pinning";
+    default: return "";
+  }
+}
+
+struct RegisterProgressWords {
+  std::atomic<uint32_t> phase;           // RegisterPhase
+  std::atomic<uint32_t> reserved;
+  std::atomic<uint64_t> bytes_done;      // of the current phase
+  std::atomic<uint64_t> bytes_total;     // of the current phase
+  std::atomic<uint64_t> phase_start_ns;  // CLOCK_MONOTONIC when the phase began
+  std::atomic<uint64_t> start_ns;        // CLOCK_MONOTONIC when the registration began
+};
+
 struct ControlBlock {
   uint32_t magic;
   uint32_t version;
@@ -102,9 +137,13 @@ struct ControlBlock {
 
   // Daemon -> client: per-subgroup progress of the step in flight (above).
   alignas(64) std::atomic<uint32_t> subgroup_done[kMaxTrackedSubgroups];
+
+  // Daemon -> client: the registration in flight (above).
+  alignas(64) RegisterProgressWords register_progress;
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(sizeof(ControlBlock) < 6 * 4096, "keep the control block within six pages");
 
 }  // namespace dos

@@ -99,7 +99,7 @@ absl::StatusOr<void*> FakeEngine::Resolve(const MemoryRef& ref, uint64_t bytes,
   return static_cast<void*>(it->second.first + ref.offset);
 }
 
-absl::Status FakeEngine::AttachShard(ShardState&) {
+absl::Status FakeEngine::AttachShard(ShardState&, RegisterProgress*) {
   absl::MutexLock lock(&mu_);
   if (!attach_fault_.ok()) return attach_fault_;
   ++attached_;

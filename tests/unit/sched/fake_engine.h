@@ -59,7 +59,7 @@ class FakeEngine final : public Engine {
   bool host_addressable() const override { return true; }
   std::string name() const override { return options_.gpu ? "fake-gpu" : "fake-host"; }
   std::unique_ptr<Transport> NewTransport() override;
-  absl::Status AttachShard(ShardState& shard) override;
+  absl::Status AttachShard(ShardState& shard, RegisterProgress* progress) override;
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void* event) override;
   absl::Status WaitTrainerEvent(void* event) override;

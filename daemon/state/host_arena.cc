@@ -1,0 +1,100 @@
+#include "daemon/state/host_arena.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
+#include "daemon/state/host_memory_budget.h"
+#include "tbb/blocked_range.h"
+#include "tbb/parallel_for.h"
+
+namespace dos {
+namespace {
+// Unit of parallel first touch: large enough that scheduling is noise, small
+// enough that 16 threads share a 1 GiB subgroup and progress moves smoothly.
+constexpr uint64_t kTouchChunk = uint64_t{32} << 20;
+constexpr uint64_t kPage = 4096;
+
+uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uint64_t> slot_bytes,
+                                                             const Options& options,
+                                                             absl::string_view what) {
+  std::unique_ptr<HostArena> a(new HostArena());
+  uint64_t total = 0;
+  for (uint64_t b : slot_bytes) total += RoundUp(std::max<uint64_t>(b, 1), kPage);
+  a->huge_ = options.huge_pages && total >= kHugePageThreshold;
+  const uint64_t align = a->huge_ ? kHugePage : kPage;
+  uint64_t offset = 0;
+  for (uint64_t b : slot_bytes) {
+    a->offsets_.push_back(offset);
+    a->rounded_.push_back(RoundUp(std::max<uint64_t>(b, 1), kPage));
+    offset += RoundUp(std::max<uint64_t>(b, 1), align);
+  }
+  // Over-map by one huge page so the slots can start 2 MiB-aligned.
+  const uint64_t map_bytes = std::max<uint64_t>(offset, kPage) + (a->huge_ ? kHugePage : 0);
+  void* p = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                   0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": cannot map ", FormatBytes(map_bytes), " of host memory for the optimizer "
+        "state (", std::strerror(errno), "); the host is out of memory or address space"));
+  }
+  a->mapped_ = map_bytes;
+  char* base = static_cast<char*>(p);
+  a->base_ = base;
+  if (a->huge_) {
+    char* aligned = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(base), kHugePage));
+    for (uint64_t& o : a->offsets_) o += static_cast<uint64_t>(aligned - base);
+    // Advisory: without THP (or with it "never") the pages are 4 KiB, which
+    // only costs speed.
+    if (::madvise(aligned, offset, MADV_HUGEPAGE) != 0) {
+      DOS_LOG_INFO("state.no_huge_pages", "error", std::strerror(errno));
+      a->huge_ = false;
+    }
+  }
+  return a;
+}
+
+HostArena::~HostArena() {
+  if (base_ != nullptr) ::munmap(base_, mapped_);
+}
+
+absl::Status HostArena::Touch(RegisterProgress* progress) {
+  struct Chunk {
+    char* begin;
+    uint64_t bytes;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < offsets_.size(); ++i) {
+    for (uint64_t off = 0; off < rounded_[i]; off += kTouchChunk) {
+      chunks.push_back({base_ + offsets_[i] + off, std::min(kTouchChunk, rounded_[i] - off)});
+    }
+  }
+  // Writing one byte per 4 KiB page faults it in (the kernel zeroes it; a
+  // huge page is faulted whole by its first write). oneTBB itself may throw
+  // (std::bad_alloc): this is the one place that turns it into a Status.
+  try {
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks.size(), 1),
+                    [&](const tbb::blocked_range<size_t>& r) {
+                      for (size_t c = r.begin(); c != r.end(); ++c) {
+                        volatile char* p = chunks[c].begin;
+                        for (uint64_t off = 0; off < chunks[c].bytes; off += kPage) p[off] = 0;
+                        if (progress != nullptr) progress->Add(chunks[c].bytes);
+                      }
+                    });
+  } catch (const std::exception& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("first touch of the optimizer state failed: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dos

@@ -1,0 +1,70 @@
+// HostArena: the host memory of one shard's optimizer state, one anonymous
+// private mapping cut into per-subgroup slots.
+//
+// Why one mapping, filled in parallel: a 6B-parameter shard is ~71 GB of
+// fp32 state. Allocated with malloc and zeroed by one thread it took most of
+// a minute (a page fault per 4 KiB on one core). Here the kernel supplies
+// zeroed pages and Touch() faults them in from every core (oneTBB over
+// chunks); mappings of at least kHugePageThreshold ask for transparent huge
+// pages (madvise MADV_HUGEPAGE, where the kernel offers them), so one fault
+// maps 2 MiB and the GPU path's page-locking walks 512x fewer pages.
+//
+// Slots start on page boundaries (2 MiB ones with huge pages), so no two
+// subgroups share a page and each slot can be page-locked on its own.
+//
+// Ownership: owns the mapping; unmapped on destruction. Thread-safety: Touch
+// splits its own work; nothing else mutates.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "daemon/state/register_progress.h"
+
+namespace dos {
+
+class HostArena {
+ public:
+  // Mappings at least this large ask for transparent huge pages.
+  static constexpr uint64_t kHugePageThreshold = uint64_t{64} << 20;
+  static constexpr uint64_t kHugePage = uint64_t{2} << 20;
+
+  struct Options {
+    bool huge_pages = true;  // madvise(MADV_HUGEPAGE) large mappings
+  };
+
+  // Maps room for slots of `slot_bytes[i]` bytes each (zeroed, not yet
+  // faulted in). `what` names the registration in errors.
+  static absl::StatusOr<std::unique_ptr<HostArena>> Create(std::span<const uint64_t> slot_bytes,
+                                                           const Options& options,
+                                                           absl::string_view what);
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  // Faults in every page of every slot from all cores (oneTBB), adding each
+  // chunk's bytes to `progress` (may be null) as it is done.
+  absl::Status Touch(RegisterProgress* progress);
+
+  void* slot(size_t i) const { return base_ + offsets_[i]; }
+  // Bytes of slot i rounded up to whole pages (what may be page-locked).
+  uint64_t slot_bytes(size_t i) const { return rounded_[i]; }
+  size_t num_slots() const { return offsets_.size(); }
+  void* base() const { return base_; }
+  uint64_t mapped_bytes() const { return mapped_; }
+  bool huge_pages() const { return huge_; }
+
+ private:
+  HostArena() = default;
+  char* base_ = nullptr;
+  uint64_t mapped_ = 0;
+  bool huge_ = false;
+  std::vector<uint64_t> offsets_;
+  std::vector<uint64_t> rounded_;
+};
+
+}  // namespace dos
