@@ -34,7 +34,8 @@ absl::StatusOr<T> Header(const void* data, size_t n, absl::string_view what) {
 
 void CopyBounded(char* dst, size_t cap, absl::string_view src) {
   const size_t n = std::min(src.size(), cap - 1);
-  std::memcpy(dst, src.data(), n);
+  // An empty string_view may carry a null data(): memcpy's arguments must not be null.
+  if (n > 0) std::memcpy(dst, src.data(), n);
   std::memset(dst + n, 0, cap - n);
 }
 
