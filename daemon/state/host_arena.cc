@@ -19,6 +19,21 @@ namespace {
 // Unit of parallel first touch: large enough that scheduling is noise, small
 // enough that 16 threads share a 1 GiB subgroup and progress moves smoothly.
 constexpr uint64_t kTouchChunk = uint64_t{32} << 20;
+
+// Debian's oneTBB is not built with ThreadSanitizer, so TSan cannot see the
+// synchronisation inside tbb::parallel_for and reports races in TBB itself:
+// under TSan the first touch runs on the calling thread (same result).
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kSerialTouch = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kSerialTouch = true;
+#else
+constexpr bool kSerialTouch = false;
+#endif
+#else
+constexpr bool kSerialTouch = false;
+#endif
 constexpr uint64_t kPage = 4096;
 
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -81,15 +96,19 @@ absl::Status HostArena::Touch(RegisterProgress* progress) {
   // Writing one byte per 4 KiB page faults it in (the kernel zeroes it; a
   // huge page is faulted whole by its first write). oneTBB itself may throw
   // (std::bad_alloc): this is the one place that turns it into a Status.
+  auto touch = [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t c = r.begin(); c != r.end(); ++c) {
+      volatile char* p = chunks[c].begin;
+      for (uint64_t off = 0; off < chunks[c].bytes; off += kPage) p[off] = 0;
+      if (progress != nullptr) progress->Add(chunks[c].bytes);
+    }
+  };
   try {
-  tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks.size(), 1),
-                    [&](const tbb::blocked_range<size_t>& r) {
-                      for (size_t c = r.begin(); c != r.end(); ++c) {
-                        volatile char* p = chunks[c].begin;
-                        for (uint64_t off = 0; off < chunks[c].bytes; off += kPage) p[off] = 0;
-                        if (progress != nullptr) progress->Add(chunks[c].bytes);
-                      }
-                    });
+    if (kSerialTouch) {
+      touch(tbb::blocked_range<size_t>(0, chunks.size(), 1));
+    } else {
+      tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks.size(), 1), touch);
+    }
   } catch (const std::exception& e) {
     return absl::ResourceExhaustedError(
         absl::StrCat("first touch of the optimizer state failed: ", e.what()));

@@ -2,7 +2,7 @@
 // The input is a control block image (any length, mapped as that many bytes)
 // followed by nothing else; ControlBlockChannel::Validate must refuse short or
 // foreign blocks, and dos::ValidateStepRequest must accept only finite, in-range
-// hyperparameters for the registered group count (1..kMaxGroups, as
+// hyperparameters (torch's rules: eps = 0 allowed) for the registered group count (1..kMaxGroups, as
 // registration guarantees).
 #include <cmath>
 #include <cstddef>
@@ -49,7 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < registered; ++i) {
       const dos::GroupStepParams& g = req->groups[i];
       if (!std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) ||
-          !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) || !std::isfinite(g.eps)) {
+          !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps >= 0) || !std::isfinite(g.eps)) {
         __builtin_trap();
       }
     }
