@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "dos/wire/dtype.h"
+#include "dos/wire/tensor_desc.h"
 #include "daemon/state/shard_state.h"
 
 namespace dos {
@@ -55,15 +56,6 @@ enum class StateArray : uint32_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
 inline constexpr uint32_t kNumStateArrays = 3;
 absl::string_view StateArrayName(StateArray a);
 
-struct CheckpointTensor {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  int64_t step = 0;  // optimizer steps applied to this tensor
-};
-
 // Everything in a checkpoint except the values.
 struct CheckpointLayout {
   uint64_t subgroup_size = 0;
@@ -73,7 +65,7 @@ struct CheckpointLayout {
   int32_t rank = -1;
   int32_t world_size = 1;
   std::vector<GroupConfig> groups;
-  std::vector<CheckpointTensor> tensors;
+  std::vector<TensorDesc> tensors;
 
   uint64_t total_params() const;
 };
@@ -83,8 +75,8 @@ std::string EncodeLayout(const CheckpointLayout& layout);
 // Parses a Layout block, checking every count, size, dtype and group index.
 // DATA_LOSS naming the field and its offset within the block.
 absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes);
-// INVALID_ARGUMENT if a layout cannot be written (bad dtype, group index out
-// of range, too many parameters, name too long).
+// INVALID_ARGUMENT if a layout cannot be written (bad dtype, state other than
+// fp32, group index out of range, too many parameters, name too long).
 absl::Status ValidateLayout(const CheckpointLayout& layout);
 
 // Size of a complete checkpoint file for this layout and chunk size.

@@ -159,7 +159,7 @@ absl::Status CheckpointWriter::Append(const float* values, size_t n) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": values appended with no section open")));
   }
-  const CheckpointTensor& t = layout_.tensors[next_section_ / kNumStateArrays];
+  const TensorDesc& t = layout_.tensors[next_section_ / kNumStateArrays];
   if (n > t.numel - section_elems_) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": ", n, " values appended to tensor '", t.name,
@@ -193,7 +193,7 @@ absl::Status CheckpointWriter::EndSection() {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": EndSection with no section open")));
   }
-  const CheckpointTensor& t = layout_.tensors[next_section_ / kNumStateArrays];
+  const TensorDesc& t = layout_.tensors[next_section_ / kNumStateArrays];
   if (section_elems_ != t.numel) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": section of tensor '", t.name, "' ended after ",

@@ -30,7 +30,7 @@ struct SegmentIo {
 };
 
 // The trainer's own memory for a segment (grad and param bases of its tensor).
-inline SegmentIo TrainerIo(const TensorInfo& t, const SubgroupSegment& seg, const void* grad,
+inline SegmentIo TrainerIo(const TensorDesc& t, const SubgroupSegment& seg, const void* grad,
                            void* param) {
   return SegmentIo{ElementAt(grad, t.grad_dtype, seg.tensor_offset), t.grad_dtype,
                    ElementAt(param, t.param_dtype, seg.tensor_offset), t.param_dtype};
@@ -40,7 +40,7 @@ inline SegmentIo TrainerIo(const TensorInfo& t, const SubgroupSegment& seg, cons
 // subgroup's three arrays back to back (g.numel each) and `io(seg, tensor)`
 // giving its gradients and weights. Stops at the first error `fn` returns.
 template <typename IoFn, typename Fn>
-absl::Status ForEachSegmentSpan(std::span<const TensorInfo> tensors, const Subgroup& g,
+absl::Status ForEachSegmentSpan(std::span<const TensorDesc> tensors, const Subgroup& g,
                                 float* state, IoFn&& io, Fn&& fn) {
   for (const SubgroupSegment& seg : g.segments) {
     const SegmentIo sio = io(seg, tensors[seg.tensor]);

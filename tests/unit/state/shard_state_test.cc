@@ -11,12 +11,23 @@
 namespace dos {
 namespace {
 
-std::vector<TensorInfo> Tensors(std::vector<uint64_t> sizes) {
-  std::vector<TensorInfo> out;
+std::vector<TensorDesc> Tensors(std::vector<uint64_t> sizes) {
+  std::vector<TensorDesc> out;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    out.push_back(TensorInfo{.name = absl::StrCat("t", i), .numel = sizes[i]});
+    out.push_back(TensorDesc{.name = absl::StrCat("t", i), .numel = sizes[i]});
   }
   return out;
+}
+
+TEST(ShardStateTest, OnlyFp32StateIsHeld) {
+  HostMemoryBudget budget(0);
+  std::vector<TensorDesc> tensors = Tensors({8, 8});
+  tensors[1].state_dtype = DType::kBF16;
+  auto s = ShardState::Create(tensors, {GroupConfig{}}, 4, &budget, "test");
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("tensor 1 (t1) asks for bfloat16"), std::string::npos)
+      << s.status();
+  EXPECT_EQ(budget.used(), 0u);
 }
 
 TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
@@ -32,8 +43,9 @@ TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
     uint64_t covered = 0;
     for (const SubgroupSegment& seg : g.segments) {
       EXPECT_EQ(seg.subgroup_offset, covered);
-      const TensorInfo& t = shard.tensors()[seg.tensor];
-      EXPECT_EQ(t.flat_offset + seg.tensor_offset, g.flat_begin + seg.subgroup_offset);
+      const TensorDesc& t = shard.tensors()[seg.tensor];
+      EXPECT_EQ(shard.flat_offset(seg.tensor) + seg.tensor_offset,
+                g.flat_begin + seg.subgroup_offset);
       EXPECT_LE(seg.tensor_offset + seg.count, t.numel);
       covered += seg.count;
     }
