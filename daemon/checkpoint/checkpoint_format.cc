@@ -234,11 +234,6 @@ absl::Status ValidateLayout(const CheckpointLayout& l) {
         !IsValidDType(static_cast<uint32_t>(t.grad_dtype))) {
       return absl::InvalidArgumentError(absl::StrCat(f, " has an invalid dtype"));
     }
-    if (t.state_dtype != DType::kF32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(f, ".state_dtype is ", DTypeName(t.state_dtype), "; format version ",
-                       kCheckpointVersion, " holds float32 state only"));
-    }
     if (t.group >= l.groups.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat(f, ".group is ", t.group, "; the layout has ", l.groups.size(), " groups"));

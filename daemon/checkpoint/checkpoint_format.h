@@ -75,8 +75,8 @@ std::string EncodeLayout(const CheckpointLayout& layout);
 // Parses a Layout block, checking every count, size, dtype and group index.
 // DATA_LOSS naming the field and its offset within the block.
 absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes);
-// INVALID_ARGUMENT if a layout cannot be written (bad dtype, state other than
-// fp32, group index out of range, too many parameters, name too long).
+// INVALID_ARGUMENT if a layout cannot be written (bad dtype, group index out
+// of range, too many parameters, name too long).
 absl::Status ValidateLayout(const CheckpointLayout& layout);
 
 // Size of a complete checkpoint file for this layout and chunk size.

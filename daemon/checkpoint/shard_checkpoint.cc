@@ -123,9 +123,6 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
     if (a.grad_dtype != b.grad_dtype) {
       return Mismatch(path, f + ".grad_dtype", DTypeName(a.grad_dtype), DTypeName(b.grad_dtype));
     }
-    if (a.state_dtype != b.state_dtype) {
-      return Mismatch(path, f + ".state_dtype", DTypeName(a.state_dtype), DTypeName(b.state_dtype));
-    }
   }
   return absl::OkStatus();
 }

@@ -43,15 +43,8 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   std::unique_ptr<ShardState> s(new ShardState());
   uint64_t flat = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorDesc& t = tensors[i];
-    if (t.state_dtype != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": tensor ", i, " (", t.name, ") asks for ", DTypeName(t.state_dtype),
-          " optimizer state; this daemon holds float32 state only: register with state_dtype "
-          "float32"));
-    }
     s->flat_offsets_.push_back(flat);
-    flat += t.numel;
+    flat += tensors[i].numel;
   }
   s->tensors_ = std::move(tensors);
   s->groups_ = std::move(groups);

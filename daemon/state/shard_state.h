@@ -90,10 +90,9 @@ class ShardState {
            kAllocationAlignment;
   }
 
-  // Lays out `tensors` (their state_dtype must be kF32), reserves the state's
-  // bytes from `budget` (which must outlive the ShardState) and allocates it,
-  // zeroed and faulted in from all cores (HostArena). `what` names the
-  // registration in error messages.
+  // Lays out `tensors`, reserves the state's bytes from `budget` (which must
+  // outlive the ShardState) and allocates it, zeroed and faulted in from all
+  // cores (HostArena). `what` names the registration in error messages.
   static absl::StatusOr<std::unique_ptr<ShardState>> Create(std::vector<TensorDesc> tensors,
                                                             std::vector<GroupConfig> groups,
                                                             uint64_t subgroup_size,

@@ -3,7 +3,8 @@
 // checkpoint files. What each part adds lives beside it, not in a copy:
 // registration pairs it with where the trainer's memory is (ShardSpec's
 // TensorSpec), the state with where it lies in the shard's flat element
-// space (ShardState::flat_offset).
+// space (ShardState::flat_offset). How the optimizer state is stored (fp32 or
+// compact bf16 moments) is the shard's StateFormat, not a tensor's.
 //
 // Thread-safety: plain data.
 #pragma once
@@ -19,10 +20,6 @@ struct TensorDesc {
   std::string name;
   DType param_dtype = DType::kF32;  // the trainer's weights
   DType grad_dtype = DType::kF32;   // the trainer's gradients
-  // The element type of the daemon's optimizer state for this tensor
-  // (exp_avg, exp_avg_sq): kF32, or kBF16 for compact state. Only kF32 is
-  // held today; ShardState::Create refuses others.
-  DType state_dtype = DType::kF32;
   uint64_t numel = 0;
   uint32_t group = 0;  // index into the shard's param groups
   int64_t step = 0;    // optimizer steps applied to this tensor (0 at registration)

@@ -368,16 +368,5 @@ TEST_F(CheckpointTest, InvalidLayoutIsRefusedByTheWriter) {
   EXPECT_THAT(w.status().message(), HasSubstr("tensors[0].group"));
 }
 
-TEST_F(CheckpointTest, CompactStateIsNotInFormatVersion1) {
-  testing::MemEnv mem;
-  CheckpointLayout l;
-  l.subgroup_size = 10;
-  l.groups.resize(1);
-  l.tensors.push_back({.name = "a", .state_dtype = DType::kBF16, .numel = 3});
-  auto w = CheckpointWriter::Create("/x/a", l, &mem);
-  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(w.status().message(), HasSubstr("tensors[0].state_dtype is bfloat16"));
-}
-
 }  // namespace
 }  // namespace dos

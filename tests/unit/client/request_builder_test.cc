@@ -52,7 +52,6 @@ TEST_F(RequestBuilderTest, DescribesTensorsWithTheSharedType) {
   EXPECT_EQ(d.name, "fc.weight");
   EXPECT_EQ(d.param_dtype, DType::kBF16);
   EXPECT_EQ(d.grad_dtype, DType::kBF16);
-  EXPECT_EQ(d.state_dtype, DType::kF32);
   EXPECT_EQ(d.numel, 64u);
   EXPECT_EQ(d.group, 0u);
   EXPECT_EQ(d.step, 0);

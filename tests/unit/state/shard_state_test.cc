@@ -19,17 +19,6 @@ std::vector<TensorDesc> Tensors(std::vector<uint64_t> sizes) {
   return out;
 }
 
-TEST(ShardStateTest, OnlyFp32StateIsHeld) {
-  HostMemoryBudget budget(0);
-  std::vector<TensorDesc> tensors = Tensors({8, 8});
-  tensors[1].state_dtype = DType::kBF16;
-  auto s = ShardState::Create(tensors, {GroupConfig{}}, 4, &budget, "test");
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.status().message().find("tensor 1 (t1) asks for bfloat16"), std::string::npos)
-      << s.status();
-  EXPECT_EQ(budget.used(), 0u);
-}
-
 TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
   HostMemoryBudget budget(0);
   auto s = ShardState::Create(Tensors({7, 22, 1, 64}), {GroupConfig{}}, 10, &budget, "test");
