@@ -175,3 +175,39 @@ def test_daemon_checkpoints_convert_between_formats(dos_socket):
         for k in ("exp_avg", "exp_avg_sq"):
             want = fp32_sd["state"][i][k].to(torch.bfloat16).to(torch.float32)
             assert torch.equal(s[k], want), f"{k}: fp32 -> compact not rounded to nearest"
+
+
+# --- GPU mode (skips without CUDA): the GPU engine's compact paths ---------------------------
+
+@pytest.mark.parametrize("policy", ["auto", "cpu", "interleave:1", "static:1", "static:0.5"])
+def test_cuda_compact_tracks_torch_adamw(dos_socket, policy):
+    """Compact state on the GPU engine's CPU path, streamed subgroups (8 bytes a
+    parameter each way) and resident ones, against torch's CUDA AdamW."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible: GPU-mode compact test skipped")
+    from dos import _native
+    if not _native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+    data = [(x.cuda(), y.cuda()) for x, y in teacher_data(STEPS)]
+    ref, mine = make_mlp().cuda(), make_mlp().cuda()
+    kw = dict(lr=2e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    try:
+        opt = dos.torch.AdamW(mine.parameters(), socket=dos_socket, subgroup_size=256,
+                              client_name=f"pytest-cuda-compact-{policy}", compact_state=True,
+                              **kw)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    with opt:
+        opt.set_policy(policy)
+        got = losses(mine, opt, data)
+        sd = opt.state_dict()
+    want = losses(ref, ref_opt, data)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got[WARMUP:], want[WARMUP:]))
+    print(f"cuda compact [{policy}]: worst loss deviation {worst:.3%}")
+    assert worst < LOSS_RTOL, f"[{policy}] loss deviates by up to {worst:.3%}"
+    for s in sd["state"].values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert s[k].dtype == torch.float32 and is_bf16_exact(s[k].cpu()), k
