@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "dos/wire/dtype.h"
+#include "dos/wire/hparams.h"
 #include "dos/wire/status_macros.h"
 
 namespace dos::client {
@@ -81,20 +82,8 @@ TensorDesc DescribeTensor(const dos_tensor& t, size_t index) {
   return d;
 }
 
-absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step) {
-  const std::string where = absl::StrCat(at_step ? "step: " : "register: ", "group ", group);
-  auto bad = [&](const char* field, double value, const char* want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, " has ", field, " = ", value, "; it must be ", want));
-  };
-  if (!std::isfinite(h.lr) || h.lr < 0) return bad("lr", h.lr, "finite and >= 0");
-  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1", h.beta1, "in [0, 1)");
-  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2", h.beta2, "in [0, 1)");
-  if (!std::isfinite(h.eps) || h.eps < 0) return bad("eps", h.eps, "finite and >= 0");
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
-    return bad("weight_decay", h.weight_decay, "finite and >= 0");
-  }
-  return absl::OkStatus();
+GroupStepParams StepParams(const dos_hparams& h) {
+  return GroupStepParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
 }
 
 absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
@@ -111,7 +100,7 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
   v1::RegisterShardRequest req;
   req.set_subgroup_size(subgroup_size);
   for (size_t g = 0; g < groups.size(); ++g) {
-    DOS_RETURN_IF_ERROR(ValidateHparams(groups[g], g, /*at_step=*/false));
+    DOS_RETURN_IF_ERROR(ValidateGroupStepParams(StepParams(groups[g]), g, "register"));
     v1::Hyperparameters* h = req.add_groups();
     h->set_lr(groups[g].lr);
     h->set_beta1(groups[g].beta1);
@@ -186,8 +175,8 @@ absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups
   }
   for (size_t g = 0; g < args.num_groups; ++g) {
     const dos_hparams& h = args.groups[g];
-    DOS_RETURN_IF_ERROR(ValidateHparams(h, g, /*at_step=*/true));
-    out->groups[g] = GroupStepParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
+    out->groups[g] = StepParams(h);
+    DOS_RETURN_IF_ERROR(ValidateGroupStepParams(out->groups[g], g, "step"));
   }
   out->flags = args.gradients_checked ? kStepGradientsChecked : 0u;
   out->num_groups = static_cast<uint32_t>(args.num_groups);

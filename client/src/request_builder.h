@@ -31,7 +31,9 @@ std::string TensorLabel(const dos_tensor& t, size_t index);
 // tensors are called "tensor<index>"). The caller has checked its dtypes.
 TensorDesc DescribeTensor(const dos_tensor& t, size_t index);
 
-absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step);
+// The wire form of a group's hyperparameters; checked, like every entry
+// point's, by ValidateGroupStepParams (dos/wire/hparams.h).
+GroupStepParams StepParams(const dos_hparams& h);
 
 // Checks every tensor and group and resolves each param/grad pointer: first
 // through `buffers` (shared memory), then, when `device` is given, as CUDA

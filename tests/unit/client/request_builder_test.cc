@@ -5,6 +5,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
+#include "dos/wire/hparams.h"
 
 namespace dos::client {
 namespace {
@@ -95,6 +97,42 @@ TEST_F(RequestBuilderTest, RejectsBadHyperparameters) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BuildRegisterRequest({}, {&group_, 1}, 0, table_).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The client checks hyperparameters with dosd's own function
+// (ValidateGroupStepParams, which dosd's ValidateShardSpec and step flow
+// call), so what it refuses and the words it uses are dosd's.
+TEST_F(RequestBuilderTest, HyperparametersFollowTheDaemonsContract) {
+  group_.eps = 0;  // torch accepts it, so do client and daemon
+  EXPECT_TRUE(Build().ok()) << Build().status();
+  dos_step_args args{&group_, 1, /*grad_scale=*/1.0, /*clip_coef=*/0.0, /*gradients_checked=*/0};
+  StepRequest req{};
+  EXPECT_TRUE(FillStepRequest(args, 1, &req).ok());
+  EXPECT_EQ(req.groups[0].eps, 0.0);
+
+  struct Case {
+    void (*bad)(dos_hparams*);
+    const char* want;
+  };
+  const Case cases[] = {
+      {[](dos_hparams* h) { h->lr = -1; }, "group 0 lr = -1 is invalid; it must be finite and >= 0"},
+      {[](dos_hparams* h) { h->beta1 = 1; }, "group 0 beta1 = 1 is invalid; it must be in [0, 1)"},
+      {[](dos_hparams* h) { h->beta2 = -0.5; },
+       "group 0 beta2 = -0.5 is invalid; it must be in [0, 1)"},
+      {[](dos_hparams* h) { h->eps = -1e-8; },
+       "group 0 eps = -1e-08 is invalid; it must be finite and >= 0"},
+  };
+  for (const Case& c : cases) {
+    InitAdamW(&group_);
+    c.bad(&group_);
+    const absl::Status reg = Build().status();
+    EXPECT_EQ(reg.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(reg.message(), absl::StrCat("register: ", c.want));
+    EXPECT_EQ(reg, ValidateGroupStepParams(StepParams(group_), 0, "register"));
+    const absl::Status step = FillStepRequest(args, 1, &req);
+    EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(step.message(), absl::StrCat("step: ", c.want));
+  }
 }
 
 TEST(FillStepRequestTest, CopiesGroupsAndChecksCount) {
