@@ -18,7 +18,7 @@
 #include "gtest/gtest.h"
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_process.h"
 
 namespace dos::testing {
 namespace {

@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_process.h"
 
 namespace dos {
 namespace {

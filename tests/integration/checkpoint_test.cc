@@ -16,7 +16,7 @@
 #include "dos/dos.h"
 #include "gtest/gtest.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_fixture.h"
 
 namespace dos::testing {
 namespace {
@@ -31,12 +31,8 @@ TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
   const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
   ASSERT_TRUE(d.Start());
-  dos_attach_options o;
-  dos_attach_options_init(&o);
-  o.socket_path = d.socket().c_str();
-  o.client_name = "stall_probe";
   dos_session* s = nullptr;
-  ASSERT_EQ(dos_attach(&o, &s), DOS_OK) << dos_last_error();
+  ASSERT_EQ(AttachClient(d.socket(), "stall_probe", &s), DOS_OK) << dos_last_error();
   const uint64_t n = uint64_t{16} << 20;  // 16 Mi bf16 parameters: 192 MiB of state
   void* param = nullptr;
   void* grad = nullptr;
@@ -65,8 +61,7 @@ TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
       if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
     }
   });
-  auto stub = v1::Dos::NewStub(
-      grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub = DosStub(d.socket());
   std::vector<v1::CheckpointFile> files;
   for (int i = 0; i < 3; ++i) {
     while (steps.load() < 2 * (i + 1)) std::this_thread::yield();
@@ -139,12 +134,8 @@ TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBou
   const std::string ckpt = ckpt_dir.path();
   DaemonProcess d({"--checkpoint_dir=" + ckpt});
   ASSERT_TRUE(d.Start());
-  dos_attach_options o;
-  dos_attach_options_init(&o);
-  o.socket_path = d.socket().c_str();
-  o.client_name = "cow_trainer";
   dos_session* s = nullptr;
-  ASSERT_EQ(dos_attach(&o, &s), DOS_OK) << dos_last_error();
+  ASSERT_EQ(AttachClient(d.socket(), "cow_trainer", &s), DOS_OK) << dos_last_error();
   // 16 subgroups, so steps and the copier meet mid-state.
   const uint64_t n = uint64_t{8} << 20;
   const uint64_t subgroup = uint64_t{512} << 10;
@@ -162,8 +153,7 @@ TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBou
     dos_step_result r;
     while (!stop.load() && dos_step(s, &a, &r) == DOS_OK) steps.fetch_add(1);
   });
-  auto stub = v1::Dos::NewStub(
-      grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub = DosStub(d.socket());
   std::vector<v1::CheckpointFile> files;
   for (int i = 0; i < 4; ++i) {
     while (steps.load() < 3 * (i + 1)) std::this_thread::yield();
@@ -206,9 +196,8 @@ TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBou
 
   // Replay: a second session with the same weights and gradients steps to
   // each file's step count; its state then must equal the file's, bitwise.
-  o.client_name = "cow_replay";
   dos_session* r = nullptr;
-  ASSERT_EQ(dos_attach(&o, &r), DOS_OK) << dos_last_error();
+  ASSERT_EQ(AttachClient(d.socket(), "cow_replay", &r), DOS_OK) << dos_last_error();
   dos_hparams hr;
   RegisterProbe(r, n, subgroup, &hr);
   ASSERT_FALSE(HasFatalFailure());

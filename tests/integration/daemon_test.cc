@@ -25,7 +25,7 @@
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_fixture.h"
 
 namespace dos::testing {
 namespace {
@@ -48,11 +48,7 @@ class FakeTrainer {
   explicit FakeTrainer(uint32_t seed) : rng_(seed) {}
 
   dos_status Attach(const std::string& socket) {
-    dos_attach_options o;
-    dos_attach_options_init(&o);
-    o.socket_path = socket.c_str();
-    o.client_name = "daemon_test";
-    return dos_attach(&o, &session_);
+    return AttachClient(socket, "daemon_test", &session_);
   }
   ~FakeTrainer() { dos_detach(session_); }
 
@@ -178,21 +174,11 @@ dos_hparams AdamW(double lr, double wd) {
   return h;
 }
 
-class DaemonTest : public ::testing::Test {
+// No lease: a dead client's state is freed at once (crash survival with a
+// lease is tested in tests/fault/crash_survival_test.cc).
+class DaemonTest : public DaemonFixture {
  protected:
-  void SetUp() override { ASSERT_TRUE(daemon_.Start()) << daemon_.log(); }
-  void TearDown() override {
-    if (daemon_.pid() > 0) {
-      EXPECT_EQ(daemon_.Stop(), 0) << daemon_.log();
-    }
-  }
-  std::unique_ptr<v1::Dos::Stub> Stub() {
-    return v1::Dos::NewStub(
-        grpc::CreateChannel("unix:" + daemon_.socket(), grpc::InsecureChannelCredentials()));
-  }
-  // No lease: a dead client's state is freed at once (crash survival with a
-  // lease is tested in tests/fault/crash_survival_test.cc).
-  DaemonProcess daemon_{{"--cpu_isa=scalar", "--cpu_threads=2", "--session_lease=0"}};
+  DaemonTest() : DaemonFixture({"--cpu_isa=scalar", "--cpu_threads=2", "--session_lease=0"}) {}
 };
 
 TEST_F(DaemonTest, TwoConcurrentClientsGetExactUpdates) {

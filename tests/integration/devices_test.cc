@@ -14,7 +14,7 @@
 #include "gtest/gtest.h"
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_fixture.h"
 
 namespace dos::testing {
 namespace {
@@ -24,18 +24,9 @@ using ::testing::HasSubstr;
 constexpr char kUuidA[] = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
 constexpr char kUuidB[] = "GPU-bbbbbbbb-0000-0000-0000-000000000000";
 
-class DevicesTest : public ::testing::Test {
+class DevicesTest : public DaemonFixture {
  protected:
-  void SetUp() override { ASSERT_TRUE(daemon_.Start()) << daemon_.log(); }
-  void TearDown() override {
-    if (daemon_.pid() > 0) {
-      EXPECT_EQ(daemon_.Stop(), 0) << daemon_.log();
-    }
-  }
-  std::unique_ptr<v1::Dos::Stub> Stub() {
-    return v1::Dos::NewStub(
-        grpc::CreateChannel("unix:" + daemon_.socket(), grpc::InsecureChannelCredentials()));
-  }
+  DevicesTest() : DaemonFixture({"--gpu_devices=none", "--cpu_threads=1", "--session_lease=0"}) {}
   // RegisterShard of tensors "a" and "b" whose param and grad claim CUDA IPC
   // allocations on the devices `uuid_a` and `uuid_b` (the handles are never
   // opened: the device is checked first).
@@ -78,7 +69,6 @@ class DevicesTest : public ::testing::Test {
   }
 
   // No GPU engine, whatever the machine has.
-  DaemonProcess daemon_{{"--gpu_devices=none", "--cpu_threads=1", "--session_lease=0"}};
 };
 
 TEST_F(DevicesTest, UnknownDeviceIsRefusedNamingItAndTheFlag) {
@@ -99,12 +89,8 @@ TEST_F(DevicesTest, TensorsOnTwoDevicesAreRefusedNamingTheTensorAndBothDevices) 
 }
 
 TEST_F(DevicesTest, HostSessionTrainsWithoutGpuAndIsListedAsHost) {
-  dos_attach_options o;
-  dos_attach_options_init(&o);
-  o.socket_path = daemon_.socket().c_str();
-  o.client_name = "devices_test.host";
   dos_session* s = nullptr;
-  ASSERT_EQ(dos_attach(&o, &s), DOS_OK) << dos_last_error();
+  ASSERT_EQ(AttachClient(daemon_.socket(), "devices_test.host", &s), DOS_OK) << dos_last_error();
   void *w = nullptr, *g = nullptr;
   ASSERT_EQ(dos_buffer_alloc(s, 64 * 4, &w), DOS_OK) << dos_last_error();
   ASSERT_EQ(dos_buffer_alloc(s, 64 * 4, &g), DOS_OK) << dos_last_error();

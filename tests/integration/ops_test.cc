@@ -1,7 +1,5 @@
 // Operator features of the real dosd: the Prometheus endpoint, the
 // per-session memory quota, dosctl's checkpoint and stats --watch commands.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -20,42 +18,11 @@
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_fixture.h"
+#include "tests/support/loopback.h"
 
 namespace dos::testing {
 namespace {
-
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return "";
-  }
-  std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
-  (void)::write(fd, req.data(), req.size());
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, n);
-  ::close(fd);
-  return out;
-}
 
 std::string Shell(const std::string& cmd) {
   std::string out;
@@ -71,11 +38,7 @@ struct Trainer {
   dos_session* s = nullptr;
   dos_hparams h;
   dos_status Start(const std::string& socket, uint64_t n) {
-    dos_attach_options o;
-    dos_attach_options_init(&o);
-    o.socket_path = socket.c_str();
-    o.client_name = "ops_test";
-    if (dos_status st = dos_attach(&o, &s); st != DOS_OK) return st;
+    if (dos_status st = AttachClient(socket, "ops_test", &s); st != DOS_OK) return st;
     void* p = nullptr;
     void* g = nullptr;
     if (dos_status st = dos_buffer_alloc(s, n * 4, &p); st != DOS_OK) return st;
@@ -96,7 +59,7 @@ struct Trainer {
 };
 
 TEST(OpsTest, MetricsEndpointCountsSteps) {
-  const int port = FreePort();
+  const int port = FreeLoopbackPort();
   DaemonProcess d({"--metrics_port=" + std::to_string(port)});
   ASSERT_TRUE(d.Start());
   {
@@ -216,7 +179,7 @@ TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
 }
 
 TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
-  const int port = FreePort();
+  const int port = FreeLoopbackPort();
   DaemonProcess d({"--tcp_listen=127.0.0.1:" + std::to_string(port)});
   ASSERT_TRUE(d.Start());
   auto stub = v1::Dos::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
@@ -229,7 +192,7 @@ TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
   EXPECT_EQ(list.daemon_pid(), d.pid());
   EXPECT_EQ(d.Stop(), 0);
 
-  DaemonProcess remote({"--tcp_listen=0.0.0.0:" + std::to_string(FreePort())});
+  DaemonProcess remote({"--tcp_listen=0.0.0.0:" + std::to_string(FreeLoopbackPort())});
   EXPECT_FALSE(remote.Start());
   EXPECT_NE(remote.log().find("--tcp_allow_remote"), std::string::npos) << remote.log();
 }
@@ -250,8 +213,7 @@ TEST(OpsTest, PeerCredentialsAreCheckedAgainstTheAllowList) {
     Trainer t;
     EXPECT_EQ(t.Start(d.socket(), 10), DOS_OK) << dos_last_error();
   }
-  auto stub = v1::Dos::NewStub(
-      grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  auto stub = DosStub(d.socket());
   auto attach = [&](const std::string& ticket, int pid) {
     v1::AttachRequest req;
     req.set_pid(pid);

@@ -7,7 +7,7 @@
 
 #include "google/protobuf/descriptor.pb.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_process.h"
 #include "tests/integration/proto/grpc/reflection/v1alpha/reflection.grpc.pb.h"
 
 namespace dos::testing {

@@ -19,7 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_fixture.h"
 
 namespace dos::testing {
 namespace {
@@ -34,11 +34,7 @@ class VersionsTest : public ::testing::Test {
     unsetenv("DOS_TEST_CLAIM_CLIENT_VERSION");
   }
   dos_status Attach(dos_session** s) {
-    dos_attach_options o;
-    dos_attach_options_init(&o);
-    o.socket_path = daemon_.socket().c_str();
-    o.client_name = "versions_test";
-    return dos_attach(&o, s);
+    return AttachClient(daemon_.socket(), "versions_test", s);
   }
   std::string DaemonVersion() {
     dos_daemon_info info{};

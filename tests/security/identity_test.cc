@@ -2,13 +2,11 @@
 // to the uid that attached it; only that uid or an operator (root, dosd's uid,
 // --operator_gids) may act on it, whatever the caller knows (id, token); the
 // TCP listener, which carries no identity, only reads.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "gtest/gtest.h"
 #include "tests/security/security_env.h"
+#include "tests/support/loopback.h"
 
 namespace dos::testing {
 namespace {
@@ -20,18 +18,6 @@ SecUser Root() {
   SecUser r;
   r.name = "root";
   return r;
-}
-
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 // A trainer of dos-sec-a holding a registered session until the test ends.
@@ -139,7 +125,7 @@ TEST_F(IdentityTest, ResumeByAnotherUserIsRefused) {
 
 TEST_F(IdentityTest, TheTcpListenerOnlyReads) {
   DOS_SECURITY_REQUIRE();
-  const std::string tcp = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string tcp = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
   StartVictim({"--tcp_listen=" + tcp});
   const SecUser c = User("dos-sec-c");  // outside the group: only TCP reaches dosd
   const std::string target = "tcp:" + tcp;
@@ -158,7 +144,7 @@ TEST_F(IdentityTest, TheTcpListenerOnlyReads) {
 
 TEST_F(IdentityTest, TcpOperatorCallsOnlyWhenConfigured) {
   DOS_SECURITY_REQUIRE();
-  const std::string tcp = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string tcp = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
   StartVictim({"--tcp_listen=" + tcp, "--tcp_operator_calls"});
   const std::string out = RunAs(User("dos-sec-c"), "tcp:" + tcp, {"rpc_save:id=" + id_});
   EXPECT_NE(out.find("OK rpc_save"), std::string::npos) << out << daemon_->log();

@@ -4,8 +4,6 @@
 // hundreds of sessions is quick; repeated failures are logged a few times with
 // a count; metrics scrapes are not held up by idle connections; ImportState
 // checks the step counter; a clean stop leaves no lock file.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/security/security_env.h"
+#include "tests/support/loopback.h"
 
 namespace dos::testing {
 namespace {
@@ -37,31 +36,6 @@ size_t Count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = 0; (at = text.find(what, at)) != std::string::npos; at += what.size()) ++n;
   return n;
-}
-
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-int Connect(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
 }
 
 TEST(Resources, TinySubgroupsCannotGrowDosdPastItsAccounting) {
@@ -177,13 +151,13 @@ TEST(Resources, RepeatedFailuresAreLoggedAFewTimesWithACount) {
 
 TEST(Resources, MetricsScrapeIsNotHeldUpByIdleConnections) {
   DOS_SECURITY_REQUIRE();
-  const int port = FreePort();
+  const int port = FreeLoopbackPort();
   auto d = SecureDaemon({"--metrics_port=" + std::to_string(port)});
   ASSERT_TRUE(d->Start()) << d->log();
   std::vector<int> idle;
-  for (int i = 0; i < 8; ++i) idle.push_back(Connect(port));
+  for (int i = 0; i < 8; ++i) idle.push_back(ConnectLoopback(port));
   const auto start = std::chrono::steady_clock::now();
-  int fd = Connect(port);
+  int fd = ConnectLoopback(port);
   ASSERT_GE(fd, 0);
   const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
   ASSERT_EQ(::write(fd, req.data(), req.size()), static_cast<ssize_t>(req.size()));

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_process.h"
 
 namespace dos::testing {
 

@@ -12,30 +12,16 @@
 #include "daemon/cpu/host_engine.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/sched/step_planner.h"
+#include "tests/unit/sched/planner_test_util.h"
 
 namespace dos {
 namespace {
 
 constexpr uint64_t kSg = 1 << 20;
 
-PlannerOptions Gpu(uint64_t resident_bytes) {
-  PlannerOptions o;
-  o.budgets.gpu = true;
-  o.budgets.gpu_resident_bytes = resident_bytes;
-  o.initial.cpu_params_per_s = 3.7e9;
-  o.initial.gpu_params_per_s = 120e9;
-  o.initial.h2d_bytes_per_s = 55e9;
-  o.initial.d2h_bytes_per_s = 55e9;
-  o.initial.pcie_both_bytes_per_s = 97e9;
-  o.initial.host_bytes_per_s = 145e9;
-  return o;
-}
-
+PlannerOptions Gpu(uint64_t resident_bytes) { return testing::GpuPlannerOptions(resident_bytes); }
 ShardLayout Uniform(uint32_t n, double state_bytes) {
-  ShardLayout l;
-  l.subgroup_numel.assign(n, kSg);
-  l.state_bytes = state_bytes;
-  return l;
+  return testing::UniformLayout(n, kSg, state_bytes);
 }
 
 TEST(CompactPlanTest, LayoutOfACompactShardHasEightStateBytes) {

@@ -4,19 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/unit/sched/planner_test_util.h"
+
 namespace dos {
 namespace {
 
-PerfInputs H200() {
-  PerfInputs in;
-  in.cpu_params_per_s = 3.7e9;
-  in.gpu_params_per_s = 120e9;
-  in.h2d_bytes_per_s = 55e9;
-  in.d2h_bytes_per_s = 55e9;
-  in.pcie_both_bytes_per_s = 97e9;
-  in.host_bytes_per_s = 145e9;
-  return in;
-}
+PerfInputs H200() { return testing::H200Rates(); }
 
 TEST(PerfModelTest, CpuOnlyIsCpuBound) {
   PerfPrediction p = PerfModel::Bound(H200(), 0.0);

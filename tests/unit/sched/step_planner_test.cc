@@ -15,36 +15,18 @@
 
 #include "daemon/sched/step_timeline.h"
 #include "daemon/state/shard_state.h"
+#include "tests/unit/sched/planner_test_util.h"
 
 namespace dos {
 namespace {
 
 constexpr uint64_t kSg = 100'000'000;  // 100M-parameter subgroups, as the benchmark's
 
-PerfInputs H200() {
-  PerfInputs in;
-  in.cpu_params_per_s = 3.7e9;
-  in.gpu_params_per_s = 120e9;
-  in.h2d_bytes_per_s = 55e9;
-  in.d2h_bytes_per_s = 55e9;
-  in.pcie_both_bytes_per_s = 97e9;
-  in.host_bytes_per_s = 145e9;
-  return in;
-}
+using testing::GpuPlannerOptions;
 
-ShardLayout Uniform(uint32_t n, uint64_t numel = kSg) {
-  ShardLayout l;
-  l.subgroup_numel.assign(n, numel);
-  return l;
-}
-
-PlannerOptions Gpu(uint64_t resident_bytes = 0) {
-  PlannerOptions o;
-  o.budgets.gpu = true;
-  o.budgets.gpu_resident_bytes = resident_bytes;
-  o.initial = H200();
-  return o;
-}
+PerfInputs H200() { return testing::H200Rates(); }
+ShardLayout Uniform(uint32_t n, uint64_t numel = kSg) { return testing::UniformLayout(n, numel); }
+PlannerOptions Gpu(uint64_t resident_bytes = 0) { return GpuPlannerOptions(resident_bytes); }
 
 Policy P(absl::string_view text) { return *ParsePolicy(text); }
 
@@ -266,7 +248,7 @@ TEST(StepPlannerTest, AutoPredictionIsTheModelsPhaseTime) {
 
 // --- without a GPU -------------------------------------------------------------
 
-class NoGpuTest : public testing::TestWithParam<const char*> {};
+class NoGpuTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(NoGpuTest, EveryPolicyRunsAsCpu) {
   PlannerOptions o;  // budgets.gpu = false
@@ -281,11 +263,11 @@ TEST_P(NoGpuTest, EveryPolicyRunsAsCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, NoGpuTest,
-                         testing::Values("cpu", "static:0.5", "interleave:2", "auto"));
+                         ::testing::Values("cpu", "static:0.5", "interleave:2", "auto"));
 
 // --- degenerate shards -----------------------------------------------------------
 
-class EmptyShardTest : public testing::TestWithParam<const char*> {};
+class EmptyShardTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(EmptyShardTest, PlansNothingAndPredictsZero) {
   StepPlanner planner(Gpu(/*resident_bytes=*/kSg * 12));
@@ -298,7 +280,7 @@ TEST_P(EmptyShardTest, PlansNothingAndPredictsZero) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, EmptyShardTest,
-                         testing::Values("cpu", "static:1", "interleave:3", "auto"));
+                         ::testing::Values("cpu", "static:1", "interleave:3", "auto"));
 
 TEST(StepPlannerTest, ZeroElementSubgroupsNeverDivideByZero) {
   StepPlanner planner(Gpu(/*resident_bytes=*/1000));
@@ -536,7 +518,7 @@ TEST(StepPlannerTest, TimelineLineListsEveryEntry) {
 }
 
 TEST(StepPlannerTest, LearnAppendsOneTimelineLinePerGpuStep) {
-  const std::string path = testing::TempDir() + "/planner_timeline.jsonl";
+  const std::string path = ::testing::TempDir() + "/planner_timeline.jsonl";
   std::remove(path.c_str());
   PlannerOptions o = Gpu();
   o.timeline_path = path;

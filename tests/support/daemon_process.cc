@@ -1,4 +1,4 @@
-#include "tests/integration/daemon_process.h"
+#include "tests/support/daemon_process.h"
 
 #include <fcntl.h>
 #include <grp.h>
