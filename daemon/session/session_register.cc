@@ -138,8 +138,9 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
         "register: the tensors hold ", numel, " parameters in subgroups of ", subgroup_size,
         ", ", FormatBytes(bytes), " of optimizer state with its page-aligned subgroups; "
         "dosd's --session_memory_limit allows ", FormatBytes(options_.memory_limit),
-        " per session; shard the model over more ranks, use larger subgroups or raise the "
-        "limit"));
+        " per session; shard the model over more ranks, use larger subgroups",
+        spec.state_format == StateFormat::kFp32 ? ", use compact state (8 bytes a parameter)" : "",
+        " or raise the limit"));
   }
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
