@@ -34,8 +34,11 @@ void CheckpointSeeds(const std::string& dir) {
       l.groups.resize(2);
       l.groups[1].decoupled_weight_decay = false;
       for (int t = 0; t < tensors; ++t) {
-        l.tensors.push_back({"t" + std::to_string(t), dos::DType::kBF16, dos::DType::kF32,
-                             static_cast<uint64_t>(1 + 3 * t), static_cast<uint32_t>(t % 2), t});
+        l.tensors.push_back({.name = "t" + std::to_string(t),
+                             .param_dtype = dos::DType::kBF16,
+                             .numel = static_cast<uint64_t>(1 + 3 * t),
+                             .group = static_cast<uint32_t>(t % 2),
+                             .step = t});
       }
       dos::testing::MemEnv env;
       dos::CheckpointWriterOptions o;
