@@ -9,7 +9,8 @@
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
 #
-# Logs and results go to OUT (the device tool's $OUT). Each part has its own
+# Logs and results go to OUT (the device tool brings back at most 8 files:
+# give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
 what=${1:?tests|e2e|ranks|frameworks}; O=${2:?out dir}; shift 2
@@ -68,8 +69,9 @@ case "$what" in
       "$DIST/lib/libdos_client.so" > "$O/frameworks.log" 2>&1
     echo "exit=$?" >> "$O/frameworks.log"
     cp bench/results/integration_${machine}_* "$O/" 2>/dev/null
-    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_read_after_step.py \
-      tests/python/test_shutdown.py tests/python/test_multinode.py > "$O/read_after_step.log" 2>&1
+    DOS_PYTEST_TIMEOUT=120 timeout 330 python3 -m pytest -v --durations=10 -p no:cacheprovider -rs \
+      tests/python/test_read_after_step.py tests/python/test_shutdown.py tests/python/test_multinode.py \
+      > "$O/read_after_step.log" 2>&1
     echo "exit=$?" >> "$O/read_after_step.log"
     if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
       for wrap in ddp fsdp2; do

@@ -97,9 +97,9 @@ ABSL_FLAG(std::string, group, "",
           "Group given the socket and the shared-memory control blocks (with --socket_mode "
           "0660: the trainers' group); empty: the daemon's own group.");
 ABSL_FLAG(std::string, allow_uids, "",
-          "Comma-separated uids allowed to attach (checked by the kernel through "
-          "<socket>.auth, SO_PEERCRED); with --allow_gids empty too: no check beyond the "
-          "socket's file mode.");
+          "Comma-separated uids allowed to attach (the attaching process's credentials from the "
+          "kernel, on the descriptor socket <socket>.fd); with --allow_gids empty too: no check "
+          "beyond the sockets' file mode.");
 ABSL_FLAG(std::string, allow_gids, "",
           "Comma-separated gids (primary or supplementary) allowed to attach.");
 ABSL_FLAG(std::string, tcp_listen, "",
@@ -148,7 +148,6 @@ struct DaemonConfig {
   absl::Duration session_lease;      // dead trainers' state kept this long
   gid_t group = static_cast<gid_t>(-1);  // socket and shm group; -1: unchanged
   int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
-  PeerAuthOptions peer_auth;         // allow lists of attaching uids/gids
   std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
   AuthorizerOptions authz;           // operators; what TCP callers may do
 };
@@ -209,11 +208,11 @@ absl::Status AccessFlags(DaemonConfig& c) {
   if (!ParseIdList(absl::GetFlag(FLAGS_allow_uids), &ids)) {
     return absl::InvalidArgumentError("--allow_uids must be a comma-separated list of uids");
   }
-  c.peer_auth.allow_uids.assign(ids.begin(), ids.end());
+  c.authz.allow_uids.assign(ids.begin(), ids.end());
   if (!ParseIdList(absl::GetFlag(FLAGS_allow_gids), &ids)) {
     return absl::InvalidArgumentError("--allow_gids must be a comma-separated list of gids");
   }
-  c.peer_auth.allow_gids.assign(ids.begin(), ids.end());
+  c.authz.allow_gids.assign(ids.begin(), ids.end());
   if (!ParseGroupList(absl::GetFlag(FLAGS_operator_gids), &c.authz.operator_gids)) {
     return absl::InvalidArgumentError(absl::StrCat("--operator_gids=", absl::GetFlag(FLAGS_operator_gids),
                                                    " must be comma-separated group names or gids"));
@@ -225,8 +224,6 @@ absl::Status AccessFlags(DaemonConfig& c) {
   }
   c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
   c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
-  c.peer_auth.socket_mode = c.socket_mode;
-  c.peer_auth.group = c.group;
   c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
   if (!c.tcp_listen.empty()) {
     const size_t colon = c.tcp_listen.rfind(':');
@@ -476,8 +473,9 @@ int Run(const DaemonConfig& config) {
       checkpointer.reset();
     }
   }
-  auto peer_auth = PeerAuth::Start(config.socket_path + ".auth", config.peer_auth);
-  if (!peer_auth.ok()) return Fail("daemon.auth", peer_auth.status());
+  // Development builds before the descriptor socket also served
+  // <socket>.auth; a file one left behind would only mislead.
+  ::unlink((config.socket_path + ".auth").c_str());
   auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
                                           config.socket_mode, config.group, &sessions);
   if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
@@ -485,9 +483,8 @@ int Run(const DaemonConfig& config) {
   // (SO_PEERCRED) is recorded, and every call is checked against it.
   PeerTable peers;
   Authorizer authorizer(config.authz);
-  DosService service(&sessions, &budget, kVersion, checkpointer.get(),
-                     (*peer_auth)->enabled() ? peer_auth->get() : nullptr, descriptors->get(),
-                     &peers, &authorizer);
+  DosService service(&sessions, &budget, kVersion, checkpointer.get(), descriptors->get(), &peers,
+                     &authorizer);
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
@@ -500,7 +497,9 @@ int Run(const DaemonConfig& config) {
   if (!metrics_server.ok()) return Fail("daemon.metrics", metrics_server.status());
   // The socket accepts calls once everything is up (tests and operators take
   // an accepting socket for a ready daemon).
-  (*listener)->Serve(server->get());
+  if (absl::Status st = (*listener)->Serve(server->get()); !st.ok()) {
+    return Fail("daemon.listen", st);
+  }
   (*server)->GetHealthCheckService()->SetServingStatus(true);
   // systemd (Type=notify): ready once the socket accepts calls; the watchdog
   // pings only while the session table can be locked (a wedged daemon stops

@@ -2,7 +2,6 @@
 
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -99,35 +98,6 @@ absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status
   return absl::Status(code, absl::StrCat(call, ": ", status.error_message()));
 }
 
-namespace {
-// "OK <ticket>" or "DENIED <why>" from dosd's peer-credential socket; a socket
-// nobody listens on (left by an earlier daemon) means no check: "".
-absl::StatusOr<std::string> FetchPeerTicket(const std::string& path) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("attach: socket: ", std::strerror(errno)));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return std::string();
-  }
-  std::string line;
-  char buf[512];
-  ssize_t n;
-  while (line.find('\n') == std::string::npos && (n = ::read(fd, buf, sizeof buf)) > 0) {
-    line.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  line = line.substr(0, line.find('\n'));
-  if (line.rfind("OK ", 0) == 0) return line.substr(3);
-  if (line.rfind("DENIED ", 0) == 0) {
-    return absl::PermissionDeniedError(absl::StrCat("attach: dosd refused this process: ",
-                                                    line.substr(7)));
-  }
-  return absl::UnavailableError(absl::StrCat("attach: no answer from ", path));
-}
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Options& options) {
   struct stat st;
@@ -168,14 +138,6 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
                           absl::StrCat("attach: ", ticket.status().message()));
     }
     req.set_fd_ticket(*ticket);
-  }
-  // A dosd that checks peer credentials serves <socket>.auth: the kernel
-  // tells it who we are there, and it answers a ticket for our pid.
-  const std::string auth = options.socket_path + ".auth";
-  if (::stat(auth.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-    absl::StatusOr<std::string> ticket = FetchPeerTicket(auth);
-    if (!ticket.ok()) return ticket.status();
-    req.set_peer_ticket(*ticket);
   }
   if (options.resume_session_id != 0) {
     req.mutable_resume()->set_session_id(options.resume_session_id);

@@ -94,6 +94,31 @@ absl::Status Authorizer::MustBeOperator(const CallerIdentity& c, absl::string_vi
       "--tcp_operator_calls)", "; name one of your own sessions instead"));
 }
 
+bool ParseIdList(absl::string_view text, std::vector<uint32_t>* out) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    uint32_t v;
+    if (!absl::SimpleAtoi(part, &v)) return false;
+    out->push_back(v);
+  }
+  return true;
+}
+
+absl::Status Authorizer::MayAttach(uid_t uid, gid_t gid, const std::vector<gid_t>& groups) const {
+  const auto& uids = options_.allow_uids;
+  const auto& gids = options_.allow_gids;
+  if (uids.empty() && gids.empty()) return absl::OkStatus();
+  auto has = [](const auto& v, auto x) { return std::find(v.begin(), v.end(), x) != v.end(); };
+  if (has(uids, uid) || has(gids, gid)) return absl::OkStatus();
+  for (gid_t g : groups) {
+    if (has(gids, g)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "attach: uid ", uid, " (gid ", gid, groups.empty() ? "" : ", groups ",
+      absl::StrJoin(groups, ","), ") is not in dosd's --allow_uids=", absl::StrJoin(uids, ","),
+      " / --allow_gids=", absl::StrJoin(gids, ","), "; ask the operator to add it"));
+}
+
 absl::Status Authorizer::MustBeLocal(const CallerIdentity& c, absl::string_view what) const {
   if (c.known) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(

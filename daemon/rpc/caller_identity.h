@@ -10,7 +10,10 @@
 // a connection's descriptor open while any call on it runs). Calls over the
 // TCP listener carry no identity (`known` is false).
 //
-// Authorization (Authorizer): a session belongs to the uid that attached it.
+// Authorization (Authorizer): with --allow_uids / --allow_gids only those
+// uids, primary or supplementary gids may attach, judged on the attaching
+// process's kernel credentials (its descriptor socket Hello).
+// A session belongs to the uid that attached it.
 // Acting on a session needs that uid or an operator: root, dosd's own uid, or
 // a member of --operator_gids. Calls without identity (TCP) may only read
 // (GetStats, ListSessions, GetPolicy) unless --tcp_operator_calls.
@@ -61,11 +64,15 @@ struct AuthorizerOptions {
   std::vector<gid_t> operator_gids;  // members act on every session
   bool tcp_operator_calls = false;   // TCP callers count as operators
   uid_t daemon_uid = 0;              // dosd's own uid (an operator)
+  std::vector<uid_t> allow_uids;     // may attach; with allow_gids empty too: anyone
+  std::vector<gid_t> allow_gids;     // primary or supplementary group that may attach
 };
 
 // Parses "dos-admin,1005" (group names or gids) into gids; false on an
 // unknown name or a bad number.
 bool ParseGroupList(absl::string_view text, std::vector<gid_t>* out);
+// Parses "1000,1001" into ids; false on a bad entry.
+bool ParseIdList(absl::string_view text, std::vector<uint32_t>* out);
 
 class Authorizer {
  public:
@@ -78,6 +85,9 @@ class Authorizer {
                         absl::string_view what) const;
   // OK for operators only (calls on every session, the default policy).
   absl::Status MustBeOperator(const CallerIdentity& c, absl::string_view what) const;
+  // OK if a process of (uid, gid, supplementary groups) may attach under the
+  // allow lists (always, without lists); PERMISSION_DENIED naming the lists.
+  absl::Status MayAttach(uid_t uid, gid_t gid, const std::vector<gid_t>& groups) const;
   // OK for callers with kernel credentials (Attach, resume).
   absl::Status MustBeLocal(const CallerIdentity& c, absl::string_view what) const;
 

@@ -250,8 +250,14 @@ grpc::Status DosService::Attach(ServerContext* ctx, const v1::AttachRequest* req
     process = *std::move(p);
   }
   const int32_t pid = process != nullptr ? process->pid() : req->pid();
-  if (peer_auth_ != nullptr) {
-    if (absl::Status st = peer_auth_->Check(req->peer_ticket(), pid); !st.ok()) {
+  // The allow lists, on the attaching process's credentials as the kernel
+  // gave them at its Hello (else, in-process only, the gRPC connection's).
+  if (authorizer_ != nullptr) {
+    absl::Status st =
+        process != nullptr
+            ? authorizer_->MayAttach(process->uid(), process->gid(), process->groups())
+            : authorizer_->MayAttach(caller.uid, caller.gid, caller.groups);
+    if (!st.ok()) {
       DOS_LOG_WARNING("auth.attach_refused", "pid", pid, "error", st.message());
       return ToGrpcStatus(st);
     }

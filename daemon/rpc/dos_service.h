@@ -11,7 +11,6 @@
 
 #include "absl/time/time.h"
 #include "daemon/rpc/caller_identity.h"
-#include "daemon/rpc/peer_auth.h"
 #include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/transport/fd_server.h"
@@ -23,21 +22,19 @@ namespace dos {
 class DosService final : public v1::Dos::Service {
  public:
   // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
-  // `peer_auth` may be null: no peer-credential check. `descriptors` (the
-  // descriptor socket) may be null only in-process (tests, fuzzers): Attach
-  // then trusts the claimed pid; dosd always passes it, and Attach requires
-  // its ticket. `peers` and `authorizer` may be null: no per-call identity
+  // `descriptors` (the descriptor socket) may be null only in-process
+  // (tests, fuzzers): Attach then trusts the claimed pid; dosd always passes
+  // it, and Attach requires its ticket. `peers` and `authorizer` may be null: no per-call identity
   // check (in-process tests of the adapter only); dosd passes both, and each
-  // call's kernel identity decides what it may touch (caller_identity.h).
+  // call's kernel identity decides what it may touch (caller_identity.h),
+  // Attach's also whether it may attach (--allow_uids / --allow_gids).
   DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
-             Checkpointer* checkpointer = nullptr, PeerAuth* peer_auth = nullptr,
-             DescriptorServer* descriptors = nullptr, const PeerTable* peers = nullptr,
-             const Authorizer* authorizer = nullptr)
+             Checkpointer* checkpointer = nullptr, DescriptorServer* descriptors = nullptr,
+             const PeerTable* peers = nullptr, const Authorizer* authorizer = nullptr)
       : sessions_(sessions),
         budget_(budget),
         version_(std::move(version)),
         checkpointer_(checkpointer),
-        peer_auth_(peer_auth),
         descriptors_(descriptors),
         peers_(peers),
         authorizer_(authorizer) {}
@@ -68,7 +65,6 @@ class DosService final : public v1::Dos::Service {
   HostMemoryBudget* const budget_;
   const std::string version_;
   Checkpointer* const checkpointer_;
-  PeerAuth* const peer_auth_;
   DescriptorServer* const descriptors_;
   const PeerTable* const peers_;
   const Authorizer* const authorizer_;

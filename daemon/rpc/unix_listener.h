@@ -1,9 +1,10 @@
-// UnixListener: dosd's unix socket, accepted by dosd itself so that every
-// connection's kernel credentials are known (see caller_identity.h). Each
-// accepted connection's SO_PEERCRED/SO_PEERGROUPS go into the PeerTable and
-// the descriptor to the gRPC server (AddInsecureChannelFromFd).
+// UnixListener: dosd's gRPC unix socket, accepted by dosd itself so that
+// every connection's kernel credentials are known (see caller_identity.h).
+// Each accepted connection's SO_PEERCRED/SO_PEERGROUPS go into the PeerTable
+// and the descriptor to the gRPC server (AddInsecureChannelFromFd). The
+// accept loop is a SocketListener (daemon/common/socket_listener.h).
 //
-// Thread-safety: Start/Stop from one thread; one thread ("dos-accept")
+// Thread-safety: Serve/Stop from one thread; one thread ("dos-accept")
 // accepts.
 #pragma once
 
@@ -11,9 +12,9 @@
 
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/socket_listener.h"
 #include "daemon/rpc/caller_identity.h"
 
 namespace grpc {
@@ -29,23 +30,20 @@ class UnixListener {
   // once Serve() is called.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path, mode_t mode,
                                                             gid_t group, PeerTable* peers);
-  ~UnixListener();  // Stop()s
+  ~UnixListener() = default;  // stops accepting, removes the socket file
 
-  // Starts the accept thread; `server` must outlive Stop().
-  void Serve(grpc::Server* server);
+  // Listens and starts the accept thread; `server` must outlive Stop().
+  absl::Status Serve(grpc::Server* server);
   // Stops accepting (connections already handed to gRPC stay).
-  void Stop();
+  void Stop() { listener_->Stop(); }
 
  private:
-  UnixListener(std::string path, int fd, int wake, PeerTable* peers)
-      : path_(std::move(path)), fd_(fd), wake_(wake), peers_(peers) {}
-  void Loop(grpc::Server* server);
+  UnixListener(std::unique_ptr<SocketListener> listener, PeerTable* peers)
+      : listener_(std::move(listener)), peers_(peers) {}
+  void Accepted(UniqueFd fd, grpc::Server* server);
 
-  const std::string path_;
-  const int fd_;
-  const int wake_;
+  const std::unique_ptr<SocketListener> listener_;
   PeerTable* const peers_;
-  std::thread thread_;
 };
 
 }  // namespace dos

@@ -1,12 +1,7 @@
 #include "daemon/transport/fd_server.h"
 
-#include <poll.h>
-#include <pthread.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/time.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,82 +28,30 @@ std::string NewTicket() {
 absl::StatusOr<std::unique_ptr<DescriptorServer>> DescriptorServer::Start(const std::string& path,
                                                                            Options options,
                                                                            ResolveFn resolve) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("descriptor socket path ", path, " is too long; use a shorter --socket"));
-  }
-  ::unlink(path.c_str());  // ours: the gRPC socket's lock is already held
-  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) {
-    return absl::InternalError(absl::StrCat("descriptor socket: ", std::strerror(errno)));
-  }
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  // Created 0600 and opened up only once its mode and group are right.
-  const mode_t old_umask = ::umask(0177);
-  const int bound = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::umask(old_umask);
-  if (bound != 0 || ::listen(fd.get(), 128) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", path, ": ", std::strerror(errno)));
-  }
-  if (options.group != static_cast<gid_t>(-1) &&
-      ::chown(path.c_str(), static_cast<uid_t>(-1), options.group) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot give ", path, " group ", options.group,
-                                                    ": ", std::strerror(errno)));
-  }
-  if (::chmod(path.c_str(), options.socket_mode) != 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot set the mode of ", path, ": ", std::strerror(errno)));
-  }
-  int wake = ::eventfd(0, EFD_CLOEXEC);
-  if (wake < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  ::unlink(path.c_str());  // a crashed dosd's; ours: the gRPC socket's lock is already held
+  SocketListenerOptions o;
+  o.type = SOCK_SEQPACKET;
+  o.mode = options.socket_mode;
+  o.group = options.group;
+  o.backlog = 128;
+  o.thread_name = "dos-fd";
+  o.flag = "--socket (the descriptor socket is <socket>.fd)";
+  absl::StatusOr<std::unique_ptr<SocketListener>> listener = SocketListener::Bind(path, std::move(o));
+  if (!listener.ok()) return listener.status();
   std::unique_ptr<DescriptorServer> s(
-      new DescriptorServer(path, std::move(options), std::move(resolve), fd.release(), wake));
-  s->thread_ = std::thread([raw = s.get()] {
-    pthread_setname_np(pthread_self(), "dos-fd");
-    raw->Loop();
-  });
+      new DescriptorServer(path, std::move(options), std::move(resolve)));
+  s->listener_ = *std::move(listener);
+  if (absl::Status st = s->listener_->Serve([raw = s.get()](UniqueFd c) { raw->Serve(std::move(c)); });
+      !st.ok()) {
+    return st;
+  }
   return s;
 }
 
 std::unique_ptr<DescriptorServer> DescriptorServer::ForTesting(Options options,
                                                                ResolveFn resolve) {
   return std::unique_ptr<DescriptorServer>(
-      new DescriptorServer("", std::move(options), std::move(resolve), -1, -1));
-}
-
-DescriptorServer::DescriptorServer(std::string path, Options options, ResolveFn resolve,
-                                   int listen_fd, int wake_fd)
-    : path_(std::move(path)),
-      options_(std::move(options)),
-      resolve_(std::move(resolve)),
-      listen_fd_(listen_fd),
-      wake_fd_(wake_fd) {}
-
-DescriptorServer::~DescriptorServer() {
-  if (listen_fd_ < 0) return;
-  uint64_t one = 1;
-  (void)!::write(wake_fd_, &one, sizeof one);
-  if (thread_.joinable()) thread_.join();
-  ::close(listen_fd_);
-  ::close(wake_fd_);
-  ::unlink(path_.c_str());
-}
-
-void DescriptorServer::Loop() {
-  while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    UniqueFd conn(::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC));
-    if (!conn.valid()) continue;
-    Serve(std::move(conn));
-  }
+      new DescriptorServer("", std::move(options), std::move(resolve)));
 }
 
 void DescriptorServer::Serve(UniqueFd conn) {

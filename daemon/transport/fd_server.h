@@ -10,8 +10,9 @@
 //   control block's memfd is sent back, or the received memfds are checked
 //   (sealed, ShmSegment::Adopt) and filed in the session's SegmentInbox.
 //
-// Connections are served one at a time by one thread ("dos-fd"), each with a
-// 1 s receive timeout, so a stalled peer delays others by at most that.
+// Connections are served one at a time by one thread ("dos-fd", a
+// SocketListener: daemon/common/socket_listener.h), each with a 1 s receive
+// timeout, so a stalled peer delays others by at most that.
 //
 // Thread-safety: thread-safe.
 #pragma once
@@ -22,14 +23,14 @@
 #include <map>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/socket_listener.h"
 #include "daemon/transport/peer_process.h"
 #include "daemon/transport/segment_inbox.h"
 #include "dos/wire/fd_protocol.h"
@@ -67,7 +68,7 @@ class DescriptorServer {
                                                                  ResolveFn resolve);
   // Without a socket: Handle() only (tests, the fuzz target).
   static std::unique_ptr<DescriptorServer> ForTesting(Options options, ResolveFn resolve);
-  ~DescriptorServer();  // Stops the thread, removes the socket.
+  ~DescriptorServer() = default;  // stops the thread, removes the socket
 
   const std::string& path() const { return path_; }
 
@@ -83,18 +84,15 @@ class DescriptorServer {
                         SessionPort* port = nullptr);
 
  private:
-  DescriptorServer(std::string path, Options options, ResolveFn resolve, int listen_fd,
-                   int wake_fd);
-  void Loop();
+  DescriptorServer(std::string path, Options options, ResolveFn resolve)
+      : path_(std::move(path)), options_(std::move(options)), resolve_(std::move(resolve)) {}
   void Serve(UniqueFd fd);
   absl::StatusOr<std::string> IssueTicket(std::shared_ptr<const PeerProcess> caller);
 
   const std::string path_;
   const Options options_;
   const ResolveFn resolve_;
-  const int listen_fd_;
-  const int wake_fd_;
-  std::thread thread_;
+  // Last member: destroyed (its thread joined) before the tickets it serves.
 
   struct Ticket {
     std::shared_ptr<const PeerProcess> process;
@@ -102,6 +100,7 @@ class DescriptorServer {
   };
   absl::Mutex mu_;
   std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<SocketListener> listener_;  // null: ForTesting
 };
 
 }  // namespace dos

@@ -32,6 +32,19 @@ absl::StatusOr<std::shared_ptr<const PeerProcess>> PeerProcess::FromSocket(int s
         "the peer's process is not visible from dosd's pid namespace; run dosd in the "
         "trainers' pid namespace or a parent of it");
   }
+  // Supplementary groups as of connect() (NGROUPS_MAX is 65536: ask for the size).
+  std::vector<gid_t> groups(64);
+  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  int grc = ::getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen);
+  if (grc != 0 && errno == ERANGE) {
+    groups.resize(glen / sizeof(gid_t));
+    grc = ::getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen);
+  }
+  if (grc != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot read the peer's groups (SO_PEERGROUPS): ", std::strerror(errno)));
+  }
+  groups.resize(glen / sizeof(gid_t));
   int pidfd = -1;
   len = sizeof pidfd;
   if (::getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) != 0) {
@@ -43,7 +56,7 @@ absl::StatusOr<std::shared_ptr<const PeerProcess>> PeerProcess::FromSocket(int s
                                                     "; the process exited while attaching"));
   }
   return std::shared_ptr<const PeerProcess>(
-      new PeerProcess(cred.pid, cred.uid, cred.gid, UniqueFd(pidfd)));
+      new PeerProcess(cred.pid, cred.uid, cred.gid, std::move(groups), UniqueFd(pidfd)));
 }
 
 absl::StatusOr<std::shared_ptr<const PeerProcess>> PeerProcess::FromPid(pid_t pid) {
@@ -52,7 +65,7 @@ absl::StatusOr<std::shared_ptr<const PeerProcess>> PeerProcess::FromPid(pid_t pi
     return absl::NotFoundError(absl::StrCat("pidfd_open(", pid, "): ", std::strerror(errno)));
   }
   return std::shared_ptr<const PeerProcess>(
-      new PeerProcess(pid, static_cast<uid_t>(-1), static_cast<gid_t>(-1), UniqueFd(pidfd)));
+      new PeerProcess(pid, static_cast<uid_t>(-1), static_cast<gid_t>(-1), {}, UniqueFd(pidfd)));
 }
 
 bool PeerProcess::Alive() const {

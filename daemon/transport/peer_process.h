@@ -2,7 +2,8 @@
 //
 // FromSocket reads SO_PEERCRED (pid, uid, gid as of connect(), the pid in
 // dosd's own pid namespace, so a trainer in a container is identified by
-// the kernel, not by a pid it claims) and holds a pidfd of that process
+// the kernel, not by a pid it claims), SO_PEERGROUPS (its supplementary
+// groups, for --allow_gids) and holds a pidfd of that process
 // (SO_PEERPIDFD where the kernel has it, else pidfd_open). Alive() polls the
 // pidfd: it turns false once the process exits (zombies included), and pid
 // reuse cannot fool it.
@@ -13,6 +14,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "dos/wire/unique_fd.h"
@@ -28,15 +30,17 @@ class PeerProcess {
   pid_t pid() const { return pid_; }
   uid_t uid() const { return uid_; }
   gid_t gid() const { return gid_; }
+  const std::vector<gid_t>& groups() const { return groups_; }  // supplementary
   bool Alive() const;
 
  private:
-  PeerProcess(pid_t pid, uid_t uid, gid_t gid, UniqueFd pidfd)
-      : pid_(pid), uid_(uid), gid_(gid), pidfd_(std::move(pidfd)) {}
+  PeerProcess(pid_t pid, uid_t uid, gid_t gid, std::vector<gid_t> groups, UniqueFd pidfd)
+      : pid_(pid), uid_(uid), gid_(gid), groups_(std::move(groups)), pidfd_(std::move(pidfd)) {}
 
   const pid_t pid_;
   const uid_t uid_;
   const gid_t gid_;
+  const std::vector<gid_t> groups_;
   const UniqueFd pidfd_;
 };
 

@@ -611,8 +611,8 @@ TEST(DaemonLifecycle, StaleSocketIsReplacedAndSigtermExitsZero) {
   EXPECT_NE(access(d.socket().c_str(), F_OK), 0) << "socket left behind after a clean stop";
   EXPECT_NE(access((d.socket() + ".lock").c_str(), F_OK), 0)
       << "lock file left behind after a clean stop";
-  EXPECT_NE(access((d.socket() + ".auth").c_str(), F_OK), 0)
-      << "auth socket left behind after a clean stop";
+  EXPECT_NE(access((d.socket() + ".fd").c_str(), F_OK), 0)
+      << "descriptor socket left behind after a clean stop";
 }
 
 }  // namespace

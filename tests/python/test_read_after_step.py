@@ -136,6 +136,28 @@ def test_overlapping_steps_guard_hooked_reads(dos_socket, policy):
                 assert_equal_state(got, {k: final[k] for k in got}, f"step {i + 1}")
 
 
+def test_data_parallel_forward_sees_the_finished_step(dos_socket):
+    """torch.nn.DataParallel copies every parameter to its replicas before
+    any layer's pre-hook runs (the Hugging Face Trainer wraps the model in it
+    on its own when a process sees several GPUs): the step in flight is
+    finished before a DataParallel forward starts."""
+    model = make_model()
+    wrapped = torch.nn.DataParallel(model)
+    seen = []
+    model.register_forward_pre_hook(lambda *_: seen.append(opt._inflight))
+    with make_opt(model, dos_socket, "cpu", True, async_step=True) as opt:
+        for i in range(3):
+            backward(model, opt, i)
+            opt.step()
+            assert opt._inflight, "async_step=True must leave the step in flight"
+            with torch.no_grad():
+                out = wrapped(batch(0)[0])
+            opt.synchronize()
+            with torch.no_grad():
+                assert torch.equal(out, model(batch(0)[0])), f"step {i + 1}"
+    assert seen and not any(seen), f"a DataParallel forward began with a step in flight: {seen}"
+
+
 def test_synchronize_without_a_step_is_a_no_op(dos_socket):
     model = make_model()
     with make_opt(model, dos_socket, "cpu", True) as opt:

@@ -184,5 +184,25 @@ TEST_F(IdentityTest, DosctlOfAnotherUserIsRefusedWithTheFix) {
   EXPECT_NE(sessions.find("victim"), std::string::npos) << sessions;
 }
 
+// The allow lists are judged on the attaching process's kernel credentials
+// (its descriptor socket Hello, SO_PEERCRED + SO_PEERGROUPS), supplementary
+// groups included; everyone else is refused naming the lists, and a ticket
+// of an allowed process is no use to another user.
+TEST(AllowLists, SupplementaryGroupsAdmitAndOthersAreRefusedNamingTheLists) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--allow_gids=" + std::to_string(Group("dos-sec-op"))});
+  ASSERT_TRUE(d->Start()) << d->log();
+  // dos-sec-o is in dos-sec-op by supplementary membership only.
+  const std::string o = RunAs(User("dos-sec-o"), d->socket(), {"attach", "register:numel=256"});
+  EXPECT_NE(o.find("OK register"), std::string::npos) << o << d->log();
+  const std::string a = RunAs(User("dos-sec-a"), d->socket(), {"attach"});
+  EXPECT_EQ(Code(a), kPermissionDenied) << a;
+  EXPECT_NE(a.find("--allow_gids=" + std::to_string(Group("dos-sec-op"))), std::string::npos)
+      << a;
+  EXPECT_NE(a.find("uid " + std::to_string(User("dos-sec-a").uid)), std::string::npos) << a;
+  EXPECT_EQ(::access((d->socket() + ".auth").c_str(), F_OK), -1) << "no second ticket socket";
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
 }  // namespace
 }  // namespace dos::testing

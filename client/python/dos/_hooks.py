@@ -75,11 +75,24 @@ class _HooksMixin:
                 opt._wait_layer(ents, first, last)
             self._layer_waits.append(module.register_forward_pre_hook(self._weak(pre_hook)))
             self._layer_waits += self._install_reader_hooks(module)
+        self._layer_waits.append(self._install_replicate_wait())
         for e in self._entries:
             def grad_hook(opt, _grad, i=e.index):
                 r = opt._ranges[i]
                 opt._wait_layer([opt._entries[i]], r[0], r[1])
             self._grad_hooks.append(e.param.register_hook(self._weak(grad_hook)))
+
+    def _install_replicate_wait(self):
+        """torch.nn.DataParallel (which the Hugging Face Trainer uses on its
+        own when a process sees several GPUs) copies every parameter to the
+        other devices before any layer's pre-hook runs: a global forward
+        pre-hook finishes the step in flight before a DataParallel forward,
+        so the replicas never get half-updated weights."""
+        def before_replicate(opt, module, _inputs):
+            if isinstance(module, torch.nn.DataParallel):
+                opt._finish_inflight()
+        return torch.nn.modules.module.register_module_forward_pre_hook(
+            self._weak(before_replicate))
 
     def _weak(self, fn):
         """A hook that calls fn(optimizer, *args) through a weak reference:

@@ -64,7 +64,7 @@ def train(args, seed, output_dir, resume_from=None):
         def compute_loss(self, model, inputs, *a, **kw):
             out = super().compute_loss(model, inputs, *a, **kw)
             loss = out[0] if isinstance(out, tuple) else out
-            self.losses[self.state.global_step + 1] = float(loss.detach())
+            self.losses[self.state.global_step + 1] = float(loss.detach().mean())  # a vector under DataParallel
             return out
 
     model = make_model(args.device, seed)

@@ -21,7 +21,7 @@ CallerIdentity Local(uid_t uid, gid_t gid, std::vector<gid_t> groups = {}) {
 }
 
 TEST(AuthorizerTest, OwnerAndOperatorsMayActOthersMayNot) {
-  Authorizer a(AuthorizerOptions{{500}, false, 999});
+  Authorizer a(AuthorizerOptions{{500}, false, 999, {}, {}});
   EXPECT_TRUE(a.MayActOn(Local(1000, 100), 1000, 7, "save").ok());
   EXPECT_TRUE(a.MayActOn(Local(0, 0), 1000, 7, "save").ok());        // root
   EXPECT_TRUE(a.MayActOn(Local(999, 100), 1000, 7, "save").ok());    // dosd's uid
@@ -39,14 +39,37 @@ TEST(AuthorizerTest, OwnerAndOperatorsMayActOthersMayNot) {
 TEST(AuthorizerTest, CallersWithoutIdentityOnlyReadUnlessConfigured) {
   CallerIdentity tcp;
   tcp.peer = "ipv4:127.0.0.1:4242";
-  Authorizer strict(AuthorizerOptions{{}, false, 999});
+  Authorizer strict(AuthorizerOptions{{}, false, 999, {}, {}});
   EXPECT_EQ(strict.MayActOn(tcp, 1000, 1, "save").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(strict.MustBeOperator(tcp, "save all").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(strict.MustBeLocal(tcp, "attach").code(), absl::StatusCode::kPermissionDenied);
-  Authorizer open(AuthorizerOptions{{}, true, 999});
+  Authorizer open(AuthorizerOptions{{}, true, 999, {}, {}});
   EXPECT_TRUE(open.MayActOn(tcp, 1000, 1, "save").ok());
   EXPECT_TRUE(open.MustBeOperator(tcp, "save all").ok());
   EXPECT_EQ(open.MustBeLocal(tcp, "attach").code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST(AuthorizerTest, AllowListsAdmitListedUidsAndPrimaryOrSupplementaryGids) {
+  Authorizer open(AuthorizerOptions{});
+  EXPECT_TRUE(open.MayAttach(1000, 100, {}).ok());
+  AuthorizerOptions o;
+  o.allow_uids = {1000};
+  o.allow_gids = {600};
+  Authorizer a(o);
+  EXPECT_TRUE(a.MayAttach(1000, 100, {}).ok());
+  EXPECT_TRUE(a.MayAttach(1001, 600, {}).ok());
+  EXPECT_TRUE(a.MayAttach(1001, 100, {42, 600}).ok());
+  absl::Status st = a.MayAttach(1001, 100, {42});
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(st.message().find("uid 1001 (gid 100, groups 42) is not in dosd's "
+                              "--allow_uids=1000 / --allow_gids=600"),
+            absl::string_view::npos) << st;
+  std::vector<uint32_t> ids;
+  EXPECT_TRUE(ParseIdList("1000,1001", &ids));
+  EXPECT_EQ(ids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_TRUE(ParseIdList("", &ids));
+  EXPECT_TRUE(ids.empty());
+  EXPECT_FALSE(ParseIdList("1000,bob", &ids));
 }
 
 TEST(PeerTableTest, KnowsOnlyTheRecordedSocket) {
