@@ -193,6 +193,13 @@ void dos_hparams_init_adamw(dos_hparams* h) {
   h->decoupled_weight_decay = 1;
 }
 
+dos_status dos_set_state_format(dos_session* session, dos_state_format format) {
+  return Guard("set_state_format", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "set_state_format"); !st.ok()) return st;
+    return session->impl->SetStateFormat(static_cast<int>(format));
+  });
+}
+
 dos_status dos_register(dos_session* session, const dos_tensor* tensors, size_t num_tensors,
                         const dos_hparams* groups, size_t num_groups,
                         const dos_register_options* options) {

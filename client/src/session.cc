@@ -242,6 +242,21 @@ absl::StatusOr<void*> ClientSession::AllocBuffer(uint64_t bytes) {
   return data;
 }
 
+absl::Status ClientSession::SetStateFormat(int format) {
+  if (registered_) {
+    return absl::FailedPreconditionError(
+        "set_state_format: the session already registered its tensors; choose the state format "
+        "before dos_register");
+  }
+  if (format != DOS_STATE_FP32 && format != DOS_STATE_COMPACT) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "set_state_format: ", format, " is not a state format; use DOS_STATE_FP32 (0) or "
+        "DOS_STATE_COMPACT (1)"));
+  }
+  state_format_ = format;
+  return absl::OkStatus();
+}
+
 absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
                                      absl::Span<const dos_hparams> groups,
                                      uint64_t subgroup_size) {
@@ -253,6 +268,7 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   DOS_ASSIGN_OR_RETURN(v1::RegisterShardRequest req,
                        BuildRegisterRequest(tensors, groups, subgroup_size, table_, &device_));
   *req.mutable_session() = ref_;
+  req.set_state_format(static_cast<v1::StateFormat>(state_format_));
   // The buffers the tensors lie in go to dosd by descriptor; the request
   // names them by the ids it answers.
   {
@@ -298,7 +314,7 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   }
   v1::RegisterShardResponse resp;
   grpc::ClientContext ctx;
-  // The daemon allocates, page-locks and fills 12 bytes of state per
+  // The daemon allocates, page-locks and fills 12 (or 8) bytes of state per
   // parameter before it answers (a 6B-parameter shard: 72 GB): allow for
   // that beyond the control-plane timeout.
   uint64_t total_numel = 0;

@@ -91,6 +91,8 @@ class ClientSession {
 
   absl::Status Register(absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
                         uint64_t subgroup_size);
+  // dos_set_state_format: the format the next Register asks for.
+  absl::Status SetStateFormat(int format);
 
   absl::Status StepBegin(const dos_step_args& args, uint32_t extra_flags = 0);
   // GPU mode: records the gradients-ready event on `stream` and begins the
@@ -193,6 +195,7 @@ class ClientSession {
   uint64_t next_segment_ = 0;
 
   bool registered_ = false;
+  int state_format_ = 0;  // dos_state_format for RegisterShardRequest.state_format
   size_t num_groups_ = 0;
   std::vector<uint64_t> numel_;  // per registered tensor
 };

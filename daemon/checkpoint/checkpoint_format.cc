@@ -150,10 +150,11 @@ std::string EncodeLayout(const CheckpointLayout& layout) {
     AppendU32(&out, t.group);
     AppendU64(&out, static_cast<uint64_t>(t.step));
   }
+  if (FileVersion(layout) >= 2) AppendU32(&out, static_cast<uint32_t>(layout.state_format));
   return out;
 }
 
-absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes) {
+absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes, uint32_t version) {
   Decoder d(bytes);
   CheckpointLayout l;
   uint32_t rank = 0, world = 0, num_groups = 0, num_tensors = 0;
@@ -209,6 +210,14 @@ absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes) {
     t.step = static_cast<int64_t>(step);
     l.tensors.push_back(std::move(t));
   }
+  if (ok && version >= 2) {
+    uint32_t format = 0;
+    ok = d.U32("state_format", &format);
+    if (ok && !IsValidStateFormat(format)) {
+      ok = d.Fail("state_format", absl::StrCat(format, " is not 0 (fp32) or 1 (compact)"));
+    }
+    l.state_format = static_cast<StateFormat>(format);
+  }
   if (ok && d.remaining() != 0) {
     ok = d.Fail("end", absl::StrCat(d.remaining(), " unexpected bytes after the last tensor"));
   }
@@ -250,11 +259,13 @@ absl::Status ValidateLayout(const CheckpointLayout& l) {
 uint64_t ExpectedFileSize(const CheckpointLayout& layout, uint64_t layout_bytes,
                           uint32_t chunk_bytes) {
   uint64_t size = kFileHeaderBytes + layout_bytes + kTrailerBytes;
-  const uint64_t chunk_elems = chunk_bytes / sizeof(float);
   for (const CheckpointTensor& t : layout.tensors) {
-    uint64_t chunks = (t.numel + chunk_elems - 1) / chunk_elems;
-    size += kNumStateArrays * (kSectionHeaderBytes + t.numel * sizeof(float) +
-                               chunks * kChunkCrcBytes);
+    for (uint32_t a = 0; a < kNumStateArrays; ++a) {
+      const uint64_t elem = ElementBytes(layout, static_cast<StateArray>(a));
+      const uint64_t chunk_elems = chunk_bytes / elem;
+      const uint64_t chunks = (t.numel + chunk_elems - 1) / chunk_elems;
+      size += kSectionHeaderBytes + t.numel * elem + chunks * kChunkCrcBytes;
+    }
   }
   return size;
 }

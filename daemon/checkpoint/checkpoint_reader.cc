@@ -72,10 +72,11 @@ absl::Status CheckpointReader::ReadHeaderAndLayout() {
                         absl::StrFormat("checksum mismatch (stored %08x, computed %08x)",
                                         GetU32(h + 44), crc)));
   }
-  if (uint32_t v = GetU32(h + 8); v != kCheckpointVersion) {
-    return Fail(absl::FailedPreconditionError(
-        absl::StrCat("checkpoint ", path_, " has format version ", v, "; this dosd reads version ",
-                     kCheckpointVersion)));
+  const uint32_t version = GetU32(h + 8);
+  if (version < kCheckpointVersionNoFormat || version > kCheckpointVersion) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", path_, " has format version ", version, "; this dosd reads versions ",
+        kCheckpointVersionNoFormat, " to ", kCheckpointVersion)));
   }
   if (GetU32(h + 12) != kFileHeaderBytes) {
     return Fail(Corrupt("header", 12, absl::StrCat("header size ", GetU32(h + 12))));
@@ -101,7 +102,7 @@ absl::Status CheckpointReader::ReadHeaderAndLayout() {
                         absl::StrFormat("checksum mismatch (stored %08x, computed %08x)",
                                         layout_crc, crc)));
   }
-  absl::StatusOr<CheckpointLayout> l = DecodeLayout(layout);
+  absl::StatusOr<CheckpointLayout> l = DecodeLayout(layout, version);
   if (!l.ok()) return Fail(Corrupt("layout", kFileHeaderBytes, l.status().message()));
   layout_ = std::move(*l);
   const uint64_t expected = ExpectedFileSize(layout_, layout_bytes, chunk_bytes_);
@@ -113,7 +114,9 @@ absl::Status CheckpointReader::ReadHeaderAndLayout() {
   }
   uint64_t largest = 0;
   for (const CheckpointTensor& t : layout_.tensors) largest = std::max(largest, t.numel);
-  chunk_.resize(std::min<uint64_t>(largest, chunk_bytes_ / sizeof(float)));
+  const uint64_t smallest_elem = MomentBytes(layout_.state_format);
+  chunk_.resize(std::min<uint64_t>(largest, chunk_bytes_ / smallest_elem));
+  raw_.resize(chunk_.size() * sizeof(float));
   return absl::OkStatus();
 }
 
@@ -144,22 +147,32 @@ absl::Status CheckpointReader::ReadSection(uint32_t tensor, StateArray which, Si
                                      GetU32(h + 8), " with ", GetU64(h + 16),
                                      " values; expected this section with ", t.numel)));
   }
-  const uint64_t chunk_elems = chunk_bytes_ / sizeof(float);
+  const uint64_t elem = ElementBytes(layout_, which);
+  const uint64_t chunk_elems = chunk_bytes_ / elem;
   for (uint64_t first = 0; first < t.numel; first += chunk_elems) {
     const size_t n = static_cast<size_t>(std::min(chunk_elems, t.numel - first));
     const uint64_t chunk_offset = offset_;
-    char* data = reinterpret_cast<char*>(chunk_.data());
-    DOS_RETURN_IF_ERROR(ReadExact(data, n * sizeof(float), what));
+    char* data = raw_.data();
+    DOS_RETURN_IF_ERROR(ReadExact(data, n * elem, what));
     char stored[kChunkCrcBytes];
     DOS_RETURN_IF_ERROR(ReadExact(stored, sizeof stored, what));
     char off[8];
     PutU64(off, chunk_offset);
-    uint32_t crc = crc32c::Extend(crc32c::Value(data, n * sizeof(float)), off, sizeof off);
+    uint32_t crc = crc32c::Extend(crc32c::Value(data, n * elem), off, sizeof off);
     if (crc != GetU32(stored)) {
       return Fail(Corrupt(what, chunk_offset,
                           absl::StrFormat("checksum mismatch in the chunk of values %d..%d "
                                           "(stored %08x, computed %08x)",
                                           first, first + n - 1, GetU32(stored), crc)));
+    }
+    if (elem == sizeof(float)) {
+      std::memcpy(chunk_.data(), data, n * sizeof(float));
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h16;
+        std::memcpy(&h16, data + 2 * i, 2);
+        chunk_[i] = BF16ToFloat(h16);
+      }
     }
     sink(first, chunk_.data(), n);
   }

@@ -32,7 +32,8 @@ namespace dos {
 class CheckpointReader {
  public:
   // Called with verified values: `first` is the index within the tensor of
-  // values[0].
+  // values[0]. Always fp32: a compact checkpoint's bf16 moments are widened
+  // (exactly) before the sink sees them.
   using Sink = absl::FunctionRef<void(uint64_t first, const float* values, size_t n)>;
 
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& path,
@@ -66,7 +67,8 @@ class CheckpointReader {
   uint32_t chunk_bytes_ = 0;
   uint64_t offset_ = 0;        // file position
   uint64_t next_section_ = 0;  // tensor * 3 + array
-  std::vector<float> chunk_;   // one chunk, aligned for the sink
+  std::vector<char> raw_;      // one chunk as stored
+  std::vector<float> chunk_;   // the same values as fp32, aligned for the sink
   absl::Status error_;
 };
 

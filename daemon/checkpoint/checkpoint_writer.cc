@@ -87,7 +87,7 @@ absl::Status CheckpointWriter::Start() {
 
   char header[kFileHeaderBytes] = {};
   std::memcpy(header, kCheckpointMagic, 8);
-  PutU32(header + 8, kCheckpointVersion);
+  PutU32(header + 8, FileVersion(layout_));
   PutU32(header + 12, static_cast<uint32_t>(kFileHeaderBytes));
   PutU64(header + 16, layout_bytes.size());
   PutU32(header + 24, crc32c::Value(layout_bytes.data(), layout_bytes.size()));
@@ -154,10 +154,25 @@ absl::Status CheckpointWriter::BeginSection(uint32_t tensor, StateArray which) {
 }
 
 absl::Status CheckpointWriter::Append(const float* values, size_t n) {
+  return AppendBytes(values, n, sizeof(float));
+}
+
+absl::Status CheckpointWriter::AppendBf16(const uint16_t* values, size_t n) {
+  return AppendBytes(values, n, sizeof(uint16_t));
+}
+
+absl::Status CheckpointWriter::AppendBytes(const void* values, size_t n, uint64_t elem_bytes) {
   if (!error_.ok()) return error_;
   if (!in_section_) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": values appended with no section open")));
+  }
+  const StateArray which = static_cast<StateArray>(next_section_ % kNumStateArrays);
+  if (ElementBytes(layout_, which) != elem_bytes) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", path_, ": ", elem_bytes == 2 ? "bf16" : "fp32", " values appended to ",
+        StateArrayName(which), ", which a ", StateFormatName(layout_.state_format),
+        " checkpoint stores as ", ElementBytes(layout_, which) == 2 ? "bf16" : "fp32")));
   }
   const CheckpointTensor& t = layout_.tensors[next_section_ / kNumStateArrays];
   if (n > t.numel - section_elems_) {
@@ -165,8 +180,8 @@ absl::Status CheckpointWriter::Append(const float* values, size_t n) {
         absl::StrCat("checkpoint ", path_, ": ", n, " values appended to tensor '", t.name,
                      "' which has ", t.numel - section_elems_, " left")));
   }
-  const char* src = reinterpret_cast<const char*>(values);
-  size_t bytes = n * sizeof(float);
+  const char* src = static_cast<const char*>(values);
+  size_t bytes = n * elem_bytes;
   while (bytes > 0) {
     size_t take = std::min<size_t>(bytes, options_.chunk_bytes - chunk_fill_);
     std::memcpy(chunk_.data() + chunk_fill_, src, take);

@@ -48,7 +48,10 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   absl::Status BeginSection(uint32_t tensor, StateArray which);
+  // Values of the open section: fp32 (Append) or, for the moments of a
+  // compact layout, bf16 (AppendBf16); the other is FAILED_PRECONDITION.
   absl::Status Append(const float* values, size_t n);
+  absl::Status AppendBf16(const uint16_t* values, size_t n);
   // FAILED_PRECONDITION unless exactly the tensor's numel values came.
   absl::Status EndSection();
   // Trailer, fsync, close, rename over the destination, fsync the directory.
@@ -65,6 +68,7 @@ class CheckpointWriter {
   absl::Status Start();
   absl::Status WriteAll(const char* data, size_t n);
   absl::Status FlushChunk();
+  absl::Status AppendBytes(const void* values, size_t n, uint64_t elem_bytes);
   // Records the first error, deletes the temporary file, returns the error.
   absl::Status Fail(absl::Status status);
   void Abandon();

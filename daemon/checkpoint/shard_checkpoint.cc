@@ -33,6 +33,8 @@ std::vector<Run> RunsOf(const ShardState& shard, uint32_t tensor) {
   return runs;
 }
 
+// Array `a` of `g` when the subgroup stores it as fp32 (the master always,
+// the moments in fp32 format), else null.
 float* ArrayOf(const Subgroup& g, StateArray a) {
   switch (a) {
     case StateArray::kMaster:
@@ -41,6 +43,19 @@ float* ArrayOf(const Subgroup& g, StateArray a) {
       return g.exp_avg;
     case StateArray::kExpAvgSq:
       return g.exp_avg_sq;
+  }
+  return nullptr;
+}
+
+// The same for the bf16 moments of compact format (null otherwise).
+uint16_t* Bf16ArrayOf(const Subgroup& g, StateArray a) {
+  switch (a) {
+    case StateArray::kMaster:
+      return nullptr;
+    case StateArray::kExpAvg:
+      return g.exp_avg_bf16;
+    case StateArray::kExpAvgSq:
+      return g.exp_avg_sq_bf16;
   }
   return nullptr;
 }
@@ -67,8 +82,14 @@ absl::Status ReadInto(CheckpointReader& reader, ShardState* shard) {
           const Run& r = runs[run];
           uint64_t within = first - r.tensor_offset;
           size_t take = static_cast<size_t>(std::min<uint64_t>(n, r.count - within));
-          std::memcpy(ArrayOf(*r.subgroup, which) + r.subgroup_offset + within, values,
-                      take * sizeof(float));
+          if (float* f = ArrayOf(*r.subgroup, which); f != nullptr) {
+            std::memcpy(f + r.subgroup_offset + within, values, take * sizeof(float));
+          } else {
+            // Compact state: nearest even (exact for values that came from
+            // a compact checkpoint, whose bf16 the reader widened).
+            uint16_t* h = Bf16ArrayOf(*r.subgroup, which) + r.subgroup_offset + within;
+            for (size_t i = 0; i < take; ++i) h[i] = FloatToBF16(values[i]);
+          }
           values += take;
           first += take;
           n -= take;
@@ -89,6 +110,7 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner)
   l.rank = owner.rank;
   l.world_size = owner.world_size;
   l.groups.assign(shard.groups().begin(), shard.groups().end());
+  l.state_format = shard.format();
   for (const TensorInfo& t : shard.tensors()) {
     l.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, t.step});
   }
@@ -138,7 +160,12 @@ absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* en
       const StateArray which = static_cast<StateArray>(a);
       DOS_RETURN_IF_ERROR(w->BeginSection(t, which));
       for (const Run& r : runs) {
-        DOS_RETURN_IF_ERROR(w->Append(ArrayOf(*r.subgroup, which) + r.subgroup_offset, r.count));
+        if (const float* f = ArrayOf(*r.subgroup, which); f != nullptr) {
+          DOS_RETURN_IF_ERROR(w->Append(f + r.subgroup_offset, r.count));
+        } else {
+          DOS_RETURN_IF_ERROR(
+              w->AppendBf16(Bf16ArrayOf(*r.subgroup, which) + r.subgroup_offset, r.count));
+        }
       }
       DOS_RETURN_IF_ERROR(w->EndSection());
     }

@@ -38,12 +38,13 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner 
 // FAILED_PRECONDITION naming the first field where `checkpoint` (read from
 // `path`) and `shard` differ: tensor count, tensors[i].name / numel / group /
 // param_dtype / grad_dtype, group count, groups[i].decoupled_weight_decay.
-// Hyperparameters that schedulers change (lr, betas, eps, weight decay) and
-// the subgroup size may differ.
+// Hyperparameters that schedulers change (lr, betas, eps, weight decay), the
+// subgroup size and the state format may differ.
 absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardState& shard,
                                 absl::string_view path);
 
-// Writes `shard` to `path` atomically. RESOURCE_EXHAUSTED (naming the path and
+// Writes `shard` to `path` atomically, in the shard's state format (a
+// compact shard's moments are saved as bf16, as it holds them). RESOURCE_EXHAUSTED (naming the path and
 // the free space) when the disk is full; any failure leaves the previous file
 // at `path` intact.
 absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
@@ -51,7 +52,9 @@ absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* en
                        const CheckpointWriterOptions& options = {});
 
 // Loads `path` into `shard` (master, exp_avg, exp_avg_sq and each tensor's
-// step count). DATA_LOSS for a corrupt or truncated file, FAILED_PRECONDITION
+// step count). The file's state format need not be the shard's: a compact
+// checkpoint's bf16 moments widen exactly into fp32 state; an fp32
+// checkpoint's moments round to nearest even bf16 in compact state. DATA_LOSS for a corrupt or truncated file, FAILED_PRECONDITION
 // for a layout mismatch, NOT_FOUND for a missing file; the state is untouched
 // in every one of those cases.
 absl::Status LoadShard(ShardState* shard, const std::string& path, Env* env);

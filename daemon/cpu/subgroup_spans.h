@@ -1,6 +1,7 @@
 // The one walk from a subgroup to the AdamSpans the kernels take: each
 // segment (a run of one tensor inside the subgroup) becomes a span over the
-// subgroup's [master | exp_avg | exp_avg_sq] state, wherever that state is
+// subgroup's [master | exp_avg | exp_avg_sq] state (fp32 or compact),
+// wherever that state is
 // (the host arrays, a GPU staging slot, a resident GPU copy), and over the
 // gradients and weights the caller names for it (the trainer's memory, or
 // pinned copies of it).
@@ -37,21 +38,34 @@ inline SegmentIo TrainerIo(const TensorInfo& t, const SubgroupSegment& seg, cons
 }
 
 // Calls `fn(seg, span)` for every segment of `g`, `state` holding the
-// subgroup's three arrays back to back (g.numel each) and `io(seg, tensor)`
-// giving its gradients and weights. Stops at the first error `fn` returns.
+// subgroup's three arrays back to back in g.format (g.numel each: fp32
+// moments, or bf16 ones in compact format) and `io(seg, tensor)` giving its
+// gradients and weights. Stops at the first error `fn` returns.
+//
+// Compact state's stochastic rounding counts elements by their index in the
+// shard's flat space (g.flat_begin + offset), so every path (CPU, GPU
+// streamed, GPU resident), every subgroup size and every tiling draws the
+// same random bits for an element at a step.
 template <typename IoFn, typename Fn>
 absl::Status ForEachSegmentSpan(std::span<const TensorInfo> tensors, const Subgroup& g,
-                                float* state, IoFn&& io, Fn&& fn) {
+                                void* state_base, IoFn&& io, Fn&& fn) {
+  float* const state = static_cast<float*>(state_base);
+  const bool compact = g.format == StateFormat::kCompact;
+  uint16_t* const moments16 = reinterpret_cast<uint16_t*>(state + g.numel);
   for (const SubgroupSegment& seg : g.segments) {
     const SegmentIo sio = io(seg, tensors[seg.tensor]);
+    const uint64_t o = seg.subgroup_offset;
     const AdamSpan span{.grad = sio.grad,
                         .grad_dtype = sio.grad_dtype,
-                        .master = state + seg.subgroup_offset,
-                        .exp_avg = state + g.numel + seg.subgroup_offset,
-                        .exp_avg_sq = state + 2 * g.numel + seg.subgroup_offset,
+                        .master = state + o,
+                        .exp_avg = compact ? nullptr : state + g.numel + o,
+                        .exp_avg_sq = compact ? nullptr : state + 2 * g.numel + o,
                         .param_out = sio.param_out,
                         .param_dtype = sio.param_dtype,
-                        .n = seg.count};
+                        .n = seg.count,
+                        .exp_avg_bf16 = compact ? moments16 + o : nullptr,
+                        .exp_avg_sq_bf16 = compact ? moments16 + g.numel + o : nullptr,
+                        .element_offset = g.flat_begin + o};
     absl::Status st = fn(seg, span);
     if (!st.ok()) return st;
   }

@@ -48,6 +48,33 @@ __device__ __forceinline__ uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(a >> 13);
 }
 
+// adam_kernel.h's RoundingBits and StochasticRoundBF16, bit for bit.
+__device__ __forceinline__ uint32_t RoundingBits(uint32_t seed, uint64_t index) {
+  uint32_t h = static_cast<uint32_t>(index) * 0x9e3779b1u + seed;
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h >> 16;
+}
+
+__device__ __forceinline__ uint16_t StochasticRoundBf16(float x, uint32_t bits16) {
+  const uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return FloatToBf16(x);
+  return static_cast<uint16_t>((u + bits16) >> 16);
+}
+
+// Where a kernel's moments live: fp32 arrays, or (kCompact) bf16 arrays with
+// the stochastic rounding's element counter.
+struct Moments {
+  float* m;
+  float* v;
+  uint16_t* m16;
+  uint16_t* v16;
+  uint64_t element_offset;
+};
+
 template <DType G>
 __device__ __forceinline__ float LoadGrad(const void* grad, size_t i) {
   if constexpr (G == DType::kF32) {
@@ -73,30 +100,43 @@ __device__ __forceinline__ void StoreParam(void* out, size_t i, float p) {
 // Same operation order as daemon/cpu/adam_scalar.cc's Loop; every product
 // and sum is rounded on its own (no FMA), as the CPU build's
 // -ffp-contract=off guarantees there.
-template <DType G, DType P, bool kWriteOut, bool kL2>
+template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
 __global__ void __launch_bounds__(kThreads)
     AdamKernel(cpu::AdamScalars s, const void* __restrict__ grad, float* __restrict__ master,
-               float* __restrict__ m_ptr, float* __restrict__ v_ptr, void* __restrict__ out,
-               size_t n) {
+               Moments mo, void* __restrict__ out, size_t n) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     float g = LoadGrad<G>(grad, i);
     float p = master[i];
+    float m_old, v_old;
+    if constexpr (kCompact) {
+      m_old = Bf16ToFloat(mo.m16[i]);
+      v_old = Bf16ToFloat(mo.v16[i]);
+    } else {
+      m_old = mo.m[i];
+      v_old = mo.v[i];
+    }
     g = __fmul_rn(__fmul_rn(g, s.inv_grad_scale), s.clip_coef);
     if constexpr (kL2) g = __fadd_rn(g, __fmul_rn(s.l2_weight_decay, p));
     p = __fmul_rn(p, s.decay_factor);
-    const float m = __fadd_rn(__fmul_rn(s.beta1, m_ptr[i]), __fmul_rn(s.one_minus_beta1, g));
+    const float m = __fadd_rn(__fmul_rn(s.beta1, m_old), __fmul_rn(s.one_minus_beta1, g));
     const float v =
-        __fadd_rn(__fmul_rn(s.beta2, v_ptr[i]), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+        __fadd_rn(__fmul_rn(s.beta2, v_old), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bias_correction2_sqrt), s.eps);
     // (value * m) / denom, in the order torch's addcdiv_ and every CPU
     // variant evaluate it (value * (m / denom) differs by an ulp in ~10% of
     // elements, which gpu_adam_test caught on nvidia-h200).
     p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
     master[i] = p;
-    m_ptr[i] = m;
-    v_ptr[i] = v;
+    if constexpr (kCompact) {
+      // The step used the unrounded m and v; only the stored copies narrow.
+      mo.m16[i] = FloatToBf16(m);
+      mo.v16[i] = StochasticRoundBf16(v, RoundingBits(s.rounding_seed, mo.element_offset + i));
+    } else {
+      mo.m[i] = m;
+      mo.v[i] = v;
+    }
     if constexpr (kWriteOut) StoreParam<P>(out, i, p);
   }
 }
@@ -108,14 +148,25 @@ unsigned Blocks(size_t n) {
   return static_cast<unsigned>(want < 132 * 16 ? want : 132 * 16);
 }
 
+template <DType G, DType P, bool kWriteOut, bool kL2>
+void LaunchCompact(const cpu::AdamScalars& s, const DeviceAdamSpan& sp, cudaStream_t stream) {
+  const Moments mo{sp.exp_avg, sp.exp_avg_sq, sp.exp_avg_bf16, sp.exp_avg_sq_bf16,
+                   sp.element_offset};
+  if (sp.exp_avg_bf16 != nullptr) {
+    AdamKernel<G, P, kWriteOut, kL2, true><<<Blocks(sp.n), kThreads, 0, stream>>>(
+        s, sp.grad, sp.master, mo, sp.param_out, sp.n);
+  } else {
+    AdamKernel<G, P, kWriteOut, kL2, false><<<Blocks(sp.n), kThreads, 0, stream>>>(
+        s, sp.grad, sp.master, mo, sp.param_out, sp.n);
+  }
+}
+
 template <DType G, DType P, bool kWriteOut>
 void LaunchL2(const cpu::AdamScalars& s, const DeviceAdamSpan& sp, cudaStream_t stream) {
   if (s.l2_weight_decay != 0.0f) {
-    AdamKernel<G, P, kWriteOut, true><<<Blocks(sp.n), kThreads, 0, stream>>>(
-        s, sp.grad, sp.master, sp.exp_avg, sp.exp_avg_sq, sp.param_out, sp.n);
+    LaunchCompact<G, P, kWriteOut, true>(s, sp, stream);
   } else {
-    AdamKernel<G, P, kWriteOut, false><<<Blocks(sp.n), kThreads, 0, stream>>>(
-        s, sp.grad, sp.master, sp.exp_avg, sp.exp_avg_sq, sp.param_out, sp.n);
+    LaunchCompact<G, P, kWriteOut, false>(s, sp, stream);
   }
 }
 

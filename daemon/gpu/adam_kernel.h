@@ -11,6 +11,11 @@
 // every dtype pair). The 16-bit conversions are dtype.h's integer algorithms,
 // not the hardware cvt, so NaN payloads and ties match too.
 //
+// Compact state (DeviceAdamSpan::exp_avg_bf16 set): bf16 moments as in
+// daemon/cpu/adam_kernel.h, m rounded to nearest even and v stochastically
+// with the same counter-based bits, RoundingBits(rounding_seed,
+// element_offset + i): the GPU's bf16 moments equal the CPU's bit for bit.
+//
 // Thread-safety: launches are asynchronous on the given stream; the caller
 // orders them against copies with events.
 #pragma once
@@ -37,6 +42,11 @@ struct DeviceAdamSpan {
   void* param_out;  // null: no trainer weight to write
   DType param_dtype;
   size_t n;
+  // Compact state: bf16 moments (both set, exp_avg / exp_avg_sq ignored),
+  // and the index of element 0 that the stochastic rounding hashes.
+  uint16_t* exp_avg_bf16 = nullptr;
+  uint16_t* exp_avg_sq_bf16 = nullptr;
+  uint64_t element_offset = 0;
 };
 
 absl::Status LaunchAdam(const cpu::AdamScalars& s, const DeviceAdamSpan& span,

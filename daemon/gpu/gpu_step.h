@@ -31,7 +31,10 @@ inline constexpr int kCpuBuffers = 4;
 // dtype, so one layout (element offset * 4) serves every tensor of a subgroup.
 inline constexpr uint64_t kHostElemBytes = 4;
 
-inline uint64_t StateBytes(const Subgroup& g) { return g.numel * ShardState::kStateBytesPerParam; }
+// Bytes of one subgroup's whole state in its shard's format (12 or 8 a
+// parameter): what crosses PCIe each way for a streamed subgroup and what a
+// resident copy takes.
+inline uint64_t StateBytes(const Subgroup& g) { return g.state_bytes(); }
 
 // Microseconds from `start` to `ev` (both complete).
 inline double EventUs(cudaEvent_t start, cudaEvent_t ev) {

@@ -24,7 +24,10 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, const Subgroup& g, fl
         const DeviceAdamSpan span{.grad = s.grad, .grad_dtype = s.grad_dtype,
                                   .master = s.master, .exp_avg = s.exp_avg,
                                   .exp_avg_sq = s.exp_avg_sq, .param_out = s.param_out,
-                                  .param_dtype = s.param_dtype, .n = s.n};
+                                  .param_dtype = s.param_dtype, .n = s.n,
+                                  .exp_avg_bf16 = s.exp_avg_bf16,
+                                  .exp_avg_sq_bf16 = s.exp_avg_sq_bf16,
+                                  .element_offset = s.element_offset};
         return LaunchAdam(run.scalars[seg.tensor], span, stream);
       });
 }

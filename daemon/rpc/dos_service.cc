@@ -92,6 +92,12 @@ absl::StatusOr<ShardSpec> ToShardSpec(const v1::RegisterShardRequest& req) {
   ShardSpec spec;
   spec.subgroup_size = req.subgroup_size();
   spec.cuda_ipc_event = req.cuda_ipc_event();
+  if (!IsValidStateFormat(static_cast<uint32_t>(req.state_format()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: state_format ", static_cast<int>(req.state_format()),
+        " is not a StateFormat; send STATE_FORMAT_FP32 (0) or STATE_FORMAT_COMPACT (1)"));
+  }
+  spec.state_format = static_cast<StateFormat>(req.state_format());
   for (int i = 0; i < req.groups_size(); ++i) {
     const v1::Hyperparameters& h = req.groups(i);
     GroupConfig g;
@@ -332,6 +338,7 @@ grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterSha
   resp->set_total_params(sum.params);
   resp->set_num_subgroups(sum.subgroups);
   resp->set_host_state_bytes(sum.state_bytes);
+  resp->set_state_format(static_cast<v1::StateFormat>(sum.state_format));
   resp->set_step(sum.step);
   resp->set_restored_from(sum.restored_from);
   for (const auto& [first, last] : sum.tensor_subgroups) {
@@ -435,6 +442,7 @@ grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequ
     info->set_num_tensors(sum.tensors);
     info->set_num_subgroups(sum.subgroups);
     info->set_host_state_bytes(sum.state_bytes);
+    info->set_state_format(static_cast<v1::StateFormat>(sum.state_format));
     info->set_policy(FormatPolicy(s->policy()));
     info->set_steps(s->stats().steps);
     info->set_device(DeviceName(sum));

@@ -209,20 +209,21 @@ absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const Tensor
   const TensorInfo& t = shard.tensors()[tensor];
   // Converted straight into the masters' runs, in parallel (no temporary of
   // the whole tensor). Weights the CPU cannot address are first copied into
-  // the run's exp_avg (still all zeros, and page-locked when the engine
-  // pinned the shard first, so the copy runs at PCIe speed; a 16-bit run
-  // needs half its room), converted from there, and exp_avg zeroed again.
+  // the run's moments (still all zeros, and page-locked when the engine
+  // pinned the shard first, so the copy runs at PCIe speed; MasterRun
+  // guarantees room for 4 bytes a weight in either state format), converted
+  // from there, and zeroed again.
   const bool staged = !engine_->host_addressable();
   const size_t esize = DTypeSize(t.param_dtype);
   const char* base = static_cast<const char*>(bindings[tensor].param);
   for (const ShardState::MasterRun& r : shard.MasterRuns(tensor)) {
     const char* src = base + r.tensor_offset * esize;
     if (staged) {
-      DOS_RETURN_IF_ERROR(engine_->CopyToHost(r.exp_avg, src, r.count * esize));
-      src = reinterpret_cast<const char*>(r.exp_avg);
+      DOS_RETURN_IF_ERROR(engine_->CopyToHost(r.moments, src, r.count * esize));
+      src = static_cast<const char*>(r.moments);
     }
     WeightsToFloat(src, t.param_dtype, r.count, r.master);
-    if (staged) std::memset(r.exp_avg, 0, r.count * esize);
+    if (staged) std::memset(r.moments, 0, r.count * esize);
   }
   return absl::OkStatus();
 }

@@ -374,6 +374,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   std::vector<TensorInfo> infos;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;
+  StateFormat format = StateFormat::kFp32;
   {
     absl::MutexLock lock(&mu_);
     if (shard_ == nullptr) {
@@ -383,6 +384,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
     infos.assign(shard_->tensors().begin(), shard_->tensors().end());
     groups.assign(shard_->groups().begin(), shard_->groups().end());
     subgroup_size = shard_->subgroup_size();
+    format = shard_->format();
   }
   // The layout never changes after registration, so a staging copy made for
   // an earlier snapshot is reused; a new one is allocated (and its pages
@@ -390,13 +392,14 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   uint64_t total = 0;
   for (const TensorInfo& t : infos) total += t.numel;
   if (*staging == nullptr || (*staging)->total_params() != total ||
-      (*staging)->subgroup_size() != subgroup_size) {
+      (*staging)->subgroup_size() != subgroup_size || (*staging)->format() != format) {
     staging->reset();
     DOS_ASSIGN_OR_RETURN(*staging,
                          ShardState::Create(std::move(infos), std::move(groups), subgroup_size,
                                             staging_budget,
                                             absl::StrCat("checkpoint staging of session ",
-                                                         identity_.id)));
+                                                         identity_.id),
+                                            {.format = format}));
   }
   SnapshotInfo info;
   ShardState* shard = nullptr;

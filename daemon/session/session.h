@@ -184,6 +184,7 @@ class Session {
     uint32_t tensors = 0;
     uint32_t subgroups = 0;
     uint64_t state_bytes = 0;
+    StateFormat state_format = StateFormat::kFp32;
     int64_t step = 0;            // at registration (resumed or restored)
     std::string restored_from;   // "" / "resume" / checkpoint path
     // Per tensor: the first and last subgroup holding its elements (what a

@@ -106,6 +106,13 @@ absl::Status Session::ResumeState(const ShardSpec& spec, Registration* reg) {
   wanted.groups = spec.groups;
   DOS_RETURN_IF_ERROR(CheckLayoutMatches(
       wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
+  if (adopted_->format() != spec.state_format) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: session ", identity_.id, " resumes state kept in ",
+        StateFormatName(adopted_->format()), " format but asks for ",
+        StateFormatName(spec.state_format), "; register with the format the run started with "
+        "(to change it, save a checkpoint and load it into a new session)"));
+  }
   reg->shard = std::move(adopted_);
   reg->restored_from = "resume";
   return absl::OkStatus();
@@ -123,9 +130,9 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
                  subgroup_size, "used", kMinSubgroupSize);
     subgroup_size = kMinSubgroupSize;
   }
-  // What registering really allocates (page-aligned subgroups), not 12 bytes
-  // per parameter.
-  const uint64_t bytes = ShardState::AllocatedBytes(numel, subgroup_size);
+  // What registering really allocates (page-aligned subgroups), not 12 (or
+  // 8) bytes per parameter.
+  const uint64_t bytes = ShardState::AllocatedBytes(numel, subgroup_size, spec.state_format);
   if (options_.memory_limit != 0 && bytes > options_.memory_limit) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "register: the tensors hold ", numel, " parameters in subgroups of ", subgroup_size,
@@ -138,7 +145,8 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
                                           budget_,
                                           absl::StrCat("register: session ", identity_.id),
-                                          {.huge_pages = options_.huge_pages,
+                                          {.format = spec.state_format,
+                                           .huge_pages = options_.huge_pages,
                                            .progress = register_progress_.get()}));
   // Page-locked (GPU engines) before the weights come over: they then land
   // at PCIe speed (StepExecutor::ReadWeights stages them in exp_avg).
@@ -202,6 +210,7 @@ void Session::Publish(Registration* reg) {
                        .tensors = static_cast<uint32_t>(shard.tensors().size()),
                        .subgroups = static_cast<uint32_t>(shard.subgroups().size()),
                        .state_bytes = shard.state_bytes(),
+                       .state_format = shard.format(),
                        .step = shard.tensors()[0].step,
                        .restored_from = reg->restored_from,
                        .tensor_subgroups = std::move(tensor_subgroups),
@@ -210,7 +219,8 @@ void Session::Publish(Registration* reg) {
   }
   DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard.tensors().size(),
                "params", shard.total_params(), "subgroups", shard.subgroups().size(),
-               "state_bytes", shard.state_bytes(), "device", reg->executor->engine()->name(),
+               "state_bytes", shard.state_bytes(), "state_format",
+               StateFormatName(shard.format()), "device", reg->executor->engine()->name(),
                "gpu_uuid", reg->device.uuid);
   executor_ = reg->executor;
   transport_ = std::move(reg->transport);

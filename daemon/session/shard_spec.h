@@ -31,6 +31,7 @@ struct ShardSpec {
   std::vector<TensorSpec> tensors;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;  // 0: the daemon's default
+  StateFormat state_format = StateFormat::kFp32;
   // GPU mode, optional: the trainer's "gradients ready" cudaIpcEventHandle_t
   // (see kStepTrainerEventRecorded in control_block.h).
   std::string cuda_ipc_event;

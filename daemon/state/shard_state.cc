@@ -16,13 +16,12 @@ namespace {
 constexpr size_t kAlignment = ShardState::kAllocationAlignment;
 }  // namespace
 
-uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size) {
+uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size,
+                                    StateFormat format) {
   if (subgroup_size == 0 || params == 0) return 0;
   // Each subgroup's three arrays are one page-aligned allocation (the GPU
   // path page-locks each on its own); its bookkeeping is small beside a page.
-  auto pages = [](uint64_t numel) {
-    return (numel * kStateBytesPerParam + kAlignment - 1) / kAlignment * kAlignment;
-  };
+  auto pages = [format](uint64_t numel) { return AllocationBytes(numel, format); };
   const uint64_t full = params / subgroup_size;
   const uint64_t tail = params % subgroup_size;
   return full * pages(subgroup_size) + (tail > 0 ? pages(tail) : 0);
@@ -50,8 +49,9 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   s->groups_ = std::move(groups);
   s->total_params_ = flat;
   s->subgroup_size_ = subgroup_size;
+  s->format_ = alloc.format;
   s->budget_ = budget;
-  const uint64_t allocated = AllocatedBytes(flat, subgroup_size);
+  const uint64_t allocated = AllocatedBytes(flat, subgroup_size, alloc.format);
   DOS_RETURN_IF_ERROR(budget->Reserve(allocated, what));
   s->reserved_bytes_ = allocated;
 
@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   std::vector<uint64_t> slot_bytes;
   for (uint64_t begin = 0; begin < flat; begin += subgroup_size) {
     Subgroup g;
+    g.format = alloc.format;
     g.flat_begin = begin;
     g.numel = std::min(subgroup_size, flat - begin);
     uint64_t filled = 0;
@@ -75,7 +76,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
         tensor_offset = 0;
       }
     }
-    slot_bytes.push_back(AllocationBytes(g.numel));
+    slot_bytes.push_back(AllocationBytes(g.numel, alloc.format));
     s->subgroups_.push_back(std::move(g));
   }
   DOS_ASSIGN_OR_RETURN(s->arena_,
@@ -87,8 +88,13 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   for (size_t i = 0; i < s->subgroups_.size(); ++i) {
     Subgroup& g = s->subgroups_[i];
     g.master = static_cast<float*>(s->arena_->slot(i));
-    g.exp_avg = g.master + g.numel;
-    g.exp_avg_sq = g.exp_avg + g.numel;
+    if (alloc.format == StateFormat::kCompact) {
+      g.exp_avg_bf16 = reinterpret_cast<uint16_t*>(g.master + g.numel);
+      g.exp_avg_sq_bf16 = g.exp_avg_bf16 + g.numel;
+    } else {
+      g.exp_avg = g.master + g.numel;
+      g.exp_avg_sq = g.exp_avg + g.numel;
+    }
   }
   // Value-initialised: every subgroup kCopied, no snapshot in flight.
   s->copy_state_ = std::make_unique<std::atomic<uint32_t>[]>(s->subgroups_.size());
@@ -119,27 +125,40 @@ std::vector<ShardState::MasterRun> ShardState::MasterRuns(uint32_t tensor) {
   std::vector<MasterRun> runs;
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
     const auto k = static_cast<uint32_t>(&g - subgroups_.data());
-    runs.push_back({subgroups_[k].master + seg.subgroup_offset,
-                    subgroups_[k].exp_avg + seg.subgroup_offset, seg.tensor_offset, seg.count, k});
+    const Subgroup& sg = subgroups_[k];
+    void* moments = sg.format == StateFormat::kCompact
+                        ? static_cast<void*>(sg.exp_avg_bf16 + seg.subgroup_offset)
+                        : static_cast<void*>(sg.exp_avg + seg.subgroup_offset);
+    runs.push_back({sg.master + seg.subgroup_offset, moments, seg.tensor_offset, seg.count, k});
   });
   return runs;
 }
 
-void ShardState::ReadTensor(uint32_t tensor, int which, float* buf) const {
-  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
-    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
-    std::memcpy(buf + seg.tensor_offset, base + seg.subgroup_offset, seg.count * sizeof(float));
-  });
-}
-
-void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
-  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
-    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
-    std::memcpy(base + seg.subgroup_offset, buf + seg.tensor_offset, seg.count * sizeof(float));
-  });
-}
-
 namespace {
+// Copies n fp32 values of array `which` of `g`, from element `from` of the
+// subgroup, into `out` (widening compact moments exactly).
+void ReadArray(const Subgroup& g, int which, uint64_t from, uint64_t n, float* out) {
+  if (which == 0 || g.format == StateFormat::kFp32) {
+    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(out, base + from, n * sizeof(float));
+    return;
+  }
+  const uint16_t* base = (which == 1 ? g.exp_avg_bf16 : g.exp_avg_sq_bf16) + from;
+  for (uint64_t i = 0; i < n; ++i) out[i] = BF16ToFloat(base[i]);
+}
+
+// The reverse: n fp32 values into array `which` from element `to`, compact
+// moments rounded to nearest even.
+void WriteArray(const Subgroup& g, int which, uint64_t to, uint64_t n, const float* in) {
+  if (which == 0 || g.format == StateFormat::kFp32) {
+    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
+    std::memcpy(base + to, in, n * sizeof(float));
+    return;
+  }
+  uint16_t* base = (which == 1 ? g.exp_avg_bf16 : g.exp_avg_sq_bf16) + to;
+  for (uint64_t i = 0; i < n; ++i) base[i] = FloatToBF16(in[i]);
+}
+
 // The part of `seg` inside the tensor range [offset, offset + n): its first
 // element within the tensor and its length (0 when they do not meet).
 std::pair<uint64_t, uint64_t> Clip(const SubgroupSegment& seg, uint64_t offset, uint64_t n) {
@@ -149,14 +168,25 @@ std::pair<uint64_t, uint64_t> Clip(const SubgroupSegment& seg, uint64_t offset, 
 }
 }  // namespace
 
+void ShardState::ReadTensor(uint32_t tensor, int which, float* buf) const {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    ReadArray(g, which, seg.subgroup_offset, seg.count, buf + seg.tensor_offset);
+  });
+}
+
+void ShardState::WriteTensor(uint32_t tensor, int which, const float* buf) {
+  ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    WriteArray(g, which, seg.subgroup_offset, seg.count, buf + seg.tensor_offset);
+  });
+}
+
 void ShardState::ReadTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n,
                                  float* buf) const {
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
     auto [begin, count] = Clip(seg, offset, n);
     if (count == 0) return;
-    const float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
-    std::memcpy(buf + (begin - offset), base + seg.subgroup_offset + (begin - seg.tensor_offset),
-                count * sizeof(float));
+    ReadArray(g, which, seg.subgroup_offset + (begin - seg.tensor_offset), count,
+              buf + (begin - offset));
   });
 }
 
@@ -165,9 +195,8 @@ void ShardState::WriteTensorRange(uint32_t tensor, int which, uint64_t offset, u
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {
     auto [begin, count] = Clip(seg, offset, n);
     if (count == 0) return;
-    float* base = which == 0 ? g.master : which == 1 ? g.exp_avg : g.exp_avg_sq;
-    std::memcpy(base + seg.subgroup_offset + (begin - seg.tensor_offset), buf + (begin - offset),
-                count * sizeof(float));
+    WriteArray(g, which, seg.subgroup_offset + (begin - seg.tensor_offset), count,
+               buf + (begin - offset));
   });
 }
 
@@ -189,9 +218,9 @@ bool ShardState::CopyOrWait(uint32_t i, bool by_writer) {
   uint32_t seen = kPending;
   if (st.compare_exchange_strong(seen, kCopying, std::memory_order_acquire)) {
     const Subgroup& from = subgroups_[i];
-    // [master | exp_avg | exp_avg_sq] are one allocation per subgroup.
-    std::memcpy(snapshot_staging_->subgroups_[i].master, from.master,
-                3 * from.numel * sizeof(float));
+    // [master | exp_avg | exp_avg_sq] are one allocation per subgroup (the
+    // staging shard has this one's format).
+    std::memcpy(snapshot_staging_->subgroups_[i].master, from.master, from.state_bytes());
     if (by_writer) copied_by_writers_.fetch_add(1, std::memory_order_relaxed);
     st.store(kCopied, std::memory_order_release);  // publishes the staging bytes
     st.notify_all();

@@ -1,5 +1,6 @@
-// ShardState: the fp32 optimizer state that the daemon holds for one
-// session's shard (the tensors one trainer rank registered).
+// ShardState: the optimizer state that the daemon holds for one session's
+// shard (the tensors one trainer rank registered), in the session's
+// StateFormat (state_format.h): fp32 master with fp32 or bf16 moments.
 //
 // The shard's tensors are laid end to end in one flat element space, which is
 // cut into subgroups of at most `subgroup_size` elements: the unit that the
@@ -7,7 +8,8 @@
 // boundaries; its segments say which run of which tensor it covers. Each
 // subgroup's master weights, exp_avg and exp_avg_sq are one allocation, laid
 // out [master | exp_avg | exp_avg_sq], so the GPU path can move a subgroup's
-// whole state with one copy each way.
+// whole state with one copy each way (numel * 12 bytes in fp32 format,
+// numel * 8 in compact format: the moments are then numel bf16 each).
 //
 // Copy-on-write snapshots: a checkpoint is taken from a step boundary while
 // steps go on. BeginSnapshot (under the owner's lock, between steps) only
@@ -37,6 +39,7 @@
 #include "daemon/state/host_arena.h"
 #include "daemon/state/host_memory_budget.h"
 #include "daemon/state/register_progress.h"
+#include "daemon/state/state_format.h"
 #include "dos/wire/dtype.h"
 #include "dos/wire/step_params.h"
 
@@ -69,9 +72,15 @@ struct Subgroup {
   uint64_t flat_begin = 0;
   uint64_t numel = 0;
   std::vector<SubgroupSegment> segments;
+  StateFormat format = StateFormat::kFp32;
   float* master = nullptr;      // numel each, back to back in one allocation
-  float* exp_avg = nullptr;
+  float* exp_avg = nullptr;     // fp32 format; null in compact format
   float* exp_avg_sq = nullptr;
+  uint16_t* exp_avg_bf16 = nullptr;     // compact format; null in fp32 format
+  uint16_t* exp_avg_sq_bf16 = nullptr;
+  // Bytes of [master | exp_avg | exp_avg_sq] (what one copy of the whole
+  // subgroup's state moves).
+  uint64_t state_bytes() const { return numel * StateBytesPerParam(format); }
 };
 
 // Per-shard resources an engine attaches (page-locked registrations of the
@@ -83,20 +92,24 @@ class ShardAttachment {
 
 // How ShardState::Create allocates the state.
 struct StateAllocOptions {
+  StateFormat format = StateFormat::kFp32;  // the layout of each subgroup's state
   bool huge_pages = true;                // HostArena::Options::huge_pages
   RegisterProgress* progress = nullptr;  // phase kRegisterAllocating; may be null
 };
 
 class ShardState {
  public:
-  // Bytes of state per parameter: fp32 master, exp_avg, exp_avg_sq.
-  static constexpr uint64_t kStateBytesPerParam = 12;
+  // Bytes of state per parameter in the widest format (fp32 master,
+  // exp_avg, exp_avg_sq): what a buffer that must hold any session's
+  // subgroup reserves. A shard's own figure is bytes_per_param().
+  static constexpr uint64_t kStateBytesPerParam = StateBytesPerParam(StateFormat::kFp32);
   // Bytes of the one page-aligned allocation holding a subgroup of `numel`
   // parameters' state (what an engine page-locks).
   static constexpr uint64_t kAllocationAlignment = 4096;
-  static constexpr uint64_t AllocationBytes(uint64_t numel) {
-    return (numel * kStateBytesPerParam + kAllocationAlignment - 1) / kAllocationAlignment *
-           kAllocationAlignment;
+  static constexpr uint64_t AllocationBytes(uint64_t numel,
+                                            StateFormat format = StateFormat::kFp32) {
+    return (numel * StateBytesPerParam(format) + kAllocationAlignment - 1) /
+           kAllocationAlignment * kAllocationAlignment;
   }
 
   // Lays out `tensors`, reserves the state's bytes from `budget` (which must
@@ -119,16 +132,23 @@ class ShardState {
   std::span<const Subgroup> subgroups() const { return subgroups_; }
   uint64_t total_params() const { return total_params_; }
   uint64_t subgroup_size() const { return subgroup_size_; }
-  uint64_t state_bytes() const { return total_params_ * kStateBytesPerParam; }
+  StateFormat format() const { return format_; }
+  uint64_t bytes_per_param() const { return StateBytesPerParam(format_); }
+  uint64_t state_bytes() const { return total_params_ * bytes_per_param(); }
   // Host memory a shard of `params` in subgroups of `subgroup_size` really
   // takes: each subgroup's arrays are one page-aligned allocation (1024
-  // elements fill 3 pages exactly). This, not state_bytes(), is charged to
-  // the budget.
-  static uint64_t AllocatedBytes(uint64_t params, uint64_t subgroup_size);
+  // elements fill 3 pages exactly in fp32 format, 2 in compact). This, not
+  // state_bytes(), is charged to the budget.
+  static uint64_t AllocatedBytes(uint64_t params, uint64_t subgroup_size,
+                                 StateFormat format = StateFormat::kFp32);
 
   // Copies `n` elements of one state array of `tensor`, starting at
   // `tensor_offset`, out of (Read) or into (Write) `buf`. `which` is 0 for
-  // master, 1 for exp_avg, 2 for exp_avg_sq.
+  // master, 1 for exp_avg, 2 for exp_avg_sq. `buf` is fp32 whatever the
+  // format: compact moments are widened exactly on the way out and rounded
+  // to nearest even bf16 on the way in (both moments: an import is not a
+  // step, so there is no running average for stochastic rounding to keep
+  // unbiased, and nearest is deterministic).
   void ReadTensor(uint32_t tensor, int which, float* buf) const;
   void WriteTensor(uint32_t tensor, int which, const float* buf);
   // The same for elements [offset, offset + n) of the tensor only (the
@@ -161,11 +181,14 @@ class ShardState {
   const HostArena& arena() const { return *arena_; }
 
   // Where tensor `tensor`'s fp32 masters live: runs of `count` elements from
-  // `tensor_offset` at `master` (and the same run's `exp_avg`), in order (for
-  // filling them in place).
+  // `tensor_offset` at `master`, in order (for filling them in place).
+  // `moments` is the same run's moment bytes: at least count * 4 bytes from
+  // there lie inside the subgroup's allocation (exp_avg and, in compact
+  // format, exp_avg_sq after it), zero while the state is fresh: room to
+  // stage count weights of up to 4 bytes each.
   struct MasterRun {
     float* master;
-    float* exp_avg;
+    void* moments;
     uint64_t tensor_offset;
     uint64_t count;
     uint32_t subgroup;
@@ -194,6 +217,7 @@ class ShardState {
   std::unique_ptr<HostArena> arena_;
   uint64_t total_params_ = 0;
   uint64_t subgroup_size_ = 0;
+  StateFormat format_ = StateFormat::kFp32;
   HostMemoryBudget* budget_ = nullptr;
   uint64_t reserved_bytes_ = 0;
   std::unique_ptr<ShardAttachment> attachment_;

@@ -173,6 +173,21 @@ typedef struct dos_register_options {
   uint64_t subgroup_size; /* elements per subgroup; 0: the daemon's default */
 } dos_register_options;
 
+/* How the daemon stores the session's optimizer state; values match
+ * dos.v1.StateFormat. DOS_STATE_FP32 (the default): fp32 master, exp_avg and
+ * exp_avg_sq, 12 bytes per parameter, what torch.optim.AdamW keeps.
+ * DOS_STATE_COMPACT: fp32 master, bf16 exp_avg (round to nearest even) and
+ * bf16 exp_avg_sq (stochastic rounding), 8 bytes per parameter: a third less
+ * host memory and PCIe traffic and a faster CPU update, at a small loss
+ * effect (measured in bench/cpu_adam/README.md). The step's arithmetic is
+ * fp32 in both. dos_state_read/write and checkpoints still speak fp32 (the
+ * bf16 moments widen exactly; written moments round to nearest even). */
+typedef enum dos_state_format { DOS_STATE_FP32 = 0, DOS_STATE_COMPACT = 1 } dos_state_format;
+/* Chooses the state format for the coming dos_register() (and a resumed
+ * session's re-registration, which must ask for the format its state has).
+ * FAILED_PRECONDITION after dos_register(); INVALID_ARGUMENT for another value. */
+dos_status dos_set_state_format(dos_session* session, dos_state_format format);
+
 /* Registers every tensor the session will update; once per session. The
  * daemon copies the current parameter values into its fp32 master weights
  * and zeroes exp_avg / exp_avg_sq. */

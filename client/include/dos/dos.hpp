@@ -130,7 +130,11 @@ class Session {
   }
 
   Result<void> Register(const std::vector<dos_tensor>& tensors,
-                        const std::vector<dos_hparams>& groups, uint64_t subgroup_size = 0) {
+                        const std::vector<dos_hparams>& groups, uint64_t subgroup_size = 0,
+                        dos_state_format state_format = DOS_STATE_FP32) {
+    if (dos_status st = dos_set_state_format(s_, state_format); st != DOS_OK) {
+      return Error::Last(st);
+    }
     dos_register_options o{subgroup_size};
     return Check(
         dos_register(s_, tensors.data(), tensors.size(), groups.data(), groups.size(), &o));

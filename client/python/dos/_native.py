@@ -142,6 +142,7 @@ SIGNATURES = {
     "dos_session_resumed": (ctypes.c_int32, [_P]),
     "dos_buffer_alloc": (_S, [_P, ctypes.c_uint64, ctypes.POINTER(_P)]),
     "dos_hparams_init_adamw": (None, [ctypes.POINTER(Hparams)]),
+    "dos_set_state_format": (_S, [_P, ctypes.c_int]),
     "dos_register": (_S, [_P, ctypes.POINTER(Tensor), ctypes.c_size_t, ctypes.POINTER(Hparams),
                           ctypes.c_size_t, ctypes.POINTER(RegisterOptions)]),
     # Safe from another thread while dos_register runs (dos._progress).

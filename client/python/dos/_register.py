@@ -61,10 +61,11 @@ class Entry:
         self.hook = None
 
 
-def _state_what(entries) -> str:
-    """'1.2 GB of optimizer state' for the progress log (12 bytes a parameter)."""
+def _state_what(entries, compact=False) -> str:
+    """'1.2 GB of optimizer state' for the progress log (12 bytes a parameter,
+    8 with compact state)."""
     n = sum(e.local.numel() for e in entries)
-    return f"{n * 12 / 1e9:.1f} GB of optimizer state"
+    return f"{n * (8 if compact else 12) / 1e9:.1f} GB of optimizer state"
 
 
 def is_dtensor(t) -> bool:
@@ -227,7 +228,9 @@ class _RegisterMixin:
                 t.group = e.group
         groups = self._hparams()
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        with_progress(self._session, _state_what(entries),
+        compact = bool(getattr(self, "_compact_state", False))
+        call("dos_set_state_format", self._session, 1 if compact else 0)
+        with_progress(self._session, _state_what(entries, compact),
                       lambda: call("dos_register", self._session, tensors, len(entries), groups,
                                    len(groups), ctypes.byref(opts)))
         # Only now rebind the model: on failure above it is left untouched.
@@ -280,7 +283,9 @@ class _RegisterMixin:
             torch.cuda.synchronize(device)
         groups = self._hparams()
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        with_progress(self._session, _state_what(entries),
+        compact = bool(getattr(self, "_compact_state", False))
+        call("dos_set_state_format", self._session, 1 if compact else 0)
+        with_progress(self._session, _state_what(entries, compact),
                       lambda: call("dos_register", self._session, tensors, len(entries), groups,
                                    len(groups), ctypes.byref(opts)))
         self._device = device

@@ -188,7 +188,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                  rank: Optional[int] = None, local_rank: Optional[int] = None,
                  world_size: Optional[int] = None, overlap: bool = False,
                  model: Optional[torch.nn.Module] = None, async_step: Optional[bool] = None,
-                 resume: Optional[Dict[str, Any]] = None, gpu_budget_bytes=None):
+                 resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
+                 gpu_budget_bytes=None):
         if amsgrad:
             raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
         if maximize:
@@ -227,6 +228,9 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._pending_zero = set()  # entry indices whose zero_grad is deferred
         self._num_subgroups = 0
         self._subgroup_size = subgroup_size
+        # dosd keeps exp_avg / exp_avg_sq as bf16 (8 bytes of state a
+        # parameter instead of 12); state_dict() still returns fp32 tensors.
+        self._compact_state = bool(compact_state)
         self._attach_args = (socket, client_name, rank, local_rank, world_size)
         self._resume = resume
         self._ready = set()

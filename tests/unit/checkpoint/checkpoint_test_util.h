@@ -51,7 +51,8 @@ inline std::vector<uint64_t> AwkwardSizes() { return {7, 2203, 1, 1000, 64, 22};
 
 inline std::unique_ptr<ShardState> MakeShard(HostMemoryBudget* budget,
                                              const std::vector<uint64_t>& sizes = AwkwardSizes(),
-                                             uint64_t subgroup_size = 1000) {
+                                             uint64_t subgroup_size = 1000,
+                                             StateFormat format = StateFormat::kFp32) {
   std::vector<TensorInfo> tensors;
   for (size_t i = 0; i < sizes.size(); ++i) {
     TensorInfo t;
@@ -67,7 +68,7 @@ inline std::unique_ptr<ShardState> MakeShard(HostMemoryBudget* budget,
   groups[1].defaults = GroupStepParams{3e-4, 0.8, 0.99, 1e-6, 0.0};
   groups[1].decoupled_weight_decay = false;
   auto s = ShardState::Create(std::move(tensors), std::move(groups), subgroup_size, budget,
-                              "test shard");
+                              "test shard", {.format = format});
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
 }

@@ -101,7 +101,7 @@ TEST(ShardStateArenaTest, CreateReportsAllocationAndMasterRunsCoverEachTensor) {
       const Subgroup& g = (*s)->subgroups()[r.subgroup];
       EXPECT_GE(r.master, g.master);
       EXPECT_LE(r.master + r.count, g.master + g.numel);
-      EXPECT_EQ(r.exp_avg - g.exp_avg, r.master - g.master);
+      EXPECT_EQ(static_cast<float*>(r.moments) - g.exp_avg, r.master - g.master);
       for (uint64_t e = 0; e < r.count; ++e) r.master[e] = static_cast<float>(covered + e);
       covered += r.count;
     }
