@@ -8,6 +8,8 @@ bf16, activation checkpointing, random tokens) trained with
   dos_auto_wholestep  (optional) the next forward waits for the whole step on the stream
   dos_auto_sync       (optional) step() waits on the host (async_step=False): minus
                       dos_auto, the gain of overlapping the update with the next forward
+  dos_auto_compact    dos_auto with compact optimizer state (compact_state=True: bf16
+                      exp_avg / exp_avg_sq in dosd, 8 bytes of state a parameter)
   dos_auto_noclip     per-layer waits, no clipping, overlap=True (torch >= 2.1):
                       the step begins when the last gradient is final
   dos_auto_noclip_nooverlap   (optional) the same without overlap: the overlap's gain
@@ -47,7 +49,8 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
 sys.path.insert(0, HERE)
 
-ALL_MODES = ["dos_auto", "dos_auto_noclip", "dos_cpu", "inprocess_offload", "all_gpu"]
+ALL_MODES = ["dos_auto", "dos_auto_compact", "dos_auto_noclip", "dos_cpu", "inprocess_offload",
+             "all_gpu"]
 DEFAULT_BATCH = {"tiny": 8, "small": 4, "125m": 8, "350m": 8, "1.5b": 4, "3b": 2, "6b": 2,
                  "8b": 2}
 
@@ -118,15 +121,18 @@ def child(args):
         # How the next forward waits for the update: per layer (model=, the
         # default here), behind the whole step on the stream ("wholestep"), or
         # on the host before step() returns ("sync": the pre-async behaviour).
+        compact = "compact" in mode
         wait = "sync" if mode.endswith("_sync") else \
             "wholestep" if mode.endswith("_wholestep") else "layers"
         wait_kw = {"sync": dict(async_step=False), "wholestep": dict(),
                    "layers": dict(model=model)}[wait]
         opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
-                              overlap=overlap, subgroup_size=args.subgroup_size, **wait_kw, **kw)
+                              overlap=overlap, subgroup_size=args.subgroup_size,
+                              compact_state=compact, **wait_kw, **kw)
         policy = "cpu" if mode.startswith("dos_cpu") else "auto"
         opt.set_policy(policy)
         res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
+            (", compact state" if compact else "") + \
             (", overlap=True" if overlap else "") + (", no clipping" if clip == 0 else "")
     elif mode == "inprocess_offload":
         from baselines import HybridOffloadAdamW
@@ -361,6 +367,9 @@ def parent(args):
     if "dos_auto" in ok and "all_gpu" in ok:
         print(f"dos_auto / all-GPU AdamW iteration time: "
               f"{ok['dos_auto']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
+    if "dos_auto_compact" in ok and "all_gpu" in ok:
+        print(f"dos_auto_compact / all-GPU AdamW iteration time: "
+              f"{ok['dos_auto_compact']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
 
     metrics = []
     for r in results:
@@ -389,6 +398,15 @@ def parent(args):
         metrics.append({"name": "e2e_ratio_dos_auto_to_all_gpu",
                         "value": round(ok["dos_auto"]["iter_s"] / ok["all_gpu"]["iter_s"], 3),
                         "unit": "x"})
+    if "dos_auto_compact" in ok and "all_gpu" in ok:
+        metrics.append({"name": "e2e_ratio_dos_auto_compact_to_all_gpu",
+                        "value": round(ok["dos_auto_compact"]["iter_s"] /
+                                       ok["all_gpu"]["iter_s"], 3), "unit": "x"})
+    if "dos_auto_compact" in ok and "dos_auto" in ok:
+        # Same seed, same tokens: the loss effect of compact state at this length.
+        metrics.append({"name": "e2e_last_loss_diff_compact_vs_fp32",
+                        "value": round(ok["dos_auto_compact"]["last_loss"] -
+                                       ok["dos_auto"]["last_loss"], 5), "unit": "loss"})
     os.makedirs(args.out, exist_ok=True)
     suffix = f"_{args.tag}" if args.tag else ""
     path = os.path.join(args.out, f"e2e_{machine}_{date}{suffix}.json")

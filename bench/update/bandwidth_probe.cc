@@ -105,12 +105,19 @@ int main() {
   in.pcie_both_bytes_per_s = median(both);
   in.host_bytes_per_s = m_host;
   dos::PerfPrediction p = dos::PerfModel::Solve(in);
+  // The same machine with compact state (8 bytes a parameter; the CPU rate
+  // scaled by the kernel's bytes, 28 -> 20).
+  dos::PerfInputs in_compact = in;
+  in_compact.state_bytes = 8;
+  dos::PerfPrediction pc = dos::PerfModel::Solve(in_compact);
   std::printf("{\"h2d_gbps\":%.2f,\"d2h_gbps\":%.2f,\"both_gbps\":%.2f,\"host_copy_gbps\":%.2f,"
               "\"cpu_gparams_alone\":%.3f,\"cpu_gparams_under_dma\":%.3f,\"dma_gbps_under_cpu\":%.2f,"
               "\"m_host_gbps\":%.2f,\"gpu_kernel_gparams\":%.2f,\"bound_gparams\":%.3f,\"bound_x\":%.3f,"
-              "\"bound_binding\":\"%s\",\"threads\":%d}\n",
+              "\"bound_binding\":\"%s\",\"bound_gparams_compact\":%.3f,\"bound_x_compact\":%.3f,"
+              "\"bound_binding_compact\":\"%s\",\"threads\":%d}\n",
               median(h2d) * 1e-9, median(d2h) * 1e-9, median(both) * 1e-9, median(host) * 1e-9,
               median(alone) * 1e-9, loaded * 1e-9, dma_rate * 1e-9, m_host * 1e-9, gpu_rate * 1e-9,
-              p.params_per_s * 1e-9, p.gpu_share, p.binding.c_str(), cpu.threads());
+              p.params_per_s * 1e-9, p.gpu_share, p.binding.c_str(), pc.params_per_s * 1e-9,
+              pc.gpu_share, pc.binding.c_str(), cpu.threads());
   return 0;
 }

@@ -13,6 +13,7 @@ out, machine = sys.argv[1], sys.argv[2]
 probe = json.load(open(os.path.join(out, "probe.json")))
 rows = [json.loads(l) for l in open(os.path.join(out, "policies.jsonl")) if l.strip()]
 bound = probe["bound_gparams"]
+bound_compact = probe.get("bound_gparams_compact")
 
 print(f"\nmodel inputs measured in this run: H2D {probe['h2d_gbps']:.1f} GB/s, D2H {probe['d2h_gbps']:.1f},"
       f" both {probe['both_gbps']:.1f}, host copy {probe['host_copy_gbps']:.1f}, CPU Adam alone "
@@ -20,14 +21,17 @@ print(f"\nmodel inputs measured in this run: H2D {probe['h2d_gbps']:.1f} GB/s, D
       f"(+{probe['dma_gbps_under_cpu']:.1f} GB/s DMA) -> M_host {probe['m_host_gbps']:.1f} GB/s, "
       f"GPU kernel {probe['gpu_kernel_gparams']:.1f} Gparam/s")
 print(f"model bound (all state on host): {bound:.2f} Gparam/s at x={probe['bound_x']:.2f} "
-      f"({probe['bound_binding']})\n")
+      f"({probe['bound_binding']})" + (
+          f"; compact state: {bound_compact:.2f} Gparam/s at x={probe['bound_x_compact']:.2f} "
+          f"({probe['bound_binding_compact']})" if bound_compact else "") + "\n")
 hdr = f"{'policy':<22}{'Gparam/s':>9}{'ms':>8}{'pred ms':>8}{'%bound':>7}{'H2D GB/s':>9}{'D2H GB/s':>9}" \
       f"{'GPU MiB':>9}{'cpu busy':>9}{'gpu busy':>9}  placement (cpu/gpu/resident)"
 print(hdr)
 for r in rows:
     name = r["policy"] + (f" [{r['label']}]" if r["label"] else "")
+    b = bound_compact if r["label"] == "compact" and bound_compact else bound
     print(f"{name:<22}{r['gparams']:>9.2f}{r['update_ms']:>8.1f}{r['predicted_ms']:>8.1f}"
-          f"{100 * r['gparams'] / bound:>6.0f}%{r['h2d_gbps']:>9.1f}{r['d2h_gbps']:>9.1f}"
+          f"{100 * r['gparams'] / b:>6.0f}%{r['h2d_gbps']:>9.1f}{r['d2h_gbps']:>9.1f}"
           f"{r['daemon_gpu_bytes'] / 2**20:>9.0f}{r['cpu_busy']:>9.2f}{r['gpu_busy']:>9.2f}"
           f"  {r['cpu_subgroups']}/{r['gpu_subgroups']}/{r['resident_subgroups']}")
 
@@ -48,6 +52,9 @@ results = [
     ("update_gparams_interleave_best", max(v for v in inter if v is not None) if any(inter) else None, "Gparam/s"),
     ("update_model_bound_gparams", bound, "Gparam/s"),
     ("update_gparams_auto_halfbudget", get("auto", "halfbudget"), "Gparam/s"),
+    ("update_gparams_auto_compact", get("auto", "compact"), "Gparam/s"),
+    ("update_gparams_cpu_compact", get("cpu", "compact"), "Gparam/s"),
+    ("update_model_bound_gparams_compact", bound_compact, "Gparam/s"),
 ]
 for k, v in zip((2, 3, 4), inter):
     results.append((f"update_gparams_interleave_{k}", v, "Gparam/s"))

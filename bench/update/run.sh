@@ -31,6 +31,11 @@ run_daemon "--gpu_cpu_grad_fp32"
 $BIN/dos_bench_update_trainer --socket=$SOCK --params=$PARAMS --subgroup=$SUBGROUP --steps=3 \
   --policies=cpu --label=fp32grads --out="$OUT/policies.jsonl"
 stop_daemon
+echo "== compact state (bf16 moments, 8 bytes a parameter), all state on host"
+run_daemon ""
+$BIN/dos_bench_update_trainer --socket=$SOCK --params=$PARAMS --subgroup=$SUBGROUP --steps=${STEPS:-5} \
+  --policies=cpu,auto --state_format=compact --label=compact --out="$OUT/policies.jsonl"
+stop_daemon
 echo "== auto with half the state as GPU budget"
 HALF=$(python3 -c "print(int(float('$PARAMS')*12/2))")
 run_daemon "--gpu_memory_budget=$HALF"

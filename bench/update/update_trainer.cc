@@ -78,6 +78,12 @@ int main(int argc, char** argv) {
   const int warmup = std::atoi(Flag(argc, argv, "warmup", "2").c_str());
   const std::string out_path = Flag(argc, argv, "out", "");
   const std::string label = Flag(argc, argv, "label", "");
+  // fp32 (12 bytes of state a parameter) or compact (8: bf16 moments).
+  const std::string state_format = Flag(argc, argv, "state_format", "fp32");
+  if (state_format != "fp32" && state_format != "compact") {
+    std::fprintf(stderr, "--state_format=%s: use fp32 or compact\n", state_format.c_str());
+    return 2;
+  }
   std::vector<std::string> policies = absl::StrSplit(Flag(argc, argv, "policies", "auto"), ',');
 
   CK(cudaSetDevice(0));
@@ -128,6 +134,8 @@ int main(int argc, char** argv) {
   dos::v1::RegisterShardRequest rreq;
   *rreq.mutable_session() = aresp.session();
   rreq.set_subgroup_size(subgroup);
+  rreq.set_state_format(state_format == "compact" ? dos::v1::STATE_FORMAT_COMPACT
+                                                  : dos::v1::STATE_FORMAT_FP32);
   auto* h = rreq.add_groups();
   h->set_lr(1e-3); h->set_beta1(0.9); h->set_beta2(0.999); h->set_eps(1e-8);
   h->set_weight_decay(0.01); h->set_decoupled_weight_decay(true);

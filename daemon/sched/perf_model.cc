@@ -10,6 +10,7 @@ PerfPrediction PerfModel::Bound(const PerfInputs& in, double x) {
   const double c = 1.0 - x;
   const double g = in.grad_bytes;
   const double w = in.weight_bytes;
+  const double st = in.state_bytes;
   struct Limit {
     const char* name;
     double rate;
@@ -18,11 +19,11 @@ PerfPrediction PerfModel::Bound(const PerfInputs& in, double x) {
     return per_param > 0 ? capacity / per_param : std::numeric_limits<double>::infinity();
   };
   const Limit limits[] = {
-      {"cpu", rate(in.cpu_params_per_s, c)},
-      {"d2h", rate(in.d2h_bytes_per_s, c * g + 12 * x)},
-      {"h2d", rate(in.h2d_bytes_per_s, c * w + 12 * x)},
-      {"pcie_both", rate(in.pcie_both_bytes_per_s, c * (g + w) + 24 * x)},
-      {"host_memory", rate(in.host_bytes_per_s, c * (24 + 2 * (g + w)) + 24 * x)},
+      {"cpu", rate(CpuRate(in), c)},
+      {"d2h", rate(in.d2h_bytes_per_s, c * g + st * x)},
+      {"h2d", rate(in.h2d_bytes_per_s, c * w + st * x)},
+      {"pcie_both", rate(in.pcie_both_bytes_per_s, c * (g + w) + 2 * st * x)},
+      {"host_memory", rate(in.host_bytes_per_s, c * (2 * st + 2 * (g + w)) + 2 * st * x)},
       {"gpu_kernel", rate(in.gpu_params_per_s, x)},
   };
   PerfPrediction p;
@@ -48,7 +49,7 @@ PerfPrediction PerfModel::Solve(const PerfInputs& in) {
 
 double PerfModel::PipelineLatencySeconds(const PerfInputs& in, double x, double subgroup) {
   if (subgroup <= 0) return 0;
-  if (x > 0) return 12.0 * subgroup / std::min(in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+  if (x > 0) return in.state_bytes * subgroup / std::min(in.h2d_bytes_per_s, in.d2h_bytes_per_s);
   return subgroup * (in.grad_bytes / in.d2h_bytes_per_s + in.weight_bytes / in.h2d_bytes_per_s);
 }
 
@@ -70,7 +71,11 @@ void PerfModel::Ewma(double* value, double sample) {
 }
 
 void PerfModel::ObserveCpu(double params, double busy_s) {
-  if (params > 0 && busy_s > 0) Ewma(&in_.cpu_params_per_s, params / busy_s);
+  if (params > 0 && busy_s > 0) {
+    const double fp32_equivalent =
+        params * CpuKernelBytes(in_, in_.state_bytes) / CpuKernelBytes(in_, 12);
+    Ewma(&in_.cpu_params_per_s, fp32_equivalent / busy_s);
+  }
 }
 void PerfModel::ObserveGpuKernel(double params, double busy_s) {
   if (params > 0 && busy_s > 0) Ewma(&in_.gpu_params_per_s, params / busy_s);

@@ -2,18 +2,25 @@
 //
 // For a GPU share x of the non-resident parameters and a step rate r
 // (params/s), every resource must keep up:
-//   CPU kernel   (1-x) r                      <= R_cpu
-//   D2H          r [(1-x) g + 12 x]           <= B_d2h
-//   H2D          r [(1-x) w + 12 x]           <= B_h2d
-//   PCIe total   r [(1-x)(g+w) + 24 x]        <= B_both
-//   host memory  r [(1-x) c + 24 x]           <= M_host
+//   CPU kernel   (1-x) r                      <= R_cpu(s)
+//   D2H          r [(1-x) g + s x]            <= B_d2h
+//   H2D          r [(1-x) w + s x]            <= B_h2d
+//   PCIe total   r [(1-x)(g+w) + 2s x]        <= B_both
+//   host memory  r [(1-x) c + 2s x]           <= M_host
 //   GPU kernel   x r                          <= R_gpu
-// where g / w are the gradient / weight bytes the CPU path moves per
-// parameter (2 for 16-bit) and c = 24 + 2(g + w) the host-memory bytes one
-// CPU-path parameter costs (the kernel's 12 read + 12 written of fp32 state,
-// the gradient and weight once by the kernel and once by the DMA engine:
-// 32 for bf16). The GPU path costs 24 host bytes (12 read by H2D, 12 written
-// by D2H). Resident parameters (static share, or auto with a GPU memory
+// where s is the session's bytes of state per parameter (12 for fp32 state,
+// 8 for compact state: StateFormat), g / w the gradient / weight bytes the
+// CPU path moves per parameter (2 for 16-bit) and c = 2s + 2(g + w) the
+// host-memory bytes one CPU-path parameter costs (the kernel's s read + s
+// written of state, the gradient and weight once by the kernel and once by
+// the DMA engine: 32 for bf16 with fp32 state, 24 with compact). The GPU path
+// costs 2s host bytes (s read by H2D, s written by D2H).
+//
+// The CPU kernel is bound by memory traffic, so its rate scales with its
+// bytes per parameter k(s) = 2s + g + w (28 fp32, 20 compact, for bf16):
+// R_cpu is kept as the fp32-state rate and R_cpu(s) = R_cpu k(12) / k(s);
+// measurements of either format are converted into it (ObserveCpu), so
+// sessions of both formats on one engine teach one figure. Resident parameters (static share, or auto with a GPU memory
 // budget) cost only GPU kernel time. Bound(x) is the largest r meeting all
 // constraints; Solve() maximises it over x by a fine grid (the function is
 // piecewise monotone, a grid of 1/1000 is exact enough and cheap).
@@ -39,7 +46,17 @@ struct PerfInputs {
   double host_bytes_per_s = 145e9;   // M_host: cores and DMA engines together
   double grad_bytes = 2;             // g
   double weight_bytes = 2;           // w
+  double state_bytes = 12;           // s: 12 fp32 state, 8 compact
 };
+
+// Bytes of memory traffic the CPU kernel causes per parameter: k(s).
+inline double CpuKernelBytes(const PerfInputs& in, double state_bytes) {
+  return 2 * state_bytes + in.grad_bytes + in.weight_bytes;
+}
+// R_cpu(s): the CPU kernel's rate for the inputs' state bytes.
+inline double CpuRate(const PerfInputs& in) {
+  return in.cpu_params_per_s * CpuKernelBytes(in, 12) / CpuKernelBytes(in, in.state_bytes);
+}
 
 struct PerfPrediction {
   double gpu_share = 0;      // x
@@ -61,7 +78,7 @@ class PerfModel {
   // pipeline's fill and drain for subgroups of `subgroup` params (0: none):
   // a path's first inbound copy and last outbound copy overlap nothing of
   // that path. With a GPU share, one subgroup's state crossing PCIe (the
-  // first H2D and last D2H of 12 bytes/param, the other side working
+  // first H2D and last D2H of s bytes/param, the other side working
   // meanwhile: about one of the two is exposed); CPU only, the first
   // gradient D2H and the last weight H2D.
   static double PhaseSeconds(const PerfInputs& in, double x, double streamed, double resident,
@@ -70,7 +87,9 @@ class PerfModel {
   static double PipelineLatencySeconds(const PerfInputs& in, double x, double subgroup);
 
   // EWMA updates from one step's measurements (each ignored when its
-  // denominator is 0). alpha is the weight of the new sample.
+  // denominator is 0). alpha is the weight of the new sample. ObserveCpu's
+  // params were updated with the current inputs' state_bytes (converted to
+  // the fp32-state rate R_cpu keeps).
   void ObserveCpu(double params, double busy_s);
   void ObserveGpuKernel(double params, double busy_s);
   void ObserveH2d(double bytes, double busy_s);
@@ -78,9 +97,10 @@ class PerfModel {
   // Host bytes moved by cores and DMA together over a wall time in which
   // both were busy: raises M_host when more was seen than assumed.
   void ObserveHostTraffic(double bytes, double wall_s);
-  void set_transfer_sizes(double grad_bytes, double weight_bytes) {
+  void set_transfer_sizes(double grad_bytes, double weight_bytes, double state_bytes = 12) {
     in_.grad_bytes = grad_bytes;
     in_.weight_bytes = weight_bytes;
+    in_.state_bytes = state_bytes;
   }
 
   const PerfInputs& inputs() const { return in_; }

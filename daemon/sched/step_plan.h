@@ -36,9 +36,11 @@ struct ShardLayout {
   std::vector<uint64_t> subgroup_numel;
   double grad_bytes = 2;    // gradient bytes D2H per CPU-path parameter
   double weight_bytes = 2;  // weight bytes H2D per CPU-path parameter
+  double state_bytes = 12;  // state bytes per parameter (ShardState::bytes_per_param)
 
   // From a registered shard: tensor 0's dtypes (a CPU path that casts the
-  // gradients to fp32 on the GPU first sends 4 bytes: `grad_fp32`).
+  // gradients to fp32 on the GPU first sends 4 bytes: `grad_fp32`) and the
+  // shard's state format.
   static ShardLayout Of(const ShardState& shard, bool grad_fp32);
 };
 

@@ -79,6 +79,7 @@ ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
   ShardLayout layout;
   layout.subgroup_numel.reserve(shard.subgroups().size());
   for (const Subgroup& g : shard.subgroups()) layout.subgroup_numel.push_back(g.numel);
+  layout.state_bytes = static_cast<double>(shard.bytes_per_param());
   if (!shard.tensors().empty()) {
     const TensorInfo& t0 = shard.tensors()[0];
     layout.grad_bytes = grad_fp32 ? 4.0 : static_cast<double>(DTypeSize(t0.grad_dtype));
@@ -89,7 +90,7 @@ ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
 
 bool StepPlan::TakeShared(uint64_t n, uint64_t shared_left, size_t in_flight) const {
   const PerfInputs& in = inputs;
-  const double bytes = 12.0 * static_cast<double>(n);
+  const double bytes = in.state_bytes * static_cast<double>(n);
   // The GPU path's measured throughput as a whole (both copy directions
   // sharing PCIe and host memory with the CPU path) sets its period; the
   // copy-engine rates alone overstate it.
@@ -122,7 +123,7 @@ uint32_t StepPlanner::ResidentCount(const Policy& policy, const ShardLayout& lay
   // then holds whichever subgroups the count selects.
   const uint64_t max_numel =
       *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
-  const uint64_t sg_bytes = max_numel * ShardState::kStateBytesPerParam;
+  const uint64_t sg_bytes = max_numel * static_cast<uint64_t>(layout.state_bytes);
   if (sg_bytes == 0) return 0;
   return static_cast<uint32_t>(std::min<uint64_t>(n, budgets.gpu_resident_bytes / sg_bytes));
 }
@@ -139,6 +140,7 @@ PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets)
 uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
   uint64_t max_numel = 0;
   for (uint64_t n : layout.subgroup_numel) max_numel = std::max(max_numel, n);
+  // The engine's slots hold fp32 state whatever the shard's format.
   uint64_t bytes = uint64_t{options_.budgets.staging_slots} * max_numel *
                    ShardState::kStateBytesPerParam;
   if (options_.grad_fp32) bytes += 2 * max_numel * sizeof(float);
@@ -204,7 +206,8 @@ uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& la
   // static:<f> within a lease: no more than the lease holds.
   const uint64_t max_numel =
       *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
-  const uint64_t sg_bytes = std::max<uint64_t>(1, max_numel * ShardState::kStateBytesPerParam);
+  const uint64_t sg_bytes =
+      std::max<uint64_t>(1, max_numel * static_cast<uint64_t>(layout.state_bytes));
   return static_cast<uint32_t>(std::min<uint64_t>(count, budgets.gpu_resident_bytes / sg_bytes));
 }
 
@@ -230,11 +233,11 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
   {
     absl::MutexLock lock(&mu_);
-    model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes);
+    model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs = Capped(model_.inputs(), budgets);
     plan.cpu_path_rate = cpu_path_rate_ > 0
                              ? cpu_path_rate_
-                             : kCpuPathShareOfKernel * plan.inputs.cpu_params_per_s;
+                             : kCpuPathShareOfKernel * CpuRate(plan.inputs);
     plan.gpu_path_rate = gpu_path_rate_;
   }
   if (budgets.gpu && policy.kind == Policy::Kind::kAuto) {
@@ -277,10 +280,11 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
     gpu_path_rate_ = Ewma(gpu_path_rate_, m.streamed_params / (m.gpu_loop_us * 1e-6));
   }
   if (m.cpu_params > 0 && m.gpu_h2d_bytes > 0) {
-    // Host bytes per CPU-path parameter: the kernel's 24 of state plus the
+    // Host bytes per CPU-path parameter: the kernel's 2s of state plus the
     // gradient and weight, each once by the kernel and once by DMA; the GPU
     // path's state crosses host memory twice (H2D read, D2H write).
-    const double per_cpu_param = 24.0 + 2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
+    const double per_cpu_param = 2 * plan.inputs.state_bytes +
+                                 2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
     const double host_bytes =
         m.cpu_params * per_cpu_param + 2.0 * static_cast<double>(m.gpu_h2d_bytes);
     model_.ObserveHostTraffic(host_bytes, m.wall_us * 1e-6);

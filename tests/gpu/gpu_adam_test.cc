@@ -92,6 +92,57 @@ TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
   }
 }
 
+// Compact state: bf16 moments, m rounded to nearest even and v stochastically
+// from RoundingBits(seed, element_offset + i); the GPU's bf16 moments, master
+// and weights must equal the CPU scalar kernel's bit for bit.
+TEST_P(KernelTest, CompactStateBitwiseEqualToCpuKernel) {
+  SKIP_WITHOUT_GPU();
+  auto [gd, pd, decoupled] = GetParam();
+  for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
+    cpu::testing::AdamBuffers host(n, gd, pd, 0, 4321 + n);
+    std::vector<uint16_t> m16(n), v16(n);
+    for (size_t i = 0; i < n; ++i) {
+      m16[i] = FloatToBF16(host.exp_avg[i]);
+      v16[i] = FloatToBF16(host.exp_avg_sq[i]);
+    }
+    GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
+    cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 9, 1024.0, 0.5);
+    const uint64_t element_offset = 1000003 * n + 17;
+    void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
+    // One [master | m16 | v16] block, as a compact subgroup's state.
+    char* st = nullptr;
+    ASSERT_EQ(cudaMalloc(&st, 8 * n), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(st + 4 * n, m16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(st + 6 * n, v16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+    void* out = nullptr;
+    ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
+    DeviceAdamSpan dsp{.grad = g, .grad_dtype = gd, .master = reinterpret_cast<float*>(st),
+                       .exp_avg = nullptr, .exp_avg_sq = nullptr, .param_out = out,
+                       .param_dtype = pd, .n = n,
+                       .exp_avg_bf16 = reinterpret_cast<uint16_t*>(st + 4 * n),
+                       .exp_avg_sq_bf16 = reinterpret_cast<uint16_t*>(st + 6 * n),
+                       .element_offset = element_offset};
+    ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cpu::AdamSpan csp{.grad = host.grad.data(), .grad_dtype = gd, .master = host.master.data(),
+                      .exp_avg = nullptr, .exp_avg_sq = nullptr, .param_out = host.out.data(),
+                      .param_dtype = pd, .n = n, .exp_avg_bf16 = m16.data(),
+                      .exp_avg_sq_bf16 = v16.data(), .element_offset = element_offset};
+    cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
+    std::vector<char> gs(8 * n);
+    std::vector<char> gout(n * DTypeSize(pd));
+    ASSERT_EQ(cudaMemcpy(gs.data(), st, 8 * n, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(Mismatches(reinterpret_cast<float*>(gs.data()), host.master.data(), n), "")
+        << "master n=" << n;
+    EXPECT_EQ(std::memcmp(gs.data() + 4 * n, m16.data(), 2 * n), 0) << "exp_avg bf16 n=" << n;
+    EXPECT_EQ(std::memcmp(gs.data() + 6 * n, v16.data(), 2 * n), 0) << "exp_avg_sq bf16 n=" << n;
+    EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
+    cudaFree(g); cudaFree(st); cudaFree(out);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllDtypes, KernelTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
@@ -128,12 +179,15 @@ Model MakeModel() {
   return m;
 }
 
+// `master` gets every tensor's master, exp_avg and exp_avg_sq (fp32 view),
+// tensor after tensor.
 std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
-                               const Policy& policy, std::vector<float>* master) {
+                               const Policy& policy, std::vector<float>* master,
+                               StateFormat format = StateFormat::kFp32) {
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
   groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
-  auto shard = ShardState::Create(m.tensors, groups, 100000, &budget, "test");
+  auto shard = ShardState::Create(m.tensors, groups, 100000, &budget, "test", {.format = format});
   EXPECT_TRUE(shard.ok());
   const uint64_t total = m.weights.size();
   std::vector<uint16_t> w = m.weights, g = m.grads;
@@ -174,10 +228,48 @@ std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
   master->clear();
   for (uint32_t i = 0; i < b.size(); ++i) {
     std::vector<float> part((*shard)->tensors()[i].numel);
-    (*shard)->ReadTensor(i, 0, part.data());
-    master->insert(master->end(), part.begin(), part.end());
+    for (int which = 0; which < 3; ++which) {
+      (*shard)->ReadTensor(i, which, part.data());
+      master->insert(master->end(), part.begin(), part.end());
+    }
   }
   return w;
+}
+
+// Compact state through every path of the GPU engine (resident copies of
+// 8 bytes a parameter, streamed subgroups moving 8 bytes a parameter each
+// way, the CPU path in GPU mode): the same bits as the host engine's compact
+// state, since the kernels agree bit for bit and the rounding counter is the
+// element's flat index whatever the path.
+TEST(GpuEngineTest, CompactStateEveryPolicyMatchesCpuPathOver50Steps) {
+  SKIP_WITHOUT_GPU();
+  Model m = MakeModel();
+  cpu::CpuUpdater cpu({.threads = 4});
+  cpu::HostEngine host(&cpu);
+  StepExecutor cpu_only(&host);
+  std::vector<float> ref_state;
+  std::vector<uint16_t> ref =
+      RunSteps(m, cpu_only, nullptr, Policy{}, &ref_state, StateFormat::kCompact);
+  std::vector<float> fp32_state;
+  RunSteps(m, cpu_only, nullptr, Policy{}, &fp32_state, StateFormat::kFp32);
+  ASSERT_NE(std::memcmp(ref_state.data(), fp32_state.data(), 4 * ref_state.size()), 0)
+      << "compact state gave fp32 state's bits: the format was not used";
+  GpuEngineOptions opt;
+  opt.staging_slots = 2;
+  auto engine = GpuEngine::Create(opt, &cpu);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  PlannerOptions planner;
+  planner.budgets.gpu_resident_bytes = 2 * 100000 * 8;  // two compact subgroups resident
+  StepExecutor ex(engine->get(), planner);
+  for (const char* text : {"cpu", "static:0.5", "static:1", "interleave:1", "interleave:3",
+                           "auto"}) {
+    Policy p = *ParsePolicy(text);
+    std::vector<float> state;
+    std::vector<uint16_t> w = RunSteps(m, ex, engine->get(), p, &state, StateFormat::kCompact);
+    EXPECT_EQ(w, ref) << text;
+    ASSERT_EQ(state.size(), ref_state.size());
+    EXPECT_EQ(std::memcmp(state.data(), ref_state.data(), 4 * state.size()), 0) << text;
+  }
 }
 
 TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {

@@ -131,3 +131,83 @@ def test_compact_is_not_the_default(dos_socket):
         losses(model, opt, make_data(n=3))
         exp_avg_sq = [s["exp_avg_sq"] for s in opt.state_dict()["state"].values()]
         assert not all(is_bf16_exact(t) for t in exp_avg_sq), "fp32 state looks like bf16"
+
+
+def _dosctl():
+    from test_ddp import find_dosctl
+    return find_dosctl()
+
+
+def _checkpoint(socket, verb, session_id, name):
+    import subprocess
+    out = subprocess.run([_dosctl(), f"--socket={socket}", "checkpoint", verb, str(session_id),
+                          name], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"dosctl checkpoint {verb}: {out.stdout}{out.stderr}"
+
+
+@pytest.mark.skipif(_dosctl() is None, reason="dosctl not found (set DOS_DOSCTL)")
+def test_daemon_checkpoints_convert_between_formats(dos_socket):
+    """dosd's own checkpoints (dosctl checkpoint save/load): a compact one loads
+    into an fp32 session exactly, an fp32 one into a compact session rounded."""
+    data = make_data(n=6)
+    a_model, b_model = make_mlp(), make_mlp()
+    with dos.torch.AdamW(a_model.parameters(), socket=dos_socket, lr=1e-3,
+                         compact_state=True, client_name="pytest-ckpt-c") as compact, \
+            dos.torch.AdamW(b_model.parameters(), socket=dos_socket, lr=1e-3,
+                            client_name="pytest-ckpt-f") as fp32:
+        losses(a_model, compact, data)
+        losses(b_model, fp32, data[:3])
+        compact_sd = compact.state_dict()
+        fp32_sd = fp32.state_dict()
+        _checkpoint(dos_socket, "save", compact.session_id, "compact.dckpt")
+        _checkpoint(dos_socket, "save", fp32.session_id, "fp32.dckpt")
+        # Swap: each session loads the other's checkpoint.
+        _checkpoint(dos_socket, "load", fp32.session_id, "compact.dckpt")
+        _checkpoint(dos_socket, "load", compact.session_id, "fp32.dckpt")
+        got_fp32 = fp32.state_dict()
+        got_compact = compact.state_dict()
+    for i, s in got_fp32["state"].items():
+        assert float(s["step"]) == 6
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(s[k], compact_sd["state"][i][k]), f"{k}: compact -> fp32 not exact"
+    for i, s in got_compact["state"].items():
+        assert float(s["step"]) == 3
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = fp32_sd["state"][i][k].to(torch.bfloat16).to(torch.float32)
+            assert torch.equal(s[k], want), f"{k}: fp32 -> compact not rounded to nearest"
+
+
+# --- GPU mode (skips without CUDA): the GPU engine's compact paths ---------------------------
+
+@pytest.mark.parametrize("policy", ["auto", "cpu", "interleave:1", "static:1", "static:0.5"])
+def test_cuda_compact_tracks_torch_adamw(dos_socket, policy):
+    """Compact state on the GPU engine's CPU path, streamed subgroups (8 bytes a
+    parameter each way) and resident ones, against torch's CUDA AdamW."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible: GPU-mode compact test skipped")
+    from dos import _native
+    if not _native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+    data = [(x.cuda(), y.cuda()) for x, y in teacher_data(STEPS)]
+    ref, mine = make_mlp().cuda(), make_mlp().cuda()
+    kw = dict(lr=2e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    try:
+        opt = dos.torch.AdamW(mine.parameters(), socket=dos_socket, subgroup_size=256,
+                              client_name=f"pytest-cuda-compact-{policy}", compact_state=True,
+                              **kw)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    with opt:
+        opt.set_policy(policy)
+        got = losses(mine, opt, data)
+        sd = opt.state_dict()
+    want = losses(ref, ref_opt, data)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got[WARMUP:], want[WARMUP:]))
+    print(f"cuda compact [{policy}]: worst loss deviation {worst:.3%}")
+    assert worst < LOSS_RTOL, f"[{policy}] loss deviates by up to {worst:.3%}"
+    for s in sd["state"].values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert s[k].dtype == torch.float32 and is_bf16_exact(s[k].cpu()), k

@@ -76,7 +76,7 @@ absl::StatusOr<uint32_t> FakeEngine::SetResident(ShardState& shard, uint32_t cou
   if (grow) {
     for (size_t i = 0; i < count; ++i) {
       if (!r->copies[i].empty()) continue;
-      const uint64_t floats = 3 * sgs[i].numel;
+      const uint64_t floats = sgs[i].state_bytes() / sizeof(float);  // 12 or 8 bytes a param
       if (options_.device_bytes != 0 &&
           resident_bytes_.load() + floats * sizeof(float) > options_.device_bytes) {
         break;  // the "device" is full: growth stops here
