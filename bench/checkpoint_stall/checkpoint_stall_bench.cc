@@ -50,10 +50,8 @@ int main(int argc, char** argv) {
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
 
   dos::HostMemoryBudget budget(0);
-  std::vector<dos::TensorInfo> tensors{{.name = "w",
-                                        .param_dtype = dos::DType::kBF16,
-                                        .grad_dtype = dos::DType::kBF16,
-                                        .numel = n}};
+  std::vector<dos::TensorDesc> tensors{
+      {.name = "w", .param_dtype = dos::DType::kBF16, .grad_dtype = dos::DType::kBF16, .numel = n}};
   std::vector<dos::GroupConfig> groups(1);
   auto shard = dos::ShardState::Create(tensors, groups, sg, &budget, "bench");
   auto staging = dos::ShardState::Create(tensors, groups, sg, &budget, "bench staging");

@@ -154,7 +154,11 @@ absl::Status Commands::Sessions(std::ostream& out) {
     t.AddRow({absl::StrCat(x.session_id()), x.client_name(), absl::StrCat(x.pid()),
               x.rank() < 0 ? "-" : absl::StrCat(x.rank(), "/", x.world_size()), x.state(),
               x.device().empty() ? "-" : x.device(), absl::StrCat(x.num_tensors()), absl::StrCat(x.params()),
-              absl::StrCat(x.num_subgroups()), Bytes(x.host_state_bytes()), x.policy(),
+              absl::StrCat(x.num_subgroups()),
+              // Compact state (bf16 moments, 8 bytes a parameter) is marked.
+              Bytes(x.host_state_bytes()) +
+                  (x.state_format() == v1::STATE_FORMAT_COMPACT ? " compact" : ""),
+              x.policy(),
               absl::StrCat(x.steps())});
   }
   t.Print(out);

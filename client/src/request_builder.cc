@@ -71,6 +71,16 @@ std::string TensorLabel(const dos_tensor& t, size_t index) {
   return absl::StrCat("tensor ", index);
 }
 
+TensorDesc DescribeTensor(const dos_tensor& t, size_t index) {
+  TensorDesc d;
+  d.name = t.name != nullptr ? t.name : absl::StrCat("tensor", index);
+  d.param_dtype = static_cast<DType>(RawDType(t.param_dtype));
+  d.grad_dtype = static_cast<DType>(RawDType(t.grad_dtype));
+  d.numel = t.numel;
+  d.group = t.group;
+  return d;
+}
+
 absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step) {
   const std::string where = absl::StrCat(at_step ? "step: " : "register: ", "group ", group);
   auto bad = [&](const char* field, double value, const char* want) {
@@ -146,11 +156,12 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
       return absl::InvalidArgumentError(
           absl::StrCat(label, " param and grad memory overlap; give them separate ranges"));
     }
-    spec->set_name(t.name != nullptr ? t.name : absl::StrCat("tensor", i));
-    spec->set_param_dtype(static_cast<v1::DType>(t.param_dtype));
-    spec->set_grad_dtype(static_cast<v1::DType>(t.grad_dtype));
-    spec->set_numel(t.numel);
-    spec->set_group(t.group);
+    const TensorDesc d = DescribeTensor(t, i);
+    spec->set_name(d.name);
+    spec->set_param_dtype(static_cast<v1::DType>(d.param_dtype));
+    spec->set_grad_dtype(static_cast<v1::DType>(d.grad_dtype));
+    spec->set_numel(d.numel);
+    spec->set_group(d.group);
   }
   return req;
 }

@@ -19,12 +19,17 @@
 #include "buffer_table.h"
 #include "device_memory.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/tensor_desc.h"
 #include "proto/dos/v1/dos.pb.h"
 
 namespace dos::client {
 
 // "tensor 3 ('fc1.weight')" or "tensor 3" when unnamed.
 std::string TensorLabel(const dos_tensor& t, size_t index);
+
+// The shared description of tensor `index` as it is registered (unnamed
+// tensors are called "tensor<index>"). The caller has checked its dtypes.
+TensorDesc DescribeTensor(const dos_tensor& t, size_t index);
 
 absl::Status ValidateHparams(const dos_hparams& h, size_t group, bool at_step);
 

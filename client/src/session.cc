@@ -331,8 +331,8 @@ absl::Status ClientSession::Register(absl::Span<const dos_tensor> tensors,
   num_subgroups_ = resp.num_subgroups();
   registered_ = true;
   num_groups_ = groups.size();
-  numel_.clear();
-  for (const dos_tensor& t : tensors) numel_.push_back(t.numel);
+  tensors_.clear();
+  for (size_t i = 0; i < tensors.size(); ++i) tensors_.push_back(DescribeTensor(tensors[i], i));
   return absl::OkStatus();
 }
 
@@ -472,9 +472,9 @@ absl::Status ClientSession::CheckTensor(uint32_t tensor, const char* call) const
     return absl::FailedPreconditionError(
         absl::StrCat(call, ": no tensors registered; call dos_register first"));
   }
-  if (tensor >= numel_.size()) {
+  if (tensor >= tensors_.size()) {
     return absl::OutOfRangeError(absl::StrCat(call, ": tensor ", tensor, " out of range; ",
-                                              numel_.size(), " tensors are registered"));
+                                              tensors_.size(), " tensors are registered"));
   }
   if (step_in_flight_) {
     return absl::FailedPreconditionError(
@@ -486,19 +486,19 @@ absl::Status ClientSession::CheckTensor(uint32_t tensor, const char* call) const
 absl::Status ClientSession::ReadState(uint32_t tensor, float* master, float* exp_avg,
                                       float* exp_avg_sq, int64_t* step) {
   DOS_RETURN_IF_ERROR(CheckTensor(tensor, "state_read"));
-  return ReadStateRange(tensor, 0, numel_[tensor], master, exp_avg, exp_avg_sq, step);
+  return ReadStateRange(tensor, 0, tensors_[tensor].numel, master, exp_avg, exp_avg_sq, step);
 }
 
 absl::Status ClientSession::WriteState(uint32_t tensor, const float* master, const float* exp_avg,
                                        const float* exp_avg_sq, int64_t step) {
   DOS_RETURN_IF_ERROR(CheckTensor(tensor, "state_write"));
-  return WriteStateRange(tensor, 0, numel_[tensor], master, exp_avg, exp_avg_sq, step);
+  return WriteStateRange(tensor, 0, tensors_[tensor].numel, master, exp_avg, exp_avg_sq, step);
 }
 
 absl::Status ClientSession::CheckRange(uint32_t tensor, uint64_t offset, uint64_t count,
                                        const char* call) const {
   DOS_RETURN_IF_ERROR(CheckTensor(tensor, call));
-  const uint64_t n = numel_[tensor];
+  const uint64_t n = tensors_[tensor].numel;
   if (offset > n || count > n - offset) {
     return absl::OutOfRangeError(absl::StrCat(call, ": elements [", offset, ", ", offset + count,
                                               ") of tensor ", tensor, " are out of range; it has ",
@@ -518,7 +518,7 @@ absl::Status ClientSession::TransferPiece(bool import, uint32_t tensor, uint64_t
   req.mutable_buffer()->set_offset(0);
   // The whole tensor goes as count 0, which daemons without ranged
   // transfers understand too.
-  if (offset != 0 || count != numel_[tensor]) {
+  if (offset != 0 || count != tensors_[tensor].numel) {
     req.set_offset(offset);
     req.set_count(count);
   }
@@ -539,7 +539,7 @@ absl::Status ClientSession::ReadStateRange(uint32_t tensor, uint64_t offset, uin
   DOS_RETURN_IF_ERROR(CheckRange(tensor, offset, count, "state_read"));
   if (count == 0 || (master == nullptr && exp_avg == nullptr && exp_avg_sq == nullptr)) {
     // Nothing to copy; the step is read with one element.
-    if (step == nullptr || numel_[tensor] == 0) return absl::OkStatus();
+    if (step == nullptr || tensors_[tensor].numel == 0) return absl::OkStatus();
     DOS_ASSIGN_OR_RETURN(auto seg, CreateSegment(12, /*transfer=*/true));
     return TransferPiece(false, tensor, 0, 1, *seg, 0, step);
   }

@@ -37,6 +37,7 @@
 #include "dos/wire/unique_fd.h"
 #include "dos/wire/shm_segment.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/tensor_desc.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace dos::client {
@@ -197,7 +198,7 @@ class ClientSession {
   bool registered_ = false;
   int state_format_ = 0;  // dos_state_format for RegisterShardRequest.state_format
   size_t num_groups_ = 0;
-  std::vector<uint64_t> numel_;  // per registered tensor
+  std::vector<TensorDesc> tensors_;  // as registered
 };
 
 }  // namespace dos::client

@@ -109,7 +109,7 @@ absl::string_view StateArrayName(StateArray a) {
 
 uint64_t CheckpointLayout::total_params() const {
   uint64_t n = 0;
-  for (const CheckpointTensor& t : tensors) n += t.numel;
+  for (const TensorDesc& t : tensors) n += t.numel;
   return n;
 }
 
@@ -142,7 +142,7 @@ std::string EncodeLayout(const CheckpointLayout& layout) {
     AppendU32(&out, g.decoupled_weight_decay ? 1 : 0);
   }
   AppendU32(&out, static_cast<uint32_t>(layout.tensors.size()));
-  for (const CheckpointTensor& t : layout.tensors) {
+  for (const TensorDesc& t : layout.tensors) {
     AppendString(&out, t.name);
     AppendU32(&out, static_cast<uint32_t>(t.param_dtype));
     AppendU32(&out, static_cast<uint32_t>(t.grad_dtype));
@@ -187,7 +187,7 @@ absl::StatusOr<CheckpointLayout> DecodeLayout(absl::string_view bytes, uint32_t 
   }
   uint64_t total = 0;
   for (uint32_t i = 0; ok && i < num_tensors; ++i) {
-    CheckpointTensor t;
+    TensorDesc t;
     uint32_t pd = 0, gd = 0;
     uint64_t step = 0;
     std::string f = absl::StrCat("tensors[", i, "]");
@@ -233,7 +233,7 @@ absl::Status ValidateLayout(const CheckpointLayout& l) {
   }
   uint64_t total = 0;
   for (size_t i = 0; i < l.tensors.size(); ++i) {
-    const CheckpointTensor& t = l.tensors[i];
+    const TensorDesc& t = l.tensors[i];
     std::string f = absl::StrCat("layout: tensors[", i, "]");
     if (t.name.size() > kMaxNameBytes) {
       return absl::InvalidArgumentError(
@@ -244,8 +244,8 @@ absl::Status ValidateLayout(const CheckpointLayout& l) {
       return absl::InvalidArgumentError(absl::StrCat(f, " has an invalid dtype"));
     }
     if (t.group >= l.groups.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(f, ".group is ", t.group, "; the layout has ",
-                                                     l.groups.size(), " groups"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(f, ".group is ", t.group, "; the layout has ", l.groups.size(), " groups"));
     }
     if (t.numel > kMaxCheckpointParams - total) {
       return absl::InvalidArgumentError(
@@ -259,7 +259,7 @@ absl::Status ValidateLayout(const CheckpointLayout& l) {
 uint64_t ExpectedFileSize(const CheckpointLayout& layout, uint64_t layout_bytes,
                           uint32_t chunk_bytes) {
   uint64_t size = kFileHeaderBytes + layout_bytes + kTrailerBytes;
-  for (const CheckpointTensor& t : layout.tensors) {
+  for (const TensorDesc& t : layout.tensors) {
     for (uint32_t a = 0; a < kNumStateArrays; ++a) {
       const uint64_t elem = ElementBytes(layout, static_cast<StateArray>(a));
       const uint64_t chunk_elems = chunk_bytes / elem;

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "dos/wire/dtype.h"
+#include "dos/wire/tensor_desc.h"
 #include "daemon/state/shard_state.h"
 
 namespace dos {
@@ -65,15 +66,6 @@ enum class StateArray : uint32_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
 inline constexpr uint32_t kNumStateArrays = 3;
 absl::string_view StateArrayName(StateArray a);
 
-struct CheckpointTensor {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  int64_t step = 0;  // optimizer steps applied to this tensor
-};
-
 // Everything in a checkpoint except the values.
 struct CheckpointLayout {
   uint64_t subgroup_size = 0;
@@ -83,7 +75,7 @@ struct CheckpointLayout {
   int32_t rank = -1;
   int32_t world_size = 1;
   std::vector<GroupConfig> groups;
-  std::vector<CheckpointTensor> tensors;
+  std::vector<TensorDesc> tensors;
   StateFormat state_format = StateFormat::kFp32;  // how the moments are stored
 
   uint64_t total_params() const;

@@ -113,7 +113,7 @@ absl::Status CheckpointReader::ReadHeaderAndLayout() {
         layout_.total_params(), " parameters) needs ", expected, "; it was not loaded")));
   }
   uint64_t largest = 0;
-  for (const CheckpointTensor& t : layout_.tensors) largest = std::max(largest, t.numel);
+  for (const TensorDesc& t : layout_.tensors) largest = std::max(largest, t.numel);
   const uint64_t smallest_elem = MomentBytes(layout_.state_format);
   chunk_.resize(std::min<uint64_t>(largest, chunk_bytes_ / smallest_elem));
   raw_.resize(chunk_.size() * sizeof(float));
@@ -129,7 +129,7 @@ absl::Status CheckpointReader::ReadSection(uint32_t tensor, StateArray which, Si
         " asked for out of order; the next is number ", next_section_, " of ",
         layout_.tensors.size() * kNumStateArrays)));
   }
-  const CheckpointTensor& t = layout_.tensors[tensor];
+  const TensorDesc& t = layout_.tensors[tensor];
   const std::string what = absl::StrCat("section tensors[", tensor, "] '", t.name, "'.",
                                         StateArrayName(which));
   const uint64_t header_offset = offset_;

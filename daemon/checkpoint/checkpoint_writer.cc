@@ -174,7 +174,7 @@ absl::Status CheckpointWriter::AppendBytes(const void* values, size_t n, uint64_
         StateArrayName(which), ", which a ", StateFormatName(layout_.state_format),
         " checkpoint stores as ", ElementBytes(layout_, which) == 2 ? "bf16" : "fp32")));
   }
-  const CheckpointTensor& t = layout_.tensors[next_section_ / kNumStateArrays];
+  const TensorDesc& t = layout_.tensors[next_section_ / kNumStateArrays];
   if (n > t.numel - section_elems_) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": ", n, " values appended to tensor '", t.name,
@@ -208,7 +208,7 @@ absl::Status CheckpointWriter::EndSection() {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": EndSection with no section open")));
   }
-  const CheckpointTensor& t = layout_.tensors[next_section_ / kNumStateArrays];
+  const TensorDesc& t = layout_.tensors[next_section_ / kNumStateArrays];
   if (section_elems_ != t.numel) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("checkpoint ", path_, ": section of tensor '", t.name, "' ended after ",

@@ -21,11 +21,12 @@ struct Run {
 // The runs covering `tensor`, in tensor order.
 std::vector<Run> RunsOf(const ShardState& shard, uint32_t tensor) {
   std::vector<Run> runs;
-  const TensorInfo& t = shard.tensors()[tensor];
+  const uint64_t begin = shard.flat_offset(tensor);
+  const uint64_t end = begin + shard.tensors()[tensor].numel;
   std::span<const Subgroup> groups = shard.subgroups();
-  for (uint64_t gi = t.flat_offset / shard.subgroup_size(); gi < groups.size(); ++gi) {
+  for (uint64_t gi = begin / shard.subgroup_size(); gi < groups.size(); ++gi) {
     const Subgroup& g = groups[gi];
-    if (g.flat_begin >= t.flat_offset + t.numel) break;
+    if (g.flat_begin >= end) break;
     for (const SubgroupSegment& s : g.segments) {
       if (s.tensor == tensor) runs.push_back({s.tensor_offset, s.count, &g, s.subgroup_offset});
     }
@@ -111,15 +112,13 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner)
   l.world_size = owner.world_size;
   l.groups.assign(shard.groups().begin(), shard.groups().end());
   l.state_format = shard.format();
-  for (const TensorInfo& t : shard.tensors()) {
-    l.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, t.step});
-  }
+  l.tensors.assign(shard.tensors().begin(), shard.tensors().end());
   return l;
 }
 
 absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& shard,
                                 absl::string_view path) {
-  std::span<const TensorInfo> tensors = shard.tensors();
+  std::span<const TensorDesc> tensors = shard.tensors();
   if (c.tensors.size() != tensors.size()) {
     return Mismatch(path, "the number of tensors", c.tensors.size(), tensors.size());
   }
@@ -134,8 +133,8 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
     }
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const CheckpointTensor& a = c.tensors[i];
-    const TensorInfo& b = tensors[i];
+    const TensorDesc& a = c.tensors[i];
+    const TensorDesc& b = tensors[i];
     std::string f = absl::StrCat("tensors[", i, "]");
     if (a.name != b.name) return Mismatch(path, f + ".name", "'" + a.name + "'", "'" + b.name + "'");
     if (a.numel != b.numel) return Mismatch(path, f + ".numel", a.numel, b.numel);
@@ -192,7 +191,7 @@ absl::Status LoadShard(ShardState* shard, const std::string& path, Env* env) {
         "checkpoint ", path, " changed while it was being loaded; the session's state is "
         "partly overwritten, load an intact checkpoint: ", s.message()));
   }
-  std::span<TensorInfo> tensors = shard->tensors();
+  std::span<TensorDesc> tensors = shard->tensors();
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].step = layout.tensors[i].step;
   return absl::OkStatus();
 }

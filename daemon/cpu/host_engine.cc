@@ -36,7 +36,7 @@ absl::Status HostEngine::CopyToTrainer(void* trainer_dst, const void* src, uint6
 
 absl::StatusOr<bool> HostEngine::AllFinite(const ShardState& shard,
                                            std::span<const TensorBinding> bindings) {
-  std::span<const TensorInfo> tensors = shard.tensors();
+  std::span<const TensorDesc> tensors = shard.tensors();
   std::vector<CpuUpdater::GradRun> runs;
   runs.reserve(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
@@ -56,13 +56,13 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
         " subgroups off the CPU; a host session's plan must be all CPU"));
   }
   const absl::Time start = absl::Now();
-  std::span<const TensorInfo> tensors = shard.tensors();
+  std::span<const TensorDesc> tensors = shard.tensors();
   std::vector<CpuUpdater::Item> items;
   for (uint32_t sg : plan.cpu_only) {
     const Subgroup& g = shard.subgroups()[sg];
     absl::Status st = ForEachSegmentSpan(
         tensors, g, g.master,
-        [&](const SubgroupSegment& seg, const TensorInfo& t) {
+        [&](const SubgroupSegment& seg, const TensorDesc& t) {
           return TrainerIo(t, seg, bindings[seg.tensor].grad, bindings[seg.tensor].param);
         },
         [&](const SubgroupSegment& seg, const AdamSpan& span) {

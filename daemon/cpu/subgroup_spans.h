@@ -31,7 +31,7 @@ struct SegmentIo {
 };
 
 // The trainer's own memory for a segment (grad and param bases of its tensor).
-inline SegmentIo TrainerIo(const TensorInfo& t, const SubgroupSegment& seg, const void* grad,
+inline SegmentIo TrainerIo(const TensorDesc& t, const SubgroupSegment& seg, const void* grad,
                            void* param) {
   return SegmentIo{ElementAt(grad, t.grad_dtype, seg.tensor_offset), t.grad_dtype,
                    ElementAt(param, t.param_dtype, seg.tensor_offset), t.param_dtype};
@@ -47,7 +47,7 @@ inline SegmentIo TrainerIo(const TensorInfo& t, const SubgroupSegment& seg, cons
 // streamed, GPU resident), every subgroup size and every tiling draws the
 // same random bits for an element at a step.
 template <typename IoFn, typename Fn>
-absl::Status ForEachSegmentSpan(std::span<const TensorInfo> tensors, const Subgroup& g,
+absl::Status ForEachSegmentSpan(std::span<const TensorDesc> tensors, const Subgroup& g,
                                 void* state_base, IoFn&& io, Fn&& fn) {
   float* const state = static_cast<float*>(state_base);
   const bool compact = g.format == StateFormat::kCompact;

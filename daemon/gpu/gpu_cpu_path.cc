@@ -35,7 +35,7 @@ class CpuPipeline {
     const Subgroup& g = run_.shard->subgroups()[sg];
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(bufs_[bi].ev[0], d2h_));
     for (const SubgroupSegment& seg : g.segments) {
-      const TensorInfo& t = run_.shard->tensors()[seg.tensor];
+      const TensorDesc& t = run_.shard->tensors()[seg.tensor];
       const void* src = cpu::ElementAt(run_.bindings[seg.tensor].grad, t.grad_dtype,
                                        seg.tensor_offset);
       char* dst = buf_.grad_host[bi] + seg.subgroup_offset * kHostElemBytes;
@@ -62,7 +62,7 @@ class CpuPipeline {
     items_.clear();
     DOS_RETURN_IF_ERROR(cpu::ForEachSegmentSpan(
         run_.shard->tensors(), g, g.master,
-        [&](const SubgroupSegment& seg, const TensorInfo& t) {
+        [&](const SubgroupSegment& seg, const TensorDesc& t) {
           return cpu::SegmentIo{buf_.grad_host[bi] + seg.subgroup_offset * kHostElemBytes,
                                 SentGradDtype(t.grad_dtype),
                                 buf_.weight_host[bi] + seg.subgroup_offset * kHostElemBytes,
@@ -117,7 +117,7 @@ class CpuPipeline {
     Buffer& b = bufs_[bi];
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[2], h2d_));
     for (const SubgroupSegment& seg : g.segments) {
-      const TensorInfo& t = run_.shard->tensors()[seg.tensor];
+      const TensorDesc& t = run_.shard->tensors()[seg.tensor];
       void* dst = cpu::ElementAt(run_.bindings[seg.tensor].param, t.param_dtype, seg.tensor_offset);
       const uint64_t bytes = seg.count * DTypeSize(t.param_dtype);
       DOS_CUDA_RETURN_IF_ERROR(

@@ -116,7 +116,7 @@ absl::StatusOr<bool> GpuEngine::AllFinite(const ShardState& shard,
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   DOS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag_dev_, 0, sizeof(int), compute_));
   for (size_t t = 0; t < shard.tensors().size(); ++t) {
-    const TensorInfo& info = shard.tensors()[t];
+    const TensorDesc& info = shard.tensors()[t];
     DOS_RETURN_IF_ERROR(
         LaunchNonFiniteScan(bindings[t].grad, info.grad_dtype, info.numel, flag_dev_, compute_));
   }

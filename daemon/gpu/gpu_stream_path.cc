@@ -16,7 +16,7 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, const Subgroup& g, fl
                             cudaStream_t stream) {
   return cpu::ForEachSegmentSpan(
       run.shard->tensors(), g, state,
-      [&](const SubgroupSegment& seg, const TensorInfo& t) {
+      [&](const SubgroupSegment& seg, const TensorDesc& t) {
         return cpu::TrainerIo(t, seg, run.bindings[seg.tensor].grad,
                               run.bindings[seg.tensor].param);
       },

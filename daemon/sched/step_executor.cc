@@ -107,7 +107,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   absl::Status valid = ValidateStepRequest(request, shard.groups().size());
   if (!valid.ok()) return valid;
   const absl::Time start = absl::Now();
-  std::span<TensorInfo> tensors = shard.tensors();
+  std::span<TensorDesc> tensors = shard.tensors();
   if (request.flags & kStepTrainerEventRecorded) {
     if (sync.trainer_event == nullptr) {
       return absl::InvalidArgumentError(
@@ -133,7 +133,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   // them once per tensor, not per run.
   std::vector<cpu::AdamScalars> scalars;
   scalars.reserve(tensors.size());
-  for (const TensorInfo& t : tensors) {
+  for (const TensorDesc& t : tensors) {
     const GroupConfig& group = shard.groups()[t.group];
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
@@ -159,7 +159,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     out.trainer_gpu_peak_bytes = lease.peak_bytes;
     out.resident_budget_bytes = planner_.ResidentBytes(session);
   }
-  for (TensorInfo& t : tensors) ++t.step;
+  for (TensorDesc& t : tensors) ++t.step;
   out.step = tensors[0].step;
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   return out;
@@ -190,7 +190,7 @@ absl::Status StepExecutor::WriteWeights(const ShardState& shard,
 absl::Status StepExecutor::WriteWeightsRange(const ShardState& shard,
                                              std::span<const TensorBinding> bindings,
                                              uint32_t tensor, uint64_t offset, uint64_t count) {
-  const TensorInfo& t = shard.tensors()[tensor];
+  const TensorDesc& t = shard.tensors()[tensor];
   std::vector<float> master(count);
   shard.ReadTensorRange(tensor, 0, offset, count, master.data());
   const uint64_t esize = DTypeSize(t.param_dtype);
@@ -206,7 +206,7 @@ absl::Status StepExecutor::WriteWeightsRange(const ShardState& shard,
 
 absl::Status StepExecutor::ReadWeights(ShardState& shard, std::span<const TensorBinding> bindings,
                                        uint32_t tensor) {
-  const TensorInfo& t = shard.tensors()[tensor];
+  const TensorDesc& t = shard.tensors()[tensor];
   // Converted straight into the masters' runs, in parallel (no temporary of
   // the whole tensor). Weights the CPU cannot address are first copied into
   // the run's moments (still all zeros, and page-locked when the engine

@@ -81,7 +81,7 @@ ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
   for (const Subgroup& g : shard.subgroups()) layout.subgroup_numel.push_back(g.numel);
   layout.state_bytes = static_cast<double>(shard.bytes_per_param());
   if (!shard.tensors().empty()) {
-    const TensorInfo& t0 = shard.tensors()[0];
+    const TensorDesc& t0 = shard.tensors()[0];
     layout.grad_bytes = grad_fp32 ? 4.0 : static_cast<double>(DTypeSize(t0.grad_dtype));
     layout.weight_bytes = static_cast<double>(DTypeSize(t0.param_dtype));
   }

@@ -153,12 +153,8 @@ absl::Status Session::ResolveSegments(ShardSpec* spec) {
       if (ref->is_cuda_ipc() || ref->segment_id == 0) continue;  // ShmTransport says why
       auto it = taken.find(ref->segment_id);
       if (it == taken.end()) {
-        DOS_ASSIGN_OR_RETURN(
-            std::unique_ptr<ShmSegment> seg,
-            inbox_.Take(ref->segment_id,
-                        absl::StrCat("register: tensor ", i,
-                                     t.name.empty() ? "" : absl::StrCat(" (", t.name, ")"), " ",
-                                     part)));
+        DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
+                             inbox_.Take(ref->segment_id, TensorWhat(i, t.desc.name, part)));
         it = taken.emplace(ref->segment_id, std::move(seg)).first;
       }
       ref->segment = it->second;
@@ -371,7 +367,7 @@ Policy Session::policy() const {
 
 absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
                                                HostMemoryBudget* staging_budget) {
-  std::vector<TensorInfo> infos;
+  std::vector<TensorDesc> infos;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;
   StateFormat format = StateFormat::kFp32;
@@ -390,7 +386,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   // an earlier snapshot is reused; a new one is allocated (and its pages
   // touched) here, off the lock.
   uint64_t total = 0;
-  for (const TensorInfo& t : infos) total += t.numel;
+  for (const TensorDesc& t : infos) total += t.numel;
   if (*staging == nullptr || (*staging)->total_params() != total ||
       (*staging)->subgroup_size() != subgroup_size || (*staging)->format() != format) {
     staging->reset();

@@ -22,7 +22,7 @@ struct Session::Registration {
   GpuDeviceInfo device;  // ordinal -1: the host engine
   std::unique_ptr<Transport> transport;
   std::vector<TensorBinding> bindings;
-  std::vector<TensorInfo> infos;
+  std::vector<TensorDesc> infos;  // the spec's descriptions
   std::unique_ptr<ShardState> shard;
   std::string restored_from;  // "", "resume" or a checkpoint path
   void* trainer_event = nullptr;
@@ -64,9 +64,9 @@ absl::Status Session::PickExecutor(const ShardSpec& spec, Registration* reg) {
   } else {
     // The engine of the device the tensors live on (the rank's GPU), by UUID.
     const TensorSpec& t0 = spec.tensors[0];
-    DOS_ASSIGN_OR_RETURN(ExecutorSet::Device d,
-                         executors_->ForDeviceUuid(t0.param.device_uuid,
-                                                   TensorWhat(0, t0.name, "param")));
+    DOS_ASSIGN_OR_RETURN(
+        ExecutorSet::Device d,
+        executors_->ForDeviceUuid(t0.param.device_uuid, TensorWhat(0, t0.desc.name, "param")));
     reg->executor = d.executor;
     reg->device = d.device;
   }
@@ -77,19 +77,15 @@ absl::Status Session::PickExecutor(const ShardSpec& spec, Registration* reg) {
 absl::Status Session::MapTensors(const ShardSpec& spec, Registration* reg) {
   for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
     const TensorSpec& t = spec.tensors[i];
+    const TensorDesc& d = t.desc;
     TensorBinding b;
-    DOS_ASSIGN_OR_RETURN(b.param, reg->transport->Map(t.param, t.numel * DTypeSize(t.param_dtype),
-                                                      TensorWhat(i, t.name, "param")));
-    DOS_ASSIGN_OR_RETURN(void* grad,
-                         reg->transport->Map(t.grad, t.numel * DTypeSize(t.grad_dtype),
-                                             TensorWhat(i, t.name, "grad")));
+    DOS_ASSIGN_OR_RETURN(b.param, reg->transport->Map(t.param, d.numel * DTypeSize(d.param_dtype),
+                                                      TensorWhat(i, d.name, "param")));
+    DOS_ASSIGN_OR_RETURN(void* grad, reg->transport->Map(t.grad, d.numel * DTypeSize(d.grad_dtype),
+                                                         TensorWhat(i, d.name, "grad")));
     b.grad = grad;
     reg->bindings.push_back(b);
-    reg->infos.push_back(TensorInfo{.name = t.name,
-                                    .param_dtype = t.param_dtype,
-                                    .grad_dtype = t.grad_dtype,
-                                    .numel = t.numel,
-                                    .group = t.group});
+    reg->infos.push_back(d);
   }
   return absl::OkStatus();
 }
@@ -99,10 +95,7 @@ absl::Status Session::ResumeState(const ShardSpec& spec, Registration* reg) {
   // process must register the same layout; its weights are rewritten from
   // the fp32 masters, so it continues exactly where the state stands.
   CheckpointLayout wanted;
-  wanted.tensors.reserve(reg->infos.size());
-  for (const TensorInfo& t : reg->infos) {
-    wanted.tensors.push_back({t.name, t.param_dtype, t.grad_dtype, t.numel, t.group, 0});
-  }
+  wanted.tensors = reg->infos;
   wanted.groups = spec.groups;
   DOS_RETURN_IF_ERROR(CheckLayoutMatches(
       wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
@@ -120,7 +113,7 @@ absl::Status Session::ResumeState(const ShardSpec& spec, Registration* reg) {
 
 absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
   uint64_t numel = 0;
-  for (const TensorInfo& t : reg->infos) numel += t.numel;
+  for (const TensorDesc& t : reg->infos) numel += t.numel;
   uint64_t subgroup_size =
       spec.subgroup_size != 0 ? spec.subgroup_size : options_.default_subgroup_size;
   if (subgroup_size < kMinSubgroupSize) {
@@ -138,8 +131,9 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
         "register: the tensors hold ", numel, " parameters in subgroups of ", subgroup_size,
         ", ", FormatBytes(bytes), " of optimizer state with its page-aligned subgroups; "
         "dosd's --session_memory_limit allows ", FormatBytes(options_.memory_limit),
-        " per session; shard the model over more ranks, use larger subgroups or raise the "
-        "limit"));
+        " per session; shard the model over more ranks, use larger subgroups",
+        spec.state_format == StateFormat::kFp32 ? ", use compact state (8 bytes a parameter)" : "",
+        " or raise the limit"));
   }
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,

@@ -25,9 +25,10 @@ absl::Status CheckOneDevice(const ShardSpec& spec) {
       const std::string uuid = FormatDeviceUuid(ref->device_uuid);
       if (uuid == first) continue;
       return absl::InvalidArgumentError(absl::StrCat(
-          TensorWhat(i, t.name, part), " lives on GPU ", uuid.empty() ? "(no UUID sent)" : uuid,
-          " but tensor 0", t0.name.empty() ? "" : absl::StrCat(" (", t0.name, ")"),
-          " param lives on GPU ", first.empty() ? "(no UUID sent)" : first,
+          TensorWhat(i, t.desc.name, part), " lives on GPU ",
+          uuid.empty() ? "(no UUID sent)" : uuid, " but tensor 0",
+          t0.desc.name.empty() ? "" : absl::StrCat(" (", t0.desc.name, ")"), " param lives on GPU ",
+          first.empty() ? "(no UUID sent)" : first,
           "; all tensors of a session must be on one device (the rank's GPU): move them "
           "there, or attach one session per device"));
     }
@@ -37,31 +38,32 @@ absl::Status CheckOneDevice(const ShardSpec& spec) {
 
 absl::Status CheckTensor(const ShardSpec& spec, uint32_t i, bool device) {
   const TensorSpec& t = spec.tensors[i];
-  if (t.numel == 0) {
-    return absl::InvalidArgumentError(TensorWhat(i, t.name, "has 0 elements; leave it out"));
+  const TensorDesc& d = t.desc;
+  if (d.numel == 0) {
+    return absl::InvalidArgumentError(TensorWhat(i, d.name, "has 0 elements; leave it out"));
   }
-  if (t.group >= spec.groups.size()) {
+  if (d.group >= spec.groups.size()) {
     return absl::InvalidArgumentError(TensorWhat(
-        i, t.name, absl::StrCat("names param group ", t.group, " but only ", spec.groups.size(),
+        i, d.name, absl::StrCat("names param group ", d.group, " but only ", spec.groups.size(),
                                 " groups were given")));
   }
   constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-  if (t.numel > kMaxNumel) {
+  if (d.numel > kMaxNumel) {
     return absl::InvalidArgumentError(TensorWhat(
-        i, t.name, absl::StrCat("has ", t.numel, " elements, more than the ", kMaxNumel,
+        i, d.name, absl::StrCat("has ", d.numel, " elements, more than the ", kMaxNumel,
                                 " supported")));
   }
-  for (auto [ref, dtype, part] : {std::tuple{&t.param, t.param_dtype, "param"},
-                                  std::tuple{&t.grad, t.grad_dtype, "grad"}}) {
+  for (auto [ref, dtype, part] : {std::tuple{&t.param, d.param_dtype, "param"},
+                                  std::tuple{&t.grad, d.grad_dtype, "grad"}}) {
     if (ref->offset % DTypeSize(dtype) != 0) {
       return absl::InvalidArgumentError(TensorWhat(
-          i, t.name, absl::StrCat(part, " offset ", ref->offset, " is not a multiple of the ",
+          i, d.name, absl::StrCat(part, " offset ", ref->offset, " is not a multiple of the ",
                                   DTypeName(dtype), " element size")));
     }
   }
   if (t.param.is_cuda_ipc() != device || t.grad.is_cuda_ipc() != device) {
     return absl::InvalidArgumentError(TensorWhat(
-        i, t.name, "mixes CUDA IPC and shared-memory locations; a session registers either "
+        i, d.name, "mixes CUDA IPC and shared-memory locations; a session registers either "
                    "all tensors in GPU memory or all in shared memory"));
   }
   return absl::OkStatus();

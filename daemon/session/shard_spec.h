@@ -11,18 +11,16 @@
 
 #include "absl/status/status.h"
 #include "dos/wire/dtype.h"
+#include "dos/wire/tensor_desc.h"
 #include "daemon/state/shard_state.h"
 #include "daemon/transport/transport.h"
 
 namespace dos {
 
-// One tensor as the client describes it at registration.
+// One tensor as the client registers it: its description and where the
+// trainer's memory for it is.
 struct TensorSpec {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
+  TensorDesc desc;
   MemoryRef param;
   MemoryRef grad;
 };

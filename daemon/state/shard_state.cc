@@ -27,7 +27,7 @@ uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size,
   return full * pages(subgroup_size) + (tail > 0 ? pages(tail) : 0);
 }
 
-absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorInfo> tensors,
+absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<TensorDesc> tensors,
                                                                 std::vector<GroupConfig> groups,
                                                                 uint64_t subgroup_size,
                                                                 HostMemoryBudget* budget,
@@ -41,9 +41,9 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   }
   std::unique_ptr<ShardState> s(new ShardState());
   uint64_t flat = 0;
-  for (TensorInfo& t : tensors) {
-    t.flat_offset = flat;
-    flat += t.numel;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    s->flat_offsets_.push_back(flat);
+    flat += tensors[i].numel;
   }
   s->tensors_ = std::move(tensors);
   s->groups_ = std::move(groups);
@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
     g.numel = std::min(subgroup_size, flat - begin);
     uint64_t filled = 0;
     while (filled < g.numel) {
-      const TensorInfo& t = s->tensors_[tensor];
+      const TensorDesc& t = s->tensors_[tensor];
       uint64_t count = std::min(t.numel - tensor_offset, g.numel - filled);
       if (count > 0) g.segments.push_back({tensor, tensor_offset, filled, count});
       filled += count;
@@ -110,11 +110,11 @@ ShardState::~ShardState() {
 // Calls fn(subgroup, segment) for every segment covering `tensor`, in order.
 template <typename Fn>
 void ShardState::ForEachRun(uint32_t tensor, Fn fn) const {
-  const TensorInfo& t = tensors_[tensor];
-  uint64_t first = t.flat_offset / subgroup_size_;
-  for (uint64_t gi = first; gi < subgroups_.size(); ++gi) {
+  const uint64_t begin = flat_offsets_[tensor];
+  const uint64_t end = begin + tensors_[tensor].numel;
+  for (uint64_t gi = begin / subgroup_size_; gi < subgroups_.size(); ++gi) {
     const Subgroup& g = subgroups_[gi];
-    if (g.flat_begin >= t.flat_offset + t.numel) break;
+    if (g.flat_begin >= end) break;
     for (const SubgroupSegment& seg : g.segments) {
       if (seg.tensor == tensor) fn(g, seg);
     }

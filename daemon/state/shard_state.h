@@ -42,18 +42,9 @@
 #include "daemon/state/state_format.h"
 #include "dos/wire/dtype.h"
 #include "dos/wire/step_params.h"
+#include "dos/wire/tensor_desc.h"
 
 namespace dos {
-
-struct TensorInfo {
-  std::string name;
-  DType param_dtype = DType::kF32;
-  DType grad_dtype = DType::kF32;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  uint64_t flat_offset = 0;  // set by ShardState::Create
-  int64_t step = 0;          // optimizer steps applied to this tensor
-};
 
 struct GroupConfig {
   GroupStepParams defaults{};
@@ -115,7 +106,7 @@ class ShardState {
   // Lays out `tensors`, reserves the state's bytes from `budget` (which must
   // outlive the ShardState) and allocates it, zeroed and faulted in from all
   // cores (HostArena). `what` names the registration in error messages.
-  static absl::StatusOr<std::unique_ptr<ShardState>> Create(std::vector<TensorInfo> tensors,
+  static absl::StatusOr<std::unique_ptr<ShardState>> Create(std::vector<TensorDesc> tensors,
                                                             std::vector<GroupConfig> groups,
                                                             uint64_t subgroup_size,
                                                             HostMemoryBudget* budget,
@@ -125,8 +116,11 @@ class ShardState {
   ShardState(const ShardState&) = delete;
   ShardState& operator=(const ShardState&) = delete;
 
-  std::span<TensorInfo> tensors() { return tensors_; }
-  std::span<const TensorInfo> tensors() const { return tensors_; }
+  // The tensors in registration order; a step advances their `step`.
+  std::span<TensorDesc> tensors() { return tensors_; }
+  std::span<const TensorDesc> tensors() const { return tensors_; }
+  // Where tensor `tensor`'s first element lies in the flat element space.
+  uint64_t flat_offset(uint32_t tensor) const { return flat_offsets_[tensor]; }
   std::span<const GroupConfig> groups() const { return groups_; }
   std::span<Subgroup> subgroups() { return subgroups_; }
   std::span<const Subgroup> subgroups() const { return subgroups_; }
@@ -211,7 +205,8 @@ class ShardState {
   // Per subgroup, for the snapshot in flight.
   enum CopyState : uint32_t { kCopied = 0, kPending = 1, kCopying = 2 };
 
-  std::vector<TensorInfo> tensors_;
+  std::vector<TensorDesc> tensors_;
+  std::vector<uint64_t> flat_offsets_;  // per tensor
   std::vector<GroupConfig> groups_;
   std::vector<Subgroup> subgroups_;
   std::unique_ptr<HostArena> arena_;

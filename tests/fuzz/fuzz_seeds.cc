@@ -26,16 +26,22 @@ void WriteFile(const std::string& path, const std::string& data) {
 
 void CheckpointSeeds(const std::string& dir) {
   int n = 0;
+  // fp32 state (file version 1) and compact state (version 2, bf16 moments).
+  for (dos::StateFormat format : {dos::StateFormat::kFp32, dos::StateFormat::kCompact}) {
   for (uint32_t chunk : {4u, 16u, 1024u}) {
     for (int tensors = 1; tensors <= 3; ++tensors) {
       dos::CheckpointLayout l;
+      l.state_format = format;
       l.subgroup_size = 5;
       l.owner = "seed";
       l.groups.resize(2);
       l.groups[1].decoupled_weight_decay = false;
       for (int t = 0; t < tensors; ++t) {
-        l.tensors.push_back({"t" + std::to_string(t), dos::DType::kBF16, dos::DType::kF32,
-                             static_cast<uint64_t>(1 + 3 * t), static_cast<uint32_t>(t % 2), t});
+        l.tensors.push_back({.name = "t" + std::to_string(t),
+                             .param_dtype = dos::DType::kBF16,
+                             .numel = static_cast<uint64_t>(1 + 3 * t),
+                             .group = static_cast<uint32_t>(t % 2),
+                             .step = t});
       }
       dos::testing::MemEnv env;
       dos::CheckpointWriterOptions o;
@@ -46,13 +52,20 @@ void CheckpointSeeds(const std::string& dir) {
       for (uint32_t t = 0; t < l.tensors.size(); ++t) {
         for (uint32_t a = 0; a < 3; ++a) {
           std::vector<float> v(l.tensors[t].numel, 0.5f * (t + a));
-          (void)(*w)->BeginSection(t, static_cast<dos::StateArray>(a));
-          (void)(*w)->Append(v.data(), v.size());
+          std::vector<uint16_t> h(v.size(), dos::FloatToBF16(0.5f * (t + a)));
+          const auto which = static_cast<dos::StateArray>(a);
+          (void)(*w)->BeginSection(t, which);
+          if (dos::ElementBytes(l, which) == 2) {
+            (void)(*w)->AppendBf16(h.data(), h.size());
+          } else {
+            (void)(*w)->Append(v.data(), v.size());
+          }
           (void)(*w)->EndSection();
         }
       }
       if ((*w)->Commit().ok()) WriteFile(dir + "/seed" + std::to_string(n++), *env.Get("/c"));
     }
+  }
   }
 }
 

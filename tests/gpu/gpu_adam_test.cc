@@ -153,7 +153,7 @@ INSTANTIATE_TEST_SUITE_P(
 // gradients: every path (resident, streamed, CPU in GPU mode) must reproduce
 // the CPU kernel bit for bit, since the kernels do.
 struct Model {
-  std::vector<TensorInfo> tensors;
+  std::vector<TensorDesc> tensors;
   std::vector<uint16_t> weights, grads;  // bf16
 };
 
@@ -162,7 +162,7 @@ Model MakeModel() {
   const uint64_t sizes[] = {1000, 70001, 33, 250000, 99999};
   uint64_t total = 0;
   for (uint64_t s : sizes) {
-    TensorInfo t;
+    TensorDesc t;
     t.name = absl::StrCat("t", m.tensors.size());
     t.param_dtype = DType::kBF16;
     t.grad_dtype = DType::kBF16;
@@ -199,7 +199,7 @@ std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
     dg = DeviceCopy<void>(g.data(), 2 * total);
   }
   uint64_t off = 0;
-  for (const TensorInfo& t : (*shard)->tensors()) {
+  for (const TensorDesc& t : (*shard)->tensors()) {
     TensorBinding tb;
     tb.param = (gpu ? static_cast<uint16_t*>(dw) : w.data()) + off;
     tb.grad = (gpu ? static_cast<uint16_t*>(dg) : g.data()) + off;
@@ -309,7 +309,7 @@ TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   ASSERT_TRUE(engine.ok());
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
-  TensorInfo t;
+  TensorDesc t;
   t.param_dtype = DType::kBF16;
   t.grad_dtype = DType::kBF16;
   t.numel = 1000;

@@ -51,7 +51,7 @@ Trained Train(StepExecutor& ex, GpuEngine* gpu, const std::vector<int>& leases,
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
   groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
-  TensorInfo t;
+  TensorDesc t;
   t.param_dtype = DType::kBF16;
   t.grad_dtype = DType::kBF16;
   t.numel = kTotal;

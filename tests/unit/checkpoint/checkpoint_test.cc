@@ -140,12 +140,12 @@ TEST_F(CheckpointTest, NotACheckpointIsRefused) {
 struct MismatchCase {
   const char* field;
   std::vector<uint64_t> sizes;
-  void (*mutate)(std::vector<TensorInfo>*, std::vector<GroupConfig>*);
+  void (*mutate)(std::vector<TensorDesc>*, std::vector<GroupConfig>*);
 };
 
 std::unique_ptr<ShardState> MakeMutated(HostMemoryBudget* budget, const MismatchCase& c) {
   auto base = MakeShard(budget, c.sizes);
-  std::vector<TensorInfo> tensors(base->tensors().begin(), base->tensors().end());
+  std::vector<TensorDesc> tensors(base->tensors().begin(), base->tensors().end());
   std::vector<GroupConfig> groups(base->groups().begin(), base->groups().end());
   c.mutate(&tensors, &groups);
   auto s = ShardState::Create(std::move(tensors), std::move(groups), 1000, budget, "mutated");
@@ -319,7 +319,7 @@ TEST_F(CheckpointTest, WriterEnforcesSectionOrderAndCounts) {
   CheckpointLayout l;
   l.subgroup_size = 10;
   l.groups.resize(1);
-  l.tensors.push_back({"a", DType::kF32, DType::kF32, 3, 0, 0});
+  l.tensors.push_back({.name = "a", .numel = 3});
   auto w = CheckpointWriter::Create("/x/a", l, &mem);
   ASSERT_TRUE(w.ok());
   EXPECT_EQ((*w)->BeginSection(0, StateArray::kExpAvg).code(),
@@ -344,7 +344,7 @@ TEST_F(CheckpointTest, UncommittedWriterLeavesNothingBehind) {
   CheckpointLayout l;
   l.subgroup_size = 10;
   l.groups.resize(1);
-  l.tensors.push_back({"a", DType::kF32, DType::kF32, 3, 0, 0});
+  l.tensors.push_back({.name = "a", .numel = 3});
   {
     auto w = CheckpointWriter::Create("/x/a", l, &mem);
     ASSERT_TRUE(w.ok());
@@ -362,7 +362,7 @@ TEST_F(CheckpointTest, InvalidLayoutIsRefusedByTheWriter) {
   CheckpointLayout l;
   l.subgroup_size = 10;
   l.groups.resize(1);
-  l.tensors.push_back({"a", DType::kF32, DType::kF32, 3, 4, 0});
+  l.tensors.push_back({.name = "a", .numel = 3, .group = 4});
   auto w = CheckpointWriter::Create("/x/a", l, &mem);
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(w.status().message(), HasSubstr("tensors[0].group"));

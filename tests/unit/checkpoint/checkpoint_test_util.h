@@ -53,9 +53,9 @@ inline std::unique_ptr<ShardState> MakeShard(HostMemoryBudget* budget,
                                              const std::vector<uint64_t>& sizes = AwkwardSizes(),
                                              uint64_t subgroup_size = 1000,
                                              StateFormat format = StateFormat::kFp32) {
-  std::vector<TensorInfo> tensors;
+  std::vector<TensorDesc> tensors;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    TensorInfo t;
+    TensorDesc t;
     t.name = "layer" + std::to_string(i) + ".weight";
     t.param_dtype = i % 2 ? DType::kBF16 : DType::kF32;
     t.grad_dtype = i % 3 ? DType::kF16 : DType::kF32;

@@ -47,6 +47,22 @@ TEST_F(RequestBuilderTest, BuildsShmLocations) {
   EXPECT_DOUBLE_EQ(req->groups(0).lr(), 1e-3);
 }
 
+TEST_F(RequestBuilderTest, DescribesTensorsWithTheSharedType) {
+  TensorDesc d = DescribeTensor(tensor_, 0);
+  EXPECT_EQ(d.name, "fc.weight");
+  EXPECT_EQ(d.param_dtype, DType::kBF16);
+  EXPECT_EQ(d.grad_dtype, DType::kBF16);
+  EXPECT_EQ(d.numel, 64u);
+  EXPECT_EQ(d.group, 0u);
+  EXPECT_EQ(d.step, 0);
+  tensor_.name = nullptr;
+  EXPECT_EQ(DescribeTensor(tensor_, 3).name, "tensor3");
+  // The request carries the same description.
+  auto req = Build();
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->tensors(0).name(), "tensor0");
+}
+
 TEST_F(RequestBuilderTest, RejectsBadDtypeNamingTheTensor) {
   tensor_.grad_dtype = static_cast<dos_dtype>(7);
   auto req = Build();

@@ -40,7 +40,7 @@ ShardLayout Uniform(uint32_t n, double state_bytes) {
 
 TEST(CompactPlanTest, LayoutOfACompactShardHasEightStateBytes) {
   HostMemoryBudget budget(0);
-  std::vector<TensorInfo> tensors(1);
+  std::vector<TensorDesc> tensors(1);
   tensors[0].numel = 300;
   for (StateFormat f : {StateFormat::kFp32, StateFormat::kCompact}) {
     auto shard = ShardState::Create(tensors, {GroupConfig{}}, 100, &budget, "t", {.format = f});
@@ -77,7 +77,7 @@ TEST(CompactPlanTest, AHostStepOnCompactStateIsTheKernelsCompactUpdate) {
   HostMemoryBudget budget(0);
   cpu::CpuUpdater cpu(cpu::CpuUpdaterOptions{.threads = 2, .tile_elems = 96});
   cpu::HostEngine engine(&cpu);
-  std::vector<TensorInfo> tensors(2);
+  std::vector<TensorDesc> tensors(2);
   tensors[0].numel = 3001;  // subgroups of 1000 cross the tensor boundary
   tensors[1].numel = 1500;
   auto shard = *ShardState::Create(tensors, {GroupConfig{}}, 1000, &budget, "t",

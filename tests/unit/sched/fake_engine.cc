@@ -288,7 +288,7 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
     std::vector<cpu::CpuUpdater::Item> items;
     absl::Status st = cpu::ForEachSegmentSpan(
         shard.tensors(), g, state,
-        [&](const SubgroupSegment& seg, const TensorInfo& t) {
+        [&](const SubgroupSegment& seg, const TensorDesc& t) {
           return cpu::TrainerIo(t, seg, bindings[seg.tensor].grad, bindings[seg.tensor].param);
         },
         [&](const SubgroupSegment& seg, const cpu::AdamSpan& span) {

@@ -143,7 +143,7 @@ struct ExecutorFixture {
   std::vector<TensorBinding> bindings;
 
   explicit ExecutorFixture(uint32_t subgroups) {
-    std::vector<TensorInfo> tensors(1);
+    std::vector<TensorDesc> tensors(1);
     tensors[0].numel = subgroups * kSg;
     shard = *ShardState::Create(tensors, {GroupConfig{GroupStepParams{}, true}}, kSg, &budget,
                                 "test");

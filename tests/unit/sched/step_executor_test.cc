@@ -31,11 +31,11 @@ struct Fixture {
   std::vector<TensorBinding> bindings;
 
   Fixture() {
-    std::vector<TensorInfo> tensors(2);
+    std::vector<TensorDesc> tensors(2);
     tensors[0].numel = 3001;
     tensors[1].numel = 1500;
     shard = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &budget, "test");
-    for (const TensorInfo& t : shard->tensors()) {
+    for (const TensorDesc& t : shard->tensors()) {
       params.emplace_back(t.numel);
       grads.emplace_back(t.numel);
       for (uint64_t i = 0; i < t.numel; ++i) {
@@ -159,7 +159,7 @@ TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheBoundaryInTheStagingCopy) {
   Fixture f;
   Fixture plain;
   HostMemoryBudget staging_budget{0};
-  std::vector<TensorInfo> tensors(f.shard->tensors().begin(), f.shard->tensors().end());
+  std::vector<TensorDesc> tensors(f.shard->tensors().begin(), f.shard->tensors().end());
   auto staging = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &staging_budget, "s");
   const std::vector<float> boundary = f.Master(0);
   f.shard->BeginSnapshot(staging.get());
@@ -176,7 +176,7 @@ TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheBoundaryInTheStagingCopy) {
 TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
   HostMemoryBudget budget{0};
   cpu::CpuUpdater cpu{cpu::CpuUpdaterOptions{.threads = 1}};
-  std::vector<TensorInfo> tensors(1);
+  std::vector<TensorDesc> tensors(1);
   tensors[0].numel = 10;
   tensors[0].param_dtype = DType::kBF16;
   tensors[0].grad_dtype = DType::kBF16;

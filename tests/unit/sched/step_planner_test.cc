@@ -353,7 +353,7 @@ TEST(StepPlannerTest, AHostMemoryCapBindsTheStep) {
 
 TEST(StepPlannerTest, LayoutOfAShardReadsSubgroupsAndTensorZerosDtypes) {
   HostMemoryBudget budget(0);
-  std::vector<TensorInfo> tensors(2);
+  std::vector<TensorDesc> tensors(2);
   tensors[0].param_dtype = DType::kBF16;
   tensors[0].grad_dtype = DType::kF16;
   tensors[0].numel = 250;

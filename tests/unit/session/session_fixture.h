@@ -70,8 +70,8 @@ class SessionFixture : public testing::Test {
     uint64_t off = 0;
     for (uint64_t n : kNumel) {
       TensorSpec t;
-      t.name = absl::StrCat("t", spec.tensors.size());
-      t.numel = n;
+      t.desc.name = absl::StrCat("t", spec.tensors.size());
+      t.desc.numel = n;
       for (auto [ref, handle] : {std::pair{&t.param, "params"}, std::pair{&t.grad, "grads"}}) {
         ref->cuda_ipc_handle = handle;
         ref->offset = 4 * off;
@@ -98,7 +98,7 @@ class SessionFixture : public testing::Test {
     for (TensorSpec& t : spec.tensors) {
       t.param = SegmentRef(id, 4 * off);
       t.grad = SegmentRef(id, 4 * (kTotal + off));
-      off += t.numel;
+      off += t.desc.numel;
     }
     return spec;
   }

@@ -11,10 +11,10 @@
 namespace dos {
 namespace {
 
-std::vector<TensorInfo> Tensors(std::vector<uint64_t> sizes) {
-  std::vector<TensorInfo> out;
+std::vector<TensorDesc> Tensors(std::vector<uint64_t> sizes) {
+  std::vector<TensorDesc> out;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    out.push_back(TensorInfo{.name = absl::StrCat("t", i), .numel = sizes[i]});
+    out.push_back(TensorDesc{.name = absl::StrCat("t", i), .numel = sizes[i]});
   }
   return out;
 }

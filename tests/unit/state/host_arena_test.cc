@@ -82,9 +82,9 @@ TEST(RegisterProgressTest, PhasesBytesAndMirror) {
 
 TEST(ShardStateArenaTest, CreateReportsAllocationAndMasterRunsCoverEachTensor) {
   HostMemoryBudget budget(0);
-  std::vector<TensorInfo> tensors;
+  std::vector<TensorDesc> tensors;
   for (uint64_t n : {7u, 22u, 1u, 64u}) {
-    TensorInfo t;
+    TensorDesc t;
     t.numel = n;
     tensors.push_back(t);
   }

@@ -11,10 +11,10 @@
 namespace dos {
 namespace {
 
-std::vector<TensorInfo> Tensors(std::vector<uint64_t> sizes) {
-  std::vector<TensorInfo> out;
+std::vector<TensorDesc> Tensors(std::vector<uint64_t> sizes) {
+  std::vector<TensorDesc> out;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    out.push_back(TensorInfo{.name = absl::StrCat("t", i), .numel = sizes[i]});
+    out.push_back(TensorDesc{.name = absl::StrCat("t", i), .numel = sizes[i]});
   }
   return out;
 }
@@ -32,8 +32,9 @@ TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
     uint64_t covered = 0;
     for (const SubgroupSegment& seg : g.segments) {
       EXPECT_EQ(seg.subgroup_offset, covered);
-      const TensorInfo& t = shard.tensors()[seg.tensor];
-      EXPECT_EQ(t.flat_offset + seg.tensor_offset, g.flat_begin + seg.subgroup_offset);
+      const TensorDesc& t = shard.tensors()[seg.tensor];
+      EXPECT_EQ(shard.flat_offset(seg.tensor) + seg.tensor_offset,
+                g.flat_begin + seg.subgroup_offset);
       EXPECT_LE(seg.tensor_offset + seg.count, t.numel);
       covered += seg.count;
     }
