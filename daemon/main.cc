@@ -445,6 +445,9 @@ int Run(const DaemonConfig& config) {
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // A file size limit (systemd LimitFSIZE=, ulimit -f) fails a checkpoint
+  // write with EFBIG, reported to its caller, instead of killing dosd.
+  ::signal(SIGXFSZ, SIG_IGN);
 
   absl::StatusOr<std::unique_ptr<SocketGuard>> guard = SocketGuard::Claim(config.socket_path);
   if (!guard.ok()) return Fail("daemon.socket", guard.status());

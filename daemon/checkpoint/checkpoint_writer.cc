@@ -1,5 +1,6 @@
 #include "daemon/checkpoint/checkpoint_writer.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -109,7 +110,14 @@ absl::Status CheckpointWriter::WriteAll(const char* data, size_t n) {
       std::string msg = absl::StrCat("checkpoint ", path_, ": writing ", temp_path_,
                                      " failed after ", bytes_written_, " of ", expected_bytes_,
                                      " bytes: ", w.status().message());
-      if (absl::IsResourceExhausted(w.status())) {
+      rlimit fsize{};
+      if (absl::IsResourceExhausted(w.status()) && ::getrlimit(RLIMIT_FSIZE, &fsize) == 0 &&
+          fsize.rlim_cur != RLIM_INFINITY && bytes_written_ + n > fsize.rlim_cur) {
+        absl::StrAppend(&msg, " (dosd's file size limit, RLIMIT_FSIZE, is ", fsize.rlim_cur,
+                        " bytes: below the checkpoint's ", expected_bytes_, "); the previous "
+                        "checkpoint is intact; raise the limit for dosd (systemd LimitFSIZE=, "
+                        "ulimit -f)");
+      } else if (absl::IsResourceExhausted(w.status())) {
         absl::StatusOr<uint64_t> free = env_->FreeBytes(DirName(path_));
         absl::StrAppend(&msg, " (", free.ok() ? absl::StrCat(*free) : std::string("unknown"),
                         " bytes free on ", DirName(path_),

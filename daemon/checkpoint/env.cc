@@ -75,23 +75,13 @@ class PosixEnv final : public Env {
                                                                 uint32_t mode) override {
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
     if (fd < 0) return ErrnoToStatus(errno, "create", path);
-    return std::make_unique<PosixWritableFile>(path, fd);
+    return WritableFileFromFd(path, fd);
   }
 
   absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
     int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return ErrnoToStatus(errno, "open", path);
-    struct stat st;
-    if (::fstat(fd, &st) != 0) {
-      int err = errno;
-      ::close(fd);
-      return ErrnoToStatus(err, "stat", path);
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
-      return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
-    }
-    return std::make_unique<PosixReadableFile>(path, fd, static_cast<uint64_t>(st.st_size));
+    return ReadableFileFromFd(path, fd);
   }
 
   bool FileExists(const std::string& path) override { return ::access(path.c_str(), F_OK) == 0; }
@@ -139,6 +129,25 @@ class PosixEnv final : public Env {
 
 }  // namespace
 
+std::unique_ptr<WritableFile> WritableFileFromFd(std::string path, int fd) {
+  return std::make_unique<PosixWritableFile>(std::move(path), fd);
+}
+
+absl::StatusOr<std::unique_ptr<ReadableFile>> ReadableFileFromFd(std::string path, int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return ErrnoToStatus(err, "stat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
+  }
+  return std::make_unique<PosixReadableFile>(std::move(path), fd,
+                                             static_cast<uint64_t>(st.st_size));
+}
+
 Env* Env::Default() {
   static Env* const env = new PosixEnv();
   return env;
@@ -158,6 +167,7 @@ absl::Status ErrnoToStatus(int err, absl::string_view what, absl::string_view pa
   switch (err) {
     case ENOSPC:
     case EDQUOT:
+    case EFBIG:  // the process's file size limit (RLIMIT_FSIZE)
       return absl::ResourceExhaustedError(msg);
     case ENOENT:
       return absl::NotFoundError(msg);

@@ -6,7 +6,7 @@
 //
 // Env::Default() is the POSIX implementation; it lives for the whole process.
 // Errors come back as absl::Status with the path and strerror in the message
-// and a canonical code: ENOSPC/EDQUOT -> RESOURCE_EXHAUSTED, ENOENT ->
+// and a canonical code: ENOSPC/EDQUOT/EFBIG -> RESOURCE_EXHAUSTED, ENOENT ->
 // NOT_FOUND, EACCES/EPERM/EROFS -> PERMISSION_DENIED, others -> INTERNAL.
 //
 // Thread-safety: an Env is thread-safe; a file object is used by one thread.
@@ -74,6 +74,12 @@ class Env {
   // `dir` (statvfs f_bavail * f_frsize).
   virtual absl::StatusOr<uint64_t> FreeBytes(const std::string& dir) = 0;
 };
+
+// For Env implementations: file objects over an open descriptor (owned from
+// here; closed on failure too). ReadableFileFromFd refuses anything but a
+// regular file (FAILED_PRECONDITION naming `path`).
+std::unique_ptr<WritableFile> WritableFileFromFd(std::string path, int fd);
+absl::StatusOr<std::unique_ptr<ReadableFile>> ReadableFileFromFd(std::string path, int fd);
 
 // The directory part of `path` ("." when it has none).
 std::string DirName(absl::string_view path);

@@ -17,6 +17,7 @@
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/checkpoint_writer.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
+#include "daemon/checkpoint/store_env.h"
 #include "daemon/common/log.h"
 #include "dos/wire/status_macros.h"
 
@@ -45,31 +46,44 @@ struct Candidate {
   std::string path;
 };
 
-// Files under `dir` (recursively, never through a symlink) that are DOS
-// checkpoints, keyed by (`uid`, name, rank), best first. Only the header and
-// layout are read here.
-std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::string& dir,
-                                                                  uint32_t uid) {
-  std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
-  std::error_code ec;
-  // recursive_directory_iterator does not descend into symlinked directories
-  // by default; symlinked files are skipped here (symlink_status, not status).
-  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!fs::is_regular_file(it->symlink_status(ec)) ||
-        !absl::EndsWith(it->path().filename().string(), kSuffix)) {
+// Folders below an owner's folder a checkpoint path may have (and scans
+// descend), and the longest path accepted.
+constexpr int kMaxDepth = 16;
+constexpr size_t kMaxPathBytes = 1024;
+
+// Files under `dir` (recursively, through the store's descriptors, never a
+// link) that are DOS checkpoints, added to `found` under (`uid`, name, rank).
+// Only the header and layout are read here.
+void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
+              std::map<SessionManager::RestoreKey, std::vector<Candidate>>* found) {
+  absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store.List(dir);
+  if (!entries.ok()) {
+    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", dir, "error", entries.status().message());
+    return;
+  }
+  for (const StoreEnv::Entry& e : *entries) {
+    const std::string path = absl::StrCat(dir, "/", e.name);
+    if (e.kind == StoreEnv::Kind::kDirectory && depth < kMaxDepth) {
+      ScanInto(store, path, uid, depth + 1, found);
       continue;
     }
-    const std::string path = it->path().string();
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> r =
-        CheckpointReader::Open(path, Env::Default());
+    if (e.kind != StoreEnv::Kind::kFile || !absl::EndsWith(e.name, kSuffix)) continue;
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path, &store);
     if (!r.ok()) {
       DOS_LOG_WARNING("checkpoint.scan_skipped", "path", path, "error", r.status().message());
       continue;
     }
     const CheckpointLayout& l = (*r)->layout();
-    found[{uid, l.owner, l.rank}].push_back(
+    (*found)[{uid, l.owner, l.rank}].push_back(
         {l.tensors.empty() ? 0 : l.tensors[0].step, (*r)->created_unix_seconds(), path});
   }
+}
+
+std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(StoreEnv& store,
+                                                                  const std::string& dir,
+                                                                  uint32_t uid) {
+  std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
+  ScanInto(store, dir, uid, 0, &found);
   for (auto& [key, list] : found) {
     std::sort(list.begin(), list.end(), [](const Candidate& a, const Candidate& b) {
       return std::tie(a.step, a.created, a.path) > std::tie(b.step, b.created, b.path);
@@ -78,35 +92,26 @@ std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(const std::str
   return found;
 }
 
+// Removes the temporaries of killed writers in `dir` and every folder below.
+int RemoveStaleTemporaries(StoreEnv& store, const std::string& dir, int depth) {
+  absl::StatusOr<int> n = RemoveStaleCheckpointTemporaries(dir, &store);
+  int removed = n.ok() ? *n : 0;
+  absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store.List(dir);
+  if (!entries.ok() || depth >= kMaxDepth + 1) return removed;
+  for (const StoreEnv::Entry& e : *entries) {
+    if (e.kind == StoreEnv::Kind::kDirectory) {
+      removed += RemoveStaleTemporaries(store, absl::StrCat(dir, "/", e.name), depth + 1);
+    }
+  }
+  return removed;
+}
+
 constexpr char kUserDirPrefix[] = "uid-";
 
 // "uid-<n>" -> n.
 bool ParseUserDir(const std::string& name, uint32_t* uid) {
   return absl::StartsWith(name, kUserDirPrefix) &&
          absl::SimpleAtoi(absl::string_view(name).substr(sizeof(kUserDirPrefix) - 1), uid);
-}
-
-// Creates `dir` and its missing parents below `root` with mode 0700; refuses
-// a symlink anywhere below `root`.
-absl::Status MakePrivateDirs(const fs::path& root, const fs::path& dir) {
-  fs::path at = root;
-  for (const fs::path& part : dir.lexically_relative(root)) {
-    if (part.empty() || part == ".") continue;
-    at /= part;
-    struct stat st;
-    if (::lstat(at.c_str(), &st) == 0) {
-      if (!S_ISDIR(st.st_mode)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "checkpoint directory ", at.string(), " is a symlink or not a directory; dosd does "
-            "not follow links in its checkpoint store"));
-      }
-      continue;
-    }
-    if (::mkdir(at.c_str(), 0700) != 0 && errno != EEXIST) {
-      return ErrnoToStatus(errno, "mkdir", at.string());
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -128,26 +133,12 @@ void Checkpointer::ForgetSession(uint64_t session_id) {
 }
 
 absl::Status Checkpointer::Start() {
-  std::error_code ec;
-  fs::create_directories(options_.dir, ec);
-  // The store is dosd's alone: trainers reach their state through dosd.
-  ::chmod(options_.dir.c_str(), 0700);
-  if (ec || !fs::is_directory(options_.dir, ec)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--checkpoint_dir=", options_.dir, " is not a directory and cannot be created (",
-        ec.message(), "); create it writable by the daemon's user"));
-  }
+  absl::StatusOr<std::unique_ptr<StoreEnv>> store = StoreEnv::Open(options_.dir);
+  if (!store.ok()) return store.status();
+  store_ = *std::move(store);
   // Temporaries of a writer killed mid-checkpoint (this daemon, SIGKILLed).
-  int removed = 0;
-  for (fs::recursive_directory_iterator it(options_.dir, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    if (!it->is_directory(ec)) continue;
-    absl::StatusOr<int> n = RemoveStaleCheckpointTemporaries(it->path().string(), Env::Default());
-    if (n.ok()) removed += *n;
-  }
-  absl::StatusOr<int> n = RemoveStaleCheckpointTemporaries(options_.dir, Env::Default());
-  if (n.ok()) removed += *n;
-  auto candidates = ScanForRestore(options_.dir);
+  const int removed = RemoveStaleTemporaries(*store_, store_->root(), 0);
+  auto candidates = ScanForRestore(*store_);
   DOS_LOG_INFO("checkpoint.start", "dir", options_.dir, "stale_temporaries_removed", removed,
                "restorable", candidates.size(), "autosave_interval",
                absl::FormatDuration(options_.autosave_interval), "autosave_keep",
@@ -156,7 +147,7 @@ absl::Status Checkpointer::Start() {
     DOS_LOG_INFO("checkpoint.restorable", "uid", std::get<0>(key), "client", std::get<1>(key),
                  "rank", std::get<2>(key), "latest", paths.front(), "files", paths.size());
   }
-  if (options_.restore) sessions_->SetRestoreCandidates(std::move(candidates));
+  if (options_.restore) sessions_->SetRestoreCandidates(std::move(candidates), store_.get());
   // A closed session's staging copy (as large as its state) goes with it.
   sessions_->SetOnClose([this](uint64_t id) { ForgetSession(id); });
   absl::MutexLock lock(&mu_);
@@ -177,16 +168,19 @@ void Checkpointer::Stop() {
 }
 
 std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore(
-    const std::string& dir) {
+    StoreEnv& store) {
   std::map<SessionManager::RestoreKey, std::vector<std::string>> out;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+  absl::StatusOr<std::vector<StoreEnv::Entry>> owners = store.List(store.root());
+  if (!owners.ok()) {
+    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", store.root(), "error",
+                    owners.status().message());
+    return out;
+  }
+  for (const StoreEnv::Entry& e : *owners) {
     uint32_t uid = 0;
-    if (!fs::is_directory(it->symlink_status(ec)) ||
-        !ParseUserDir(it->path().filename().string(), &uid)) {
-      continue;  // only the owners' folders; never a symlink
-    }
-    for (auto& [key, list] : Scan(it->path().string(), uid)) {
+    // Only the owners' folders (never a link: List reports it as kOther).
+    if (e.kind != StoreEnv::Kind::kDirectory || !ParseUserDir(e.name, &uid)) continue;
+    for (auto& [key, list] : Scan(store, absl::StrCat(store.root(), "/", e.name), uid)) {
       for (Candidate& c : list) out[key].push_back(std::move(c.path));
     }
   }
@@ -214,18 +208,13 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
         field, " '", path, "' is outside the checkpoint folder of uid ", owner, " (",
         root.string(), "); give a path relative to it (or under it), without '..'"));
   }
-  // Below the owner's folder nothing may be a symlink (dosd created every
-  // folder there itself; a link would lead out).
-  fs::path at = root;
-  for (const fs::path& part : p) {
-    if (part.empty() || part == ".") continue;
-    at /= part;
-    struct stat st;
-    if (::lstat(at.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, " '", path, "': ", at.string(), " is a symlink; dosd does not follow links in "
-          "its checkpoint store"));
-    }
+  // Links below the owner's folder are refused when the store opens the
+  // path (StoreEnv: one folder at a time, O_NOFOLLOW), not checked here.
+  const int depth = static_cast<int>(std::distance(p.begin(), p.end()));
+  if (path.size() > kMaxPathBytes || depth > kMaxDepth + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " has ", path.size(), " bytes and ", depth, " parts; a checkpoint path has at "
+        "most ", kMaxPathBytes, " bytes and ", kMaxDepth, " folders: give a shorter one"));
   }
   return (root / p).lexically_normal().string();
 }
@@ -316,8 +305,8 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     if (!job.path.empty()) {
       const SessionIdentity& sid = s->identity();
       DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
-      struct stat st;
-      const bool is_dir = ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+      DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(path));
+      const bool is_dir = kind == StoreEnv::Kind::kDirectory;
       // A folder (every session, an existing folder, "." or a trailing "/")
       // gets a file named for the session inside it.
       if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
@@ -357,40 +346,48 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   }
   std::string path = resolved_path;
   if (autosave || path.empty()) path = DefaultPath(*s, autosave ? "auto" : "step", snap.step);
-  std::error_code ec;
-  DOS_RETURN_IF_ERROR(MakePrivateDirs(fs::path(options_.dir), fs::path(path).parent_path()));
+  // Every folder and file through the store's descriptors (StoreEnv): a
+  // link anywhere below the store fails the save instead of leading out.
+  DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
   const absl::Time start = absl::Now();
   const SessionIdentity& sid = s->identity();
-  DOS_RETURN_IF_ERROR(SaveShard(*staging_[id], path, Env::Default(),
+  DOS_RETURN_IF_ERROR(SaveShard(*staging_[id], path, store_.get(),
                                 CheckpointOwner{sid.client_name, sid.rank, sid.world_size}));
   rec.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   rec.path = path;
-  rec.bytes = fs::file_size(path, ec);
+  rec.bytes = store_->FileSize(path).value_or(0);
   DOS_LOG_INFO("checkpoint.saved", "session", id, "path", path, "step", snap.step, "bytes",
                rec.bytes, "snapshot_us", snap.locked_us, "copy_ms", rec.copy_ms,
                "copied_by_steps", snap.subgroups_copied_by_steps, "write_ms", rec.write_ms,
                "last_step_wall_us", snap.last_step_wall_us, "autosave", autosave);
   if (autosave) {
     autosaved_step_[id] = snap.step;
-    PruneAutosaves(fs::path(path).parent_path().string());
+    PruneAutosaves(DirName(path));
   }
   return rec;
 }
 
 void Checkpointer::PruneAutosaves(const std::string& subdir) {
+  absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store_->List(subdir);
+  if (!entries.ok()) {
+    DOS_LOG_WARNING("checkpoint.prune_failed", "path", subdir, "error",
+                    entries.status().message());
+    return;
+  }
   std::vector<std::string> autos;
-  std::error_code ec;
-  for (fs::directory_iterator it(subdir, ec), end; !ec && it != end; it.increment(ec)) {
-    std::string name = it->path().filename().string();
-    if (fs::is_regular_file(it->symlink_status(ec)) && absl::StartsWith(name, "auto-") &&
-        absl::EndsWith(name, kSuffix)) {
-      autos.push_back(it->path().string());
+  for (const StoreEnv::Entry& e : *entries) {
+    if (e.kind == StoreEnv::Kind::kFile && absl::StartsWith(e.name, "auto-") &&
+        absl::EndsWith(e.name, kSuffix)) {
+      autos.push_back(absl::StrCat(subdir, "/", e.name));
     }
   }
   std::sort(autos.begin(), autos.end());  // zero-padded steps sort by step
   const size_t keep = static_cast<size_t>(std::max(options_.autosave_keep, 1));
   for (size_t i = 0; i + keep < autos.size(); ++i) {
-    fs::remove(autos[i], ec);
+    if (absl::Status st = store_->DeleteFile(autos[i]); !st.ok()) {
+      DOS_LOG_WARNING("checkpoint.prune_failed", "path", autos[i], "error", st.message());
+      continue;
+    }
     DOS_LOG_INFO("checkpoint.pruned", "path", autos[i]);
   }
 }
@@ -403,20 +400,23 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
   } else {
     targets = sessions_->List();
   }
-  std::error_code ec;
+  if (store_ == nullptr) {
+    return absl::UnavailableError("checkpoint: the checkpointer is not running");
+  }
   std::vector<CheckpointRecord> out;
   for (const auto& s : targets) {
     if (!s->registered()) continue;
     const SessionIdentity& id = s->identity();
     DOS_ASSIGN_OR_RETURN(std::string resolved, Resolve(id.uid, path, "checkpoint path"));
-    const bool is_dir = fs::is_directory(fs::symlink_status(resolved, ec));
+    DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(resolved));
+    const bool is_dir = kind == StoreEnv::Kind::kDirectory;
     if (!is_dir && targets.size() != 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "checkpoint path '", path, "' is a file; loading every session needs a directory"));
     }
     std::vector<std::string> files;
     if (is_dir) {
-      auto found = Scan(resolved, id.uid);
+      auto found = Scan(*store_, resolved, id.uid);
       for (const Candidate& c : found[{id.uid, id.client_name, id.rank}]) files.push_back(c.path);
       if (files.empty()) {
         if (targets.size() > 1) continue;
@@ -429,13 +429,13 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
     }
     absl::Status last;
     for (const std::string& f : files) {
-      absl::StatusOr<int64_t> step = s->LoadCheckpoint(f);
+      absl::StatusOr<int64_t> step = s->LoadCheckpoint(f, store_.get());
       if (step.ok()) {
         CheckpointRecord rec;
         rec.session_id = id.id;
         rec.path = f;
         rec.step = *step;
-        rec.bytes = fs::file_size(f, ec);
+        rec.bytes = store_->FileSize(f).value_or(0);
         out.push_back(rec);
         last = absl::OkStatus();
         break;

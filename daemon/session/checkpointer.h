@@ -15,8 +15,12 @@
 // Save() queues a job on that thread and waits for it; autosave queues itself
 // every --autosave_interval.
 //
-// Paths are relative to the directory; absolute paths, `..` and symlinks that
-// leave the directory are refused (INVALID_ARGUMENT). Default names:
+// Paths are relative to the owner's folder; absolute paths elsewhere and `..`
+// are refused (INVALID_ARGUMENT), and every file operation goes through the
+// store's directory descriptor, one folder at a time without following a
+// link (StoreEnv), so a link anywhere below the store, planted or swapped in
+// at any moment, fails the operation (INVALID_ARGUMENT naming it and the
+// fix) instead of leading dosd out. Default names:
 //   <client>.r<rank>/step-<step>.dckpt     explicit saves (kept)
 //   <client>.r<rank>/auto-<step>.dckpt     autosaves (newest --autosave_keep kept)
 //
@@ -43,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/checkpoint/store_env.h"
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 
@@ -97,9 +102,10 @@ class Checkpointer {
   // when the SessionManager reports a session closed.
   void ForgetSession(uint64_t session_id);
 
-  // Latest per (uid, client, rank) under `dir`/uid-<uid>/, as described above.
+  // Latest per (uid, client, rank) under the store's uid-<uid>/ folders, as
+  // described above.
   static std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore(
-      const std::string& dir);
+      StoreEnv& store);
 
  private:
   struct Job {
@@ -120,6 +126,8 @@ class Checkpointer {
 
   const CheckpointerOptions options_;
   SessionManager* const sessions_;
+  // The store's folder and every file operation in it (set by Start()).
+  std::unique_ptr<StoreEnv> store_;
   HostMemoryBudget staging_budget_{0};  // staging copies are not capped
 
   absl::Mutex mu_;

@@ -434,7 +434,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   return info;
 }
 
-absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
+absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* env) {
   absl::MutexLock lock(&mu_);
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -442,7 +442,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path) {
         " has no registered tensors; register before loading a checkpoint"));
   }
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
-  DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, Env::Default()));
+  DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
   engine()->DropResident(*shard_);
   for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
     DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
@@ -484,9 +484,10 @@ void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
   adopted_ = std::move(shard);
 }
 
-void Session::SetRestoreCandidates(std::vector<std::string> paths) {
+void Session::SetRestoreCandidates(std::vector<std::string> paths, Env* env) {
   absl::MutexLock lock(&mu_);
   restore_candidates_ = std::move(paths);
+  restore_env_ = env;
 }
 
 bool Session::registered() const {

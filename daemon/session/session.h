@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/checkpoint/env.h"
 #include "daemon/sched/policy.h"
 #include "daemon/session/daemon_counters.h"
 #include "daemon/session/shard_spec.h"
@@ -144,17 +145,19 @@ class Session {
                                         HostMemoryBudget* staging_budget);
   // Loads a checkpoint file into the state and rewrites the trainer's
   // weights; the state is untouched if the file is corrupt or of another
-  // layout. Returns the loaded step count.
-  absl::StatusOr<int64_t> LoadCheckpoint(const std::string& path);
+  // layout. Returns the loaded step count. `env`: the checkpoint store's
+  // (StoreEnv), through which the file is opened.
+  absl::StatusOr<int64_t> LoadCheckpoint(const std::string& path, Env* env);
 
   // Crash survival and restart. TakeShard (after Stop) moves the state out
   // and drops the dead client's mappings; AdoptShard gives it to the session
   // of the resumed process, whose Register then checks the layout and
   // rewrites the weights instead of reading them. SetRestoreCandidates gives
-  // checkpoint files (best first) that Register loads the first matching of.
+  // checkpoint files (best first) that Register loads the first matching of,
+  // through `env` (the checkpoint store's; it outlives the session).
   std::unique_ptr<ShardState> TakeShard();
   void AdoptShard(std::unique_ptr<ShardState> shard);
-  void SetRestoreCandidates(std::vector<std::string> paths);
+  void SetRestoreCandidates(std::vector<std::string> paths, Env* env);
   bool registered() const;
   // True when no step thread watches this session (it never registered) and
   // its client process is gone: the reaper's liveness check.
@@ -266,6 +269,7 @@ class Session {
   absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);
   int snapshot_copiers_ ABSL_GUARDED_BY(snap_mu_) = 0;
   std::vector<std::string> restore_candidates_ ABSL_GUARDED_BY(mu_);
+  Env* restore_env_ ABSL_GUARDED_BY(mu_) = nullptr;
 
   mutable absl::Mutex stats_mu_;
   SessionStatsSnapshot stats_ ABSL_GUARDED_BY(stats_mu_);

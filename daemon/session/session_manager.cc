@@ -104,6 +104,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   // joins the dead client's step thread; only this caller holds `old` now.
   if (old != nullptr) old->Stop();
   std::vector<std::string> restore;
+  Env* restore_env = nullptr;
   if (old != nullptr) {
     identity.id = old->identity().id;
     identity.token = old->identity().token;
@@ -117,6 +118,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     if (it != restore_.end()) {
       restore = std::move(it->second);
       restore_.erase(it);
+      restore_env = restore_env_;
     }
   }
   absl::StatusOr<std::unique_ptr<Session>> created =
@@ -135,7 +137,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     session->AdoptShard(old->TakeShard());
     if (resumed != nullptr) *resumed = true;
   }
-  if (!restore.empty()) session->SetRestoreCandidates(std::move(restore));
+  if (!restore.empty()) session->SetRestoreCandidates(std::move(restore), restore_env);
   {
     absl::MutexLock lock(&mu_);
     sessions_[identity.id] = session;
@@ -168,9 +170,10 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
 }
 
 void SessionManager::SetRestoreCandidates(
-    std::map<RestoreKey, std::vector<std::string>> candidates) {
+    std::map<RestoreKey, std::vector<std::string>> candidates, Env* env) {
   absl::MutexLock lock(&mu_);
   restore_ = std::move(candidates);
+  restore_env_ = env;
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::ListOrphans() const {

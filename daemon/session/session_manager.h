@@ -71,7 +71,9 @@ class SessionManager {
   // (owner uid, client_name, rank): a client names its job, the kernel its
   // user, so no one is offered another user's state.
   using RestoreKey = std::tuple<uint32_t, std::string, int32_t>;
-  void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates);
+  // Opened through `env` (the checkpoint store's; it outlives the manager's
+  // sessions).
+  void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates, Env* env);
 
   // Called with a session's id when it is closed for good (detached, its
   // client gone without a lease, lease expired, shutdown); not on resume.
@@ -107,6 +109,7 @@ class SessionManager {
   std::vector<std::pair<uint64_t, uint32_t>> gone_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Orphaned> orphans_ ABSL_GUARDED_BY(mu_);
   std::map<RestoreKey, std::vector<std::string>> restore_ ABSL_GUARDED_BY(mu_);
+  Env* restore_env_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   Policy default_policy_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

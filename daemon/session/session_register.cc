@@ -156,7 +156,7 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
   // first (highest step) whose layout matches is loaded. LoadShard leaves
   // the state untouched on any failure, so a bad file only costs a log line.
   for (const std::string& path : restore_candidates_) {
-    absl::Status st = LoadShard(reg->shard.get(), path, Env::Default());
+    absl::Status st = LoadShard(reg->shard.get(), path, restore_env_);
     if (st.ok()) {
       reg->restored_from = path;
       break;

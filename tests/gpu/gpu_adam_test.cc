@@ -183,7 +183,8 @@ Model MakeModel() {
 // tensor after tensor.
 std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
                                const Policy& policy, std::vector<float>* master,
-                               StateFormat format = StateFormat::kFp32) {
+                               StateFormat format = StateFormat::kFp32,
+                               StepOutcome* last = nullptr) {
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
   groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
@@ -218,6 +219,7 @@ std::vector<uint16_t> RunSteps(const Model& m, StepExecutor& ex, Engine* gpu,
   for (int s = 0; s < 50; ++s) {
     auto out = ex.Run(**shard, b, req, policy);
     EXPECT_TRUE(out.ok()) << out.status();
+    if (out.ok() && last != nullptr) *last = *out;
   }
   if (gpu) {
     EXPECT_TRUE(gpu->SyncResidentToHost(**shard).ok());
@@ -265,8 +267,14 @@ TEST(GpuEngineTest, CompactStateEveryPolicyMatchesCpuPathOver50Steps) {
                            "auto"}) {
     Policy p = *ParsePolicy(text);
     std::vector<float> state;
-    std::vector<uint16_t> w = RunSteps(m, ex, engine->get(), p, &state, StateFormat::kCompact);
+    StepOutcome last;
+    std::vector<uint16_t> w =
+        RunSteps(m, ex, engine->get(), p, &state, StateFormat::kCompact, &last);
     EXPECT_EQ(w, ref) << text;
+    if (std::string(text) == "interleave:1") {  // every subgroup streamed: 8 B/param each way
+      EXPECT_EQ(last.h2d_bytes, 8 * m.weights.size());
+      EXPECT_EQ(last.d2h_bytes, 8 * m.weights.size());
+    }
     ASSERT_EQ(state.size(), ref_state.size());
     EXPECT_EQ(std::memcmp(state.data(), ref_state.data(), 4 * state.size()), 0) << text;
   }

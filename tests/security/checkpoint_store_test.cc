@@ -3,11 +3,15 @@
 // exclusively and never through a link; scans never follow links; paths
 // cannot leave the owner's folder; restore is keyed on (uid, name, rank).
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "gtest/gtest.h"
@@ -56,6 +60,31 @@ void MkdirOwned(const std::string& path) {
     ::chown(p.c_str(), d.uid, d.gid);
     ::chmod(p.c_str(), 0700);
   }
+}
+
+// "a/a/.../" with `n` folders.
+std::string Deep(int n) {
+  std::string p;
+  for (int i = 0; i < n; ++i) p += "a/";
+  return p;
+}
+
+// The names in `dir` and their contents.
+std::map<std::string, std::string> Contents(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out[e.path().filename()] = ReadAll(e.path());
+  return out;
+}
+
+// Whether one line of `log` has every one of `parts`.
+bool LogLineHas(const std::string& log, std::vector<std::string> parts) {
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    bool all = true;
+    for (const std::string& p : parts) all = all && line.find(p) != std::string::npos;
+    if (all) return true;
+  }
+  return false;
 }
 
 std::string UserDir(const std::string& ck, const std::string& user) {
@@ -132,6 +161,9 @@ TEST(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
                                  "rpc_save:id=self,path=.", "rpc_save:id=self,path=../x.dckpt",
                                  "rpc_save:id=self,path=a/../../x.dckpt",
                                  "rpc_save:id=self,path=/tmp/x.dckpt",
+                                 // Deeper than a checkpoint path may go (a scan
+                                 // of the store must not recurse without end).
+                                 "rpc_save:id=self,path=" + Deep(40) + "x.dckpt",
                                  "rpc_load:id=self,token=self,path=../uid-0"});
   const std::string user_dir = UserDir(d->dir() + "/checkpoints", "dos-sec-a");
   EXPECT_NE(out.find("OK rpc_save path=" + user_dir + "/job.r-1.s"), std::string::npos)
@@ -140,7 +172,8 @@ TEST(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
   for (size_t at = 0; (at = out.find("ERR rpc_save code=3", at)) != std::string::npos; ++at) {
     ++refused;
   }
-  EXPECT_EQ(refused, 3u) << out;
+  EXPECT_EQ(refused, 4u) << out;
+  EXPECT_NE(out.find("a checkpoint path has at most"), std::string::npos) << out;
   EXPECT_NE(out.find("ERR rpc_load code=3"), std::string::npos) << out;
   EXPECT_EQ(ReadAll(victim), "precious");
   EXPECT_FALSE(fs::exists(d->dir() + "/x.dckpt"));
@@ -237,6 +270,116 @@ TEST(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
   EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << d->log();
   EXPECT_EQ(d->Stop(), 0) << d->log();
   fs::remove_all(ck);
+}
+
+// A session's checkpoint folder swapped for a link to a folder outside the
+// store, while the trainer runs and autosave is on: every save, load and
+// autosave (and its pruning) fails naming the link and the fix; nothing
+// outside is written, read or deleted. (dosd reaches every file through the
+// store's directory descriptor, one folder at a time with O_NOFOLLOW, so the
+// moment of the swap does not matter: tests/unit/checkpoint/store_env_test
+// swaps between a save's checks and its writes.)
+TEST(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
+  DOS_SECURITY_REQUIRE();
+  const std::string ck = DaemonOwnedDir("ck");
+  auto d = SecureDaemon({"--checkpoint_dir=" + ck, "--autosave_interval=100ms",
+                         "--autosave_keep=1"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess t(User("dos-sec-a"), d->socket(),
+                {"attach:name=job", "register:numel=256", "step:n=2", "rpc_save:id=self", "wait",
+                 "step:n=1", "rpc_save:id=self", "rpc_save:id=self,path=job.r-1/x.dckpt",
+                 "rpc_load:id=self,token=self,path=job.r-1",
+                 "rpc_load:id=self,token=self,path=job.r-1/auto-000000000000.dckpt", "wait"});
+  const std::string saved = t.Await("rpc_save");
+  ASSERT_EQ(Code(saved), 0) << saved << d->log();
+  ASSERT_EQ(Code(t.Await("wait")), 0) << t.output();
+  const std::string job = UserDir(ck, "dos-sec-a") + "/job.r-1";
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(job + "/auto-000000000002.dckpt"); }, 20000))
+      << d->log();
+  // Outside: valid checkpoints of this very job (a load through the link
+  // would succeed) and autosaves that pruning through it would delete.
+  const std::string outside = DaemonOwnedDir("outside");
+  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000000.dckpt");
+  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000001.dckpt");
+  std::ofstream(outside + "/victim") << "precious";
+  const auto before = Contents(outside);
+  const std::string moved = DaemonOwnedDir("moved");
+  fs::rename(job, moved + "/job.r-1");
+  fs::create_directory_symlink(outside, job);
+
+  t.Continue();
+  ASSERT_EQ(Code(t.Await("wait")), 0) << t.output() << d->log();
+  const std::string out = t.output();
+  size_t refused = 0;
+  for (const std::string op : {"ERR rpc_save code=3", "ERR rpc_load code=3"}) {
+    for (size_t at = 0; (at = out.find(op, at)) != std::string::npos; ++at) ++refused;
+  }
+  EXPECT_EQ(refused, 4u) << out << d->log();
+  EXPECT_NE(out.find(job + " is a symlink; dosd does not follow links in its checkpoint store"),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("remove " + job), std::string::npos) << out;
+  // The session is at step 3 now: autosave tries, fails the same way, and
+  // prunes nothing.
+  EXPECT_TRUE(WaitFor([&] {
+    return LogLineHas(d->log(), {"event=checkpoint.failed", "autosave=1", job + " is a symlink"});
+  }, 20000)) << d->log();
+  EXPECT_EQ(Contents(outside), before) << "something outside the store changed";
+  EXPECT_EQ(d->log().find("event=checkpoint.pruned path=" + job), std::string::npos) << d->log();
+  EXPECT_EQ(d->log().find("event=checkpoint.loaded"), std::string::npos) << d->log();
+  t.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+  fs::remove_all(ck);
+  fs::remove_all(outside);
+  fs::remove_all(moved);
+}
+
+// A checkpoint write that fails part way (here at dosd's file size limit,
+// RLIMIT_FSIZE, which it inherits from the test; a full disk fails the same
+// write path, see tests/fault/checkpoint_fault_test) is reported to the
+// caller with the cause and the fix, leaves the previous checkpoint at that
+// path byte for byte and no temporary, and dosd serves on (before, SIGXFSZ
+// killed it).
+TEST(CheckpointStore, AFailedWriteKeepsThePreviousCheckpointAndDosdServing) {
+  DOS_SECURITY_REQUIRE();
+  constexpr rlim_t kLimit = 256 << 10;
+  auto d = SecureDaemon();
+  {
+    rlimit saved{};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+    rlimit low = saved;
+    low.rlim_cur = kLimit;  // the soft limit only: it can be raised back
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &low), 0) << std::strerror(errno);
+    const bool started = d->Start();
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
+    ASSERT_TRUE(started) << d->log();
+  }
+  // A small session's checkpoint fits; a large one's (786 KiB) does not.
+  UserProcess small(User("dos-sec-a"), d->socket(),
+                    {"attach:name=job", "register:numel=256", "step:n=1",
+                     "rpc_save:id=self,path=keep.dckpt", "wait", "rpc_save:id=self,path=keep.dckpt"});
+  const std::string first = small.Await("rpc_save");
+  ASSERT_EQ(Code(first), 0) << first << d->log();
+  const std::string path = Field(first, "path");
+  const std::string before = ReadAll(path);
+  ASSERT_FALSE(before.empty());
+  const std::string big = RunAs(User("dos-sec-a"), d->socket(),
+                                {"attach:name=job", "register:numel=65536", "step:n=1",
+                                 "rpc_save:id=self,path=keep.dckpt"});
+  const std::string failed = big.substr(big.find("rpc_save"));
+  EXPECT_EQ(Code("ERR " + failed), 8) << big << d->log();  // RESOURCE_EXHAUSTED
+  EXPECT_NE(failed.find("RLIMIT_FSIZE"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("the previous checkpoint is intact"), std::string::npos) << failed;
+  EXPECT_NE(failed.find(path), std::string::npos) << failed;
+  EXPECT_TRUE(ReadAll(path) == before) << "the previous checkpoint changed";
+  for (const auto& e : fs::directory_iterator(fs::path(path).parent_path())) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  }
+  // dosd serves on: the small session saves again.
+  small.Continue();
+  const std::string again = small.Await("rpc_save");
+  EXPECT_EQ(Code(again), 0) << again << d->log();
+  small.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
 }  // namespace

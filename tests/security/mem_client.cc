@@ -18,6 +18,9 @@
 //   send_file                    send a regular file's descriptor likewise
 //   register_name:name=N         raw RegisterShard naming shm object N
 //   export_name:name=N           raw ExportState into shm object N
+//   export_truncate              send a sealed memfd for tensor 0's state, ftruncate it to
+//                                0 (as dosd holds it), then ExportState into it; prints
+//                                eperm= step=
 //   open_devshm                  try to open every /dev/shm/dos* object
 //                                read-write; prints opened=
 //   wait                         print "OK wait", block until stdin closes
@@ -208,6 +211,33 @@ absl::Status Run(Trainer* t, const std::string& name, const Args& a) {
     auto ids = dos::fdproto::SendSegments(fd_socket, id, token, {&raw, 1});
     if (!ids.ok()) return ids.status();
     Ok(name, absl::StrCat("segment=", (*ids)[0]));
+    return absl::OkStatus();
+  }
+  if (name == "export_truncate") {
+    if (t->s == nullptr) return absl::FailedPreconditionError("attach and register first");
+    dos::UniqueFd fd(memfd_create("mem_client.x", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (ftruncate(fd.get(), static_cast<off_t>(12 * t->numel)) != 0) {
+      return absl::InternalError("ftruncate");
+    }
+    fcntl(fd.get(), F_ADD_SEALS, dos::ShmSegment::kRequiredSeals);
+    const int raw = fd.get();
+    auto ids = dos::fdproto::SendSegments(fd_socket, dos_session_id(t->s),
+                                          dos_session_token(t->s), {&raw, 1});
+    if (!ids.ok()) return ids.status();
+    // dosd holds the buffer now: shrinking it under dosd's mapping is what
+    // would SIGBUS dosd during the export.
+    const bool eperm = ftruncate(fd.get(), 0) != 0 && errno == EPERM;
+    auto stub = Stub(t->socket);
+    grpc::ClientContext ctx;
+    dos::v1::TransferStateRequest req;
+    req.mutable_session()->set_session_id(dos_session_id(t->s));
+    req.mutable_session()->set_token(dos_session_token(t->s));
+    req.set_tensor(0);
+    req.mutable_buffer()->set_segment((*ids)[0]);
+    req.mutable_buffer()->set_offset(0);
+    dos::v1::TransferStateResponse resp;
+    if (grpc::Status s = stub->ExportState(&ctx, req, &resp); !s.ok()) return FromGrpc(s);
+    Ok(name, absl::StrCat("eperm=", eperm ? 1 : 0, " step=", resp.step()));
     return absl::OkStatus();
   }
   if (name == "register_name" || name == "export_name") {

@@ -113,6 +113,25 @@ TEST(MemoryIsolation, TrainerCannotShrinkItsMemoryUnderDosd) {
   EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
+// Item 1, during ExportState: the trainer shrinks the buffer it handed dosd
+// for an export (the seal refuses), the export completes, dosd lives.
+TEST(MemoryIsolation, TrainerCannotShrinkAnExportBufferUnderDosd) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::string out = RunMem(User("dos-sec-a"), d->socket(),
+                                 {"attach", "register:numel=65536", "step:n=1",
+                                  "export_truncate", "step:n=1"});
+  const std::string e = Line(out, "export_truncate");
+  ASSERT_EQ(AbslCode(e), 0) << out << d->log();
+  EXPECT_EQ(Field(e, "eperm"), "1") << out;
+  EXPECT_EQ(Field(e, "step"), "1") << out;
+  EXPECT_EQ(Field(Line(out, "step"), "step"), "1") << out;
+  EXPECT_NE(out.find("OK step step=2"), std::string::npos) << out << d->log();
+  EXPECT_EQ(::kill(d->pid(), 0), 0) << "dosd died: " << d->log();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
 // dosd refuses descriptors that are not sealed memfds, saying why.
 TEST(MemoryIsolation, UnsealedMemfdsAndFilesAreRefused) {
   DOS_SECURITY_REQUIRE();

@@ -6,6 +6,7 @@
 // checks the step counter; a clean stop leaves no lock file.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -124,37 +125,60 @@ TEST(Resources, SessionCapsAnswerResourceExhaustedNamingTheFlag) {
   EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
+// Issue 11 item 9 as it was found: 2000 attaches that never register cost
+// dosd no thread each, and the reaper still closes them all once their
+// process is gone.
 TEST(Resources, IdleAttachesCostNoThreads) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
+  auto d = SecureDaemon({"--max_sessions=0", "--max_sessions_per_uid=0"});
   ASSERT_TRUE(d->Start()) << d->log();
   const long before = ProcStatus(d->pid(), "Threads");
-  UserProcess a(User("dos-sec-a"), d->socket(), {"rpc_attach:n=200", "wait"});
-  const std::string line = a.Await("rpc_attach", 60000);
-  ASSERT_EQ(Code(line), 0) << line << d->log();
+  UserProcess a(User("dos-sec-a"), d->socket(), {"rpc_attach:n=2000", "wait"});
+  const std::string line = a.Await("rpc_attach", 120000);
+  ASSERT_EQ(Code(line), 0) << line << d->log().substr(0, 4000);
   const long threads = ProcStatus(d->pid(), "Threads");
-  EXPECT_LT(threads - before, 20) << threads << " threads for 200 idle sessions";
+  EXPECT_LT(threads - before, 20) << threads << " threads for 2000 idle sessions";
   a.Finish();
   // The reaper still notices that their process is gone.
-  EXPECT_TRUE(WaitFor([&] { return Count(d->log(), "reason=client_exited") == 200; }, 15000))
-      << d->log();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
+  EXPECT_TRUE(WaitFor([&] { return Count(d->log(), "reason=client_exited") == 2000; }, 30000))
+      << Count(d->log(), "reason=client_exited") << " of 2000 reaped";
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
 
-TEST(Resources, SigtermWithHundredsOfSessionsStopsQuickly) {
+// Issue 11 item 9 as it was found: SIGTERM with 2000 registered sessions
+// (each a step thread, a control block and two segments in dosd) finishes
+// within 10 s, every session stopped. Both processes need about 5
+// descriptors per session: the soft limit is raised to the hard one, and the
+// test skips naming it when that is too low.
+TEST(Resources, SigtermWithThousandsOfSessionsStopsWithinTenSeconds) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
-  ASSERT_TRUE(d->Start()) << d->log();
-  UserProcess a(User("dos-sec-a"), d->socket(), {"many:n=200", "wait"});
-  const std::string line = a.Await("many", 120000);
-  ASSERT_EQ(Code(line), 0) << line << d->log();
+  constexpr int kSessions = 2000;
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 8 * kSessions + 1024) {
+    GTEST_SKIP() << "RLIMIT_NOFILE hard limit " << saved.rlim_max << " is below the "
+                 << 8 * kSessions + 1024 << " descriptors " << kSessions
+                 << " sessions need; raise it (ulimit -Hn) to run this test";
+  }
+  rlimit raised = saved;
+  raised.rlim_cur = saved.rlim_max == RLIM_INFINITY ? 1 << 20 : saved.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &raised), 0);
+  auto d = SecureDaemon({"--max_sessions=0", "--max_sessions_per_uid=0"});
+  const bool started = d->Start();
+  UserProcess a(User("dos-sec-a"), d->socket(),
+                {"many:n=" + std::to_string(kSessions) + ",numel=16", "wait"});
+  ::setrlimit(RLIMIT_NOFILE, &saved);  // both children have inherited the raised one
+  ASSERT_TRUE(started) << d->log();
+  const std::string line = a.Await("many", 300000);
+  ASSERT_EQ(Code(line), 0) << line << d->log().substr(0, 4000);
+  ASSERT_EQ(Field(line, "sessions"), std::to_string(kSessions)) << line;
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(secs, 10.0) << "SIGTERM with 200 sessions took " << secs << " s";
-  std::printf("SIGTERM with 200 registered sessions: %.2f s\n", secs);
-  EXPECT_EQ(Count(d->log(), "reason=shutdown"), 200u);
+  EXPECT_LT(secs, 10.0) << "SIGTERM with " << kSessions << " sessions took " << secs << " s";
+  std::printf("SIGTERM with %d registered sessions: %.2f s\n", kSessions, secs);
+  EXPECT_EQ(Count(d->log(), "reason=shutdown"), static_cast<size_t>(kSessions));
 }
 
 TEST(Resources, RepeatedFailuresAreLoggedAFewTimesWithACount) {

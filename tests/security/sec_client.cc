@@ -12,7 +12,7 @@
 //                                 grad_scale -1, which dosd refuses (every step fails)
 //   many:n=N[,numel=K]            N more sessions, each attached and registered
 //   state_write:step=S            dos_state_write of tensor 0 (ImportState) claiming step S
-//   wait                          print "OK wait" and block until stdin closes
+//   wait                          print "OK wait" and block until a line or the end of stdin
 //   detach                        dos_detach the attached session
 //   rpc_save:id=I[,path=P]        SaveCheckpoint by session id (operator call)
 //   rpc_load:id=I,path=P          LoadCheckpoint by session id, no token
@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
     } else if (op.name == "wait") {
       Print("OK wait");
       char c;
-      while (::read(STDIN_FILENO, &c, 1) > 0) {
+      while (::read(STDIN_FILENO, &c, 1) > 0 && c != '\n') {
       }
     } else if (op.name == "detach") {
       PrintDos("detach", dos_detach(session));

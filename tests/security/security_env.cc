@@ -182,6 +182,10 @@ std::string UserProcess::Await(const std::string& op, int timeout_ms) {
   }
 }
 
+void UserProcess::Continue() {
+  if (in_ >= 0) (void)!::write(in_, "\n", 1);
+}
+
 std::string UserProcess::Finish(int timeout_ms) {
   if (in_ >= 0) {
     ::close(in_);

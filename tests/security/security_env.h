@@ -65,6 +65,9 @@ class UserProcess {
   // The next stdout line that starts with "OK <op>" or "ERR <op>" (earlier
   // lines are kept in output()); "" if none within `timeout_ms`.
   std::string Await(const std::string& op, int timeout_ms = 20000);
+  // Ends the current `wait` (a newline on its stdin); the process goes on to
+  // its next ops.
+  void Continue();
   // Closes stdin (ends `wait`), reads the rest, waits; returns all output.
   std::string Finish(int timeout_ms = 20000);
   void Kill();
