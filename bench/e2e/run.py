@@ -227,7 +227,8 @@ def child(args):
     res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s=iter_s,
                iter_s_phases=med[3], iter_s_pipelined_median=statistics.median(piped[1:] or piped),
                iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / iter_s,
-               first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes())
+               first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes(),
+               losses=[round(v, 5) for v in losses])
     if cuda:
         res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(0)
         res["gpu_peak_device_bytes"] = sampler.peak
@@ -425,6 +426,12 @@ def parent(args):
         metrics.append({"name": "e2e_last_loss_diff_compact_vs_fp32",
                         "value": round(ok["dos_auto_compact"]["last_loss"] -
                                        ok["dos_auto"]["last_loss"], 5), "unit": "loss"})
+        pairs = list(zip(ok["dos_auto_compact"]["losses"], ok["dos_auto"]["losses"]))
+        worst = max(abs(a - b) / abs(b) for a, b in pairs if b)
+        metrics.append({"name": "e2e_max_loss_rel_diff_compact_vs_fp32",
+                        "value": round(worst, 6), "unit": "fraction"})
+        print(f"compact vs fp32 state: largest per-iteration loss difference {worst:.3%} over "
+              f"{len(pairs)} iterations")
     os.makedirs(args.out, exist_ok=True)
     suffix = f"_{args.tag}" if args.tag else ""
     path = os.path.join(args.out, f"e2e_{machine}_{date}{suffix}.json")
