@@ -167,3 +167,68 @@ def test_the_optimizer_sends_its_lease_to_dosd_before_each_step(dos_socket, monk
         assert doc
     finally:
         opt.close()
+
+
+def _train_cuda(socket, budget, grow_peak_at=None, steps=8):
+    """Trains a bf16 MLP of 9 subgroups through dosd on CUDA with `budget`
+    (gpu_budget_bytes; 0: no lease); at step `grow_peak_at` the trainer's
+    peak grows by 400 MiB first. Returns the weights, the leases sent and
+    the device memory dosd gave back at that step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(64, 2048, generator=g).to("cuda", torch.bfloat16) for _ in range(steps)]
+    try:
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=socket,
+                              client_name="pytest-lease-cuda", subgroup_size=4 << 20,
+                              gpu_budget_bytes=budget)
+    except dos.DosError as e:
+        if "no GPU engine" in e.message:
+            pytest.skip(f"dosd has no GPU engine: {e.message}")
+        raise
+    leases, freed = [], None
+    try:
+        for i, x in enumerate(data):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            if i == grow_peak_at:
+                blob = torch.empty(400 << 20, dtype=torch.uint8, device="cuda")
+                del blob  # cached by torch: max_memory_reserved grew by 400 MiB
+                torch.cuda.synchronize()
+                free_before = torch.cuda.mem_get_info()[0]
+                opt.step()  # returns once dosd has given the memory back
+                freed = torch.cuda.mem_get_info()[0] - free_before
+            else:
+                opt.step()
+            leases.append(None if opt.gpu_lease is None else opt.gpu_lease["lease_bytes"])
+        opt.synchronize()
+        weights = [p.detach().clone() for p in model.parameters()]
+    finally:
+        opt.close()
+    return weights, leases, freed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_cuda_a_growing_peak_shrinks_the_tier_first_and_results_stay_exact(dos_socket,
+                                                                          monkeypatch):
+    """GPU mode through a real dosd: a lease of 8 resident subgroups, then
+    the trainer's peak grows by 400 MiB; step() returns only after dosd freed
+    them, and the weights equal a run without any lease, bit for bit."""
+    if not dos._native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+    monkeypatch.setenv("DOS_GPU_HEADROOM", "64M")
+    ref, ref_leases, _ = _train_cuda(dos_socket, 0)
+    assert ref_leases == [None] * len(ref_leases)
+    # Budget: what the trainer held (the same model again reuses torch's
+    # cache, so its peak stays there), the headroom, dosd's three staging
+    # slots and 8 of the 9 subgroups (48 MiB of state each); the 400 MiB
+    # growth then leaves the lease too small for any.
+    torch.cuda.reset_peak_memory_stats()
+    sg = 48 << 20
+    budget = torch.cuda.max_memory_reserved() + (64 << 20) + 3 * sg + 8 * sg + (24 << 20)
+    got, leases, freed = _train_cuda(dos_socket, budget, grow_peak_at=4)
+    assert leases[4] <= leases[3] - (400 << 20), leases
+    assert freed is not None and freed >= 6 * sg, f"dosd gave back only {freed} bytes"
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
