@@ -98,6 +98,7 @@ def child(args):
     cuda = args.device == "cuda"
     mode = args.child
     res = {"mode": mode, "torch": torch.__version__}
+    lend_from = None  # the GPU lease's budget: dos.torch reads the fraction itself
     if cuda:
         torch.cuda.set_device(0)
         total = torch.cuda.get_device_properties(0).total_memory
@@ -114,6 +115,9 @@ def child(args):
             frac = max(0.05, min(1.0, trainer / total))
             torch.cuda.set_per_process_memory_fraction(frac, 0)
             res["memory_fraction"] = round(frac, 4)
+            if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+                # torch < 2.9 cannot tell dos.torch its fraction: say it.
+                lend_from = int(frac * total)
     dtype = torch.bfloat16
     model = gpt.build(args.size, args.layers, args.d_model, args.heads, args.seq, args.vocab,
                       dtype=dtype, device=args.device, checkpoint=True, seed=0)
@@ -139,7 +143,7 @@ def child(args):
         opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
                               overlap=overlap, subgroup_size=args.subgroup_size,
                               compact_state=compact,
-                              gpu_budget_bytes=0 if mode == "dos_auto_flag" else None,
+                              gpu_budget_bytes=0 if mode == "dos_auto_flag" else lend_from,
                               **wait_kw, **kw)
         policy = "cpu" if mode.startswith("dos_cpu") else "auto"
         opt.set_policy(policy)
