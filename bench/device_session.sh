@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$O
 case "$what" in
   tests)
     {
-      for t in gpu_adam_test gpu_ipc_test multi_gpu_test; do
+      for t in gpu_adam_test gpu_lease_test gpu_ipc_test multi_gpu_test; do
         [ -x "$B/$t" ] || { echo "== $t: not built"; continue; }
         echo "== $t"; timeout 150 "$B/$t" > "/tmp/$t.log" 2>&1; echo "exit=$?"
         grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED  |Failure|SKIP' "/tmp/$t.log" | head -30
@@ -33,7 +33,7 @@ case "$what" in
       done
       echo "== pytest (CUDA, compact state, async, GPT loss, state I/O, DCP with DDP and FSDP2)"
       timeout 360 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py \
-        tests/python/test_compact_state.py \
+        tests/python/test_compact_state.py tests/python/test_gpu_lease.py \
         tests/python/test_async.py tests/python/test_gpt_loss.py tests/python/test_state_io.py \
         tests/python/test_dcp.py 2>&1 | tail -40
     } > "$O/tests.log" 2>&1

@@ -63,8 +63,11 @@ ABSL_FLAG(std::string, gpu_devices, "all",
 ABSL_FLAG(std::string, gpu_device, "",
           "Deprecated: use --gpu_devices. N drives device N only; -1: none.");
 ABSL_FLAG(std::string, gpu_memory_budget, "0",
-          "GPU memory `auto` may keep optimizer state resident in, beyond the staging slots, "
-          "e.g. 12G; 0 = stream every GPU-path subgroup.");
+          "Optional node-wide cap (per GPU) on resident optimizer state, beyond the staging "
+          "slots, e.g. 12G. Trainers lend dosd GPU memory per session (their GPU lease, sent by "
+          "dos.torch from their budget and peak); with this set all sessions on a GPU together "
+          "keep at most this much, shared in proportion. Sessions without a lease: their "
+          "resident budget; 0 = no cap (and nothing resident for them).");
 ABSL_FLAG(double, model_host_gbps, 0,
           "Performance model: host memory GB/s that the CPU kernel and the DMA engines share "
           "(M_host, measured by bench/update's probe); 0 = the built-in figure.");
@@ -346,6 +349,7 @@ absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_upda
     PlannerOptions planner;
     if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
     planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
     planner.grad_fp32 = config.gpu_cpu_grad_fp32;
     // Several engines write a file each (a step's line is too long to append
     // atomically beside another engine's).

@@ -4,7 +4,12 @@ bf16, activation checkpointing, random tokens) trained with
 
   dos_auto            dos.torch.AdamW(model=...), dosd policy auto, clip_grad_norm_ 1.0;
                       step() returns once queued and each layer of the next forward
-                      waits (on the GPU stream) for just its own subgroups
+                      waits (on the GPU stream) for just its own subgroups. Defaults: dosd
+                      has no --gpu_memory_budget; the trainer lends it what its budget
+                      (the per-process memory fraction) leaves after its peak (GPU lease)
+  dos_auto_flag       (optional) the former way: the trainer lends nothing
+                      (gpu_budget_bytes=0) and dosd runs with --gpu_memory_budget=
+                      --flag-budget-gb, left out of the trainer's fraction by hand
   dos_auto_wholestep  (optional) the next forward waits for the whole step on the stream
   dos_auto_sync       (optional) step() waits on the host (async_step=False): minus
                       dos_auto, the gain of overlapping the update with the next forward
@@ -93,17 +98,26 @@ def child(args):
     cuda = args.device == "cuda"
     mode = args.child
     res = {"mode": mode, "torch": torch.__version__}
+    lend_from = None  # the GPU lease's budget: dos.torch reads the fraction itself
     if cuda:
         torch.cuda.set_device(0)
         total = torch.cuda.get_device_properties(0).total_memory
         budget = args.gpu_budget_gb
         if budget and (mode != "all_gpu" or args.budget_all_gpu):
             trainer = budget * 2**30
-            if mode.startswith("dos"):
-                trainer -= args.dosd_gpu_reserve_gb * 2**30  # dosd's staging + resident state
+            if mode == "dos_auto_flag":
+                # dosd's resident state and staging, set aside by hand.
+                trainer -= (args.flag_budget_gb + args.dosd_gpu_reserve_gb) * 2**30
+            elif mode.startswith("dos"):
+                # dosd's memory comes out of the trainer's lease; only the two
+                # CUDA contexts are outside torch's accounting.
+                trainer -= args.dosd_context_gb * 2**30
             frac = max(0.05, min(1.0, trainer / total))
             torch.cuda.set_per_process_memory_fraction(frac, 0)
             res["memory_fraction"] = round(frac, 4)
+            if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+                # torch < 2.9 cannot tell dos.torch its fraction: say it.
+                lend_from = int(frac * total)
     dtype = torch.bfloat16
     model = gpt.build(args.size, args.layers, args.d_model, args.heads, args.seq, args.vocab,
                       dtype=dtype, device=args.device, checkpoint=True, seed=0)
@@ -128,7 +142,9 @@ def child(args):
                    "layers": dict(model=model)}[wait]
         opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
                               overlap=overlap, subgroup_size=args.subgroup_size,
-                              compact_state=compact, **wait_kw, **kw)
+                              compact_state=compact,
+                              gpu_budget_bytes=0 if mode == "dos_auto_flag" else lend_from,
+                              **wait_kw, **kw)
         policy = "cpu" if mode.startswith("dos_cpu") else "auto"
         opt.set_policy(policy)
         res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
@@ -222,6 +238,10 @@ def child(args):
         res["gpu_peak_device_bytes"] = sampler.peak
     if mode.startswith("dos"):
         res["dos_last_step"] = opt.last_step
+        res["gpu_lease"] = opt.gpu_lease  # None on the CPU or with lending off
+        if opt.gpu_lease:
+            res["note"] += f", lease {opt.gpu_lease['lease_bytes'] / 2**30:.1f} GiB " \
+                f"(peak {opt.gpu_lease['peak_bytes'] / 2**30:.1f})"
         opt.close()
     with open(args.child_out, "w") as f:
         json.dump(res, f)
@@ -316,6 +336,8 @@ def parent(args):
         if mode.startswith("dos"):
             if args.dosd:
                 extra = list(args.dosd_arg or [])
+                if mode == "dos_auto_flag":
+                    extra.append(f"--gpu_memory_budget={args.flag_budget_gb:g}G")
                 if args.device == "cpu":
                     extra.append("--gpu_devices=none")
                 proc, sock = start_dosd(args.dosd, extra, tmp)
@@ -448,11 +470,19 @@ def main():
     ap.add_argument("--subgroup-size", type=int, default=0, help="dosd subgroup size (0: default)")
     ap.add_argument("--modes", default=",".join(ALL_MODES),
                     help="comma list of: " + ", ".join(ALL_MODES + [
-                        "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync"]))
+                        "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync",
+                        "dos_auto_flag"]))
     ap.add_argument("--gpu-budget-gb", type=float, default=0,
                     help="emulate a card of this size (40, 80): per-process memory fraction")
     ap.add_argument("--dosd-gpu-reserve-gb", type=float, default=6.0,
-                    help="under a budget, GPU memory left to dosd (staging slots, resident state)")
+                    help="dos_auto_flag under a budget: GPU memory left to dosd beyond "
+                         "--flag-budget-gb (staging slots, CUDA contexts)")
+    ap.add_argument("--dosd-context-gb", type=float, default=1.0,
+                    help="the other DOS modes under a budget: GPU memory outside the trainer's "
+                         "fraction (the CUDA contexts); dosd's resident state and staging come "
+                         "out of the trainer's lease")
+    ap.add_argument("--flag-budget-gb", type=float, default=40.0,
+                    help="dos_auto_flag: dosd's --gpu_memory_budget in GiB")
     ap.add_argument("--budget-all-gpu", action="store_true",
                     help="apply the budget to all_gpu too (default: run it without)")
     ap.add_argument("--dosd", default=None, help="dosd binary: started (and stopped) per DOS mode")
@@ -474,7 +504,9 @@ def main():
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
             "--clip", str(args.clip), "--subgroup-size", str(args.subgroup_size),
             "--gpu-budget-gb", str(args.gpu_budget_gb),
-            "--dosd-gpu-reserve-gb", str(args.dosd_gpu_reserve_gb)]
+            "--dosd-gpu-reserve-gb", str(args.dosd_gpu_reserve_gb),
+            "--dosd-context-gb", str(args.dosd_context_gb),
+            "--flag-budget-gb", str(args.flag_budget_gb)]
     for k in ("layers", "d_model", "heads", "seq", "vocab"):
         if getattr(args, k) is not None:
             keep += [f"--{k.replace('_', '-')}", str(getattr(args, k))]

@@ -331,6 +331,15 @@ dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t
   });
 }
 
+dos_status dos_set_gpu_lease(dos_session* session, const dos_gpu_lease* lease) {
+  return Guard("set_gpu_lease", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "set_gpu_lease"); !st.ok()) return st;
+    if (lease == nullptr) return absl::InvalidArgumentError("set_gpu_lease: lease is NULL");
+    session->impl->SetGpuLease(*lease);
+    return absl::OkStatus();
+  });
+}
+
 dos_status dos_set_policy(dos_session* session, const char* policy) {
   return Guard("set_policy", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "set_policy"); !st.ok()) return st;

@@ -403,11 +403,28 @@ absl::Status ClientSession::StepBegin(const dos_step_args& args, uint32_t extra_
   StepRequest& r = control_->request;
   DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, &r));
   r.flags |= extra_flags;
+  bool lease_lowered = false;
+  if (lease_set_) {
+    r.flags |= kStepGpuLease;
+    r.gpu_lease_bytes = lease_.lease_bytes;
+    r.gpu_budget_bytes = lease_.budget_bytes;
+    r.gpu_peak_bytes = lease_.peak_bytes;
+    lease_lowered = !lease_sent_ || lease_.lease_bytes < lease_sent_bytes_;
+    lease_sent_ = true;
+    lease_sent_bytes_ = lease_.lease_bytes;
+  }
   r.seq = control_->request_bell.load(std::memory_order_relaxed) + 1;
   seq_ = step_channel_->PublishRequest();
   step_in_flight_ = true;
   inflight_seq_.store(seq_, std::memory_order_release);
   if (!watchdog_.joinable()) watchdog_ = std::thread([this] { WatchSteps(); });
+  if (lease_lowered) {
+    // dosd gives the memory back before this step's update; the trainer may
+    // allocate it as soon as we return. A daemon that closed the session or
+    // died is reported by StepWait, as for any step.
+    absl::Status applied = step_channel_->WaitLeaseApplied(seq_, absl::InfiniteDuration());
+    if (!applied.ok()) lease_sent_ = false;  // tell the next step's dosd again
+  }
   return absl::OkStatus();
 }
 

@@ -125,6 +125,11 @@ class ClientSession {
                                int64_t step);
 
   absl::Status SetPolicy(const std::string& policy);
+  // The GPU lease the following steps carry (dos_set_gpu_lease).
+  void SetGpuLease(const dos_gpu_lease& lease) {
+    lease_ = lease;
+    lease_set_ = true;
+  }
 
  private:
   ClientSession(Options options, std::shared_ptr<grpc::Channel> channel);
@@ -178,6 +183,12 @@ class ClientSession {
   uint32_t num_subgroups_ = 0;
   uint32_t seq_ = 0;  // seq of the last published step
   bool step_in_flight_ = false;
+  // GPU lease: the one to send, and the last one sent (a first or lower one
+  // waits in StepBegin for dosd to apply it).
+  dos_gpu_lease lease_{};
+  bool lease_set_ = false;
+  bool lease_sent_ = false;
+  uint64_t lease_sent_bytes_ = 0;
 
   std::vector<std::unique_ptr<ShmSegment>> buffers_;
   BufferTable table_;

@@ -41,6 +41,7 @@ class HostEngine final : public Engine {
                        StepMeasurements* measured) override;
   absl::Status SyncResidentToHost(ShardState&) override { return absl::OkStatus(); }
   void DropResident(ShardState&) override {}
+  absl::StatusOr<uint32_t> SetResident(ShardState&, uint32_t, bool) override { return 0u; }
 
  private:
   CpuUpdater* const cpu_;

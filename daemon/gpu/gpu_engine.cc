@@ -218,7 +218,13 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
                                             " subgroups, the shard ", n));
   }
   DOS_RETURN_IF_ERROR(EnsureBuffers(plan.max_numel));
-  DOS_RETURN_IF_ERROR(SetResident(shard, plan.resident));
+  DOS_ASSIGN_OR_RETURN(const uint32_t resident, ResizeResident(shard, plan.resident, true));
+  if (resident != plan.resident) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "gpu: the plan keeps ", plan.resident, " subgroups resident but device ", options_.device,
+        " has memory for ", resident, "; lower the static fraction, the GPU memory budget or "
+        "the session's GPU lease"));
+  }
   SubgroupQueue queue = plan.MakeQueue();
   StepRun run;
   run.shard = &shard;

@@ -89,6 +89,7 @@ class GpuEngine final : public Engine {
                        StepMeasurements* measured) override;
   absl::Status SyncResidentToHost(ShardState& shard) override;
   void DropResident(ShardState& shard) override;
+  absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) override;
 
   class Shard;     // per-shard attachment (gpu_engine.cc)
   struct StepRun;  // one step's working state (gpu_engine.cc)
@@ -97,7 +98,8 @@ class GpuEngine final : public Engine {
   GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu);
   absl::Status Init();
   absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
-  absl::Status SetResident(ShardState& shard, uint32_t count)
+  // SetResident's work, on the current device.
+  absl::StatusOr<uint32_t> ResizeResident(ShardState& shard, uint32_t count, bool grow)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // The step's two sides (gpu_stream_path.cc, gpu_cpu_path.cc), run at once.
   absl::Status GpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);

@@ -115,36 +115,60 @@ absl::Status GpuEngine::AttachShard(ShardState& shard, RegisterProgress* progres
   return absl::OkStatus();
 }
 
-absl::Status GpuEngine::SetResident(ShardState& shard, uint32_t count) {
+absl::StatusOr<uint32_t> GpuEngine::SetResident(ShardState& shard, uint32_t count, bool grow) {
+  absl::MutexLock lock(&step_mu_);
+  if (shard.attachment() == nullptr) return 0u;
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  return ResizeResident(shard, count, grow);
+}
+
+absl::StatusOr<uint32_t> GpuEngine::ResizeResident(ShardState& shard, uint32_t count, bool grow) {
   auto* gs = static_cast<Shard*>(shard.attachment());
   std::span<Subgroup> sgs = shard.subgroups();
   count = std::min<uint32_t>(count, sgs.size());
+  uint64_t freed = 0;
   for (size_t i = count; i < sgs.size(); ++i) {
     if (gs->resident[i] == nullptr) continue;
     shard.BeforeWrite(static_cast<uint32_t>(i));  // checkpoint copy-on-write
     DOS_CUDA_RETURN_IF_ERROR(cudaMemcpy(sgs[i].master, gs->resident[i], StateBytes(sgs[i]),
                                         cudaMemcpyDeviceToHost));
+    freed += gs->resident_size[i];
     gs->FreeResident(i);
   }
+  gs->resident_count = std::min(gs->resident_count, count);
+  if (freed > 0) {
+    DOS_LOG_INFO("gpu.resident_shrink", "device", options_.device, "subgroups", count,
+                 "freed_bytes", freed);
+  }
+  if (!grow) return gs->resident_count;
+  uint64_t added = 0;
   for (size_t i = 0; i < count; ++i) {
     if (gs->resident[i] != nullptr) continue;
     float* p = nullptr;
-    absl::Status st = DOS_CUDA_STATUS(cudaMalloc(&p, StateBytes(sgs[i])));
-    if (!st.ok()) {
-      gs->resident_count = static_cast<uint32_t>(i);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "gpu: cannot keep subgroup ", i, " (", FormatBytes(StateBytes(sgs[i])),
-          ") resident on the GPU; lower the static fraction or the GPU memory budget: ",
-          st.message()));
+    if (cudaMalloc(&p, StateBytes(sgs[i])) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: clear it
+      DOS_LOG_WARNING("gpu.resident_grow_stopped", "device", options_.device, "subgroup", i,
+                      "wanted", count, "bytes", StateBytes(sgs[i]), "reason",
+                      "device memory exhausted");
+      count = static_cast<uint32_t>(i);
+      break;
     }
     gs->resident[i] = p;
     gs->resident_size[i] = StateBytes(sgs[i]);
     resident_bytes_.fetch_add(StateBytes(sgs[i]));
+    added += StateBytes(sgs[i]);
     DOS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(p, sgs[i].master, StateBytes(sgs[i]), cudaMemcpyHostToDevice));
   }
-  gs->resident_count = count;
-  return absl::OkStatus();
+  // Resident are the leading subgroups that hold a copy.
+  uint32_t held = 0;
+  while (held < sgs.size() && gs->resident[held] != nullptr) ++held;
+  gs->resident_count = std::min(held, count);
+  if (added > 0) {
+    DOS_LOG_INFO("gpu.resident_grow", "device", options_.device, "subgroups",
+                 gs->resident_count, "added_bytes", added);
+  }
+  return gs->resident_count;
 }
 
 absl::Status GpuEngine::SyncResidentToHost(ShardState& shard) {

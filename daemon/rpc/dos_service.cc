@@ -178,6 +178,10 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   last->set_model_gpu_share(st.last.model_gpu_share);
   last->set_model_binding(st.last.model_binding);
   last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
+  last->set_gpu_lease_bytes(st.last.gpu_lease_bytes);
+  last->set_trainer_gpu_budget_bytes(st.last.trainer_gpu_budget_bytes);
+  last->set_trainer_gpu_peak_bytes(st.last.trainer_gpu_peak_bytes);
+  last->set_resident_budget_bytes(st.last.resident_budget_bytes);
 }
 
 // Attach from a client of another protocol: both versions, which side is

@@ -95,6 +95,13 @@ class Engine {
   // the host arrays before the state is read, forgotten after it was
   // replaced. No-ops for engines that keep none.
   virtual absl::Status SyncResidentToHost(ShardState& shard) = 0;
+  // Keeps subgroups [0, count) of the shard resident. Subgroups from `count`
+  // on that are resident are copied back to the host arrays first and their
+  // GPU memory is freed before this returns (a shrink is complete). With
+  // `grow`, missing ones are allocated and uploaded, stopping without error
+  // at the first the device has no memory for. Returns how many leading
+  // subgroups are resident now. Engines without a GPU keep none (0).
+  virtual absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) = 0;
   virtual void DropResident(ShardState& shard) = 0;
 };
 

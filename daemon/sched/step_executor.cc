@@ -103,7 +103,7 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
 absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               std::span<const TensorBinding> bindings,
                                               const StepRequest& request, const Policy& policy,
-                                              const StepSync& sync) {
+                                              const StepSync& sync, uint64_t session) {
   absl::Status valid = ValidateStepRequest(request, shard.groups().size());
   if (!valid.ok()) return valid;
   const absl::Time start = absl::Now();
@@ -138,16 +138,47 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
   }
-  const StepPlan plan = planner_.Plan(policy, shard);
+  StepPlan plan;
+  if (session != 0) {
+    const ShardLayout layout = planner_.LayoutOf(shard);
+    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
+    plan = planner_.Plan(policy, layout, held);
+  } else {
+    plan = planner_.Plan(policy, shard);
+  }
   StepMeasurements measured;
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, sync, &measured);
   if (!st.ok()) return st;
   planner_.Learn(plan, measured);
   StepOutcome out = Outcome(plan, measured);
+  if (session != 0) {
+    const GpuLease lease = planner_.LeaseOf(session);
+    out.gpu_lease_bytes = lease.lease_bytes;
+    out.trainer_gpu_budget_bytes = lease.budget_bytes;
+    out.trainer_gpu_peak_bytes = lease.peak_bytes;
+    out.resident_budget_bytes = planner_.ResidentBytes(session);
+  }
   for (TensorDesc& t : tensors) ++t.step;
   out.step = tensors[0].step;
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   return out;
+}
+
+absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& request,
+                                      const Policy& policy, uint64_t session) {
+  GpuLease lease;
+  if (request.flags & kStepGpuLease) {
+    lease = GpuLease{.reported = true,
+                     .lease_bytes = request.gpu_lease_bytes,
+                     .budget_bytes = request.gpu_budget_bytes,
+                     .peak_bytes = request.gpu_peak_bytes};
+  }
+  const ShardLayout layout = planner_.LayoutOf(shard);
+  planner_.SetLease(session, lease, layout);
+  if (!engine_->has_gpu()) return absl::OkStatus();
+  const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+  return engine_->SetResident(shard, target, /*grow=*/false).status();
 }
 
 absl::Status StepExecutor::WriteWeights(const ShardState& shard,

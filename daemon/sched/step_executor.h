@@ -5,7 +5,10 @@
 // scan the gradients for non-finite values (unless the client already did),
 // compute each tensor's Adam scalars, ask the planner for the step's plan,
 // have the engine execute it, and let the planner learn from what the engine
-// measured. A step with non-finite gradients applies nothing and leaves
+// measured. With a session, the resident tier is resized to the planner's
+// target for it first (a shrink already happened in ApplyLease; a grow may
+// stop short when the device is full) and the plan made for what the engine
+// then holds. A step with non-finite gradients applies nothing and leaves
 // every step counter unchanged, as AMP's GradScaler skips optimizer.step().
 //
 // Ownership: one executor per engine (ExecutorSet); it owns that engine's
@@ -47,6 +50,12 @@ struct StepOutcome {
   double model_gpu_share = 0;      // x the model chose (auto) or the policy implies
   std::string model_binding;       // the constraint the model says limits the step
   uint64_t gpu_memory_bytes = 0;   // staging slots + resident state on the GPU
+  // The session's GPU lease (0 without one), what its trainer reported with
+  // it, and the resident budget the planner gave the session.
+  uint64_t gpu_lease_bytes = 0;
+  uint64_t trainer_gpu_budget_bytes = 0;
+  uint64_t trainer_gpu_peak_bytes = 0;
+  uint64_t resident_budget_bytes = 0;
 };
 
 // The whole request: one group per registered group, grad_scale > 0 and
@@ -62,9 +71,21 @@ class StepExecutor {
   Engine* engine() const { return engine_; }
   StepPlanner& planner() { return planner_; }
 
+  // `session` (non-zero) sizes the resident tier from the session's lease
+  // (ApplyLease first); 0: from the planner's budgets alone.
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy,
-                                  const StepSync& sync = {});
+                                  const StepSync& sync = {}, uint64_t session = 0);
+
+  // A step's GPU lease (kStepGpuLease in `request`; without it the session
+  // keeps its last one), applied before anything else of the step: the
+  // planner records it, and if the session's resident target fell the engine
+  // copies the state it no longer covers back to the host and frees its GPU
+  // memory before this returns. Growing waits for Run.
+  absl::Status ApplyLease(ShardState& shard, const StepRequest& request, const Policy& policy,
+                          uint64_t session);
+  // The session is gone: its share of the engine's GPU goes to the others.
+  void ForgetSession(uint64_t session) { planner_.ForgetSession(session); }
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.

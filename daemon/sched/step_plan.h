@@ -50,13 +50,27 @@ struct PlanBudgets {
   // whatever the policy (a host-memory session, or no GPU).
   bool gpu = false;
   // GPU memory `auto` may fill with resident state, beyond the staging slots
-  // (--gpu_memory_budget); 0: none, every non-CPU subgroup is streamed.
+  // (--gpu_memory_budget). Sessions that report a GPU lease are sized from it
+  // and this is then only a cap on all of them together (0: no cap); for a
+  // session without a lease it is the whole budget (0: nothing resident).
   uint64_t gpu_resident_bytes = 0;
+  // Staging slots the engine streams through (GpuEngineOptions): a lease
+  // pays for them before resident state.
+  uint32_t staging_slots = 3;
   // Caps on what the step may use, in bytes/s; 0: no cap (the measured rates
   // alone). PCIe per direction (both directions together get twice it), host
   // memory for cores and DMA engines together.
   double pcie_bytes_per_s = 0;
   double host_bytes_per_s = 0;
+};
+
+// One session's GPU lease as its client last reported it (kStepGpuLease in
+// dos/wire/control_block.h): what the trainer lends dosd from its budget.
+struct GpuLease {
+  bool reported = false;      // false: none yet (gpu_resident_bytes alone decides)
+  uint64_t lease_bytes = 0;   // GPU memory dosd may hold for the session
+  uint64_t budget_bytes = 0;  // the trainer's budget and measured peak (stats)
+  uint64_t peak_bytes = 0;
 };
 
 struct StepPlan {

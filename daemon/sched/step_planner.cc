@@ -137,14 +137,98 @@ PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets)
   return out;
 }
 
+uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
+  uint64_t max_numel = 0;
+  for (uint64_t n : layout.subgroup_numel) max_numel = std::max(max_numel, n);
+  // The engine's slots hold fp32 state whatever the shard's format.
+  uint64_t bytes = uint64_t{options_.budgets.staging_slots} * max_numel *
+                   ShardState::kStateBytesPerParam;
+  if (options_.grad_fp32) bytes += 2 * max_numel * sizeof(float);
+  return bytes;
+}
+
+void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout) {
+  const uint64_t staging = StagingBytes(layout);
+  absl::MutexLock lock(&mu_);
+  SessionShare& share = sessions_[session];
+  if (lease.reported) {
+    share.lease = lease;
+  } else if (!share.lease.reported) {
+    share.lease = GpuLease{};
+  }  // else: a step without the flag keeps the session's last lease
+  share.asks = !share.lease.reported ? options_.budgets.gpu_resident_bytes
+               : share.lease.lease_bytes > staging ? share.lease.lease_bytes - staging
+                                                   : 0;
+}
+
+void StepPlanner::ForgetSession(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(session);
+}
+
+GpuLease StepPlanner::LeaseOf(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  return it == sessions_.end() ? GpuLease{} : it->second.lease;
+}
+
+uint64_t StepPlanner::ResidentBytes(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  return ResidentBytesLocked(session);
+}
+
+uint64_t StepPlanner::ResidentBytesLocked(uint64_t session) const {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return 0;
+  const uint64_t cap = options_.budgets.gpu_resident_bytes;
+  const uint64_t asks = it->second.asks;
+  if (cap == 0) return asks;
+  unsigned __int128 total = 0;
+  for (const auto& [id, share] : sessions_) total += share.asks;
+  if (total <= cap) return asks;
+  return static_cast<uint64_t>(static_cast<unsigned __int128>(asks) * cap / total);
+}
+
+uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& layout,
+                                     uint64_t session) const {
+  PlanBudgets budgets = options_.budgets;
+  bool leased = false;
+  {
+    absl::MutexLock lock(&mu_);
+    budgets.gpu_resident_bytes = ResidentBytesLocked(session);
+    auto it = sessions_.find(session);
+    leased = it != sessions_.end() && it->second.lease.reported;
+  }
+  const uint32_t count = ResidentCount(policy, layout, budgets);
+  if (policy.kind != Policy::Kind::kStatic || !leased || layout.subgroup_numel.empty()) {
+    return count;
+  }
+  // static:<f> within a lease: no more than the lease holds.
+  const uint64_t max_numel =
+      *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
+  const uint64_t sg_bytes =
+      std::max<uint64_t>(1, max_numel * static_cast<uint64_t>(layout.state_bytes));
+  return static_cast<uint32_t>(std::min<uint64_t>(count, budgets.gpu_resident_bytes / sg_bytes));
+}
+
 StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout) {
+  return PlanWith(policy, layout, ResidentCount(policy, layout, options_.budgets));
+}
+
+StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident) {
+  const uint32_t n = static_cast<uint32_t>(layout.subgroup_numel.size());
+  return PlanWith(policy, layout, options_.budgets.gpu ? std::min(resident, n) : 0);
+}
+
+StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
+                               uint32_t resident) {
   StepPlan plan;
   plan.policy = policy;
   plan.num_subgroups = static_cast<uint32_t>(layout.subgroup_numel.size());
   plan.numel = layout.subgroup_numel;
   for (uint64_t n : plan.numel) plan.max_numel = std::max(plan.max_numel, n);
   const PlanBudgets& budgets = options_.budgets;
-  plan.resident = ResidentCount(policy, layout, budgets);
+  plan.resident = resident;
   for (uint32_t i = 0; i < plan.resident; ++i) plan.resident_params += plan.numel[i];
   const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
   {

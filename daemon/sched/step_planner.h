@@ -10,14 +10,26 @@
 //   static:<f>      subgroups [0, round(f n)) resident, the rest on the CPU.
 //   interleave:<k>  every k-th subgroup (0, k, 2k, ...) streamed, the rest on
 //                   the CPU.
-//   auto            as many leading subgroups resident as the GPU memory
-//                   budget holds (largest subgroup's state each); the model's
+//   auto            as many leading subgroups resident as the session's
+//                   resident budget holds (largest subgroup's state each:
+//                   see "Resident tier" below); the model's
 //                   share x of the rest: half of x's parameters pinned to the
 //                   GPU from the front, half of (1 - x)'s pinned to the CPU
 //                   from the back, the middle shared and claimed at run time
 //                   (more than two subgroups only: with two or fewer every
 //                   one is shared).
 // Without a GPU (PlanBudgets::gpu false) every policy runs as `cpu`.
+//
+// Resident tier: each session of the engine gets its own resident budget.
+// A session whose trainer reports a GPU lease (SetLease, every step) asks
+// for its lease less the staging buffers its plans need; one that reports
+// none asks for budgets.gpu_resident_bytes (--gpu_memory_budget, as before
+// leases). When budgets.gpu_resident_bytes is set and the sessions together
+// ask for more, each gets a share of it in proportion to what it asks. A
+// `static:<f>` session with a lease keeps no more than its lease holds. The
+// executor asks ResidentTarget, lets the engine grow or shrink the tier
+// (growing may stop short when the device is full), then plans with what
+// the engine holds.
 //
 // The rates start from `PlannerOptions::initial` and are updated (EWMA) from
 // each step's measurements: kernel and copy-engine rates into the model, the
@@ -30,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -56,10 +69,34 @@ class StepPlanner {
   StepPlanner(const StepPlanner&) = delete;
   StepPlanner& operator=(const StepPlanner&) = delete;
 
-  // The plan of one step of a shard of `layout` under `policy`.
+  // The plan of one step of a shard of `layout` under `policy`, sized by
+  // budgets.gpu_resident_bytes alone (no session: tests, benchmarks).
   StepPlan Plan(const Policy& policy, const ShardLayout& layout) ABSL_LOCKS_EXCLUDED(mu_);
+  // The plan of a session's step when its engine holds subgroups
+  // [0, resident) resident (at most ResidentTarget's count).
+  StepPlan Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Resident tier (above). Sessions are keyed by their id.
+  void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of resident state `session` may hold now (0: unknown session).
+  uint64_t ResidentBytes(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Subgroups `session` should keep resident under `policy`.
+  uint32_t ResidentTarget(const Policy& policy, const ShardLayout& layout, uint64_t session) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The session's last reported lease (reported false: none).
+  GpuLease LeaseOf(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // GPU memory the engine's staging for plans of `layout` takes: the slots
+  // (12 bytes of state per element of the largest subgroup each) and, with
+  // grad_fp32, two fp32 gradient casts.
+  uint64_t StagingBytes(const ShardLayout& layout) const;
   // The same for a registered shard (its layout read with the options' grad_fp32).
   StepPlan Plan(const Policy& policy, const ShardState& shard) ABSL_LOCKS_EXCLUDED(mu_);
+  ShardLayout LayoutOf(const ShardState& shard) const {
+    return ShardLayout::Of(shard, options_.grad_fp32);
+  }
   // Learns from what executing `plan` measured; appends the step's timeline
   // when configured.
   void Learn(const StepPlan& plan, const StepMeasurements& measured) ABSL_LOCKS_EXCLUDED(mu_);
@@ -78,8 +115,17 @@ class StepPlanner {
   static PerfInputs Capped(const PerfInputs& in, const PlanBudgets& budgets);
 
  private:
+  struct SessionShare {
+    GpuLease lease;
+    uint64_t asks = 0;  // resident bytes it asks for (before the cap's share)
+  };
+  StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t ResidentBytesLocked(uint64_t session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const PlannerOptions options_;
   mutable absl::Mutex mu_;
+  std::map<uint64_t, SessionShare> sessions_ ABSL_GUARDED_BY(mu_);
   PerfModel model_ ABSL_GUARDED_BY(mu_);
   double cpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
   double gpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;

@@ -101,12 +101,18 @@ void Session::Stop() {
     }
   }
   if (!first) return;
+  {
+    absl::MutexLock lock(&mu_);
+    executor_->ForgetSession(identity_.id);  // its GPU share goes to the others
+  }
   if (control_ != nullptr) {
     auto* block = static_cast<ControlBlock*>(control_->data());
     block->closed.store(1, std::memory_order_release);
     // Wake a client blocked on the done bell so it sees `closed`.
     Doorbell(&block->done_bell, &block->client_sleeping)
         .Ring(block->done_bell.load(std::memory_order_relaxed));
+    Doorbell(&block->lease_bell, &block->lease_client_sleeping)
+        .Ring(block->lease_bell.load(std::memory_order_relaxed));
   }
   absl::MutexLock lock(&conn_mu_);
   client_connections_.clear();  // the client's watchdog sees the hang-up
@@ -195,18 +201,29 @@ void Session::HandleRequest(uint32_t seq) {
           "step: the session has no registered tensors; call dos_register (RegisterShard) "
           "before the first step");
     } else {
+      // The GPU lease first: memory a lowered lease no longer covers is given
+      // back before the client, waiting on the lease bell, lets the trainer
+      // allocate again. A failure here fails the step (below).
+      const Policy step_policy = policy();
+      absl::Status leased =
+          executor_->ApplyLease(*shard_, block->request, step_policy, identity_.id);
+      channel_->PostLeaseApplied(seq);
       StepSync sync;
       sync.trainer_event = trainer_event_;
       sync.subgroup_done = [this, seq](uint32_t subgroup) {
         channel_->MarkSubgroupDone(subgroup, seq);
       };
-      outcome = executor_->Run(*shard_, bindings_, block->request, policy(), sync);
+      outcome = leased.ok() ? executor_->Run(*shard_, bindings_, block->request, step_policy,
+                                             sync, identity_.id)
+                            : absl::StatusOr<StepOutcome>(leased);
       ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
       num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
     }
   }
-  // Done, skipped or failed: no waiter on any subgroup may be left behind.
+  // Done, skipped or failed: no waiter on any subgroup (or on the lease) may
+  // be left behind.
+  channel_->PostLeaseApplied(seq);
   channel_->MarkAllDone(seq, num_subgroups);
   const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   if (outcome.ok()) {
@@ -325,6 +342,9 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+  // A range may cover part of a resident subgroup: the rest of it must come
+  // home before the GPU copies are dropped below.
+  DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
   for (int which = 0; which < 3; ++which) {
     shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
   }
@@ -442,10 +462,19 @@ std::unique_ptr<ShardState> Session::TakeShard() {
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_) { return snapshot_copiers_ == 0; };
     snap_mu_.Await(absl::Condition(&idle));
   }
-  // The dead client's memory: unmap it (the step thread is stopped).
+  // The dead client's memory: unmap it (the step thread is stopped). State
+  // resident on the GPU comes home first: the attachment frees it.
   bindings_.clear();
   CloseTrainerEvent();
-  if (shard_ != nullptr) shard_->set_attachment(nullptr);
+  if (shard_ != nullptr) {
+    absl::Status synced = engine()->SyncResidentToHost(*shard_);
+    if (!synced.ok()) {
+      DOS_LOG_ERROR("session.resident_sync_failed", "session", identity_.id, "error",
+                    synced.message());
+    }
+    shard_->set_attachment(nullptr);
+  }
+  executor_->ForgetSession(identity_.id);
   transport_.reset();
   return std::move(shard_);
 }

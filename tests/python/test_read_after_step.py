@@ -141,21 +141,37 @@ def test_data_parallel_forward_sees_the_finished_step(dos_socket):
     any layer's pre-hook runs (the Hugging Face Trainer wraps the model in it
     on its own when a process sees several GPUs): the step in flight is
     finished before a DataParallel forward starts."""
-    model = make_model()
+    if torch.cuda.is_available():
+        # DataParallel requires its module on the first visible GPU there.
+        need_cuda()
+        model = make_wide_cuda()
+        opt_cm = make_cuda_opt(model, dos_socket, "auto", True)
+        x = torch.randn(16, 1024, device="cuda")
+        y = torch.randn(16, 8, device="cuda")
+
+        def backward_(_model, opt, _i):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    else:
+        model = make_model()
+        opt_cm = make_opt(model, dos_socket, "cpu", True, async_step=True)
+        x = batch(0)[0]
+        backward_ = backward
     wrapped = torch.nn.DataParallel(model)
     seen = []
     model.register_forward_pre_hook(lambda *_: seen.append(opt._inflight))
-    with make_opt(model, dos_socket, "cpu", True, async_step=True) as opt:
+    with opt_cm as opt:
         for i in range(3):
-            backward(model, opt, i)
+            backward_(model, opt, i)
             opt.step()
-            assert opt._inflight, "async_step=True must leave the step in flight"
+            assert opt._inflight, "the step must be left in flight (async)"
+            seen.clear()
             with torch.no_grad():
-                out = wrapped(batch(0)[0])
+                out = wrapped(x)
+            assert seen and not any(seen), "a DataParallel forward began with a step in flight"
             opt.synchronize()
             with torch.no_grad():
-                assert torch.equal(out, model(batch(0)[0])), f"step {i + 1}"
-    assert seen and not any(seen), f"a DataParallel forward began with a step in flight: {seen}"
+                assert torch.equal(out, model(x)), f"step {i + 1}"
 
 
 def test_synchronize_without_a_step_is_a_no_op(dos_socket):

@@ -291,6 +291,30 @@ dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t
                                  uint64_t count, const float* master, const float* exp_avg,
                                  const float* exp_avg_sq, int64_t step);
 
+/* GPU lease (GPU mode). dosd keeps as many subgroups' optimizer state
+ * resident on the session's GPU as the memory the trainer lends it allows, so
+ * those skip PCIe every step. The trainer lends what its own GPU budget leaves
+ * after its measured peak (the Python optimizer computes it from
+ * torch.cuda's per-process limit and peak; dos/_lease.py). lease_bytes is
+ * everything dosd may hold on the GPU for this session (its staging buffers
+ * included); budget_bytes and peak_bytes are what it was computed from, for
+ * statistics. The lease travels with every later step; the first lease and
+ * any lower one are applied before the step's update: dos_step_begin() and
+ * dos_step_begin_on_stream() then return only once dosd has copied the state
+ * the lease no longer covers back to host memory and freed its GPU memory,
+ * so the trainer's next allocations find it free. A higher lease is used
+ * lazily (state is uploaded as the step needs it). Without any lease dosd's
+ * --gpu_memory_budget alone decides (default: nothing resident). Several
+ * sessions on one GPU each hold their own lease. The results are bitwise the
+ * same whatever the lease. INVALID_ARGUMENT: lease NULL. Added within API
+ * version 1 (look it up with dlsym to run with an older libdos_client). */
+typedef struct dos_gpu_lease {
+  uint64_t lease_bytes;   /* GPU memory dosd may hold for this session */
+  uint64_t budget_bytes;  /* the trainer's GPU budget (0: not known) */
+  uint64_t peak_bytes;    /* the trainer's measured peak (0: not known) */
+} dos_gpu_lease;
+dos_status dos_set_gpu_lease(dos_session* session, const dos_gpu_lease* lease);
+
 /* Scheduling policy of this session: "cpu", "static:<f>", "interleave:<k>", "auto". */
 dos_status dos_set_policy(dos_session* session, const char* policy);
 

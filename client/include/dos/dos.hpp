@@ -174,6 +174,13 @@ class Session {
                                  t.step));
   }
 
+  // See dos_set_gpu_lease.
+  Result<void> SetGpuLease(uint64_t lease_bytes, uint64_t budget_bytes = 0,
+                           uint64_t peak_bytes = 0) {
+    const dos_gpu_lease lease{lease_bytes, budget_bytes, peak_bytes};
+    return Check(dos_set_gpu_lease(s_, &lease));
+  }
+
   Result<void> SetPolicy(const std::string& policy) {
     return Check(dos_set_policy(s_, policy.c_str()));
   }

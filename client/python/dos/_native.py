@@ -102,6 +102,11 @@ class RegisterProgress(ctypes.Structure):
                 ("phase_seconds", ctypes.c_double), ("total_seconds", ctypes.c_double)]
 
 
+class GpuLease(ctypes.Structure):
+    _fields_ = [("lease_bytes", ctypes.c_uint64), ("budget_bytes", ctypes.c_uint64),
+                ("peak_bytes", ctypes.c_uint64)]
+
+
 # C struct name in dos.h -> its ctypes mirror (checked by test_native_abi.py).
 STRUCTS = {
     "dos_daemon_info": DaemonInfo,
@@ -112,6 +117,7 @@ STRUCTS = {
     "dos_register_options": RegisterOptions,
     "dos_step_args": StepArgs,
     "dos_step_result": StepResult,
+    "dos_gpu_lease": GpuLease,
 }
 
 _S = ctypes.c_int  # dos_status
@@ -158,6 +164,8 @@ SIGNATURES = {
                                   _F, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write_range": (_S, [_P, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64, _F, _F,
                                    _F, ctypes.c_int64]),
+    # GPU mode: the memory this trainer lends dosd for its resident tier.
+    "dos_set_gpu_lease": (_S, [_P, ctypes.POINTER(GpuLease)]),
     "dos_set_policy": (_S, [_P, ctypes.c_char_p]),
 }
 

@@ -86,6 +86,14 @@ never weights the daemon is still writing. What guarantees it:
   model= (whose gain is the next forward's first layers; 1.412 vs 1.413
   s/iter at 6B, bench/results/e2e_nvidia-h200_2026-11-29_6b_80g.json).
 
+GPU memory (GPU mode): dosd keeps as many subgroups' state resident on the
+GPU as this trainer lends it, computed at every step from the trainer's
+budget and measured peak (dos/_lease.py): `gpu_budget_bytes=` (or
+$DOS_GPU_BUDGET, e.g. "80G"), else torch.cuda's per-process memory fraction,
+else the memory free when it first lends; 0 lends nothing. When the peak
+grows the lease shrinks and step() returns once dosd has freed the memory, so
+the next forward never finds it taken. `opt.gpu_lease` shows the last lease.
+
 Crash survival: `opt.session_info()` gives the session id and token (keep
 them private to the job); a restarted trainer builds its optimizer with
 `resume=info` within dosd's --session_lease, and the daemon rewrites the new
@@ -158,6 +166,7 @@ import torch
 from dos import _native
 from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
+from dos._lease import GpuLease
 from dos._native import Status
 from dos._register import Entry, _RegisterMixin, local_of
 from dos._session import SessionHandle, track, untrack
@@ -188,7 +197,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                  rank: Optional[int] = None, local_rank: Optional[int] = None,
                  world_size: Optional[int] = None, overlap: bool = False,
                  model: Optional[torch.nn.Module] = None, async_step: Optional[bool] = None,
-                 resume: Optional[Dict[str, Any]] = None, compact_state: bool = False):
+                 resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
+                 gpu_budget_bytes=None):
         if amsgrad:
             raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
         if maximize:
@@ -248,6 +258,9 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         except BaseException:
             self.close()
             raise
+        # GPU mode: the memory this trainer lends dosd's resident tier
+        # (dos/_lease.py); None on the CPU path.
+        self._lease = None if self._device is None else GpuLease(self._device, gpu_budget_bytes)
         if self.overlap:
             self._install_hooks()
         # The model only weakly: it holds this optimizer's hooks (no cycle).
@@ -282,6 +295,13 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     @last_step.setter
     def last_step(self, value) -> None:
         self._last_step = value
+
+    @property
+    def gpu_lease(self) -> Optional[Dict[str, Any]]:
+        """GPU mode: the lease last sent to dosd (lease_bytes, budget_bytes,
+        peak_bytes, headroom_bytes, budget_source); None before the first
+        step, on the CPU path, or with lending off (gpu_budget_bytes=0)."""
+        return None if self._lease is None else self._lease.last
 
     @property
     def session_id(self) -> int:
@@ -519,7 +539,12 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     def _begin(self, args, by_hooks: bool = False):
         """Begins a step: stream-ordered on a GPU session with stream sync
         (the daemon waits for this stream's work on the GPU), else after
-        synchronising the device. `by_hooks`: begun by the overlap hooks."""
+        synchronising the device. `by_hooks`: begun by the overlap hooks.
+        GPU mode: the lease goes first (a lowered one is given back by dosd
+        before the step call returns)."""
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            lease.update(self._session)
         if self._stream_sync:
             call("dos_step_begin_on_stream", self._session, ctypes.byref(args),
                          self._stream())

@@ -34,6 +34,18 @@
 // daemon's streams wait on that event before reading a gradient, so the
 // trainer never synchronises its stream for a step.
 //
+// GPU lease (GPU mode): with kStepGpuLease the request carries the bytes of
+// GPU memory the trainer lends dosd from its budget (gpu_lease_bytes), with
+// the budget and the trainer's measured peak it was computed from. dosd sizes
+// the session's resident tier from it, and before anything else of the step
+// it gives back what a smaller lease no longer covers (resident state copied
+// back to host memory, GPU memory freed); then it stores the step's seq in
+// `lease_bell` (rung, with `lease_client_sleeping`, like done_bell). A client
+// that lowered its lease waits for that bell before the trainer allocates
+// again, so the tier never takes memory the trainer's next forward needs.
+// Without the flag dosd keeps the session's last lease (none: only
+// --gpu_memory_budget decides). The bell is rung for every step.
+//
 // Registration progress: while RegisterShard runs (a 6B shard is ~71 GB of
 // state to allocate, fill and page-lock), the daemon publishes its phase and
 // bytes in `register_progress`; the trainer's library reads them from another
@@ -53,7 +65,7 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-inline constexpr uint32_t kProtocolVersion = 3;
+inline constexpr uint32_t kProtocolVersion = 4;  // 4: the GPU lease
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -65,6 +77,9 @@ enum StepFlags : uint32_t {
   // The trainer recorded its registered IPC event after the gradients were
   // final; the daemon's streams wait on it (GPU mode only).
   kStepTrainerEventRecorded = 1u << 1,
+  // gpu_lease_bytes (with gpu_budget_bytes, gpu_peak_bytes) is set: the
+  // session's lease from this step on.
+  kStepGpuLease = 1u << 2,
 };
 
 struct StepRequest {
@@ -74,6 +89,9 @@ struct StepRequest {
   uint32_t reserved;
   double grad_scale;       // gradients are divided by this first (AMP loss scale); 1 = none
   double clip_coef;        // then multiplied by this (clip_grad_norm_); 1 = none
+  uint64_t gpu_lease_bytes;   // kStepGpuLease: GPU memory dosd may hold for the session
+  uint64_t gpu_budget_bytes;  // the trainer's GPU budget it was computed from (stats)
+  uint64_t gpu_peak_bytes;    // the trainer's measured peak (stats)
   GroupStepParams groups[kMaxGroups];
 };
 
@@ -131,6 +149,9 @@ struct ControlBlock {
   // Set by the daemon when the session is being torn down (shutdown, detach):
   // a waiting client returns UNAVAILABLE instead of waiting forever.
   std::atomic<uint32_t> closed;
+  // Daemon -> client: seq of the last step whose lease dosd has applied.
+  alignas(64) std::atomic<uint32_t> lease_bell;
+  std::atomic<uint32_t> lease_client_sleeping;
 
   alignas(64) StepRequest request;
   alignas(64) StepResult result;

@@ -99,25 +99,34 @@ uint32_t ControlBlockChannel::PublishRequest() {
 }
 
 absl::Status ControlBlockChannel::WaitResult(uint32_t seq, absl::Duration timeout) {
+  return WaitBell(done_, seq, timeout, "no result");
+}
+
+absl::Status ControlBlockChannel::WaitLeaseApplied(uint32_t seq, absl::Duration timeout) {
+  return WaitBell(lease_, seq, timeout, "GPU lease not applied");
+}
+
+absl::Status ControlBlockChannel::WaitBell(Doorbell& bell, uint32_t seq, absl::Duration timeout,
+                                           const char* what) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   for (;;) {
     // `closed` first: a plain load, and a closed session will never answer.
-    if (block_->closed.load(std::memory_order_acquire) != 0 && done_.Load() != seq) {
+    if (block_->closed.load(std::memory_order_acquire) != 0 && bell.Load() != seq) {
       return absl::UnavailableError(
           absl::StrCat("step ", seq, ": dosd closed session ", block_->session_id,
                        " (daemon shutdown or detach); attach again to continue"));
     }
     const absl::Duration elapsed = absl::FromChrono(Clock::now() - start);
     const absl::Duration slice = std::min(kLivenessSlice, timeout - elapsed);
-    if (done_.WaitFor(seq, slice)) return absl::OkStatus();
+    if (bell.WaitFor(seq, slice)) return absl::OkStatus();
     if (!DaemonAlive()) {
       return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ", block_->daemon_pid,
                                                  ") is gone; restart it and attach again"));
     }
     if (absl::FromChrono(Clock::now() - start) >= timeout) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "step ", seq, ": no result from dosd (pid ", block_->daemon_pid, ") within ",
+          "step ", seq, ": ", what, " from dosd (pid ", block_->daemon_pid, ") within ",
           absl::FormatDuration(timeout), "; it is alive but slow or stuck, see its log"));
     }
   }

@@ -53,7 +53,8 @@ class ControlBlockChannel {
   explicit ControlBlockChannel(ControlBlock* block)
       : block_(block),
         request_(&block->request_bell, &block->daemon_sleeping),
-        done_(&block->done_bell, &block->client_sleeping) {}
+        done_(&block->done_bell, &block->client_sleeping),
+        lease_(&block->lease_bell, &block->lease_client_sleeping) {}
 
   ControlBlock* block() const { return block_; }
 
@@ -74,6 +75,9 @@ class ControlBlockChannel {
   }
   // Publishes block()->result as the answer to `seq`.
   void PostResult(uint32_t seq);
+  // Step `seq`'s GPU lease is applied: whatever a lowered lease no longer
+  // covers is back in host memory and freed on the GPU (control_block.h).
+  void PostLeaseApplied(uint32_t seq) { lease_.Ring(seq); }
   // Marks the session closed; a waiting client returns UNAVAILABLE within
   // kLivenessSlice.
   void Close() { block_->closed.store(1, std::memory_order_release); }
@@ -98,6 +102,9 @@ class ControlBlockChannel {
   // Waits for the result of `seq`. UNAVAILABLE if the daemon closed the
   // session or its process is gone; DEADLINE_EXCEEDED after `timeout`.
   absl::Status WaitResult(uint32_t seq, absl::Duration timeout);
+  // Waits until dosd has applied step `seq`'s GPU lease (PostLeaseApplied).
+  // UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.
+  absl::Status WaitLeaseApplied(uint32_t seq, absl::Duration timeout);
   // Waits until subgroups [first, last] of step `seq` are done (their words
   // reach seq). UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.
   absl::Status WaitSubgroups(uint32_t first, uint32_t last, uint32_t seq, absl::Duration timeout);
@@ -116,6 +123,9 @@ class ControlBlockChannel {
   int daemon_connection_ = -1;
   Doorbell request_;  // client rings, daemon waits
   Doorbell done_;     // daemon rings, client waits
+  Doorbell lease_;    // daemon rings, client waits (after lowering its lease)
+  // WaitResult's loop for `bell` reaching `seq`; `what` names it in errors.
+  absl::Status WaitBell(Doorbell& bell, uint32_t seq, absl::Duration timeout, const char* what);
 };
 
 }  // namespace dos

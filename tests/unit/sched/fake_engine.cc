@@ -1,5 +1,7 @@
 #include "tests/unit/sched/fake_engine.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -32,6 +34,80 @@ class FakeTransport final : public Transport {
 int event_token = 0;  // the address is the fake event
 
 }  // namespace
+
+class FakeEngine::Resident final : public ShardAttachment {
+ public:
+  explicit Resident(std::atomic<uint64_t>* total) : total_(total) {}
+  ~Resident() override {
+    for (size_t i = 0; i < copies.size(); ++i) Free(i);
+  }
+  void Free(size_t i) {
+    total_->fetch_sub(copies[i].size() * sizeof(float));
+    copies[i] = {};
+  }
+  std::vector<std::vector<float>> copies;  // per subgroup; empty: not resident
+
+ private:
+  std::atomic<uint64_t>* total_;
+};
+
+FakeEngine::Resident* FakeEngine::ResidentOf(ShardState& shard) {
+  if (shard.attachment() == nullptr) {
+    auto r = std::make_unique<Resident>(&resident_bytes_);
+    r->copies.resize(shard.subgroups().size());
+    shard.set_attachment(std::move(r));
+  }
+  return static_cast<Resident*>(shard.attachment());
+}
+
+uint64_t FakeEngine::resident_bytes() const { return resident_bytes_.load(); }
+
+absl::StatusOr<uint32_t> FakeEngine::SetResident(ShardState& shard, uint32_t count, bool grow) {
+  if (!options_.gpu) return 0u;
+  Resident* r = ResidentOf(shard);
+  std::span<Subgroup> sgs = shard.subgroups();
+  count = std::min<uint32_t>(count, sgs.size());
+  for (size_t i = count; i < sgs.size(); ++i) {
+    if (r->copies[i].empty()) continue;
+    shard.BeforeWrite(static_cast<uint32_t>(i));
+    std::memcpy(sgs[i].master, r->copies[i].data(), r->copies[i].size() * sizeof(float));
+    r->Free(i);
+  }
+  if (grow) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!r->copies[i].empty()) continue;
+      const uint64_t floats = sgs[i].state_bytes() / sizeof(float);  // 12 or 8 bytes a param
+      if (options_.device_bytes != 0 &&
+          resident_bytes_.load() + floats * sizeof(float) > options_.device_bytes) {
+        break;  // the "device" is full: growth stops here
+      }
+      r->copies[i].assign(sgs[i].master, sgs[i].master + floats);
+      resident_bytes_.fetch_add(floats * sizeof(float));
+      shard.BeforeWrite(static_cast<uint32_t>(i));
+      std::fill(sgs[i].master, sgs[i].master + floats, std::nanf(""));
+    }
+  }
+  uint32_t held = 0;
+  while (held < sgs.size() && !r->copies[held].empty()) ++held;
+  return std::min(held, count);
+}
+
+absl::Status FakeEngine::SyncResidentToHost(ShardState& shard) {
+  if (shard.attachment() == nullptr) return absl::OkStatus();
+  Resident* r = ResidentOf(shard);
+  for (size_t i = 0; i < r->copies.size(); ++i) {
+    if (r->copies[i].empty()) continue;
+    std::memcpy(shard.subgroups()[i].master, r->copies[i].data(),
+                r->copies[i].size() * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+void FakeEngine::DropResident(ShardState& shard) {
+  if (shard.attachment() == nullptr) return;
+  Resident* r = ResidentOf(shard);
+  for (size_t i = 0; i < r->copies.size(); ++i) r->Free(i);
+}
 
 FakeEngine::FakeEngine(Options options)
     : options_(options), cpu_(cpu::CpuUpdaterOptions{.threads = 1}) {}
@@ -197,13 +273,21 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
     fail_after = fail_execute_after_;
     fault = execute_fault_;
   }
+  absl::StatusOr<uint32_t> held = SetResident(shard, plan.resident, true);
+  if (!held.ok()) return held.status();
+  if (*held != plan.resident) {
+    return absl::ResourceExhaustedError(absl::StrCat("fake: the plan keeps ", plan.resident,
+                                                     " subgroups resident, the device holds ",
+                                                     *held));
+  }
   uint32_t updated = 0;
   for (auto [sg, path] : Order(plan)) {
     if (fail_after && updated == *fail_after) return fault;
     const Subgroup& g = shard.subgroups()[sg];
+    float* state = path == 'r' ? ResidentOf(shard)->copies[sg].data() : g.master;
     std::vector<cpu::CpuUpdater::Item> items;
     absl::Status st = cpu::ForEachSegmentSpan(
-        shard.tensors(), g, g.master,
+        shard.tensors(), g, state,
         [&](const SubgroupSegment& seg, const TensorDesc& t) {
           return cpu::TrainerIo(t, seg, bindings[seg.tensor].grad, bindings[seg.tensor].param);
         },

@@ -6,6 +6,13 @@
 // the test lends it under a CUDA IPC handle string (LendDeviceMemory), so a
 // session can register GPU-mode tensors and run its full step flow on it.
 //
+// Resident subgroups are kept as the GPU engine keeps them: in "device"
+// copies of their state (heap memory attached to the shard) that only the
+// fake's kernel updates, copied back by SetResident's shrink and by
+// SyncResidentToHost. While a subgroup is resident its host state is
+// poisoned (NaN), so a reader that forgot to bring it home sees it.
+// `device_bytes` bounds the copies (growth stops there, as when a GPU is full).
+//
 // Faults are injected at the engine and transport seams: Execute failing
 // after N subgroups (an engine error mid-step), AllFinite, AttachShard,
 // OpenTrainerEvent failing, and transports that fail to map.
@@ -13,6 +20,7 @@
 // Thread-safety: thread-safe (one mutex around its records and faults).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -32,6 +40,7 @@ struct FakeEngineOptions {
   double cpu_params_per_s = 1e9;       // synthetic rates the measurements report
   double gpu_params_per_s = 100e9;
   double copy_bytes_per_s = 50e9;
+  uint64_t device_bytes = 0;           // resident copies held at most; 0: no limit
 };
 
 class FakeEngine final : public Engine {
@@ -71,8 +80,11 @@ class FakeEngine final : public Engine {
                        std::span<const TensorBinding> bindings,
                        std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
                        StepMeasurements* measured) override;
-  absl::Status SyncResidentToHost(ShardState&) override { return absl::OkStatus(); }
-  void DropResident(ShardState&) override {}
+  absl::Status SyncResidentToHost(ShardState& shard) override;
+  void DropResident(ShardState& shard) override;
+  absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) override;
+  // Resident copies held now, all shards (bytes).
+  uint64_t resident_bytes() const;
 
   // Resolves a lent CUDA IPC location (FakeTransport).
   absl::StatusOr<void*> Resolve(const MemoryRef& ref, uint64_t bytes, absl::string_view what);
@@ -83,8 +95,12 @@ class FakeEngine final : public Engine {
   static std::vector<std::pair<uint32_t, char>> Order(const StepPlan& plan);
   void Measure(uint32_t sg, char path, uint64_t numel, StepMeasurements* m) const;
 
+  class Resident;  // a shard's copies (its attachment)
+  Resident* ResidentOf(ShardState& shard);
+
   const Options options_;
   cpu::CpuUpdater cpu_;
+  std::atomic<uint64_t> resident_bytes_{0};
   mutable absl::Mutex mu_;
   std::map<std::string, std::pair<char*, uint64_t>> device_memory_ ABSL_GUARDED_BY(mu_);
   std::optional<uint32_t> fail_execute_after_ ABSL_GUARDED_BY(mu_);

@@ -22,112 +22,12 @@
 #include "daemon/sched/executor_set.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
-#include "tests/unit/sched/fake_engine.h"
+#include "tests/unit/session/session_fixture.h"
 
 namespace dos {
 namespace {
 
-constexpr char kUuid[] = "GPU-11111111-2222-3333-4444-555555555555";
-constexpr uint64_t kNumel[] = {2500, 1300};  // subgroups of 1000 cross the boundary
-constexpr uint64_t kTotal = 3800;
-
-GroupStepParams Hyper(double eps = 1e-8) { return GroupStepParams{1e-2, 0.9, 0.999, eps, 0.01}; }
-
-class SessionTest : public testing::Test {
- protected:
-  SessionTest() : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), executors_(&cpu_) {
-    PlannerOptions planner;
-    planner.budgets.gpu_resident_bytes = 1000 * 12;  // auto keeps one subgroup resident
-    executors_.AddGpu({0, kUuid, "fake"}, &gpu_, planner);
-    for (uint64_t i = 0; i < kTotal; ++i) {
-      params_[i] = 0.25f + 1e-3f * static_cast<float>(i % 101);
-      grads_[i] = 1e-2f * static_cast<float>(static_cast<int>(i % 17) - 8);
-    }
-    gpu_.LendDeviceMemory("params", params_.data(), 4 * kTotal);
-    gpu_.LendDeviceMemory("grads", grads_.data(), 4 * kTotal);
-  }
-
-  std::unique_ptr<Session> NewSession(const char* policy, int32_t pid = getpid(),
-                                      std::function<void(uint64_t)> gone = nullptr) {
-    SessionIdentity id;
-    id.id = ++next_id_;
-    id.token = "token";
-    id.pid = pid;
-    SessionOptions options;
-    options.default_subgroup_size = 1000;
-    options.liveness_interval = absl::Milliseconds(10);
-    absl::StatusOr<std::unique_ptr<Session>> s = Session::Create(
-        id, options, *ParsePolicy(policy), &executors_, &budget_, std::move(gone));
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? *std::move(s) : nullptr;
-  }
-
-  // GPU-mode tensors in the fake engine's lent memory.
-  static ShardSpec DeviceSpec(double eps = 1e-8) {
-    ShardSpec spec;
-    spec.groups.push_back(GroupConfig{Hyper(eps), true});
-    uint64_t off = 0;
-    for (uint64_t n : kNumel) {
-      TensorSpec t;
-      t.desc.name = absl::StrCat("t", spec.tensors.size());
-      t.desc.numel = n;
-      for (auto [ref, handle] : {std::pair{&t.param, "params"}, std::pair{&t.grad, "grads"}}) {
-        ref->cuda_ipc_handle = handle;
-        ref->offset = 4 * off;
-        ref->alloc_bytes = 4 * kTotal;
-        ref->device_uuid = kUuid;
-      }
-      spec.tensors.push_back(t);
-      off += n;
-    }
-    return spec;
-  }
-
-  // The same tensors in shared memory (host engine): one sealed memfd, filed
-  // in the session's inbox as the descriptor socket would.
-  ShardSpec HostSpec(Session& s) {
-    shm_ = *ShmSegment::Create(absl::StrCat("dos-session-test-", ++next_id_), 8 * kTotal);
-    std::memcpy(shm_->data(), params_.data(), 4 * kTotal);
-    std::memcpy(static_cast<char*>(shm_->data()) + 4 * kTotal, grads_.data(), 4 * kTotal);
-    std::vector<std::unique_ptr<ShmSegment>> segs;
-    segs.push_back(*ShmSegment::Adopt(UniqueFd(fcntl(shm_->fd(), F_DUPFD_CLOEXEC, 0)), "test"));
-    const uint64_t id = (*s.inbox()->AddAll(std::move(segs)))[0];
-    ShardSpec spec = DeviceSpec();
-    uint64_t off = 0;
-    for (TensorSpec& t : spec.tensors) {
-      t.param = SegmentRef(id, 4 * off);
-      t.grad = SegmentRef(id, 4 * (kTotal + off));
-      off += t.desc.numel;
-    }
-    return spec;
-  }
-
-  // Rings one step through the control block and waits for its result.
-  static StepResult Step(Session& s, double eps = 1e-8, uint32_t flags = 0) {
-    std::unique_ptr<ShmSegment> seg =
-        *ShmSegment::Adopt(UniqueFd(fcntl(s.control_fd(), F_DUPFD_CLOEXEC, 0)), "control block");
-    auto* block = static_cast<ControlBlock*>(seg->data());
-    ControlBlockChannel channel(block);
-    block->request.flags = flags;
-    block->request.num_groups = 1;
-    block->request.grad_scale = 1;
-    block->request.clip_coef = 1;
-    block->request.groups[0] = Hyper(eps);
-    const uint32_t seq = channel.PublishRequest();
-    EXPECT_TRUE(channel.WaitResult(seq, absl::Seconds(30)).ok());
-    EXPECT_EQ(channel.DoneWord(kMaxTrackedSubgroups - 1)->load(), seq);  // nobody left waiting
-    return block->result;
-  }
-
-  cpu::CpuUpdater cpu_;
-  FakeEngine gpu_{FakeEngine::Options{.gpu = true}};
-  ExecutorSet executors_;
-  HostMemoryBudget budget_{0};
-  std::vector<float> params_ = std::vector<float>(kTotal);
-  std::vector<float> grads_ = std::vector<float>(kTotal);
-  std::unique_ptr<ShmSegment> shm_;
-  uint64_t next_id_ = 0;
-};
+class SessionTest : public SessionFixture {};
 
 TEST_F(SessionTest, GpuModeStepsRunTheDevicesPlanOnItsEngine) {
   auto s = NewSession("interleave:2");

@@ -1,0 +1,235 @@
+// The resident tier sized from each session's GPU lease (issue 14): the
+// planner's per-session budgets (lease less staging, the node-wide cap shared
+// in proportion, sessions without a lease, static within a lease), and the
+// executor on the fake engine: a lowered lease is given back in ApplyLease,
+// before the step runs; growth stops where the device is full and the plan
+// follows what the engine holds.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "daemon/sched/step_executor.h"
+#include "daemon/sched/step_planner.h"
+#include "daemon/state/shard_state.h"
+#include "tests/unit/sched/fake_engine.h"
+
+namespace dos {
+namespace {
+
+constexpr uint64_t kSg = 1000;               // elements per subgroup
+constexpr uint64_t kSgBytes = kSg * 12;      // its state
+constexpr uint64_t kStaging = 3 * kSgBytes;  // three staging slots
+
+ShardLayout Uniform(uint32_t n) {
+  ShardLayout l;
+  l.subgroup_numel.assign(n, kSg);
+  return l;
+}
+
+PlannerOptions Gpu(uint64_t cap = 0) {
+  PlannerOptions o;
+  o.budgets.gpu = true;
+  o.budgets.gpu_resident_bytes = cap;
+  return o;
+}
+
+GpuLease Lease(uint64_t bytes) {
+  return GpuLease{.reported = true, .lease_bytes = bytes, .budget_bytes = 80, .peak_bytes = 20};
+}
+
+Policy P(absl::string_view text) { return *ParsePolicy(text); }
+
+TEST(ResidentTierTest, ALeaseLessTheStagingSizesTheTier) {
+  StepPlanner planner(Gpu());
+  const ShardLayout layout = Uniform(10);
+  EXPECT_EQ(planner.StagingBytes(layout), kStaging);
+  planner.SetLease(7, Lease(kStaging + 4 * kSgBytes + kSgBytes / 2), layout);
+  EXPECT_EQ(planner.ResidentBytes(7), 4 * kSgBytes + kSgBytes / 2);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 4u);
+  const StepPlan plan = planner.Plan(P("auto"), layout, 4);
+  EXPECT_EQ(plan.resident, 4u);
+  EXPECT_EQ(plan.resident_params, 4 * kSg);
+  EXPECT_EQ(plan.streamed_params, 6 * kSg);
+  // A lease that does not even pay for the staging holds nothing resident.
+  planner.SetLease(7, Lease(kStaging - 1), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 0u);
+  // A lease larger than the shard holds the whole shard.
+  planner.SetLease(7, Lease(uint64_t{1} << 40), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 10u);
+  EXPECT_EQ(planner.LeaseOf(7).budget_bytes, 80u);
+}
+
+TEST(ResidentTierTest, TheTierGrowsAndShrinksWithTheLeaseAndKeepsItBetweenReports) {
+  StepPlanner planner(Gpu());
+  const ShardLayout layout = Uniform(8);
+  planner.SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
+  planner.SetLease(1, Lease(kStaging + 6 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 6u);
+  planner.SetLease(1, GpuLease{}, layout);  // a step without the flag keeps the lease
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 6u);
+  planner.SetLease(1, Lease(kStaging + 1 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 1u);
+  // Other policies: cpu and interleave keep nothing resident; static keeps
+  // its fraction but no more than the lease holds.
+  EXPECT_EQ(planner.ResidentTarget(P("cpu"), layout, 1), 0u);
+  EXPECT_EQ(planner.ResidentTarget(P("interleave:2"), layout, 1), 0u);
+  EXPECT_EQ(planner.ResidentTarget(P("static:0.5"), layout, 1), 1u);
+  planner.SetLease(1, Lease(kStaging + 8 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("static:0.5"), layout, 1), 4u);
+}
+
+TEST(ResidentTierTest, WithoutALeaseTheFlagDecidesAsBefore) {
+  const ShardLayout layout = Uniform(8);
+  StepPlanner none(Gpu());
+  none.SetLease(1, GpuLease{}, layout);
+  EXPECT_EQ(none.ResidentTarget(P("auto"), layout, 1), 0u);
+  StepPlanner flag(Gpu(3 * kSgBytes));
+  flag.SetLease(1, GpuLease{}, layout);
+  EXPECT_EQ(flag.ResidentTarget(P("auto"), layout, 1), 3u);
+  // An unknown session holds nothing.
+  EXPECT_EQ(flag.ResidentBytes(99), 0u);
+}
+
+TEST(ResidentTierTest, SessionsOnOneGpuEachHoldTheirOwnLease) {
+  StepPlanner planner(Gpu());
+  const ShardLayout layout = Uniform(10);
+  planner.SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
+  planner.SetLease(2, Lease(kStaging + 5 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 2), 5u);
+}
+
+TEST(ResidentTierTest, TheFlagCapsAllSessionsTogetherInProportion) {
+  StepPlanner planner(Gpu(6 * kSgBytes));
+  const ShardLayout layout = Uniform(10);
+  planner.SetLease(1, Lease(kStaging + 4 * kSgBytes), layout);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 4u);  // alone: under the cap
+  planner.SetLease(2, Lease(kStaging + 8 * kSgBytes), layout);
+  // 12 asked, 6 allowed: half each asked.
+  EXPECT_EQ(planner.ResidentBytes(1), 2 * kSgBytes);
+  EXPECT_EQ(planner.ResidentBytes(2), 4 * kSgBytes);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 2), 4u);
+  // A session without a lease asks for the whole cap.
+  planner.SetLease(3, GpuLease{}, layout);
+  EXPECT_LE(planner.ResidentBytes(1) + planner.ResidentBytes(2) + planner.ResidentBytes(3),
+            6 * kSgBytes);
+  EXPECT_EQ(planner.ResidentBytes(3), 2 * kSgBytes);  // 6 of 18 asked: a third of the cap
+  // A session that goes gives its share back.
+  planner.ForgetSession(2);
+  planner.ForgetSession(3);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 4u);
+}
+
+TEST(ResidentTierTest, APlanFollowsWhatTheEngineHolds) {
+  StepPlanner planner(Gpu());
+  const ShardLayout layout = Uniform(5);
+  StepPlan plan = planner.Plan(P("auto"), layout, 2);
+  EXPECT_EQ(plan.resident, 2u);
+  EXPECT_EQ(plan.shared.size() + plan.gpu_only.size() + plan.cpu_only.size(), 3u);
+  EXPECT_EQ(planner.Plan(P("auto"), layout, 9).resident, 5u);  // clamped to the shard
+  StepPlanner host(PlannerOptions{});
+  EXPECT_EQ(host.Plan(P("auto"), layout, 3).resident, 0u);  // no GPU: nothing resident
+}
+
+// The executor over the fake GPU engine, whose resident copies are separate
+// "device" memory.
+struct ExecutorFixture {
+  HostMemoryBudget budget{0};
+  std::unique_ptr<ShardState> shard;
+  std::vector<float> params, grads;
+  std::vector<TensorBinding> bindings;
+
+  explicit ExecutorFixture(uint32_t subgroups) {
+    std::vector<TensorDesc> tensors(1);
+    tensors[0].numel = subgroups * kSg;
+    shard = *ShardState::Create(tensors, {GroupConfig{GroupStepParams{}, true}}, kSg, &budget,
+                                "test");
+    params.resize(tensors[0].numel);
+    grads.resize(tensors[0].numel);
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i] = 0.5f + 1e-3f * static_cast<float>(i % 89);
+      grads[i] = 1e-2f * static_cast<float>(static_cast<int>(i % 11) - 5);
+    }
+    bindings.push_back({params.data(), grads.data()});
+  }
+
+  static StepRequest Request(const GpuLease* lease = nullptr) {
+    StepRequest r{};
+    r.num_groups = 1;
+    r.grad_scale = 1;
+    r.clip_coef = 1;
+    r.groups[0] = GroupStepParams{1e-2, 0.9, 0.999, 1e-8, 0.01};
+    if (lease != nullptr) {
+      r.flags = kStepGpuLease;
+      r.gpu_lease_bytes = lease->lease_bytes;
+    }
+    return r;
+  }
+
+  std::vector<float> State() const {
+    std::vector<float> all;
+    for (int which = 0; which < 3; ++which) {
+      std::vector<float> v(shard->tensors()[0].numel);
+      shard->ReadTensor(0, which, v.data());
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  }
+};
+
+TEST(ResidentTierTest, ALowerLeaseIsGivenBackBeforeTheStepAndTheStateStaysExact) {
+  FakeEngine gpu(FakeEngine::Options{.gpu = true});
+  FakeEngine host(FakeEngine::Options{.gpu = false});
+  StepExecutor dev_ex(&gpu, Gpu());
+  StepExecutor ref_ex(&host, PlannerOptions{});
+  ExecutorFixture dev(6), ref(6);
+  for (ExecutorFixture* f : {&dev, &ref}) {
+    StepExecutor& ex = f == &dev ? dev_ex : ref_ex;
+    ASSERT_TRUE(ex.ReadWeights(*f->shard, f->bindings, 0).ok());
+  }
+  const uint64_t leases[] = {5, 5, 2, 6, 0, 3, 1};
+  for (uint64_t subgroups : leases) {
+    const GpuLease lease = Lease(kStaging + subgroups * kSgBytes);
+    const StepRequest req = ExecutorFixture::Request(&lease);
+    ASSERT_TRUE(dev_ex.ApplyLease(*dev.shard, req, P("auto"), 1).ok());
+    // Given back already: nothing beyond the new lease is held.
+    EXPECT_LE(gpu.resident_bytes(), subgroups * kSgBytes);
+    absl::StatusOr<StepOutcome> a = dev_ex.Run(*dev.shard, dev.bindings, req, P("auto"), {}, 1);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->resident_subgroups, subgroups);
+    EXPECT_EQ(a->gpu_lease_bytes, lease.lease_bytes);
+    EXPECT_EQ(a->resident_budget_bytes, subgroups * kSgBytes);
+    EXPECT_EQ(gpu.resident_bytes(), subgroups * kSgBytes);
+    ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, ExecutorFixture::Request(), P("auto")).ok());
+    EXPECT_EQ(dev.params, ref.params);  // the weights, bit for bit
+  }
+  // The host state of the resident subgroups is poisoned by the fake until
+  // it comes home: after a sync every byte equals the all-host run's.
+  ASSERT_TRUE(gpu.SyncResidentToHost(*dev.shard).ok());
+  EXPECT_EQ(dev.State(), ref.State());
+  // A shrink to nothing brings every subgroup home and frees the "device".
+  const GpuLease zero = Lease(0);
+  ASSERT_TRUE(dev_ex.ApplyLease(*dev.shard, ExecutorFixture::Request(&zero), P("auto"), 1).ok());
+  EXPECT_EQ(gpu.resident_bytes(), 0u);
+  EXPECT_EQ(dev.State(), ref.State());
+}
+
+TEST(ResidentTierTest, GrowthStopsWhereTheDeviceIsFullAndThePlanFollows) {
+  FakeEngine gpu(FakeEngine::Options{.gpu = true, .device_bytes = 2 * kSgBytes});
+  StepExecutor ex(&gpu, Gpu());
+  ExecutorFixture f(6);
+  ASSERT_TRUE(ex.ReadWeights(*f.shard, f.bindings, 0).ok());
+  const GpuLease lease = Lease(kStaging + 5 * kSgBytes);
+  const StepRequest req = ExecutorFixture::Request(&lease);
+  ASSERT_TRUE(ex.ApplyLease(*f.shard, req, P("auto"), 1).ok());
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, req, P("auto"), {}, 1);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->resident_subgroups, 2u);
+  EXPECT_EQ(gpu.plans().back().resident, 2u);
+}
+
+}  // namespace
+}  // namespace dos
