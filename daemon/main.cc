@@ -42,7 +42,7 @@
 #include "daemon/session/session_manager.h"
 #include "daemon/state/host_memory_budget.h"
 #include "dos/version.h"
-#include "tools/cli/cli.h"
+#include "dos/cli/cli.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");

@@ -8,9 +8,12 @@
     namespaces, classes or `extern` blocks and whose preceding text holds a
     parameter list opens a function (lambdas and nested blocks count toward
     the function they sit in);
-  - nothing under client/ includes a daemon/ header.
+  - nothing under client/ includes a daemon/ header;
+  - the top-level folders are exactly the product's layout (TOP_LEVEL):
+    code shared by daemon and client lives in proto/, not in a new root
+    folder. Hidden folders and build folders (build*/, ignored) are skipped.
 
-Usage: check_structure.py [--only=daemon|client] REPO_ROOT. Prints every
+Usage: check_structure.py [--only=daemon|client|layout] REPO_ROOT. Prints every
 violation with its file and line and exits 1 if there is any.
 """
 import os
@@ -20,6 +23,7 @@ import sys
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 100
 SOURCE_EXT = (".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh")
+TOP_LEVEL = {"bench", "client", "cmake", "daemon", "deploy", "proto", "tests"}
 
 
 def strip_code(text):
@@ -106,10 +110,12 @@ def functions(code):
 
 def main(root, only=None):
     problems = []
-    if only != "client":
+    if only in (None, "daemon"):
         problems += check_daemon(root)
-    if only != "daemon":
+    if only in (None, "client"):
         problems += check_client(root)
+    if only in (None, "layout"):
+        problems += check_layout(root)
     for p in problems:
         print(p)
     print(f"structure: {len(problems)} problem(s)")
@@ -153,6 +159,20 @@ def check_client(root):
                 ln = text.count("\n", 0, m.start()) + 1
                 problems.append(f"{os.path.relpath(path, root)}:{ln}: includes {m.group(1)}; the "
                                 "client may use only shared code, never daemon/ headers")
+    return problems
+
+
+def check_layout(root):
+    """Top-level folders other than TOP_LEVEL, and TOP_LEVEL folders missing."""
+    present = {d for d in os.listdir(root)
+               if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")
+               and not d.startswith("build")}
+    problems = [f"{d}/: a top-level folder outside the layout ({', '.join(sorted(TOP_LEVEL))}); "
+                "move it under the part that owns it (shared code: proto/)"
+                for d in sorted(present - TOP_LEVEL)]
+    problems += [f"{d}/: missing; the layout has it (update TOP_LEVEL in "
+                 "tests/structure/check_structure.py and the README if it really went)"
+                 for d in sorted(TOP_LEVEL - present)]
     return problems
 
 

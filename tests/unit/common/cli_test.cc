@@ -1,6 +1,6 @@
-// tools/cli: -h/--help/--version detection, the help text, and the
+// dos/cli: -h/--help/--version detection, the help text, and the
 // warning for flags a later --flagfile overrides.
-#include "tools/cli/cli.h"
+#include "dos/cli/cli.h"
 
 #include <cstdio>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "tools/cli/cli.h"
+#include "dos/cli/cli.h"
 
 #include <algorithm>
 #include <cstdlib>

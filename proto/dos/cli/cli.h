@@ -1,10 +1,11 @@
-// Command-line conveniences shared by dosd and dosctl (tools/: neither daemon
-// nor client code), on top of abseil flags:
+// Command-line conveniences shared by dosd and dosctl (in proto/ beside the
+// wire: code both programs use, neither daemon nor client), on top of abseil
+// flags:
 // -h/--help that lists the program's own flags and exits 0, --version that
 // prints the project version, and a check for flags that a later --flagfile
 // silently overrides.
-#ifndef DOS_TOOLS_CLI_CLI_H_
-#define DOS_TOOLS_CLI_CLI_H_
+#ifndef DOS_CLI_CLI_H_
+#define DOS_CLI_CLI_H_
 
 #include <ostream>
 #include <string>
@@ -46,4 +47,4 @@ std::string UserStateDir(absl::string_view sub);
 
 }  // namespace dos::cli
 
-#endif  // DOS_TOOLS_CLI_CLI_H_
+#endif  // DOS_CLI_CLI_H_
