@@ -22,10 +22,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/dosctl/commands.h"
-#include "tools/cli/cli.h"
+#include "dos/cli/cli.h"
 
 namespace {
 
@@ -58,17 +59,9 @@ constexpr char kUsage[] =
     "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
     "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto";
 
-constexpr char kHelp[] =
-    "dosctl: inspect and steer the node's dosd (the Deep Optimizer States daemon).\n"
-    "usage: dosctl [--socket=PATH] [--json] [--timeout=5s] COMMAND\n"
-    "  status                               daemon pid, version, health\n"
-    "  sessions                             attached sessions\n"
-    "  stats [SESSION_ID] [--watch [--interval=2s] [--count=N]]\n"
-    "                                       step statistics\n"
-    "  checkpoint save SESSION_ID|all [PATH] checkpoint (PATH under dosd's --checkpoint_dir)\n"
-    "  checkpoint load SESSION_ID|all PATH  restore state (and the trainers' weights)\n"
-    "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
-    "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto\n"
+constexpr char kAbout[] =
+    "dosctl: inspect and steer the node's dosd (the Deep Optimizer States daemon).\n";
+constexpr char kNotes[] =
     "--json prints one JSON object per command; every 64-bit integer (ids, counters, bytes)\n"
     "is a JSON number. Exit status: 0 success, 1 the daemon refused or is unreachable,\n"
     "2 usage.";
@@ -84,7 +77,8 @@ bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(te
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosctl", kHelp,
+  const std::string help = absl::StrCat(kAbout, "usage: ", kUsage, "\n", kNotes);
+  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosctl", help,
                                                "client/dosctl/main.cc");
       rc >= 0) {
     return rc;
