@@ -194,15 +194,18 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
         << e.sessions() << " session(s)\n";
   }
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
-           "PREDICTED US", "CPU/GPU SUBGROUPS", "CKPT STALL MAX US"},
-          {true, true, true, true, true, true, true, true, true, true, true});
+           "PREDICTED US", "CPU/GPU/RESIDENT SUBGROUPS", "GPU LEASE", "CKPT STALL MAX US"},
+          {true, true, true, true, true, true, true, true, true, true, true, true});
   for (const auto& x : resp.sessions()) {
     const auto& l = x.last_step();
     t.AddRow({absl::StrCat(x.session_id()), absl::StrCat(x.steps()),
               absl::StrCat(x.skipped_steps()), absl::StrCat(x.params()),
               absl::StrFormat("%.3g", x.params_per_second()), Num(l.wall_us()), Num(l.cpu_us()),
               Num(l.gpu_us()), Num(l.predicted_us()),
-              absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups()),
+              absl::StrCat(l.cpu_subgroups(), "/", l.gpu_subgroups(), "/",
+                           l.resident_subgroups()),
+              // What the trainer lends dosd on its GPU ("-": no lease).
+              l.gpu_lease_bytes() != 0 ? Bytes(l.gpu_lease_bytes()) : std::string("-"),
               // Checkpoint stall of the worst step: the lock wait or the
               // copy-on-write copying, whichever was longer.
               Num(std::max(x.lock_wait_us_max(), x.snapshot_wait_us_max()))});
