@@ -21,16 +21,9 @@ struct Run {
 // The runs covering `tensor`, in tensor order.
 std::vector<Run> RunsOf(const ShardState& shard, uint32_t tensor) {
   std::vector<Run> runs;
-  const uint64_t begin = shard.flat_offset(tensor);
-  const uint64_t end = begin + shard.tensors()[tensor].numel;
-  std::span<const Subgroup> groups = shard.subgroups();
-  for (uint64_t gi = begin / shard.subgroup_size(); gi < groups.size(); ++gi) {
-    const Subgroup& g = groups[gi];
-    if (g.flat_begin >= end) break;
-    for (const SubgroupSegment& s : g.segments) {
-      if (s.tensor == tensor) runs.push_back({s.tensor_offset, s.count, &g, s.subgroup_offset});
-    }
-  }
+  shard.ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& s) {
+    runs.push_back({s.tensor_offset, s.count, &g, s.subgroup_offset});
+  });
   return runs;
 }
 

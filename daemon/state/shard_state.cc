@@ -107,20 +107,6 @@ ShardState::~ShardState() {
   if (budget_ != nullptr) budget_->Release(reserved_bytes_);
 }
 
-// Calls fn(subgroup, segment) for every segment covering `tensor`, in order.
-template <typename Fn>
-void ShardState::ForEachRun(uint32_t tensor, Fn fn) const {
-  const uint64_t begin = flat_offsets_[tensor];
-  const uint64_t end = begin + tensors_[tensor].numel;
-  for (uint64_t gi = begin / subgroup_size_; gi < subgroups_.size(); ++gi) {
-    const Subgroup& g = subgroups_[gi];
-    if (g.flat_begin >= end) break;
-    for (const SubgroupSegment& seg : g.segments) {
-      if (seg.tensor == tensor) fn(g, seg);
-    }
-  }
-}
-
 std::vector<ShardState::MasterRun> ShardState::MasterRuns(uint32_t tensor) {
   std::vector<MasterRun> runs;
   ForEachRun(tensor, [&](const Subgroup& g, const SubgroupSegment& seg) {

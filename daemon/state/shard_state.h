@@ -189,14 +189,27 @@ class ShardState {
   };
   std::vector<MasterRun> MasterRuns(uint32_t tensor);
 
+  // Calls fn(subgroup, segment) for every segment covering `tensor`, in
+  // tensor order (the one walk from a tensor to its runs in the subgroups).
+  template <typename Fn>
+  void ForEachRun(uint32_t tensor, Fn fn) const {
+    const uint64_t begin = flat_offsets_[tensor];
+    const uint64_t end = begin + tensors_[tensor].numel;
+    for (uint64_t gi = begin / subgroup_size_; gi < subgroups_.size(); ++gi) {
+      const Subgroup& g = subgroups_[gi];
+      if (g.flat_begin >= end) break;
+      for (const SubgroupSegment& seg : g.segments) {
+        if (seg.tensor == tensor) fn(g, seg);
+      }
+    }
+  }
+
   // The GPU engine's per-shard resources (null in CPU mode).
   ShardAttachment* attachment() const { return attachment_.get(); }
   void set_attachment(std::unique_ptr<ShardAttachment> a) { attachment_ = std::move(a); }
 
  private:
   ShardState() = default;
-  template <typename Fn>
-  void ForEachRun(uint32_t tensor, Fn fn) const;
   void CopyBeforeWrite(uint32_t subgroup);
   // Copies subgroup `i` if nobody has started to; else waits until it is
   // copied. Returns true if this call copied it.

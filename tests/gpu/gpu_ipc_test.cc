@@ -32,6 +32,7 @@
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/support/daemon_process.h"
 
 namespace dos {
@@ -46,17 +47,11 @@ bool HaveGpu() {
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(cudaGetLastError())
 
-std::string Uuid() {
-  cudaDeviceProp prop;
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "";
-  const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-  char text[64];
-  std::snprintf(text, sizeof text,
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                u[14], u[15]);
-  return text;
-}
+using testing::Bytes;
+using testing::FillValues;
+using testing::Layout;
+
+std::string Uuid() { return testing::DeviceUuid(0); }
 
 std::string TrainerPath() {
   const char* env = std::getenv("DOS_GPU_DOOMED_TRAINER");
@@ -213,30 +208,10 @@ TEST_F(GpuIpcTest, ClientRejectsRangeBeyondAllocation) {
 }
 
 // Tensors of every dtype and awkward sizes, several per allocation.
-struct Layout {
-  dos_dtype dtype;
-  uint64_t numel;
-};
 const Layout kTensors[] = {{DOS_DTYPE_BF16, 100003}, {DOS_DTYPE_F32, 7777},
                            {DOS_DTYPE_F16, 50001},   {DOS_DTYPE_BF16, 1},
                            {DOS_DTYPE_BF16, 65536}};
 
-uint64_t Bytes(const Layout& l) { return l.numel * DTypeSize(static_cast<DType>(l.dtype)); }
-
-void FillValues(const Layout& l, uint32_t seed, float scale, char* out) {
-  for (uint64_t i = 0; i < l.numel; ++i) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ (seed * 0x9e3779b9u);
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    const float f = (static_cast<float>(h & 0xffffff) / 16777216.0f - 0.5f) * scale;
-    switch (l.dtype) {
-      case DOS_DTYPE_F32: std::memcpy(out + 4 * i, &f, 4); break;
-      case DOS_DTYPE_BF16: { uint16_t b = FloatToBF16(f); std::memcpy(out + 2 * i, &b, 2); break; }
-      case DOS_DTYPE_F16: { uint16_t b = FloatToF16(f); std::memcpy(out + 2 * i, &b, 2); break; }
-    }
-  }
-}
 
 TEST_F(GpuIpcTest, FiftyStepsUnderEveryPolicyMatchCpuMode) {
   constexpr int kSteps = 50;

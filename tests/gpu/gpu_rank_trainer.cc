@@ -22,32 +22,17 @@
 
 #include "dos/wire/dtype.h"
 #include "dos/dos.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace {
 
-struct Layout {
-  dos_dtype dtype;
-  uint64_t numel;
-};
+using dos::testing::Bytes;
+using dos::testing::FillValues;
+using dos::testing::Layout;
+
 const Layout kTensors[] = {{DOS_DTYPE_BF16, 300007}, {DOS_DTYPE_F32, 7777},
                            {DOS_DTYPE_F16, 50001}, {DOS_DTYPE_BF16, 1}};
 
-uint64_t Bytes(const Layout& l) { return l.numel * dos::DTypeSize(static_cast<dos::DType>(l.dtype)); }
-
-void FillValues(const Layout& l, uint32_t seed, float scale, char* out) {
-  for (uint64_t i = 0; i < l.numel; ++i) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ (seed * 0x9e3779b9u);
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    const float f = (static_cast<float>(h & 0xffffff) / 16777216.0f - 0.5f) * scale;
-    switch (l.dtype) {
-      case DOS_DTYPE_F32: std::memcpy(out + 4 * i, &f, 4); break;
-      case DOS_DTYPE_BF16: { uint16_t b = dos::FloatToBF16(f); std::memcpy(out + 2 * i, &b, 2); break; }
-      case DOS_DTYPE_F16: { uint16_t b = dos::FloatToF16(f); std::memcpy(out + 2 * i, &b, 2); break; }
-    }
-  }
-}
 
 int Fail(int code, const char* what, int device) {
   std::fprintf(stderr, "gpu_rank_trainer[cuda:%d]: %s: %s\n", device, what, dos_last_error());

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/support/daemon_process.h"
 
 namespace dos {
@@ -31,17 +32,7 @@ int VisibleGpus() {
   return n;
 }
 
-std::string Uuid(int device) {
-  cudaDeviceProp prop;
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return "";
-  const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-  char text[64];
-  std::snprintf(text, sizeof text,
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-                u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                u[14], u[15]);
-  return text;
-}
+std::string Uuid(int device) { return testing::DeviceUuid(device); }
 
 std::string TrainerPath() {
   const char* env = std::getenv("DOS_GPU_RANK_TRAINER");

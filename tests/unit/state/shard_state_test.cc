@@ -7,17 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/unit/state/state_test_util.h"
 
 namespace dos {
 namespace {
 
-std::vector<TensorDesc> Tensors(std::vector<uint64_t> sizes) {
-  std::vector<TensorDesc> out;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    out.push_back(TensorDesc{.name = absl::StrCat("t", i), .numel = sizes[i]});
-  }
-  return out;
-}
+using testing::Tensors;
 
 TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
   HostMemoryBudget budget(0);
