@@ -21,93 +21,6 @@
 namespace dos::testing {
 namespace {
 
-// gap_us: time the trainer spends between steps (its forward and backward);
-// the snapshot overlaps it, so the step stall is max(0, copy - gap).
-class CheckpointStallTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
-  const int gap_us = GetParam();
-  const TempDir ckpt_dir("dos-ckpt");
-  const std::string ckpt = ckpt_dir.path();
-  DaemonProcess d({"--checkpoint_dir=" + ckpt});
-  ASSERT_TRUE(d.Start());
-  dos_session* s = nullptr;
-  ASSERT_EQ(AttachClient(d.socket(), "stall_probe", &s), DOS_OK) << dos_last_error();
-  const uint64_t n = uint64_t{16} << 20;  // 16 Mi bf16 parameters: 192 MiB of state
-  void* param = nullptr;
-  void* grad = nullptr;
-  ASSERT_EQ(dos_buffer_alloc(s, n * 2, &param), DOS_OK);
-  ASSERT_EQ(dos_buffer_alloc(s, n * 2, &grad), DOS_OK);
-  for (uint64_t i = 0; i < n; ++i) {
-    static_cast<uint16_t*>(param)[i] = 0x3f80;
-    static_cast<uint16_t*>(grad)[i] = static_cast<uint16_t>(0x3c00 + (i & 0xff));
-  }
-  dos_tensor t{"w", DOS_DTYPE_BF16, param, DOS_DTYPE_BF16, grad, n, 0};
-  dos_hparams h;
-  dos_hparams_init_adamw(&h);
-  dos_register_options ro{uint64_t{4} << 20};
-  ASSERT_EQ(dos_register(s, &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> steps{0};
-  std::thread trainer([&] {
-    dos_step_args a;
-    dos_step_args_init(&a);
-    a.groups = &h;
-    a.num_groups = 1;
-    dos_step_result r;
-    while (!stop.load() && dos_step(s, &a, &r) == DOS_OK) {
-      steps.fetch_add(1);
-      if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
-    }
-  });
-  auto stub = DosStub(d.socket());
-  std::vector<v1::CheckpointFile> files;
-  for (int i = 0; i < 3; ++i) {
-    while (steps.load() < 2 * (i + 1)) std::this_thread::yield();
-    v1::SaveCheckpointRequest req;
-    req.set_session_id(dos_session_id(s));
-    v1::SaveCheckpointResponse resp;
-    grpc::ClientContext ctx;
-    grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    ASSERT_EQ(resp.files_size(), 1);
-    files.push_back(resp.files(0));
-  }
-  const int during = steps.load();
-  stop = true;
-  trainer.join();
-  v1::GetStatsRequest sreq;
-  sreq.set_session_id(dos_session_id(s));
-  v1::GetStatsResponse stats;
-  grpc::ClientContext sctx;
-  ASSERT_TRUE(stub->GetStats(&sctx, sreq, &stats).ok());
-  const v1::SessionStats& ss = stats.sessions(0);
-  for (const auto& f : files) {
-    std::printf(
-        "checkpoint step=%lld bytes=%llu snapshot_us=%.0f write_ms=%.1f step_wall_us=%.0f "
-        "snapshot/step=%.3f\n",
-        static_cast<long long>(f.step()), static_cast<unsigned long long>(f.bytes()),
-        f.snapshot_us(), f.write_ms(), f.last_step_wall_us(),
-        f.snapshot_us() / f.last_step_wall_us());
-    EXPECT_EQ(f.bytes() > n * 12, true);
-  }
-  std::printf("gap_us=%d steps=%d (during saves: %d) step_wall_us=%.0f lock_wait_max_us=%.0f "
-              "lock_wait_total_us=%.0f\n",
-              gap_us, steps.load(), during, ss.last_step().wall_us(), ss.lock_wait_us_max(),
-              ss.lock_wait_us_total());
-  // Training went on during the saves, and no step waited longer than one
-  // snapshot (plus scheduling noise), never for a file write.
-  double max_snapshot = 0;
-  for (const auto& f : files) max_snapshot = std::max(max_snapshot, f.snapshot_us());
-  EXPECT_LT(ss.lock_wait_us_max(), max_snapshot + 50'000);
-  EXPECT_EQ(dos_detach(s), DOS_OK);
-  EXPECT_EQ(d.Stop(), 0);
-}
-
-INSTANTIATE_TEST_SUITE_P(BackToBackAndWithForwardBackward, CheckpointStallTest,
-                         ::testing::Values(0, 30000));
-
 // Registers `n` bf16 parameters (1.0) with fixed, varied bf16 gradients.
 void RegisterProbe(dos_session* s, uint64_t n, uint64_t subgroup, dos_hparams* h) {
   void* param = nullptr;
@@ -123,6 +36,119 @@ void RegisterProbe(dos_session* s, uint64_t n, uint64_t subgroup, dos_hparams* h
   dos_register_options ro{subgroup};
   ASSERT_EQ(dos_register(s, &t, 1, h, 1, &ro), DOS_OK) << dos_last_error();
 }
+
+// Steps session `s` (one group, hyperparameters `h`) on a thread of its own
+// until Stop(), sleeping `gap_us` between steps (a forward and backward).
+class StepLoop {
+ public:
+  StepLoop(dos_session* s, const dos_hparams* h, int gap_us = 0)
+      : thread_([this, s, h, gap_us] {
+          dos_step_args a;
+          dos_step_args_init(&a);
+          a.groups = h;
+          a.num_groups = 1;
+          dos_step_result r;
+          while (!stop_.load() && dos_step(s, &a, &r) == DOS_OK) {
+            steps_.fetch_add(1);
+            if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+          }
+        }) {}
+  ~StepLoop() { Stop(); }
+  int steps() const { return steps_.load(); }
+  void WaitForSteps(int n) const {
+    while (steps_.load() < n) std::this_thread::yield();
+  }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> steps_{0};
+  std::thread thread_;
+};
+
+// SaveCheckpoint of `session` (to `path` under the checkpoint folder; "" for
+// dosd's own name); the one file it wrote into *file.
+void Save(v1::Dos::Stub* stub, uint64_t session, const std::string& path,
+          v1::CheckpointFile* file) {
+  v1::SaveCheckpointRequest req;
+  req.set_session_id(session);
+  if (!path.empty()) req.set_path(path);
+  v1::SaveCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(resp.files_size(), 1);
+  *file = resp.files(0);
+}
+
+// The session's statistics (GetStats of one session).
+void Stats(v1::Dos::Stub* stub, uint64_t session, v1::SessionStats* out) {
+  v1::GetStatsRequest req;
+  req.set_session_id(session);
+  v1::GetStatsResponse stats;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->GetStats(&ctx, req, &stats).ok());
+  ASSERT_EQ(stats.sessions_size(), 1);
+  *out = stats.sessions(0);
+}
+
+// gap_us: time the trainer spends between steps (its forward and backward);
+// the snapshot overlaps it, so the step stall is max(0, copy - gap).
+class CheckpointStallTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
+  const int gap_us = GetParam();
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
+  DaemonProcess d({"--checkpoint_dir=" + ckpt});
+  ASSERT_TRUE(d.Start());
+  dos_session* s = nullptr;
+  ASSERT_EQ(AttachClient(d.socket(), "stall_probe", &s), DOS_OK) << dos_last_error();
+  const uint64_t n = uint64_t{16} << 20;  // 16 Mi bf16 parameters: 192 MiB of state
+  dos_hparams h;
+  RegisterProbe(s, n, uint64_t{4} << 20, &h);
+  ASSERT_FALSE(HasFatalFailure());
+
+  StepLoop loop(s, &h, gap_us);
+  auto stub = DosStub(d.socket());
+  std::vector<v1::CheckpointFile> files(3);
+  for (int i = 0; i < 3; ++i) {
+    loop.WaitForSteps(2 * (i + 1));
+    Save(stub.get(), dos_session_id(s), "", &files[i]);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const int during = loop.steps();
+  loop.Stop();
+  v1::SessionStats ss;
+  Stats(stub.get(), dos_session_id(s), &ss);
+  ASSERT_FALSE(HasFatalFailure());
+  for (const auto& f : files) {
+    std::printf(
+        "checkpoint step=%lld bytes=%llu snapshot_us=%.0f write_ms=%.1f step_wall_us=%.0f "
+        "snapshot/step=%.3f\n",
+        static_cast<long long>(f.step()), static_cast<unsigned long long>(f.bytes()),
+        f.snapshot_us(), f.write_ms(), f.last_step_wall_us(),
+        f.snapshot_us() / f.last_step_wall_us());
+    EXPECT_EQ(f.bytes() > n * 12, true);
+  }
+  std::printf("gap_us=%d steps=%d (during saves: %d) step_wall_us=%.0f lock_wait_max_us=%.0f "
+              "lock_wait_total_us=%.0f\n",
+              gap_us, loop.steps(), during, ss.last_step().wall_us(), ss.lock_wait_us_max(),
+              ss.lock_wait_us_total());
+  // Training went on during the saves, and no step waited longer than one
+  // snapshot (plus scheduling noise), never for a file write.
+  double max_snapshot = 0;
+  for (const auto& f : files) max_snapshot = std::max(max_snapshot, f.snapshot_us());
+  EXPECT_LT(ss.lock_wait_us_max(), max_snapshot + 50'000);
+  EXPECT_EQ(dos_detach(s), DOS_OK);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(BackToBackAndWithForwardBackward, CheckpointStallTest,
+                         ::testing::Values(0, 30000));
 
 // Checkpoints are copy-on-write: the lock is held only to mark the step
 // boundary and steps keep running while the state is copied, copying a
@@ -143,38 +169,18 @@ TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBou
   RegisterProbe(s, n, subgroup, &h);
   ASSERT_FALSE(HasFatalFailure());
 
-  std::atomic<bool> stop{false};
-  std::atomic<int> steps{0};
-  std::thread trainer([&] {
-    dos_step_args a;
-    dos_step_args_init(&a);
-    a.groups = &h;
-    a.num_groups = 1;
-    dos_step_result r;
-    while (!stop.load() && dos_step(s, &a, &r) == DOS_OK) steps.fetch_add(1);
-  });
+  StepLoop loop(s, &h);
   auto stub = DosStub(d.socket());
-  std::vector<v1::CheckpointFile> files;
+  std::vector<v1::CheckpointFile> files(4);
   for (int i = 0; i < 4; ++i) {
-    while (steps.load() < 3 * (i + 1)) std::this_thread::yield();
-    v1::SaveCheckpointRequest req;
-    req.set_session_id(dos_session_id(s));
-    req.set_path("cow-" + std::to_string(i) + ".dckpt");
-    v1::SaveCheckpointResponse resp;
-    grpc::ClientContext ctx;
-    grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    ASSERT_EQ(resp.files_size(), 1);
-    files.push_back(resp.files(0));
+    loop.WaitForSteps(3 * (i + 1));
+    Save(stub.get(), dos_session_id(s), "cow-" + std::to_string(i) + ".dckpt", &files[i]);
+    ASSERT_FALSE(HasFatalFailure());
   }
-  stop = true;
-  trainer.join();
-  v1::GetStatsRequest sreq;
-  sreq.set_session_id(dos_session_id(s));
-  v1::GetStatsResponse stats;
-  grpc::ClientContext sctx;
-  ASSERT_TRUE(stub->GetStats(&sctx, sreq, &stats).ok());
-  const v1::SessionStats& ss = stats.sessions(0);
+  loop.Stop();
+  v1::SessionStats ss;
+  Stats(stub.get(), dos_session_id(s), &ss);
+  ASSERT_FALSE(HasFatalFailure());
   uint32_t copied_by_steps = 0;
   for (const auto& f : files) {
     std::printf("checkpoint step=%lld lock_us=%.0f copy_ms=%.1f copied_by_steps=%u/%llu "
@@ -186,7 +192,7 @@ TEST(CheckpointCopyOnWriteTest, FilesTakenWhileStepsRunBackToBackAreExactStepBou
   }
   std::printf("steps=%d step_wall_us=%.0f lock_wait_max_us=%.0f snapshot_wait_max_us=%.0f "
               "snapshot_wait_total_us=%.0f\n",
-              steps.load(), ss.last_step().wall_us(), ss.lock_wait_us_max(),
+              loop.steps(), ss.last_step().wall_us(), ss.lock_wait_us_max(),
               ss.snapshot_wait_us_max(), ss.snapshot_wait_us_total());
   // The steps' copy-on-write work is reported as their snapshot wait.
   if (copied_by_steps > 0) {
