@@ -309,11 +309,7 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
   auto make_req = [&]() {
     v1::RegisterShardRequest req;
     *req.mutable_session() = aresp.session();
-    auto* g = req.add_groups();
-    g->set_lr(1e-3);
-    g->set_beta1(0.9);
-    g->set_beta2(0.999);
-    g->set_eps(1e-8);
+    AddAdamGroup(&req);
     auto* t = req.add_tensors();
     t->set_name("w");
     t->set_param_dtype(v1::DTYPE_F32);

@@ -45,11 +45,7 @@ class DevicesTest : public DaemonFixture {
     }
     v1::RegisterShardRequest req;
     *req.mutable_session() = aresp.session();
-    auto* g = req.add_groups();
-    g->set_lr(1e-3);
-    g->set_beta1(0.9);
-    g->set_beta2(0.999);
-    g->set_eps(1e-8);
+    AddAdamGroup(&req);
     for (auto [name, uuid] : {std::pair{"a", uuid_a}, std::pair{"b", uuid_b}}) {
       auto* t = req.add_tensors();
       t->set_name(name);

@@ -34,6 +34,18 @@ inline dos_status AttachClient(const std::string& socket, const char* client_nam
   return dos_attach(&o, out);
 }
 
+// Appends a param group with Adam's usual lr 1e-3, betas (0.9, 0.999), eps
+// 1e-8 and no weight decay to a raw RegisterShard request; returns it for
+// further settings.
+inline v1::Hyperparameters* AddAdamGroup(v1::RegisterShardRequest* req) {
+  v1::Hyperparameters* g = req->add_groups();
+  g->set_lr(1e-3);
+  g->set_beta1(0.9);
+  g->set_beta2(0.999);
+  g->set_eps(1e-8);
+  return g;
+}
+
 // A test with a dosd of its own: SetUp starts it with the constructor's
 // flags, TearDown stops it and expects a clean exit (unless the test already
 // stopped or killed it).
