@@ -289,6 +289,10 @@ def gb(x):
 
 
 def git_commit():
+    """$DOS_COMMIT first: a copy of the tree sent to a GPU machine may carry a
+    stale .git (the commit the install in .dist was built from is what counts)."""
+    if os.environ.get("DOS_COMMIT"):
+        return os.environ["DOS_COMMIT"]
     try:
         return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip() or "unknown"

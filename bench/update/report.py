@@ -60,11 +60,14 @@ for k, v in zip((2, 3, 4), inter):
     results.append((f"update_gparams_interleave_{k}", v, "Gparam/s"))
 for key in ("h2d_gbps", "d2h_gbps", "both_gbps", "m_host_gbps", "cpu_gparams_alone", "cpu_gparams_under_dma"):
     results.append((f"update_probe_{key}", probe[key], "GB/s" if "gbps" in key else "Gparam/s"))
-try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL).strip()
-except Exception:
-    commit = os.environ.get("DOS_COMMIT", "unknown")
+# $DOS_COMMIT first: a tree sent to a GPU machine may carry a stale .git.
+commit = os.environ.get("DOS_COMMIT", "")
+if not commit:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        commit = "unknown"
 date = datetime.date.today().isoformat()
 doc = {"machine": machine, "date": date, "commit": commit,
        "results": [{"name": n, "value": v, "unit": u} for n, v, u in results if v is not None]}
