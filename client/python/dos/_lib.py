@@ -41,7 +41,7 @@ def candidates() -> Iterator[Tuple[str, str]]:
     yield os.path.join(here, "libdos_client.so"), "next to the package"
     found = ctypes.util.find_library("dos_client")
     if found:
-        yield found, "the system's library path (ldconfig)"
+        yield found, "the system's library path (ldconfig, LD_LIBRARY_PATH)"
     yield SONAME, "the dynamic linker's search path"
     repo = os.path.abspath(os.path.join(here, "..", "..", ".."))
     builds = [os.path.join(repo, "build", "client", "src", "libdos_client.so")]
