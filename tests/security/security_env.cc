@@ -201,14 +201,18 @@ std::string UserProcess::Finish(int timeout_ms) {
 }
 
 void UserProcess::Kill() {
+  // SIGKILL before closing stdin: a client blocked in `wait` ends at the end
+  // of its input and detaches cleanly, which is not the death a test asks for
+  // (under load it won the race: IdentityTest saw a detach, not an orphan).
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
   if (in_ >= 0) {
     ::close(in_);
     in_ = -1;
   }
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGKILL);
-  ::waitpid(pid_, nullptr, 0);
-  pid_ = -1;
 }
 
 std::string RunAs(const SecUser& user, const std::string& target, std::vector<std::string> ops) {
