@@ -13,7 +13,6 @@ namespace dos {
 namespace {
 // Page alignment keeps each subgroup's arrays on their own pages (no false
 // sharing between subgroups, and ready for cudaHostRegister later).
-constexpr size_t kAlignment = ShardState::kAllocationAlignment;
 }  // namespace
 
 uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size,
