@@ -10,11 +10,6 @@
 #include "dos/wire/status_macros.h"
 
 namespace dos {
-namespace {
-// Page alignment keeps each subgroup's arrays on their own pages (no false
-// sharing between subgroups, and ready for cudaHostRegister later).
-}  // namespace
-
 uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size,
                                     StateFormat format) {
   if (subgroup_size == 0 || params == 0) return 0;
