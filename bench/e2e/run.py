@@ -15,8 +15,12 @@ bf16, activation checkpointing, random tokens) trained with
                       dos_auto, the gain of overlapping the update with the next forward
   dos_auto_compact    dos_auto with compact optimizer state (compact_state=True: bf16
                       exp_avg / exp_avg_sq in dosd, 8 bytes of state a parameter)
-  dos_auto_noclip     per-layer waits, no clipping, overlap=True (torch >= 2.1):
-                      the step begins when the last gradient is final
+  dos_auto_overlap    dos_auto with overlap=True (torch >= 2.1): an early step begun at the
+                      first gradient (dosd plans it and grows its resident tier during
+                      backward), clip 1.0 through opt.clip_grad_norm_ (the coefficient
+                      goes to dosd with step(); gradients are not touched)
+  dos_auto_noclip     per-layer waits, no clipping, overlap="update" (torch >= 2.1): dosd
+                      updates each subgroup during backward as soon as its gradients are final
   dos_auto_noclip_nooverlap   (optional) the same without overlap: the overlap's gain
   dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
   inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
@@ -54,8 +58,8 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
 sys.path.insert(0, HERE)
 
-ALL_MODES = ["dos_auto", "dos_auto_compact", "dos_auto_noclip", "dos_cpu", "inprocess_offload",
-             "all_gpu"]
+ALL_MODES = ["dos_auto", "dos_auto_compact", "dos_auto_overlap", "dos_auto_noclip", "dos_cpu",
+             "inprocess_offload", "all_gpu"]
 DEFAULT_BATCH = {"tiny": 8, "small": 4, "125m": 8, "350m": 8, "1.5b": 4, "3b": 2, "6b": 2,
                  "8b": 2}
 
@@ -130,8 +134,9 @@ def child(args):
     t0 = time.perf_counter()
     if mode.startswith("dos"):
         import dos.torch
-        overlap = mode == "dos_auto_noclip" and hasattr(torch.Tensor,
-                                                        "register_post_accumulate_grad_hook")
+        hooks = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+        overlap = {"dos_auto_noclip": "update", "dos_auto_overlap": True}.get(mode, False) \
+            if hooks else False
         # How the next forward waits for the update: per layer (model=, the
         # default here), behind the whole step on the stream ("wholestep"), or
         # on the host before step() returns ("sync": the pre-async behaviour).
@@ -149,7 +154,9 @@ def child(args):
         opt.set_policy(policy)
         res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
             (", compact state" if compact else "") + \
-            (", overlap=True" if overlap else "") + (", no clipping" if clip == 0 else "")
+            (f", overlap={overlap!r}" if overlap else "") + \
+            (", no clipping" if clip == 0 else
+             ", clip via opt.clip_grad_norm_" if mode == "dos_auto_overlap" else "")
     elif mode == "inprocess_offload":
         from baselines import HybridOffloadAdamW
         opt = HybridOffloadAdamW(groups, **kw)
@@ -169,16 +176,23 @@ def child(args):
         if cuda:
             torch.cuda.synchronize()
 
-    rows, losses = [], []
+    rows, losses, early_rows = [], [], []
     data = list(gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"],
                             seed=1, device=args.device))
+
+    def clip_grads():
+        if clip <= 0:
+            return
+        if mode == "dos_auto_overlap":
+            opt.clip_grad_norm_(clip)  # the coefficient goes with step()
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
 
     def train_step(x, y):
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        clip_grads()
         opt.step()
         return loss
 
@@ -194,14 +208,18 @@ def child(args):
         loss.backward()
         sync()
         c = time.perf_counter()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        clip_grads()
         opt.step()
         sync()
         d = time.perf_counter()
         losses.append(loss.item())
         if it >= args.warmup:
             rows.append((b - a, c - b, d - c, d - a))
+            if mode.startswith("dos") and opt.last_step.get("early"):
+                # dosd's side of an early step: begin (first gradient) to
+                # verdict (step()), and verdict (or begin) to the update's end.
+                early_rows.append((opt.last_step["before_verdict_us"] * 1e-6,
+                                   opt.last_step["after_verdict_us"] * 1e-6))
         print(f"  [{mode}] iter {it:3d} loss {losses[-1]:.4f} fwd {b - a:.3f} bwd {c - b:.3f} "
               f"update {d - c:.3f} s", flush=True)
     # Training as it runs: no synchronisation between iterations (the loss is
@@ -233,6 +251,9 @@ def child(args):
                iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / iter_s,
                first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes(),
                losses=[round(v, 5) for v in losses])
+    if early_rows:
+        res["early_begin_to_verdict_s"] = statistics.median(r[0] for r in early_rows)
+        res["early_verdict_to_end_s"] = statistics.median(r[1] for r in early_rows)
     if cuda:
         res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(0)
         res["gpu_peak_device_bytes"] = sampler.peak
@@ -394,6 +415,15 @@ def parent(args):
     if "dos_auto" in ok and "all_gpu" in ok:
         print(f"dos_auto / all-GPU AdamW iteration time: "
               f"{ok['dos_auto']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
+    for m in ("dos_auto_overlap", "dos_auto_noclip"):
+        if m in ok and "all_gpu" in ok:
+            print(f"{m} / all-GPU AdamW iteration time: "
+                  f"{ok[m]['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
+    for m, r in ok.items():
+        if "early_verdict_to_end_s" in r:
+            print(f"{m}: dosd's early steps: begin (first gradient) to verdict (step()) "
+                  f"{r['early_begin_to_verdict_s']:.3f} s, verdict (or begin) to the update's "
+                  f"end {r['early_verdict_to_end_s']:.3f} s (medians, phase-timed iterations)")
     if "dos_auto_compact" in ok and "all_gpu" in ok:
         print(f"dos_auto_compact / all-GPU AdamW iteration time: "
               f"{ok['dos_auto_compact']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
@@ -414,6 +444,10 @@ def parent(args):
              "value": round((r["host_peak_bytes"] + r["dosd_host_peak_bytes"]) / 2**30, 2),
              "unit": "GiB"},
         ]
+        for key in ("early_begin_to_verdict_s", "early_verdict_to_end_s"):
+            if key in r:
+                metrics.append({"name": f"e2e_{key}_{m}", "value": round(r[key], 4),
+                                "unit": "s"})
         if "gpu_peak_device_bytes" in r:
             metrics += [{"name": f"e2e_gpu_peak_gib_{m}",
                          "value": round(r["gpu_peak_device_bytes"] / 2**30, 2), "unit": "GiB"}]
@@ -425,6 +459,11 @@ def parent(args):
         metrics.append({"name": "e2e_ratio_dos_auto_to_all_gpu",
                         "value": round(ok["dos_auto"]["iter_s"] / ok["all_gpu"]["iter_s"], 3),
                         "unit": "x"})
+    for m in ("dos_auto_overlap", "dos_auto_noclip"):
+        if m in ok and "all_gpu" in ok:
+            metrics.append({"name": f"e2e_ratio_{m}_to_all_gpu",
+                            "value": round(ok[m]["iter_s"] / ok["all_gpu"]["iter_s"], 3),
+                            "unit": "x"})
     if "dos_auto_compact" in ok and "all_gpu" in ok:
         metrics.append({"name": "e2e_ratio_dos_auto_compact_to_all_gpu",
                         "value": round(ok["dos_auto_compact"]["iter_s"] /

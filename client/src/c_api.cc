@@ -289,6 +289,53 @@ dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t las
   });
 }
 
+dos_status dos_step_begin_early(dos_session* session, const dos_step_args* args, uint32_t flags,
+                                void* cuda_stream) {
+  return Guard("step_begin_early", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step"); !st.ok()) return st;
+    if (args == nullptr) return absl::InvalidArgumentError("step_begin_early: args is NULL");
+    return session->impl->StepBeginEarly(*args, flags, cuda_stream);
+  });
+}
+
+dos_status dos_mark_ready(dos_session* session, uint32_t first, uint32_t last,
+                          void* cuda_stream) {
+  return Guard("mark_ready", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "mark_ready"); !st.ok()) return st;
+    return session->impl->MarkReady(first, last, cuda_stream);
+  });
+}
+
+dos_status dos_step_verdict(dos_session* session, const dos_step_args* args, void* cuda_stream) {
+  return Guard("step_verdict", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_verdict"); !st.ok()) return st;
+    dos_step_args none;
+    dos_step_args_init(&none);
+    return session->impl->StepVerdict(args != nullptr ? args : &none, cuda_stream);
+  });
+}
+
+dos_status dos_step_abandon(dos_session* session) {
+  return Guard("step_abandon", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_abandon"); !st.ok()) return st;
+    return session->impl->StepVerdict(nullptr, nullptr);
+  });
+}
+
+dos_status dos_last_step_early(const dos_session* session, int32_t* early,
+                               double* before_verdict_us, double* after_verdict_us) {
+  return Guard("last_step_early", [&]() -> absl::Status {
+    if (session == nullptr || session->impl == nullptr) {
+      return absl::InvalidArgumentError("last_step_early: session is NULL");
+    }
+    if (early == nullptr || before_verdict_us == nullptr || after_verdict_us == nullptr) {
+      return absl::InvalidArgumentError("last_step_early: an output pointer is NULL");
+    }
+    session->impl->LastEarly(early, before_verdict_us, after_verdict_us);
+    return absl::OkStatus();
+  });
+}
+
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result) {
   dos_status st = dos_step_begin(session, args);
   if (st != DOS_OK) return st;

@@ -22,6 +22,7 @@ namespace dos::client {
 namespace {
 
 using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 #define DOS_SYNC_CUDA(call)                                                       \
   do {                                                                            \
@@ -50,6 +51,7 @@ struct DeviceSync::Impl {
   void* block = nullptr;           // registered host range
   char* block_device = nullptr;    // its device address
   WaitValue32Fn wait_value32 = nullptr;
+  WriteValue32Fn write_value32 = nullptr;  // null: early steps mark readiness on the host
 
   ~Impl() {
     DeviceScope scope(device);
@@ -77,6 +79,7 @@ absl::StatusOr<std::unique_ptr<DeviceSync>> DeviceSync::Create(const void* devic
         "stream sync: the CUDA driver has no cuStreamWaitValue32; the trainer waits on the host");
   }
   impl.wait_value32 = reinterpret_cast<WaitValue32Fn>(fn);
+  impl.write_value32 = reinterpret_cast<WriteValue32Fn>(DriverEntryPoint("cuStreamWriteValue32"));
 
   DOS_SYNC_CUDA(cudaEventCreateWithFlags(&impl.event,
                                          cudaEventDisableTiming | cudaEventInterprocess));
@@ -116,6 +119,23 @@ absl::Status DeviceSync::StreamWait(void* stream, const std::atomic<uint32_t>* w
   return absl::OkStatus();
 }
 
+absl::Status DeviceSync::StreamWrite(void* stream, std::atomic<uint32_t>* word, uint32_t value) {
+  if (impl_->write_value32 == nullptr) {
+    return absl::UnimplementedError("stream sync: the CUDA driver has no cuStreamWriteValue32");
+  }
+  DeviceScope scope(impl_->device);
+  const auto offset = reinterpret_cast<const char*>(word) - static_cast<const char*>(impl_->block);
+  const CUdeviceptr addr = reinterpret_cast<CUdeviceptr>(impl_->block_device + offset);
+  waits_queued_ = true;  // the device must pass it before the block is unregistered
+  CUresult r = impl_->write_value32(static_cast<CUstream>(stream), addr, value,
+                                    CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat(
+        "stream sync: cuStreamWriteValue32 failed with CUresult ", static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
 bool DeviceSync::Drain(absl::Duration timeout) {
   if (!waits_queued_) return true;
   // cudaDeviceSynchronize has no deadline of its own: it runs on a helper
@@ -149,6 +169,9 @@ absl::Status DeviceSync::RecordGradientsReady(void*) {
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
 absl::Status DeviceSync::StreamWait(void*, const std::atomic<uint32_t>*, uint32_t) {
+  return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
+}
+absl::Status DeviceSync::StreamWrite(void*, std::atomic<uint32_t>*, uint32_t) {
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
 bool DeviceSync::Drain(absl::Duration) { return true; }

@@ -44,6 +44,11 @@ class DeviceSync {
   absl::Status RecordGradientsReady(void* stream);
   // Makes `stream` wait until `*word` >= value (a word inside the block).
   absl::Status StreamWait(void* stream, const std::atomic<uint32_t>* word, uint32_t value);
+  // Enqueues on `stream` a store of `value` into `word` (a word of the
+  // registered block) after the work queued there, preceded by a system-wide
+  // memory fence (cuStreamWriteValue32 with default flags), so a reader that
+  // sees the value sees every write of that work (early steps' ready words).
+  absl::Status StreamWrite(void* stream, std::atomic<uint32_t>* word, uint32_t value);
   // Whether StreamWait ever queued a wait on a trainer stream.
   bool waits_queued() const { return waits_queued_; }
   // Before the block is unregistered and unmapped: a wait that a stream

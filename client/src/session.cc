@@ -428,9 +428,101 @@ absl::Status ClientSession::StepBegin(const dos_step_args& args, uint32_t extra_
   return absl::OkStatus();
 }
 
+absl::Status ClientSession::StepBeginEarly(const dos_step_args& args, uint32_t flags,
+                                           void* stream) {
+  if (flags & ~static_cast<uint32_t>(DOS_EARLY_NO_VERDICT)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_begin_early: unknown flags ", flags, "; pass 0 or DOS_EARLY_NO_VERDICT"));
+  }
+  if (!registered_ || step_in_flight_) return StepBegin(args);  // their errors
+  const bool no_verdict = (flags & DOS_EARLY_NO_VERDICT) != 0;
+  uint32_t extra = kStepGradientsPending;
+  if (no_verdict) extra |= kStepNoVerdict | kStepGradientsChecked;
+  if (device_sync_ != nullptr) {
+    // Orders the daemon's streams after what the trainer queued so far (the
+    // last step's zero_grad, this backward's beginning); each subgroup's
+    // gradients are then announced by its ready word.
+    DOS_RETURN_IF_ERROR(device_sync_->RecordGradientsReady(stream));
+    extra |= kStepTrainerEventRecorded;
+  }
+  ready_marked_.assign(num_subgroups_, 0);
+  tail_unmarked_ = num_subgroups_ >= kMaxTrackedSubgroups ? num_subgroups_ - (kMaxTrackedSubgroups - 1)
+                                                          : 0;
+  DOS_RETURN_IF_ERROR(StepBegin(args, extra));
+  early_ = true;
+  early_no_verdict_ = no_verdict;
+  verdict_sent_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::MarkOne(uint32_t i, void* stream) {
+  if (ready_marked_[i]) return absl::OkStatus();
+  ready_marked_[i] = 1;
+  if (i >= kMaxTrackedSubgroups - 1 && --tail_unmarked_ != 0) return absl::OkStatus();
+  std::atomic<uint32_t>* word = step_channel_->ReadyWord(i);
+  if (device_sync_ != nullptr) return device_sync_->StreamWrite(stream, word, seq_);
+  word->store(seq_, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::MarkReady(uint32_t first, uint32_t last, void* stream) {
+  if (!early_ || !step_in_flight_ || verdict_sent_) {
+    return absl::FailedPreconditionError(
+        "mark_ready: no early step awaits gradients; begin one with dos_step_begin_early");
+  }
+  if (first > last || last >= num_subgroups_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mark_ready: range [", first, ", ", last, "] is not within the session's ",
+        num_subgroups_, " subgroups (dos_tensor_subgroups gives a tensor's range)"));
+  }
+  for (uint32_t i = first; i <= last; ++i) DOS_RETURN_IF_ERROR(MarkOne(i, stream));
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream) {
+  if (!early_ || !step_in_flight_ || verdict_sent_) {
+    return absl::FailedPreconditionError(
+        "step_verdict: no early step awaits its verdict; begin one with dos_step_begin_early");
+  }
+  if (args == nullptr && early_no_verdict_) {
+    return absl::FailedPreconditionError(
+        "step_abandon: an early step without a verdict (DOS_EARLY_NO_VERDICT) cannot be "
+        "abandoned: dosd applies its subgroups as they become ready; call dos_step_verdict");
+  }
+  // Every subgroup not announced yet is final now (unused parameters, a
+  // gradient replaced outside autograd's hooks): announced after the work
+  // queued so far.
+  for (uint32_t i = 0; i < num_subgroups_; ++i) DOS_RETURN_IF_ERROR(MarkOne(i, stream));
+  if (!early_no_verdict_) {
+    StepRequest& v = control_->verdict;
+    if (args == nullptr) {
+      v = StepRequest{};
+      v.flags = kStepAbandon;
+    } else {
+      DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, &v));
+      if (device_sync_ != nullptr) {
+        // Whatever the trainer did to the gradients after backward (an
+        // in-place clip, a copy into the registered buffer) comes before
+        // dosd reads them.
+        DOS_RETURN_IF_ERROR(device_sync_->RecordGradientsReady(stream));
+        v.flags |= kStepTrainerEventRecorded;
+      }
+    }
+    v.seq = seq_;
+    step_channel_->PublishVerdict(seq_);
+  }
+  verdict_sent_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* result) {
   if (!step_in_flight_) {
     return absl::FailedPreconditionError("step_wait: no step in flight; call dos_step_begin");
+  }
+  if (early_ && !verdict_sent_) {
+    return absl::FailedPreconditionError(
+        "step_wait: the early step in flight has no verdict yet (dosd waits for it); call "
+        "dos_step_verdict or dos_step_abandon first");
   }
   absl::Status waited = step_channel_->WaitResult(seq_, timeout);
   if (!absl::IsDeadlineExceeded(waited)) inflight_seq_.store(0, std::memory_order_release);
@@ -444,11 +536,16 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
     // stream included) still waiting on its subgroups.
     step_channel_->MarkAllDone(seq_, num_subgroups_);
     step_in_flight_ = false;
+    early_ = false;
     return absl::Status(waited.code(), absl::StrCat("step_wait: ", waited.message(),
                                                     "; re-attach to continue"));
   }
   step_in_flight_ = false;
+  early_ = false;
   const StepResult& res = control_->result;  // published by done_bell (acquire)
+  last_early_ = static_cast<int32_t>(res.early);
+  last_before_verdict_us_ = res.before_verdict_us;
+  last_after_verdict_us_ = res.after_verdict_us;
   if (res.seq != seq_) {
     return absl::InternalError(absl::StrCat("step_wait: result seq ", res.seq,
                                             " does not match request seq ", seq_));

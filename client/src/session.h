@@ -106,6 +106,18 @@ class ClientSession {
   absl::Status TensorSubgroups(uint32_t tensor, uint32_t* first, uint32_t* last) const;
   // timeout < 0: wait until the daemon answers or closes the session.
   absl::Status StepWait(absl::Duration timeout, dos_step_result* result);
+  // Early steps (dos.h: dos_step_begin_early, dos_mark_ready,
+  // dos_step_verdict, dos_step_abandon).
+  absl::Status StepBeginEarly(const dos_step_args& args, uint32_t flags, void* stream);
+  absl::Status MarkReady(uint32_t first, uint32_t last, void* stream);
+  // `args` null: abandon the step (verdict steps only).
+  absl::Status StepVerdict(const dos_step_args* args, void* stream);
+  // The last collected step's early figures (zeros for other steps).
+  void LastEarly(int32_t* early, double* before_verdict_us, double* after_verdict_us) const {
+    *early = last_early_;
+    *before_verdict_us = last_before_verdict_us_;
+    *after_verdict_us = last_after_verdict_us_;
+  }
 
   // State transfer of one tensor (registration order). NULL parts are
   // skipped on read and kept on write.
@@ -183,6 +195,19 @@ class ClientSession {
   uint32_t num_subgroups_ = 0;
   uint32_t seq_ = 0;  // seq of the last published step
   bool step_in_flight_ = false;
+  // The early step in flight: kind, whether its verdict (or, without one,
+  // its last ready marks) went out, which subgroups were marked ready, and
+  // how many of those sharing the last ready word are still unmarked.
+  bool early_ = false;
+  bool early_no_verdict_ = false;
+  bool verdict_sent_ = false;
+  std::vector<uint8_t> ready_marked_;
+  uint32_t tail_unmarked_ = 0;
+  int32_t last_early_ = 0;
+  double last_before_verdict_us_ = 0;
+  double last_after_verdict_us_ = 0;
+  // Marks subgroup `i` of the early step ready (on `stream` with stream sync).
+  absl::Status MarkOne(uint32_t i, void* stream);
   // GPU lease: the one to send, and the last one sent (a first or lower one
   // waits in StepBegin for dosd to apply it).
   dos_gpu_lease lease_{};

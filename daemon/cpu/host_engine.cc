@@ -1,5 +1,6 @@
 #include "daemon/cpu/host_engine.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -47,7 +48,7 @@ absl::StatusOr<bool> HostEngine::AllFinite(const ShardState& shard,
 
 absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
                                  std::span<const TensorBinding> bindings,
-                                 std::span<const AdamScalars> scalars, const StepSync&,
+                                 std::span<const AdamScalars> scalars, const StepSync& sync,
                                  StepMeasurements* measured) {
   if (plan.resident != 0 || !plan.gpu_only.empty() || !plan.shared.empty() ||
       plan.cpu_only.size() != shard.subgroups().size()) {
@@ -58,7 +59,20 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
   const absl::Time start = absl::Now();
   std::span<const TensorDesc> tensors = shard.tensors();
   std::vector<CpuUpdater::Item> items;
-  for (uint32_t sg : plan.cpu_only) {
+  // An early step (sync.wait_ready) updates each subgroup once its gradients
+  // are final, the last subgroups first (backward's order); the time spent
+  // waiting for them is not the update's.
+  const bool early = static_cast<bool>(sync.wait_ready);
+  std::vector<uint32_t> order(plan.cpu_only.begin(), plan.cpu_only.end());
+  if (early) std::reverse(order.begin(), order.end());
+  double wait_us = 0;
+  for (uint32_t sg : order) {
+    if (early) {
+      const absl::Time w0 = absl::Now();
+      absl::Status ready = sync.wait_ready(sg);
+      wait_us += absl::ToDoubleMicroseconds(absl::Now() - w0);
+      if (!ready.ok()) return ready;
+    }
     const Subgroup& g = shard.subgroups()[sg];
     absl::Status st = ForEachSegmentSpan(
         tensors, g, g.master,
@@ -70,7 +84,7 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
           return absl::OkStatus();
         });
     if (!st.ok()) return st;
-    if (shard.snapshot_in_progress()) {  // checkpoint copy-on-write: per subgroup, in order
+    if (early || shard.snapshot_in_progress()) {  // copy-on-write for a checkpoint: in order
       shard.BeforeWrite(sg);
       cpu_->Run(items);
       items.clear();
@@ -79,7 +93,7 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
     measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'c'});
   }
   cpu_->Run(items);
-  measured->wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  measured->wall_us = absl::ToDoubleMicroseconds(absl::Now() - start) - wait_us;
   measured->cpu_kernel_us = measured->wall_us;
   measured->cpu_loop_us = measured->wall_us;
   return absl::OkStatus();

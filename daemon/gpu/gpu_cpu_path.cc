@@ -156,14 +156,24 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
   absl::Status status = pipe.Init();
   std::optional<uint32_t> cur = status.ok() ? run.queue->ClaimCpu() : std::nullopt;
   int bi = 0;
-  if (cur) status = pipe.IssueGrads(*cur, bi);
+  if (cur) {
+    status = WaitReady(run, *cur, &run.cpu_wait_us);
+    if (status.ok()) status = pipe.IssueGrads(*cur, bi);
+  }
   while (cur && status.ok()) {
     std::optional<uint32_t> next = run.queue->ClaimCpu();
-    if (next) {
+    // The next subgroup's gradients travel while the CPU updates this one;
+    // in an early step only if they are final already, else after it.
+    const bool next_first = next && (!run.early || run.sync->is_ready(*next));
+    if (next_first) {
       status = pipe.IssueGrads(*next, (bi + 1) % kCpuBuffers);
       if (!status.ok()) break;
     }
     status = pipe.Update(*cur, bi);
+    if (status.ok() && next && !next_first) {
+      status = WaitReady(run, *next, &run.cpu_wait_us);
+      if (status.ok()) status = pipe.IssueGrads(*next, (bi + 1) % kCpuBuffers);
+    }
     cur = next;
     bi = (bi + 1) % kCpuBuffers;
   }

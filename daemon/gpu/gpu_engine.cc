@@ -225,8 +225,18 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
         " has memory for ", resident, "; lower the static fraction, the GPU memory budget or "
         "the session's GPU lease"));
   }
-  SubgroupQueue queue = plan.MakeQueue();
+  // An early step takes the pinned lists in readiness order (backward
+  // finishes the last subgroups first); the shared list keeps its ends (the
+  // CPU side already starts from the back).
+  const bool early = static_cast<bool>(sync.wait_ready);
+  SubgroupQueue queue = early ? SubgroupQueue(std::vector<uint32_t>(plan.gpu_only.rbegin(),
+                                                                    plan.gpu_only.rend()),
+                                              std::vector<uint32_t>(plan.cpu_only.rbegin(),
+                                                                    plan.cpu_only.rend()),
+                                              plan.shared, plan.numel)
+                              : plan.MakeQueue();
   StepRun run;
+  run.early = early;
   run.shard = &shard;
   run.bindings = bindings;
   run.scalars = scalars;
@@ -274,9 +284,12 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->gpu_kernel_us = run.kernel_us;
   m->h2d_us = run.h2d_us;
   m->d2h_us = run.d2h_us;
-  m->cpu_loop_us = run.cpu_loop_us;
-  m->gpu_loop_us = run.gpu_loop_us;
-  m->wall_us = wall_us;
+  // Early steps: what the planner learns from must not count the wait for
+  // backward (the wall time less the longer of the two loops' waits: an
+  // upper bound on the rate, close when the host paths bind).
+  m->cpu_loop_us = run.cpu_loop_us - run.cpu_wait_us;
+  m->gpu_loop_us = run.gpu_loop_us - run.gpu_wait_us;
+  m->wall_us = wall_us - std::max(run.cpu_wait_us, run.gpu_wait_us);
   m->gpu_memory_bytes = slots_.size() * buffer_numel_ * ShardState::kStateBytesPerParam +
                         cast_dev_.size() * buffer_numel_ * sizeof(float) + resident_bytes_.load();
   m->entries = std::move(run.gpu_entries);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "dos/wire/status_macros.h"
 #include "daemon/gpu/cuda_check.h"
@@ -85,6 +86,10 @@ struct GpuEngine::StepRun {
   uint64_t streamed_params = 0;
   cudaEvent_t start = nullptr;
   absl::Time t0;
+  // Early steps (StepSync::wait_ready set): time each loop spent waiting for
+  // gradients, not counted as the update's.
+  bool early = false;
+  double gpu_wait_us = 0, cpu_wait_us = 0;
   // Written by the GPU loop only.
   std::vector<TimelineEntry> gpu_entries;
   uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0;
@@ -102,6 +107,16 @@ struct GpuEngine::StepRun {
   };
   std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
 };
+
+// Early steps: waits (on the host) until subgroup `sg`'s gradients are
+// final, adding the time to `*wait_us`; OK at once for other steps.
+inline absl::Status WaitReady(const GpuEngine::StepRun& run, uint32_t sg, double* wait_us) {
+  if (!run.early) return absl::OkStatus();
+  const absl::Time t0 = absl::Now();
+  absl::Status st = run.sync->wait_ready(sg);
+  *wait_us += absl::ToDoubleMicroseconds(absl::Now() - t0);
+  return st;
+}
 
 // Enqueues "subgroup `sg` is done" (StepSync::subgroup_done) on `stream`
 // after the work queued there.

@@ -91,6 +91,9 @@ class StreamPipeline {
     DOS_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[1], streams_.h2d));
+    // Early step: the state is on its way; the kernel waits for the
+    // subgroup's gradients.
+    DOS_RETURN_IF_ERROR(WaitReady(run_, sg, &run_.gpu_wait_us));
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
     DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, g, state, streams_.compute));
@@ -170,11 +173,17 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
 absl::Status GpuEngine::GpuLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   std::span<Subgroup> sgs = run.shard->subgroups();
-  // Resident subgroups: kernels only, first, on the compute stream.
+  // Resident subgroups: kernels only, on the compute stream; first, except
+  // in an early step: they are the first layers, whose gradients are final
+  // last, so the streamed subgroups go first and the resident ones follow
+  // from the last to the first.
   std::vector<cudaEvent_t> res_events(2 * run.gs->resident_count);
   absl::Status status = NewEvents(res_events.data(), static_cast<int>(res_events.size()));
-  for (uint32_t i = 0; i < run.gs->resident_count && status.ok(); ++i) {
+  if (run.early && status.ok()) status = StreamSubgroups(run);
+  for (uint32_t k = 0; k < run.gs->resident_count && status.ok(); ++k) {
+    const uint32_t i = run.early ? run.gs->resident_count - 1 - k : k;
     status = [&]() -> absl::Status {
+      DOS_RETURN_IF_ERROR(WaitReady(run, i, &run.gpu_wait_us));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], compute_));
       DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], compute_));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], compute_));
@@ -182,7 +191,7 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     }();
     run.gpu_params += sgs[i].numel;
   }
-  if (status.ok()) status = StreamSubgroups(run);
+  if (!run.early && status.ok()) status = StreamSubgroups(run);
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(compute_));
   if (status.ok()) status = st;
   for (uint32_t i = 0; i < run.gs->resident_count && status.ok(); ++i) {

@@ -177,6 +177,9 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   }
   last->set_model_gpu_share(st.last.model_gpu_share);
   last->set_model_binding(st.last.model_binding);
+  last->set_early(st.last.early);
+  last->set_before_verdict_us(st.last.before_verdict_us);
+  last->set_after_verdict_us(st.last.after_verdict_us);
   last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
   last->set_gpu_lease_bytes(st.last.gpu_lease_bytes);
   last->set_trainer_gpu_budget_bytes(st.last.trainer_gpu_budget_bytes);

@@ -48,6 +48,15 @@ struct StepSync {
   // memory, from any thread (CUDA host callbacks included): it must be cheap
   // and must not call CUDA. May be empty.
   std::function<void(uint32_t subgroup)> subgroup_done;
+  // Early steps without a verdict (kStepNoVerdict in dos/wire/control_block.h):
+  // returns once subgroup i's gradients are final, or an error when the step
+  // can no longer finish (the trainer died, shutdown). Engines call it before
+  // they read a subgroup's gradients (or write its weights) and take
+  // subgroups in readiness order (backward finishes the last subgroups
+  // first). Empty: every gradient is final already.
+  std::function<absl::Status(uint32_t subgroup)> wait_ready;
+  // The same without waiting (set with wait_ready).
+  std::function<bool(uint32_t subgroup)> is_ready;
 };
 
 class Engine {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -44,6 +45,39 @@ void FloatToWeights(const float* in, uint64_t n, DType dtype, char* out) {
       }
     }
   });
+}
+
+// The scalars depend on the tensor's group and step count only: computed
+// once per tensor, not per run.
+std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest& request) {
+  std::vector<cpu::AdamScalars> scalars;
+  scalars.reserve(shard.tensors().size());
+  for (const TensorDesc& t : shard.tensors()) {
+    const GroupConfig& group = shard.groups()[t.group];
+    scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
+                                           t.step + 1, request.grad_scale, request.clip_coef));
+  }
+  return scalars;
+}
+
+// An early step's flags against what the caller gave to wait with.
+absl::Status CheckEarlyStep(const StepRequest& begun, const StepSync& sync,
+                            const AwaitVerdict& await_verdict) {
+  const bool early = (begun.flags & kStepGradientsPending) != 0;
+  const bool no_verdict = early && (begun.flags & kStepNoVerdict) != 0;
+  if (no_verdict && !(begun.flags & kStepGradientsChecked)) {
+    return absl::InvalidArgumentError(
+        "step: an early step without a verdict (kStepNoVerdict) must also set "
+        "kStepGradientsChecked: no non-finite scan can see every gradient before the first "
+        "subgroup is updated; begin the step at step() to have dosd scan");
+  }
+  if (no_verdict && !sync.wait_ready) {
+    return absl::InternalError("step: an early step without a verdict needs the ready words");
+  }
+  if (early && !no_verdict && !await_verdict) {
+    return absl::InternalError("step: an early step needs a way to await its verdict");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -102,12 +136,45 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
 
 absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               std::span<const TensorBinding> bindings,
-                                              const StepRequest& request, const Policy& policy,
-                                              const StepSync& sync, uint64_t session) {
-  absl::Status valid = ValidateStepRequest(request, shard.groups().size());
-  if (!valid.ok()) return valid;
+                                              const StepRequest& begun, const Policy& policy,
+                                              const StepSync& sync, uint64_t session,
+                                              const AwaitVerdict& await_verdict) {
   const absl::Time start = absl::Now();
+  const bool early = (begun.flags & kStepGradientsPending) != 0;
+  const bool no_verdict = early && (begun.flags & kStepNoVerdict) != 0;
+  DOS_RETURN_IF_ERROR(CheckEarlyStep(begun, sync, await_verdict));
+  if (!early || no_verdict) {
+    absl::Status valid = ValidateStepRequest(begun, shard.groups().size());
+    if (!valid.ok()) return valid;
+  }
   std::span<TensorDesc> tensors = shard.tensors();
+  // The plan depends on the policy, the layout and the lease, never on the
+  // gradients or the hyperparameters: an early step makes it (and grows the
+  // resident tier) while backward runs.
+  auto make_plan = [&]() -> absl::StatusOr<StepPlan> {
+    if (session == 0) return planner_.Plan(policy, shard);
+    const ShardLayout layout = planner_.LayoutOf(shard);
+    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
+    return planner_.Plan(policy, layout, held);
+  };
+  std::optional<StepPlan> early_plan;
+  if (early) {
+    DOS_ASSIGN_OR_RETURN(StepPlan p, make_plan());
+    early_plan = std::move(p);
+  }
+  StepRequest request = begun;
+  absl::Time verdict_at = start;
+  if (early && !no_verdict) {
+    DOS_ASSIGN_OR_RETURN(request, await_verdict());
+    verdict_at = absl::Now();
+    if (request.flags & kStepAbandon) {
+      return absl::AbortedError(
+          "step: the trainer abandoned the early step before its verdict; nothing was applied");
+    }
+    absl::Status valid = ValidateStepRequest(request, shard.groups().size());
+    if (!valid.ok()) return valid;
+  }
   if (request.flags & kStepTrainerEventRecorded) {
     if (sync.trainer_event == nullptr) {
       return absl::InvalidArgumentError(
@@ -118,6 +185,13 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     absl::Status st = engine_->WaitTrainerEvent(sync.trainer_event);
     if (!st.ok()) return st;
   }
+  auto finish_early = [&](StepOutcome* out) {
+    if (!early) return;
+    const absl::Time end = absl::Now();
+    out->early = true;
+    out->before_verdict_us = absl::ToDoubleMicroseconds(verdict_at - start);
+    out->after_verdict_us = absl::ToDoubleMicroseconds(end - verdict_at);
+  };
   if (!(request.flags & kStepGradientsChecked)) {
     absl::StatusOr<bool> finite = engine_->AllFinite(shard, bindings);
     if (!finite.ok()) return finite.status();
@@ -126,29 +200,21 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
       out.found_inf = true;
       out.step = tensors[0].step;
       out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+      finish_early(&out);
       return out;
     }
   }
-  // The scalars depend on the tensor's group and step count only: compute
-  // them once per tensor, not per run.
-  std::vector<cpu::AdamScalars> scalars;
-  scalars.reserve(tensors.size());
-  for (const TensorDesc& t : tensors) {
-    const GroupConfig& group = shard.groups()[t.group];
-    scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
-                                           t.step + 1, request.grad_scale, request.clip_coef));
-  }
+  const std::vector<cpu::AdamScalars> scalars = Scalars(shard, request);
   StepPlan plan;
-  if (session != 0) {
-    const ShardLayout layout = planner_.LayoutOf(shard);
-    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
-    plan = planner_.Plan(policy, layout, held);
+  if (early_plan) {
+    plan = std::move(*early_plan);
   } else {
-    plan = planner_.Plan(policy, shard);
+    DOS_ASSIGN_OR_RETURN(plan, make_plan());
   }
   StepMeasurements measured;
-  absl::Status st = engine_->Execute(plan, shard, bindings, scalars, sync, &measured);
+  StepSync run_sync = sync;
+  if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)
+  absl::Status st = engine_->Execute(plan, shard, bindings, scalars, run_sync, &measured);
   if (!st.ok()) return st;
   planner_.Learn(plan, measured);
   StepOutcome out = Outcome(plan, measured);
@@ -162,6 +228,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   for (TensorDesc& t : tensors) ++t.step;
   out.step = tensors[0].step;
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  finish_early(&out);
   return out;
 }
 

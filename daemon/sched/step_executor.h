@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -56,7 +57,17 @@ struct StepOutcome {
   uint64_t trainer_gpu_budget_bytes = 0;
   uint64_t trainer_gpu_peak_bytes = 0;
   uint64_t resident_budget_bytes = 0;
+  // Early steps (kStepGradientsPending): microseconds from the request to
+  // the verdict (verdict steps) and from the verdict, or for steps without
+  // one from the request, to the end of the update.
+  bool early = false;
+  double before_verdict_us = 0;
+  double after_verdict_us = 0;
 };
+
+// How an early step's verdict reaches the executor: waits for it and returns
+// the step's final request (INVALID_ARGUMENT-free: Run validates it).
+using AwaitVerdict = std::function<absl::StatusOr<StepRequest>()>;
 
 // The whole request: one group per registered group, grad_scale > 0 and
 // clip_coef >= 0 (finite), and every group by ValidateGroupStepParams
@@ -73,9 +84,17 @@ class StepExecutor {
 
   // `session` (non-zero) sizes the resident tier from the session's lease
   // (ApplyLease first); 0: from the planner's budgets alone.
+  // Early steps (kStepGradientsPending): with kStepNoVerdict the request is
+  // final and `sync.wait_ready` must be set (the engine updates subgroups as
+  // their gradients become final; kStepGradientsChecked is required, as no
+  // scan can see every gradient first); otherwise the plan is made (and the
+  // resident tier grown) first, then `await_verdict` gives the final request
+  // and the step runs as a synchronous one would (kStepAbandon in it: ABORTED,
+  // nothing applied).
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy,
-                                  const StepSync& sync = {}, uint64_t session = 0);
+                                  const StepSync& sync = {}, uint64_t session = 0,
+                                  const AwaitVerdict& await_verdict = {});
 
   // A step's GPU lease (kStepGpuLease in `request`; without it the session
   // keeps its last one), applied before anything else of the step: the

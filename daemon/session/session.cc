@@ -8,8 +8,10 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
@@ -188,6 +190,9 @@ void Session::HandleRequest(uint32_t seq) {
   StepResult& result = block->result;
   result.status_code = 0;
   result.found_inf = 0;
+  result.early = 0;
+  result.before_verdict_us = 0;
+  result.after_verdict_us = 0;
   result.message[0] = '\0';
   absl::StatusOr<StepOutcome> outcome;
   double lock_wait_us = 0;
@@ -208,13 +213,10 @@ void Session::HandleRequest(uint32_t seq) {
       absl::Status leased =
           executor_->ApplyLease(*shard_, block->request, step_policy, identity_.id);
       channel_->PostLeaseApplied(seq);
-      StepSync sync;
-      sync.trainer_event = trainer_event_;
-      sync.subgroup_done = [this, seq](uint32_t subgroup) {
-        channel_->MarkSubgroupDone(subgroup, seq);
-      };
+      const StepSync sync = MakeStepSync(seq, block->request.flags);
+      const ::dos::AwaitVerdict verdict = [this, seq] { return AwaitVerdict(seq); };
       outcome = leased.ok() ? executor_->Run(*shard_, bindings_, block->request, step_policy,
-                                             sync, identity_.id)
+                                             sync, identity_.id, verdict)
                             : absl::StatusOr<StepOutcome>(leased);
       ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
@@ -230,6 +232,9 @@ void Session::HandleRequest(uint32_t seq) {
     result.found_inf = outcome->found_inf ? 1 : 0;
     result.step = outcome->step;
     result.update_us = outcome->update_us;
+    result.early = outcome->early ? 1 : 0;
+    result.before_verdict_us = outcome->before_verdict_us;
+    result.after_verdict_us = outcome->after_verdict_us;
   } else {
     PostError(block, outcome.status());
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
@@ -273,6 +278,68 @@ void Session::HandleRequest(uint32_t seq) {
     }
   }
   channel_->PostResult(seq);
+}
+
+StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
+  StepSync sync;
+  sync.trainer_event = trainer_event_;
+  sync.subgroup_done = [this, seq](uint32_t subgroup) {
+    channel_->MarkSubgroupDone(subgroup, seq);
+  };
+  if (flags & kStepGradientsPending) {
+    sync.wait_ready = [this, seq](uint32_t subgroup) { return WaitReady(subgroup, seq); };
+    sync.is_ready = [this, seq](uint32_t subgroup) {
+      return channel_->SubgroupReady(subgroup, seq);
+    };
+  }
+  return sync;
+}
+
+absl::Status Session::EarlyStepAlive(const char* waiting_for) const {
+  if (stop_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError(absl::StrCat("step: the session is closing while it waited for ",
+                                               waiting_for, "; nothing more was applied"));
+  }
+  if (!ClientAlive()) {
+    return absl::UnavailableError(absl::StrCat("step: the trainer (pid ", identity_.pid,
+                                               ") is gone while dosd waited for ", waiting_for,
+                                               "; nothing more was applied"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq) const {
+  // The words are written by the trainer's GPU stream (or a plain store on
+  // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
+  // then every 20 us (backward makes a subgroup's gradients in milliseconds;
+  // the CPU pool needs the cores meanwhile). Liveness is checked per slice.
+  int polls = 0;
+  absl::Time next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
+  while (!channel_->SubgroupReady(subgroup, seq)) {
+    if (++polls < 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    absl::SleepFor(absl::Microseconds(20));
+    if (absl::Now() >= next_check) {
+      DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
+      next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepRequest> Session::AwaitVerdict(uint32_t seq) const {
+  auto* block = static_cast<ControlBlock*>(control_->data());
+  while (!channel_->WaitVerdict(seq, ControlBlockChannel::kLivenessSlice)) {
+    DOS_RETURN_IF_ERROR(EarlyStepAlive("the step's verdict"));
+  }
+  StepRequest verdict = block->verdict;  // published by verdict_bell (acquire)
+  if (verdict.seq != seq) {
+    return absl::InvalidArgumentError(absl::StrCat("step: the verdict carries seq ", verdict.seq,
+                                                   " for early step ", seq));
+  }
+  return verdict;
 }
 
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,

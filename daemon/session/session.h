@@ -213,6 +213,18 @@ class Session {
   void StartStepThread();
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
+  // Step `seq`'s synchronisation with the trainer: its event, the progress
+  // words and, for early steps, the ready words.
+  StepSync MakeStepSync(uint32_t seq, uint32_t flags) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Early steps (dos/wire/control_block.h): wait, on the step thread or an
+  // engine's, until subgroup `subgroup`'s gradients of step `seq` are final,
+  // or until the verdict of step `seq` is published (a copy of it). Both give
+  // up with UNAVAILABLE when the session stops or its trainer is gone.
+  absl::Status WaitReady(uint32_t subgroup, uint32_t seq) const;
+  absl::StatusOr<StepRequest> AwaitVerdict(uint32_t seq) const;
+  // Why an early step's wait gives up (OK while it may go on).
+  absl::Status EarlyStepAlive(const char* waiting_for) const;
 
   // Register's steps (session_register.cc), in order.
   struct Registration;

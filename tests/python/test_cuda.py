@@ -185,6 +185,50 @@ def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
             o.close()
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
+@pytest.mark.parametrize("policy", ["auto", "cpu", "static:0.5"])
+def test_cuda_early_steps_equal_synchronous(dos_socket, policy):
+    """Early steps on the GPU path (stream-ordered ready words): overlap=True
+    with opt.clip_grad_norm_ and overlap="update" (dosd updates subgroups
+    during backward, the CPU path's gradients copied as soon as the trainer's
+    stream marks them) are bitwise equal to synchronous steps with the same
+    clip coefficient, with per-layer waits (model=)."""
+    need_cuda_build()
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(10)]
+    kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
+    for clip in (0.05, None):
+        models = {k: make_wide() for k in ("sync", "early")}
+        overlap = True if clip is not None else "update"
+        opts = {"sync": make_opt(models["sync"], dos_socket, "sync", async_step=False, **kw),
+                "early": make_opt(models["early"], dos_socket, "early", model=models["early"],
+                                  overlap=overlap, **kw)}
+        try:
+            if not opts["early"]._stream_sync:
+                pytest.skip("the CUDA driver has no stream memory operations")
+            for k, o in opts.items():
+                o.set_policy(policy)
+                m = models[k]
+                for x, y in data:
+                    o.zero_grad()
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    if k == "early":
+                        assert o._step_state.hook_begun
+                    if clip is not None:
+                        o.clip_grad_norm_(clip)
+                    o.step()
+                torch.cuda.synchronize()
+            last = opts["early"].last_step
+            assert last["early"] and last["step"] == len(data), last
+            for a, b in zip(models["early"].parameters(), models["sync"].parameters()):
+                assert torch.equal(a, b), (policy, clip)
+        finally:
+            for o in opts.values():
+                o.close()
+
+
 CUDA_TRAINER = """
 import json, os, signal, sys, torch
 sys.path.insert(0, {testdir!r})

@@ -204,17 +204,24 @@ def test_overlap_begins_at_last_gradient(dos_socket):
                 o.zero_grad()
                 loss_of(model, x, y).backward()
                 if o is opt:
-                    assert opt._inflight  # begun by the last hook, before step()
+                    assert opt._inflight  # begun by the first hook, before step()
                 o.step()
             sched.step()
             ref_sched.step()
             assert opt.last_step["overlapped"]
             assert sorted(i for i, _ in opt.ready_log) == list(range(4))
             assert_same(mine, ref, step)
-        # A clip coefficient after an overlapped begin is refused loudly.
+        # overlap=True waits for step()'s verdict: a clip coefficient is applied.
         opt.zero_grad()
         loss_of(mine, *data[0]).backward()
-        with pytest.raises(dos.DosError, match="overlap"):
+        opt.step(clip_coef=0.5)
+        assert opt.last_step["early"]
+    # overlap="update" updates during backward: a clip coefficient at step()
+    # comes too late and is refused loudly.
+    with dos.torch.AdamW(mine.parameters(), socket=dos_socket, overlap="update", **LR) as opt:
+        opt.zero_grad()
+        loss_of(mine, *data[0]).backward()
+        with pytest.raises(dos.DosError, match="too late"):
             opt.step(clip_coef=0.5)
 
 

@@ -260,6 +260,44 @@ dos_status dos_tensor_subgroups(const dos_session* session, uint32_t tensor, uin
 dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t last,
                               void* cuda_stream, int64_t timeout_ms);
 
+/* Early steps (work during backward). A step may begin before its
+ * gradients exist, at the first gradient of backward: dosd plans it then and
+ * reads each subgroup's gradients only once the trainer has marked that
+ * subgroup ready (all its tensors' gradients final). Two kinds:
+ *  - flags 0: the step's verdict (grad_scale, clip_coef, the final
+ *    hyperparameters) comes with dos_step_verdict after backward; dosd applies
+ *    nothing before it (only work that does not depend on it), so gradients
+ *    may still be changed in place between backward and the verdict (an
+ *    in-place clip, a GradScaler's unscale). dos_step_abandon gives the step
+ *    up (dos_step_wait then reports ABORTED and nothing was applied).
+ *  - DOS_EARLY_NO_VERDICT: `args` is final, nothing global is pending (no loss
+ *    scale, no clip applied later; non-finite gradients are not scanned for,
+ *    as with gradients_checked = 1), and dosd updates each subgroup as soon as
+ *    it is marked ready, during backward. dos_step_verdict (args ignored, may
+ *    be NULL) then only marks the subgroups not marked yet.
+ * dos_mark_ready marks subgroups [first, last] of the early step ready: with
+ * stream sync (GPU mode) the mark is enqueued on `cuda_stream` after the
+ * gradient kernels queued there (cuStreamWriteValue32); otherwise it is a
+ * store, and the caller's gradient writes must be complete. A subgroup's
+ * weights may be rewritten by dosd once it is marked ready (no-verdict
+ * steps): mark it only when backward no longer reads its parameters (true of
+ * a parameter's post-accumulate-grad hook). dos_step_verdict marks every
+ * subgroup not marked yet, then (verdict steps) records the session's event
+ * on `cuda_stream` and publishes `args`. dos_step_wait before the verdict is
+ * FAILED_PRECONDITION. dos_last_step_early reports the last collected step:
+ * early 1 for an early step, microseconds from its begin to its verdict (0
+ * without one) and from the verdict (or begin) to the end of the update.
+ * Added within API version 1 (look them up with dlsym to run with an older
+ * libdos_client). */
+#define DOS_EARLY_NO_VERDICT 1u
+dos_status dos_step_begin_early(dos_session* session, const dos_step_args* args, uint32_t flags,
+                                void* cuda_stream);
+dos_status dos_mark_ready(dos_session* session, uint32_t first, uint32_t last, void* cuda_stream);
+dos_status dos_step_verdict(dos_session* session, const dos_step_args* args, void* cuda_stream);
+dos_status dos_step_abandon(dos_session* session);
+dos_status dos_last_step_early(const dos_session* session, int32_t* early,
+                               double* before_verdict_us, double* after_verdict_us);
+
 /* dos_step_begin + dos_step_wait. */
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result);
 

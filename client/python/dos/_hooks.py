@@ -21,6 +21,7 @@ import torch
 from dos import _native
 from dos._errors import DosError, call
 from dos._native import Status
+from dos._step import StepState
 
 __all__ = []
 
@@ -132,7 +133,9 @@ class _HooksMixin:
     def _wait_layer(self, ents, first, last):
         if self._session is None:
             return
-        if self._step_state.in_flight and not all(e.index in self._step_state.waited for e in ents):
+        # An early step (hook_begun) is this backward's own: nothing to wait
+        # for (its weights change only once its gradients are final).
+        if self._step_state.state is StepState.IN_FLIGHT and not all(e.index in self._step_state.waited for e in ents):
             call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
                          ctypes.c_uint32(last), self._stream() if self._stream_sync else None,
                          ctypes.c_int64(-1))
@@ -178,27 +181,81 @@ class _HooksMixin:
             opt._on_ready(opt._entries[i])
         return self._weak(hook)
 
+    def _early_possible(self) -> bool:
+        """Whether this step can begin at the first gradient (early step):
+        registered in place (no DTensor copies), stream-ordered on CUDA, and
+        no parameter moved (re-registration happens at step())."""
+        if any(e.copy_grad or e.copy_out for e in self._entries):
+            return False
+        if self._device is not None and not self._stream_sync:
+            return False
+        return not any(self._moved(e) for e in self._entries)
+
     def _on_ready(self, e):
-        """Post-accumulate-grad hook: e's gradient is final for this
-        backward. When every registered tensor is, begin the step."""
-        if not self.overlap_armed or self._step_state.hook_begun or self._session is None:
+        """Post-accumulate-grad hook: e's gradient is final for this backward.
+        The first one begins an early step (dosd plans it, and with
+        overlap="update" updates each subgroup as soon as it is marked ready);
+        each subgroup is marked ready when all its tensors' gradients are
+        final. Without early steps possible here, the step begins at step()."""
+        if not self.overlap_armed or self._session is None:
             return
-        if self._step_state.in_flight:
+        state = self._step_state
+        if state.in_flight and not state.hook_begun:
             self._finish_inflight()  # the previous asynchronous step (already done)
         now = time.perf_counter()
-        if not self._ready:
+        if not state.hook_begun:
+            if not self._early_possible():
+                return
+            self._ready = set()
             self._ready_t0 = now
             self.ready_log = []
+            self._early_error = None
+            left = [0] * self._num_subgroups
+            for first, last in self._ranges:
+                for sg in range(first, last + 1):
+                    left[sg] += 1
+            self._ready_left = left
+            with torch.no_grad():
+                args, _groups = self._args(1.0, 1.0, gradients_checked=self._early_update)
+                flags = _native.DOS_EARLY_NO_VERDICT if self._early_update else 0
+                call("dos_step_begin_early", self._session, ctypes.byref(args),
+                     ctypes.c_uint32(flags), self._stream())
+            state.begun(by_hooks=True)
         if e.index in self._ready:
+            # A second backward before step() (gradient accumulation with
+            # overlap armed): with a verdict dosd reads the gradients only
+            # after step(), so the sum is what it reads; without one it may
+            # have updated with the first backward's gradients already.
+            if self._early_update:
+                self._early_error = (f"{e.name}'s gradient was accumulated twice before "
+                                     "step() with overlap=\"update\", so dosd may have applied "
+                                     "the first backward's gradients; set opt.overlap_armed = "
+                                     "False during gradient-accumulation micro-steps")
             return
         self._ready.add(e.index)
         self.ready_log.append((e.index, now - self._ready_t0))
-        # What the daemon would take per subgroup: here only the last one
-        # matters, as the control block has one doorbell per step.
-        if len(self._ready) == len(self._entries):
+        g = e.param.grad
+        if g is not None and g.data_ptr() != e.grad_shm.data_ptr():
+            # autograd made a new gradient (grads were set to None): it goes
+            # into the registered buffer before the subgroup is announced.
+            if g.dtype != e.grad_shm.dtype or g.shape != e.grad_shm.shape:
+                self._early_error = (f"{e.name}'s gradient is {g.dtype} {tuple(g.shape)}; the "
+                                     f"registered one is {e.grad_shm.dtype} "
+                                     f"{tuple(e.grad_shm.shape)}")
+                return
             with torch.no_grad():
-                self._bind_grads()
-                args, _groups = self._args(1.0, 1.0)
-                self._begin(args, by_hooks=True)
-            self._ready = set()
+                e.grad_shm.copy_(g)
+                e.param.grad = e.grad_shm
+        first, last = self._ranges[e.index]
+        run = None
+        for sg in range(first, last + 1):
+            self._ready_left[sg] -= 1
+            if self._ready_left[sg] == 0:
+                run = (run[0], sg) if run is not None and run[1] == sg - 1 else (
+                    self._mark_ready(run) or (sg, sg))
+        self._mark_ready(run)
 
+    def _mark_ready(self, run):
+        if run is not None:
+            call("dos_mark_ready", self._session, ctypes.c_uint32(run[0]),
+                 ctypes.c_uint32(run[1]), self._stream())

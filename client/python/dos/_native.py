@@ -157,6 +157,14 @@ SIGNATURES = {
     "dos_tensor_subgroups": (_S, [_P, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32),
                                   ctypes.POINTER(ctypes.c_uint32)]),
     "dos_wait_subgroups": (_S, [_P, ctypes.c_uint32, ctypes.c_uint32, _P, ctypes.c_int64]),
+    # Early steps (work during backward; dos.h).
+    "dos_step_begin_early": (_S, [_P, ctypes.POINTER(StepArgs), ctypes.c_uint32, _P]),
+    "dos_mark_ready": (_S, [_P, ctypes.c_uint32, ctypes.c_uint32, _P]),
+    "dos_step_verdict": (_S, [_P, ctypes.POINTER(StepArgs), _P]),
+    "dos_step_abandon": (_S, [_P]),
+    "dos_last_step_early": (_S, [_P, ctypes.POINTER(ctypes.c_int32),
+                                 ctypes.POINTER(ctypes.c_double),
+                                 ctypes.POINTER(ctypes.c_double)]),
     "dos_step": (_S, [_P, ctypes.POINTER(StepArgs), ctypes.POINTER(StepResult)]),
     "dos_state_read": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.c_int64]),
@@ -168,6 +176,8 @@ SIGNATURES = {
     "dos_set_gpu_lease": (_S, [_P, ctypes.POINTER(GpuLease)]),
     "dos_set_policy": (_S, [_P, ctypes.c_char_p]),
 }
+
+DOS_EARLY_NO_VERDICT = 1  # dos.h: dos_step_begin_early's flag
 
 lib = find_library()
 for _name, (_res, _args) in SIGNATURES.items():

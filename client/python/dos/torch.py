@@ -125,15 +125,36 @@ a new session is attached, the fp32 state (master, exp_avg, exp_avg_sq, step)
 carried over, and the master taken from the new tensor where its values
 differ from the old weights.
 
-overlap=True (torch >= 2.1): post-accumulate-grad hooks mark each registered
-tensor ready when its gradient is final; when the last one is, the step is
-begun right away (during the tail of backward) with the current
-hyperparameters and `step()` only waits. Use it only when nothing global must
-be applied between backward and step (no clipping, no GradScaler, one
-backward per step; set `opt.overlap_armed = False` around gradient
-accumulation micro-steps). The ready order and times of the last step are in
-`opt.ready_log`; bench/e2e/README.md describes what the daemon would need to
-start per subgroup (a ready bitmap in the control block).
+Early steps, `overlap=` (torch >= 2.1; bench/e2e/README.md "Overlap"): a
+post-accumulate-grad hook on every registered parameter begins the step at
+the first final gradient of backward and marks each subgroup ready once all
+its tensors' gradients are final (on CUDA the mark is enqueued on the
+current stream after the gradient kernels; on the CPU a store).
+- overlap=True: dosd plans the step (and grows the resident tier) during
+  backward and applies nothing before step(), which brings the verdict: the
+  loss scale, the clip coefficient and the final learning rates. Everything
+  that works without overlap works: clipping (`opt.clip_grad_norm_(max_norm)`
+  computes the norm and passes the coefficient with step() without touching
+  the gradients; torch.nn.utils.clip_grad_norm_ in place works too, as dosd
+  reads the gradients only after step()), GradScaler, gradient accumulation,
+  and results are bitwise those of overlap=False. A reader between backward
+  and step() (state_dict(), zero_grad(), synchronize()) gives the early step
+  up; step() then begins an ordinary one.
+- overlap="update": nothing global may come after backward (no clipping, no
+  loss scale, no GradScaler, one backward per step: set
+  `opt.overlap_armed = False` around gradient-accumulation micro-steps), and
+  dosd updates each subgroup during backward as soon as it is ready, the last
+  layers first; non-finite gradients are not scanned for (as torch's AdamW
+  without a scaler). step(clip_coef=..), a GradScaler or a second backward
+  then raise FAILED_PRECONDITION after the step (it was applied without
+  them). A parameter's new weights may land before step() returns: read
+  weights only after step().
+Per-layer waits (model=) never wait for the backward's own early step. The
+ready order and times of the last step are in `opt.ready_log`; `last_step`
+reports `early`, `before_verdict_us` and `after_verdict_us` (dosd's time from
+the begin to the verdict and from the verdict to the end of the update).
+Not early (the step begins at step()): DTensor (FSDP2) parameters, CUDA
+without stream memory operations, and a step after a parameter moved.
 
 State: `state_dict()` has torch.optim.AdamW's format with CPU tensors
 (DTensors over CPU shards for FSDP2 parameters), streamed from the daemon
@@ -156,6 +177,7 @@ Threads: like torch optimizers, use one optimizer from one thread at a time.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import warnings
 import weakref
@@ -246,12 +268,21 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self.ready_log: List[Any] = []  # (tensor index, seconds since the first ready) last step
         self._ready_t0 = None
         self.overlap_armed = True
+        if overlap not in (False, True, "update"):
+            raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
+        # overlap="update": no verdict after backward; dosd updates each
+        # subgroup during backward as soon as its gradients are final.
+        self._early_update = overlap == "update"
+        self._early_error = None
+        self._ready_left = []
+        self._clip_coef = None  # from clip_grad_norm_(), for the next step()
         self.overlap = bool(overlap)
         if self.overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
                           f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
                           "has none, so steps start at step() as usual")
             self.overlap = False
+            self._early_update = False
         self._attach(*self._attach_args)
         try:
             self._register(subgroup_size)
@@ -394,13 +425,52 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
 
     # ---- training ----
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips like torch.nn.utils.clip_grad_norm_ over this optimizer's
+        parameters, without touching the gradients: the total norm (returned,
+        as torch's) is computed here, and the coefficient
+        min(1, max_norm / (norm + 1e-6)) goes to dosd with the next step(),
+        which multiplies each gradient by it as it reads it. The result is
+        bitwise that of step(clip_coef=c), and it works with overlap=True,
+        where dosd may read gradients before step(). Reads the norm on the host
+        (one device synchronisation)."""
+        grads = [local_of(p.grad) for g in self.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norm_type = float(norm_type)
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        dev = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
+        value = float(total)
+        if error_if_nonfinite and not math.isfinite(value):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To disable "
+                               "this error and scale the gradients by the non-finite norm anyway, "
+                               "set `error_if_nonfinite=False`")
+        # torch's clip_coef_clamped, in fp32. A non-finite norm is not
+        # clipped: dosd's non-finite scan skips such a step (torch would apply
+        # NaN updates).
+        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) /
+                           (torch.tensor(value, dtype=torch.float32) + 1e-6), max=1.0)
+        self._clip_coef = float(coef) if math.isfinite(value) else 1.0
+        return total
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes every gradient in place (set_to_none is ignored for
         registered parameters: their gradients must stay in shared memory).
         With a step in flight: on a stream-ordered GPU session the zeroing is
         queued behind the step's completion on the current stream; with
         per-layer waits (model=) it is deferred to each layer's wait, so that
-        the daemon still reads the gradients of layers it has not reached."""
+        the daemon still reads the gradients of layers it has not reached.
+        Between backward and step() with overlap (an early step not claimed
+        by step() yet), the early step is given up first (overlap=True) or
+        completed (overlap="update"), as step() would never see these
+        gradients."""
+        if self._step_state.hook_begun:
+            self._finish_inflight()
         if self._inflight and self._layer_waits:
             self._pending_zero.update(e.index for e in self._entries if not e.copy_grad)
             entries = [e for e in self._entries if e.copy_grad]
@@ -517,18 +587,45 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         finally:
             self._step_state.collected()
         self._found_inf = bool(res.found_inf)
+        early = ctypes.c_int32()
+        before, after = ctypes.c_double(), ctypes.c_double()
+        call("dos_last_step_early", self._session, ctypes.byref(early), ctypes.byref(before),
+             ctypes.byref(after))
         self._last_step = {"found_inf": self._found_inf, "step": int(res.step),
                            "wall_us": float(res.wall_us), "update_us": float(res.update_us),
-                           "overlapped": overlapped}
+                           "overlapped": overlapped, "early": bool(early.value),
+                           "before_verdict_us": float(before.value),
+                           "after_verdict_us": float(after.value)}
         self._copy_out()
         if self._pending_zero:  # nothing reads the gradients any more
             self._zero_pending(self._entries)
 
     def _finish_inflight(self):
         """Collects the step in flight (waits on the host for its result and
-        raises its error, if any)."""
+        raises its error, if any). An early step that step() has not claimed
+        yet is given up when it awaits a verdict (nothing was applied), and
+        completed with its begin-time hyperparameters without one (overlap=
+        "update": dosd applied part of it already)."""
+        if self._step_state.hook_begun:
+            self._step_state.claim()
+            if self._early_update:
+                call("dos_step_verdict", self._session, None, self._stream())
+            else:
+                self._abandon_early()
+                return
         if self._inflight:
             self._wait()
+
+    def _abandon_early(self):
+        """Gives up the claimed early step (before its verdict): dosd applies
+        nothing and answers ABORTED, which is what we asked for."""
+        call("dos_step_abandon", self._session)
+        try:
+            self._wait()
+        except DosError as e:
+            if getattr(e, "code", None) != Status.ABORTED:
+                raise
+        self._ready = set()
 
     def _stream(self):
         """The current CUDA stream as a cudaStream_t (GPU mode), else None."""
@@ -572,16 +669,42 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             return loss
         if self._step_state.state is StepState.IN_FLIGHT:
             self._finish_inflight()  # the previous asynchronous step
-        if self._step_state.hook_begun:  # begun by the overlap hooks at the end of backward
+        clip = self._clip_coef
+        self._clip_coef = None
+        if clip is not None:
+            clip_coef = float(clip_coef) * clip
+        if self._step_state.hook_begun:  # an early step, begun at the first gradient
             self._step_state.claim()
-            if grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None \
-                    or getattr(self, "grad_scale", None) is not None:
-                self._wait()
-                raise DosError(Status.FAILED_PRECONDITION,
-                               "step: with overlap=True the step began when the last gradient "
-                               "was final, so a grad scale or clip coefficient given now comes "
-                               "too late (that step was applied without it); build the optimizer "
-                               "with overlap=False when clipping or using a GradScaler")
+            if self._lease is not None:
+                self._lease.update(self._session)  # goes with the next step (peak after backward)
+            if self._early_update:
+                call("dos_step_verdict", self._session, None, self._stream())
+                late = (grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None
+                        or getattr(self, "grad_scale", None) is not None)
+                if late or self._early_error:
+                    self._wait()
+                    why = self._early_error or (
+                        "with overlap=\"update\" dosd updates each subgroup during backward, so "
+                        "a grad scale or clip coefficient given at step() comes too late (the "
+                        "step was applied without it); use overlap=True (a verdict at step(): "
+                        "clipping and GradScaler work) or overlap=False")
+                    raise DosError(Status.FAILED_PRECONDITION, f"step: {why}")
+            else:
+                amp_scale, skip = self._amp_args(grad_scaler)
+                if skip:  # the scaler found inf/nan: nothing is applied
+                    self._abandon_early()
+                    self._found_inf = True
+                    return loss
+                if self._early_error:
+                    self._abandon_early()
+                    raise DosError(Status.FAILED_PRECONDITION, f"step: {self._early_error}")
+                try:
+                    self._bind_grads()
+                    args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
+                except BaseException:
+                    self._abandon_early()
+                    raise
+                call("dos_step_verdict", self._session, ctypes.byref(args), self._stream())
         else:
             amp_scale, skip = self._amp_args(grad_scaler)
             if skip:  # the scaler found inf/nan: torch optimizers skip the step

@@ -51,6 +51,29 @@
 // bytes in `register_progress`; the trainer's library reads them from another
 // thread to log progress. Advisory: relaxed stores, no doorbell.
 //
+// Early steps (protocol 5): a step may be published before its gradients
+// exist, at the first post-accumulate-grad hook of backward, with
+// kStepGradientsPending. The client then announces each subgroup whose
+// gradients are all final by storing the step's seq in subgroup_ready[i]
+// (stream-ordered on CUDA: cuStreamWriteValue32 on the stream that produced
+// them, after the gradient kernels; a release store on the CPU path), and the
+// daemon reads subgroup i's gradients only once that word reaches seq.
+// Subgroups from kMaxTrackedSubgroups - 1 on share the last word, stored once
+// all of them are ready. Two kinds:
+//  - kStepNoVerdict: the request's hyperparameters are final and nothing
+//    global is pending (no loss scale, no clipping, no inf/NaN scan: the
+//    client also sets kStepGradientsChecked); the daemon updates each
+//    subgroup as soon as it is ready, in readiness order.
+//  - otherwise the daemon plans the step and does only what does not depend
+//    on the verdict (nothing observable), then waits until verdict_bell
+//    reaches seq; `verdict` then holds the step's final request (the same
+//    seq; grad_scale, clip_coef, lr and flags as step() gave them, the
+//    trainer's event re-recorded after all gradient writes, every ready word
+//    stored). A client that abandons the step rings the verdict with
+//    kStepAbandon: nothing is applied and the step's result says so.
+// The daemon never writes a subgroup's weights before its ready word: the
+// trainer's backward no longer reads those parameters by then.
+//
 // Layout changes bump kProtocolVersion. Both sides check `magic` and
 // `version` when they map the block (daemon/transport/control_channel.h) and
 // refuse another layout with both versions in the message; Attach carries the
@@ -65,7 +88,7 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-inline constexpr uint32_t kProtocolVersion = 4;  // 4: the GPU lease
+inline constexpr uint32_t kProtocolVersion = 5;  // 4: the GPU lease; 5: early steps
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -80,6 +103,16 @@ enum StepFlags : uint32_t {
   // gpu_lease_bytes (with gpu_budget_bytes, gpu_peak_bytes) is set: the
   // session's lease from this step on.
   kStepGpuLease = 1u << 2,
+  // Published before the gradients are final (early step, above): the
+  // daemon waits on subgroup_ready and, without kStepNoVerdict, on
+  // verdict_bell.
+  kStepGradientsPending = 1u << 3,
+  // With kStepGradientsPending: the hyperparameters are final and no global
+  // verdict will come; each subgroup is updated as soon as it is ready.
+  kStepNoVerdict = 1u << 4,
+  // In a verdict: the client gives the step up (an error between backward
+  // and step()); the daemon applies nothing and reports ABORTED.
+  kStepAbandon = 1u << 5,
 };
 
 struct StepRequest {
@@ -99,10 +132,14 @@ struct StepResult {
   uint32_t seq;
   int32_t status_code;     // absl::StatusCode; 0 = OK
   uint32_t found_inf;      // 1: non-finite gradients, the step was skipped
-  uint32_t reserved;
+  uint32_t early;          // 1: an early step (kStepGradientsPending)
   int64_t step;            // optimizer steps applied so far (tensor 0's count)
   double wall_us;          // doorbell seen to result posted
   double update_us;        // time in the update itself
+  // Early steps: request to verdict (0 without a verdict), and verdict (or,
+  // without one, request) to the end of the update.
+  double before_verdict_us;
+  double after_verdict_us;
   char message[kMaxStatusMessage];  // NUL-terminated, set when status_code != 0
 };
 
@@ -153,11 +190,19 @@ struct ControlBlock {
   alignas(64) std::atomic<uint32_t> lease_bell;
   std::atomic<uint32_t> lease_client_sleeping;
 
+  // Client -> daemon: seq of the early step whose verdict is in `verdict`.
+  alignas(64) std::atomic<uint32_t> verdict_bell;
+  std::atomic<uint32_t> verdict_daemon_sleeping;
+
   alignas(64) StepRequest request;
+  alignas(64) StepRequest verdict;
   alignas(64) StepResult result;
 
   // Daemon -> client: per-subgroup progress of the step in flight (above).
   alignas(64) std::atomic<uint32_t> subgroup_done[kMaxTrackedSubgroups];
+
+  // Client -> daemon: per-subgroup "gradients final" of an early step (above).
+  alignas(64) std::atomic<uint32_t> subgroup_ready[kMaxTrackedSubgroups];
 
   // Daemon -> client: the registration in flight (above).
   alignas(64) RegisterProgressWords register_progress;
@@ -165,6 +210,6 @@ struct ControlBlock {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
-static_assert(sizeof(ControlBlock) < 6 * 4096, "keep the control block within six pages");
+static_assert(sizeof(ControlBlock) < 10 * 4096, "keep the control block within ten pages");
 
 }  // namespace dos

@@ -54,7 +54,8 @@ class ControlBlockChannel {
       : block_(block),
         request_(&block->request_bell, &block->daemon_sleeping),
         done_(&block->done_bell, &block->client_sleeping),
-        lease_(&block->lease_bell, &block->lease_client_sleeping) {}
+        lease_(&block->lease_bell, &block->lease_client_sleeping),
+        verdict_(&block->verdict_bell, &block->verdict_daemon_sleeping) {}
 
   ControlBlock* block() const { return block_; }
 
@@ -96,7 +97,30 @@ class ControlBlockChannel {
     block_->subgroup_done[kMaxTrackedSubgroups - 1].store(seq, std::memory_order_release);
   }
 
+  // Early steps (control_block.h): whether subgroup `i`'s gradients of step
+  // `seq` are final (acquire: its gradient writes are visible after true).
+  bool SubgroupReady(uint32_t i, uint32_t seq) const {
+    const uint32_t w = block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)].load(
+        std::memory_order_acquire);
+    return static_cast<int32_t>(w - seq) >= 0;  // cyclic, as cuStreamWaitValue32's GEQ
+  }
+  // Waits up to `timeout` for step `seq`'s verdict; true when it is in
+  // block()->verdict (acquire).
+  bool WaitVerdict(uint32_t seq, absl::Duration timeout) { return verdict_.WaitFor(seq, timeout); }
+
   // --- client side ---
+  // Early steps: subgroup `i` of step `seq` is ready (release; CPU path).
+  // Subgroups from kMaxTrackedSubgroups - 1 on share one word: the caller
+  // stores it once all of them are ready.
+  void MarkReady(uint32_t i, uint32_t seq) {
+    block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)].store(seq,
+                                                                        std::memory_order_release);
+  }
+  std::atomic<uint32_t>* ReadyWord(uint32_t i) const {
+    return &block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)];
+  }
+  // Publishes block()->verdict for early step `seq`.
+  void PublishVerdict(uint32_t seq) { verdict_.Ring(seq); }
   // Publishes block()->request as the next step; returns its seq.
   uint32_t PublishRequest();
   // Waits for the result of `seq`. UNAVAILABLE if the daemon closed the
@@ -124,6 +148,7 @@ class ControlBlockChannel {
   Doorbell request_;  // client rings, daemon waits
   Doorbell done_;     // daemon rings, client waits
   Doorbell lease_;    // daemon rings, client waits (after lowering its lease)
+  Doorbell verdict_;  // client rings, daemon waits (early steps)
   // WaitResult's loop for `bell` reaching `seq`; `what` names it in errors.
   absl::Status WaitBell(Doorbell& bell, uint32_t seq, absl::Duration timeout, const char* what);
 };

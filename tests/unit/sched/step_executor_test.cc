@@ -239,5 +239,89 @@ TEST(ValidateStepRequestTest, FollowsTorchsRulesForEveryField) {
   EXPECT_EQ(ValidateStepRequest(r, 1).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Early steps (kStepGradientsPending): without a verdict the engine asks
+// for each subgroup's readiness before updating it, last subgroup first, and
+// the result equals a synchronous step's; with one, nothing is applied until
+// the verdict, whose hyperparameters are the step's; an abandoned verdict
+// applies nothing.
+TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictWaitsPerSubgroupAndMatches) {
+  Fixture ref;
+  StepExecutor ref_ex(&ref.engine);
+  ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, Fixture::Request(), Policy{}).ok());
+
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  StepRequest r = Fixture::Request();
+  r.flags = kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+  std::vector<uint32_t> asked;
+  StepSync sync;
+  sync.wait_ready = [&](uint32_t sg) {
+    asked.push_back(sg);
+    return absl::OkStatus();
+  };
+  sync.is_ready = [](uint32_t) { return true; };
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->early);
+  EXPECT_EQ(out->step, 1);
+  EXPECT_EQ(asked, (std::vector<uint32_t>{4, 3, 2, 1, 0}));
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), ref.Master(t));
+
+  // Without kStepGradientsChecked no scan could precede the first update.
+  r.flags = kStepGradientsPending | kStepNoVerdict;
+  out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+}
+
+TEST(StepExecutorTest, AFailedReadyWaitStopsTheEarlyStep) {
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  StepRequest r = Fixture::Request();
+  r.flags = kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+  StepSync sync;
+  sync.wait_ready = [](uint32_t) { return absl::UnavailableError("trainer gone"); };
+  sync.is_ready = [](uint32_t) { return false; };
+  const std::vector<float> before = f.Master(0);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f.Master(0), before);
+  EXPECT_EQ(f.shard->tensors()[0].step, 0);
+}
+
+TEST(StepExecutorTest, AnEarlyStepAppliesTheVerdictsHyperparameters) {
+  Fixture ref;
+  StepRequest final_request = Fixture::Request();
+  final_request.clip_coef = 0.25;
+  final_request.groups[0].lr = 3e-3;
+  StepExecutor ref_ex(&ref.engine);
+  ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, final_request, Policy{}).ok());
+
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  StepRequest begun = Fixture::Request();
+  begun.flags = kStepGradientsPending;
+  begun.groups[0].lr = -1;  // not final: validated only in the verdict
+  bool asked = false;
+  AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    asked = true;
+    EXPECT_EQ(f.shard->tensors()[0].step, 0);  // nothing applied before it
+    return final_request;
+  };
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, begun, Policy{}, {}, 0, verdict);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(asked);
+  EXPECT_TRUE(out->early);
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), ref.Master(t));
+
+  StepRequest abandon{};
+  abandon.flags = kStepAbandon;
+  const std::vector<float> before = f.Master(1);
+  out = ex.Run(*f.shard, f.bindings, begun, Policy{}, {}, 0,
+               [&]() -> absl::StatusOr<StepRequest> { return abandon; });
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kAborted) << out.status();
+  EXPECT_EQ(f.Master(1), before);
+  EXPECT_EQ(f.shard->tensors()[1].step, 1);
+}
+
 }  // namespace
 }  // namespace dos

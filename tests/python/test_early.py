@@ -1,0 +1,237 @@
+"""Early steps (work during backward, protocol 5): overlap=True begins the
+step at the first gradient (dosd plans it and waits for the verdict that
+step() brings), overlap="update" has dosd update each subgroup as soon as all
+its gradients are final. Either way the result must be bit for bit that of
+synchronous steps with the same clip coefficient and loss scale.
+
+On the CPU (shared memory) the subgroups are marked ready by release stores.
+torch < 2.1 has no post-accumulate-grad hooks: the tests then call the hook's
+body (`_on_ready`) for each parameter after backward, last layer first, as
+autograd would; with torch >= 2.1 the real hooks run during backward."""
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos  # noqa: E402
+import dos.torch  # noqa: E402
+from dos import DosError  # noqa: E402
+from dos._native import Status  # noqa: E402
+
+from test_async import SUBGROUP, batches, make_deep  # noqa: E402
+
+LR = dict(lr=2e-3, weight_decay=0.05)
+HAS_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def early_opt(model, socket, overlap, **kw):
+    opt = dos.torch.AdamW(model.parameters(), socket=socket, subgroup_size=SUBGROUP,
+                          overlap=overlap if HAS_HOOK else False, **kw, **LR)
+    if not HAS_HOOK:  # the hooks' body is called by hand (backward() below)
+        opt.overlap = True
+        opt._early_update = overlap == "update"
+    return opt
+
+
+def backward(opt, loss, upto=None):
+    """loss.backward(); on old torch, then the hooks' body for each
+    parameter, last first (all, or the last `upto`)."""
+    loss.backward()
+    if not HAS_HOOK and opt.overlap:
+        ents = list(reversed(opt._entries))
+        for e in ents[:upto]:
+            opt._on_ready(e)
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train(model, opt, data, clip=None, grad_scale=1.0, torch_clip=None):
+    """clip: opt.clip_grad_norm_ on the early optimizer, step(clip_coef=) with
+    the same coefficient on the reference (opt.clip_grad_norm_ too: it
+    computes the coefficient without touching gradients)."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_of(model, x, y) * grad_scale
+        backward(opt, loss)
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step(grad_scale=grad_scale)
+        losses.append(loss.item())
+    return losses
+
+
+def assert_bitwise(a_model, b_model, a_opt, b_opt):
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(a, b)
+    for (_, sa), (_, sb) in zip(a_opt.state_dict()["state"].items(),
+                                b_opt.state_dict()["state"].items()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+        assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("case", ["plain", "clip", "grad_scale", "torch_clip"])
+def test_verdict_steps_equal_synchronous(dos_socket, case):
+    """overlap=True: dosd reads nothing before step(), so clipping through the
+    optimizer, a loss scale and even torch's in-place clip are exact."""
+    kw = {"clip": dict(clip=0.05), "grad_scale": dict(grad_scale=64.0),
+          "torch_clip": dict(torch_clip=0.05)}.get(case, {})
+    data = batches(12)
+    ref_model, model = make_deep(), make_deep()
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt, early_opt(model, dos_socket, True) as opt:
+        assert opt._num_subgroups > 10
+        ref = train(ref_model, ref_opt, data, **kw)
+        got = train(model, opt, data, **kw)
+        assert got == ref
+        last = opt.last_step
+        assert last["early"] and last["step"] == len(data)
+        assert last["before_verdict_us"] > 0 and last["after_verdict_us"] > 0
+        assert not ref_opt.last_step["early"]
+        assert_bitwise(model, ref_model, opt, ref_opt)
+
+
+def test_clip_grad_norm_returns_torch_norm_and_leaves_gradients(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        x, y = batches(1)[0]
+        loss_of(model, x, y).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        norm = opt.clip_grad_norm_(0.01)
+        for p, g in zip(model.parameters(), before):
+            assert torch.equal(p.grad, g)  # not clipped in place
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in before]
+        for p, g in zip(params, before):
+            p.grad = g.clone()
+        expected = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        assert torch.allclose(norm, expected, rtol=1e-6)
+        assert 0 < opt._clip_coef < 1
+        opt.step()
+        assert opt._clip_coef is None  # consumed by the step
+
+
+def test_update_during_backward_equals_synchronous(dos_socket):
+    """overlap="update": subgroups are updated as they become ready, before
+    step(), and the result is still that of synchronous steps."""
+    data = batches(10)
+    ref_model, model = make_deep(), make_deep()
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt, early_opt(model, dos_socket, "update") as opt:
+        ref = train(ref_model, ref_opt, data)
+        got = train(model, opt, data)
+        assert got == ref
+        assert opt.last_step["early"] and opt.last_step["before_verdict_us"] == 0
+        assert_bitwise(model, ref_model, opt, ref_opt)
+
+
+@pytest.mark.skipif(HAS_HOOK, reason="needs the hooks' body called by hand, between gradients")
+def test_update_starts_before_the_last_gradient(dos_socket):
+    """With only the last layer's gradients final, dosd updates that layer's
+    subgroups while the first layer's weights stay untouched (they wait)."""
+    model = make_deep()
+    with early_opt(model, dos_socket, "update") as opt:
+        x, y = batches(1)[0]
+        last, first = opt._entries[-1], opt._entries[0]
+        last_before, first_before = last.param.detach().clone(), first.param.detach().clone()
+        loss_of(model, x, y).backward()
+        # The last tensors, until every subgroup of the last one is ready.
+        lf, ll = opt._ranges[last.index]
+        for e in reversed(opt._entries):
+            opt._on_ready(e)
+            if all(opt._ready_left[sg] == 0 for sg in range(lf, ll + 1)):
+                break
+        assert first.index not in opt._ready
+        deadline = time.monotonic() + 60
+        while torch.equal(last.param.detach(), last_before):
+            assert time.monotonic() < deadline, "dosd did not update the ready subgroups"
+            time.sleep(0.001)
+        f0, _ = opt._ranges[first.index]
+        l0, _ = opt._ranges[last.index]
+        assert f0 < l0
+        assert torch.equal(first.param.detach(), first_before)
+        opt.step()  # marks the rest ready; the step completes
+        assert not torch.equal(first.param.detach(), first_before)
+        assert opt.last_step["early"]
+
+
+def test_update_refuses_a_late_clip(dos_socket):
+    model = make_deep()
+    with early_opt(model, dos_socket, "update") as opt:
+        x, y = batches(1)[0]
+        backward(opt, loss_of(model, x, y))
+        with pytest.raises(DosError, match="too late"):
+            opt.step(clip_coef=0.5)
+        # The optimizer goes on: the next step is a normal early one.
+        opt.zero_grad()
+        backward(opt, loss_of(model, x, y))
+        opt.step()
+        assert opt.last_step["step"] == 2
+
+
+def test_verdict_step_abandoned_by_a_reader(dos_socket):
+    """state_dict() between backward and step() gives the early step up
+    (nothing applied); step() then begins an ordinary step."""
+    data = batches(3)
+    ref_model, model = make_deep(), make_deep()
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt, early_opt(model, dos_socket, True) as opt:
+        train(ref_model, ref_opt, data)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            backward(opt, loss_of(model, x, y))
+            assert opt._step_state.hook_begun
+            if i == 1:
+                opt.state_dict()  # abandons the early step
+                assert not opt._inflight
+            opt.step()
+        assert opt.last_step["step"] == len(data)
+        assert_bitwise(model, ref_model, opt, ref_opt)
+
+
+def test_grad_scaler_skip_abandons(dos_socket):
+    """A GradScaler that found inf (torch 2.x protocol: found_inf set) skips
+    the early step: dosd applies nothing."""
+    model = make_deep()
+    with early_opt(model, dos_socket, True) as opt:
+        x, y = batches(1)[0]
+        before = [p.detach().clone() for p in model.parameters()]
+        backward(opt, loss_of(model, x, y))
+        opt.found_inf = torch.ones(1)
+        opt.step()
+        del opt.found_inf
+        assert opt.found_inf
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)
+        opt.zero_grad()
+        backward(opt, loss_of(model, x, y))
+        opt.step()
+        assert opt.last_step["step"] == 1
+
+
+def test_early_step_api_errors(dos_socket):
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as opt:
+        from dos import _native
+        from dos._errors import call
+        import ctypes
+        with pytest.raises(DosError) as err:
+            call("dos_mark_ready", opt._session, ctypes.c_uint32(0), ctypes.c_uint32(0), None)
+        assert err.value.code == Status.FAILED_PRECONDITION
+        args, _ = opt._args(1.0, 1.0)
+        call("dos_step_begin_early", opt._session, ctypes.byref(args), ctypes.c_uint32(0), None)
+        res = _native.StepResult()
+        with pytest.raises(DosError, match="no verdict yet"):
+            call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
+        with pytest.raises(DosError, match="not within"):
+            call("dos_mark_ready", opt._session, ctypes.c_uint32(0),
+                 ctypes.c_uint32(opt._num_subgroups), None)
+        call("dos_step_abandon", opt._session)
+        with pytest.raises(DosError) as err:
+            call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
+        assert err.value.code == Status.ABORTED
