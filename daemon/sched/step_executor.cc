@@ -87,7 +87,8 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   if (!engine_->has_gpu()) return out;
   out.cpu_params = m.cpu_params;
   out.gpu_params = m.gpu_params;
-  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes;
+  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes + m.prefetched_bytes;
+  out.prefetched_bytes = m.prefetched_bytes;
   out.d2h_bytes = m.gpu_d2h_bytes + m.cpu_d2h_bytes;
   out.cpu_busy_us = m.cpu_kernel_us;
   out.gpu_busy_us = m.gpu_kernel_us;
@@ -118,6 +119,19 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     absl::Status st = engine_->WaitTrainerEvent(sync.trainer_event);
     if (!st.ok()) return st;
   }
+  // The plan and the resident tier depend on no gradient: made before the
+  // verdict, so that the engine can start moving the first streamed
+  // subgroups' state while backward still runs (the scan below waits for it).
+  StepPlan plan;
+  if (session != 0) {
+    const ShardLayout layout = planner_.LayoutOf(shard);
+    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
+    plan = planner_.Plan(policy, layout, held);
+  } else {
+    plan = planner_.Plan(policy, shard);
+  }
+  DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   if (!(request.flags & kStepGradientsChecked)) {
     absl::StatusOr<bool> finite = engine_->AllFinite(shard, bindings);
     if (!finite.ok()) return finite.status();
@@ -137,15 +151,6 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     const GroupConfig& group = shard.groups()[t.group];
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
-  }
-  StepPlan plan;
-  if (session != 0) {
-    const ShardLayout layout = planner_.LayoutOf(shard);
-    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
-    plan = planner_.Plan(policy, layout, held);
-  } else {
-    plan = planner_.Plan(policy, shard);
   }
   StepMeasurements measured;
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, sync, &measured);
