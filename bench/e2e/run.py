@@ -400,9 +400,11 @@ def chart(results, path, title):
     except ImportError:
         print("matplotlib is not installed: no PNG chart")
         return None
-    ok = [r for r in results if "exposed_update_s" in r]
+    ok = [dict(r) for r in results if "forward_s" in r]
     if not ok:
         return None
+    for r in ok:  # records written before the split was: the same arithmetic
+        r.setdefault("exposed_update_s", r["iter_s"] - r["forward_s"] - r["backward_s"])
     names = [r["mode"] for r in ok]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(ok) + 1.6))
     left = [0.0] * len(ok)
@@ -574,9 +576,22 @@ def main():
     ap.add_argument("--init-bf16", action="store_true",
                     help="initialise the model's weights in bf16 directly (no fp32 copy on the "
                          "device; other random values than the default fp32 init)")
+    ap.add_argument("--chart-from", default=None, metavar="JSON",
+                    help="only (re)draw the chart of a result file, next to it (needs "
+                         "matplotlib; nothing runs)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.chart_from:
+        with open(args.chart_from) as f:
+            doc = json.load(f)
+        ok = [r for r in doc["runs"] if "iter_s" in r]
+        gib = doc.get("config", {}).get("gpu_budget_gb")
+        title = f"{doc['machine']}: GPT {ok[0]['params'] / 1e6:.0f}M params, " + \
+            (f"GPU budget {gib:g} GiB" if gib else "no GPU budget") if ok else doc["machine"]
+        png = chart(doc["runs"], os.path.splitext(args.chart_from)[0] + ".png", title)
+        print(f"wrote {png}" if png else "no chart")
+        return 0 if png else 1
     if args.size is None:
         args.size = "1.5b" if args.device == "cuda" else "small"
     if args.batch is None:

@@ -88,6 +88,16 @@ def test_failure_classes(rec, want):
     assert largest.classify(rec, gpu_budget=80 * GiB) == want
 
 
+def test_cgroup_room_bounds_the_host_memory(tmp_path):
+    assert largest.cgroup_available(str(tmp_path)) is None  # no cgroup files
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text(f"{GiB}\n")
+    assert largest.cgroup_available(str(tmp_path)) is None  # no limit
+    (tmp_path / "memory.max").write_text(f"{100 * GiB}\n")
+    (tmp_path / "memory.stat").write_text(f"anon {GiB}\ninactive_file {2 * GiB}\n")
+    assert largest.cgroup_available(str(tmp_path)) == 101 * GiB
+
+
 def fake_args(**kw):
     a = largest.parse_args(["--dosd", "dosd", "--gpu-budget-gb", "80"])
     for k, v in kw.items():
