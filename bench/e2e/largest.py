@@ -284,12 +284,13 @@ def candidate_record(fmt, layers, args, budget, rec, failure, wall_s):
     return out
 
 
-def search(args, runner, budget, formats, clock=time.perf_counter):
+def search(args, runner, budget, formats, clock=time.perf_counter, on_candidate=None):
     """Per format: the predicted largest first, then smaller after each failure;
     after a success, larger while the arithmetic, now calibrated by what the
     success measured, says a larger model fits below the smallest failure
     (--no-probe-up: never). runner(fmt, layers, host_limit, timeout) ->
-    run.py's record. Returns (candidates, {fmt: summary})."""
+    run.py's record; on_candidate(candidates, summary) after each. Returns
+    (candidates, {fmt: summary})."""
     start = clock()
     est = args.est_candidate_s  # one candidate's wall time, then measured
     candidates, summary = [], {}
@@ -318,6 +319,10 @@ def search(args, runner, budget, formats, clock=time.perf_counter):
             c = candidate_record(fmt, layers, args, budget, rec, failure, clock() - t)
             candidates.append(c)
             s["tried"] += 1
+            if failure is None:
+                s["largest"] = c
+            if on_candidate:
+                on_candidate(candidates, summary)
             print(f"   {fmt} {c['shape']} ({billions(c['params'])}): "
                   + (f"ok, {c['s_per_iter']:.3f} s/iter, dosd {c.get('dosd_host_peak_gib')} GiB,"
                      f" GPU {c.get('gpu_peak_device_gib')} GiB" if not failure else
@@ -332,7 +337,6 @@ def search(args, runner, budget, formats, clock=time.perf_counter):
                     layers = step_down(layers, args.step_frac)
                 continue
             est = c["wall_s"]  # a success is the longest a candidate takes
-            s["largest"] = c
             budget.calibrate(rec, fmt, host=args.mem_available_gib is None)
             if not args.probe_up:
                 break
@@ -446,7 +450,7 @@ def main(argv=None):
 
     def runner(fmt, layers, host_limit, timeout):
         if args.mem_available_gib is None:  # a killed candidate's memory comes back first
-            wait_for_memory(avail0 - 2 * GiB, 60)
+            wait_for_memory(avail0 - 2 * GiB, 30)
         mode = FORMATS[fmt][0]
         heads = args.d_model // args.head_dim
         targs = argparse.Namespace(
@@ -465,35 +469,44 @@ def main(argv=None):
         return e2e.run_mode(targs, mode, tmp, dosd_extra=extra, timeout=timeout,
                             tag=f"{fmt}-{layers}x{args.d_model}")
 
-    t0 = time.perf_counter()
-    candidates, summary = search(args, runner, budget, formats)
-    total = time.perf_counter() - t0
     date = datetime.date.today().isoformat()
-    results = []
-    for fmt in formats:
-        c = summary[fmt]["largest"]
-        if c:
-            results += [{"name": f"largest_model_params_{fmt}", "value": c["params"],
-                         "unit": "params"},
-                        {"name": f"largest_model_s_per_iter_{fmt}", "value": c["s_per_iter"],
-                         "unit": "s"}]
-    doc = {"machine": machine, "date": date, "commit": e2e.git_commit(), "results": results,
-           "config": {"argv": sys.argv[1:], "mem_available_gib": round(avail0 / GiB, 2),
-                      "cgroup_available_gib": None if cg0 is None else round(cg0 / GiB, 2),
-                      "gpu_budget_gib": args.gpu_budget_gb, "d_model": args.d_model,
-                      "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch,
-                      "vocab": args.vocab, "iters": args.iters, "clip": args.clip,
-                      "search_s": round(total, 1)},
-           "summary": {f: {k: v for k, v in s.items() if k != "largest"} |
-                       {"largest_shape": s["largest"]["shape"] if s["largest"] else None,
-                        "largest_params": s["largest"]["params"] if s["largest"] else None}
-                       for f, s in summary.items()},
-           "candidates": candidates}
     os.makedirs(args.out, exist_ok=True)
     suffix = f"_{args.tag}" if args.tag else ""
     path = os.path.join(args.out, f"largest_{machine}_{date}{suffix}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    t0 = time.perf_counter()
+
+    def write(candidates, summary):
+        """The result file, rewritten after every candidate (a search cut short
+        by an outer timeout still leaves what it measured)."""
+        results = []
+        for fmt in formats:
+            c = summary.get(fmt, {}).get("largest")
+            if c:
+                results += [{"name": f"largest_model_params_{fmt}", "value": c["params"],
+                             "unit": "params"},
+                            {"name": f"largest_model_s_per_iter_{fmt}",
+                             "value": c["s_per_iter"], "unit": "s"}]
+        doc = {"machine": machine, "date": date, "commit": e2e.git_commit(),
+               "results": results,
+               "config": {"argv": sys.argv[1:] if argv is None else list(argv),
+                          "mem_available_gib": round(avail0 / GiB, 2),
+                          "cgroup_available_gib": None if cg0 is None else round(cg0 / GiB, 2),
+                          "gpu_budget_gib": args.gpu_budget_gb, "d_model": args.d_model,
+                          "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch,
+                          "vocab": args.vocab, "iters": args.iters, "clip": args.clip,
+                          "search_s": round(time.perf_counter() - t0, 1)},
+               "summary": {f: {k: v for k, v in s.items() if k != "largest"} |
+                           {"largest_shape": s["largest"]["shape"] if s["largest"] else None,
+                            "largest_params": s["largest"]["params"] if s["largest"] else None}
+                           for f, s in summary.items()},
+               "candidates": candidates}
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    candidates, summary = search(args, runner, budget, formats, on_candidate=write)
+    write(candidates, summary)
+    total = time.perf_counter() - t0
     print()
     for fmt in formats:
         s = summary[fmt]
