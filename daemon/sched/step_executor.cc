@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -121,7 +120,8 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   if (!engine_->has_gpu()) return out;
   out.cpu_params = m.cpu_params;
   out.gpu_params = m.gpu_params;
-  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes;
+  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes + m.prefetched_bytes;
+  out.prefetched_bytes = m.prefetched_bytes;
   out.d2h_bytes = m.gpu_d2h_bytes + m.cpu_d2h_bytes;
   out.cpu_busy_us = m.cpu_kernel_us;
   out.gpu_busy_us = m.gpu_kernel_us;
@@ -148,21 +148,20 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     if (!valid.ok()) return valid;
   }
   std::span<TensorDesc> tensors = shard.tensors();
-  // The plan depends on the policy, the layout and the lease, never on the
-  // gradients or the hyperparameters: an early step makes it (and grows the
-  // resident tier) while backward runs.
-  auto make_plan = [&]() -> absl::StatusOr<StepPlan> {
-    if (session == 0) return planner_.Plan(policy, shard);
+  // The plan and the resident tier depend on no gradient and no
+  // hyperparameter: made before the verdict (an early step's, or the scan's
+  // below, which waits for the end of backward), so that the engine can start
+  // moving the first streamed subgroups' state while backward still runs.
+  StepPlan plan;
+  if (session != 0) {
     const ShardLayout layout = planner_.LayoutOf(shard);
     const uint32_t target = planner_.ResidentTarget(policy, layout, session);
     DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
-    return planner_.Plan(policy, layout, held);
-  };
-  std::optional<StepPlan> early_plan;
-  if (early) {
-    DOS_ASSIGN_OR_RETURN(StepPlan p, make_plan());
-    early_plan = std::move(p);
+    plan = planner_.Plan(policy, layout, held);
+  } else {
+    plan = planner_.Plan(policy, shard);
   }
+  DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
   absl::Time verdict_at = start;
   if (early && !no_verdict) {
@@ -205,12 +204,6 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     }
   }
   const std::vector<cpu::AdamScalars> scalars = Scalars(shard, request);
-  StepPlan plan;
-  if (early_plan) {
-    plan = std::move(*early_plan);
-  } else {
-    DOS_ASSIGN_OR_RETURN(plan, make_plan());
-  }
   StepMeasurements measured;
   StepSync run_sync = sync;
   if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)

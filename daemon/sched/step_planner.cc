@@ -285,8 +285,11 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
     // path's state crosses host memory twice (H2D read, D2H write).
     const double per_cpu_param = 2 * plan.inputs.state_bytes +
                                  2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
-    const double host_bytes =
-        m.cpu_params * per_cpu_param + 2.0 * static_cast<double>(m.gpu_h2d_bytes);
+    // Prefetched state crossed host memory before the phase began: only its
+    // way back counts.
+    const double host_bytes = m.cpu_params * per_cpu_param +
+                              2.0 * static_cast<double>(m.gpu_h2d_bytes) +
+                              static_cast<double>(m.prefetched_bytes);
     model_.ObserveHostTraffic(host_bytes, m.wall_us * 1e-6);
   }
   ++steps_;
