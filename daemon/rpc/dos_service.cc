@@ -182,6 +182,7 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   last->set_trainer_gpu_budget_bytes(st.last.trainer_gpu_budget_bytes);
   last->set_trainer_gpu_peak_bytes(st.last.trainer_gpu_peak_bytes);
   last->set_resident_budget_bytes(st.last.resident_budget_bytes);
+  last->set_node_share(st.last.node_share);
 }
 
 // Attach from a client of another protocol: both versions, which side is
@@ -396,7 +397,10 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
   resp->set_host_state_limit_bytes(budget_->limit());
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
-  for (const GpuDeviceInfo& d : sessions_->executors()->devices()) {
+  const ExecutorSet& executors = *sessions_->executors();
+  const NodeResources::View node = executors.node().Snapshot();
+  for (size_t i = 0; i < executors.devices().size(); ++i) {
+    const GpuDeviceInfo& d = executors.devices()[i];
     v1::GpuEngineInfo* e = resp->add_gpu_engines();
     e->set_ordinal(d.ordinal);
     e->set_uuid(d.uuid);
@@ -404,6 +408,24 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
     uint32_t n = 0;
     for (const auto& s : live) n += s->summary().gpu_device == d.ordinal ? 1 : 0;
     e->set_sessions(n);
+    if (i < node.engines.size()) {
+      const NodeResources::EngineView& v = node.engines[i];
+      e->set_active(v.active);
+      e->set_host_share(v.share);
+      e->set_params(v.params);
+      e->set_host_params(v.host_params);
+      e->set_planned_share(v.planned_share);
+      e->set_predicted_us(v.predicted_us);
+      e->set_measured_us(v.measured_us);
+      e->set_binding(v.binding);
+    }
+  }
+  if (executors.has_gpu()) {
+    v1::NodeModel* m = resp->mutable_node();
+    m->set_active_engines(node.active);
+    m->set_host_gbps(node.host_bytes_per_s * 1e-9);
+    m->set_cpu_gparams_per_s(node.cpu_params_per_s * 1e-9);
+    m->set_bound_gparams_per_s(node.bound_params_per_s * 1e-9);
   }
   return grpc::Status::OK;
 }

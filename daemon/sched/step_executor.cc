@@ -96,6 +96,7 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   out.predicted_us = plan.predicted_us;
   out.model_gpu_share = plan.gpu_share;
   out.model_binding = plan.binding;
+  out.node_share = plan.node_share;
   out.gpu_memory_bytes = m.gpu_memory_bytes;
   return out;
 }
@@ -138,18 +139,22 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
   }
-  StepPlan plan;
+  const ShardLayout layout = planner_.LayoutOf(shard);
+  uint32_t resident = 0;
   if (session != 0) {
-    const ShardLayout layout = planner_.LayoutOf(shard);
     const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
-    plan = planner_.Plan(policy, layout, held);
+    DOS_ASSIGN_OR_RETURN(resident, engine_->SetResident(shard, target, true));
   } else {
-    plan = planner_.Plan(policy, shard);
+    resident = StepPlanner::ResidentCount(policy, layout, planner_.budgets());
   }
+  // The node counts this engine as stepping (its share of the host) from
+  // here until the step ends, failed or not.
+  NodeResources::Step node_step = planner_.BeginStep(layout, resident);
+  const StepPlan plan = planner_.Plan(policy, layout, resident);
   StepMeasurements measured;
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, sync, &measured);
   if (!st.ok()) return st;
+  node_step.Finish(StepPlanner::NodeStepEnd(plan, measured));
   planner_.Learn(plan, measured);
   StepOutcome out = Outcome(plan, measured);
   if (session != 0) {
