@@ -60,6 +60,8 @@ def read_model(args, session_id):
     if not mine:
         return None
     last = mine[0]["last_step"]
+    if float(last["predicted_us"]) <= 0:
+        return None  # the host engine (shared-memory session): no GPU model
     subgroups = (int(last["cpu_subgroups"]) + int(last["gpu_subgroups"])
                  + int(last["resident_subgroups"]))
     node = stats.get("node") or {}
@@ -114,7 +116,7 @@ def main():
                           socket=args.socket, client_name=f"ranks-{args.wrap}-{rank}")
     opt.set_policy(args.policy)
     registered = sum(e.local.numel() for e in opt._entries)
-    times, model = [], []
+    times, preds = [], []
     for it, (x, y) in enumerate(gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"],
                                             cfg["vocab"], seed=1 + rank, device=device)):
         opt.zero_grad()
@@ -134,17 +136,17 @@ def main():
             dist.barrier()
             m = read_model(args, opt.session_id)
             if m:
-                model.append(m)
+                preds.append(m)
     med = statistics.median(times)
     row = {"rank": rank, "params": registered, "update_s": med}
-    if model:
+    if preds:
         row.update(
-            predicted_s=statistics.median(m["predicted_us"] for m in model) * 1e-6,
-            daemon_update_s=statistics.median(m["update_us"] for m in model) * 1e-6,
-            node_share=model[-1]["node_share"], binding=model[-1]["binding"],
-            host_state_fraction=model[-1]["host_state_fraction"],
-            node_bound_gparam_per_s=statistics.median(m["node_bound"] for m in model),
-            node_host_gbps=model[-1]["node_host_gbps"])
+            predicted_s=statistics.median(m["predicted_us"] for m in preds) * 1e-6,
+            daemon_update_s=statistics.median(m["update_us"] for m in preds) * 1e-6,
+            node_share=preds[-1]["node_share"], binding=preds[-1]["binding"],
+            host_state_fraction=preds[-1]["host_state_fraction"],
+            node_bound_gparam_per_s=statistics.median(m["node_bound"] for m in preds),
+            node_host_gbps=preds[-1]["node_host_gbps"])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
