@@ -6,6 +6,9 @@
 #   bash bench/device_session.sh e2e OUT ARGS...    # bench/e2e/run.py with ARGS
 #   bash bench/device_session.sh ranks OUT          # 1 vs 2 DDP ranks on one dosd, the node
 #       model's predictions and bound (writes bench/results/ranks_<machine>_<date>.json)
+#   bash bench/device_session.sh largest OUT [ARGS] # largest GPT under an 80 GiB budget, fp32
+#       and compact state (bench/e2e/largest.py; searches for ~450 s, writes
+#       bench/results/largest_<machine>_<date>.json)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -14,7 +17,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|ranks|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -44,6 +47,13 @@ case "$what" in
       > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
     cp bench/results/e2e_nvidia-h200_* "$O/" 2>/dev/null
+    ;;
+  largest)
+    timeout 570 python3 bench/e2e/largest.py --dosd "$B/dosd" --machine nvidia-h200 \
+      --gpu-budget-gb 80 "$@" > "$O/largest.log" 2>&1
+    echo "exit=$?" >> "$O/largest.log"
+    free -g >> "$O/largest.log"
+    cp bench/results/largest_nvidia-h200_* "$O/" 2>/dev/null
     ;;
   ranks)
     # 1 rank, then 2 DDP ranks (1.5B each, auto, clip 1.0) on one dosd whose

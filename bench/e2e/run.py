@@ -25,7 +25,9 @@ bf16, activation checkpointing, random tokens) trained with
 
 Iteration time: `iter_s` is measured over --iters iterations run back to back without
 synchronising (as training runs); forward/backward/update come from as many iterations
-synchronised after each phase (iter_s_phases is their sum).
+synchronised after each phase (iter_s_phases is their sum); the exposed update is iter_s less
+forward and backward (what of the update the back-to-back iteration does not hide), and the
+chart stacks forward, backward and exposed update per mode.
 
 Every mode runs in its own child process (clean GPU and host memory peaks); DOS modes
 get a fresh dosd (--dosd PATH), or use $DOS_SOCKET. Prints a table, writes
@@ -119,8 +121,11 @@ def child(args):
                 # torch < 2.9 cannot tell dos.torch its fraction: say it.
                 lend_from = int(frac * total)
     dtype = torch.bfloat16
+    t0 = time.perf_counter()
     model = gpt.build(args.size, args.layers, args.d_model, args.heads, args.seq, args.vocab,
-                      dtype=dtype, device=args.device, checkpoint=True, seed=0)
+                      dtype=dtype, device=args.device, checkpoint=True, seed=0,
+                      init_in_dtype=args.init_bf16)
+    res["model_init_s"] = time.perf_counter() - t0
     cfg = model.cfg
     nparams = sum(p.numel() for p in model.parameters())
     res.update(params=nparams, **cfg, batch=args.batch)
@@ -172,6 +177,8 @@ def child(args):
     rows, losses = [], []
     data = list(gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"],
                             seed=1, device=args.device))
+    # --no-phases: only the warm-up iterations run synchronised (untimed).
+    phased = data if args.phases else data[:args.warmup]
 
     def train_step(x, y):
         opt.zero_grad()
@@ -184,7 +191,7 @@ def child(args):
 
     # Phase breakdown: synchronised after each phase (what each costs alone;
     # with asynchronous steps the update's wait moves into the next forward).
-    for it, (x, y) in enumerate(data):
+    for it, (x, y) in enumerate(phased):
         sync()
         a = time.perf_counter()
         opt.zero_grad()
@@ -225,16 +232,22 @@ def child(args):
           f"({piped_total / len(pl):.3f} s/iter)", flush=True)
     if sampler:
         sampler.close()
-    med = [statistics.median(r[i] for r in rows) for i in range(4)]
     tokens = args.batch * cfg["seq"]
     iter_s = piped_total / len(pl)
-    res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s=iter_s,
-               iter_s_phases=med[3], iter_s_pipelined_median=statistics.median(piped[1:] or piped),
-               iter_s_mean=statistics.mean(r[3] for r in rows), tokens_per_s=tokens / iter_s,
-               first_loss=losses[0], last_loss=losses[-1], host_peak_bytes=vm_hwm_bytes(),
-               losses=[round(v, 5) for v in losses])
+    if rows:
+        med = [statistics.median(r[i] for r in rows) for i in range(4)]
+        # What of the update the back-to-back iteration does not hide: the
+        # iteration less the (synchronised) forward and backward. Can be a
+        # little below 0 when the update is hidden entirely (noise).
+        res.update(forward_s=med[0], backward_s=med[1], update_s=med[2], iter_s_phases=med[3],
+                   exposed_update_s=iter_s - med[0] - med[1],
+                   iter_s_mean=statistics.mean(r[3] for r in rows))
+    res.update(iter_s=iter_s, iter_s_pipelined_median=statistics.median(piped[1:] or piped),
+               tokens_per_s=tokens / iter_s, first_loss=losses[0], last_loss=losses[-1],
+               host_peak_bytes=vm_hwm_bytes(), losses=[round(v, 5) for v in losses])
     if cuda:
         res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(0)
+        res["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(0)
         res["gpu_peak_device_bytes"] = sampler.peak
     if mode.startswith("dos"):
         res["dos_last_step"] = opt.last_step
@@ -248,11 +261,27 @@ def child(args):
     return 0
 
 
+def child_main(args):
+    """child(), with an exception written to --child-out as {"error", ...} (for
+    the parent to tell a CUDA out-of-memory error or a refused registration
+    from a crash) before the traceback is printed and the exit status is 1."""
+    try:
+        return child(args)
+    except Exception as e:  # noqa: BLE001 (any failure is reported, then exit 1)
+        import traceback
+        text = traceback.format_exc()
+        with open(args.child_out, "w") as f:
+            json.dump({"mode": args.child, "error": f"{type(e).__name__}: {e}"[:4000],
+                       "error_type": type(e).__name__, "traceback": text[-4000:]}, f)
+        sys.stderr.write(text)
+        return 1
+
+
 # --------------------------------------------------------------- parent ----
 
-def start_dosd(binary, extra, tmp):
+def start_dosd(binary, extra, tmp, log_name="dosd.log"):
     path = os.path.join(tmp, "dosd.sock")
-    log = open(os.path.join(tmp, "dosd.log"), "a")
+    log = open(os.path.join(tmp, log_name), "a")
     proc = subprocess.Popen([binary, f"--socket={path}"] + extra, stdout=log,
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -274,14 +303,73 @@ def start_dosd(binary, extra, tmp):
 
 
 def stop_dosd(proc):
+    """Stops dosd; returns (its VmHWM, its exit status before SIGTERM: None if
+    it was still running, else e.g. -9 when the kernel's OOM killer took it)."""
     peak = vm_hwm_bytes(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    died = proc.poll()
+    if died is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return peak, died
+
+
+def run_mode(args, mode, tmp, dosd_extra=(), child_extra=(), timeout=None, tag=None):
+    """One mode in its own child process (this file, --child MODE, with
+    args.passthrough + child_extra), with a fresh dosd for DOS modes (--dosd,
+    flags --dosd-arg + dosd_extra) or args.socket. Returns the child's record
+    (its "error" on failure) with dosd_host_peak_bytes, wall_s, rc, and where
+    they apply dosd_died (dosd's exit status while the child ran) and
+    timed_out. Shared by parent() and largest.py."""
+    tag = tag or mode
+    proc = None
+    sock = args.socket
+    if mode.startswith("dos"):
+        if args.dosd:
+            extra = list(args.dosd_arg or []) + list(dosd_extra)
+            if mode == "dos_auto_flag":
+                extra.append(f"--gpu_memory_budget={args.flag_budget_gb:g}G")
+            if args.device == "cpu":
+                extra.append("--gpu_devices=none")
+            proc, sock = start_dosd(args.dosd, extra, tmp, f"dosd-{tag}.log")
+        elif not sock:
+            print(f"{mode}: skipped (give --dosd PATH or set DOS_SOCKET)")
+            return {"mode": mode, "error": "no dosd"}
+    out = os.path.join(tmp, f"{tag}.json")
+    if os.path.exists(out):
+        os.unlink(out)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-out", out]
+    cmd += list(args.passthrough) + list(child_extra)
+    if sock:
+        cmd += ["--socket", sock]
+    print(f"== {tag}", flush=True)
+    t = time.perf_counter()
+    timed_out = False
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    return peak
+        rc = subprocess.run(cmd, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:  # subprocess.run killed the child
+        rc, timed_out = None, True
+    wall = time.perf_counter() - t
+    dosd_peak, dosd_died = stop_dosd(proc) if proc else (0, None)
+    r = {"mode": mode}
+    if os.path.exists(out):
+        with open(out) as f:
+            r = json.load(f)
+    if (rc != 0 or "iter_s" not in r) and "error" not in r:
+        r["error"] = "timed out" if timed_out else f"exit {rc}"
+    r.update(rc=rc, dosd_host_peak_bytes=dosd_peak, wall_s=wall)
+    if timed_out:
+        r["timed_out"] = True
+    if dosd_died is not None:
+        r["dosd_died"] = dosd_died
+    if proc:
+        r["dosd_log"] = os.path.join(tmp, f"dosd-{tag}.log")
+    if "error" in r:
+        print(f"{tag}: failed ({r['error'].splitlines()[0][:300]})", flush=True)
+    return r
 
 
 def gb(x):
@@ -301,6 +389,10 @@ def git_commit():
 
 
 def chart(results, path, title):
+    """Where each mode's iteration goes, one stacked bar per mode: forward and
+    backward (medians of the synchronised iterations) and the exposed update
+    (the back-to-back iteration time less those two; shown from 0), so each bar
+    ends at the measured iteration time."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -308,24 +400,52 @@ def chart(results, path, title):
     except ImportError:
         print("matplotlib is not installed: no PNG chart")
         return None
-    ok = [r for r in results if "iter_s" in r]
+    ok = [dict(r) for r in results if "forward_s" in r]
+    if not ok:
+        return None
+    for r in ok:  # records written before the split was: the same arithmetic
+        r.setdefault("exposed_update_s", r["iter_s"] - r["forward_s"] - r["backward_s"])
     names = [r["mode"] for r in ok]
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(ok) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ok) + 1.6))
     left = [0.0] * len(ok)
-    for key, color in (("forward_s", "#4c72b0"), ("backward_s", "#55a868"),
-                       ("update_s", "#c44e52")):
-        vals = [r[key] for r in ok]
-        ax.barh(names, vals, left=left, color=color, label=key[:-2])
+    for key, label, color in (("forward_s", "forward", "#4c72b0"),
+                              ("backward_s", "backward", "#55a868"),
+                              ("exposed_update_s", "exposed update", "#c44e52")):
+        vals = [max(0.0, r[key]) for r in ok]
+        ax.barh(names, vals, left=left, color=color, label=label)
         left = [a + b for a, b in zip(left, vals)]
     for i, r in enumerate(ok):
-        ax.text(left[i], i, f" {r['iter_s']:.2f} s, {r['tokens_per_s']:.0f} tok/s", va="center")
-    ax.set_xlabel("seconds per iteration (median)")
+        ax.text(left[i], i, f" {r['iter_s']:.3f} s/iter (update alone {r['update_s']:.3f} s), "
+                f"{r['tokens_per_s']:.0f} tok/s", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per iteration: forward + backward (synchronised medians) + the "
+                  "update's exposed rest of the back-to-back iteration")
     ax.set_title(title)
     ax.legend(loc="lower right")
-    ax.set_xlim(0, max(left) * 1.45)
+    ax.set_xlim(0, max(left) * 1.7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+# Ratio figures: (name, numerator mode, denominator mode, what the printout
+# says). Each is the numerator's iteration time over the denominator's, written
+# when both modes ran in this invocation.
+RATIOS = [
+    ("e2e_speedup_dos_auto_vs_inprocess_offload", "inprocess_offload", "dos_auto",
+     "dos_auto vs in-process offload (speed-up)"),
+    ("e2e_ratio_dos_auto_to_all_gpu", "dos_auto", "all_gpu",
+     "dos_auto / all-GPU AdamW iteration time"),
+    ("e2e_ratio_dos_auto_compact_to_all_gpu", "dos_auto_compact", "all_gpu",
+     "dos_auto_compact / all-GPU AdamW iteration time"),
+]
+
+
+def ratio_metrics(ok):
+    """[(metric, printed text)] for each RATIOS entry whose modes both ran."""
+    return [({"name": name, "value": round(ok[num]["iter_s"] / ok[den]["iter_s"], 3),
+              "unit": "x"}, text)
+            for name, num, den, text in RATIOS if num in ok and den in ok]
 
 
 def parent(args):
@@ -335,38 +455,7 @@ def parent(args):
     tmp = tempfile.mkdtemp(prefix="dos-e2e-")
     results = []
     for mode in modes:
-        proc = None
-        sock = args.socket
-        if mode.startswith("dos"):
-            if args.dosd:
-                extra = list(args.dosd_arg or [])
-                if mode == "dos_auto_flag":
-                    extra.append(f"--gpu_memory_budget={args.flag_budget_gb:g}G")
-                if args.device == "cpu":
-                    extra.append("--gpu_devices=none")
-                proc, sock = start_dosd(args.dosd, extra, tmp)
-            elif not sock:
-                print(f"{mode}: skipped (give --dosd PATH or set DOS_SOCKET)")
-                results.append({"mode": mode, "error": "no dosd"})
-                continue
-        out = os.path.join(tmp, f"{mode}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-out", out]
-        cmd += args.passthrough
-        if sock:
-            cmd += ["--socket", sock]
-        print(f"== {mode}", flush=True)
-        t = time.perf_counter()
-        rc = subprocess.run(cmd).returncode
-        dosd_peak = stop_dosd(proc) if proc else 0
-        if rc != 0 or not os.path.exists(out):
-            print(f"{mode}: failed (exit {rc})")
-            results.append({"mode": mode, "error": f"exit {rc} (out of memory?)"})
-            continue
-        with open(out) as f:
-            r = json.load(f)
-        r["dosd_host_peak_bytes"] = dosd_peak
-        r["wall_s"] = time.perf_counter() - t
-        results.append(r)
+        results.append(run_mode(args, mode, tmp))
 
     print()
     hdr = (f"{'mode':26s} {'iter s':>7s} {'fwd':>6s} {'bwd':>6s} {'update':>7s} {'tok/s':>8s} "
@@ -377,8 +466,10 @@ def parent(args):
         if "error" in r:
             print(f"{r['mode']:26s} {r['error']}")
             continue
-        print(f"{r['mode']:26s} {r['iter_s']:7.3f} {r['forward_s']:6.3f} {r['backward_s']:6.3f} "
-              f"{r['update_s']:7.3f} {r['tokens_per_s']:8.0f} "
+        def ph(key, w):  # phase times are absent with --no-phases
+            return f"{r[key]:{w}.3f}" if key in r else f"{'-':>{w}s}"
+        print(f"{r['mode']:26s} {r['iter_s']:7.3f} {ph('forward_s', 6)} {ph('backward_s', 6)} "
+              f"{ph('update_s', 7)} {r['tokens_per_s']:8.0f} "
               f"{gb(r.get('gpu_peak_allocated_bytes')):>8s} {gb(r.get('gpu_peak_device_bytes')):>8s} "
               f"{gb(r['host_peak_bytes']):>9s} {gb(r['dosd_host_peak_bytes']):>9s}  "
               f"{r.get('note', '')}")
@@ -388,26 +479,21 @@ def parent(args):
         print(f"\nmodel: {first['params'] / 1e6:.1f}M parameters, layers {first['layers']}, "
               f"d_model {first['d_model']}, seq {first['seq']}, batch {first['batch']}; " +
               (f"GPU budget {args.gpu_budget_gb:g} GiB" if args.gpu_budget_gb else "no GPU budget"))
-    if "dos_auto" in ok and "inprocess_offload" in ok:
-        print(f"dos_auto vs in-process offload: "
-              f"{ok['inprocess_offload']['iter_s'] / ok['dos_auto']['iter_s']:.2f}x faster")
-    if "dos_auto" in ok and "all_gpu" in ok:
-        print(f"dos_auto / all-GPU AdamW iteration time: "
-              f"{ok['dos_auto']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
-    if "dos_auto_compact" in ok and "all_gpu" in ok:
-        print(f"dos_auto_compact / all-GPU AdamW iteration time: "
-              f"{ok['dos_auto_compact']['iter_s'] / ok['all_gpu']['iter_s']:.2f}")
+    ratios = ratio_metrics(ok)
+    for m, text in ratios:
+        print(f"{text}: {m['value']:.2f}x")
 
     metrics = []
     for r in results:
         if "iter_s" not in r:
             continue
         m = r["mode"]
+        metrics.append({"name": f"e2e_iter_s_{m}", "value": round(r["iter_s"], 4), "unit": "s"})
+        # The iteration's split: forward + backward + exposed update = iter_s.
+        metrics += [{"name": f"e2e_{key[:-2]}_s_{m}", "value": round(r[key], 4), "unit": "s"}
+                    for key in ("forward_s", "backward_s", "update_s", "exposed_update_s")
+                    if key in r]
         metrics += [
-            {"name": f"e2e_iter_s_{m}", "value": round(r["iter_s"], 4), "unit": "s"},
-            {"name": f"e2e_forward_s_{m}", "value": round(r["forward_s"], 4), "unit": "s"},
-            {"name": f"e2e_backward_s_{m}", "value": round(r["backward_s"], 4), "unit": "s"},
-            {"name": f"e2e_update_s_{m}", "value": round(r["update_s"], 4), "unit": "s"},
             {"name": f"e2e_tokens_per_s_{m}", "value": round(r["tokens_per_s"], 1),
              "unit": "tokens/s"},
             {"name": f"e2e_host_peak_gib_{m}",
@@ -417,18 +503,7 @@ def parent(args):
         if "gpu_peak_device_bytes" in r:
             metrics += [{"name": f"e2e_gpu_peak_gib_{m}",
                          "value": round(r["gpu_peak_device_bytes"] / 2**30, 2), "unit": "GiB"}]
-    if "dos_auto" in ok and "inprocess_offload" in ok:
-        metrics.append({"name": "e2e_speedup_dos_auto_vs_inprocess_offload",
-                        "value": round(ok["inprocess_offload"]["iter_s"] /
-                                       ok["dos_auto"]["iter_s"], 3), "unit": "x"})
-    if "dos_auto" in ok and "all_gpu" in ok:
-        metrics.append({"name": "e2e_ratio_dos_auto_to_all_gpu",
-                        "value": round(ok["dos_auto"]["iter_s"] / ok["all_gpu"]["iter_s"], 3),
-                        "unit": "x"})
-    if "dos_auto_compact" in ok and "all_gpu" in ok:
-        metrics.append({"name": "e2e_ratio_dos_auto_compact_to_all_gpu",
-                        "value": round(ok["dos_auto_compact"]["iter_s"] /
-                                       ok["all_gpu"]["iter_s"], 3), "unit": "x"})
+    metrics += [m for m, _ in ratios]
     if "dos_auto_compact" in ok and "dos_auto" in ok:
         # Same seed, same tokens: the loss effect of compact state at this length.
         metrics.append({"name": "e2e_last_loss_diff_compact_vs_fp32",
@@ -495,15 +570,34 @@ def main():
     ap.add_argument("--machine", default=None)
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--no-phases", dest="phases", action="store_false",
+                    help="skip the synchronised per-phase iterations (only --warmup untimed "
+                         "iterations, then --iters back to back)")
+    ap.add_argument("--init-bf16", action="store_true",
+                    help="initialise the model's weights in bf16 directly (no fp32 copy on the "
+                         "device; other random values than the default fp32 init)")
+    ap.add_argument("--chart-from", default=None, metavar="JSON",
+                    help="only (re)draw the chart of a result file, next to it (needs "
+                         "matplotlib; nothing runs)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.chart_from:
+        with open(args.chart_from) as f:
+            doc = json.load(f)
+        ok = [r for r in doc["runs"] if "iter_s" in r]
+        gib = doc.get("config", {}).get("gpu_budget_gb")
+        title = f"{doc['machine']}: GPT {ok[0]['params'] / 1e6:.0f}M params, " + \
+            (f"GPU budget {gib:g} GiB" if gib else "no GPU budget") if ok else doc["machine"]
+        png = chart(doc["runs"], os.path.splitext(args.chart_from)[0] + ".png", title)
+        print(f"wrote {png}" if png else "no chart")
+        return 0 if png else 1
     if args.size is None:
         args.size = "1.5b" if args.device == "cuda" else "small"
     if args.batch is None:
         args.batch = DEFAULT_BATCH.get(args.size, 4)
     if args.child:
-        return child(args)
+        return child_main(args)
     keep = ["--device", args.device, "--size", args.size, "--batch", str(args.batch),
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
             "--clip", str(args.clip), "--subgroup-size", str(args.subgroup_size),
@@ -516,6 +610,10 @@ def main():
             keep += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.budget_all_gpu:
         keep.append("--budget-all-gpu")
+    if not args.phases:
+        keep.append("--no-phases")
+    if args.init_bf16:
+        keep.append("--init-bf16")
     args.passthrough = keep
     return parent(args)
 

@@ -79,16 +79,16 @@ inline __m256 WidenBF16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// RoundingBits() of elements index0 .. index0 + 7.
+// stochastic_round.h's RoundingBits() of elements index0 .. index0 + 7.
 inline __m256i RoundingBits8(uint32_t seed, uint64_t index0) {
   __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(index0))),
                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  h = _mm256_add_epi32(_mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x9e3779b1u))),
-                       _mm256_set1_epi32(static_cast<int>(seed)));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kRoundingIndexMul)));
+  h = _mm256_add_epi32(h, _mm256_set1_epi32(static_cast<int>(seed)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kRoundingMix1)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kRoundingMix2)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   return _mm256_srli_epi32(h, 16);
 }
@@ -197,6 +197,11 @@ struct Avx2Loop {
 
 void AdamAvx2Kernel(const AdamScalars& s, const AdamSpan& span) {
   AdamDispatch<Avx2Loop>::Run(s, span);
+}
+
+void StochasticRoundAvx2(uint32_t seed, uint64_t index0, const float* x, uint16_t* out) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   StochasticRoundBF16x8(_mm256_loadu_ps(x), RoundingBits8(seed, index0)));
 }
 
 bool AllFiniteAvx2(const void* grad, DType dtype, size_t n) {

@@ -50,6 +50,11 @@ void AdamAvx512StreamAllKernel(const AdamScalars& s, const AdamSpan& span) {
   AdamAvx512<false, 2>(s, span);
 }
 
+void StochasticRoundAvx512(uint32_t seed, uint64_t index0, const float* x, uint16_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      StochasticRoundBF16x16(_mm512_loadu_ps(x), RoundingBits16(seed, index0)));
+}
+
 bool AllFiniteAvx512(const void* grad, DType dtype, size_t n) {
   switch (dtype) {
     case DType::kF32: return AllFiniteImpl<0x7f800000u, 0, true>(grad, n);

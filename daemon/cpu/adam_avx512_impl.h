@@ -153,16 +153,16 @@ inline __m512 WidenBF16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// RoundingBits() of elements index0 .. index0 + 15.
+// stochastic_round.h's RoundingBits() of elements index0 .. index0 + 15.
 inline __m512i RoundingBits16(uint32_t seed, uint64_t index0) {
   __m512i h = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(index0))),
                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x9e3779b1u))),
-                       _mm512_set1_epi32(static_cast<int>(seed)));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kRoundingIndexMul)));
+  h = _mm512_add_epi32(h, _mm512_set1_epi32(static_cast<int>(seed)));
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kRoundingMix1)));
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kRoundingMix2)));
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   return _mm512_srli_epi32(h, 16);
 }

@@ -23,7 +23,8 @@
 // unrounded fp32 m and v, and stores
 //   m -> bf16, round to nearest even (dtype.h's FloatToBF16)
 //   v -> bf16, stochastic rounding: round up with probability equal to the
-//        discarded fraction, from 16 random bits hash(rounding_seed, index).
+//        discarded fraction, from 16 random bits hash(rounding_seed, index)
+//        (stochastic_round.h: RoundingBits, StochasticRoundBF16).
 // Why v is rounded stochastically: with beta2 = 0.999 one step changes v by
 // about 0.1% of itself, less than half a bf16 ulp (2^-9 to 2^-8 relative), so
 // nearest rounding returns the old value: v stops decaying and only grows on
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "daemon/cpu/stochastic_round.h"
 #include "dos/wire/dtype.h"
 #include "dos/wire/step_params.h"
 
@@ -87,28 +89,6 @@ struct AdamSpan {
 };
 
 inline bool IsCompact(const AdamSpan& s) { return s.exp_avg_bf16 != nullptr; }
-
-// The compact state's rounding, shared by every variant (vector kernels
-// reproduce these bit for bit). Random bits: murmur3's 32-bit finaliser over
-// index * golden ratio + seed; the top 16 bits.
-inline uint32_t RoundingBits(uint32_t seed, uint64_t index) {
-  uint32_t h = static_cast<uint32_t>(index) * 0x9e3779b1u + seed;
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h >> 16;
-}
-// Stochastic fp32 -> bf16: add 16 random bits below the kept ones and
-// truncate (rounds the magnitude up with probability fraction / 2^16). NaN
-// takes dtype.h's conversion (quiet NaN); inf stays inf; values within one
-// bf16 ulp of FLT_MAX may round to inf, as nearest rounding does above it.
-inline uint16_t StochasticRoundBF16(float x, uint32_t bits16) {
-  const uint32_t u = FloatToBits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return FloatToBF16(x);
-  return static_cast<uint16_t>((u + bits16) >> 16);
-}
 
 using AdamKernelFn = void (*)(const AdamScalars&, const AdamSpan&);
 

@@ -34,6 +34,12 @@ bool AllFiniteAvx512(const void* grad, DType dtype, size_t n);
 
 bool CpuHasAvx512Bf16();
 
+// The vector kernels' compact-state rounding of v alone, for
+// tests/unit/cpu/stochastic_round_test: out[i] = StochasticRoundBF16(x[i],
+// RoundingBits(seed, index0 + i)) for i < 8 (AVX2) or i < 16 (AVX-512).
+void StochasticRoundAvx2(uint32_t seed, uint64_t index0, const float* x, uint16_t* out);
+void StochasticRoundAvx512(uint32_t seed, uint64_t index0, const float* x, uint16_t* out);
+
 struct KernelVariant {
   std::string_view name;  // "scalar", "avx2", "avx512", "avx512bf16", "avx512_ntout", ...
   Isa isa;

@@ -48,22 +48,10 @@ __device__ __forceinline__ uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(a >> 13);
 }
 
-// adam_kernel.h's RoundingBits and StochasticRoundBF16, bit for bit.
-__device__ __forceinline__ uint32_t RoundingBits(uint32_t seed, uint64_t index) {
-  uint32_t h = static_cast<uint32_t>(index) * 0x9e3779b1u + seed;
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h >> 16;
-}
-
-__device__ __forceinline__ uint16_t StochasticRoundBf16(float x, uint32_t bits16) {
-  const uint32_t u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return FloatToBf16(x);
-  return static_cast<uint16_t>((u + bits16) >> 16);
-}
+// The compact state's stochastic rounding: the CPU kernels' own functions
+// (daemon/cpu/stochastic_round.h, __host__ __device__ under nvcc).
+using cpu::RoundingBits;
+using cpu::StochasticRoundBF16;
 
 // Where a kernel's moments live: fp32 arrays, or (kCompact) bf16 arrays with
 // the stochastic rounding's element counter.
@@ -132,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kCompact) {
       // The step used the unrounded m and v; only the stored copies narrow.
       mo.m16[i] = FloatToBf16(m);
-      mo.v16[i] = StochasticRoundBf16(v, RoundingBits(s.rounding_seed, mo.element_offset + i));
+      mo.v16[i] = StochasticRoundBF16(v, RoundingBits(s.rounding_seed, mo.element_offset + i));
     } else {
       mo.m[i] = m;
       mo.v[i] = v;

@@ -31,27 +31,6 @@ std::string ReadAll(const std::string& path) {
   return ss.str();
 }
 
-// A directory dosd's user owns (mode 0700), for a checkpoint store that
-// outlives one daemon.
-std::string DaemonOwnedDir(const std::string& what) {
-  std::string tmpl = "/tmp/dos-sec-" + what + "-XXXXXX";
-  std::string dir = ::mkdtemp(tmpl.data());
-  const SecUser d = User("dos-sec-d");
-  ::chown(dir.c_str(), d.uid, d.gid);
-  return dir;
-}
-
-// A file only dosd's user may write, holding "precious".
-std::string Victim() {
-  std::string dir = DaemonOwnedDir("victim");
-  ::chmod(dir.c_str(), 0755);
-  const std::string path = dir + "/victim";
-  std::ofstream(path) << "precious";
-  const SecUser d = User("dos-sec-d");
-  ::chown(path.c_str(), d.uid, d.gid);
-  return path;
-}
-
 void MkdirOwned(const std::string& path) {
   fs::create_directories(path);
   const SecUser d = User("dos-sec-d");
@@ -91,21 +70,82 @@ std::string UserDir(const std::string& ck, const std::string& user) {
   return ck + "/uid-" + std::to_string(User(user).uid);
 }
 
-TEST(CheckpointStore, FilesArePrivateToDosd) {
+// dosd as dos-sec-d (daemon_) and the folders a test makes around it. TearDown
+// stops dosd, expecting a clean exit, after the test's trainers have ended,
+// and removes the folders.
+class CheckpointStore : public ::testing::Test {
+ protected:
+  // Starts dosd with `flags` (a store that outlives one dosd: pass the same
+  // --checkpoint_dir again after StopDaemon()).
+  void StartDaemon(std::vector<std::string> flags = {}) {
+    daemon_ = SecureDaemon(std::move(flags));
+    ASSERT_TRUE(daemon_->Start()) << daemon_->log();
+  }
+  void StopDaemon() {
+    if (daemon_ == nullptr) return;
+    EXPECT_EQ(daemon_->Stop(), 0) << daemon_->log();
+    daemon_.reset();
+  }
+  void TearDown() override {
+    StopDaemon();
+    for (const std::string& dir : dirs_) fs::remove_all(dir);
+  }
+
+  // A directory dosd's user owns (mode 0700), for a checkpoint store that
+  // outlives one daemon or a place outside the store.
+  std::string DaemonOwnedDir(const std::string& what) {
+    std::string tmpl = "/tmp/dos-sec-" + what + "-XXXXXX";
+    std::string dir = ::mkdtemp(tmpl.data());
+    dirs_.push_back(dir);
+    const SecUser d = User("dos-sec-d");
+    ::chown(dir.c_str(), d.uid, d.gid);
+    return dir;
+  }
+
+  // A file only dosd's user may write, holding "precious".
+  std::string Victim() {
+    std::string dir = DaemonOwnedDir("victim");
+    ::chmod(dir.c_str(), 0755);
+    const std::string path = dir + "/victim";
+    std::ofstream(path) << "precious";
+    const SecUser d = User("dos-sec-d");
+    ::chown(path.c_str(), d.uid, d.gid);
+    return path;
+  }
+
+  // dosd with the store `ck`; dos-sec-a's job "job" takes `steps` steps and
+  // saves; dosd stops. The "OK rpc_save ..." line ("" and a failure if none).
+  std::string SaveInStore(const std::string& ck, int steps) {
+    StartDaemon({"--checkpoint_dir=" + ck});
+    if (HasFatalFailure()) return "";
+    const std::string out = RunAs(User("dos-sec-a"), daemon_->socket(),
+                                  {"attach:name=job", "register:numel=256",
+                                   "step:n=" + std::to_string(steps), "rpc_save:id=self"});
+    const size_t at = out.find("OK rpc_save");
+    EXPECT_NE(at, std::string::npos) << out << daemon_->log();
+    StopDaemon();
+    return at == std::string::npos ? "" : out.substr(at, out.find('\n', at) - at);
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::vector<std::string> dirs_;
+};
+
+TEST_F(CheckpointStore, FilesArePrivateToDosd) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
-  ASSERT_TRUE(d->Start()) << d->log();
-  const std::string out = RunAs(User("dos-sec-a"), d->socket(),
+  StartDaemon();
+  const std::string out = RunAs(User("dos-sec-a"), daemon_->socket(),
                                 {"attach:name=job", "register:numel=256", "step:n=2",
                                  "rpc_save:id=self"});
-  ASSERT_NE(out.find("OK rpc_save"), std::string::npos) << out << d->log();
+  ASSERT_NE(out.find("OK rpc_save"), std::string::npos) << out << daemon_->log();
   const std::string path = Field(out.substr(out.find("OK rpc_save")), "path");
-  EXPECT_EQ(path.rfind(UserDir(d->dir() + "/checkpoints", "dos-sec-a") + "/", 0), 0u) << path;
+  EXPECT_EQ(path.rfind(UserDir(daemon_->dir() + "/checkpoints", "dos-sec-a") + "/", 0), 0u) << path;
   struct stat st;
   ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   EXPECT_EQ(st.st_uid, User("dos-sec-d").uid);
-  for (fs::path p = fs::path(path).parent_path(); p != fs::path(d->dir()); p = p.parent_path()) {
+  for (fs::path p = fs::path(path).parent_path(); p != fs::path(daemon_->dir());
+       p = p.parent_path()) {
     ASSERT_EQ(::stat(p.c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 0777, 0700u) << p;
   }
@@ -114,49 +154,45 @@ TEST(CheckpointStore, FilesArePrivateToDosd) {
   EXPECT_NE(cat.find("Permission denied"), std::string::npos) << cat;
   RunCommandAs(User("dos-sec-b"), {"/bin/rm", "-f", path});
   EXPECT_TRUE(fs::exists(path));
-  EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
-TEST(CheckpointStore, PlantedSymlinksAreNeverFollowed) {
+TEST_F(CheckpointStore, PlantedSymlinksAreNeverFollowed) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
-  ASSERT_TRUE(d->Start()) << d->log();
+  StartDaemon();
   const std::string victim = Victim();
-  const std::string ck = d->dir() + "/checkpoints";
+  const std::string ck = daemon_->dir() + "/checkpoints";
   // Links at every temporary name the first save could use, in the job's
   // folder (and where older dosd versions put it).
   for (const std::string& dir : {UserDir(ck, "dos-sec-a") + "/job.r-1", ck + "/job.r-1"}) {
     MkdirOwned(dir);
     for (int n = 0; n < 16; ++n) {
       fs::create_symlink(victim, dir + "/step-000000000002.dckpt.tmp." +
-                                     std::to_string(d->pid()) + "." + std::to_string(n));
+                                     std::to_string(daemon_->pid()) + "." + std::to_string(n));
     }
   }
   // A link where a trainer names its checkpoint.
   fs::create_symlink(fs::path(victim).parent_path(), UserDir(ck, "dos-sec-a") + "/out");
-  const std::string out = RunAs(User("dos-sec-a"), d->socket(),
+  const std::string out = RunAs(User("dos-sec-a"), daemon_->socket(),
                                 {"attach:name=job", "register:numel=256", "step:n=2",
                                  "rpc_save:id=self", "rpc_save:id=self,path=out/x.dckpt"});
   EXPECT_NE(out.find("OK rpc_save path=" + UserDir(ck, "dos-sec-a") + "/job.r-1/step-"),
-            std::string::npos) << out << d->log();
+            std::string::npos) << out << daemon_->log();
   EXPECT_NE(out.find("ERR rpc_save code=3"), std::string::npos) << out;
   EXPECT_NE(out.find("is a symlink"), std::string::npos) << out;
   EXPECT_EQ(ReadAll(victim), "precious");
   EXPECT_FALSE(fs::exists(fs::path(victim).parent_path() / "x.dckpt"));
-  EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
-TEST(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
+TEST_F(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
-  ASSERT_TRUE(d->Start()) << d->log();
+  StartDaemon();
   const std::string victim = Victim();
   // Older dosd versions wrote "." as <dir>.tmp.<pid>.<n> beside the folder.
   for (int n = 0; n < 4; ++n) {
-    fs::create_symlink(victim, d->dir() + "/checkpoints.tmp." + std::to_string(d->pid()) + "." +
-                                   std::to_string(n));
+    fs::create_symlink(victim, daemon_->dir() + "/checkpoints.tmp." +
+                                   std::to_string(daemon_->pid()) + "." + std::to_string(n));
   }
-  const std::string out = RunAs(User("dos-sec-a"), d->socket(),
+  const std::string out = RunAs(User("dos-sec-a"), daemon_->socket(),
                                 {"attach:name=job", "register:numel=256", "step:n=1",
                                  "rpc_save:id=self,path=.", "rpc_save:id=self,path=../x.dckpt",
                                  "rpc_save:id=self,path=a/../../x.dckpt",
@@ -165,9 +201,9 @@ TEST(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
                                  // of the store must not recurse without end).
                                  "rpc_save:id=self,path=" + Deep(40) + "x.dckpt",
                                  "rpc_load:id=self,token=self,path=../uid-0"});
-  const std::string user_dir = UserDir(d->dir() + "/checkpoints", "dos-sec-a");
+  const std::string user_dir = UserDir(daemon_->dir() + "/checkpoints", "dos-sec-a");
   EXPECT_NE(out.find("OK rpc_save path=" + user_dir + "/job.r-1.s"), std::string::npos)
-      << out << d->log();
+      << out << daemon_->log();
   size_t refused = 0;
   for (size_t at = 0; (at = out.find("ERR rpc_save code=3", at)) != std::string::npos; ++at) {
     ++refused;
@@ -176,25 +212,16 @@ TEST(CheckpointStore, PathsCannotLeaveTheOwnersFolder) {
   EXPECT_NE(out.find("a checkpoint path has at most"), std::string::npos) << out;
   EXPECT_NE(out.find("ERR rpc_load code=3"), std::string::npos) << out;
   EXPECT_EQ(ReadAll(victim), "precious");
-  EXPECT_FALSE(fs::exists(d->dir() + "/x.dckpt"));
+  EXPECT_FALSE(fs::exists(daemon_->dir() + "/x.dckpt"));
   EXPECT_FALSE(fs::exists("/tmp/x.dckpt"));
-  EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
-TEST(CheckpointStore, RestoreScanDoesNotFollowSymlinks) {
+TEST_F(CheckpointStore, RestoreScanDoesNotFollowSymlinks) {
   DOS_SECURITY_REQUIRE();
   const std::string ck = DaemonOwnedDir("ck");
-  std::string path;
-  {
-    auto d = SecureDaemon({"--checkpoint_dir=" + ck});
-    ASSERT_TRUE(d->Start()) << d->log();
-    const std::string out = RunAs(User("dos-sec-a"), d->socket(),
-                                  {"attach:name=job", "register:numel=256", "step:n=3",
-                                   "rpc_save:id=self"});
-    ASSERT_NE(out.find("OK rpc_save"), std::string::npos) << out << d->log();
-    path = Field(out.substr(out.find("OK rpc_save")), "path");
-    EXPECT_EQ(d->Stop(), 0) << d->log();
-  }
+  const std::string saved = SaveInStore(ck, 3);
+  ASSERT_FALSE(saved.empty());
+  const std::string path = Field(saved, "path");
   // The file moves out of the store; a link to it stays where it was.
   const std::string outside = DaemonOwnedDir("outside") + "/moved.dckpt";
   fs::rename(path, outside);
@@ -202,74 +229,57 @@ TEST(CheckpointStore, RestoreScanDoesNotFollowSymlinks) {
   // And a linked folder.
   fs::create_directory_symlink(fs::path(outside).parent_path(),
                                UserDir(ck, "dos-sec-a") + "/linked");
-  auto d = SecureDaemon({"--checkpoint_dir=" + ck});
-  ASSERT_TRUE(d->Start()) << d->log();
-  const std::string out = RunAs(User("dos-sec-a"), d->socket(),
+  StartDaemon({"--checkpoint_dir=" + ck});
+  const std::string out = RunAs(User("dos-sec-a"), daemon_->socket(),
                                 {"attach:name=job", "register:numel=256"});
-  EXPECT_NE(out.find("OK register step=0"), std::string::npos) << out << d->log();
-  EXPECT_EQ(d->log().find("session.restored"), std::string::npos) << d->log();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
-  fs::remove_all(ck);
-  fs::remove_all(fs::path(outside).parent_path());
+  EXPECT_NE(out.find("OK register step=0"), std::string::npos) << out << daemon_->log();
+  EXPECT_EQ(daemon_->log().find("session.restored"), std::string::npos) << daemon_->log();
 }
 
-TEST(CheckpointStore, RestoreIsKeyedByTheOwnersUid) {
+TEST_F(CheckpointStore, RestoreIsKeyedByTheOwnersUid) {
   DOS_SECURITY_REQUIRE();
   const std::string ck = DaemonOwnedDir("ck");
-  {
-    auto d = SecureDaemon({"--checkpoint_dir=" + ck});
-    ASSERT_TRUE(d->Start()) << d->log();
-    const std::string out = RunAs(User("dos-sec-a"), d->socket(),
-                                  {"attach:name=job", "register:numel=256", "step:n=3",
-                                   "rpc_save:id=self"});
-    ASSERT_NE(out.find("OK rpc_save"), std::string::npos) << out << d->log();
-    EXPECT_EQ(d->Stop(), 0) << d->log();
-  }
-  auto d = SecureDaemon({"--checkpoint_dir=" + ck});
-  ASSERT_TRUE(d->Start()) << d->log();
+  ASSERT_FALSE(SaveInStore(ck, 3).empty());
+  StartDaemon({"--checkpoint_dir=" + ck});
   // Another user claims the same job name and rank first: it starts fresh.
-  const std::string e = RunAs(User("dos-sec-e"), d->socket(),
+  const std::string e = RunAs(User("dos-sec-e"), daemon_->socket(),
                               {"attach:name=job", "register:numel=256"});
-  EXPECT_NE(e.find("OK register step=0"), std::string::npos) << e << d->log();
-  const std::string a = RunAs(User("dos-sec-a"), d->socket(),
+  EXPECT_NE(e.find("OK register step=0"), std::string::npos) << e << daemon_->log();
+  const std::string a = RunAs(User("dos-sec-a"), daemon_->socket(),
                               {"attach:name=job", "register:numel=256"});
-  EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << d->log();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
-  fs::remove_all(ck);
+  EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << daemon_->log();
 }
 
-TEST(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
+TEST_F(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
   DOS_SECURITY_REQUIRE();
   const std::string ck = DaemonOwnedDir("ck");
   const std::vector<std::string> flags = {"--checkpoint_dir=" + ck, "--autosave_interval=200ms",
                                           "--autosave_keep=1"};
   {
-    auto d = SecureDaemon(flags);
-    ASSERT_TRUE(d->Start()) << d->log();
-    UserProcess a(User("dos-sec-a"), d->socket(),
+    StartDaemon(flags);
+    UserProcess a(User("dos-sec-a"), daemon_->socket(),
                   {"attach", "register:numel=256", "step:n=3", "wait"});
-    UserProcess e(User("dos-sec-e"), d->socket(),
+    UserProcess e(User("dos-sec-e"), daemon_->socket(),
                   {"attach", "register:numel=256", "step:n=5", "wait"});
-    ASSERT_EQ(Code(a.Await("wait")), 0) << a.output() << d->log();
-    ASSERT_EQ(Code(e.Await("wait")), 0) << e.output() << d->log();
+    ASSERT_EQ(Code(a.Await("wait")), 0) << a.output() << daemon_->log();
+    ASSERT_EQ(Code(e.Await("wait")), 0) << e.output() << daemon_->log();
     // An autosave of each at its final step, in its owner's folder.
     ASSERT_TRUE(WaitFor([&] {
-      const std::string log = d->log();
+      const std::string log = daemon_->log();
       return log.find(UserDir(ck, "dos-sec-a") + "/sec.r-1/auto-000000000003.dckpt") !=
                  std::string::npos &&
              log.find(UserDir(ck, "dos-sec-e") + "/sec.r-1/auto-000000000005.dckpt") !=
                  std::string::npos;
-    }, 20000)) << d->log();
-    EXPECT_EQ(d->Stop(), 0) << d->log();  // trainers still attached: final autosave
+    }, 20000)) << daemon_->log();
+    StopDaemon();  // trainers still attached: final autosave
   }
-  auto d = SecureDaemon(flags);
-  ASSERT_TRUE(d->Start()) << d->log();
-  const std::string e = RunAs(User("dos-sec-e"), d->socket(), {"attach", "register:numel=256"});
-  const std::string a = RunAs(User("dos-sec-a"), d->socket(), {"attach", "register:numel=256"});
-  EXPECT_NE(e.find("OK register step=5"), std::string::npos) << e << d->log();
-  EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << d->log();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
-  fs::remove_all(ck);
+  StartDaemon(flags);
+  const std::string e =
+      RunAs(User("dos-sec-e"), daemon_->socket(), {"attach", "register:numel=256"});
+  const std::string a =
+      RunAs(User("dos-sec-a"), daemon_->socket(), {"attach", "register:numel=256"});
+  EXPECT_NE(e.find("OK register step=5"), std::string::npos) << e << daemon_->log();
+  EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << daemon_->log();
 }
 
 // A session's checkpoint folder swapped for a link to a folder outside the
@@ -279,23 +289,21 @@ TEST(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
 // store's directory descriptor, one folder at a time with O_NOFOLLOW, so the
 // moment of the swap does not matter: tests/unit/checkpoint/store_env_test
 // swaps between a save's checks and its writes.)
-TEST(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
+TEST_F(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
   DOS_SECURITY_REQUIRE();
   const std::string ck = DaemonOwnedDir("ck");
-  auto d = SecureDaemon({"--checkpoint_dir=" + ck, "--autosave_interval=100ms",
-                         "--autosave_keep=1"});
-  ASSERT_TRUE(d->Start()) << d->log();
-  UserProcess t(User("dos-sec-a"), d->socket(),
+  StartDaemon({"--checkpoint_dir=" + ck, "--autosave_interval=100ms", "--autosave_keep=1"});
+  UserProcess t(User("dos-sec-a"), daemon_->socket(),
                 {"attach:name=job", "register:numel=256", "step:n=2", "rpc_save:id=self", "wait",
                  "step:n=1", "rpc_save:id=self", "rpc_save:id=self,path=job.r-1/x.dckpt",
                  "rpc_load:id=self,token=self,path=job.r-1",
                  "rpc_load:id=self,token=self,path=job.r-1/auto-000000000000.dckpt", "wait"});
   const std::string saved = t.Await("rpc_save");
-  ASSERT_EQ(Code(saved), 0) << saved << d->log();
+  ASSERT_EQ(Code(saved), 0) << saved << daemon_->log();
   ASSERT_EQ(Code(t.Await("wait")), 0) << t.output();
   const std::string job = UserDir(ck, "dos-sec-a") + "/job.r-1";
   ASSERT_TRUE(WaitFor([&] { return fs::exists(job + "/auto-000000000002.dckpt"); }, 20000))
-      << d->log();
+      << daemon_->log();
   // Outside: valid checkpoints of this very job (a load through the link
   // would succeed) and autosaves that pruning through it would delete.
   const std::string outside = DaemonOwnedDir("outside");
@@ -308,29 +316,27 @@ TEST(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
   fs::create_directory_symlink(outside, job);
 
   t.Continue();
-  ASSERT_EQ(Code(t.Await("wait")), 0) << t.output() << d->log();
+  ASSERT_EQ(Code(t.Await("wait")), 0) << t.output() << daemon_->log();
   const std::string out = t.output();
   size_t refused = 0;
   for (const std::string op : {"ERR rpc_save code=3", "ERR rpc_load code=3"}) {
     for (size_t at = 0; (at = out.find(op, at)) != std::string::npos; ++at) ++refused;
   }
-  EXPECT_EQ(refused, 4u) << out << d->log();
+  EXPECT_EQ(refused, 4u) << out << daemon_->log();
   EXPECT_NE(out.find(job + " is a symlink; dosd does not follow links in its checkpoint store"),
             std::string::npos) << out;
   EXPECT_NE(out.find("remove " + job), std::string::npos) << out;
   // The session is at step 3 now: autosave tries, fails the same way, and
   // prunes nothing.
   EXPECT_TRUE(WaitFor([&] {
-    return LogLineHas(d->log(), {"event=checkpoint.failed", "autosave=1", job + " is a symlink"});
-  }, 20000)) << d->log();
+    return LogLineHas(daemon_->log(),
+                      {"event=checkpoint.failed", "autosave=1", job + " is a symlink"});
+  }, 20000)) << daemon_->log();
   EXPECT_EQ(Contents(outside), before) << "something outside the store changed";
-  EXPECT_EQ(d->log().find("event=checkpoint.pruned path=" + job), std::string::npos) << d->log();
-  EXPECT_EQ(d->log().find("event=checkpoint.loaded"), std::string::npos) << d->log();
+  EXPECT_EQ(daemon_->log().find("event=checkpoint.pruned path=" + job), std::string::npos)
+      << daemon_->log();
+  EXPECT_EQ(daemon_->log().find("event=checkpoint.loaded"), std::string::npos) << daemon_->log();
   t.Finish();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
-  fs::remove_all(ck);
-  fs::remove_all(outside);
-  fs::remove_all(moved);
 }
 
 // A checkpoint write that fails part way (here at dosd's file size limit,
@@ -339,34 +345,34 @@ TEST(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
 // caller with the cause and the fix, leaves the previous checkpoint at that
 // path byte for byte and no temporary, and dosd serves on (before, SIGXFSZ
 // killed it).
-TEST(CheckpointStore, AFailedWriteKeepsThePreviousCheckpointAndDosdServing) {
+TEST_F(CheckpointStore, AFailedWriteKeepsThePreviousCheckpointAndDosdServing) {
   DOS_SECURITY_REQUIRE();
   constexpr rlim_t kLimit = 256 << 10;
-  auto d = SecureDaemon();
+  daemon_ = SecureDaemon();
   {
     rlimit saved{};
     ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
     rlimit low = saved;
     low.rlim_cur = kLimit;  // the soft limit only: it can be raised back
     ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &low), 0) << std::strerror(errno);
-    const bool started = d->Start();
+    const bool started = daemon_->Start();
     ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
-    ASSERT_TRUE(started) << d->log();
+    ASSERT_TRUE(started) << daemon_->log();
   }
   // A small session's checkpoint fits; a large one's (786 KiB) does not.
-  UserProcess small(User("dos-sec-a"), d->socket(),
+  UserProcess small(User("dos-sec-a"), daemon_->socket(),
                     {"attach:name=job", "register:numel=256", "step:n=1",
                      "rpc_save:id=self,path=keep.dckpt", "wait", "rpc_save:id=self,path=keep.dckpt"});
   const std::string first = small.Await("rpc_save");
-  ASSERT_EQ(Code(first), 0) << first << d->log();
+  ASSERT_EQ(Code(first), 0) << first << daemon_->log();
   const std::string path = Field(first, "path");
   const std::string before = ReadAll(path);
   ASSERT_FALSE(before.empty());
-  const std::string big = RunAs(User("dos-sec-a"), d->socket(),
+  const std::string big = RunAs(User("dos-sec-a"), daemon_->socket(),
                                 {"attach:name=job", "register:numel=65536", "step:n=1",
                                  "rpc_save:id=self,path=keep.dckpt"});
   const std::string failed = big.substr(big.find("rpc_save"));
-  EXPECT_EQ(Code("ERR " + failed), 8) << big << d->log();  // RESOURCE_EXHAUSTED
+  EXPECT_EQ(Code("ERR " + failed), 8) << big << daemon_->log();  // RESOURCE_EXHAUSTED
   EXPECT_NE(failed.find("RLIMIT_FSIZE"), std::string::npos) << failed;
   EXPECT_NE(failed.find("the previous checkpoint is intact"), std::string::npos) << failed;
   EXPECT_NE(failed.find(path), std::string::npos) << failed;
@@ -377,9 +383,8 @@ TEST(CheckpointStore, AFailedWriteKeepsThePreviousCheckpointAndDosdServing) {
   // dosd serves on: the small session saves again.
   small.Continue();
   const std::string again = small.Await("rpc_save");
-  EXPECT_EQ(Code(again), 0) << again << d->log();
+  EXPECT_EQ(Code(again), 0) << again << daemon_->log();
   small.Finish();
-  EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
 }  // namespace

@@ -202,10 +202,8 @@ class _RegisterMixin:
         # Every tensor over the arena keeps the session, hence the mapping, alive.
         self._arena.owner = self._handle
 
-        tensors = (_native.Tensor * len(entries))()
-        name_bufs = []
         with torch.no_grad():
-            for e, (poff, goff), t in zip(entries, offsets, tensors):
+            for e, (poff, goff) in zip(entries, offsets):
                 local = e.local
                 n = local.numel()
                 e.param_shm = torch.frombuffer(self._arena, dtype=local.dtype, count=n,
@@ -218,21 +216,7 @@ class _RegisterMixin:
                     e.grad_shm.copy_(grad)
                 # A DTensor's shard cannot be rebound: copy in and out instead.
                 e.copy_out = e.copy_grad
-                name = e.name.encode()
-                name_bufs.append(name)
-                t.name = name
-                t.param_dtype = t.grad_dtype = DTYPES[local.dtype]
-                t.param = e.param_shm.data_ptr()
-                t.grad = e.grad_shm.data_ptr()
-                t.numel = n
-                t.group = e.group
-        groups = self._hparams()
-        opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        compact = bool(getattr(self, "_compact_state", False))
-        call("dos_set_state_format", self._session, 1 if compact else 0)
-        with_progress(self._session, _state_what(entries, compact),
-                      lambda: call("dos_register", self._session, tensors, len(entries), groups,
-                                   len(groups), ctypes.byref(opts)))
+        self._send_register(entries, subgroup_size)
         # Only now rebind the model: on failure above it is left untouched.
         for e in entries:
             if e.copy_out:
@@ -249,10 +233,8 @@ class _RegisterMixin:
                            f"register: the parameters are on {device} but the loaded "
                            "libdos_client was built without CUDA; rebuild it with "
                            "-DDOS_WITH_CUDA=ON (or set DOS_CLIENT_LIB to a CUDA build)")
-        tensors = (_native.Tensor * len(entries))()
-        name_bufs = []
         with torch.no_grad():
-            for e, t in zip(entries, tensors):
+            for e in entries:
                 p = e.param
                 local = e.local
                 if not local.is_contiguous():
@@ -271,16 +253,25 @@ class _RegisterMixin:
                         p.grad = p.grad.to(device=p.device).contiguous()
                     e.grad_shm = p.grad
                 e.param_shm = local
-                name = e.name.encode()
-                name_bufs.append(name)
-                t.name = name
-                t.param_dtype = t.grad_dtype = DTYPES[local.dtype]
-                t.param = local.data_ptr()
-                t.grad = e.grad_shm.data_ptr()
-                t.numel = local.numel()
-                t.group = e.group
             # The daemon reads the initial weights on its own streams.
             torch.cuda.synchronize(device)
+        self._send_register(entries, subgroup_size)
+        self._device = device
+        self._entries = entries
+
+    def _send_register(self, entries, subgroup_size):
+        """dos_register for `entries`, whose param_shm and grad_shm are the
+        memory dosd is to use, with each group's hyperparameters and the
+        state format (compact or not); logs progress while dosd works."""
+        tensors = (_native.Tensor * len(entries))()
+        names = [e.name.encode() for e in entries]  # alive until dos_register returns
+        for e, t, name in zip(entries, tensors, names):
+            t.name = name
+            t.param_dtype = t.grad_dtype = DTYPES[e.local.dtype]
+            t.param = e.param_shm.data_ptr()
+            t.grad = e.grad_shm.data_ptr()
+            t.numel = e.local.numel()
+            t.group = e.group
         groups = self._hparams()
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
         compact = bool(getattr(self, "_compact_state", False))
@@ -288,8 +279,6 @@ class _RegisterMixin:
         with_progress(self._session, _state_what(entries, compact),
                       lambda: call("dos_register", self._session, tensors, len(entries), groups,
                                    len(groups), ctypes.byref(opts)))
-        self._device = device
-        self._entries = entries
 
     def _hparams(self):
         arr = (_native.Hparams * len(self._group_map))()

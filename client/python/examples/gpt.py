@@ -107,14 +107,25 @@ def _checkpoint(fn, x):
 
 
 def build(size="tiny", layers=None, d_model=None, heads=None, seq=None, vocab=None,
-          dtype=torch.bfloat16, device="cpu", checkpoint=True, seed=0):
+          dtype=torch.bfloat16, device="cpu", checkpoint=True, seed=0, init_in_dtype=False):
+    """The model on `device` in `dtype`, built there (where torch.device is a
+    context manager). init_in_dtype: create and initialise the weights in
+    `dtype` directly instead of in fp32 and then converting, so that a large
+    model never holds its fp32 copy (4 bytes a parameter) on the device; the
+    random values differ from the fp32 init's."""
     L, d, h, s, v = SIZES[size]
     L, d, h = layers or L, d_model or d, heads or h
     s, v = seq or s, vocab or v
     torch.manual_seed(seed)
-    with torch.device(device) if hasattr(torch, "device") and hasattr(torch.device, "__enter__") \
-            else _nullctx():
-        model = GPT(L, d, h, s, v, checkpoint=checkpoint)
+    prev = torch.get_default_dtype()
+    if init_in_dtype:
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if hasattr(torch, "device") and \
+                hasattr(torch.device, "__enter__") else _nullctx():
+            model = GPT(L, d, h, s, v, checkpoint=checkpoint)
+    finally:
+        torch.set_default_dtype(prev)
     model = model.to(device=device, dtype=dtype)
     model.cfg = dict(layers=L, d_model=d, heads=h, seq=s, vocab=v)
     return model
