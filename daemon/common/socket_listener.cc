@@ -1,5 +1,7 @@
 #include "daemon/common/socket_listener.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
@@ -54,27 +56,78 @@ absl::StatusOr<std::unique_ptr<SocketListener>> SocketListener::Bind(
     return fail(absl::PermissionDeniedError(
         absl::StrCat("cannot set the mode of ", path, ": ", std::strerror(errno))));
   }
+  absl::StatusOr<std::unique_ptr<SocketListener>> l = Make(path, path, std::move(options),
+                                                           std::move(fd));
+  if (!l.ok()) return fail(l.status());
+  return l;
+}
+
+absl::StatusOr<std::unique_ptr<SocketListener>> SocketListener::BindTcp(
+    const sockaddr* addr, socklen_t len, SocketListenerOptions options) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (addr->sa_family == AF_INET && len >= sizeof(sockaddr_in)) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(addr);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    port = ntohs(a->sin_port);
+  } else if (addr->sa_family == AF_INET6 && len >= sizeof(sockaddr_in6)) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(addr);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    port = ntohs(a->sin6_port);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a TCP listener takes an IPv4 or IPv6 address, not address family ", addr->sa_family));
+  }
+  const std::string name = absl::StrCat("tcp:", host, ":", port);
+  UniqueFd fd(::socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) {
+    return absl::InternalError(absl::StrCat("socket for ", name, ": ", std::strerror(errno)));
+  }
+  int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd.get(), addr, len) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot bind ", name, ": ", std::strerror(errno),
+                                               "; choose another ", options.flag));
+  }
+  return Make("", name, std::move(options), std::move(fd));
+}
+
+absl::StatusOr<std::unique_ptr<SocketListener>> SocketListener::Make(std::string path,
+                                                                     std::string name,
+                                                                     SocketListenerOptions options,
+                                                                     UniqueFd fd) {
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC));
   if (!wake.valid()) {
-    return fail(absl::InternalError(absl::StrCat("eventfd for ", path, ": ", std::strerror(errno))));
+    return absl::InternalError(absl::StrCat("eventfd for ", name, ": ", std::strerror(errno)));
   }
-  return std::unique_ptr<SocketListener>(
-      new SocketListener(path, std::move(options), std::move(fd), std::move(wake)));
+  return std::unique_ptr<SocketListener>(new SocketListener(
+      std::move(path), std::move(name), std::move(options), std::move(fd), std::move(wake)));
+}
+
+uint16_t SocketListener::port() const {
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  if (!path_.empty() || ::getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+    return 0;
+  }
+  if (bound.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+  return 0;
 }
 
 SocketListener::~SocketListener() {
   Stop();
   fd_.reset();
-  ::unlink(path_.c_str());
+  if (!path_.empty()) ::unlink(path_.c_str());
 }
 
 absl::Status SocketListener::Serve(Handler handler) {
   if (thread_.joinable() || handler_) {
-    return absl::FailedPreconditionError(absl::StrCat(path_, " is already served"));
+    return absl::FailedPreconditionError(absl::StrCat(name_, " is already served"));
   }
   if (::listen(fd_.get(), options_.backlog) != 0) {
     return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", path_, ": ", std::strerror(errno)));
+        absl::StrCat("cannot listen on ", name_, ": ", std::strerror(errno)));
   }
   handler_ = std::move(handler);
   thread_ = std::thread([this] {
@@ -101,7 +154,7 @@ void SocketListener::Loop() {
     pollfd fds[2] = {{fd_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
-      DOS_LOG_ERROR("listen.poll_failed", "socket", path_, "error", std::strerror(errno));
+      DOS_LOG_ERROR("listen.poll_failed", "socket", name_, "error", std::strerror(errno));
       return;
     }
     if (fds[1].revents != 0) return;
@@ -109,7 +162,7 @@ void SocketListener::Loop() {
     if (!conn.valid()) {
       const int err = errno;
       if (err == EAGAIN || err == EINTR || err == ECONNABORTED) continue;
-      DOS_LOG_WARNING("listen.accept_failed", "socket", path_, "error", std::strerror(err));
+      DOS_LOG_WARNING("listen.accept_failed", "socket", name_, "error", std::strerror(err));
       // Out of descriptors or memory: the pending connection stays queued
       // and poll would answer at once; give the process a moment.
       if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {

@@ -133,6 +133,7 @@ absl::Status GpuEngine::EnsureBuffers(uint64_t max_numel) {
   for (char* p : grad_host_) DOS_CUDA_RETURN_IF_ERROR(cudaFreeHost(p));
   for (char* p : weight_host_) DOS_CUDA_RETURN_IF_ERROR(cudaFreeHost(p));
   slots_.clear();
+  prefetch_.clear();
   cast_dev_.clear();
   grad_host_.clear();
   weight_host_.clear();
@@ -198,8 +199,43 @@ absl::Status GpuEngine::WaitTrainerEvent(void* event) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto ev = static_cast<cudaEvent_t>(event);
-  for (cudaStream_t s : {h2d_, compute_, d2h_, cpu_d2h_, cpu_h2d_}) {
+  // The streams that read gradients or write weights: the kernels and the
+  // CPU path's gradient copies. The state streams (h2d_, d2h_) do not
+  // wait: state does not depend on the trainer, and their weight copies
+  // (the CPU path's, on h2d_) are issued after the host saw that path's
+  // gradient copies, which waited, complete.
+  for (cudaStream_t s : {compute_, cpu_d2h_, cpu_h2d_}) {
     if (s != nullptr) DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, ev, 0));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuEngine::Prefetch(const StepPlan& plan, ShardState& shard) {
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  prefetch_.assign(slots_.size(), {});
+  if (shard.attachment() == nullptr || plan.num_subgroups != shard.subgroups().size() ||
+      shard.tensors().empty()) {
+    return absl::OkStatus();  // Execute reports these
+  }
+  // The GPU side claims its own subgroups first, then shared ones from the
+  // front (SubgroupQueue): those are the ones it will most likely take first.
+  std::vector<uint32_t> first;
+  for (const std::vector<uint32_t>* list : {&plan.gpu_only, &plan.shared}) {
+    for (uint32_t sg : *list) {
+      if (first.size() == static_cast<size_t>(options_.staging_slots)) break;
+      first.push_back(sg);
+    }
+  }
+  if (first.empty()) return absl::OkStatus();
+  DOS_RETURN_IF_ERROR(EnsureBuffers(plan.max_numel));
+  prefetch_.assign(slots_.size(), {});
+  const int64_t step = shard.tensors()[0].step;
+  for (size_t i = 0; i < first.size() && i < slots_.size(); ++i) {
+    const Subgroup& g = shard.subgroups()[first[i]];
+    DOS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slots_[i], g.master, StateBytes(g), cudaMemcpyHostToDevice, h2d_));
+    prefetch_[i] = SlotPrefetch{.shard = &shard, .subgroup = first[i], .step = step};
   }
   return absl::OkStatus();
 }
@@ -225,8 +261,20 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
         " has memory for ", resident, "; lower the static fraction, the GPU memory budget or "
         "the session's GPU lease"));
   }
+  // What Prefetch copied for this shard at this step is used; anything else
+  // in the slots is overwritten.
+  std::vector<int64_t> prefetched(slots_.size(), -1);
+  for (size_t i = 0; i < prefetch_.size() && i < slots_.size(); ++i) {
+    const SlotPrefetch& p = prefetch_[i];
+    if (p.shard == &shard && !shard.tensors().empty() && p.step == shard.tensors()[0].step &&
+        p.subgroup >= resident) {
+      prefetched[i] = p.subgroup;
+    }
+  }
+  prefetch_.assign(slots_.size(), {});
   SubgroupQueue queue = plan.MakeQueue();
   StepRun run;
+  run.prefetched = prefetched;
   run.shard = &shard;
   run.bindings = bindings;
   run.scalars = scalars;
@@ -267,6 +315,7 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->gpu_params = run.gpu_params;
   m->streamed_params = run.streamed_params;
   m->gpu_h2d_bytes = run.gpu_h2d;
+  m->prefetched_bytes = run.prefetched_bytes;
   m->gpu_d2h_bytes = run.gpu_d2h;
   m->cpu_h2d_bytes = run.cpu_h2d;
   m->cpu_d2h_bytes = run.cpu_d2h;

@@ -19,6 +19,12 @@
 // SubgroupQueue, the GPU side asking the plan's TakeShared rule. Timings are
 // measured (CUDA events and host clocks) into StepMeasurements.
 //
+// Before the verdict (Prefetch, while backward still runs on the trainer's
+// side) the first streamed subgroups' state is copied into the staging
+// slots: the GPU-path streams that move only state (H2D, D2H) do not wait
+// for the trainer's event, the compute stream and the CPU path's gradient
+// copies do.
+//
 // Host state is page-locked in place (cudaHostRegister of each subgroup's
 // allocation) at AttachShard; resident and staging memory is plain
 // cudaMalloc.
@@ -83,6 +89,7 @@ class GpuEngine final : public Engine {
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void* event) override;
   absl::Status WaitTrainerEvent(void* event) override;
+  absl::Status Prefetch(const StepPlan& plan, ShardState& shard) override;
   absl::Status Execute(const StepPlan& plan, ShardState& shard,
                        std::span<const TensorBinding> bindings,
                        std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
@@ -91,6 +98,13 @@ class GpuEngine final : public Engine {
   void DropResident(ShardState& shard) override;
   absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) override;
 
+  // A staging slot's content copied by Prefetch: subgroup `subgroup` of
+  // `shard` at step count `step` (tensor 0's), queued on the H2D stream.
+  struct SlotPrefetch {
+    const ShardState* shard = nullptr;  // null: nothing prefetched
+    uint32_t subgroup = 0;
+    int64_t step = 0;
+  };
   class Shard;     // per-shard attachment (gpu_engine.cc)
   struct StepRun;  // one step's working state (gpu_engine.cc)
 
@@ -119,6 +133,7 @@ class GpuEngine final : public Engine {
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
   std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);      // device, 3 * buffer_numel each
+  std::vector<SlotPrefetch> prefetch_ ABSL_GUARDED_BY(step_mu_);  // per slot
   std::vector<char*> grad_host_ ABSL_GUARDED_BY(step_mu_);   // pinned, 4 * buffer_numel (x2)
   std::vector<char*> weight_host_ ABSL_GUARDED_BY(step_mu_); // pinned, 4 * buffer_numel (x2)
   std::vector<float*> cast_dev_ ABSL_GUARDED_BY(step_mu_);   // device, cpu_grad_fp32 only (x2)

@@ -85,9 +85,12 @@ struct GpuEngine::StepRun {
   uint64_t streamed_params = 0;
   cudaEvent_t start = nullptr;
   absl::Time t0;
+  // Per staging slot, the subgroup whose state Prefetch already copied
+  // there for this step (-1: none).
+  std::vector<int64_t> prefetched;
   // Written by the GPU loop only.
   std::vector<TimelineEntry> gpu_entries;
-  uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0;
+  uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0, prefetched_bytes = 0;
   double h2d_us = 0, d2h_us = 0, kernel_us = 0;
   // Written by the CPU loop only.
   std::vector<TimelineEntry> cpu_entries;

@@ -1,6 +1,7 @@
 // GpuEngine's GPU path: the resident subgroups' kernels, then the streamed
 // subgroups through the staging slots (H2D, kernel, D2H on three streams),
 // claimed from the plan's queue. Runs on the engine's worker thread.
+#include <iterator>
 #include <optional>
 
 #include "daemon/cpu/subgroup_spans.h"
@@ -42,6 +43,9 @@ class StreamPipeline {
   StreamPipeline(GpuEngine::StepRun& run, Streams streams, std::span<float* const> slots)
       : run_(run), streams_(streams), buffers_(slots), slots_(slots.size()) {
     for (int i = static_cast<int>(slots.size()) - 1; i >= 0; --i) free_.push_back(i);
+    for (size_t i = 0; i < slots_.size() && i < run.prefetched.size(); ++i) {
+      slots_[i].prefetched = run.prefetched[i];
+    }
   }
   ~StreamPipeline() {
     for (Slot& s : slots_) DestroyEvents(s.ev);
@@ -72,24 +76,42 @@ class StreamPipeline {
     return st;
   }
 
-  // Sends subgroup `sg` through a free slot.
+  // Sends subgroup `sg` through a free slot: the one its state was
+  // prefetched into if it was, else one holding no prefetched state if any.
   absl::Status Issue(uint32_t sg) {
-    const int si = free_.back();
-    free_.pop_back();
+    auto pick = [&](auto pred) {
+      for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+        if (pred(slots_[*it])) return std::prev(it.base());
+      }
+      return free_.end();
+    };
+    auto it = pick([&](const Slot& s) { return s.prefetched == static_cast<int64_t>(sg); });
+    if (it == free_.end()) it = pick([](const Slot& s) { return s.prefetched < 0; });
+    if (it == free_.end()) it = std::prev(free_.end());
+    const int si = *it;
+    free_.erase(it);
     busy_.push_back(si);
     Slot& s = slots_[si];
     s.subgroup = sg;
+    const bool prefetched = s.prefetched == static_cast<int64_t>(sg);
+    s.prefetched = -1;  // the slot's content is this step's from now on
     const Subgroup& g = run_.shard->subgroups()[sg];
     run_.shard->BeforeWrite(sg);  // checkpoint copy-on-write: the D2H below writes it back
     float* state = buffers_[si];
     const uint64_t bytes = StateBytes(g);
     run_.gpu_params += g.numel;
     run_.streamed_params += g.numel;
-    run_.gpu_h2d += bytes;
     run_.gpu_d2h += bytes;
+    // A prefetched slot's copy was queued on the same H2D stream before:
+    // the events below complete after it.
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[0], streams_.h2d));
-    DOS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
+    if (prefetched) {
+      run_.prefetched_bytes += bytes;
+    } else {
+      run_.gpu_h2d += bytes;
+      DOS_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
+    }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[1], streams_.h2d));
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
@@ -118,6 +140,7 @@ class StreamPipeline {
  private:
   struct Slot {
     uint32_t subgroup = 0;
+    int64_t prefetched = -1;  // subgroup whose state Prefetch put here, unused yet
     cudaEvent_t ev[6] = {};
   };
   GpuEngine::StepRun& run_;

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "daemon/common/log.h"
 #include "daemon/metrics/metrics_registry.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
@@ -101,71 +102,75 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
         "refusing to serve metrics on ", options.host, ": not a loopback address; the metrics "
         "describe this node's jobs. Bind 127.0.0.1, or allow non-loopback binds explicitly"));
   }
-  int fd = ::socket(addr.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("metrics socket: ", strerror(errno)));
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr.storage), addr.len) != 0 ||
-      ::listen(fd, 64) != 0) {
-    int err = errno;
-    ::close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", options.host,
-                                               ":", options.port, ": ", strerror(err)));
-  }
-  sockaddr_storage bound{};
-  socklen_t len = sizeof bound;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  uint16_t port = ntohs(bound.ss_family == AF_INET
-                            ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
-                            : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
-  int wake = ::eventfd(0, EFD_CLOEXEC);
-  if (wake < 0) {
-    int err = errno;
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("metrics eventfd: ", strerror(err)));
-  }
-  std::unique_ptr<MetricsHttpServer> s(
-      new MetricsHttpServer(fd, wake, port, options.read_timeout, std::move(render)));
-  s->thread_ = std::thread([p = s.get()] { p->Loop(); });
-  ::pthread_setname_np(s->thread_.native_handle(), "dos-metrics");
-  DOS_LOG_INFO("metrics.listen", "host", options.host, "port", port);
+  SocketListenerOptions lo;
+  lo.backlog = static_cast<int>(kMaxConnections);
+  lo.accept_flags = SOCK_CLOEXEC | SOCK_NONBLOCK;
+  lo.thread_name = "dos-metrics-acc";
+  lo.flag = "--metrics_port";
+  absl::StatusOr<std::unique_ptr<SocketListener>> listener =
+      SocketListener::BindTcp(reinterpret_cast<const sockaddr*>(&addr.storage), addr.len, lo);
+  if (!listener.ok()) return listener.status();
+  UniqueFd wake(::eventfd(0, EFD_CLOEXEC));
+  if (!wake.valid()) return absl::InternalError(absl::StrCat("metrics eventfd: ", strerror(errno)));
+  std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer(
+      std::move(*listener), std::move(wake), options.read_timeout, std::move(render)));
+  s->thread_ = std::thread([p = s.get()] {
+    ::pthread_setname_np(::pthread_self(), "dos-metrics");
+    p->Loop();
+  });
+  // On failure the destructor stops the thread.
+  DOS_RETURN_IF_ERROR(
+      s->listener_->Serve([p = s.get()](UniqueFd conn) { p->Accepted(std::move(conn)); }));
+  DOS_LOG_INFO("metrics.listen", "host", options.host, "port", s->port_);
   return s;
 }
 
-MetricsHttpServer::MetricsHttpServer(int listen_fd, int wake_fd, uint16_t port,
+MetricsHttpServer::MetricsHttpServer(std::unique_ptr<SocketListener> listener, UniqueFd wake,
                                      absl::Duration read_timeout, Render render)
-    : listen_fd_(listen_fd),
-      wake_fd_(wake_fd),
-      port_(port),
+    : listener_(std::move(listener)),
+      wake_(std::move(wake)),
+      port_(listener_->port()),
       read_timeout_(read_timeout),
       render_(std::move(render)) {}
 
 MetricsHttpServer::~MetricsHttpServer() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;  // releases an Accepted() waiting for room
+  }
+  listener_->Stop();
   uint64_t one = 1;
-  while (::write(wake_fd_, &one, sizeof one) < 0 && errno == EINTR) {
+  while (::write(wake_.get(), &one, sizeof one) < 0 && errno == EINTR) {
   }
   if (thread_.joinable()) thread_.join();
-  ::close(listen_fd_);
-  ::close(wake_fd_);
+}
+
+void MetricsHttpServer::Accepted(UniqueFd conn) {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(this, &MetricsHttpServer::RoomOrStopping));
+  if (stopping_) return;
+  queued_.push_back(std::move(conn));
+  ++open_;
+  uint64_t one = 1;
+  while (::write(wake_.get(), &one, sizeof one) < 0 && errno == EINTR) {
+  }
 }
 
 void MetricsHttpServer::Loop() {
   // Connections being read, each with its own buffer and deadline: an idle
   // or slow client never delays another's scrape.
   struct Conn {
-    int fd;
+    UniqueFd fd;
     std::string req;
     absl::Time deadline;
   };
   std::vector<Conn> conns;
   while (true) {
     std::vector<pollfd> fds;
-    fds.push_back({wake_fd_, POLLIN, 0});
-    // Stop accepting while kMaxConnections are open; the kernel queues the rest.
-    fds.push_back({listen_fd_, static_cast<short>(conns.size() < kMaxConnections ? POLLIN : 0), 0});
+    fds.push_back({wake_.get(), POLLIN, 0});
     absl::Time next = absl::InfiniteFuture();
     for (const Conn& c : conns) {
-      fds.push_back({c.fd, POLLIN, 0});
+      fds.push_back({c.fd.get(), POLLIN, 0});
       next = std::min(next, c.deadline);
     }
     const int timeout_ms =
@@ -178,19 +183,18 @@ void MetricsHttpServer::Loop() {
       DOS_LOG_ERROR("metrics.poll_failed", "error", strerror(errno));
       break;
     }
-    if (fds[0].revents != 0) break;
     const absl::Time now = absl::Now();
     std::vector<Conn> keep;
     for (size_t i = 0; i < conns.size(); ++i) {
       Conn& c = conns[i];
       bool done = false;
-      if (fds[i + 2].revents != 0) {
+      if (fds[i + 1].revents != 0) {
         char buf[2048];
-        ssize_t got = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+        ssize_t got = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
         if (got > 0) {
           c.req.append(buf, static_cast<size_t>(got));
           if (absl::StrContains(c.req, "\r\n\r\n") || c.req.size() > kMaxRequestBytes) {
-            Answer(c.fd, c.req);
+            Answer(c.fd.get(), c.req);
             done = true;
           }
         } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
@@ -198,19 +202,22 @@ void MetricsHttpServer::Loop() {
         }
       }
       if (!done && now >= c.deadline) done = true;  // a client that sends nothing gets nothing
-      if (done) {
-        ::close(c.fd);
-      } else {
-        keep.push_back(std::move(c));
-      }
+      if (!done) keep.push_back(std::move(c));
     }
+    const size_t closed = conns.size() - keep.size();
     conns = std::move(keep);
-    if (fds[1].revents & POLLIN) {
-      int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (c >= 0) conns.push_back(Conn{c, std::string(), absl::Now() + read_timeout_});
+    if (fds[0].revents != 0) {
+      uint64_t count;
+      (void)!::read(wake_.get(), &count, sizeof count);
     }
+    absl::MutexLock lock(&mu_);
+    open_ -= closed;
+    if (stopping_) break;
+    for (UniqueFd& q : queued_) {
+      conns.push_back(Conn{std::move(q), std::string(), now + read_timeout_});
+    }
+    queued_.clear();
   }
-  for (const Conn& c : conns) ::close(c.fd);
 }
 
 void MetricsHttpServer::Answer(int fd, const std::string& req) {

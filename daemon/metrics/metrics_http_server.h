@@ -1,17 +1,23 @@
 // MetricsHttpServer: a minimal HTTP/1.1 server for Prometheus scrapes. It
 // answers GET /metrics with the page its render callback returns (usually
 // MetricsRegistry::RenderText) and 404 / 405 / 400 otherwise, one request per
-// connection (Connection: close). Plain sockets, one thread ("dos-metrics")
-// polling up to 64 connections at once (each with its own buffer), no
-// keep-alive, requests capped at 8 KiB and a 2 s read deadline per
-// connection: idle or slow clients never delay another client's scrape.
+// connection (Connection: close). No keep-alive, requests capped at 8 KiB and
+// a 2 s read deadline per connection.
+//
+// Two threads: a SocketListener (daemon/common, the accept loop dosd's unix
+// sockets use too; "dos-metrics-acc") accepts and hands each connection to
+// "dos-metrics", which polls up to 64 of them at once, each with its own
+// buffer and deadline, so an idle or slow client never delays another
+// client's scrape. While 64 are open the accept thread waits and the kernel
+// queues the rest.
 //
 // It binds loopback addresses only (127.0.0.0/8, ::1, "localhost") unless
 // `allow_non_loopback` is set: the metrics reveal what runs on the node, and
 // the daemon has no TCP listener the operator did not ask for.
 //
-// Ownership: owns its socket and thread; the destructor stops and joins.
-// Thread-safety: `render` is called on the server thread only.
+// Ownership: owns its listener, connections and threads; the destructor
+// stops and joins both threads. Thread-safety: `render` is called on the
+// "dos-metrics" thread only.
 #pragma once
 
 #include <atomic>
@@ -20,9 +26,14 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/socket_listener.h"
+#include "dos/wire/unique_fd.h"
 
 namespace dos {
 
@@ -37,7 +48,7 @@ class MetricsHttpServer {
  public:
   using Render = std::function<std::string()>;
 
-  // Binds, listens and starts the thread. INVALID_ARGUMENT for a host that is
+  // Binds, listens and starts the threads. INVALID_ARGUMENT for a host that is
   // not an IP literal, PERMISSION_DENIED for a non-loopback host without
   // allow_non_loopback, UNAVAILABLE when the port cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
@@ -51,19 +62,30 @@ class MetricsHttpServer {
   uint64_t requests() const { return requests_.load(std::memory_order_relaxed); }
 
  private:
-  MetricsHttpServer(int listen_fd, int wake_fd, uint16_t port, absl::Duration read_timeout,
-                    Render render);
+  MetricsHttpServer(std::unique_ptr<SocketListener> listener, UniqueFd wake,
+                    absl::Duration read_timeout, Render render);
   static constexpr size_t kMaxConnections = 64;
+  // On the listener's thread: queues `conn` for Loop, first waiting while
+  // kMaxConnections are open.
+  void Accepted(UniqueFd conn);
+  bool RoomOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || open_ < kMaxConnections;
+  }
+  // "dos-metrics": reads each connection's request, answers, closes.
   void Loop();
   // Answers one complete request (or refuses a bad one) on `fd`.
   void Answer(int fd, const std::string& request);
 
-  const int listen_fd_;
-  const int wake_fd_;  // eventfd: written by the destructor to stop the loop
+  const std::unique_ptr<SocketListener> listener_;
+  const UniqueFd wake_;  // eventfd: a connection queued, or stopping
   const uint16_t port_;
   const absl::Duration read_timeout_;
   const Render render_;
   std::atomic<uint64_t> requests_{0};
+  absl::Mutex mu_;
+  std::vector<UniqueFd> queued_ ABSL_GUARDED_BY(mu_);  // accepted, not yet polled
+  size_t open_ ABSL_GUARDED_BY(mu_) = 0;               // queued or polled
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

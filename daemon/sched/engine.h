@@ -83,6 +83,18 @@ class Engine {
   // True when every gradient of every tensor is finite.
   virtual absl::StatusOr<bool> AllFinite(const ShardState& shard,
                                          std::span<const TensorBinding> bindings) = 0;
+  // Starts copying the state of the streamed subgroups `plan` gives the GPU
+  // first into the engine's staging memory, before the step's gradients are
+  // final (the state does not depend on them): called by the step's Run
+  // between planning and the verdict (the inf/NaN scan waits for backward
+  // to end), it moves that transfer out of the update phase. Only the next
+  // Execute of the same shard at the same step count uses it; any other
+  // Execute discards it. Engines without staging do nothing.
+  virtual absl::Status Prefetch(const StepPlan& plan, ShardState& shard) {
+    (void)plan;
+    (void)shard;
+    return absl::OkStatus();
+  }
   // Updates every subgroup of the shard where `plan` puts it, with one
   // AdamScalars per tensor, writes the trainer's weights in place and fills
   // `measured`. When it returns every copy and kernel of the step completed.

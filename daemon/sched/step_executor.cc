@@ -87,7 +87,8 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   if (!engine_->has_gpu()) return out;
   out.cpu_params = m.cpu_params;
   out.gpu_params = m.gpu_params;
-  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes;
+  out.h2d_bytes = m.gpu_h2d_bytes + m.cpu_h2d_bytes + m.prefetched_bytes;
+  out.prefetched_bytes = m.prefetched_bytes;
   out.d2h_bytes = m.gpu_d2h_bytes + m.cpu_d2h_bytes;
   out.cpu_busy_us = m.cpu_kernel_us;
   out.gpu_busy_us = m.gpu_kernel_us;
@@ -119,6 +120,22 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     absl::Status st = engine_->WaitTrainerEvent(sync.trainer_event);
     if (!st.ok()) return st;
   }
+  // The plan and the resident tier depend on no gradient: made before the
+  // verdict, so that the engine can start moving the first streamed
+  // subgroups' state while backward still runs (the scan below waits for it).
+  const ShardLayout layout = planner_.LayoutOf(shard);
+  uint32_t resident = 0;
+  if (session != 0) {
+    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+    DOS_ASSIGN_OR_RETURN(resident, engine_->SetResident(shard, target, true));
+  } else {
+    resident = StepPlanner::ResidentCount(policy, layout, planner_.budgets());
+  }
+  // The node counts this engine as stepping (its share of the host) from
+  // here until the step ends, failed or skipped included.
+  NodeResources::Step node_step = planner_.BeginStep(layout, resident);
+  const StepPlan plan = planner_.Plan(policy, layout, resident);
+  DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   if (!(request.flags & kStepGradientsChecked)) {
     absl::StatusOr<bool> finite = engine_->AllFinite(shard, bindings);
     if (!finite.ok()) return finite.status();
@@ -139,18 +156,6 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
   }
-  const ShardLayout layout = planner_.LayoutOf(shard);
-  uint32_t resident = 0;
-  if (session != 0) {
-    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(resident, engine_->SetResident(shard, target, true));
-  } else {
-    resident = StepPlanner::ResidentCount(policy, layout, planner_.budgets());
-  }
-  // The node counts this engine as stepping (its share of the host) from
-  // here until the step ends, failed or not.
-  NodeResources::Step node_step = planner_.BeginStep(layout, resident);
-  const StepPlan plan = planner_.Plan(policy, layout, resident);
   StepMeasurements measured;
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, sync, &measured);
   if (!st.ok()) return st;

@@ -2,13 +2,16 @@
 //
 // A step: validate the hyperparameters (ValidateStepRequest), make the
 // engine wait for the trainer's event when the step says it was recorded,
-// scan the gradients for non-finite values (unless the client already did),
-// compute each tensor's Adam scalars, ask the planner for the step's plan,
-// have the engine execute it, and let the planner learn from what the engine
-// measured. With a session, the resident tier is resized to the planner's
-// target for it first (a shrink already happened in ApplyLease; a grow may
-// stop short when the device is full) and the plan made for what the engine
-// then holds. A step with non-finite gradients applies nothing and leaves
+// ask the planner for the step's plan (with a session, the resident tier is
+// resized to the planner's target for it first: a shrink already happened in
+// ApplyLease; a grow may stop short when the device is full; the plan is made
+// for what the engine then holds), let the engine prefetch the first
+// streamed subgroups' state (Engine::Prefetch: none of this depends on the
+// gradients, so it overlaps the end of backward), scan the gradients for
+// non-finite values (unless the client already did; this waits for the
+// trainer's event), compute each tensor's Adam scalars, have the engine
+// execute the plan, and let the planner learn from what the engine
+// measured. A step with non-finite gradients applies nothing and leaves
 // every step counter unchanged, as AMP's GradScaler skips optimizer.step().
 //
 // Ownership: one executor per engine (ExecutorSet); it owns that engine's
@@ -40,7 +43,8 @@ struct StepOutcome {
   // GPU engines only (zero on the host engine):
   uint64_t cpu_params = 0;
   uint64_t gpu_params = 0;         // streamed and resident
-  uint64_t h2d_bytes = 0;          // state, weights
+  uint64_t h2d_bytes = 0;          // state, weights (prefetched state included)
+  uint64_t prefetched_bytes = 0;   // state copied H2D before the verdict (Engine::Prefetch)
   uint64_t d2h_bytes = 0;          // state, gradients
   double cpu_busy_us = 0;          // CPU kernel time
   double gpu_busy_us = 0;          // GPU kernel time

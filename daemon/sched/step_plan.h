@@ -125,7 +125,8 @@ struct StepMeasurements {
   uint64_t cpu_params = 0;        // CPU path
   uint64_t gpu_params = 0;        // resident and streamed
   uint64_t streamed_params = 0;   // streamed only
-  uint64_t gpu_h2d_bytes = 0;     // GPU path state copies
+  uint64_t gpu_h2d_bytes = 0;     // GPU path state copies (in the phase)
+  uint64_t prefetched_bytes = 0;  // GPU path state copied H2D before it (Engine::Prefetch)
   uint64_t gpu_d2h_bytes = 0;
   uint64_t cpu_h2d_bytes = 0;     // CPU path weights
   uint64_t cpu_d2h_bytes = 0;     // CPU path gradients

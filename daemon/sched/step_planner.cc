@@ -283,8 +283,10 @@ NodeResources::Step StepPlanner::BeginStep(const ShardLayout& layout, uint32_t r
 double StepPlanner::HostBytes(const StepPlan& plan, const StepMeasurements& m) {
   const double per_cpu_param = 2 * plan.inputs.state_bytes +
                                2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
+  // Prefetched state crossed host memory before the phase began: only its
+  // way back counts.
   return static_cast<double>(m.cpu_params) * per_cpu_param +
-         2.0 * static_cast<double>(m.gpu_h2d_bytes);
+         2.0 * static_cast<double>(m.gpu_h2d_bytes) + static_cast<double>(m.prefetched_bytes);
 }
 
 NodeResources::StepEnd StepPlanner::NodeStepEnd(const StepPlan& plan, const StepMeasurements& m) {

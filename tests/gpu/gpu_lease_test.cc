@@ -3,8 +3,9 @@
 // memory back before the step runs (cudaMemGetInfo sees it free), the tier
 // grows again when the lease does, and after 20 steps through grow, shrink,
 // regrow and nothing the weights and the whole fp32 state are bitwise those
-// of the same steps on the CPU path without a tier. Skipped, with a
-// message, where no CUDA device is visible (CI).
+// of the same steps on the CPU path without a tier. Also the staging slots'
+// prefetch before the verdict across a skipped step and a state import.
+// Skipped, with a message, where no CUDA device is visible (CI).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -144,6 +145,106 @@ TEST(GpuLeaseTest, AShrinkMidTrainingReturnsMemoryAndTheStateStaysBitExact) {
   // cudaFree hands whole 2 MiB pages back; allow 10% for the driver's own.
   EXPECT_GE(freed[0], 6 * kSgBytes * 9 / 10) << "8 -> 2 subgroups freed " << freed[0];
   EXPECT_GE(freed[1], 10 * kSgBytes * 9 / 10) << "10 -> 0 subgroups freed " << freed[1];
+  EXPECT_EQ(got.weights, ref.weights);
+  ASSERT_EQ(got.state.size(), ref.state.size());
+  EXPECT_EQ(std::memcmp(got.state.data(), ref.state.data(), 4 * got.state.size()), 0);
+}
+
+// The first streamed subgroups' state is prefetched into the staging slots
+// before the verdict (Engine::Prefetch). A step skipped for a non-finite
+// gradient leaves that copy behind, and a state import then changes the
+// host state it was copied from: the next step must use the imported state,
+// not the stale copy. Every subgroup streamed (static:1.0, nothing
+// resident); bitwise against the same sequence on the CPU path.
+Trained TrainAcrossSkipAndImport(StepExecutor& ex, GpuEngine* gpu) {
+  HostMemoryBudget budget(0);
+  std::vector<GroupConfig> groups(1);
+  groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  TensorDesc t;
+  t.param_dtype = DType::kBF16;
+  t.grad_dtype = DType::kBF16;
+  t.numel = kTotal;
+  auto shard = ShardState::Create({t}, groups, kSg, &budget, "test");
+  EXPECT_TRUE(shard.ok());
+  std::vector<uint16_t> w(kTotal), g(kTotal);
+  for (uint64_t i = 0; i < kTotal; ++i) {
+    w[i] = FloatToBF16(static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f);
+    g[i] = FloatToBF16(static_cast<float>((i * 40503u) % 777) * 1e-4f - 0.03f);
+  }
+  void* dw = nullptr;
+  void* dg = nullptr;
+  TensorBinding b{w.data(), g.data()};
+  auto set_grad = [&](uint64_t i, uint16_t v) {
+    g[i] = v;
+    if (gpu != nullptr) {
+      EXPECT_EQ(cudaMemcpy(static_cast<char*>(dg) + 2 * i, &v, 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  };
+  if (gpu != nullptr) {
+    EXPECT_EQ(cudaMalloc(&dw, 2 * kTotal), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&dg, 2 * kTotal), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dw, w.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dg, g.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
+    b = TensorBinding{dw, dg};
+  }
+  EXPECT_TRUE(ex.ReadWeights(**shard, {&b, 1}, 0).ok());
+  if (gpu != nullptr) {
+    EXPECT_TRUE(gpu->AttachShard(**shard, nullptr).ok());
+  }
+  const Policy policy = *ParsePolicy(gpu != nullptr ? "static:1.0" : "cpu");
+  StepRequest req{};
+  req.num_groups = 1;
+  req.grad_scale = 1;
+  req.clip_coef = 1;
+  req.groups[0] = groups[0].defaults;
+  auto step = [&](bool expect_inf) {
+    auto out = ex.Run(**shard, {&b, 1}, req, policy);
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (out.ok()) {
+      EXPECT_EQ(out->found_inf, expect_inf);
+    }
+  };
+  for (int i = 0; i < 3; ++i) step(false);
+  const uint16_t saved = g[kSg / 2];
+  set_grad(kSg / 2, 0x7fc0);  // bf16 NaN in subgroup 0: the step is skipped
+  step(true);
+  set_grad(kSg / 2, saved);
+  // An import of exp_avg (as a checkpoint load or load_state_dict does).
+  std::vector<float> m(kTotal);
+  (*shard)->ReadTensor(0, 1, m.data());
+  for (uint64_t i = 0; i < kTotal; ++i) m[i] = 0.5f * m[i] + 1e-4f;
+  (*shard)->WriteTensor(0, 1, m.data());
+  for (int i = 0; i < 3; ++i) step(false);
+  Trained r;
+  if (gpu != nullptr) {
+    EXPECT_EQ(cudaMemcpy(w.data(), dw, 2 * kTotal, cudaMemcpyDeviceToHost), cudaSuccess);
+    cudaFree(dw);
+    cudaFree(dg);
+  }
+  r.weights = w;
+  std::vector<float> part(kTotal);
+  for (int which = 0; which < 3; ++which) {
+    (*shard)->ReadTensor(0, which, part.data());
+    r.state.insert(r.state.end(), part.begin(), part.end());
+  }
+  return r;
+}
+
+TEST(GpuPrefetchTest, AStaleSlotAfterASkippedStepAndAnImportIsNotUsed) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: GPU tests skipped";
+  cpu::CpuUpdater cpu({.threads = 4});
+  cpu::HostEngine host(&cpu);
+  StepExecutor host_ex(&host);
+  const Trained ref = TrainAcrossSkipAndImport(host_ex, nullptr);
+  GpuEngineOptions opt;
+  opt.staging_slots = kSlots;
+  auto engine = GpuEngine::Create(opt, &cpu);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  PlannerOptions planner;
+  planner.budgets.staging_slots = kSlots;
+  StepExecutor ex(engine->get(), planner);
+  const Trained got = TrainAcrossSkipAndImport(ex, engine->get());
   EXPECT_EQ(got.weights, ref.weights);
   ASSERT_EQ(got.state.size(), ref.state.size());
   EXPECT_EQ(std::memcmp(got.state.data(), ref.state.data(), 4 * got.state.size()), 0);

@@ -1,8 +1,10 @@
-// SocketListener: the one accept loop of dosd's unix sockets (the gRPC and
-// the descriptor socket): permissions before anyone connects, handler on the
-// listener's thread, orderly stop, the socket file removed.
+// SocketListener: the one accept loop of dosd's sockets (the gRPC and the
+// descriptor socket, and the metrics endpoint over TCP): permissions before
+// anyone connects, handler on the listener's thread, orderly stop, the socket
+// file removed.
 #include "daemon/common/socket_listener.h"
 
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -118,6 +120,64 @@ TEST_F(SocketListenerTest, ErrorsNameThePathAndTheFix) {
   auto second = SocketListener::Bind(path_, o);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
   EXPECT_EQ(::access(path_.c_str(), F_OK), 0) << "the first listener's socket was removed";
+}
+
+
+// Connects to 127.0.0.1:port; the connected descriptor or -1.
+int ConnectTcp(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(SocketListenerTcpTest, ServesLoopbackOnAnyFreePortAndReportsAPortInUse) {
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  SocketListenerOptions o;
+  o.thread_name = "test-tcp";
+  o.flag = "--test_port";
+  auto l = SocketListener::BindTcp(reinterpret_cast<sockaddr*>(&any), sizeof any, o);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const uint16_t port = (*l)->port();
+  ASSERT_NE(port, 0);
+  EXPECT_EQ((*l)->path(), "");
+  // Bound but not listening: refused, as for a unix socket.
+  EXPECT_EQ(ConnectTcp(port), -1);
+  absl::Mutex mu;
+  int served = 0;
+  ASSERT_TRUE((*l)->Serve([&](UniqueFd c) {
+                   ASSERT_EQ(::write(c.get(), "k", 1), 1);
+                   absl::MutexLock lock(&mu);
+                   ++served;
+                 })
+                  .ok());
+  const int fd = ConnectTcp(port);
+  ASSERT_GE(fd, 0);
+  char b = 0;
+  EXPECT_EQ(::read(fd, &b, 1), 1);
+  EXPECT_EQ(b, 'k');
+  ::close(fd);
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(+[](int* n) { return *n == 1; }, &served));
+  }
+  sockaddr_in same = any;
+  same.sin_port = htons(port);
+  auto again = SocketListener::BindTcp(reinterpret_cast<sockaddr*>(&same), sizeof same, o);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
+  EXPECT_NE(again.status().message().find("tcp:127.0.0.1:" + std::to_string(port)),
+            std::string::npos) << again.status();
+  EXPECT_NE(again.status().message().find("--test_port"), std::string::npos) << again.status();
+  l->reset();
+  EXPECT_EQ(ConnectTcp(port), -1) << "still accepting after destruction";
 }
 
 }  // namespace

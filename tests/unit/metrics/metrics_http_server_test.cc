@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 #include "daemon/metrics/metrics_registry.h"
 #include "gmock/gmock.h"
@@ -17,9 +18,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// Sends `request` to 127.0.0.1:port and returns everything the server sent
-// back before closing (receive deadline 5 s: no sleeps).
-std::string Exchange(uint16_t port, const std::string& request, bool v6 = false) {
+// A socket connected to the loopback port (receive deadline 5 s: no sleeps).
+int Connect(uint16_t port, bool v6 = false) {
   int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
   timeval tv{5, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -38,11 +38,24 @@ std::string Exchange(uint16_t port, const std::string& request, bool v6 = false)
     rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
   }
   EXPECT_EQ(rc, 0);
-  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  return fd;
+}
+
+// Everything `fd` receives until the server closes it (or the deadline).
+std::string ReadAll(int fd) {
   std::string out;
   char buf[4096];
   ssize_t n;
   while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) out.append(buf, n);
+  return out;
+}
+
+// Sends `request` to the loopback port and returns everything the server
+// sent back before closing.
+std::string Exchange(uint16_t port, const std::string& request, bool v6 = false) {
+  const int fd = Connect(port, v6);
+  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string out = ReadAll(fd);
   ::close(fd);
   return out;
 }
@@ -102,16 +115,51 @@ TEST_F(MetricsHttpServerTest, OversizedRequestIsRefused) {
 TEST_F(MetricsHttpServerTest, SilentClientDoesNotBlockOthers) {
   // A client that connects and sends nothing is dropped at the read deadline;
   // a later scrape is answered meanwhile (connections are served together).
-  int idle = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(server_->port());
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(idle, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const int idle = Connect(server_->port());
   EXPECT_THAT(Exchange(server_->port(), "GET /metrics HTTP/1.1\r\n\r\n"),
               StartsWith("HTTP/1.1 200 "));
   ::close(idle);
   EXPECT_GE(server_->requests(), 1u);
+}
+
+// With a read deadline far beyond the client's 5 s receive deadline, only
+// serving connections side by side can answer the scrape: clients that
+// connect and send nothing, or half a request, are held open meanwhile.
+TEST(MetricsHttpServerSilentTest, SilentClientsNeverDelayAScrape) {
+  MetricsHttpOptions o;
+  o.read_timeout = absl::Seconds(600);
+  auto s = MetricsHttpServer::Start(o, [] { return std::string("z 3\n"); });
+  ASSERT_TRUE(s.ok()) << s.status();
+  const uint16_t port = (*s)->port();
+  std::vector<int> silent;
+  for (int i = 0; i < 8; ++i) silent.push_back(Connect(port));
+  const int half = Connect(port);
+  ASSERT_EQ(::send(half, "GET /metr", 9, MSG_NOSIGNAL), 9);
+  EXPECT_THAT(Exchange(port, "GET /metrics HTTP/1.1\r\n\r\n"), HasSubstr("\r\n\r\nz 3\n"));
+  EXPECT_EQ((*s)->requests(), 1u);
+  // The half request completes later and is answered too.
+  const std::string rest = "ics HTTP/1.1\r\n\r\n";
+  ASSERT_EQ(::send(half, rest.data(), rest.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(rest.size()));
+  EXPECT_THAT(ReadAll(half), StartsWith("HTTP/1.1 200 "));
+  ::close(half);
+  for (int fd : silent) ::close(fd);
+  s->reset();  // stops with silent clients it has not dropped yet
+}
+
+// A client that sends nothing gets nothing: closed at its read deadline.
+TEST(MetricsHttpServerSilentTest, SilentClientIsClosedAtItsDeadline) {
+  MetricsHttpOptions o;
+  o.read_timeout = absl::Milliseconds(100);
+  auto s = MetricsHttpServer::Start(o, [] { return std::string(); });
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int idle = Connect((*s)->port());
+  const absl::Time start = absl::Now();
+  char b;
+  EXPECT_EQ(::recv(idle, &b, 1, 0), 0) << "expected the server to close, not to time out";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ::close(idle);
+  EXPECT_EQ((*s)->requests(), 0u);
 }
 
 TEST(MetricsHttpServerBindTest, RefusesNonLoopbackUnlessAllowed) {
