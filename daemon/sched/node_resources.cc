@@ -4,6 +4,9 @@
 #include <utility>
 
 namespace dos {
+namespace {
+constexpr double kMinShare = 0.01;
+}  // namespace
 
 NodeResources::NodeResources(Options options) : options_(std::move(options)) {}
 
@@ -43,7 +46,9 @@ double NodeResources::ShareLocked(int id, absl::Time now) const {
   const double mine = static_cast<double>(engines_[id].host_params);
   // No demand known anywhere yet (or none at all): equal shares.
   if (total <= 0) return 1.0 / active;
-  return mine / total;
+  // An engine that asks with no host demand (everything resident, or a plan
+  // made outside a step) still gets a sliver, so no model rate is zero.
+  return std::max(mine / total, kMinShare);
 }
 
 double NodeResources::Begin(int id, uint64_t host_params) {

@@ -14,7 +14,7 @@
 // parameters of their last step that are not resident on their GPU): equal
 // ranks get equal halves, and a rank whose resident tier holds more of its
 // state needs, and gets, less of the host. Shares of all active engines sum
-// to 1.
+// to 1 (an engine without host demand gets 1%, not 0, so no rate is zero).
 //
 // The node rates are learned from every engine's steps, converted back to
 // the node by the share the step was planned with (a step that ran at half

@@ -95,6 +95,11 @@ TEST(NodeResourcesTest, SharesFollowHostDemand) {
   EXPECT_DOUBLE_EQ(node.Share(a), 0.75);
   node.End(a, {});
   node.End(b, {});
+  // b all resident: a sliver, never zero.
+  node.Begin(a, 3000);
+  EXPECT_DOUBLE_EQ(node.Begin(b, 0), 0.01);
+  node.End(a, {});
+  node.End(b, {});
   // All resident everywhere: equal shares (nobody needs the host).
   node.Begin(a, 0);
   EXPECT_DOUBLE_EQ(node.Begin(b, 0), 0.5);
