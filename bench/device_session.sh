@@ -4,7 +4,8 @@
 #
 #   bash bench/device_session.sh tests OUT          # gpu-labelled tests + CUDA Python tests
 #   bash bench/device_session.sh e2e OUT ARGS...    # bench/e2e/run.py with ARGS
-#   bash bench/device_session.sh ranks OUT          # 1 vs 2 ranks on one dosd (DDP, FSDP2)
+#   bash bench/device_session.sh ranks OUT          # 1 vs 2 DDP ranks on one dosd, the node
+#       model's predictions and bound (writes bench/results/ranks_<machine>_<date>.json)
 #   bash bench/device_session.sh largest OUT [ARGS] # largest GPT under an 80 GiB budget, fp32
 #       and compact state (bench/e2e/largest.py; searches for ~450 s, writes
 #       bench/results/largest_<machine>_<date>.json)
@@ -55,22 +56,47 @@ case "$what" in
     cp bench/results/largest_nvidia-h200_* "$O/" 2>/dev/null
     ;;
   ranks)
+    # 1 rank, then 2 DDP ranks (1.5B each, auto, clip 1.0) on one dosd whose
+    # --gpu_memory_budget (per GPU engine; it also caps the trainers' leases)
+    # keeps at least half of each rank's state on the host: 8 GiB holds 6 of
+    # the 1.5B model's ~18.5 GB of fp32 state. The bandwidth probe first
+    # measures the host (M_host) for the node model to start from.
+    # RANKS_FSDP2=1 adds 2 FSDP2 ranks. Writes
+    # bench/results/ranks_<machine>_<date>.json (and a copy in OUT).
+    machine=${DOS_MACHINE:-nvidia-h200-x2}
+    budget=${RANKS_GPU_BUDGET:-8G}
     sock=/tmp/dos-ranks.sock
-    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
+    mhost=0
+    if [ -x "$B/dos_bench_update_probe" ]; then
+      timeout 90 "$B/dos_bench_update_probe" > "$O/probe.json" 2> "$O/probe.err"
+      mhost=$(python3 -c "import json;print(json.load(open('$O/probe.json'))['m_host_gbps'])" \
+        2>/dev/null || echo 0)
+    fi
+    rm -f $sock
+    "$B/dosd" --socket=$sock --gpu_memory_budget=$budget --model_host_gbps=$mhost \
+      > "$O/dosd.log" 2>&1 &
     dpid=$!
     for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
     export DOS_SOCKET=$sock
     r=$O/ranks.jsonl
-    for spec in "1 ddp" "2 ddp" "2 fsdp2"; do
+    specs="1 ddp,2 ddp"; [ -n "${RANKS_FSDP2:-}" ] && specs="$specs,2 fsdp2"
+    IFS=, read -ra runs <<< "$specs"
+    for spec in "${runs[@]}"; do
       set -- $spec
       echo "== $1 rank(s), $2" >> "$O/ranks.log"
-      timeout 200 torchrun --standalone --nproc_per_node=$1 bench/e2e/ranks.py --wrap $2 \
-        --out "$r" ${RANKS_ARGS:-} >> "$O/ranks.log" 2>&1
+      timeout 150 torchrun --standalone --nproc_per_node=$1 bench/e2e/ranks.py --wrap $2 \
+        --warmup ${RANKS_WARMUP:-3} --iters ${RANKS_ITERS:-6} --out "$r" ${RANKS_ARGS:-} \
+        >> "$O/ranks.log" 2>&1
       echo "exit=$?" >> "$O/ranks.log"
+      "$B/dosctl" --socket=$sock stats >> "$O/ranks.log" 2>&1
     done
     "$B/dosctl" --socket=$sock sessions >> "$O/ranks.log" 2>&1
     kill $dpid; wait $dpid
     echo "dosd exit=$?" >> "$O/ranks.log"
+    res=bench/results/ranks_${machine}_$(date +%F).json
+    python3 bench/e2e/ranks_report.py "$r" "$machine" "$res" "$O/probe.json" "$budget" \
+      >> "$O/ranks.log" 2>&1
+    cp "$res" "$O/" 2>/dev/null
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON

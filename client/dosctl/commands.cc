@@ -191,7 +191,23 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
       << "\n";
   for (const auto& e : resp.gpu_engines()) {
     out << "gpu engine cuda:" << e.ordinal() << " " << e.uuid() << " (" << e.name() << "): "
-        << e.sessions() << " session(s)\n";
+        << e.sessions() << " session(s)";
+    if (e.predicted_us() > 0) {
+      // Its share of the host and its last step, predicted against measured.
+      out << absl::StrFormat(", %s, host share %.2f, last step %.3g params predicted %s us "
+                             "(%s) measured %s us",
+                             e.active() ? "active" : "idle", e.host_share(),
+                             static_cast<double>(e.params()), Num(e.predicted_us()),
+                             e.binding(), Num(e.measured_us()));
+    }
+    out << "\n";
+  }
+  if (resp.has_node() && resp.node().active_engines() > 0) {
+    const auto& n = resp.node();
+    out << absl::StrFormat("node: %u engine(s) stepping, host %.1f GB/s, CPU %.2f Gparam/s, "
+                           "predicted aggregate %.2f Gparam/s\n",
+                           n.active_engines(), n.host_gbps(), n.cpu_gparams_per_s(),
+                           n.bound_gparams_per_s());
   }
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
            "PREDICTED US", "CPU/GPU/RESIDENT SUBGROUPS", "GPU LEASE", "CKPT STALL MAX US"},

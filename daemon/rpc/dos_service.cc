@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
 #include "daemon/rpc/grpc_status.h"
+#include "daemon/rpc/step_stats.h"
 #include "dos/wire/control_block.h"
 
 namespace dos {
@@ -150,41 +151,7 @@ void FillSessionStats(const Session& s, v1::SessionStats* out) {
   if (st.last.update_us > 0 && !st.last.found_inf) {
     out->set_params_per_second(static_cast<double>(sum.params) / (st.last.update_us * 1e-6));
   }
-  v1::StepStats* last = out->mutable_last_step();
-  last->set_step(static_cast<uint64_t>(st.last.step));
-  last->set_skipped(st.last.found_inf);
-  last->set_wall_us(st.last_wall_us);
-  last->set_cpu_us(st.last.update_us);
-  last->set_cpu_subgroups(st.last.cpu_subgroups);
-  last->set_gpu_subgroups(st.last.gpu_subgroups);
-  if (st.last.cpu_busy_us > 0 || st.last.gpu_busy_us > 0) last->set_cpu_us(st.last.cpu_busy_us);
-  last->set_gpu_us(st.last.gpu_busy_us);
-  last->set_h2d_bytes(st.last.h2d_bytes);
-  last->set_d2h_bytes(st.last.d2h_bytes);
-  last->set_predicted_us(st.last.predicted_us);
-  last->set_update_us(st.last.update_us);
-  last->set_resident_subgroups(st.last.resident_subgroups);
-  last->set_cpu_params(st.last.cpu_params);
-  last->set_gpu_params(st.last.gpu_params);
-  const double secs = st.last.update_us * 1e-6;
-  if (secs > 0) {
-    last->set_h2d_gbps(static_cast<double>(st.last.h2d_bytes) / secs * 1e-9);
-    last->set_d2h_gbps(static_cast<double>(st.last.d2h_bytes) / secs * 1e-9);
-    last->set_cpu_busy(st.last.cpu_busy_us / st.last.update_us);
-    last->set_gpu_busy(st.last.gpu_busy_us / st.last.update_us);
-    last->set_h2d_busy(st.last.h2d_busy_us / st.last.update_us);
-    last->set_d2h_busy(st.last.d2h_busy_us / st.last.update_us);
-  }
-  last->set_model_gpu_share(st.last.model_gpu_share);
-  last->set_model_binding(st.last.model_binding);
-  last->set_early(st.last.early);
-  last->set_before_verdict_us(st.last.before_verdict_us);
-  last->set_after_verdict_us(st.last.after_verdict_us);
-  last->set_gpu_memory_bytes(st.last.gpu_memory_bytes);
-  last->set_gpu_lease_bytes(st.last.gpu_lease_bytes);
-  last->set_trainer_gpu_budget_bytes(st.last.trainer_gpu_budget_bytes);
-  last->set_trainer_gpu_peak_bytes(st.last.trainer_gpu_peak_bytes);
-  last->set_resident_budget_bytes(st.last.resident_budget_bytes);
+  FillStepStats(st.last, st.last_wall_us, out->mutable_last_step());
 }
 
 // Attach from a client of another protocol: both versions, which side is
@@ -399,7 +366,10 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
   resp->set_host_state_limit_bytes(budget_->limit());
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
-  for (const GpuDeviceInfo& d : sessions_->executors()->devices()) {
+  const ExecutorSet& executors = *sessions_->executors();
+  const NodeResources::View node = executors.node().Snapshot();
+  for (size_t i = 0; i < executors.devices().size(); ++i) {
+    const GpuDeviceInfo& d = executors.devices()[i];
     v1::GpuEngineInfo* e = resp->add_gpu_engines();
     e->set_ordinal(d.ordinal);
     e->set_uuid(d.uuid);
@@ -407,6 +377,24 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
     uint32_t n = 0;
     for (const auto& s : live) n += s->summary().gpu_device == d.ordinal ? 1 : 0;
     e->set_sessions(n);
+    if (i < node.engines.size()) {
+      const NodeResources::EngineView& v = node.engines[i];
+      e->set_active(v.active);
+      e->set_host_share(v.share);
+      e->set_params(v.params);
+      e->set_host_params(v.host_params);
+      e->set_planned_share(v.planned_share);
+      e->set_predicted_us(v.predicted_us);
+      e->set_measured_us(v.measured_us);
+      e->set_binding(v.binding);
+    }
+  }
+  if (executors.has_gpu()) {
+    v1::NodeModel* m = resp->mutable_node();
+    m->set_active_engines(node.active);
+    m->set_host_gbps(node.host_bytes_per_s * 1e-9);
+    m->set_cpu_gparams_per_s(node.cpu_params_per_s * 1e-9);
+    m->set_bound_gparams_per_s(node.bound_params_per_s * 1e-9);
   }
   return grpc::Status::OK;
 }

@@ -2,14 +2,19 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace dos {
 
 ExecutorSet::ExecutorSet(cpu::CpuUpdater* cpu)
     : host_engine_(cpu), host_(std::make_unique<StepExecutor>(&host_engine_)) {}
 
 void ExecutorSet::AddGpu(GpuDeviceInfo device, Engine* engine, const PlannerOptions& planner) {
+  PlannerOptions with_node = planner;
+  with_node.node = &node_;
+  with_node.node_engine = node_.AddEngine(absl::StrCat("cuda:", device.ordinal), planner.initial);
   devices_.push_back(std::move(device));
-  gpu_.push_back(std::make_unique<StepExecutor>(engine, planner));
+  gpu_.push_back(std::make_unique<StepExecutor>(engine, std::move(with_node)));
 }
 
 absl::StatusOr<ExecutorSet::Device> ExecutorSet::ForDeviceUuid(absl::string_view uuid,

@@ -6,7 +6,9 @@
 // session's steps run on the engine of that device. Register picks it from the
 // device UUID of the session's tensors (ForDeviceUuid); sessions whose
 // tensors are in shared memory run on host(), over the host engine. All
-// executors share the daemon's one CPU updater (its thread pool).
+// executors share the daemon's one CPU updater (its thread pool), and the GPU
+// executors' planners one view of the host's memory bandwidth and cores
+// (node()), split between the engines stepping at the same time.
 //
 // Ownership: the set owns its executors (each with its planner) and the host
 // engine; the GPU engines and the CPU updater are owned by the caller and
@@ -26,6 +28,7 @@
 #include "daemon/sched/device_selection.h"
 #include "daemon/cpu/host_engine.h"
 #include "daemon/sched/engine.h"
+#include "daemon/sched/node_resources.h"
 #include "daemon/sched/step_planner.h"
 #include "daemon/sched/step_executor.h"
 
@@ -44,7 +47,8 @@ class ExecutorSet {
   ExecutorSet& operator=(const ExecutorSet&) = delete;
 
   // Adds the engine driving `device` and its executor, whose planner is made
-  // with `planner` (start-up only).
+  // with `planner` and this set's node view (start-up only; the first GPU's
+  // planner.initial seeds the node's R_cpu and M_host).
   void AddGpu(GpuDeviceInfo device, Engine* engine, const PlannerOptions& planner = {});
 
   // The executor of host-memory sessions (the host engine: every step on the CPU).
@@ -54,9 +58,14 @@ class ExecutorSet {
   absl::StatusOr<Device> ForDeviceUuid(absl::string_view uuid, absl::string_view what) const;
 
   std::span<const GpuDeviceInfo> devices() const { return devices_; }
+  // The GPU engines' shared view of the host (node_resources.h); engine i of
+  // the node is devices()[i].
+  const NodeResources& node() const { return node_; }
+  NodeResources& node() { return node_; }
   bool has_gpu() const { return !devices_.empty(); }
 
  private:
+  NodeResources node_;  // before the executors whose planners point to it
   cpu::HostEngine host_engine_;
   std::unique_ptr<StepExecutor> host_;
   std::vector<GpuDeviceInfo> devices_;                    // parallel to gpu_

@@ -130,6 +130,7 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   out.predicted_us = plan.predicted_us;
   out.model_gpu_share = plan.gpu_share;
   out.model_binding = plan.binding;
+  out.node_share = plan.node_share;
   out.gpu_memory_bytes = m.gpu_memory_bytes;
   return out;
 }
@@ -148,19 +149,21 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     if (!valid.ok()) return valid;
   }
   std::span<TensorDesc> tensors = shard.tensors();
-  // The plan and the resident tier depend on no gradient and no
-  // hyperparameter: made before the verdict (an early step's, or the scan's
-  // below, which waits for the end of backward), so that the engine can start
-  // moving the first streamed subgroups' state while backward still runs.
-  StepPlan plan;
+  // The plan and the resident tier depend on no gradient: made before the
+  // verdict, so that the engine can start moving the first streamed
+  // subgroups' state while backward still runs (the scan below waits for it).
+  const ShardLayout layout = planner_.LayoutOf(shard);
+  uint32_t resident = 0;
   if (session != 0) {
-    const ShardLayout layout = planner_.LayoutOf(shard);
     const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(const uint32_t held, engine_->SetResident(shard, target, true));
-    plan = planner_.Plan(policy, layout, held);
+    DOS_ASSIGN_OR_RETURN(resident, engine_->SetResident(shard, target, true));
   } else {
-    plan = planner_.Plan(policy, shard);
+    resident = StepPlanner::ResidentCount(policy, layout, planner_.budgets());
   }
+  // The node counts this engine as stepping (its share of the host) from
+  // here until the step ends, failed or skipped included.
+  NodeResources::Step node_step = planner_.BeginStep(layout, resident);
+  const StepPlan plan = planner_.Plan(policy, layout, resident);
   DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
   absl::Time verdict_at = start;
@@ -209,6 +212,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, run_sync, &measured);
   if (!st.ok()) return st;
+  node_step.Finish(StepPlanner::NodeStepEnd(plan, measured));
   planner_.Learn(plan, measured);
   StepOutcome out = Outcome(plan, measured);
   if (session != 0) {

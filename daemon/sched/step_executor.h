@@ -54,6 +54,7 @@ struct StepOutcome {
   double predicted_us = 0;         // the performance model's forecast
   double model_gpu_share = 0;      // x the model chose (auto) or the policy implies
   std::string model_binding;       // the constraint the model says limits the step
+  double node_share = 1;           // share of the node's host bandwidth and cores planned with
   uint64_t gpu_memory_bytes = 0;   // staging slots + resident state on the GPU
   // The session's GPU lease (0 without one), what its trainer reported with
   // it, and the resident budget the planner gave the session.

@@ -91,6 +91,9 @@ struct StepPlan {
   std::string binding;
   double predicted_us = 0;
   PerfInputs inputs;               // the rates the plan was made with
+  // This engine's share of the node's host memory bandwidth and CPU cores
+  // (NodeResources; 1: alone or no node view); `inputs` carry it.
+  double node_share = 1;
   // Whole-path throughputs (copies and waits included) for the claiming
   // rule: CPU path params/s (an estimate until measured), GPU path params/s
   // (0 until measured).

@@ -231,10 +231,14 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   plan.resident = resident;
   for (uint32_t i = 0; i < plan.resident; ++i) plan.resident_params += plan.numel[i];
   const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
+  NodeResources* const node = options_.node;
+  plan.node_share = node != nullptr ? node->Share(options_.node_engine) : 1.0;
   {
     absl::MutexLock lock(&mu_);
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
-    plan.inputs = Capped(model_.inputs(), budgets);
+    plan.inputs = Capped(node != nullptr ? node->Apply(model_.inputs(), plan.node_share)
+                                         : model_.inputs(),
+                         budgets);
     plan.cpu_path_rate = cpu_path_rate_ > 0
                              ? cpu_path_rate_
                              : kCpuPathShareOfKernel * CpuRate(plan.inputs);
@@ -260,7 +264,42 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
                               static_cast<double>(plan.streamed_params),
                               static_cast<double>(plan.resident_params),
                               static_cast<double>(max_streamed)) * 1e6;
+  if (node != nullptr) {
+    node->Planned(options_.node_engine, plan.resident_params + plan.streamed_params,
+                  plan.node_share, plan.predicted_us, plan.binding);
+  }
   return plan;
+}
+
+NodeResources::Step StepPlanner::BeginStep(const ShardLayout& layout, uint32_t resident) const {
+  if (options_.node == nullptr) return NodeResources::Step();
+  uint64_t host_params = 0;
+  for (size_t i = resident; i < layout.subgroup_numel.size(); ++i) {
+    host_params += layout.subgroup_numel[i];
+  }
+  return NodeResources::Step(options_.node, options_.node_engine, host_params);
+}
+
+double StepPlanner::HostBytes(const StepPlan& plan, const StepMeasurements& m) {
+  const double per_cpu_param = 2 * plan.inputs.state_bytes +
+                               2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
+  // Prefetched state crossed host memory before the phase began: only its
+  // way back counts.
+  return static_cast<double>(m.cpu_params) * per_cpu_param +
+         2.0 * static_cast<double>(m.gpu_h2d_bytes) + static_cast<double>(m.prefetched_bytes);
+}
+
+NodeResources::StepEnd StepPlanner::NodeStepEnd(const StepPlan& plan, const StepMeasurements& m) {
+  NodeResources::StepEnd end;
+  end.share = plan.node_share;
+  end.measured_us = m.wall_us;
+  end.cpu_params = static_cast<double>(m.cpu_params);
+  end.cpu_busy_s = m.cpu_kernel_us * 1e-6;
+  end.state_bytes = plan.inputs.state_bytes;
+  end.grad_bytes = plan.inputs.grad_bytes;
+  end.weight_bytes = plan.inputs.weight_bytes;
+  end.host_bytes = HostBytes(plan, m);
+  return end;
 }
 
 StepPlan StepPlanner::Plan(const Policy& policy, const ShardState& shard) {
@@ -269,7 +308,10 @@ StepPlan StepPlanner::Plan(const Policy& policy, const ShardState& shard) {
 
 void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
   absl::MutexLock lock(&mu_);
-  model_.ObserveCpu(static_cast<double>(m.cpu_params), m.cpu_kernel_us * 1e-6);
+  // With a node view, R_cpu and M_host are the node's: it learns them
+  // (NodeStepEnd, from the executor) converted by the plan's share.
+  const bool own_host = options_.node == nullptr;
+  if (own_host) model_.ObserveCpu(static_cast<double>(m.cpu_params), m.cpu_kernel_us * 1e-6);
   model_.ObserveGpuKernel(static_cast<double>(m.gpu_params), m.gpu_kernel_us * 1e-6);
   model_.ObserveH2d(static_cast<double>(m.gpu_h2d_bytes), m.h2d_us * 1e-6);
   model_.ObserveD2h(static_cast<double>(m.gpu_d2h_bytes), m.d2h_us * 1e-6);
@@ -279,26 +321,17 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
   if (m.streamed_params > 0 && m.gpu_loop_us > 0) {
     gpu_path_rate_ = Ewma(gpu_path_rate_, m.streamed_params / (m.gpu_loop_us * 1e-6));
   }
-  if (m.cpu_params > 0 && m.gpu_h2d_bytes > 0) {
-    // Host bytes per CPU-path parameter: the kernel's 2s of state plus the
-    // gradient and weight, each once by the kernel and once by DMA; the GPU
-    // path's state crosses host memory twice (H2D read, D2H write).
-    const double per_cpu_param = 2 * plan.inputs.state_bytes +
-                                 2 * (plan.inputs.grad_bytes + plan.inputs.weight_bytes);
-    // Prefetched state crossed host memory before the phase began: only its
-    // way back counts.
-    const double host_bytes = m.cpu_params * per_cpu_param +
-                              2.0 * static_cast<double>(m.gpu_h2d_bytes) +
-                              static_cast<double>(m.prefetched_bytes);
-    model_.ObserveHostTraffic(host_bytes, m.wall_us * 1e-6);
+  if (own_host && m.cpu_params > 0 && m.gpu_h2d_bytes > 0) {
+    model_.ObserveHostTraffic(HostBytes(plan, m), m.wall_us * 1e-6);
   }
   ++steps_;
   if (!options_.budgets.gpu) return;
   uint64_t resident = 0, streamed = 0, cpu = 0;
   for (const TimelineEntry& e : m.entries) (e.path == 'r' ? resident : e.path == 'g' ? streamed : cpu)++;
   DOS_LOG_DEBUG("gpu.step", "policy", FormatPolicy(plan.policy), "measured_us", m.wall_us,
-                "predicted_us", plan.predicted_us, "x_model", plan.gpu_share, "gpu_subgroups",
-                streamed, "resident", resident, "cpu_subgroups", cpu, "binding", plan.binding);
+                "predicted_us", plan.predicted_us, "node_share", plan.node_share, "x_model",
+                plan.gpu_share, "gpu_subgroups", streamed, "resident", resident, "cpu_subgroups",
+                cpu, "binding", plan.binding);
   if (!options_.timeline_path.empty()) {
     AppendTimeline(options_.timeline_path,
                    TimelineLine(steps_, plan.policy, m.wall_us, plan.predicted_us, m.entries));
@@ -306,8 +339,13 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
 }
 
 PerfInputs StepPlanner::model_inputs() const {
-  absl::MutexLock lock(&mu_);
-  return model_.inputs();
+  PerfInputs in;
+  {
+    absl::MutexLock lock(&mu_);
+    in = model_.inputs();
+  }
+  // R_cpu and M_host: the node's whole (not a share) when there is a node.
+  return options_.node != nullptr ? options_.node->Apply(in, 1.0) : in;
 }
 
 double StepPlanner::cpu_path_rate() const {

@@ -31,6 +31,13 @@
 // (growing may stop short when the device is full), then plans with what
 // the engine holds.
 //
+// Shared host: with PlannerOptions::node, R_cpu and M_host are the node's
+// (node_resources.h), and each plan uses this engine's share of them among
+// the engines stepping at the same time (StepPlan::node_share): `auto`'s
+// split, the claiming rule's first estimate and the prediction all see the
+// other ranks. The executor brackets each step with BeginStep (which tells
+// the node the step's host demand) and hands the node its measurements.
+//
 // The rates start from `PlannerOptions::initial` and are updated (EWMA) from
 // each step's measurements: kernel and copy-engine rates into the model, the
 // whole paths' throughputs for the claiming rule (TakeShared), the host
@@ -47,6 +54,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/sched/node_resources.h"
 #include "daemon/sched/perf_model.h"
 #include "daemon/sched/policy.h"
 #include "daemon/sched/step_plan.h"
@@ -61,6 +69,11 @@ struct PlannerOptions {
   // The engine casts CPU-path gradients to fp32 on the GPU before D2H
   // (--gpu_cpu_grad_fp32): 4 bytes per parameter cross PCIe, not 2.
   bool grad_fp32 = false;
+  // The node's shared resources (host memory bandwidth, CPU cores) and this
+  // engine's id there; null: the engine has the host to itself (the model's
+  // own rates, as before).
+  NodeResources* node = nullptr;
+  int node_engine = -1;
 };
 
 class StepPlanner {
@@ -97,11 +110,23 @@ class StepPlanner {
   ShardLayout LayoutOf(const ShardState& shard) const {
     return ShardLayout::Of(shard, options_.grad_fp32);
   }
+  // A step of this engine starts with `resident` of `layout`'s subgroups
+  // resident: the node (if any) counts it active until the Step ends.
+  NodeResources::Step BeginStep(const ShardLayout& layout, uint32_t resident) const;
+  // What the node learns from a step that executed `plan`.
+  static NodeResources::StepEnd NodeStepEnd(const StepPlan& plan, const StepMeasurements& m);
+  // Host bytes a step moved: per CPU-path parameter the kernel's 2s of state
+  // plus the gradient and weight, each once by the kernel and once by DMA;
+  // the GPU path's state crosses host memory twice (H2D read, D2H write).
+  static double HostBytes(const StepPlan& plan, const StepMeasurements& m);
   // Learns from what executing `plan` measured; appends the step's timeline
   // when configured.
   void Learn(const StepPlan& plan, const StepMeasurements& measured) ABSL_LOCKS_EXCLUDED(mu_);
 
   const PlanBudgets& budgets() const { return options_.budgets; }
+  NodeResources* node() const { return options_.node; }
+  int node_engine() const { return options_.node_engine; }
+  // The model's rates (with a node view, R_cpu and M_host are the node's).
   PerfInputs model_inputs() const ABSL_LOCKS_EXCLUDED(mu_);
   // Whole-path throughputs learned so far (0: not measured yet).
   double cpu_path_rate() const ABSL_LOCKS_EXCLUDED(mu_);

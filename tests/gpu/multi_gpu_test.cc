@@ -146,6 +146,29 @@ TEST_P(MultiGpuTest, TwoRanksOnTwoGpusShareOneDaemon) {
                      << " (10: not equal to CPU mode within tolerance; see its stderr above)\n"
                      << daemon.log();
   }
+  // The node's shared model (node_resources.h): each engine planned its last
+  // step with a share of the host and predicted it; with equal shards
+  // stepping together, at least the later rank's plans split the host in two.
+  {
+    grpc::ClientContext ctx;
+    v1::GetStatsResponse stats;
+    ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    ASSERT_TRUE(stats.has_node());
+    EXPECT_GT(stats.node().host_gbps(), 0);
+    bool halved = false;
+    for (int d = 0; d < 2; ++d) {
+      const v1::GpuEngineInfo& e = stats.gpu_engines(d);
+      EXPECT_GT(e.params(), 0u) << "cuda:" << d;
+      EXPECT_GT(e.predicted_us(), 0) << "cuda:" << d;
+      EXPECT_GT(e.measured_us(), 0) << "cuda:" << d;
+      EXPECT_GT(e.planned_share(), 0) << "cuda:" << d;
+      EXPECT_LE(e.planned_share(), 1) << "cuda:" << d;
+      halved = halved || e.planned_share() == 0.5;
+      std::printf("cuda:%d: share %.2f, predicted %.0f us, measured %.0f us (%s)\n", d,
+                  e.planned_share(), e.predicted_us(), e.measured_us(), e.binding().c_str());
+    }
+    EXPECT_TRUE(halved) << "two equal ranks stepping together: one should plan with half the host";
+  }
   EXPECT_EQ(daemon.Stop(), 0) << daemon.log();
 }
 

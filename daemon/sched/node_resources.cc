@@ -1,0 +1,148 @@
+#include "daemon/sched/node_resources.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace dos {
+namespace {
+constexpr double kMinShare = 0.01;
+}  // namespace
+
+NodeResources::NodeResources(Options options) : options_(std::move(options)) {}
+
+int NodeResources::AddEngine(std::string name, const PerfInputs& initial) {
+  absl::MutexLock lock(&mu_);
+  if (engines_.empty()) model_ = PerfModel(initial);
+  Engine e;
+  e.name = name;
+  e.view.name = std::move(name);
+  engines_.push_back(std::move(e));
+  return static_cast<int>(engines_.size()) - 1;
+}
+
+int NodeResources::engines() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(engines_.size());
+}
+
+bool NodeResources::ActiveLocked(const Engine& e, absl::Time now) const {
+  if (e.in_step) return true;
+  if (!e.stepped) return false;
+  const absl::Duration window =
+      std::max(options_.min_window, options_.window_periods * e.period);
+  return now - e.last_end <= window;
+}
+
+double NodeResources::ShareLocked(int id, absl::Time now) const {
+  // The engine asking counts as active; the others by the rule above.
+  double total = 0;
+  int active = 0;
+  for (size_t i = 0; i < engines_.size(); ++i) {
+    if (static_cast<int>(i) != id && !ActiveLocked(engines_[i], now)) continue;
+    total += static_cast<double>(engines_[i].host_params);
+    ++active;
+  }
+  if (active <= 1) return 1.0;
+  const double mine = static_cast<double>(engines_[id].host_params);
+  // No demand known anywhere yet (or none at all): equal shares.
+  if (total <= 0) return 1.0 / active;
+  // An engine that asks with no host demand (everything resident, or a plan
+  // made outside a step) still gets a sliver, so no model rate is zero.
+  return std::max(mine / total, kMinShare);
+}
+
+double NodeResources::Begin(int id, uint64_t host_params) {
+  const absl::Time now = Now();
+  absl::MutexLock lock(&mu_);
+  Engine& e = engines_[id];
+  e.in_step = true;
+  e.host_params = host_params;
+  if (e.last_start != absl::InfinitePast()) e.period = now - e.last_start;
+  e.last_start = now;
+  e.start = now;
+  return ShareLocked(id, now);
+}
+
+double NodeResources::Share(int id) const {
+  const absl::Time now = Now();
+  absl::MutexLock lock(&mu_);
+  return ShareLocked(id, now);
+}
+
+PerfInputs NodeResources::Apply(const PerfInputs& in, double share) const {
+  PerfInputs out = in;
+  absl::MutexLock lock(&mu_);
+  out.cpu_params_per_s = model_.inputs().cpu_params_per_s * share;
+  out.host_bytes_per_s = model_.inputs().host_bytes_per_s * share;
+  return out;
+}
+
+void NodeResources::Planned(int id, uint64_t params, double share, double predicted_us,
+                            const std::string& binding) {
+  absl::MutexLock lock(&mu_);
+  EngineView& v = engines_[id].view;
+  v.params = params;
+  v.host_params = engines_[id].host_params;
+  v.planned_share = share;
+  v.predicted_us = predicted_us;
+  v.binding = binding;
+}
+
+void NodeResources::End(int id, const StepEnd& end) {
+  const absl::Time now = Now();
+  absl::MutexLock lock(&mu_);
+  Engine& e = engines_[id];
+  if (!e.in_step) return;
+  e.in_step = false;
+  e.stepped = true;
+  e.last_end = now;
+  if (end.measured_us <= 0) return;  // failed: nothing measured
+  e.view.measured_us = end.measured_us;
+  const double share = std::clamp(end.share, 1e-3, 1.0);
+  if (end.cpu_params > 0 && end.cpu_busy_s > 0) {
+    model_.set_transfer_sizes(end.grad_bytes, end.weight_bytes, end.state_bytes);
+    model_.ObserveCpu(end.cpu_params / share, end.cpu_busy_s);
+  }
+  const double wall_s = absl::ToDoubleSeconds(now - e.start);
+  e.last_host_bytes = end.host_bytes;
+  if (end.host_bytes <= 0 || wall_s <= 0) return;
+  // The node's traffic over this step: its own plus, from every other
+  // engine's last completed step, its average rate over the overlap.
+  double bytes = end.host_bytes;
+  for (size_t i = 0; i < engines_.size(); ++i) {
+    const Engine& o = engines_[i];
+    if (static_cast<int>(i) == id || o.in_step || !o.stepped || o.last_host_bytes <= 0) continue;
+    const absl::Time a = std::max(e.start, o.start);
+    const absl::Time b = std::min(now, o.last_end);
+    const double dur = absl::ToDoubleSeconds(o.last_end - o.start);
+    if (b <= a || dur <= 0) continue;
+    bytes += o.last_host_bytes * absl::ToDoubleSeconds(b - a) / dur;
+  }
+  model_.ObserveHostTraffic(bytes, wall_s);
+}
+
+NodeResources::View NodeResources::Snapshot() const {
+  const absl::Time now = Now();
+  absl::MutexLock lock(&mu_);
+  View v;
+  v.host_bytes_per_s = model_.inputs().host_bytes_per_s;
+  v.cpu_params_per_s = model_.inputs().cpu_params_per_s;
+  double params = 0, slowest_s = 0;
+  bool all_predicted = true;
+  for (size_t i = 0; i < engines_.size(); ++i) {
+    EngineView ev = engines_[i].view;
+    ev.active = ActiveLocked(engines_[i], now);
+    ev.share = ev.active ? ShareLocked(static_cast<int>(i), now) : 0;
+    if (ev.active) {
+      ++v.active;
+      params += static_cast<double>(ev.params);
+      if (ev.predicted_us <= 0) all_predicted = false;
+      slowest_s = std::max(slowest_s, ev.predicted_us * 1e-6);
+    }
+    v.engines.push_back(std::move(ev));
+  }
+  if (v.active > 0 && all_predicted && slowest_s > 0) v.bound_params_per_s = params / slowest_s;
+  return v;
+}
+
+}  // namespace dos
