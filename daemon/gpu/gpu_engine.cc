@@ -316,6 +316,7 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->streamed_params = run.streamed_params;
   m->gpu_h2d_bytes = run.gpu_h2d;
   m->prefetched_bytes = run.prefetched_bytes;
+  m->prefetched_params = run.prefetched_params;
   m->gpu_d2h_bytes = run.gpu_d2h;
   m->cpu_h2d_bytes = run.cpu_h2d;
   m->cpu_d2h_bytes = run.cpu_d2h;
