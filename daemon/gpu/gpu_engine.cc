@@ -214,7 +214,7 @@ absl::Status GpuEngine::Prefetch(const StepPlan& plan, ShardState& shard) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   prefetch_.assign(slots_.size(), {});
-  if (shard.attachment() == nullptr || plan.num_subgroups != shard.subgroups().size() ||
+  if (!options_.prefetch || shard.attachment() == nullptr || plan.num_subgroups != shard.subgroups().size() ||
       shard.tensors().empty()) {
     return absl::OkStatus();  // Execute reports these
   }
