@@ -72,6 +72,9 @@ ABSL_FLAG(double, model_host_gbps, 0,
           "Performance model: host memory GB/s that the CPU kernel and the DMA engines share "
           "(M_host, measured by bench/update's probe); 0 = the built-in figure.");
 ABSL_FLAG(int, gpu_staging_slots, 3, "Subgroups in flight on the GPU path (staging slots).");
+ABSL_FLAG(bool, gpu_prefetch, true,
+          "Copy the first streamed subgroups' state into the staging slots while backward still "
+          "runs (before the step's inf/NaN verdict); false: only once the step runs.");
 ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
           "to the host (twice the PCIe bytes; for measurement).");
@@ -142,6 +145,7 @@ struct DaemonConfig {
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 3;         // GPU-path subgroups in flight
+  bool gpu_prefetch = true;          // state into the slots before the verdict
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off
@@ -185,6 +189,7 @@ absl::Status GpuFlags(DaemonConfig& c) {
         " is not a size; write e.g. 12G or 0"));
   }
   c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
+  c.gpu_prefetch = absl::GetFlag(FLAGS_gpu_prefetch);
   c.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
   if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
@@ -345,6 +350,7 @@ absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_upda
     gpu::GpuEngineOptions gopt;
     gopt.device = ordinal;
     gopt.staging_slots = config.gpu_staging_slots;
+    gopt.prefetch = config.gpu_prefetch;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
     PlannerOptions planner;
     if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;

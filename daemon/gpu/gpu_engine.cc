@@ -214,7 +214,7 @@ absl::Status GpuEngine::Prefetch(const StepPlan& plan, ShardState& shard) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   prefetch_.assign(slots_.size(), {});
-  if (shard.attachment() == nullptr || plan.num_subgroups != shard.subgroups().size() ||
+  if (!options_.prefetch || shard.attachment() == nullptr || plan.num_subgroups != shard.subgroups().size() ||
       shard.tensors().empty()) {
     return absl::OkStatus();  // Execute reports these
   }
@@ -326,6 +326,7 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->streamed_params = run.streamed_params;
   m->gpu_h2d_bytes = run.gpu_h2d;
   m->prefetched_bytes = run.prefetched_bytes;
+  m->prefetched_params = run.prefetched_params;
   m->gpu_d2h_bytes = run.gpu_d2h;
   m->cpu_h2d_bytes = run.cpu_h2d;
   m->cpu_d2h_bytes = run.cpu_d2h;

@@ -95,7 +95,8 @@ struct GpuEngine::StepRun {
   std::vector<int64_t> prefetched;
   // Written by the GPU loop only.
   std::vector<TimelineEntry> gpu_entries;
-  uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0, prefetched_bytes = 0;
+  uint64_t gpu_params = 0, gpu_h2d = 0, gpu_d2h = 0, prefetched_bytes = 0,
+           prefetched_params = 0;
   double h2d_us = 0, d2h_us = 0, kernel_us = 0;
   // Written by the CPU loop only.
   std::vector<TimelineEntry> cpu_entries;

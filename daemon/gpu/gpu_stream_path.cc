@@ -107,6 +107,7 @@ class StreamPipeline {
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[0], streams_.h2d));
     if (prefetched) {
       run_.prefetched_bytes += bytes;
+      run_.prefetched_params += g.numel;
     } else {
       run_.gpu_h2d += bytes;
       DOS_CUDA_RETURN_IF_ERROR(

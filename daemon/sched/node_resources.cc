@@ -26,10 +26,10 @@ int NodeResources::engines() const {
 }
 
 bool NodeResources::ActiveLocked(const Engine& e, absl::Time now) const {
-  if (e.in_step) return true;
+  if (e.stepping > 0) return true;
   if (!e.stepped) return false;
-  const absl::Duration window =
-      std::max(options_.min_window, options_.window_periods * e.period);
+  const absl::Duration window = std::max(
+      options_.min_window, std::min(options_.max_window, options_.window_periods * e.period));
   return now - e.last_end <= window;
 }
 
@@ -55,11 +55,10 @@ double NodeResources::Begin(int id, uint64_t host_params) {
   const absl::Time now = Now();
   absl::MutexLock lock(&mu_);
   Engine& e = engines_[id];
-  e.in_step = true;
-  e.host_params = host_params;
+  e.host_params = e.stepping > 0 ? e.host_params + host_params : host_params;
+  ++e.stepping;
   if (e.last_start != absl::InfinitePast()) e.period = now - e.last_start;
   e.last_start = now;
-  e.start = now;
   return ShareLocked(id, now);
 }
 
@@ -88,22 +87,27 @@ void NodeResources::Planned(int id, uint64_t params, double share, double predic
   v.binding = binding;
 }
 
-void NodeResources::End(int id, const StepEnd& end) {
+void NodeResources::End(int id, const StepEnd& end, uint64_t host_params) {
   const absl::Time now = Now();
   absl::MutexLock lock(&mu_);
   Engine& e = engines_[id];
-  if (!e.in_step) return;
-  e.in_step = false;
+  if (e.stepping == 0) return;
+  if (--e.stepping > 0) e.host_params -= std::min(e.host_params, host_params);
   e.stepped = true;
   e.last_end = now;
-  if (end.measured_us <= 0) return;  // failed: nothing measured
+  const absl::Time start = end.start != absl::InfinitePast() ? end.start : e.last_start;
+  if (end.measured_us <= 0) {  // failed: nothing measured, no traffic record
+    e.last_host_bytes = 0;
+    return;
+  }
   e.view.measured_us = end.measured_us;
   const double share = std::clamp(end.share, 1e-3, 1.0);
   if (end.cpu_params > 0 && end.cpu_busy_s > 0) {
     model_.set_transfer_sizes(end.grad_bytes, end.weight_bytes, end.state_bytes);
     model_.ObserveCpu(end.cpu_params / share, end.cpu_busy_s);
   }
-  const double wall_s = absl::ToDoubleSeconds(now - e.start);
+  const double wall_s = absl::ToDoubleSeconds(now - start);
+  e.record_start = start;
   e.last_host_bytes = end.host_bytes;
   if (end.host_bytes <= 0 || wall_s <= 0) return;
   // The node's traffic over this step: its own plus, from every other
@@ -111,10 +115,12 @@ void NodeResources::End(int id, const StepEnd& end) {
   double bytes = end.host_bytes;
   for (size_t i = 0; i < engines_.size(); ++i) {
     const Engine& o = engines_[i];
-    if (static_cast<int>(i) == id || o.in_step || !o.stepped || o.last_host_bytes <= 0) continue;
-    const absl::Time a = std::max(e.start, o.start);
+    if (static_cast<int>(i) == id || o.stepping > 0 || !o.stepped || o.last_host_bytes <= 0) {
+      continue;
+    }
+    const absl::Time a = std::max(start, o.record_start);
     const absl::Time b = std::min(now, o.last_end);
-    const double dur = absl::ToDoubleSeconds(o.last_end - o.start);
+    const double dur = absl::ToDoubleSeconds(o.last_end - o.record_start);
     if (b <= a || dur <= 0) continue;
     bytes += o.last_host_bytes * absl::ToDoubleSeconds(b - a) / dur;
   }

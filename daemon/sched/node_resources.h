@@ -7,7 +7,8 @@
 // planner's PerfModel keeps those rates); the host's memory and cores are
 // not. An engine is *active* while it steps and for a while after: until
 // `window_periods` of its own step periods (start to start) or `min_window`,
-// whichever is longer, have passed since its last step ended, so ranks that
+// whichever is longer (at most `max_window`), have passed since its last
+// step ended, so ranks that
 // step together in lockstep (DDP after a barrier) count each other even when
 // one plans a few milliseconds before the other. An engine alone gets
 // everything. Active engines share in proportion to their host demand (the
@@ -49,6 +50,7 @@ namespace dos {
 
 struct NodeResourcesOptions {
   absl::Duration min_window = absl::Seconds(1);
+  absl::Duration max_window = absl::Seconds(30);
   double window_periods = 1.5;
   // The clock (tests inject one); empty: absl::Now.
   std::function<absl::Time()> now;
@@ -91,6 +93,7 @@ class NodeResources {
 
   // Engine `id` starts a step whose non-resident parameters are
   // `host_params`. Returns its share. Every Begin is followed by one End.
+  // Steps of several sessions on one engine may overlap: their demands add.
   double Begin(int id, uint64_t host_params) ABSL_LOCKS_EXCLUDED(mu_);
   // Its share now (as Begin computes it, without starting a step).
   double Share(int id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -105,6 +108,7 @@ class NodeResources {
   // parameters and CPU kernel seconds with `state_bytes` per parameter,
   // `grad_bytes`/`weight_bytes`, and the host bytes the step moved.
   struct StepEnd {
+    absl::Time start = absl::InfinitePast();  // when it began (Step fills it)
     double share = 1;
     double measured_us = 0;
     double cpu_params = 0;
@@ -112,9 +116,11 @@ class NodeResources {
     double state_bytes = 12, grad_bytes = 2, weight_bytes = 2;
     double host_bytes = 0;
   };
-  void End(int id, const StepEnd& end) ABSL_LOCKS_EXCLUDED(mu_);
+  // `host_params`: what its Begin added (steps overlapping on one engine).
+  void End(int id, const StepEnd& end, uint64_t host_params = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   View Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
 
   // RAII: Begin in the constructor, End (measured_us 0) in the destructor
   // unless Finish ran.
@@ -122,14 +128,22 @@ class NodeResources {
    public:
     Step() = default;
     Step(NodeResources* node, int id, uint64_t host_params)
-        : node_(node), id_(id), share_(node ? node->Begin(id, host_params) : 1.0) {}
+        : node_(node),
+          id_(id),
+          start_(node ? node->Now() : absl::InfinitePast()),
+          host_params_(host_params),
+          share_(node ? node->Begin(id, host_params) : 1.0) {}
     Step(const Step&) = delete;
     Step& operator=(const Step&) = delete;
     ~Step() {
-      if (node_ != nullptr) node_->End(id_, StepEnd{.share = share_});
+      if (node_ != nullptr) {
+        node_->End(id_, StepEnd{.start = start_, .share = share_}, host_params_);
+      }
     }
-    void Finish(const StepEnd& end) {
-      if (node_ != nullptr) node_->End(id_, end);
+    void Finish(StepEnd end) {
+      if (node_ == nullptr) return;
+      end.start = start_;
+      node_->End(id_, end, host_params_);
       node_ = nullptr;
     }
     double share() const { return share_; }
@@ -137,24 +151,25 @@ class NodeResources {
    private:
     NodeResources* node_ = nullptr;
     int id_ = -1;
+    absl::Time start_;
+    uint64_t host_params_ = 0;
     double share_ = 1.0;
   };
 
  private:
   struct Engine {
     std::string name;
-    bool in_step = false;
+    int stepping = 0;     // steps in progress (sessions of one engine may overlap)
     bool stepped = false;
-    absl::Time start = absl::InfinitePast();
     absl::Time last_start = absl::InfinitePast();
     absl::Time last_end = absl::InfinitePast();
     absl::Duration period = absl::ZeroDuration();
-    uint64_t host_params = 0;
+    uint64_t host_params = 0;  // demand: of the steps in progress, else of the last
     // Its last completed step, for the node's host traffic.
+    absl::Time record_start = absl::InfinitePast();
     double last_host_bytes = 0;
     EngineView view;
   };
-  absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
   bool ActiveLocked(const Engine& e, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   double ShareLocked(int id, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -127,6 +127,7 @@ struct StepMeasurements {
   uint64_t streamed_params = 0;   // streamed only
   uint64_t gpu_h2d_bytes = 0;     // GPU path state copies (in the phase)
   uint64_t prefetched_bytes = 0;  // GPU path state copied H2D before it (Engine::Prefetch)
+  uint64_t prefetched_params = 0; // the streamed parameters whose state that was
   uint64_t gpu_d2h_bytes = 0;
   uint64_t cpu_h2d_bytes = 0;     // CPU path weights
   uint64_t cpu_d2h_bytes = 0;     // CPU path gradients

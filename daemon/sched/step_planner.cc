@@ -318,8 +318,13 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
   if (m.cpu_params > 0 && m.cpu_loop_us > 0) {
     cpu_path_rate_ = Ewma(cpu_path_rate_, m.cpu_params / (m.cpu_loop_us * 1e-6));
   }
-  if (m.streamed_params > 0 && m.gpu_loop_us > 0) {
-    gpu_path_rate_ = Ewma(gpu_path_rate_, m.streamed_params / (m.gpu_loop_us * 1e-6));
+  // A prefetched subgroup's state came in before the phase: it costs the
+  // path about half a streamed one (its way back), so it counts half, or
+  // the rate would promise the next, unprefetched subgroups too much.
+  const double streamed_work = static_cast<double>(m.streamed_params) -
+                               0.5 * static_cast<double>(m.prefetched_params);
+  if (streamed_work > 0 && m.gpu_loop_us > 0) {
+    gpu_path_rate_ = Ewma(gpu_path_rate_, streamed_work / (m.gpu_loop_us * 1e-6));
   }
   if (own_host && m.cpu_params > 0 && m.gpu_h2d_bytes > 0) {
     model_.ObserveHostTraffic(HostBytes(plan, m), m.wall_us * 1e-6);

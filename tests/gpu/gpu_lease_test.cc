@@ -154,7 +154,7 @@ TEST(GpuLeaseTest, AShrinkMidTrainingReturnsMemoryAndTheStateStaysBitExact) {
 // before the verdict (Engine::Prefetch). A step skipped for a non-finite
 // gradient leaves that copy behind, and a state import then changes the
 // host state it was copied from: the next step must use the imported state,
-// not the stale copy. Every subgroup streamed (static:1.0, nothing
+// not the stale copy. Every subgroup streamed (interleave:1, nothing
 // resident); bitwise against the same sequence on the CPU path.
 Trained TrainAcrossSkipAndImport(StepExecutor& ex, GpuEngine* gpu) {
   HostMemoryBudget budget(0);
@@ -192,7 +192,7 @@ Trained TrainAcrossSkipAndImport(StepExecutor& ex, GpuEngine* gpu) {
   if (gpu != nullptr) {
     EXPECT_TRUE(gpu->AttachShard(**shard, nullptr).ok());
   }
-  const Policy policy = *ParsePolicy(gpu != nullptr ? "static:1.0" : "cpu");
+  const Policy policy = *ParsePolicy(gpu != nullptr ? "interleave:1" : "cpu");
   StepRequest req{};
   req.num_groups = 1;
   req.grad_scale = 1;
@@ -210,11 +210,15 @@ Trained TrainAcrossSkipAndImport(StepExecutor& ex, GpuEngine* gpu) {
   set_grad(kSg / 2, 0x7fc0);  // bf16 NaN in subgroup 0: the step is skipped
   step(true);
   set_grad(kSg / 2, saved);
-  // An import of exp_avg (as a checkpoint load or load_state_dict does).
+  // An import of exp_avg, the way Session's imports do it.
   std::vector<float> m(kTotal);
+  if (gpu != nullptr) {
+    EXPECT_TRUE(gpu->SyncResidentToHost(**shard).ok());
+  }
   (*shard)->ReadTensor(0, 1, m.data());
   for (uint64_t i = 0; i < kTotal; ++i) m[i] = 0.5f * m[i] + 1e-4f;
   (*shard)->WriteTensor(0, 1, m.data());
+  if (gpu != nullptr) gpu->DropResident(**shard);
   for (int i = 0; i < 3; ++i) step(false);
   Trained r;
   if (gpu != nullptr) {
