@@ -10,6 +10,7 @@ body (`_on_ready`) for each parameter after backward, last layer first, as
 autograd would; with torch >= 2.1 the real hooks run during backward."""
 
 import time
+import warnings
 
 import pytest
 
@@ -235,3 +236,18 @@ def test_early_step_api_errors(dos_socket):
         with pytest.raises(DosError) as err:
             call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
         assert err.value.code == Status.ABORTED
+
+
+@pytest.mark.parametrize("overlap", [True, "update"])
+def test_close_between_backward_and_step(dos_socket, overlap):
+    """close() with an early step step() never claimed: abandoned (verdict)
+    or completed (update), and the session detaches cleanly."""
+    model = make_deep()
+    opt = early_opt(model, dos_socket, overlap)
+    x, y = batches(1)[0]
+    backward(opt, loss_of(model, x, y))
+    assert opt._step_state.hook_begun
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "did not finish" RuntimeWarning
+        opt.close()
+    assert opt._session is None

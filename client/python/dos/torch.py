@@ -753,6 +753,12 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             # the process from exiting (a daemon that is gone or closed the
             # session is noticed at once, within the library's liveness slice).
             try:
+                if self._step_state.hook_begun:  # an early step step() never claimed
+                    self._step_state.claim()
+                    if self._early_update:
+                        call("dos_step_verdict", self._session, None, self._stream())
+                    else:
+                        call("dos_step_abandon", self._session)
                 self._wait(timeout_ms=self._CLOSE_WAIT_MS)
             except Exception as e:  # dosd gone, stuck, or the step failed
                 if getattr(e, "code", None) == Status.DEADLINE_EXCEEDED:
