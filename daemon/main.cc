@@ -72,9 +72,10 @@ ABSL_FLAG(double, model_host_gbps, 0,
           "Performance model: host memory GB/s that the CPU kernel and the DMA engines share "
           "(M_host, measured by bench/update's probe); 0 = the built-in figure.");
 ABSL_FLAG(int, gpu_staging_slots, 3, "Subgroups in flight on the GPU path (staging slots).");
-ABSL_FLAG(bool, gpu_prefetch, true,
+ABSL_FLAG(bool, gpu_prefetch, false,
           "Copy the first streamed subgroups' state into the staging slots while backward still "
-          "runs (before the step's inf/NaN verdict); false: only once the step runs.");
+          "runs (before the step's inf/NaN verdict). Off by default: at 6B on the H200 it measured "
+          "3% slower (bench/e2e/README.md).");
 ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
           "to the host (twice the PCIe bytes; for measurement).");
@@ -145,7 +146,7 @@ struct DaemonConfig {
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 3;         // GPU-path subgroups in flight
-  bool gpu_prefetch = true;          // state into the slots before the verdict
+  bool gpu_prefetch = false;         // state into the slots before the verdict
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
   std::string gpu_timeline;          // per-step placement log; empty: off

@@ -28,7 +28,7 @@ tsan_tests=(
   state_shard_state_test                               # state arenas, budget, copy-on-write snapshots
   sched_perf_model_test sched_policy_test              # scheduler model and policy
   sched_device_selection_test sched_executor_set_test  # engine selection
-  sched_node_resources_test                            # the node's shared host view, many threads
+  sched_node_resources_test sched_node_replay_test     # the node's shared host view, many threads
   metrics_registry_test metrics_http_server_test       # counters hit from threads, HTTP thread
   sd_notify_test                                       # watchdog thread
   cpu_dtype_test

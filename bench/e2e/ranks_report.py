@@ -10,6 +10,7 @@ bandwidth probe, run in the same session) adds the host's measured memory
 bandwidth that the node model started from.
 """
 import datetime
+import os
 import json
 import subprocess
 import sys
@@ -67,11 +68,14 @@ def main():
             add("host_copy_gbps_probe", round(probe["host_copy_gbps"], 1), "GB/s")
         except (OSError, ValueError, KeyError) as e:
             print(f"ranks_report: probe {probe_path} unreadable ({e})", file=sys.stderr)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    # $DOS_COMMIT first: a copy of the tree sent to the GPU machine may carry a stale .git.
+    commit = os.environ.get("DOS_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
     doc = {"machine": machine, "date": datetime.date.today().isoformat(), "commit": commit,
            "results": res, "runs": runs,
            "note": "bench/e2e/ranks.py via bench/device_session.sh ranks: GPT 1.5B bf16 per rank, "

@@ -54,7 +54,7 @@ namespace dos::gpu {
 struct GpuEngineOptions {
   int device = 0;                  // CUDA device ordinal
   int staging_slots = 3;           // streamed subgroups in flight
-  bool prefetch = true;            // Prefetch copies state before the verdict (--gpu_prefetch)
+  bool prefetch = true;            // Prefetch copies state before the verdict (dosd: --gpu_prefetch)
   bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
   // Page-locking a shard's state at registration: one cudaHostRegister per
   // subgroup from `pin_threads` threads (0: one per core, at most 16), or

@@ -15,6 +15,8 @@ int NodeResources::AddEngine(std::string name, const PerfInputs& initial) {
   if (engines_.empty()) model_ = PerfModel(initial);
   Engine e;
   e.name = name;
+  e.host_alone = initial.host_bytes_per_s;
+  e.view.host_alone_bytes_per_s = e.host_alone;
   e.view.name = std::move(name);
   engines_.push_back(std::move(e));
   return static_cast<int>(engines_.size()) - 1;
@@ -76,6 +78,15 @@ PerfInputs NodeResources::Apply(const PerfInputs& in, double share) const {
   return out;
 }
 
+PerfInputs NodeResources::Apply(int id, const PerfInputs& in, double share) const {
+  PerfInputs out = in;
+  absl::MutexLock lock(&mu_);
+  out.cpu_params_per_s = model_.inputs().cpu_params_per_s * share;
+  out.host_bytes_per_s =
+      std::min(engines_[id].host_alone, model_.inputs().host_bytes_per_s * share);
+  return out;
+}
+
 void NodeResources::Planned(int id, uint64_t params, double share, double predicted_us,
                             const std::string& binding) {
   absl::MutexLock lock(&mu_);
@@ -95,9 +106,8 @@ void NodeResources::End(int id, const StepEnd& end, uint64_t host_params) {
   if (--e.stepping > 0) e.host_params -= std::min(e.host_params, host_params);
   e.stepped = true;
   e.last_end = now;
-  const absl::Time start = end.start != absl::InfinitePast() ? end.start : e.last_start;
   if (end.measured_us <= 0) {  // failed: nothing measured, no traffic record
-    e.last_host_bytes = 0;
+    e.last_host_rate = 0;
     return;
   }
   e.view.measured_us = end.measured_us;
@@ -106,25 +116,38 @@ void NodeResources::End(int id, const StepEnd& end, uint64_t host_params) {
     model_.set_transfer_sizes(end.grad_bytes, end.weight_bytes, end.state_bytes);
     model_.ObserveCpu(end.cpu_params / share, end.cpu_busy_s);
   }
-  const double wall_s = absl::ToDoubleSeconds(now - start);
-  e.record_start = start;
-  e.last_host_bytes = end.host_bytes;
-  if (end.host_bytes <= 0 || wall_s <= 0) return;
-  // The node's traffic over this step: its own plus, from every other
-  // engine's last completed step, its average rate over the overlap.
-  double bytes = end.host_bytes;
+  // The update's window ends now; its traffic flowed over its update time
+  // less the model's other terms (a step that was nearly all fill and drain
+  // says nothing about the host: not learned from).
+  const double wall_s = end.measured_us * 1e-6;
+  const double flow_s = wall_s - std::max(0.0, end.other_s);
+  e.record_start = now - absl::Seconds(wall_s);
+  e.record_end = now;
+  e.last_host_rate = 0;
+  if (end.host_bytes <= 0 || flow_s < 0.25 * wall_s) return;
+  const double own = end.host_bytes / flow_s;
+  e.last_host_rate = own;
+  // The node's traffic over this step: its own rate plus every other
+  // engine's last step's, weighted by the part of this step it overlapped.
+  // An engine still stepping is counted when it ends (it counts this one).
+  double rate = own;
+  bool alone = share >= 1.0;
   for (size_t i = 0; i < engines_.size(); ++i) {
     const Engine& o = engines_[i];
-    if (static_cast<int>(i) == id || o.stepping > 0 || !o.stepped || o.last_host_bytes <= 0) {
-      continue;
-    }
-    const absl::Time a = std::max(start, o.record_start);
-    const absl::Time b = std::min(now, o.last_end);
-    const double dur = absl::ToDoubleSeconds(o.last_end - o.record_start);
-    if (b <= a || dur <= 0) continue;
-    bytes += o.last_host_bytes * absl::ToDoubleSeconds(b - a) / dur;
+    if (static_cast<int>(i) == id) continue;
+    if (o.stepping > 0) alone = false;
+    if (o.stepping > 0 || !o.stepped || o.last_host_rate <= 0) continue;
+    const absl::Time a = std::max(e.record_start, o.record_start);
+    const absl::Time b = std::min(now, o.record_end);
+    if (b <= a) continue;
+    alone = false;
+    rate += o.last_host_rate * absl::ToDoubleSeconds(b - a) / wall_s;
   }
-  model_.ObserveHostTraffic(bytes, wall_s);
+  model_.ObserveHostTraffic(rate, 1.0);
+  if (alone) {
+    e.host_alone = std::max(e.host_alone, own);
+    e.view.host_alone_bytes_per_s = e.host_alone;
+  }
 }
 
 NodeResources::View NodeResources::Snapshot() const {

@@ -19,10 +19,24 @@
 //
 // The node rates are learned from every engine's steps, converted back to
 // the node by the share the step was planned with (a step that ran at half
-// the host measured half the node's CPU rate). M_host is raised, never
-// lowered, by the host traffic of overlapping steps together: at the end of
-// an engine's step its own traffic plus the traffic of the other engines'
-// last steps over the part of them that overlapped it.
+// the host measured half the node's CPU rate). Host memory is two figures:
+//  - M_host, the node's: what all engines' traffic together can reach. It
+//    is raised, never lowered, by the host traffic of overlapping steps
+//    together: at the end of an engine's step, its own traffic rate plus
+//    each other engine's last step's rate, weighted by the part of this step
+//    it overlapped.
+//  - M_engine, each engine's own: the host traffic one engine alone draws
+//    (its copy engines and the cores contending on its paths; the bandwidth
+//    probe measures exactly this, one GPU's DMA beside the CPU kernel, and
+//    seeds it). Raised, never lowered, by the engine's steps that ran alone.
+// An engine plans with min(M_engine, share x M_host): alone, its own
+// ceiling (which can be below the node's: one engine's DMA does not reach
+// what two engines' do); beside others, its share of the node.
+// A step's traffic rate is its host bytes over the time they flowed: its
+// update time (the executor's wall, not the time since Begin, which holds
+// the plan, the prefetch and the verdict wait) less what the model predicts
+// apart from host traffic (the pipeline's fill and drain, the resident
+// kernels), so the learned rate is the one the model's prediction divides by.
 //
 // Each engine's last plan (share, predicted and measured update time, its
 // parameters, the binding constraint) is kept for stats; the node bound is
@@ -71,6 +85,7 @@ class NodeResources {
     double predicted_us = 0;       // its last plan's prediction
     double measured_us = 0;        // its last step's update time
     std::string binding;           // its last plan's binding constraint
+    double host_alone_bytes_per_s = 0;  // M_engine: its host traffic ceiling alone
   };
   struct View {
     std::vector<EngineView> engines;
@@ -100,21 +115,26 @@ class NodeResources {
   // `in` with the node's R_cpu and M_host times `share` in place of the
   // engine's own (the engine's PCIe and GPU rates kept).
   PerfInputs Apply(const PerfInputs& in, double share) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for engine `id`, whose M_host is min(its M_engine, share x the
+  // node's M_host) (what its planner uses).
+  PerfInputs Apply(int id, const PerfInputs& in, double share) const ABSL_LOCKS_EXCLUDED(mu_);
   // The plan engine `id` made for the step it began.
   void Planned(int id, uint64_t params, double share, double predicted_us,
                const std::string& binding) ABSL_LOCKS_EXCLUDED(mu_);
   // The step ended (also after a failure: then measured_us 0 and nothing
-  // learned). The measurements, for a step planned at `share`: CPU-path
-  // parameters and CPU kernel seconds with `state_bytes` per parameter,
-  // `grad_bytes`/`weight_bytes`, and the host bytes the step moved.
+  // learned). The measurements, for a step planned at `share`: its update
+  // time, CPU-path parameters and CPU kernel seconds with `state_bytes` per
+  // parameter, `grad_bytes`/`weight_bytes`, the host bytes the step moved,
+  // and `other_s`, the seconds of its update time the model predicts apart
+  // from host traffic (fill/drain, resident kernels: StepPlanner::NodeStepEnd).
   struct StepEnd {
-    absl::Time start = absl::InfinitePast();  // when it began (Step fills it)
     double share = 1;
     double measured_us = 0;
     double cpu_params = 0;
     double cpu_busy_s = 0;
     double state_bytes = 12, grad_bytes = 2, weight_bytes = 2;
     double host_bytes = 0;
+    double other_s = 0;
   };
   // `host_params`: what its Begin added (steps overlapping on one engine).
   void End(int id, const StepEnd& end, uint64_t host_params = 0) ABSL_LOCKS_EXCLUDED(mu_);
@@ -130,19 +150,17 @@ class NodeResources {
     Step(NodeResources* node, int id, uint64_t host_params)
         : node_(node),
           id_(id),
-          start_(node ? node->Now() : absl::InfinitePast()),
           host_params_(host_params),
           share_(node ? node->Begin(id, host_params) : 1.0) {}
     Step(const Step&) = delete;
     Step& operator=(const Step&) = delete;
     ~Step() {
       if (node_ != nullptr) {
-        node_->End(id_, StepEnd{.start = start_, .share = share_}, host_params_);
+        node_->End(id_, StepEnd{.share = share_}, host_params_);
       }
     }
     void Finish(StepEnd end) {
       if (node_ == nullptr) return;
-      end.start = start_;
       node_->End(id_, end, host_params_);
       node_ = nullptr;
     }
@@ -151,7 +169,6 @@ class NodeResources {
    private:
     NodeResources* node_ = nullptr;
     int id_ = -1;
-    absl::Time start_;
     uint64_t host_params_ = 0;
     double share_ = 1.0;
   };
@@ -165,9 +182,12 @@ class NodeResources {
     absl::Time last_end = absl::InfinitePast();
     absl::Duration period = absl::ZeroDuration();
     uint64_t host_params = 0;  // demand: of the steps in progress, else of the last
-    // Its last completed step, for the node's host traffic.
+    // Its last completed step, for the node's host traffic: its update's
+    // window and its traffic rate over it (0: none measured).
     absl::Time record_start = absl::InfinitePast();
-    double last_host_bytes = 0;
+    absl::Time record_end = absl::InfinitePast();
+    double last_host_rate = 0;
+    double host_alone = 0;  // M_engine
     EngineView view;
   };
   bool ActiveLocked(const Engine& e, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

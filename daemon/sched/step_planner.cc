@@ -236,9 +236,10 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   {
     absl::MutexLock lock(&mu_);
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
-    plan.inputs = Capped(node != nullptr ? node->Apply(model_.inputs(), plan.node_share)
-                                         : model_.inputs(),
-                         budgets);
+    plan.inputs =
+        Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)
+                               : model_.inputs(),
+               budgets);
     plan.cpu_path_rate = cpu_path_rate_ > 0
                              ? cpu_path_rate_
                              : kCpuPathShareOfKernel * CpuRate(plan.inputs);
@@ -299,6 +300,18 @@ NodeResources::StepEnd StepPlanner::NodeStepEnd(const StepPlan& plan, const Step
   end.grad_bytes = plan.inputs.grad_bytes;
   end.weight_bytes = plan.inputs.weight_bytes;
   end.host_bytes = HostBytes(plan, m);
+  // What the prediction holds apart from host traffic (PhaseSeconds): the
+  // pipeline's fill and drain and the resident kernels. The node divides
+  // the host bytes by the rest of the update time.
+  uint64_t max_streamed = 0;
+  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
+    max_streamed = std::max(max_streamed, plan.numel[i]);
+  }
+  end.other_s = PerfModel::PipelineLatencySeconds(plan.inputs, plan.gpu_share,
+                                                  static_cast<double>(max_streamed)) +
+                (plan.inputs.gpu_params_per_s > 0
+                     ? static_cast<double>(plan.resident_params) / plan.inputs.gpu_params_per_s
+                     : 0);
   return end;
 }
 
@@ -350,7 +363,7 @@ PerfInputs StepPlanner::model_inputs() const {
     in = model_.inputs();
   }
   // R_cpu and M_host: the node's whole (not a share) when there is a node.
-  return options_.node != nullptr ? options_.node->Apply(in, 1.0) : in;
+  return options_.node != nullptr ? options_.node->Apply(options_.node_engine, in, 1.0) : in;
 }
 
 double StepPlanner::cpu_path_rate() const {
