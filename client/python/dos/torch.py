@@ -148,7 +148,10 @@ current stream after the gradient kernels; on the CPU a store).
   without a scaler). step(clip_coef=..), a GradScaler or a second backward
   then raise FAILED_PRECONDITION after the step (it was applied without
   them). A parameter's new weights may land before step() returns: read
-  weights only after step().
+  weights only after step(). Crash survival is weaker for such a step: a
+  trainer that dies during backward leaves the subgroups dosd had updated
+  one update ahead of the others (their step counts unchanged); resume=
+  continues from there.
 Per-layer waits (model=) never wait for the backward's own early step. The
 ready order and times of the last step are in `opt.ready_log`; `last_step`
 reports `early`, `before_verdict_us` and `after_verdict_us` (dosd's time from
