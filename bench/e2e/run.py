@@ -222,11 +222,14 @@ def child(args):
         losses.append(loss.item())
         if it >= args.warmup:
             rows.append((b - a, c - b, d - c, d - a))
-            if mode.startswith("dos") and opt.last_step.get("early"):
+            if mode.startswith("dos"):
                 # dosd's side of an early step: begin (first gradient) to
-                # verdict (step()), and verdict (or begin) to the update's end.
-                early_rows.append((opt.last_step["before_verdict_us"] * 1e-6,
-                                   opt.last_step["after_verdict_us"] * 1e-6))
+                # verdict (step()), and verdict (or begin) to the update's end;
+                # for every step, the state bytes prefetched before the verdict.
+                last = opt.last_step
+                early_rows.append((last["before_verdict_us"] * 1e-6,
+                                   last["after_verdict_us"] * 1e-6,
+                                   last["prefetched_bytes"], last["early"]))
         print(f"  [{mode}] iter {it:3d} loss {losses[-1]:.4f} fwd {b - a:.3f} bwd {c - b:.3f} "
               f"update {d - c:.3f} s", flush=True)
     # Training as it runs: no synchronisation between iterations (the loss is
@@ -264,6 +267,8 @@ def child(args):
                tokens_per_s=tokens / iter_s, first_loss=losses[0], last_loss=losses[-1],
                host_peak_bytes=vm_hwm_bytes(), losses=[round(v, 5) for v in losses])
     if early_rows:
+        res["prefetched_gb_per_step"] = statistics.median(r[2] for r in early_rows) / 1e9
+    if any(r[3] for r in early_rows):
         res["early_begin_to_verdict_s"] = statistics.median(r[0] for r in early_rows)
         res["early_verdict_to_end_s"] = statistics.median(r[1] for r in early_rows)
     if cuda:
@@ -513,7 +518,9 @@ def parent(args):
         if "early_verdict_to_end_s" in r:
             print(f"{m}: dosd's early steps: begin (first gradient) to verdict (step()) "
                   f"{r['early_begin_to_verdict_s']:.3f} s, verdict (or begin) to the update's "
-                  f"end {r['early_verdict_to_end_s']:.3f} s (medians, phase-timed iterations)")
+                  f"end {r['early_verdict_to_end_s']:.3f} s, state prefetched before the "
+                  f"verdict {r.get('prefetched_gb_per_step', 0):.2f} GB (medians, phase-timed "
+                  "iterations)")
 
     metrics = []
     for r in results:
@@ -536,6 +543,9 @@ def parent(args):
             if key in r:
                 metrics.append({"name": f"e2e_{key}_{m}", "value": round(r[key], 4),
                                 "unit": "s"})
+        if "prefetched_gb_per_step" in r:
+            metrics.append({"name": f"e2e_prefetched_gb_per_step_{m}",
+                            "value": round(r["prefetched_gb_per_step"], 3), "unit": "GB"})
         if "gpu_peak_device_bytes" in r:
             metrics += [{"name": f"e2e_gpu_peak_gib_{m}",
                          "value": round(r["gpu_peak_device_bytes"] / 2**30, 2), "unit": "GiB"}]

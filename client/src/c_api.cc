@@ -323,15 +323,17 @@ dos_status dos_step_abandon(dos_session* session) {
 }
 
 dos_status dos_last_step_early(const dos_session* session, int32_t* early,
-                               double* before_verdict_us, double* after_verdict_us) {
+                               double* before_verdict_us, double* after_verdict_us,
+                               uint64_t* prefetched_bytes) {
   return Guard("last_step_early", [&]() -> absl::Status {
     if (session == nullptr || session->impl == nullptr) {
       return absl::InvalidArgumentError("last_step_early: session is NULL");
     }
-    if (early == nullptr || before_verdict_us == nullptr || after_verdict_us == nullptr) {
+    if (early == nullptr || before_verdict_us == nullptr || after_verdict_us == nullptr ||
+        prefetched_bytes == nullptr) {
       return absl::InvalidArgumentError("last_step_early: an output pointer is NULL");
     }
-    session->impl->LastEarly(early, before_verdict_us, after_verdict_us);
+    session->impl->LastEarly(early, before_verdict_us, after_verdict_us, prefetched_bytes);
     return absl::OkStatus();
   });
 }

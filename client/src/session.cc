@@ -546,6 +546,7 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
   last_early_ = static_cast<int32_t>(res.early);
   last_before_verdict_us_ = res.before_verdict_us;
   last_after_verdict_us_ = res.after_verdict_us;
+  last_prefetched_bytes_ = res.prefetched_bytes;
   if (res.seq != seq_) {
     return absl::InternalError(absl::StrCat("step_wait: result seq ", res.seq,
                                             " does not match request seq ", seq_));

@@ -113,10 +113,12 @@ class ClientSession {
   // `args` null: abandon the step (verdict steps only).
   absl::Status StepVerdict(const dos_step_args* args, void* stream);
   // The last collected step's early figures (zeros for other steps).
-  void LastEarly(int32_t* early, double* before_verdict_us, double* after_verdict_us) const {
+  void LastEarly(int32_t* early, double* before_verdict_us, double* after_verdict_us,
+                 uint64_t* prefetched_bytes) const {
     *early = last_early_;
     *before_verdict_us = last_before_verdict_us_;
     *after_verdict_us = last_after_verdict_us_;
+    *prefetched_bytes = last_prefetched_bytes_;
   }
 
   // State transfer of one tensor (registration order). NULL parts are
@@ -206,6 +208,7 @@ class ClientSession {
   int32_t last_early_ = 0;
   double last_before_verdict_us_ = 0;
   double last_after_verdict_us_ = 0;
+  uint64_t last_prefetched_bytes_ = 0;
   // Marks subgroup `i` of the early step ready (on `stream` with stream sync).
   absl::Status MarkOne(uint32_t i, void* stream);
   // GPU lease: the one to send, and the last one sent (a first or lower one

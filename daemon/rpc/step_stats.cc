@@ -32,6 +32,7 @@ void FillStepStats(const StepOutcome& o, double last_wall_us, v1::StepStats* las
   last->set_early(o.early);
   last->set_before_verdict_us(o.before_verdict_us);
   last->set_after_verdict_us(o.after_verdict_us);
+  last->set_prefetched_bytes(o.prefetched_bytes);
   last->set_gpu_memory_bytes(o.gpu_memory_bytes);
   last->set_gpu_lease_bytes(o.gpu_lease_bytes);
   last->set_trainer_gpu_budget_bytes(o.trainer_gpu_budget_bytes);

@@ -193,6 +193,7 @@ void Session::HandleRequest(uint32_t seq) {
   result.early = 0;
   result.before_verdict_us = 0;
   result.after_verdict_us = 0;
+  result.prefetched_bytes = 0;
   result.message[0] = '\0';
   absl::StatusOr<StepOutcome> outcome;
   double lock_wait_us = 0;
@@ -235,6 +236,7 @@ void Session::HandleRequest(uint32_t seq) {
     result.early = outcome->early ? 1 : 0;
     result.before_verdict_us = outcome->before_verdict_us;
     result.after_verdict_us = outcome->after_verdict_us;
+    result.prefetched_bytes = outcome->prefetched_bytes;
   } else {
     PostError(block, outcome.status());
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());

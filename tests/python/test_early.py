@@ -93,6 +93,7 @@ def test_verdict_steps_equal_synchronous(dos_socket, case):
         last = opt.last_step
         assert last["early"] and last["step"] == len(data)
         assert last["before_verdict_us"] > 0 and last["after_verdict_us"] > 0
+        assert last["prefetched_bytes"] == 0  # no GPU path on the CPU
         assert not ref_opt.last_step["early"]
         assert_bitwise(model, ref_model, opt, ref_opt)
 

@@ -284,9 +284,12 @@ dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t las
  * a parameter's post-accumulate-grad hook). dos_step_verdict marks every
  * subgroup not marked yet, then (verdict steps) records the session's event
  * on `cuda_stream` and publishes `args`. dos_step_wait before the verdict is
- * FAILED_PRECONDITION. dos_last_step_early reports the last collected step:
- * early 1 for an early step, microseconds from its begin to its verdict (0
- * without one) and from the verdict (or begin) to the end of the update.
+ * FAILED_PRECONDITION. dos_last_step_early reports the last collected step
+ * (any step, early or not): early 1 for an early step, microseconds from its
+ * begin to its verdict (0 without one) and from the verdict (or begin) to the
+ * end of the update, and the bytes of state the GPU path loaded into its
+ * staging slots before the verdict (before the gradient scan for ordinary
+ * steps).
  * Added within API version 1 (look them up with dlsym to run with an older
  * libdos_client). */
 #define DOS_EARLY_NO_VERDICT 1u
@@ -296,7 +299,8 @@ dos_status dos_mark_ready(dos_session* session, uint32_t first, uint32_t last, v
 dos_status dos_step_verdict(dos_session* session, const dos_step_args* args, void* cuda_stream);
 dos_status dos_step_abandon(dos_session* session);
 dos_status dos_last_step_early(const dos_session* session, int32_t* early,
-                               double* before_verdict_us, double* after_verdict_us);
+                               double* before_verdict_us, double* after_verdict_us,
+                               uint64_t* prefetched_bytes);
 
 /* dos_step_begin + dos_step_wait. */
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result);

@@ -589,13 +589,15 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._found_inf = bool(res.found_inf)
         early = ctypes.c_int32()
         before, after = ctypes.c_double(), ctypes.c_double()
+        prefetched = ctypes.c_uint64()
         call("dos_last_step_early", self._session, ctypes.byref(early), ctypes.byref(before),
-             ctypes.byref(after))
+             ctypes.byref(after), ctypes.byref(prefetched))
         self._last_step = {"found_inf": self._found_inf, "step": int(res.step),
                            "wall_us": float(res.wall_us), "update_us": float(res.update_us),
                            "overlapped": overlapped, "early": bool(early.value),
                            "before_verdict_us": float(before.value),
-                           "after_verdict_us": float(after.value)}
+                           "after_verdict_us": float(after.value),
+                           "prefetched_bytes": int(prefetched.value)}
         self._copy_out()
         if self._pending_zero:  # nothing reads the gradients any more
             self._zero_pending(self._entries)

@@ -140,6 +140,7 @@ struct StepResult {
   // without one, request) to the end of the update.
   double before_verdict_us;
   double after_verdict_us;
+  uint64_t prefetched_bytes;  // GPU path state copied into staging before the verdict
   char message[kMaxStatusMessage];  // NUL-terminated, set when status_code != 0
 };
 
