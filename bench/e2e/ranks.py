@@ -65,7 +65,12 @@ def read_model(args, session_id):
     subgroups = (int(last["cpu_subgroups"]) + int(last["gpu_subgroups"])
                  + int(last["resident_subgroups"]))
     node = stats.get("node") or {}
-    return {"predicted_us": float(last["predicted_us"]), "update_us": float(last["update_us"]),
+    # its engine's own host ceiling (M_engine: what one engine alone draws)
+    device = mine[0].get("device", "")
+    engine = [e for e in stats.get("gpu_engines", [])
+              if f"cuda:{int(e.get('ordinal', 0))}" == device]
+    return {"engine_host_gbps": float(engine[0].get("host_alone_gbps", 0.0)) if engine else 0.0,
+            "predicted_us": float(last["predicted_us"]), "update_us": float(last["update_us"]),
             "node_share": float(last.get("node_share", 1.0)),
             "binding": last.get("model_binding", ""),
             # state on the host: subgroups not resident on the GPU (equal-sized)
@@ -146,7 +151,8 @@ def main():
             node_share=preds[-1]["node_share"], binding=preds[-1]["binding"],
             host_state_fraction=preds[-1]["host_state_fraction"],
             node_bound_gparam_per_s=statistics.median(m["node_bound"] for m in preds),
-            node_host_gbps=preds[-1]["node_host_gbps"])
+            node_host_gbps=preds[-1]["node_host_gbps"],
+            engine_host_gbps=preds[-1]["engine_host_gbps"])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -172,7 +178,8 @@ def main():
                 "host_state_fraction_per_rank": [round(r["host_state_fraction"], 3)
                                                  for r in rows],
                 "node_bound_gparam_per_s": round(rows[0]["node_bound_gparam_per_s"], 3),
-                "node_host_gbps": round(rows[0]["node_host_gbps"], 1)})
+                "node_host_gbps": round(rows[0]["node_host_gbps"], 1),
+                "engine_host_gbps_per_rank": [round(r["engine_host_gbps"], 1) for r in rows]})
         print(json.dumps(line), flush=True)
         if args.out:
             with open(args.out, "a") as f:

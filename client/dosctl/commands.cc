@@ -194,9 +194,9 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
         << e.sessions() << " session(s)";
     if (e.predicted_us() > 0) {
       // Its share of the host and its last step, predicted against measured.
-      out << absl::StrFormat(", %s, host share %.2f, last step %.3g params predicted %s us "
-                             "(%s) measured %s us",
-                             e.active() ? "active" : "idle", e.host_share(),
+      out << absl::StrFormat(", %s, host share %.2f (own ceiling %.1f GB/s), last step %.3g "
+                             "params predicted %s us (%s) measured %s us",
+                             e.active() ? "active" : "idle", e.host_share(), e.host_alone_gbps(),
                              static_cast<double>(e.params()), Num(e.predicted_us()),
                              e.binding(), Num(e.measured_us()));
     }

@@ -387,6 +387,7 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
       e->set_predicted_us(v.predicted_us);
       e->set_measured_us(v.measured_us);
       e->set_binding(v.binding);
+      e->set_host_alone_gbps(v.host_alone_bytes_per_s * 1e-9);
     }
   }
   if (executors.has_gpu()) {
