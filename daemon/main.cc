@@ -121,6 +121,11 @@ ABSL_FLAG(bool, tcp_operator_calls, false,
           "Let --tcp_listen callers (no identity) make operator calls; off: they only read.");
 ABSL_FLAG(int, max_sessions, 1024, "Sessions held at once (attached or orphaned); 0 = no cap.");
 ABSL_FLAG(int, max_sessions_per_uid, 256, "Sessions one uid holds at once; 0 = no cap.");
+ABSL_FLAG(absl::Duration, early_step_ready_timeout, absl::Minutes(10),
+          "Longest an early step without a verdict (overlap=\"update\") waits for one "
+          "subgroup's gradients; its GPU engine is held meanwhile, so a trainer stalled "
+          "mid-backward would hold up the other trainers on that GPU. The step then fails "
+          "with DEADLINE_EXCEEDED.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
           "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
           "operator calls).");
@@ -233,6 +238,10 @@ absl::Status AccessFlags(DaemonConfig& c) {
   }
   c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
   c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
+  c.session.early_ready_timeout = absl::GetFlag(FLAGS_early_step_ready_timeout);
+  if (c.session.early_ready_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--early_step_ready_timeout must be positive (e.g. 10m)");
+  }
   c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
   if (!c.tcp_listen.empty()) {
     const size_t colon = c.tcp_listen.rfind(':');

@@ -289,7 +289,10 @@ StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
     channel_->MarkSubgroupDone(subgroup, seq);
   };
   if (flags & kStepGradientsPending) {
-    sync.wait_ready = [this, seq](uint32_t subgroup) { return WaitReady(subgroup, seq); };
+    const absl::Time begun = absl::Now();
+    sync.wait_ready = [this, seq, begun](uint32_t subgroup) {
+      return WaitReady(subgroup, seq, begun);
+    };
     sync.is_ready = [this, seq](uint32_t subgroup) {
       return channel_->SubgroupReady(subgroup, seq);
     };
@@ -310,7 +313,7 @@ absl::Status Session::EarlyStepAlive(const char* waiting_for) const {
   return absl::OkStatus();
 }
 
-absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq) const {
+absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const {
   // The words are written by the trainer's GPU stream (or a plain store on
   // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
   // then every 20 us (backward makes a subgroup's gradients in milliseconds;
@@ -325,6 +328,15 @@ absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq) const {
     absl::SleepFor(absl::Microseconds(20));
     if (absl::Now() >= next_check) {
       DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
+      if (absl::Now() - begun > options_.early_ready_timeout) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step: the gradients of subgroup ", subgroup, " were not marked ready within ",
+            absl::FormatDuration(options_.early_ready_timeout), " of early step ", seq,
+            "'s begin (trainer pid ", identity_.pid, "); dosd stopped waiting so that the "
+            "other trainers on its engine go on. Subgroups updated before are one update "
+            "ahead (resume= continues from there). A backward that long needs dosd "
+            "--early_step_ready_timeout raised, or overlap=True/False instead of \"update\""));
+      }
       next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
     }
   }

@@ -78,6 +78,10 @@ struct SessionOptions {
   bool huge_pages = true;              // transparent huge pages for large shards' state
   uint32_t max_sessions = 0;           // sessions held at once (live + orphaned); 0 = no cap
   uint32_t max_sessions_per_uid = 0;   // of them, per owner uid; 0 = no cap
+  // Longest an early step waits for one subgroup's gradients to be marked
+  // ready (overlap="update": the GPU engine is held meanwhile, so a trainer
+  // that stalls mid-backward would hold up the other trainers on its GPU).
+  absl::Duration early_ready_timeout = absl::Minutes(10);
 };
 
 // Smallest subgroup a registration gets (smaller requests are raised to it):
@@ -221,7 +225,7 @@ class Session {
   // engine's, until subgroup `subgroup`'s gradients of step `seq` are final,
   // or until the verdict of step `seq` is published (a copy of it). Both give
   // up with UNAVAILABLE when the session stops or its trainer is gone.
-  absl::Status WaitReady(uint32_t subgroup, uint32_t seq) const;
+  absl::Status WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const;
   absl::StatusOr<StepRequest> AwaitVerdict(uint32_t seq) const;
   // Why an early step's wait gives up (OK while it may go on).
   absl::Status EarlyStepAlive(const char* waiting_for) const;

@@ -252,3 +252,57 @@ def test_close_between_backward_and_step(dos_socket, overlap):
         warnings.simplefilter("error")  # no "did not finish" RuntimeWarning
         opt.close()
     assert opt._session is None
+
+
+def test_stalled_update_step_times_out_and_dosd_goes_on():
+    """overlap="update" holds the session's engine while dosd waits for ready
+    words (on the GPU, the engine all trainers on that device share): a
+    trainer that begins such a step and then stalls, alive, must not hold it
+    forever. dosd gives up after --early_step_ready_timeout with
+    DEADLINE_EXCEEDED naming the flag; the session and the daemon go on."""
+    import ctypes
+    from conftest import running_dosd
+    from dos import _native
+    from dos._errors import call
+    with running_dosd("--early_step_ready_timeout=1s") as (socket, _proc):
+        model, other_model = make_deep(), make_deep()
+        with dos.torch.AdamW(model.parameters(), socket=socket, subgroup_size=SUBGROUP,
+                             **LR) as opt, \
+                dos.torch.AdamW(other_model.parameters(), socket=socket,
+                                subgroup_size=SUBGROUP, **LR) as other:
+            x, y = batches(1)[0]
+            loss_of(model, x, y).backward()
+            args, _ = opt._args(1.0, 1.0, gradients_checked=True)
+            t0 = time.monotonic()
+            call("dos_step_begin_early", opt._session, ctypes.byref(args),
+                 ctypes.c_uint32(_native.DOS_EARLY_NO_VERDICT), None)
+            # Nothing is marked ready: the trainer "stalls" mid-backward. The
+            # other trainer steps meanwhile.
+            other.zero_grad()
+            loss_of(other_model, x, y).backward()
+            other.step()
+            assert other.last_step["step"] == 1
+            while time.monotonic() - t0 < 2.5:
+                time.sleep(0.1)
+            # The trainer comes back: its verdict marks everything, too late.
+            call("dos_step_verdict", opt._session, ctypes.byref(args), None)
+            res = _native.StepResult()
+            with pytest.raises(DosError, match="early_step_ready_timeout") as err:
+                call("dos_step_wait", opt._session, ctypes.c_int64(30_000), ctypes.byref(res))
+            assert err.value.code == Status.DEADLINE_EXCEEDED
+            # The session goes on: the next step is an ordinary one.
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+
+
+def test_ready_timeout_flag_is_checked():
+    import os
+    import subprocess
+    binary = os.environ.get("DOS_DOSD")
+    if not binary or not os.path.exists(binary):
+        pytest.skip("DOS_DOSD does not name a dosd binary")
+    out = subprocess.run([binary, "--socket=/tmp/dos-never.sock", "--early_step_ready_timeout=0s"],
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode != 0
+    assert "--early_step_ready_timeout must be positive" in out.stderr + out.stdout

@@ -151,7 +151,10 @@ current stream after the gradient kernels; on the CPU a store).
   weights only after step(). Crash survival is weaker for such a step: a
   trainer that dies during backward leaves the subgroups dosd had updated
   one update ahead of the others (their step counts unchanged); resume=
-  continues from there.
+  continues from there. So does a backward that leaves a subgroup unmarked
+  for longer than dosd's --early_step_ready_timeout (10 minutes; step()
+  raises DEADLINE_EXCEEDED): the GPU engine, held while dosd waits, is
+  shared by every trainer on that GPU.
 Per-layer waits (model=) never wait for the backward's own early step. The
 ready order and times of the last step are in `opt.ready_log`; `last_step`
 reports `early`, `before_verdict_us` and `after_verdict_us` (dosd's time from
