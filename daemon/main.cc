@@ -123,9 +123,10 @@ ABSL_FLAG(int, max_sessions, 1024, "Sessions held at once (attached or orphaned)
 ABSL_FLAG(int, max_sessions_per_uid, 256, "Sessions one uid holds at once; 0 = no cap.");
 ABSL_FLAG(absl::Duration, early_step_ready_timeout, absl::Minutes(10),
           "Longest an early step without a verdict (overlap=\"update\") waits for one "
-          "subgroup's gradients; its GPU engine is held meanwhile, so a trainer stalled "
-          "mid-backward would hold up the other trainers on that GPU. The step then fails "
-          "with DEADLINE_EXCEEDED.");
+          "subgroup's gradients, and an early step with one (overlap=True) for its verdict, "
+          "from the step's begin; the GPU engine (or the session) is held meanwhile, so a "
+          "trainer stalled mid-backward would hold up the other trainers on that GPU. The "
+          "step then fails with DEADLINE_EXCEEDED.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
           "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
           "operator calls).");

@@ -242,6 +242,16 @@ grpc::Status DosService::Attach(ServerContext* ctx, const v1::AttachRequest* req
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "attach: client_name has ", req->client_name().size(), " bytes; at most 256")));
   }
+  // The name reaches operators' terminals (dosctl sessions) and the log:
+  // no control characters (an escape sequence would drive the terminal).
+  for (size_t i = 0; i < req->client_name().size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(req->client_name()[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "attach: client_name has control character 0x", absl::Hex(c, absl::kZeroPad2),
+          " at byte ", i, "; use printable characters")));
+    }
+  }
   if (req->rank() < -1 || (req->world_size() > 0 && req->rank() >= req->world_size())) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "attach: rank ", req->rank(), " is invalid for world_size ", req->world_size(),

@@ -59,9 +59,34 @@ std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest
   return scalars;
 }
 
+constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
+                                     kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
+                                     kStepAbandon;
+
+// Flags the control block's trainer may not combine (it writes them at will).
+absl::Status CheckFlags(uint32_t flags, const char* what) {
+  if (flags & ~kKnownStepFlags) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: ", what, " flags 0x", absl::Hex(flags), " carry unknown bits 0x",
+        absl::Hex(flags & ~kKnownStepFlags), "; this dosd knows 0x", absl::Hex(kKnownStepFlags)));
+  }
+  return absl::OkStatus();
+}
+
 // An early step's flags against what the caller gave to wait with.
 absl::Status CheckEarlyStep(const StepRequest& begun, const StepSync& sync,
                             const AwaitVerdict& await_verdict) {
+  DOS_RETURN_IF_ERROR(CheckFlags(begun.flags, "request"));
+  if (begun.flags & kStepAbandon) {
+    return absl::InvalidArgumentError(
+        "step: request flags carry kStepAbandon, which only a verdict may carry (an early "
+        "step's verdict gives the step up); clear it");
+  }
+  if ((begun.flags & kStepNoVerdict) && !(begun.flags & kStepGradientsPending)) {
+    return absl::InvalidArgumentError(
+        "step: request flags carry kStepNoVerdict without kStepGradientsPending; only an "
+        "early step can go without a verdict");
+  }
   const bool early = (begun.flags & kStepGradientsPending) != 0;
   const bool no_verdict = early && (begun.flags & kStepNoVerdict) != 0;
   if (no_verdict && !(begun.flags & kStepGradientsChecked)) {
@@ -170,6 +195,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   if (early && !no_verdict) {
     DOS_ASSIGN_OR_RETURN(request, await_verdict());
     verdict_at = absl::Now();
+    DOS_RETURN_IF_ERROR(CheckFlags(request.flags, "verdict"));
     if (request.flags & kStepAbandon) {
       return absl::AbortedError(
           "step: the trainer abandoned the early step before its verdict; nothing was applied");

@@ -149,6 +149,15 @@ uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
 
 void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout) {
   const uint64_t staging = StagingBytes(layout);
+  // The most a session can keep resident: every subgroup charged the largest
+  // one's state, as ResidentCount charges them. A lease beyond it (a trainer
+  // reports what it likes) asks for no more, so that under a budget it does
+  // not shrink the other sessions' shares for memory it could never use.
+  uint64_t max_numel = 0;
+  for (uint64_t n : layout.subgroup_numel) max_numel = std::max(max_numel, n);
+  const unsigned __int128 whole_state = static_cast<unsigned __int128>(max_numel) *
+                                        static_cast<uint64_t>(layout.state_bytes) *
+                                        layout.subgroup_numel.size();
   absl::MutexLock lock(&mu_);
   SessionShare& share = sessions_[session];
   if (lease.reported) {
@@ -159,6 +168,9 @@ void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardL
   share.asks = !share.lease.reported ? options_.budgets.gpu_resident_bytes
                : share.lease.lease_bytes > staging ? share.lease.lease_bytes - staging
                                                    : 0;
+  if (share.lease.reported && share.asks > whole_state) {
+    share.asks = static_cast<uint64_t>(whole_state);
+  }
 }
 
 void StepPlanner::ForgetSession(uint64_t session) {

@@ -22,7 +22,8 @@
 //
 // Resident tier: each session of the engine gets its own resident budget.
 // A session whose trainer reports a GPU lease (SetLease, every step) asks
-// for its lease less the staging buffers its plans need; one that reports
+// for its lease less the staging buffers its plans need, and never for more
+// than its whole state (a trainer reports what it likes); one that reports
 // none asks for budgets.gpu_resident_bytes (--gpu_memory_budget, as before
 // leases). When budgets.gpu_resident_bytes is set and the sessions together
 // ask for more, each gets a share of it in proportion to what it asks. A

@@ -199,6 +199,9 @@ void Session::HandleRequest(uint32_t seq) {
   double lock_wait_us = 0;
   double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
   uint32_t num_subgroups = 0;
+  // One copy of the request, read once: the trainer can write its block at
+  // any time, and what was validated must be what is applied.
+  const StepRequest request = block->request;  // published by request_bell (acquire)
   {
     absl::MutexLock lock(&mu_);
     lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
@@ -211,12 +214,11 @@ void Session::HandleRequest(uint32_t seq) {
       // back before the client, waiting on the lease bell, lets the trainer
       // allocate again. A failure here fails the step (below).
       const Policy step_policy = policy();
-      absl::Status leased =
-          executor_->ApplyLease(*shard_, block->request, step_policy, identity_.id);
+      absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
       channel_->PostLeaseApplied(seq);
-      const StepSync sync = MakeStepSync(seq, block->request.flags);
-      const ::dos::AwaitVerdict verdict = [this, seq] { return AwaitVerdict(seq); };
-      outcome = leased.ok() ? executor_->Run(*shard_, bindings_, block->request, step_policy,
+      const StepSync sync = MakeStepSync(seq, request.flags);
+      const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
+      outcome = leased.ok() ? executor_->Run(*shard_, bindings_, request, step_policy,
                                              sync, identity_.id, verdict)
                             : absl::StatusOr<StepOutcome>(leased);
       ++steps_run_;
@@ -280,80 +282,6 @@ void Session::HandleRequest(uint32_t seq) {
     }
   }
   channel_->PostResult(seq);
-}
-
-StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
-  StepSync sync;
-  sync.trainer_event = trainer_event_;
-  sync.subgroup_done = [this, seq](uint32_t subgroup) {
-    channel_->MarkSubgroupDone(subgroup, seq);
-  };
-  if (flags & kStepGradientsPending) {
-    const absl::Time begun = absl::Now();
-    sync.wait_ready = [this, seq, begun](uint32_t subgroup) {
-      return WaitReady(subgroup, seq, begun);
-    };
-    sync.is_ready = [this, seq](uint32_t subgroup) {
-      return channel_->SubgroupReady(subgroup, seq);
-    };
-  }
-  return sync;
-}
-
-absl::Status Session::EarlyStepAlive(const char* waiting_for) const {
-  if (stop_.load(std::memory_order_acquire)) {
-    return absl::UnavailableError(absl::StrCat("step: the session is closing while it waited for ",
-                                               waiting_for, "; nothing more was applied"));
-  }
-  if (!ClientAlive()) {
-    return absl::UnavailableError(absl::StrCat("step: the trainer (pid ", identity_.pid,
-                                               ") is gone while dosd waited for ", waiting_for,
-                                               "; nothing more was applied"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const {
-  // The words are written by the trainer's GPU stream (or a plain store on
-  // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
-  // then every 20 us (backward makes a subgroup's gradients in milliseconds;
-  // the CPU pool needs the cores meanwhile). Liveness is checked per slice.
-  int polls = 0;
-  absl::Time next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
-  while (!channel_->SubgroupReady(subgroup, seq)) {
-    if (++polls < 64) {
-      std::this_thread::yield();
-      continue;
-    }
-    absl::SleepFor(absl::Microseconds(20));
-    if (absl::Now() >= next_check) {
-      DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
-      if (absl::Now() - begun > options_.early_ready_timeout) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "step: the gradients of subgroup ", subgroup, " were not marked ready within ",
-            absl::FormatDuration(options_.early_ready_timeout), " of early step ", seq,
-            "'s begin (trainer pid ", identity_.pid, "); dosd stopped waiting so that the "
-            "other trainers on its engine go on. Subgroups updated before are one update "
-            "ahead (resume= continues from there). A backward that long needs dosd "
-            "--early_step_ready_timeout raised, or overlap=True/False instead of \"update\""));
-      }
-      next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<StepRequest> Session::AwaitVerdict(uint32_t seq) const {
-  auto* block = static_cast<ControlBlock*>(control_->data());
-  while (!channel_->WaitVerdict(seq, ControlBlockChannel::kLivenessSlice)) {
-    DOS_RETURN_IF_ERROR(EarlyStepAlive("the step's verdict"));
-  }
-  StepRequest verdict = block->verdict;  // published by verdict_bell (acquire)
-  if (verdict.seq != seq) {
-    return absl::InvalidArgumentError(absl::StrCat("step: the verdict carries seq ", verdict.seq,
-                                                   " for early step ", seq));
-  }
-  return verdict;
 }
 
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,

@@ -78,9 +78,11 @@ struct SessionOptions {
   bool huge_pages = true;              // transparent huge pages for large shards' state
   uint32_t max_sessions = 0;           // sessions held at once (live + orphaned); 0 = no cap
   uint32_t max_sessions_per_uid = 0;   // of them, per owner uid; 0 = no cap
-  // Longest an early step waits for one subgroup's gradients to be marked
-  // ready (overlap="update": the GPU engine is held meanwhile, so a trainer
-  // that stalls mid-backward would hold up the other trainers on its GPU).
+  // Longest an early step waits, from its begin, for one subgroup's
+  // gradients to be marked ready (overlap="update": the GPU engine is held
+  // meanwhile, so a trainer that stalls mid-backward would hold up the other
+  // trainers on its GPU) or for its verdict (the node counts its engine as
+  // stepping, and the session's lock is held, until then).
   absl::Duration early_ready_timeout = absl::Minutes(10);
 };
 
@@ -224,9 +226,12 @@ class Session {
   // Early steps (dos/wire/control_block.h): wait, on the step thread or an
   // engine's, until subgroup `subgroup`'s gradients of step `seq` are final,
   // or until the verdict of step `seq` is published (a copy of it). Both give
-  // up with UNAVAILABLE when the session stops or its trainer is gone.
+  // up with UNAVAILABLE when the session stops or its trainer is gone, and
+  // with DEADLINE_EXCEEDED `early_ready_timeout` after the step's begin (a
+  // trainer alive but stalled must not hold its engine or the node's share
+  // forever); a verdict bell rung past `seq` is INVALID_ARGUMENT at once.
   absl::Status WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const;
-  absl::StatusOr<StepRequest> AwaitVerdict(uint32_t seq) const;
+  absl::StatusOr<StepRequest> AwaitVerdict(uint32_t seq, absl::Time begun) const;
   // Why an early step's wait gives up (OK while it may go on).
   absl::Status EarlyStepAlive(const char* waiting_for) const;
 

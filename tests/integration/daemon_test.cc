@@ -306,6 +306,21 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
     v1::AttachResponse again;
     EXPECT_EQ(stub->Attach(&ctx, areq, &again).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
+  {
+    // A name with a terminal escape would reach operators' dosctl sessions.
+    v1::AttachRequest named = areq;
+    absl::StatusOr<std::string> ticket = fdproto::Hello(fd_socket);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    named.set_fd_ticket(*ticket);
+    named.set_client_name("job\x1b]0;owned\x07");
+    grpc::ClientContext ctx;
+    v1::AttachResponse refused;
+    grpc::Status st = stub->Attach(&ctx, named, &refused);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("client_name has control character 0x1b at byte 3"),
+              std::string::npos)
+        << st.error_message();
+  }
   auto make_req = [&]() {
     v1::RegisterShardRequest req;
     *req.mutable_session() = aresp.session();

@@ -23,6 +23,14 @@
 //                                eperm= step=
 //   open_devshm                  try to open every /dev/shm/dos* object
 //                                read-write; prints opened=
+//   raw_step[:field=F,value=V]   write a step request into our own control block by hand
+//                                (a valid one, then F = V: lr, grad_scale, clip_coef, eps as
+//                                doubles, nan/inf/-inf allowed; num_groups, flags, lease,
+//                                budget, peak as integers), ring it and wait for the result;
+//                                prints seq= step= (ERR with dosd's code and message)
+//   early_stall                  begin an early step by hand (kStepGradientsPending) and send
+//                                no verdict; prints seq=
+//   raw_wait[:timeout_s=S]       wait for the result of the last raw request (default 60 s)
 //   wait                         print "OK wait", block until stdin closes
 // Exit status 0 when every line was printed, 2 on bad usage.
 #include <dirent.h>
@@ -35,6 +43,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +55,7 @@
 #include "absl/strings/str_split.h"
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/control_channel.h"
 #include "dos/wire/fd_protocol.h"
 #include "dos/wire/shm_segment.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
@@ -85,7 +95,68 @@ struct Trainer {
   dos_session* s = nullptr;
   dos_hparams h;
   uint64_t numel = 0;
+  // Our own control block, mapped a second time to write it by hand.
+  std::unique_ptr<dos::ShmSegment> block;
+  dos::UniqueFd block_connection;
+  uint32_t raw_seq = 0;
 };
+
+// Our session's control block, fetched as the library fetches it.
+absl::StatusOr<dos::ControlBlock*> OwnBlock(Trainer* t) {
+  if (t->s == nullptr) return absl::FailedPreconditionError("attach first");
+  if (t->block == nullptr) {
+    auto cb = dos::fdproto::FetchControlBlock(dos::fdproto::SocketPathFor(t->socket),
+                                              dos_session_id(t->s), dos_session_token(t->s));
+    if (!cb.ok()) return cb.status();
+    auto seg = dos::ShmSegment::Adopt(std::move(cb->memfd), "control block");
+    if (!seg.ok()) return seg.status();
+    t->block = *std::move(seg);
+    t->block_connection = std::move(cb->connection);
+  }
+  return static_cast<dos::ControlBlock*>(t->block->data());
+}
+
+// A valid request for our one group, then `field` = `value` as a hostile
+// trainer would write it.
+absl::Status WriteRequest(dos::StepRequest& r, const std::string& field,
+                          const std::string& value) {
+  r.flags = 0;
+  r.num_groups = 1;
+  r.grad_scale = 1;
+  r.clip_coef = 1;
+  r.groups[0] = dos::GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  if (field.empty()) return absl::OkStatus();
+  const double d = std::strtod(value.c_str(), nullptr);
+  uint64_t u = 0;
+  const bool is_int = absl::SimpleAtoi(value, &u);
+  if (field == "lr") r.groups[0].lr = d;
+  else if (field == "eps") r.groups[0].eps = d;
+  else if (field == "grad_scale") r.grad_scale = d;
+  else if (field == "clip_coef") r.clip_coef = d;
+  else if (!is_int) return absl::InvalidArgumentError("integer field, integer value");
+  else if (field == "num_groups") r.num_groups = static_cast<uint32_t>(u);
+  else if (field == "flags") r.flags = static_cast<uint32_t>(u);
+  else if (field == "lease") r.gpu_lease_bytes = u;
+  else if (field == "budget") r.gpu_budget_bytes = u;
+  else if (field == "peak") r.gpu_peak_bytes = u;
+  else return absl::InvalidArgumentError(absl::StrCat("unknown field ", field));
+  if (field == "lease" || field == "budget" || field == "peak") r.flags |= dos::kStepGpuLease;
+  return absl::OkStatus();
+}
+
+absl::Status RawWait(Trainer* t, const std::string& op, absl::Duration timeout) {
+  auto block = OwnBlock(t);
+  if (!block.ok()) return block.status();
+  dos::ControlBlockChannel channel(*block);
+  if (absl::Status st = channel.WaitResult(t->raw_seq, timeout); !st.ok()) return st;
+  const dos::StepResult& res = (*block)->result;
+  if (res.status_code != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(res.status_code),
+                        std::string(res.message, strnlen(res.message, dos::kMaxStatusMessage)));
+  }
+  Ok(op, absl::StrCat("seq=", res.seq, " step=", res.step));
+  return absl::OkStatus();
+}
 
 absl::Status Register(Trainer* t, uint64_t numel) {
   void* param = nullptr;
@@ -288,6 +359,22 @@ absl::Status Run(Trainer* t, const std::string& name, const Args& a) {
     if (d != nullptr) closedir(d);
     Ok(name, absl::StrCat("opened=", opened));
     return absl::OkStatus();
+  }
+  if (name == "raw_step" || name == "early_stall") {
+    auto block = OwnBlock(t);
+    if (!block.ok()) return block.status();
+    dos::StepRequest& r = (*block)->request;
+    if (absl::Status st = WriteRequest(r, Str(a, "field"), Str(a, "value")); !st.ok()) return st;
+    if (name == "early_stall") r.flags |= dos::kStepGradientsPending;
+    t->raw_seq = dos::ControlBlockChannel(*block).PublishRequest();
+    if (name == "early_stall") {
+      Ok(name, absl::StrCat("seq=", t->raw_seq));
+      return absl::OkStatus();
+    }
+    return RawWait(t, name, absl::Seconds(60));
+  }
+  if (name == "raw_wait") {
+    return RawWait(t, name, absl::Seconds(static_cast<int64_t>(U64(a, "timeout_s", 60))));
   }
   if (name == "wait") {
     Ok(name);

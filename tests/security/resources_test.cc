@@ -1,6 +1,7 @@
 // Issue 11, items 7, 9 and 11: honest accounting and bounded resources.
 // Tiny subgroups cannot grow dosd past its accounting; staging copies go with
-// their session; session caps; idle sessions cost no thread; SIGTERM with
+// their session; session caps; idle sessions cost no thread; attach floods
+// from several users leave another user stepping; SIGTERM with
 // hundreds of sessions is quick; repeated failures are logged a few times with
 // a count; metrics scrapes are not held up by idle connections; ImportState
 // checks the step counter; a clean stop leaves no lock file.
@@ -153,6 +154,45 @@ TEST(Resources, SigtermWithThousandsOfSessionsStopsWithinTenSeconds) {
   EXPECT_LT(secs, 10.0) << "SIGTERM with " << kSessions << " sessions took " << secs << " s";
   std::printf("SIGTERM with %d registered sessions: %.2f s\n", kSessions, secs);
   EXPECT_EQ(Count(d->log(), "reason=shutdown"), static_cast<size_t>(kSessions));
+}
+
+// 2000 attaches at once from two users (no caps), then both vanish without
+// detaching: a third user's trainer keeps stepping meanwhile, dosctl status
+// answers, and the reaper closes every session of the two.
+TEST(Resources, AttachFloodsFromSeveralUsersLeaveAnotherUserStepping) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--max_sessions=0", "--max_sessions_per_uid=0"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess b(User("dos-sec-b"), d->socket(),
+                {"attach", "register:numel=4096", "wait", "step:n=50", "wait", "step:n=5"});
+  ASSERT_EQ(Code(b.Await("register")), 0) << b.output() << d->log();
+  ASSERT_EQ(Code(b.Await("wait")), 0);
+  UserProcess a(User("dos-sec-a"), d->socket(), {"rpc_attach:n=1000", "wait"});
+  UserProcess e(User("dos-sec-e"), d->socket(), {"rpc_attach:n=1000", "wait"});
+  const auto start = std::chrono::steady_clock::now();
+  b.Continue();
+  const std::string steps = b.Await("step", 60000);
+  EXPECT_EQ(Code(steps), 0) << steps << b.output();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(secs, 30.0) << "50 steps took " << secs << " s during the attach flood";
+  const std::string dosctl = ReachableBinary(DOS_DOSCTL_PATH);
+  const std::string status =
+      RunCommandAs(User("dos-sec-b"), {dosctl, "--socket=" + d->socket(), "status"});
+  EXPECT_NE(status.find("SERVING"), std::string::npos) << status;
+  EXPECT_EQ(status.find("NOT_SERVING"), std::string::npos) << status;
+  ASSERT_EQ(Code(a.Await("rpc_attach", 120000)), 0) << a.output() << d->log().substr(0, 4000);
+  ASSERT_EQ(Code(e.Await("rpc_attach", 120000)), 0) << e.output();
+  // Both vanish without detaching.
+  a.Kill();
+  e.Kill();
+  EXPECT_TRUE(WaitFor([&] { return Count(d->log(), "reason=client_exited") == 2000; }, 60000))
+      << Count(d->log(), "reason=client_exited") << " of 2000 reaped";
+  ASSERT_EQ(Code(b.Await("wait")), 0);
+  b.Continue();
+  EXPECT_EQ(Code(b.Await("step", 30000)), 0) << b.output();
+  b.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
 
 TEST(Resources, RepeatedFailuresAreLoggedAFewTimesWithACount) {

@@ -101,6 +101,36 @@ TEST(ResidentTierTest, SessionsOnOneGpuEachHoldTheirOwnLease) {
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 2), 5u);
 }
 
+// A trainer reports what it likes: a lease far beyond its own state (or the
+// GPU) asks for no more than its whole state, so under the cap it cannot
+// starve the other sessions of theirs.
+TEST(ResidentTierTest, ALeaseBeyondTheSessionsStateAsksForItsStateOnly) {
+  StepPlanner planner(Gpu(6 * kSgBytes));
+  const ShardLayout small = Uniform(2);
+  const ShardLayout large = Uniform(10);
+  planner.SetLease(1, Lease(kStaging + 4 * kSgBytes), large);
+  for (uint64_t huge : {uint64_t{1} << 40, ~uint64_t{0}}) {
+    planner.SetLease(2, Lease(huge), small);
+    EXPECT_EQ(planner.ResidentBytes(2), 2 * kSgBytes) << huge;
+    EXPECT_EQ(planner.ResidentTarget(P("auto"), small, 2), 2u) << huge;
+    // 4 + 2 asked, 6 allowed: session 1 keeps all it asked for.
+    EXPECT_EQ(planner.ResidentBytes(1), 4 * kSgBytes) << huge;
+    EXPECT_EQ(planner.ResidentTarget(P("auto"), large, 1), 4u) << huge;
+    EXPECT_EQ(planner.LeaseOf(2).lease_bytes, huge);  // reported as given
+  }
+  // Changing every step: each report replaces the last, nothing accumulates.
+  for (int i = 0; i < 100; ++i) {
+    planner.SetLease(2, Lease(i % 2 == 0 ? ~uint64_t{0} : 0), small);
+  }
+  EXPECT_EQ(planner.ResidentBytes(2), 0u);
+  EXPECT_EQ(planner.ResidentTarget(P("auto"), large, 1), 4u);
+  // No GPU at all (a host engine's planner): nothing resident whatever the lease.
+  StepPlanner host{PlannerOptions{}};
+  host.SetLease(3, Lease(~uint64_t{0}), large);
+  EXPECT_EQ(host.ResidentTarget(P("auto"), large, 3), 0u);
+  EXPECT_EQ(host.ResidentTarget(P("static:1"), large, 3), 0u);
+}
+
 TEST(ResidentTierTest, TheFlagCapsAllSessionsTogetherInProportion) {
   StepPlanner planner(Gpu(6 * kSgBytes));
   const ShardLayout layout = Uniform(10);

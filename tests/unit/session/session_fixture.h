@@ -57,6 +57,7 @@ class SessionFixture : public testing::Test {
     SessionOptions options;
     options.default_subgroup_size = 1000;
     options.liveness_interval = absl::Milliseconds(10);
+    options.early_ready_timeout = early_ready_timeout_;
     absl::StatusOr<std::unique_ptr<Session>> s = Session::Create(
         id, options, *ParsePolicy(policy), &executors_, &budget_, std::move(gone));
     EXPECT_TRUE(s.ok()) << s.status();
@@ -138,6 +139,7 @@ class SessionFixture : public testing::Test {
   std::vector<float> grads_ = std::vector<float>(kTotal);
   std::unique_ptr<ShmSegment> shm_;
   uint64_t next_id_ = 0;
+  absl::Duration early_ready_timeout_ = absl::Minutes(10);  // SessionOptions' for new sessions
 };
 
 }  // namespace dos

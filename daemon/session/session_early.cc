@@ -1,0 +1,103 @@
+// Session's early steps (protocol 5, dos/wire/control_block.h): the step's
+// synchronisation with the trainer and the waits for its ready words and its
+// verdict, each bounded by the trainer's liveness and by
+// SessionOptions::early_ready_timeout from the step's begin.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/session/session.h"
+#include "dos/wire/status_macros.h"
+
+namespace dos {
+
+StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
+  StepSync sync;
+  sync.trainer_event = trainer_event_;
+  sync.subgroup_done = [this, seq](uint32_t subgroup) {
+    channel_->MarkSubgroupDone(subgroup, seq);
+  };
+  if (flags & kStepGradientsPending) {
+    const absl::Time begun = absl::Now();
+    sync.wait_ready = [this, seq, begun](uint32_t subgroup) {
+      return WaitReady(subgroup, seq, begun);
+    };
+    sync.is_ready = [this, seq](uint32_t subgroup) {
+      return channel_->SubgroupReady(subgroup, seq);
+    };
+  }
+  return sync;
+}
+
+absl::Status Session::EarlyStepAlive(const char* waiting_for) const {
+  if (stop_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError(absl::StrCat("step: the session is closing while it waited for ",
+                                               waiting_for, "; nothing more was applied"));
+  }
+  if (!ClientAlive()) {
+    return absl::UnavailableError(absl::StrCat("step: the trainer (pid ", identity_.pid,
+                                               ") is gone while dosd waited for ", waiting_for,
+                                               "; nothing more was applied"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const {
+  // The words are written by the trainer's GPU stream (or a plain store on
+  // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
+  // then every 20 us (backward makes a subgroup's gradients in milliseconds;
+  // the CPU pool needs the cores meanwhile). Liveness is checked per slice.
+  int polls = 0;
+  absl::Time next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
+  while (!channel_->SubgroupReady(subgroup, seq)) {
+    if (++polls < 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    absl::SleepFor(absl::Microseconds(20));
+    if (absl::Now() >= next_check) {
+      DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
+      if (absl::Now() - begun > options_.early_ready_timeout) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step: the gradients of subgroup ", subgroup, " were not marked ready within ",
+            absl::FormatDuration(options_.early_ready_timeout), " of early step ", seq,
+            "'s begin (trainer pid ", identity_.pid, "); dosd stopped waiting so that the "
+            "other trainers on its engine go on. Subgroups updated before are one update "
+            "ahead (resume= continues from there). A backward that long needs dosd "
+            "--early_step_ready_timeout raised, or overlap=True/False instead of \"update\""));
+      }
+      next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepRequest> Session::AwaitVerdict(uint32_t seq, absl::Time begun) const {
+  auto* block = static_cast<ControlBlock*>(control_->data());
+  while (!channel_->WaitVerdict(seq, ControlBlockChannel::kLivenessSlice)) {
+    // The bell only moves forward to seq (cyclically): past it, no verdict
+    // for this step will ever come.
+    const uint32_t bell = block->verdict_bell.load(std::memory_order_acquire);
+    if (static_cast<int32_t>(bell - seq) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step: verdict_bell was rung for seq ", bell, " while early step ", seq,
+          " awaits its verdict; ring it with the step's seq (dos_step_verdict does)"));
+    }
+    DOS_RETURN_IF_ERROR(EarlyStepAlive("the step's verdict"));
+    if (absl::Now() - begun > options_.early_ready_timeout) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step: no verdict for early step ", seq, " within ",
+          absl::FormatDuration(options_.early_ready_timeout), " of its begin (trainer pid ",
+          identity_.pid, "); nothing was applied. Call dos_step_verdict or dos_step_abandon "
+          "after backward, or raise dosd --early_step_ready_timeout"));
+    }
+  }
+  StepRequest verdict = block->verdict;  // published by verdict_bell (acquire)
+  if (verdict.seq != seq) {
+    return absl::InvalidArgumentError(absl::StrCat("step: the verdict carries seq ", verdict.seq,
+                                                   " for early step ", seq));
+  }
+  return verdict;
+}
+
+}  // namespace dos
