@@ -238,6 +238,8 @@ void dos_step_args_init(dos_step_args* args) {
   args->grad_scale = 1.0;
   args->clip_coef = 1.0;
   args->gradients_checked = 0;
+  args->skip_tensors = nullptr;
+  args->num_skip_tensors = 0;
 }
 
 dos_status dos_step_begin(dos_session* session, const dos_step_args* args) {

@@ -155,8 +155,10 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
   return req;
 }
 
+static_assert(DOS_MAX_SKIP_TENSORS == kMaxSkipTensors, "dos.h and the wire format agree");
+
 absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups,
-                             StepRequest* out) {
+                             size_t registered_tensors, StepRequest* out) {
   if (args.num_groups != registered_groups) {
     return absl::InvalidArgumentError(absl::StrCat("step: ", args.num_groups,
                                                    " groups passed, but ", registered_groups,
@@ -179,6 +181,21 @@ absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups
     DOS_RETURN_IF_ERROR(ValidateGroupStepParams(out->groups[g], g, "step"));
   }
   out->flags = args.gradients_checked ? kStepGradientsChecked : 0u;
+  std::memset(out->skip, 0, sizeof(out->skip));
+  if (args.num_skip_tensors != 0 && args.skip_tensors == nullptr) {
+    return absl::InvalidArgumentError("step: skip_tensors is NULL but num_skip_tensors > 0");
+  }
+  for (size_t k = 0; k < args.num_skip_tensors; ++k) {
+    const uint32_t i = args.skip_tensors[k];
+    if (i >= registered_tensors || i >= kMaxSkipTensors) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step: skip_tensors[", k, "] = ", i, " but ", registered_tensors,
+          " tensors are registered and only the first ", kMaxSkipTensors,
+          " can be skipped; give a parameter without a gradient a zero gradient instead"));
+    }
+    out->skip[i / 64] |= uint64_t{1} << (i % 64);
+    out->flags |= kStepSkipTensors;
+  }
   out->num_groups = static_cast<uint32_t>(args.num_groups);
   out->reserved = 0;
   out->grad_scale = args.grad_scale;

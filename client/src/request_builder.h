@@ -43,9 +43,9 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
     absl::Span<const dos_tensor> tensors, absl::Span<const dos_hparams> groups,
     uint64_t subgroup_size, const BufferTable& buffers, DeviceMemory* device = nullptr);
 
-// Checks `args` against the number of registered groups and fills `out`
-// (everything but seq).
+// Checks `args` against the number of registered groups and tensors and
+// fills `out` (everything but seq).
 absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups,
-                             StepRequest* out);
+                             size_t registered_tensors, StepRequest* out);
 
 }  // namespace dos::client

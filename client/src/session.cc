@@ -401,7 +401,7 @@ absl::Status ClientSession::StepBegin(const dos_step_args& args, uint32_t extra_
     return absl::UnavailableError("step: the daemon closed this session (shutdown or detach)");
   }
   StepRequest& r = control_->request;
-  DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, &r));
+  DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, tensors_.size(), &r));
   r.flags |= extra_flags;
   bool lease_lowered = false;
   if (lease_set_) {
@@ -499,7 +499,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
       v = StepRequest{};
       v.flags = kStepAbandon;
     } else {
-      DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, &v));
+      DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, tensors_.size(), &v));
       if (device_sync_ != nullptr) {
         // Whatever the trainer did to the gradients after backward (an
         // in-place clip, a copy into the registered buffer) comes before

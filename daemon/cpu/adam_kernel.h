@@ -69,6 +69,18 @@ struct AdamScalars {
 AdamScalars MakeAdamScalars(const GroupStepParams& group, bool decoupled_weight_decay,
                             int64_t step, double grad_scale, double clip_coef);
 
+// Scalars under which a kernel (every CPU variant, and the GPU kernel, which
+// evaluates the same formula) leaves p, m, v and the trainer's weight exactly
+// as they are: for a tensor without a gradient this step (torch.optim skips a
+// parameter whose grad is None). With clip_coef = 0, g = 0; then
+// m = 1*m + 0*g = m, v = 1*v + 0*g*g = v, p = 1*p + (0*m) / (sqrt(v) + 1) = p,
+// exact for finite gradients and state (a non-finite gradient fails the
+// step's scan first); eps = 1 keeps the denominator >= 1 where v = 0, also
+// for a group with eps = 0. The compact format's roundings return a value
+// that is already bf16 unchanged, and the weight is written from the
+// unchanged master. No kernel needs to know.
+AdamScalars KeepAdamScalars();
+
 // One contiguous run of elements of one tensor.
 struct AdamSpan {
   const void* grad;

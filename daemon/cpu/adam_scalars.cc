@@ -32,4 +32,21 @@ AdamScalars MakeAdamScalars(const GroupStepParams& group, bool decoupled_weight_
   return s;
 }
 
+AdamScalars KeepAdamScalars() {
+  AdamScalars s;
+  s.beta1 = 1.0f;
+  s.beta2 = 1.0f;
+  s.one_minus_beta1 = 0.0f;
+  s.one_minus_beta2 = 0.0f;
+  s.eps = 1.0f;
+  s.l2_weight_decay = 0.0f;
+  s.decay_factor = 1.0f;
+  s.neg_step_size = 0.0f;
+  s.bias_correction2_sqrt = 1.0f;
+  s.inv_grad_scale = 1.0f;
+  s.clip_coef = 0.0f;
+  s.rounding_seed = 0;
+  return s;
+}
+
 }  // namespace dos::cpu

@@ -1,5 +1,6 @@
 #include "daemon/sched/step_executor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -51,7 +52,12 @@ void FloatToWeights(const float* in, uint64_t n, DType dtype, char* out) {
 std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest& request) {
   std::vector<cpu::AdamScalars> scalars;
   scalars.reserve(shard.tensors().size());
+  uint32_t i = 0;
   for (const TensorDesc& t : shard.tensors()) {
+    if (SkipsTensor(request, i++)) {
+      scalars.push_back(cpu::KeepAdamScalars());  // no gradient: unchanged
+      continue;
+    }
     const GroupConfig& group = shard.groups()[t.group];
     scalars.push_back(cpu::MakeAdamScalars(request.groups[t.group], group.decoupled_weight_decay,
                                            t.step + 1, request.grad_scale, request.clip_coef));
@@ -61,7 +67,7 @@ std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest
 
 constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
                                      kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
-                                     kStepAbandon;
+                                     kStepAbandon | kStepSkipTensors;
 
 // Flags the control block's trainer may not combine (it writes them at will).
 absl::Status CheckFlags(uint32_t flags, const char* what) {
@@ -71,6 +77,14 @@ absl::Status CheckFlags(uint32_t flags, const char* what) {
         absl::Hex(flags & ~kKnownStepFlags), "; this dosd knows 0x", absl::Hex(kKnownStepFlags)));
   }
   return absl::OkStatus();
+}
+
+// Optimizer steps applied so far: the largest tensor count (a tensor
+// without a gradient in some steps, kStepSkipTensors, counts fewer).
+int64_t StepCount(std::span<const TensorDesc> tensors) {
+  int64_t n = 0;
+  for (const TensorDesc& t : tensors) n = std::max(n, t.step);
+  return n;
 }
 
 // An early step's flags against what the caller gave to wait with.
@@ -226,7 +240,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     if (!*finite) {
       StepOutcome out;
       out.found_inf = true;
-      out.step = tensors[0].step;
+      out.step = StepCount(tensors);
       out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
       finish_early(&out);
       return out;
@@ -248,8 +262,10 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     out.trainer_gpu_peak_bytes = lease.peak_bytes;
     out.resident_budget_bytes = planner_.ResidentBytes(session);
   }
-  for (TensorDesc& t : tensors) ++t.step;
-  out.step = tensors[0].step;
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    if (!SkipsTensor(request, i)) ++tensors[i].step;  // a skipped tensor keeps its count
+  }
+  out.step = StepCount(tensors);
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   finish_early(&out);
   return out;

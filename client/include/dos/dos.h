@@ -219,7 +219,16 @@ typedef struct dos_step_args {
   double grad_scale;        /* gradients are divided by this (AMP loss scale); 1 = none */
   double clip_coef;         /* then multiplied by this (clip_grad_norm_); 1 = none */
   int32_t gradients_checked;/* 1: the caller knows gradients are finite; skip the scan */
+  /* Tensors (registration indices) without a gradient this step, as
+   * torch.optim skips a parameter whose grad is None: their weights,
+   * exp_avg, exp_avg_sq and step counts stay as they are (their gradient
+   * buffers must hold finite values, e.g. zeros). Indices must be below the
+   * number of registered tensors and below DOS_MAX_SKIP_TENSORS. */
+  const uint32_t* skip_tensors;
+  size_t num_skip_tensors;
 } dos_step_args;
+
+#define DOS_MAX_SKIP_TENSORS 4096
 
 void dos_step_args_init(dos_step_args* args);
 

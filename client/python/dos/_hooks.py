@@ -83,6 +83,15 @@ class _HooksMixin:
                 opt._wait_layer([opt._entries[i]], r[0], r[1])
             self._grad_hooks.append(e.param.register_hook(self._weak(grad_hook)))
 
+    def _install_seen_hooks(self):
+        """A gradient hook on each registered parameter notes that backward
+        reached it (its gradient is not None in torch's terms), so that
+        step() skips only the parameters torch would skip."""
+        for e in self._entries:
+            def seen(opt, _grad, i=e.index):
+                opt._entries[i].grad_none = False
+            self._seen_hooks.append(e.param.register_hook(self._weak(seen)))
+
     def _install_replicate_wait(self):
         """torch.nn.DataParallel (which the Hugging Face Trainer uses on its
         own when a process sees several GPUs) copies every parameter to the

@@ -80,7 +80,12 @@ class RegisterOptions(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     _fields_ = [("groups", ctypes.POINTER(Hparams)), ("num_groups", ctypes.c_size_t),
                 ("grad_scale", ctypes.c_double), ("clip_coef", ctypes.c_double),
-                ("gradients_checked", ctypes.c_int32)]
+                ("gradients_checked", ctypes.c_int32),
+                ("skip_tensors", ctypes.POINTER(ctypes.c_uint32)),
+                ("num_skip_tensors", ctypes.c_size_t)]
+
+
+MAX_SKIP_TENSORS = 4096  # DOS_MAX_SKIP_TENSORS
 
 
 class StepResult(ctypes.Structure):

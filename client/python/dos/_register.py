@@ -45,8 +45,11 @@ class Entry:
     # shard); copy_out: the registered param is a separate buffer whose new
     # values are copied into `local` after each step (DTensor on the CPU);
     # copy_grad: the gradient is copied into grad_shm at step() (DTensor).
+    # grad_none: the parameter counts as having no gradient (torch's grad
+    # would be None): set by zero_grad(set_to_none=True), cleared when
+    # backward reaches it; step() skips it.
     __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
-                 "copy_out", "copy_grad", "hook")
+                 "copy_out", "copy_grad", "hook", "grad_none")
 
     def __init__(self, param, name, index, group):
         self.param = param
@@ -59,6 +62,7 @@ class Entry:
         self.copy_out = False
         self.copy_grad = False
         self.hook = None
+        self.grad_none = param.grad is None
 
 
 def _state_what(entries, compact=False) -> str:
@@ -284,6 +288,11 @@ class _RegisterMixin:
         arr = (_native.Hparams * len(self._group_map))()
         for dg, gi in enumerate(self._group_map):
             g = self.param_groups[gi]
+            for flag in ("maximize", "amsgrad", "differentiable"):
+                if g.get(flag, False):
+                    raise NotImplementedError(
+                        f"dos.torch: param group {gi} has {flag}=True, which dosd does not "
+                        "support")
             h = arr[dg]
             h.lr = float(g["lr"])
             h.beta1 = float(g["betas"][0])
@@ -294,20 +303,20 @@ class _RegisterMixin:
         return arr
 
     def _moved(self, e: Entry) -> bool:
-        """True if e's parameter now lives elsewhere with the same dtype,
-        shape and device (re-registrable); raises if it changed kind."""
+        """True if e's parameter now lives elsewhere (its .data replaced:
+        model.to(dtype), model.cuda(), a new tensor) with the same shape:
+        re-registrable; raises if its shape changed."""
         where = ("the CUDA memory registered with dosd" if self._device is not None
                  else "DOS shared memory")
         local = local_of(e.param)
         if local.data_ptr() == e.local.data_ptr() and local.dtype == e.local.dtype:
             return False
-        if (local.dtype != e.local.dtype or local.shape != e.local.shape
-                or local.device != e.local.device):
+        if local.shape != e.local.shape:
             raise DosError(
                 Status.FAILED_PRECONDITION,
                 f"step: {e.name} no longer lives in {where} (its .data was replaced, "
-                f"now {local.dtype} {tuple(local.shape)} on {local.device}); do not move or "
-                "re-create parameters after building the optimizer (copy into them in place)")
+                f"now {local.dtype} {tuple(local.shape)} on {local.device}); a parameter "
+                "cannot change shape after building the optimizer: build a new one")
         return True
 
     def _reregister(self, moved):
@@ -318,24 +327,43 @@ class _RegisterMixin:
                       "replacing .data after building the optimizer: this costs a full copy "
                       "of the state", RuntimeWarning, stacklevel=4)
         self._sync_device()
+        self._rebuild(self._saved_state(moved))
+
+    def _saved_state(self, moved=()):
+        """Every registered tensor's state read from dosd, by id(param); a
+        moved parameter's new values become its master unless they are the
+        old master rounded to the old or the new dtype (a plain conversion
+        keeps the fp32 master)."""
         moved_ids = {id(e.param) for e in moved}
         saved = {}
         for e in self._entries:
             buf, step = self._read(e)
             master = buf[0]
             if id(e.param) in moved_ids:
-                new = local_of(e.param).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-                old = master.to(e.local.dtype).float()
-                if not torch.equal(new, old):
+                local = local_of(e.param).detach()
+                new = local.to(device="cpu", dtype=torch.float32).reshape(-1)
+                if not any(torch.equal(new, master.to(dt).float())
+                           for dt in {e.local.dtype, local.dtype}):
                     master = new.clone()  # the user wrote new values: they win
             saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
-                                  "exp_avg_sq": buf[2], "step": step}
+                                  "exp_avg_sq": buf[2], "step": step,
+                                  "grad_none": e.grad_none}
+        return saved
+
+    def _rebuild(self, saved):
+        """A new session for the current param_groups, with the state
+        `saved` (from _saved_state) written back; parameters not in it start
+        afresh."""
         self.close()  # copies what lives in the old arena out, detaches
         self._entries = []
         self._attach(*self._attach_args)
         self._register(self._subgroup_size)
         for e in self._entries:
-            self._write(e, saved.get(id(e.param)))
+            s = saved.get(id(e.param))
+            self._write(e, s)
+            if s is not None:
+                e.grad_none = s["grad_none"]
+        self._install_seen_hooks()
         if self.overlap:
             self._install_hooks()
         model_ref, async_step = self._async_args

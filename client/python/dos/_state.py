@@ -99,25 +99,32 @@ class _StateMixin:
         self._sync_device()
         state = defaultdict(dict)
         for e in self._entries:
-            shape = e.local.shape  # a DTensor's local shard: this rank's state
-            m = torch.empty(shape, dtype=torch.float32)
-            v = torch.empty(shape, dtype=torch.float32)
-            master = None if e.param.dtype == torch.float32 else torch.empty(
-                shape, dtype=torch.float32)
-            step = ctypes.c_int64()
-            call("dos_state_read", self._session, ctypes.c_uint32(e.index),
-                 None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
-                 ctypes.byref(step))
-            s = {"step": torch.tensor(float(step.value)), "exp_avg": _state_tensor(e, m),
-                 "exp_avg_sq": _state_tensor(e, v)}
-            if master is not None:
-                s["master_param"] = _state_tensor(e, master)
-            state[e.param] = s
+            state[e.param] = self._tensor_state(e)
         saved, self.state = self.state, state
         try:
             return super().state_dict()
         finally:
             self.state = saved
+
+    def _tensor_state(self, e: Entry) -> Dict[str, Any]:
+        """e's state in torch's per-parameter format, read from dosd (after
+        any step in flight)."""
+        self._finish_inflight()
+        self._sync_device()
+        shape = e.local.shape  # a DTensor's local shard: this rank's state
+        m = torch.empty(shape, dtype=torch.float32)
+        v = torch.empty(shape, dtype=torch.float32)
+        master = None if e.param.dtype == torch.float32 else torch.empty(
+            shape, dtype=torch.float32)
+        step = ctypes.c_int64()
+        call("dos_state_read", self._session, ctypes.c_uint32(e.index),
+             None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
+             ctypes.byref(step))
+        s = {"step": torch.tensor(float(step.value)), "exp_avg": _state_tensor(e, m),
+             "exp_avg_sq": _state_tensor(e, v)}
+        if master is not None:
+            s["master_param"] = _state_tensor(e, master)
+        return s
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,

@@ -16,15 +16,33 @@ weights straight into the model's parameters. `step()` only publishes the
 per-group hyperparameters (so lr schedulers work) and waits for the daemon.
 
 Rules that follow from the shared binding:
-- `zero_grad()` always zeroes in place (set_to_none is ignored) so the binding
-  survives. If something else sets `p.grad` to None or to a new tensor (e.g.
-  `model.zero_grad()` in torch 2.x), `step()` copies the new gradient into
-  shared memory and rebinds; a registered parameter whose grad is None at
-  `step()` is an error (DOS updates every registered tensor each step).
-- Do not replace `p.data` after construction (`model.to(...)`, assigning a
-  new tensor); in-place writes such as `model.load_state_dict()` are fine, but
-  call `opt.load_state_dict()` (or construct the optimizer) afterwards so the
+- `zero_grad()` always zeroes in place so the binding survives. With
+  set_to_none=True (torch 2.x's default; `zero_grad()` follows the running
+  torch's default) `p.grad` stays a zero tensor, but the parameter counts as
+  having no gradient until backward reaches it (a hook on each parameter
+  notes that), as torch's would be None. If something else sets `p.grad` to
+  None or to a new tensor (e.g. `model.zero_grad()` in torch 2.x), `step()`
+  copies a new gradient into shared memory and rebinds.
+- A parameter without a gradient at `step()` (grad None, or not reached by
+  backward since a set_to_none zero_grad: an unused branch or MoE expert, a
+  parameter frozen mid-training) is skipped as torch.optim skips it: dosd
+  leaves its weights, exp_avg, exp_avg_sq and step count untouched. Not
+  detected: a gradient written in place into a zeroed `p.grad` without
+  backward reaching the parameter (it counts as none), e.g. DDP with
+  find_unused_parameters for a parameter this rank did not use. With
+  overlap="update" such parameters are updated with a zero gradient (the step
+  was begun before it was known). Only the first 4096 registered parameters
+  can be skipped; step() raises for a later one without a gradient. With
+  overlap="update", parameters unfrozen after construction are not picked up.
+- Replacing `p.data` after construction (`model.to(dtype)`, `model.cuda()`,
+  assigning a new tensor of the same shape) re-registers the optimizer at the
+  next `step()` with a warning (a full copy of the state, below); in-place
+  writes such as `model.load_state_dict()` are fine, but call
+  `opt.load_state_dict()` (or construct the optimizer) afterwards so the
   daemon's master weights follow.
+- `add_param_group()` after construction works the same way (a new session
+  with every tensor's state carried over): fine now and then (unfreezing
+  layers), costly every step.
 - `close()` (also run by `__del__`, and at interpreter exit for optimizers
   still open) finishes the step in flight, copies parameters and gradients
   back into ordinary memory, then detaches; a tensor kept from before that
@@ -176,17 +194,28 @@ state"). The default is fp32 state. `state_dict()` still returns fp32 tensors
 moments to nearest even, so state moves freely between the two formats and
 torch.optim.AdamW. A resumed session (resume=) must pass the same choice.
 
-Parameters with requires_grad=False are not registered and never updated.
+Parameters with requires_grad=False at construction are not registered; one
+that later has requires_grad and a gradient at step() is registered then (a
+new session, as for add_param_group, with a warning).
+`opt.state` is empty (the state lives in dosd), but `opt.state[p]` and
+`opt.state.get(p)` give a registered parameter's state ('step', 'exp_avg',
+'exp_avg_sq', 'master_param' for 16-bit) read from dosd: a copy, so writes
+into it change nothing (use load_state_dict()).
+torch's keyword arguments foreach, fused and capturable are accepted and kept
+in param_groups (dosd's kernels are used whatever they say);
+differentiable=True, maximize=True and amsgrad=True raise NotImplementedError.
 Threads: like torch optimizers, use one optimizer from one thread at a time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import math
 import sys
 import warnings
 import weakref
+from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -202,6 +231,44 @@ from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
 
 __all__ = ["AdamW", "Adam", "DosError"]
+
+# zero_grad()'s set_to_none default of the running torch (False in 1.x,
+# True from 2.0): DOS's zero_grad() without an argument follows it.
+_SET_TO_NONE_DEFAULT = bool(inspect.signature(torch.optim.Optimizer.zero_grad)
+                            .parameters["set_to_none"].default)
+
+
+class _DaemonState(defaultdict):
+    """`opt.state`: torch's per-parameter state mapping, empty (the state
+    lives in dosd, and frameworks that iterate it to move or save the state
+    find nothing to copy), except that `state[p]` and `state.get(p)` of a
+    registered parameter read its state from dosd: a fresh copy, not kept
+    here (writes into it change nothing)."""
+
+    def __init__(self, opt):
+        super().__init__(dict)
+        self._opt = weakref.ref(opt)
+
+    def _entry(self, key):
+        opt = self._opt()
+        if opt is None or opt._session is None or not isinstance(key, torch.Tensor):
+            return None
+        return next((e for e in opt._entries if e.param is key), None)
+
+    def __missing__(self, key):
+        e = self._entry(key)
+        if e is None:
+            return super().__missing__(key)
+        return self._opt()._tensor_state(e)
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        e = self._entry(key)
+        return default if e is None else self._opt()._tensor_state(e)
+
+    def __reduce__(self):  # copies and pickles are plain (torch's own type)
+        return (defaultdict, (dict, dict(self)))
 
 
 class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimizer):
@@ -226,11 +293,18 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                  world_size: Optional[int] = None, overlap: bool = False,
                  model: Optional[torch.nn.Module] = None, async_step: Optional[bool] = None,
                  resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
-                 gpu_budget_bytes=None):
+                 gpu_budget_bytes=None, foreach: Optional[bool] = None,
+                 fused: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False):
         if amsgrad:
             raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
         if maximize:
-            raise NotImplementedError("dos.torch: maximize=True is not supported by dosd")
+            raise NotImplementedError(
+                "dos.torch: maximize=True is not supported by dosd; minimise the negated loss "
+                "instead (the same updates)")
+        if differentiable:
+            raise NotImplementedError("dos.torch: differentiable=True is not supported (dosd "
+                                      "updates the weights outside autograd)")
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -253,7 +327,17 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         defaults = torch_defaults(torch.optim.AdamW if self._decoupled else torch.optim.Adam)
         defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False)
+        # torch's implementation choices: kept as given (they travel with
+        # state dicts), without effect on dosd's kernels.
+        for key, value in (("foreach", foreach), ("fused", fused)):
+            if value is not None or key in defaults:
+                defaults[key] = value
+        if capturable or "capturable" in defaults:
+            defaults["capturable"] = capturable
+        if "differentiable" in defaults:
+            defaults["differentiable"] = False
         super().__init__(params, defaults)
+        self._torch_state = _DaemonState(self)
         self._registering = False
         self._found_inf = False
         self._amp_found_inf = None
@@ -262,6 +346,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self._stream_sync = False # the trainer's CUDA stream orders steps (no host waits)
         self._layer_waits = []    # forward pre-hook handles (model=)
         self._grad_hooks = []
+        self._seen_hooks = []     # per-parameter "backward reached it" hooks
         self._pending_zero = set()  # entry indices whose zero_grad is deferred
         self._num_subgroups = 0
         self._subgroup_size = subgroup_size
@@ -295,6 +380,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         except BaseException:
             self.close()
             raise
+        self._install_seen_hooks()
         # GPU mode: the memory this trainer lends dosd's resident tier
         # (dos/_lease.py); None on the CPU path.
         self._lease = None if self._device is None else GpuLease(self._device, gpu_budget_bytes)
@@ -413,11 +499,19 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     # ---- setup ----
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        if not getattr(self, "_registering", True):
-            raise NotImplementedError(
-                "dos.torch: param groups cannot be added after construction (dosd registers a "
-                "session's tensors once); pass every group to the constructor")
+        """As torch's. After construction dosd's session is rebuilt (its
+        tensors are registered once): every tensor's state is read out, the
+        group added, and a new session registered with the state written
+        back (a full copy of the state: fine for unfreezing layers now and
+        then)."""
+        if getattr(self, "_registering", True):
+            super().add_param_group(param_group)
+            return
+        self._check_open("add_param_group")
+        self._sync_device()
+        saved = self._saved_state()
         super().add_param_group(param_group)
+        self._rebuild(saved)
 
     def _sync_device(self):
         """Makes the trainer's pending work on the device visible to the
@@ -465,8 +559,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         return total
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        """Zeroes every gradient in place (set_to_none is ignored for
-        registered parameters: their gradients must stay in shared memory).
+        """Zeroes every gradient in place (registered gradients must stay
+        where dosd reads them). set_to_none (default: the running torch's)
+        makes each parameter count as having no gradient until backward
+        reaches it: step() then skips it as torch skips a None grad.
         With a step in flight: on a stream-ordered GPU session the zeroing is
         queued behind the step's completion on the current stream; with
         per-layer waits (model=) it is deferred to each layer's wait, so that
@@ -485,6 +581,11 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                 self._finish_inflight()
             entries = self._entries
         registered = {id(e.param) for e in self._entries if not e.copy_grad}
+        if set_to_none is None:
+            set_to_none = _SET_TO_NONE_DEFAULT
+        if set_to_none:  # otherwise a gradient that was None stays None, as in torch
+            for e in self._entries:
+                e.grad_none = True
         with torch.no_grad():
             for e in entries:
                 if not e.copy_grad:  # DTensor: the gradient is FSDP's, handled below
@@ -493,7 +594,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                 for p in group["params"]:
                     if id(p) in registered or p.grad is None:
                         continue
-                    if set_to_none is None or set_to_none:
+                    if set_to_none:
                         p.grad = None
                     else:
                         p.grad.detach_()
@@ -507,21 +608,43 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         if e.param.grad is not e.grad_shm:
             e.param.grad = e.grad_shm
 
-    def _bind_grads(self):
+    def _bind_grads(self) -> List[int]:
+        """Brings every gradient into its registered buffer; returns the
+        indices of the tensors without a gradient (skipped by this step)."""
         moved = [e for e in self._entries if self._moved(e)]
         if moved:
             self._reregister(moved)
+        thawed = self._thawed()
+        if thawed:
+            # Frozen at construction (not registered), trainable now: torch
+            # would start updating them, so they are registered (afresh).
+            warnings.warn(f"dos.torch: {len(thawed)} parameter(s) frozen when the optimizer was "
+                          "built now have gradients; re-registering with dosd to train them "
+                          "(a full copy of the state)", RuntimeWarning, stacklevel=3)
+            self._sync_device()
+            self._rebuild(self._saved_state())
+        skip = []
         with torch.no_grad():
             for e in self._entries:
                 p = e.param
                 g = p.grad
-                if g is None:
-                    raise DosError(
-                        Status.FAILED_PRECONDITION,
-                        f"step: {e.name} has no gradient (grad is None); DOS updates every "
-                        "registered parameter each step: make it take part in the loss, freeze "
-                        "it (requires_grad=False) before building the optimizer, or use "
-                        "opt.zero_grad() instead of setting grads to None")
+                bound = g is not None and local_of(g).data_ptr() == e.grad_shm.data_ptr()
+                if g is None or (e.grad_none and bound):
+                    # No gradient: skipped as torch skips it. The buffer dosd
+                    # still reads must hold finite values (zeros).
+                    if e.index >= _native.MAX_SKIP_TENSORS:
+                        raise DosError(
+                            Status.FAILED_PRECONDITION,
+                            f"step: {e.name} has no gradient (grad is None or backward did "
+                            f"not reach it since zero_grad(set_to_none=True)), and dosd can "
+                            f"skip only the first {_native.MAX_SKIP_TENSORS} registered "
+                            "parameters; give it a zero gradient (zero_grad(set_to_none=False)) "
+                            "or register it among the first (a group of its own first)")
+                    if not bound:
+                        e.grad_shm.zero_()
+                    skip.append(e.index)
+                    continue
+                e.grad_none = False
                 g = local_of(g)
                 if g.data_ptr() == e.grad_shm.data_ptr() and g.dtype == e.local.dtype:
                     continue
@@ -536,6 +659,15 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                 e.grad_shm.copy_(g)
                 if not e.copy_grad:
                     p.grad = e.grad_shm
+        return skip
+
+    def _thawed(self) -> List[torch.Tensor]:
+        """Parameters frozen at construction (not registered) that now
+        require grad and have a gradient: torch would update them."""
+        registered = {id(e.param) for e in self._entries}
+        return [p for g in self.param_groups for p in g["params"]
+                if p.requires_grad and p.grad is not None and id(p) not in registered
+                and local_of(p).numel() > 0]
 
     def _copy_out(self):
         if any(e.copy_out for e in self._entries):
@@ -574,7 +706,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         state["found_inf_per_device"][scale.device] = torch.full(
             (1,), 1.0 if self._found_inf else 0.0, dtype=torch.float32, device=scale.device)
 
-    def _args(self, grad_scale, clip_coef, gradients_checked=False):
+    def _args(self, grad_scale, clip_coef, gradients_checked=False, skip=()):
         groups = self._hparams()
         args = _native.StepArgs()
         _native.lib.dos_step_args_init(ctypes.byref(args))
@@ -583,6 +715,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         args.grad_scale = float(grad_scale)
         args.clip_coef = float(clip_coef)
         args.gradients_checked = 1 if gradients_checked else 0
+        if skip:
+            # ctypes keeps the array alive with `args` (its _objects).
+            args.skip_tensors = (ctypes.c_uint32 * len(skip))(*skip)
+            args.num_skip_tensors = len(skip)
         return args, groups
 
     def _wait(self, timeout_ms: int = -1):
@@ -677,6 +813,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             return loss
         if self._step_state.state is StepState.IN_FLIGHT:
             self._finish_inflight()  # the previous asynchronous step
+        if self._step_state.hook_begun and not self._early_update and self._thawed():
+            self._finish_inflight()  # gives the early step up: an ordinary one registers them
         clip = self._clip_coef
         self._clip_coef = None
         if clip is not None:
@@ -707,8 +845,9 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                     self._abandon_early()
                     raise DosError(Status.FAILED_PRECONDITION, f"step: {self._early_error}")
                 try:
-                    self._bind_grads()
-                    args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
+                    skip = self._bind_grads()
+                    args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef,
+                                               skip=skip)
                 except BaseException:
                     self._abandon_early()
                     raise
@@ -721,8 +860,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                                    if self._last_step else 0, "wall_us": 0.0, "update_us": 0.0,
                                    "overlapped": False}
                 return loss
-            self._bind_grads()
-            args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef)
+            skip = self._bind_grads()
+            args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef, skip=skip)
             self._begin(args)
         self._ready.clear()
         if self._async and grad_scaler is None:
@@ -773,9 +912,10 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                     warnings.warn(f"dos.torch: close(): the step in flight did not finish within "
                                   f"{self._CLOSE_WAIT_MS // 1000} s; detaching without it",
                                   RuntimeWarning)
-        for h in getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", []):
+        for h in (getattr(self, "_layer_waits", []) + getattr(self, "_grad_hooks", [])
+                  + getattr(self, "_seen_hooks", [])):
             h.remove()
-        self._layer_waits, self._grad_hooks = [], []
+        self._layer_waits, self._grad_hooks, self._seen_hooks = [], [], []
         with torch.no_grad():
             for e in getattr(self, "_entries", []):
                 p = e.param

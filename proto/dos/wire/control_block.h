@@ -74,6 +74,13 @@
 // The daemon never writes a subgroup's weights before its ready word: the
 // trainer's backward no longer reads those parameters by then.
 //
+// Tensors without a gradient (protocol 6): with kStepSkipTensors, bit i of
+// `skip` (word i / 64, bit i % 64) marks tensor i (registration order) as
+// having no gradient this step, as torch.optim skips a parameter whose grad
+// is None: its master weight, exp_avg, exp_avg_sq and step count stay as
+// they are. Only tensors below kMaxSkipTensors can be marked. An early
+// step's verdict carries the final mask.
+//
 // Layout changes bump kProtocolVersion. Both sides check `magic` and
 // `version` when they map the block (daemon/transport/control_channel.h) and
 // refuse another layout with both versions in the message; Attach carries the
@@ -88,10 +95,12 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-inline constexpr uint32_t kProtocolVersion = 5;  // 4: the GPU lease; 5: early steps
+// 4: the GPU lease; 5: early steps; 6: tensors without a gradient (skip mask)
+inline constexpr uint32_t kProtocolVersion = 6;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
+inline constexpr uint32_t kMaxSkipTensors = 4096;  // bits of StepRequest::skip
 
 enum StepFlags : uint32_t {
   // The client already knows every gradient is finite (e.g. AMP's GradScaler
@@ -113,6 +122,8 @@ enum StepFlags : uint32_t {
   // In a verdict: the client gives the step up (an error between backward
   // and step()); the daemon applies nothing and reports ABORTED.
   kStepAbandon = 1u << 5,
+  // `skip` marks tensors without a gradient this step (above).
+  kStepSkipTensors = 1u << 6,
 };
 
 struct StepRequest {
@@ -126,14 +137,21 @@ struct StepRequest {
   uint64_t gpu_budget_bytes;  // the trainer's GPU budget it was computed from (stats)
   uint64_t gpu_peak_bytes;    // the trainer's measured peak (stats)
   GroupStepParams groups[kMaxGroups];
+  uint64_t skip[kMaxSkipTensors / 64];  // kStepSkipTensors: tensors without a gradient
 };
+
+// True when `r` marks tensor `i` as having no gradient this step.
+inline bool SkipsTensor(const StepRequest& r, uint32_t i) {
+  return (r.flags & kStepSkipTensors) != 0 && i < kMaxSkipTensors &&
+         ((r.skip[i / 64] >> (i % 64)) & 1u) != 0;
+}
 
 struct StepResult {
   uint32_t seq;
   int32_t status_code;     // absl::StatusCode; 0 = OK
   uint32_t found_inf;      // 1: non-finite gradients, the step was skipped
   uint32_t early;          // 1: an early step (kStepGradientsPending)
-  int64_t step;            // optimizer steps applied so far (tensor 0's count)
+  int64_t step;            // optimizer steps applied so far (the largest tensor count)
   double wall_us;          // doorbell seen to result posted
   double update_us;        // time in the update itself
   // Early steps: request to verdict (0 without a verdict), and verdict (or,

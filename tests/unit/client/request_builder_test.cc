@@ -1,6 +1,7 @@
 #include "client/src/request_builder.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -105,9 +106,10 @@ TEST_F(RequestBuilderTest, RejectsBadHyperparameters) {
 TEST_F(RequestBuilderTest, HyperparametersFollowTheDaemonsContract) {
   group_.eps = 0;  // torch accepts it, so do client and daemon
   EXPECT_TRUE(Build().ok()) << Build().status();
-  dos_step_args args{&group_, 1, /*grad_scale=*/1.0, /*clip_coef=*/0.0, /*gradients_checked=*/0};
+  dos_step_args args{&group_, 1, /*grad_scale=*/1.0, /*clip_coef=*/0.0, /*gradients_checked=*/0,
+                     /*skip_tensors=*/nullptr, /*num_skip_tensors=*/0};
   StepRequest req{};
-  EXPECT_TRUE(FillStepRequest(args, 1, &req).ok());
+  EXPECT_TRUE(FillStepRequest(args, 1, 1, &req).ok());
   EXPECT_EQ(req.groups[0].eps, 0.0);
 
   struct Case {
@@ -129,7 +131,7 @@ TEST_F(RequestBuilderTest, HyperparametersFollowTheDaemonsContract) {
     EXPECT_EQ(reg.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(reg.message(), absl::StrCat("register: ", c.want));
     EXPECT_EQ(reg, ValidateGroupStepParams(StepParams(group_), 0, "register"));
-    const absl::Status step = FillStepRequest(args, 1, &req);
+    const absl::Status step = FillStepRequest(args, 1, 1, &req);
     EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(step.message(), absl::StrCat("step: ", c.want));
   }
@@ -141,16 +143,44 @@ TEST(FillStepRequestTest, CopiesGroupsAndChecksCount) {
   InitAdamW(&groups[1]);
   groups[1].lr = 5e-4;
   dos_step_args args{groups.data(), 2, /*grad_scale=*/1.0, /*clip_coef=*/1.0,
-                     /*gradients_checked=*/1};
+                     /*gradients_checked=*/1, /*skip_tensors=*/nullptr, /*num_skip_tensors=*/0};
   StepRequest req{};
-  ASSERT_TRUE(FillStepRequest(args, 2, &req).ok());
+  ASSERT_TRUE(FillStepRequest(args, 2, 5, &req).ok());
   EXPECT_EQ(req.num_groups, 2u);
   EXPECT_EQ(req.flags, kStepGradientsChecked);
   EXPECT_DOUBLE_EQ(req.groups[1].lr, 5e-4);
   EXPECT_DOUBLE_EQ(req.grad_scale, 1.0);
-  EXPECT_THAT(FillStepRequest(args, 3, &req).message(), HasSubstr("3 were registered"));
+  EXPECT_THAT(FillStepRequest(args, 3, 5, &req).message(), HasSubstr("3 were registered"));
   args.grad_scale = 0;
-  EXPECT_THAT(FillStepRequest(args, 2, &req).message(), HasSubstr("grad_scale"));
+  EXPECT_THAT(FillStepRequest(args, 2, 5, &req).message(), HasSubstr("grad_scale"));
+}
+
+// Tensors without a gradient: a bit each in `skip` with kStepSkipTensors;
+// none given leaves the mask clear and the flag off; an index past the
+// registered tensors (or past the mask) is refused with both numbers.
+TEST(FillStepRequestTest, SkippedTensorsBecomeTheMask) {
+  dos_hparams group;
+  InitAdamW(&group);
+  const uint32_t skip[] = {1, 4, 70};
+  dos_step_args args{&group, 1, /*grad_scale=*/1.0, /*clip_coef=*/1.0, /*gradients_checked=*/0,
+                     skip, 3};
+  StepRequest req{};
+  std::memset(req.skip, 0xff, sizeof(req.skip));  // a previous step's mask is cleared
+  ASSERT_TRUE(FillStepRequest(args, 1, 100, &req).ok());
+  EXPECT_EQ(req.flags, kStepSkipTensors);
+  EXPECT_EQ(req.skip[0], (uint64_t{1} << 1) | (uint64_t{1} << 4));
+  EXPECT_EQ(req.skip[1], uint64_t{1} << 6);
+  for (uint32_t i = 0; i < 100; ++i) {
+    EXPECT_EQ(SkipsTensor(req, i), i == 1 || i == 4 || i == 70) << i;
+  }
+  EXPECT_THAT(FillStepRequest(args, 1, 70, &req).message(),
+              HasSubstr("skip_tensors[2] = 70 but 70 tensors are registered"));
+  args.num_skip_tensors = 0;
+  std::memset(req.skip, 0xff, sizeof(req.skip));
+  ASSERT_TRUE(FillStepRequest(args, 1, 100, &req).ok());
+  EXPECT_EQ(req.flags, 0u);
+  EXPECT_FALSE(SkipsTensor(req, 1));
+  EXPECT_EQ(req.skip[0], 0u);
 }
 
 }  // namespace

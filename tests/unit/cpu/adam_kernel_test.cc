@@ -262,6 +262,53 @@ TEST_P(AdamKernelTest, CompactStateIsTheFp32StepThenTheDocumentedRounding) {
   }
 }
 
+// KeepAdamScalars (a tensor without a gradient this step): p, m, v and the
+// trainer's weight come out bit for bit as they went in, for fp32 and
+// compact state, with finite gradients of any size and zero moments (where a
+// group's eps = 0 would divide 0 by 0).
+TEST_P(AdamKernelTest, KeepScalarsLeaveTheStateAsItIs) {
+  const DType grad_dtype = std::get<1>(GetParam());
+  const DType param_dtype = std::get<2>(GetParam());
+  const AdamScalars s = KeepAdamScalars();
+  for (size_t n : {size_t{1}, size_t{22}, size_t{4099}}) {
+    for (bool compact : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " compact=" << compact);
+      AdamBuffers buf(n, grad_dtype, param_dtype, n % 3, /*seed=*/n + 5 * compact);
+      std::vector<uint16_t> m16(n + buf.offset), v16(n + buf.offset);
+      for (size_t k = 0; k < n + buf.offset; ++k) {
+        if (k % 5 == 0) buf.exp_avg[k] = buf.exp_avg_sq[k] = 0.0f;  // never updated yet
+        if (compact) {
+          m16[k] = FloatToBF16(buf.exp_avg[k]);
+          v16[k] = FloatToBF16(buf.exp_avg_sq[k]);
+        }
+      }
+      const AdamBuffers in = buf;
+      AdamBuffers ref = buf;  // the scalar kernel writes the weight: the master rounded
+      internal::AdamScalarKernel(s, ref.Span());
+      AdamSpan span = buf.Span();
+      if (compact) {
+        span.exp_avg = span.exp_avg_sq = nullptr;
+        span.exp_avg_bf16 = m16.data() + buf.offset;
+        span.exp_avg_sq_bf16 = v16.data() + buf.offset;
+      }
+      const std::vector<uint16_t> m16_in = m16, v16_in = v16;
+      variant_.adam(s, span);
+      for (size_t i = 0; i < n; ++i) {
+        const size_t k = i + buf.offset;
+        ASSERT_TRUE(SameBits(in.master[k], buf.master[k])) << i;
+        ASSERT_TRUE(SameBits(in.master[k], ref.master[k])) << i;
+        ASSERT_TRUE(SameBits(in.exp_avg[k], buf.exp_avg[k])) << i;
+        ASSERT_TRUE(SameBits(in.exp_avg_sq[k], buf.exp_avg_sq[k])) << i;
+        ASSERT_EQ(ref.OutBits(i), buf.OutBits(i)) << i;
+        if (compact) {
+          ASSERT_EQ(m16[k], m16_in[k]) << i;
+          ASSERT_EQ(v16[k], v16_in[k]) << i;
+        }
+      }
+    }
+  }
+}
+
 std::string Name(const ::testing::TestParamInfo<AdamKernelTest::ParamType>& info) {
   return std::string(std::get<0>(info.param)) + "_grad_" +
          std::string(DTypeName(std::get<1>(info.param))) + "_out_" +

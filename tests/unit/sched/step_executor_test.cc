@@ -116,6 +116,41 @@ TEST(StepExecutorTest, GradientsCheckedByTheClientAreNotScannedAgain) {
   EXPECT_TRUE(std::isnan(f.Master(0)[5]));
 }
 
+// kStepSkipTensors: a tensor without a gradient (torch's grad None) keeps
+// its master, moments, trainer weight and step count; the others step as
+// usual, and the skipped one's next step is its first (bias correction 1).
+TEST(StepExecutorTest, ASkippedTensorKeepsItsStateAndStepCount) {
+  Fixture f;
+  Fixture g;  // the same step without tensor 1, for tensor 0's result
+  StepExecutor ex(&f.engine);
+  StepExecutor gx(&g.engine);
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{}).ok());
+  ASSERT_TRUE(gx.Run(*g.shard, g.bindings, Fixture::Request(), Policy{}).ok());
+  const std::vector<float> master1 = f.Master(1);
+  const std::vector<float> weights1 = f.params[1];
+  std::vector<float> m1(1500), v1(1500);
+  f.shard->ReadTensor(1, 1, m1.data());
+  f.shard->ReadTensor(1, 2, v1.data());
+  StepRequest r = Fixture::Request();
+  r.flags |= kStepSkipTensors;
+  r.skip[0] = uint64_t{1} << 1;
+  f.grads[1].assign(1500, 0.0f);  // a zeroed gradient buffer, as the client leaves it
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->step, 2);
+  EXPECT_EQ(f.shard->tensors()[0].step, 2);
+  EXPECT_EQ(f.shard->tensors()[1].step, 1);
+  std::vector<float> m(1500), v(1500);
+  f.shard->ReadTensor(1, 1, m.data());
+  f.shard->ReadTensor(1, 2, v.data());
+  EXPECT_EQ(f.Master(1), master1);
+  EXPECT_EQ(f.params[1], weights1);
+  EXPECT_EQ(m, m1);
+  EXPECT_EQ(v, v1);
+  ASSERT_TRUE(gx.Run(*g.shard, g.bindings, Fixture::Request(), Policy{}).ok());
+  EXPECT_EQ(f.Master(0), g.Master(0));  // tensor 0 stepped as without the mask
+}
+
 TEST(StepExecutorTest, ATrainerEventFlagWithoutAnEventIsRefused) {
   Fixture f;
   StepRequest r = Fixture::Request();
