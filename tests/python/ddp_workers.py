@@ -155,3 +155,70 @@ def fsdp2_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
         dist.destroy_process_group()
+
+
+class Branchy(torch.nn.Module):
+    """A trunk and two heads; each forward uses one head (as a mixture of
+    experts routes tokens): with DDP the other head is unused on this rank,
+    and it may be used on the other rank (then DDP writes the averaged
+    gradient into it) or on none (then torch leaves it alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(16, 32)
+        self.a = torch.nn.Linear(32, 4)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x, use_a):
+        h = torch.tanh(self.trunk(x))
+        return self.a(h) if use_a else self.b(h)
+
+
+def branch_of(rank, step):
+    if step % 3 == 2:
+        return True          # head b unused on every rank
+    return (step + rank) % 2 == 0  # each head used on one rank only
+
+
+def ddp_unused_worker(rank, world, rendezvous, socket, dosctl, out_dir):
+    import dos.torch
+    init(rank, world, rendezvous)
+    report = {"rank": rank}
+    try:
+        data = rank_data(rank, 12)
+
+        def run(opt_factory):
+            torch.manual_seed(0)
+            model = torch.nn.parallel.DistributedDataParallel(Branchy(),
+                                                              find_unused_parameters=True)
+            opt = opt_factory(model.parameters())
+            snaps = []
+            for step, (x, y) in enumerate(data):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x, branch_of(rank, step)), y).backward()
+                opt.step()
+                snaps.append([p.detach().clone() for p in model.parameters()])
+            return model, opt, snaps
+
+        _, _, ref = run(lambda ps: torch.optim.AdamW(ps, **LR))
+        model, opt, mine = run(lambda ps: dos.torch.AdamW(
+            ps, socket=socket, client_name=f"pytest-ddp-unused-{rank}", local_rank=rank, **LR))
+        worst = 0.0
+        for step, (a_list, b_list) in enumerate(zip(mine, ref)):
+            for i, (a, b) in enumerate(zip(a_list, b_list)):
+                d = (a - b).abs().max().item()
+                if d > 1e-5 and "mismatch" not in report:
+                    report["mismatch"] = f"step {step} param {i}: differs by {d:.3g}"
+                worst = max(worst, d)
+        report["max_weight_diff"] = worst
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        other = flat.clone()
+        dist.broadcast(other, 0)
+        report["ranks_equal"] = bool(torch.equal(flat, other))
+        opt.close()
+    except Exception as e:  # reported to the parent, which fails the test
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()

@@ -97,3 +97,14 @@ def test_fsdp2_two_ranks_register_local_shards(dos_socket):
         # (gradients reduce-scattered as averages); 1e-5 relative per tensor.
         assert r["max_rel_weight_diff"] < 1e-5, r
     assert total == reports[0]["global_numel"]
+
+
+def test_ddp_parameters_unused_on_one_rank(dos_socket):
+    """DDP with find_unused_parameters and a head used on one rank only: DDP
+    writes the averaged gradient into the other rank's (unreached) parameter,
+    so both ranks must update it, exactly as torch.optim.AdamW does; a head
+    unused on every rank keeps its weights and state, as torch skips it."""
+    reports = run_workers(ddp_workers.ddp_unused_worker, dos_socket, None)
+    for r in reports.values():
+        assert "mismatch" not in r, f"rank {r['rank']}: {r['mismatch']}"
+        assert r["ranks_equal"], f"rank {r['rank']}: the ranks' weights differ"

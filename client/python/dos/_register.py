@@ -47,9 +47,11 @@ class Entry:
     # copy_grad: the gradient is copied into grad_shm at step() (DTensor).
     # grad_none: the parameter counts as having no gradient (torch's grad
     # would be None): set by zero_grad(set_to_none=True), cleared when
-    # backward reaches it; step() skips it.
+    # backward reaches it; step() skips it unless something else wrote its
+    # gradient since (zero_version: grad_shm's version counter when zeroed;
+    # DDP writes the averaged gradient of a parameter this rank did not use).
     __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
-                 "copy_out", "copy_grad", "hook", "grad_none")
+                 "copy_out", "copy_grad", "hook", "grad_none", "zero_version")
 
     def __init__(self, param, name, index, group):
         self.param = param
@@ -63,6 +65,7 @@ class Entry:
         self.copy_grad = False
         self.hook = None
         self.grad_none = param.grad is None
+        self.zero_version = -1
 
 
 def _state_what(entries, compact=False) -> str:
@@ -347,7 +350,7 @@ class _RegisterMixin:
                     master = new.clone()  # the user wrote new values: they win
             saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
                                   "exp_avg_sq": buf[2], "step": step,
-                                  "grad_none": e.grad_none}
+                                  "grad_none": self._no_gradient(e)}
         return saved
 
     def _rebuild(self, saved):
@@ -361,8 +364,11 @@ class _RegisterMixin:
         for e in self._entries:
             s = saved.get(id(e.param))
             self._write(e, s)
-            if s is not None:
-                e.grad_none = s["grad_none"]
+            if s is not None and s["grad_none"] and not e.copy_grad:
+                # No gradient this step (before the rebuild): a zeroed,
+                # untouched buffer says so to _bind_grads.
+                self._zero_entry(e)
+                e.grad_none = True
         self._install_seen_hooks()
         if self.overlap:
             self._install_hooks()

@@ -605,8 +605,22 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     def _zero_entry(e: Entry) -> None:
         """Zeroes e's registered gradient in place and binds it as p.grad."""
         e.grad_shm.zero_()
+        e.zero_version = e.grad_shm._version
         if e.param.grad is not e.grad_shm:
             e.param.grad = e.grad_shm
+
+    @staticmethod
+    def _no_gradient(e: Entry) -> bool:
+        """Whether torch would see no gradient for e this step: grad None, or
+        zeroed by zero_grad(set_to_none=True), not reached by backward and not
+        written since (DDP writes the averaged gradient into a parameter that
+        only other ranks used: torch updates it, so must we)."""
+        g = e.param.grad
+        if g is None:
+            return True
+        g = local_of(g)
+        return (e.grad_none and g.data_ptr() == e.grad_shm.data_ptr()
+                and g._version == e.zero_version)
 
     def _bind_grads(self) -> List[int]:
         """Brings every gradient into its registered buffer; returns the
@@ -629,7 +643,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
                 p = e.param
                 g = p.grad
                 bound = g is not None and local_of(g).data_ptr() == e.grad_shm.data_ptr()
-                if g is None or (e.grad_none and bound):
+                if self._no_gradient(e):
                     # No gradient: skipped as torch skips it. The buffer dosd
                     # still reads must hold finite values (zeros).
                     if e.index >= _native.MAX_SKIP_TENSORS:
