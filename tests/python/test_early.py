@@ -306,3 +306,34 @@ def test_ready_timeout_flag_is_checked():
                          capture_output=True, text=True, timeout=20)
     assert out.returncode != 0
     assert "--early_step_ready_timeout must be positive" in out.stderr + out.stdout
+
+
+def test_verdict_step_with_gradient_accumulation(dos_socket):
+    """overlap=True with two micro-batches per step: the second backward
+    gives the early step up (dosd would otherwise wait through every
+    micro-batch) and step() begins an ordinary one with the summed
+    gradients; bitwise the synchronous optimizer's result."""
+    data = batches(6)
+    ref_model, model = make_deep(), make_deep()
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt, early_opt(model, dos_socket, True) as opt:
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            for i in range(0, len(data), 2):
+                o.zero_grad()
+                for x, y in data[i:i + 2]:
+                    if o is opt:
+                        backward(o, loss_of(m, x, y))
+                    else:
+                        loss_of(m, x, y).backward()
+                if o is opt:
+                    assert not opt._step_state.hook_begun  # given up at the 2nd backward
+                o.step()
+        assert opt.last_step["step"] == 3
+        assert_bitwise(model, ref_model, opt, ref_opt)
+        # Without accumulation the next step is early again.
+        opt.zero_grad()
+        x, y = data[0]
+        backward(opt, loss_of(model, x, y))
+        assert opt._step_state.hook_begun
+        opt.step()
+        assert opt.last_step["early"]

@@ -206,7 +206,7 @@ class _HooksMixin:
         overlap="update" updates each subgroup as soon as it is marked ready);
         each subgroup is marked ready when all its tensors' gradients are
         final. Without early steps possible here, the step begins at step()."""
-        if not self.overlap_armed or self._session is None:
+        if not self.overlap_armed or self._session is None or self._accumulating:
             return
         state = self._step_state
         if state.in_flight and not state.hook_begun:
@@ -240,6 +240,14 @@ class _HooksMixin:
                                      "step() with overlap=\"update\", so dosd may have applied "
                                      "the first backward's gradients; set opt.overlap_armed = "
                                      "False during gradient-accumulation micro-steps")
+            else:
+                # Gradient accumulation with a verdict: the early step is
+                # given up (nothing was applied) and step() begins an
+                # ordinary one, so that dosd does not wait through every
+                # micro-batch (holding the session, within
+                # --early_step_ready_timeout).
+                self._accumulating = True
+                self._finish_inflight()
             return
         self._ready.add(e.index)
         self.ready_log.append((e.index, now - self._ready_t0))

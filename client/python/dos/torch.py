@@ -157,7 +157,10 @@ current stream after the gradient kernels; on the CPU a store).
   reads the gradients only after step()), GradScaler, gradient accumulation,
   and results are bitwise those of overlap=False. A reader between backward
   and step() (state_dict(), zero_grad(), synchronize()) gives the early step
-  up; step() then begins an ordinary one.
+  up; step() then begins an ordinary one. So does a second backward before
+  step() (gradient accumulation: the step then begins at step(), and dosd
+  never waits through the micro-batches); dosd waits for a verdict at most
+  --early_step_ready_timeout (10 minutes) from the first gradient.
 - overlap="update": nothing global may come after backward (no clipping, no
   loss scale, no GradScaler, one backward per step: set
   `opt.overlap_armed = False` around gradient-accumulation micro-steps), and
@@ -359,6 +362,9 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         self.ready_log: List[Any] = []  # (tensor index, seconds since the first ready) last step
         self._ready_t0 = None
         self.overlap_armed = True
+        # overlap=True saw a second backward before step() (gradient
+        # accumulation): early begins wait for the next step().
+        self._accumulating = False
         if overlap not in (False, True, "update"):
             raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
         # overlap="update": no verdict after backward; dosd updates each
@@ -818,6 +824,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
         grad_scaler = kwargs.pop("grad_scaler", None)
         if kwargs:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        self._accumulating = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
