@@ -40,6 +40,14 @@ def init(rank, world, rendezvous):
                             world_size=world)
 
 
+def ranks_equal(model):
+    """Whether this rank's weights equal rank 0's, bit for bit."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, 0)
+    return bool(torch.equal(flat, other))
+
+
 def ddp_worker(rank, world, rendezvous, socket, dosctl, out_dir):
     import dos.torch
     from test_equivalence import ATOL_SCALE, RTOL
@@ -76,10 +84,7 @@ def ddp_worker(rank, world, rendezvous, socket, dosctl, out_dir):
             report["dosctl"] = out.stdout if out.returncode == 0 else out.stderr
         dist.barrier()
         # The two ranks' weights stay identical (DDP averages the gradients).
-        flat = torch.cat([p.detach().reshape(-1) for p in mine.parameters()])
-        other = flat.clone()
-        dist.broadcast(other, 0)
-        report["ranks_equal"] = bool(torch.equal(flat, other))
+        report["ranks_equal"] = ranks_equal(mine)
         opt.close()
     except Exception as e:  # reported to the parent, which fails the test
         report["error"] = f"{type(e).__name__}: {e}"
@@ -211,10 +216,7 @@ def ddp_unused_worker(rank, world, rendezvous, socket, dosctl, out_dir):
                     report["mismatch"] = f"step {step} param {i}: differs by {d:.3g}"
                 worst = max(worst, d)
         report["max_weight_diff"] = worst
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        other = flat.clone()
-        dist.broadcast(other, 0)
-        report["ranks_equal"] = bool(torch.equal(flat, other))
+        report["ranks_equal"] = ranks_equal(model)
         opt.close()
     except Exception as e:  # reported to the parent, which fails the test
         report["error"] = f"{type(e).__name__}: {e}"
