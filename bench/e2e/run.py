@@ -277,6 +277,7 @@ def child(args):
         res["gpu_peak_device_bytes"] = sampler.peak
     if mode.startswith("dos"):
         res["dos_last_step"] = opt.last_step
+        res["dosd_stats"] = dosctl_stats(args.socket)
         res["gpu_lease"] = opt.gpu_lease  # None on the CPU or with lending off
         if opt.gpu_lease:
             res["note"] += f", lease {opt.gpu_lease['lease_bytes'] / 2**30:.1f} GiB " \
@@ -285,6 +286,21 @@ def child(args):
     with open(args.child_out, "w") as f:
         json.dump(res, f)
     return 0
+
+
+def dosctl_stats(sock):
+    """dosd's statistics (`dosctl --json stats`: the last step's split, the
+    model's forecast and binding, per-path busy times) where $DOS_DOSCTL names
+    dosctl; None otherwise or when it fails."""
+    ctl = os.environ.get("DOS_DOSCTL")
+    if not ctl or not sock:
+        return None
+    try:
+        out = subprocess.run([ctl, f"--socket={sock}", "--json", "stats"], capture_output=True,
+                             text=True, timeout=30)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
 
 
 def child_main(args):

@@ -9,6 +9,11 @@ arguments, and a model converted after the optimizer was built.
 Each runs the same model, data and calls with torch.optim.AdamW and compares
 weights (and state where the pattern is about state) with the tolerance of
 test_equivalence.py (1e-6 relative, plus 1e-6 of the tensor's scale).
+
+The patterns that change what the daemon is asked to do (parameters skipped
+for want of a gradient, groups added, the model moved, state dicts) also run
+on CUDA (`dev` = "cuda": the parameters and gradients on the GPU, dosd's GPU
+engine; skipped with a message where there is none).
 """
 
 import io
@@ -23,6 +28,8 @@ from test_equivalence import assert_same, make_data  # noqa: E402
 F = torch.nn.functional
 LRS = torch.optim.lr_scheduler
 HP = dict(lr=1e-2, weight_decay=0.1)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device visible: GPU variant skipped"))]
 
 
 class Net(torch.nn.Module):
@@ -40,12 +47,13 @@ class Net(torch.nn.Module):
         return self.heads[branch](torch.tanh(self.norm(self.body(x))))
 
 
-def pair(dos_socket, groups=None, **kw):
+def pair(dos_socket, groups=None, dev="cpu", **kw):
     """(torch model, its AdamW), (DOS model, its AdamW), same initial
-    weights; `groups(model)` gives the param groups (default: parameters())."""
+    weights on `dev`; `groups(model)` gives the param groups (default:
+    parameters())."""
     groups = groups or (lambda m: m.parameters())
     hp = {**HP, **kw}
-    ref, mine = Net(), Net()
+    ref, mine = Net().to(dev), Net().to(dev)
     ref_opt = torch.optim.AdamW(groups(ref), **hp)
     opt = dos.torch.AdamW(groups(mine), socket=dos_socket, **hp)
     return (ref, ref_opt), (mine, opt)
@@ -54,6 +62,8 @@ def pair(dos_socket, groups=None, **kw):
 def step_both(runs, x, y, branch=0, zero=None):
     losses = []
     for model, o in runs:
+        dev = next(model.parameters()).device
+        x, y = x.to(dev), y.to(dev)
         if zero is None:
             o.zero_grad()
         else:
@@ -144,9 +154,10 @@ def test_hyperparameters_changed_by_hand(dos_socket):
             assert_same(mine, ref, i)
 
 
-def test_no_decay_groups(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_no_decay_groups(dos_socket, dev):
     data = make_data(n=20)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups, dev=dev)
     with opt:
         for i, (x, y) in enumerate(data, 1):
             step_both([(ref, ref_opt), (mine, opt)], x, y)
@@ -154,11 +165,12 @@ def test_no_decay_groups(dos_socket):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
-def test_add_param_group_after_construction(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_add_param_group_after_construction(dos_socket, dev):
     """Unfreezing: the body trains alone for 10 steps, then the heads are
     added as a no-decay group; the body's state carries over."""
     data = make_data(n=25)
-    ref, mine = Net(), Net()
+    ref, mine = Net().to(dev), Net().to(dev)
     ref_opt = torch.optim.AdamW(ref.body.parameters(), **HP)
     with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP) as opt:
         for i, (x, y) in enumerate(data, 1):
@@ -211,14 +223,15 @@ def test_tied_weights(dos_socket):
         dos.torch.AdamW(groups, socket=dos_socket)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("zero", [True, None])
-def test_unused_branch_is_skipped(dos_socket, zero):
+def test_unused_branch_is_skipped(dos_socket, zero, dev):
     """A head not used in a step (grad None in torch after
     zero_grad(set_to_none=True), torch 2.x's default) gets no update, no state
     and no step count, as torch skips it; with torch 1.x's default
     (set_to_none=False) both give it a zero-gradient update instead."""
     data = make_data(n=24)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups, dev=dev)
     with opt:
         for i, (x, y) in enumerate(data, 1):
             branch = 0 if i <= 8 else i % 2  # head 1 unused for 8 steps, then every other
@@ -230,12 +243,13 @@ def test_unused_branch_is_skipped(dos_socket, zero):
             assert steps == [16, 16, 8, 8]  # head 0: steps 1-8 and even ones; head 1: odd > 8
 
 
-def test_grads_set_to_none_by_hand_are_skipped(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grads_set_to_none_by_hand_are_skipped(dos_socket, dev):
     """`p.grad = None` (or torch 2.x's model.zero_grad()) for every
     parameter, then a backward that reaches only some: the others are
     skipped, the new gradients are copied in."""
     data = make_data(n=12)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
     with opt:
         for i, (x, y) in enumerate(data, 1):
             for model, o in ((ref, ref_opt), (mine, opt)):
@@ -247,11 +261,12 @@ def test_grads_set_to_none_by_hand_are_skipped(dos_socket):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
-def test_requires_grad_toggled_mid_training(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_requires_grad_toggled_mid_training(dos_socket, dev):
     """The body is frozen for steps 6-12 (torch skips it: no gradient after
     zero_grad(set_to_none=True)), then trains again."""
     data = make_data(n=18)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
     with opt:
         for i, (x, y) in enumerate(data, 1):
             for m in (ref, mine):
@@ -262,12 +277,13 @@ def test_requires_grad_toggled_mid_training(dos_socket):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
-def test_frozen_at_construction_then_unfrozen(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_frozen_at_construction_then_unfrozen(dos_socket, dev):
     """A parameter frozen when the optimizer was built is left alone by both
     while frozen; once unfrozen torch starts updating it, and so does DOS
     (it is registered then, with a warning)."""
     data = make_data(n=12)
-    ref, mine = Net(), Net()
+    ref, mine = Net().to(dev), Net().to(dev)
     for m in (ref, mine):
         m.body.requires_grad_(False)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
@@ -286,11 +302,12 @@ def test_frozen_at_construction_then_unfrozen(dos_socket):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
-def test_zero_grad_set_to_none_false(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_zero_grad_set_to_none_false(dos_socket, dev):
     """set_to_none=False: an unused head has a zero gradient (not None), so
     torch and DOS both apply the zero-gradient update (momentum, decay)."""
     data = make_data(n=16)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
     with opt:
         for i, (x, y) in enumerate(data, 1):
             step_both([(ref, ref_opt), (mine, opt)], x, y, branch=int(i > 8), zero=False)
@@ -298,13 +315,14 @@ def test_zero_grad_set_to_none_false(dos_socket):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("into", ["dos", "torch"])
-def test_state_dict_through_torch_save(dos_socket, into):
+def test_state_dict_through_torch_save(dos_socket, into, dev):
     """opt.state_dict() through torch.save/torch.load (a checkpoint file),
     loaded into a new DOS optimizer or into torch.optim.AdamW (and torch's
     into DOS), then training continues as if uninterrupted."""
     data = make_data(n=20)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, no_decay_groups, dev=dev)
     sched = LRS.CosineAnnealingLR(opt, 20)
     ref_sched = LRS.CosineAnnealingLR(ref_opt, 20)
     for x, y in data[:10]:
@@ -317,7 +335,7 @@ def test_state_dict_through_torch_save(dos_socket, into):
     opt.close()
     buf.seek(0)
     ckpt = torch.load(buf)
-    resumed = Net(seed=5)
+    resumed = Net(seed=5).to(dev)
     resumed.load_state_dict(ckpt["model"])
     if into == "dos":
         new_opt = dos.torch.AdamW(no_decay_groups(resumed), socket=dos_socket, **HP)
@@ -330,7 +348,7 @@ def test_state_dict_through_torch_save(dos_socket, into):
     buf = io.BytesIO()
     torch.save(ref_opt.state_dict(), buf)
     buf.seek(0)
-    ref2 = Net(seed=6)
+    ref2 = Net(seed=6).to(dev)
     ref2.load_state_dict(ref.state_dict())
     dos2 = dos.torch.AdamW(no_decay_groups(ref2), socket=dos_socket, **HP)
     dos2.load_state_dict(torch.load(buf))
@@ -350,13 +368,14 @@ def test_state_dict_through_torch_save(dos_socket, into):
             new_opt.close()
 
 
-def test_opt_state_access(dos_socket):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_opt_state_access(dos_socket, dev):
     """opt.state[p]['step' | 'exp_avg' | 'exp_avg_sq'] and opt.state.get(p)
     read dosd's state (copies); iterating opt.state yields nothing. A
     parameter never updated (heads[1], unused) has step 0 and zero moments
     in DOS, where torch has no entry."""
     data = make_data(n=5)
-    (ref, ref_opt), (mine, opt) = pair(dos_socket)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
     with opt:
         for x, y in data:
             step_both([(ref, ref_opt), (mine, opt)], x, y)
@@ -428,3 +447,32 @@ def test_model_converted_after_construction(dos_socket):
         assert p.dtype == torch.bfloat16
         assert torch.equal(p.detach(), sd["state"][k]["master_param"].to(torch.bfloat16))
         assert s["exp_avg"].shape == p.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible: test skipped")
+def test_model_moved_to_cuda_after_construction(dos_socket):
+    """The optimizer built over a CPU model that is then moved with
+    model.cuda() (as scripts do after loading a checkpoint): the next step
+    re-registers on the GPU with a warning, keeping master, moments and step
+    counts, and training goes on as torch's does (its state moved to the
+    parameters' device by load_state_dict). opt.state[p] is on the GPU."""
+    data = make_data(n=12)
+    ref, mine = Net(), Net()
+    ref_opt = torch.optim.AdamW(no_decay_groups(ref), **HP)
+    with dos.torch.AdamW(no_decay_groups(mine), socket=dos_socket, **HP) as opt:
+        for i, (x, y) in enumerate(data[:5], 1):
+            step_both([(ref, ref_opt), (mine, opt)], x, y, branch=int(i == 3))
+            assert_same(mine, ref, i)
+        for m in (ref, mine):
+            m.cuda()
+        ref_opt.load_state_dict(ref_opt.state_dict())
+        for i, (x, y) in enumerate(data[5:], 6):
+            if i == 6:
+                with pytest.warns(RuntimeWarning, match="re-registering"):
+                    step_both([(ref, ref_opt), (mine, opt)], x, y)
+            else:
+                step_both([(ref, ref_opt), (mine, opt)], x, y, branch=int(i == 9))
+            assert_same(mine, ref, i)
+        assert all(p.is_cuda for p in mine.parameters())
+        assert opt.state[mine.body.weight]["exp_avg"].is_cuda
+        assert_state_same(opt, ref_opt, mine, ref)

@@ -228,7 +228,7 @@ from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
 from dos._lease import GpuLease
 from dos._native import Status
-from dos._register import Entry, _RegisterMixin, local_of
+from dos._register import Entry, _RegisterMixin, is_dtensor, local_of
 from dos._session import SessionHandle, track, untrack
 from dos._state import _StateMixin, torch_defaults
 from dos._step import StepMachine, StepState
@@ -246,7 +246,8 @@ class _DaemonState(defaultdict):
     lives in dosd, and frameworks that iterate it to move or save the state
     find nothing to copy), except that `state[p]` and `state.get(p)` of a
     registered parameter read its state from dosd: a fresh copy, not kept
-    here (writes into it change nothing)."""
+    here (writes into it change nothing), on the parameter's device as
+    torch's (the step count stays a CPU scalar, as torch keeps it)."""
 
     def __init__(self, opt):
         super().__init__(dict)
@@ -262,13 +263,20 @@ class _DaemonState(defaultdict):
         e = self._entry(key)
         if e is None:
             return super().__missing__(key)
-        return self._opt()._tensor_state(e)
+        return self._read(e)
 
     def get(self, key, default=None):
         if key in self:
             return self[key]
         e = self._entry(key)
-        return default if e is None else self._opt()._tensor_state(e)
+        return default if e is None else self._read(e)
+
+    def _read(self, e):
+        s = self._opt()._tensor_state(e)
+        dev = e.param.device
+        if dev.type != "cpu" and not is_dtensor(e.param):
+            s = {k: v if k == "step" else v.to(dev) for k, v in s.items()}
+        return s
 
     def __reduce__(self):  # copies and pickles are plain (torch's own type)
         return (defaultdict, (dict, dict(self)))
