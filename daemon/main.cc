@@ -79,6 +79,10 @@ ABSL_FLAG(bool, gpu_prefetch, false,
 ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
           "to the host (twice the PCIe bytes; for measurement).");
+ABSL_FLAG(std::string, gpu_cpu_path_copy, "kernel",
+          "CPU path in GPU mode: how gradients reach the host and new weights the GPU. kernel: "
+          "copied by a kernel on streams of their own; dma: by the copy engines, queued behind "
+          "the GPU path's state copies (the behaviour before; for measurement).");
 ABSL_FLAG(std::string, gpu_timeline, "",
           "Append one JSON line per GPU-mode step (which subgroup ran where, when) to this file "
           "(with several GPU engines: to FILE.cuda<ordinal>, one per engine).");
@@ -155,6 +159,7 @@ struct DaemonConfig {
   bool gpu_prefetch = false;         // state into the slots before the verdict
   double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
   bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
+  bool gpu_cpu_copy_kernel = true;   // CPU path copies by kernel (false: copy engines)
   std::string gpu_timeline;          // per-step placement log; empty: off
   LogLevel log_level = LogLevel::kInfo;
   bool checkpoints = true;           // false: --checkpoint_dir is empty
@@ -201,6 +206,12 @@ absl::Status GpuFlags(DaemonConfig& c) {
   if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
   if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
+  const std::string copy = absl::GetFlag(FLAGS_gpu_cpu_path_copy);
+  if (copy != "kernel" && copy != "dma") {
+    return absl::InvalidArgumentError(absl::StrCat("--gpu_cpu_path_copy=", copy,
+                                                   " is not one of: kernel, dma"));
+  }
+  c.gpu_cpu_copy_kernel = copy == "kernel";
   c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
   return absl::OkStatus();
 }
@@ -363,6 +374,7 @@ absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_upda
     gopt.staging_slots = config.gpu_staging_slots;
     gopt.prefetch = config.gpu_prefetch;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
     PlannerOptions planner;
     if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
     planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;

@@ -3,12 +3,17 @@
 // cpu_grad_fp32), the CPU kernel over the page-locked host state, the new
 // weights H2D into the trainer's memory; the next subgroup's gradients are
 // in flight while the CPU works. Runs on the step's thread.
+//
+// The copies are kernels (pcie_copy.h) on the CPU path's own streams by
+// default: through the copy engines they queued behind the GPU path's state
+// copies and left the CPU idle (GpuEngineOptions::cpu_copy_kernel).
 #include <optional>
 
 #include "absl/time/clock.h"
 #include "daemon/cpu/subgroup_spans.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/gpu_step.h"
+#include "daemon/gpu/pcie_copy.h"
 
 namespace dos::gpu {
 namespace {
@@ -17,7 +22,9 @@ class CpuPipeline {
  public:
   struct Buffers {
     std::span<char* const> grad_host, weight_host;  // pinned, kCpuBuffers each
-    std::span<float* const> cast_dev;               // device, cpu_grad_fp32 only
+    std::span<float* const> cast_dev;               // device, cpu_grad_fp32 by DMA only
+    bool copy_kernel = true;                        // GpuEngineOptions::cpu_copy_kernel
+    bool cast = false;                              // GpuEngineOptions::cpu_grad_fp32
   };
   CpuPipeline(GpuEngine::StepRun& run, cudaStream_t d2h, cudaStream_t h2d, Buffers buffers,
               cpu::CpuUpdater* cpu)
@@ -39,14 +46,19 @@ class CpuPipeline {
       const void* src = cpu::ElementAt(run_.bindings[seg.tensor].grad, t.grad_dtype,
                                        seg.tensor_offset);
       char* dst = buf_.grad_host[bi] + seg.subgroup_offset * kHostElemBytes;
+      const uint64_t bytes = seg.count * DTypeSize(SentGradDtype(t.grad_dtype));
+      run_.cpu_d2h += bytes;
       if (cast() && t.grad_dtype != DType::kF32) {
+        if (buf_.copy_kernel) {  // the cast kernel stores into the host buffer itself
+          DOS_RETURN_IF_ERROR(LaunchCastToFloat(src, t.grad_dtype, seg.count,
+                                                reinterpret_cast<float*>(dst), d2h_));
+          continue;
+        }
         float* tmp = buf_.cast_dev[bi] + seg.subgroup_offset;
         DOS_RETURN_IF_ERROR(LaunchCastToFloat(src, t.grad_dtype, seg.count, tmp, d2h_));
         src = tmp;
       }
-      const uint64_t bytes = seg.count * DTypeSize(SentGradDtype(t.grad_dtype));
-      DOS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, d2h_));
-      run_.cpu_d2h += bytes;
+      DOS_RETURN_IF_ERROR(Copy(dst, src, bytes, cudaMemcpyDeviceToHost, d2h_));
     }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(bufs_[bi].ev[1], d2h_));
     return absl::OkStatus();
@@ -104,15 +116,22 @@ class CpuPipeline {
     bool weights_in_flight = false;
     size_t entry = 0;        // cpu_entries index whose weights are in flight
   };
-  bool cast() const { return !buf_.cast_dev.empty(); }
+  bool cast() const { return buf_.cast; }
+
+  absl::Status Copy(void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind,
+                    cudaStream_t stream) {
+    if (buf_.copy_kernel) return LaunchPcieCopy(dst, src, bytes, stream);
+    return DOS_CUDA_STATUS(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  }
   DType SentGradDtype(DType d) const { return cast() ? DType::kF32 : d; }
 
   absl::Status IssueWeights(uint32_t sg, int bi) {
-    // On the GPU path's H2D stream, not a stream of its own: with two
-    // streams the copy engine kept serving the GPU path's queued 1.2 GB
+    // By DMA on the GPU path's H2D stream, not a stream of its own: with
+    // two streams the copy engine kept serving the GPU path's queued 1.2 GB
     // state copies and left these weights waiting until the GPU path had
     // drained (measured: the CPU sat idle for most of an `auto` step). One
-    // stream is FIFO, so the wait is bounded by what is queued now.
+    // stream is FIFO, so the wait is bounded by what is queued now. A copy
+    // kernel (the default) waits for neither, on the CPU path's H2D stream.
     const Subgroup& g = run_.shard->subgroups()[sg];
     Buffer& b = bufs_[bi];
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[2], h2d_));
@@ -120,9 +139,8 @@ class CpuPipeline {
       const TensorDesc& t = run_.shard->tensors()[seg.tensor];
       void* dst = cpu::ElementAt(run_.bindings[seg.tensor].param, t.param_dtype, seg.tensor_offset);
       const uint64_t bytes = seg.count * DTypeSize(t.param_dtype);
-      DOS_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(dst, buf_.weight_host[bi] + seg.subgroup_offset * kHostElemBytes, bytes,
-                          cudaMemcpyHostToDevice, h2d_));
+      DOS_RETURN_IF_ERROR(Copy(dst, buf_.weight_host[bi] + seg.subgroup_offset * kHostElemBytes,
+                               bytes, cudaMemcpyHostToDevice, h2d_));
       run_.cpu_h2d += bytes;
     }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(b.ev[3], h2d_));
@@ -151,7 +169,9 @@ class CpuPipeline {
 
 absl::Status GpuEngine::CpuLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  CpuPipeline pipe(run, cpu_d2h_, h2d_, {grad_host_, weight_host_, cast_dev_}, cpu_);
+  const bool kernel = options_.cpu_copy_kernel;
+  CpuPipeline pipe(run, cpu_d2h_, kernel ? cpu_h2d_ : h2d_,
+                   {grad_host_, weight_host_, cast_dev_, kernel, options_.cpu_grad_fp32}, cpu_);
   const absl::Time loop_start = absl::Now();
   absl::Status status = pipe.Init();
   std::optional<uint32_t> cur = status.ok() ? run.queue->ClaimCpu() : std::nullopt;

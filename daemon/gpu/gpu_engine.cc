@@ -67,14 +67,22 @@ absl::Status GpuEngine::Init() {
   DOS_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options_.device));
   uuid_ = FormatDeviceUuid(absl::string_view(prop.uuid.bytes, sizeof prop.uuid.bytes));
   name_ = prop.name;
-  for (cudaStream_t* s : {&h2d_, &compute_, &d2h_, &cpu_d2h_, &cpu_h2d_}) {
+  for (cudaStream_t* s : {&h2d_, &compute_, &d2h_}) {
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
+  }
+  // The CPU path's copy kernels go before queued Adam kernels: the CPU
+  // waits for them (priorities order kernels only, not copy-engine work).
+  int low = 0, high = 0;
+  DOS_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&low, &high));
+  for (cudaStream_t* s : {&cpu_d2h_, &cpu_h2d_}) {
+    DOS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(s, cudaStreamNonBlocking, high));
   }
   DOS_CUDA_RETURN_IF_ERROR(cudaMalloc(&flag_dev_, sizeof(int)));
   DOS_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&flag_host_, sizeof(int), cudaHostAllocDefault));
   worker_ = std::make_unique<GpuWorker>(absl::StrCat("dos-gpu-", options_.device));
   DOS_LOG_INFO("gpu.engine", "device", options_.device, "name", name_, "uuid", uuid_,
-               "staging_slots", options_.staging_slots, "cpu_grad_fp32", options_.cpu_grad_fp32);
+               "staging_slots", options_.staging_slots, "cpu_grad_fp32", options_.cpu_grad_fp32,
+               "cpu_path_copy", options_.cpu_copy_kernel ? "kernel" : "dma");
   return absl::OkStatus();
 }
 
@@ -156,7 +164,7 @@ absl::Status GpuEngine::EnsureBuffers(uint64_t max_numel) {
     grad_host_.push_back(g);
     DOS_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&w, max_numel * kHostElemBytes, cudaHostAllocDefault));
     weight_host_.push_back(w);
-    if (options_.cpu_grad_fp32) {
+    if (options_.cpu_grad_fp32 && !options_.cpu_copy_kernel) {  // a kernel casts into the host
       float* c = nullptr;
       DOS_CUDA_RETURN_IF_ERROR(cudaMalloc(&c, max_numel * sizeof(float)));
       cast_dev_.push_back(c);

@@ -56,6 +56,10 @@ struct GpuEngineOptions {
   int staging_slots = 3;           // streamed subgroups in flight
   bool prefetch = true;            // Prefetch copies state before the verdict (dosd: --gpu_prefetch)
   bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
+  // CPU path: gradients and weights crossed by a kernel (pcie_copy.h) on
+  // streams of their own, or (false) by the copy engines, the weights queued
+  // behind the GPU path's state copies (dosd: --gpu_cpu_path_copy).
+  bool cpu_copy_kernel = true;
   // Page-locking a shard's state at registration: one cudaHostRegister per
   // subgroup from `pin_threads` threads (0: one per core, at most 16), or
   // (`pin_whole`) one for the shard's whole mapping; equally fast when

@@ -15,6 +15,7 @@
 #include "daemon/cpu/host_engine.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/gpu_engine.h"
+#include "daemon/gpu/pcie_copy.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/host_memory_budget.h"
 #include "tests/unit/cpu/adam_test_data.h"
@@ -280,6 +281,47 @@ TEST(GpuEngineTest, CompactStateEveryPolicyMatchesCpuPathOver50Steps) {
   }
 }
 
+// The CPU path's copy kernel: every alignment of both ends and the size
+// (each picks another access width), both directions, bytes outside the
+// range untouched.
+TEST(PcieCopyTest, CopiesEveryAlignmentBothWays) {
+  SKIP_WITHOUT_GPU();
+  constexpr size_t kCap = (1 << 20) + 64;
+  char* host = nullptr;
+  char* dev = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&host, kCap, cudaHostAllocDefault), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dev, kCap), cudaSuccess);
+  std::vector<char> src(kCap), back(kCap);
+  for (size_t i = 0; i < kCap; ++i) src[i] = static_cast<char>(i * 131 + 7);
+  for (size_t size : {size_t{0}, size_t{1}, size_t{3}, size_t{16}, size_t{1000}, size_t{1} << 20}) {
+    for (size_t doff : {0, 1, 2, 4, 8, 16}) {
+      for (size_t soff : {0, 2, 16}) {
+        SCOPED_TRACE(absl::StrCat("size ", size, " device offset ", doff, " host offset ", soff));
+        // host -> device (the weights' direction)
+        std::memcpy(host, src.data(), kCap);
+        ASSERT_EQ(cudaMemset(dev, 0x5a, kCap), cudaSuccess);
+        ASSERT_TRUE(LaunchPcieCopy(dev + doff, host + soff, size, nullptr).ok());
+        ASSERT_EQ(cudaMemcpy(back.data(), dev, kCap, cudaMemcpyDeviceToHost), cudaSuccess);
+        for (size_t i = 0; i < kCap; ++i) {
+          const char want = i >= doff && i < doff + size ? src[soff + i - doff] : 0x5a;
+          ASSERT_EQ(back[i], want) << "H2D at " << i;
+        }
+        // device -> host (the gradients' direction)
+        ASSERT_EQ(cudaMemcpy(dev, src.data(), kCap, cudaMemcpyHostToDevice), cudaSuccess);
+        std::memset(host, 0x3c, kCap);
+        ASSERT_TRUE(LaunchPcieCopy(host + soff, dev + doff, size, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        for (size_t i = 0; i < kCap; ++i) {
+          const char want = i >= soff && i < soff + size ? src[doff + i - soff] : 0x3c;
+          ASSERT_EQ(host[i], want) << "D2H at " << i;
+        }
+      }
+    }
+  }
+  cudaFreeHost(host);
+  cudaFree(dev);
+}
+
 TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {
   SKIP_WITHOUT_GPU();
   Model m = MakeModel();
@@ -288,10 +330,13 @@ TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {
   StepExecutor cpu_only(&host);
   std::vector<float> ref_master;
   std::vector<uint16_t> ref = RunSteps(m, cpu_only, nullptr, Policy{}, &ref_master);
-  for (bool fp32_grads : {false, true}) {
+  for (int mode = 0; mode < 4; ++mode) {
+    const bool fp32_grads = mode & 1;
+    const bool copy_kernel = mode < 2;  // the CPU path's copies by kernel or by DMA
     GpuEngineOptions opt;
     opt.staging_slots = 2;
     opt.cpu_grad_fp32 = fp32_grads;
+    opt.cpu_copy_kernel = copy_kernel;
     auto engine = GpuEngine::Create(opt, &cpu);
     ASSERT_TRUE(engine.ok()) << engine.status();
     PlannerOptions planner;
@@ -303,9 +348,9 @@ TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {
       Policy p = *ParsePolicy(text);
       std::vector<float> master;
       std::vector<uint16_t> w = RunSteps(m, ex, engine->get(), p, &master);
-      EXPECT_EQ(w, ref) << text << " fp32_grads=" << fp32_grads;
+      EXPECT_EQ(w, ref) << text << " fp32_grads=" << fp32_grads << " kernel=" << copy_kernel;
       EXPECT_EQ(std::memcmp(master.data(), ref_master.data(), 4 * master.size()), 0)
-          << text << " fp32_grads=" << fp32_grads;
+          << text << " fp32_grads=" << fp32_grads << " kernel=" << copy_kernel;
     }
   }
 }

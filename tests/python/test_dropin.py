@@ -255,7 +255,7 @@ def test_grads_set_to_none_by_hand_are_skipped(dos_socket, dev):
             for model, o in ((ref, ref_opt), (mine, opt)):
                 for p in model.parameters():
                     p.grad = None
-                F.mse_loss(model(x, i % 2), y).backward()
+                F.mse_loss(model(x.to(dev), i % 2), y.to(dev)).backward()
                 o.step()
             assert_same(mine, ref, i)
         assert_state_same(opt, ref_opt, mine, ref)
