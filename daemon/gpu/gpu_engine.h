@@ -134,7 +134,8 @@ class GpuEngine final : public Engine {
   std::string name_;
 
   mutable absl::Mutex step_mu_;
-  cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path
+  cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path (streamed)
+  cudaStream_t resident_ = nullptr;                                  // resident subgroups' kernels
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
   std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);      // device, 3 * buffer_numel each

@@ -197,7 +197,8 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
 absl::Status GpuEngine::GpuLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   std::span<Subgroup> sgs = run.shard->subgroups();
-  // Resident subgroups: kernels only, on the compute stream; first, except
+  // Resident subgroups: kernels only, on their own low-priority stream (the
+  // streamed subgroups' kernels do not queue behind them); first, except
   // in an early step: they are the first layers, whose gradients are final
   // last, so the streamed subgroups go first and the resident ones follow
   // from the last to the first.
@@ -208,15 +209,17 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     const uint32_t i = run.early ? run.gs->resident_count - 1 - k : k;
     status = [&]() -> absl::Status {
       DOS_RETURN_IF_ERROR(WaitReady(run, i, &run.gpu_wait_us));
-      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], compute_));
-      DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], compute_));
-      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], compute_));
-      return EnqueueDone(run, &run.gpu_done_calls, i, compute_);
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], resident_));
+      DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], resident_));
+      DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], resident_));
+      return EnqueueDone(run, &run.gpu_done_calls, i, resident_);
     }();
     run.gpu_params += sgs[i].numel;
   }
   if (!run.early && status.ok()) status = StreamSubgroups(run);
-  absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(compute_));
+  absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
+  if (status.ok()) status = st;
+  st = DOS_CUDA_STATUS(cudaStreamSynchronize(compute_));
   if (status.ok()) status = st;
   for (uint32_t i = 0; i < run.gs->resident_count && status.ok(); ++i) {
     TimelineEntry e{.subgroup = i, .path = 'r'};
