@@ -85,7 +85,7 @@ class Budget:
     Host figures in bytes; gpu_budget 0 = no GPU limit (CPU runs)."""
 
     def __init__(self, mem_available, trainer_host, dosd_overhead, host_margin,
-                 gpu_budget=0, dosd_context=GiB, subgroup_size=100_000_000, staging_slots=3,
+                 gpu_budget=0, dosd_context=GiB, subgroup_size=100_000_000, staging_slots=2,
                  gpu_extra=5 * GiB):
         self.mem_available = mem_available
         self.trainer_host = trainer_host

@@ -53,7 +53,7 @@ namespace dos::gpu {
 
 struct GpuEngineOptions {
   int device = 0;                  // CUDA device ordinal
-  int staging_slots = 3;           // streamed subgroups in flight
+  int staging_slots = 2;           // streamed subgroups in flight
   bool prefetch = true;            // Prefetch copies state before the verdict (dosd: --gpu_prefetch)
   bool cpu_grad_fp32 = false;      // CPU path: cast gradients to fp32 on the GPU before D2H
   // CPU path: gradients and weights crossed by a kernel (pcie_copy.h) on

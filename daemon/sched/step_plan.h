@@ -56,7 +56,7 @@ struct PlanBudgets {
   uint64_t gpu_resident_bytes = 0;
   // Staging slots the engine streams through (GpuEngineOptions): a lease
   // pays for them before resident state.
-  uint32_t staging_slots = 3;
+  uint32_t staging_slots = 2;
   // Caps on what the step may use, in bytes/s; 0: no cap (the measured rates
   // alone). PCIe per direction (both directions together get twice it), host
   // memory for cores and DMA engines together.

@@ -19,7 +19,7 @@ namespace {
 
 constexpr uint64_t kSg = 1000;               // elements per subgroup
 constexpr uint64_t kSgBytes = kSg * 12;      // its state
-constexpr uint64_t kStaging = 3 * kSgBytes;  // three staging slots
+constexpr uint64_t kStaging = 2 * kSgBytes;  // two staging slots (the default)
 
 ShardLayout Uniform(uint32_t n) {
   ShardLayout l;

@@ -17,7 +17,7 @@ namespace dos {
 namespace {
 
 constexpr uint64_t kSgBytes = 1000 * 12;      // a subgroup's state (the fixture's size)
-constexpr uint64_t kStaging = 3 * kSgBytes;   // the engine's staging slots
+constexpr uint64_t kStaging = 2 * kSgBytes;   // the engine's staging slots (2, the default)
 
 GpuLease Lease(uint64_t resident_subgroups) {
   return GpuLease{.reported = true,
