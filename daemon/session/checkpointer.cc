@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/checkpoint_writer.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
@@ -265,6 +266,7 @@ void Checkpointer::WriterLoop() {
     if (job.forget != 0) {
       staging_.erase(job.forget);
       autosaved_step_.erase(job.forget);
+      autosave_skipped_.erase(job.forget);
       continue;
     }
     absl::StatusOr<std::vector<CheckpointRecord>> r = Run(job);
@@ -291,8 +293,14 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     for (auto& s : sessions_->List()) targets.push_back(s);
     for (auto& s : sessions_->ListOrphans()) targets.push_back(s);
   }
+  if (job.autosave && job.session_id == 0) {
+    // Sessions waiting for their trainer last (stable: otherwise in order).
+    std::stable_partition(targets.begin(), targets.end(),
+                          [](const std::shared_ptr<Session>& s) { return !s->AwaitingTrainer(); });
+  }
   std::vector<CheckpointRecord> out;
   for (const auto& s : targets) {
+    if (job.autosave && !WaitUntilNotAwaitingTrainer(*s)) continue;
     if (!s->registered()) {
       if (job.session_id != 0) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -326,6 +334,27 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     if (!rec->path.empty()) out.push_back(*rec);
   }
   return out;
+}
+
+bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s) {
+  const uint64_t id = s.identity().id;
+  const absl::Time deadline =
+      absl::Now() + (autosave_skipped_.count(id) ? absl::ZeroDuration()
+                                                 : options_.autosave_trainer_wait);
+  while (s.AwaitingTrainer()) {
+    if (absl::Now() >= deadline) {
+      if (autosave_skipped_.insert(id).second) {
+        DOS_LOG_WARNING("checkpoint.autosave_skipped", "session", id, "pid", s.identity().pid,
+                        "reason", "a step waits for this trainer's gradients or verdict",
+                        "waited", absl::FormatDuration(options_.autosave_trainer_wait),
+                        "next_try", "each autosave, until that step ends");
+      }
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  autosave_skipped_.erase(id);
+  return true;
 }
 
 absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Session>& s,

@@ -39,6 +39,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,6 +59,13 @@ struct CheckpointerOptions {
   absl::Duration autosave_interval = absl::ZeroDuration();  // 0: no autosave
   int autosave_keep = 2;     // autosaves kept per (client, rank)
   bool restore = true;       // offer the latest checkpoints to re-attaching trainers
+  // An autosave saves the sessions whose step waits for its trainer (an
+  // early step before its verdict: Session::AwaitingTrainer) after the
+  // others, and gives such a session up to this long to finish waiting
+  // (a backward) before skipping it; once skipped, later autosaves skip it
+  // at once while it still waits. One stalled trainer (dosd waits for it
+  // up to --early_step_ready_timeout) delays no one else's autosaves.
+  absl::Duration autosave_trainer_wait = absl::Seconds(5);
 };
 
 struct CheckpointRecord {
@@ -118,6 +126,9 @@ class Checkpointer {
   };
   void WriterLoop();
   absl::StatusOr<std::vector<CheckpointRecord>> Run(const Job& job);
+  // False when `s` still waits for its trainer after autosave_trainer_wait
+  // (at once if it did at the last autosave too).
+  bool WaitUntilNotAwaitingTrainer(const Session& s);
   // `resolved_path` empty (or `autosave`): the default name.
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
                                            const std::string& resolved_path, bool autosave);
@@ -139,6 +150,7 @@ class Checkpointer {
   // Writer thread only.
   std::map<uint64_t, std::unique_ptr<ShardState>> staging_;
   std::map<uint64_t, int64_t> autosaved_step_;
+  std::set<uint64_t> autosave_skipped_;  // waiting for their trainer at the last autosave
 };
 
 }  // namespace dos

@@ -149,6 +149,11 @@ class Session {
   // about to write one not yet copied (ShardState's copy-on-write).
   absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
                                         HostMemoryBudget* staging_budget);
+  // True while a step holds the session waiting for its trainer (an early
+  // step's ready words or verdict, up to --early_step_ready_timeout): a
+  // Snapshot now would wait that long, so autosaves take the other sessions
+  // first (Checkpointer).
+  bool AwaitingTrainer() const { return awaiting_trainer_.load(std::memory_order_acquire) > 0; }
   // Loads a checkpoint file into the state and rewrites the trainer's
   // weights; the state is untouched if the file is corrupt or of another
   // layout. Returns the loaded step count. `env`: the checkpoint store's
@@ -302,6 +307,9 @@ class Session {
   std::thread step_thread_ ABSL_GUARDED_BY(thread_mu_);
   std::atomic<bool> thread_started_{false};
   std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
+  // Waits for the trainer in progress (WaitReady, AwaitVerdict).
+  mutable std::atomic<int> awaiting_trainer_{0};
+  class AwaitingTrainerScope;
 };
 
 }  // namespace dos

@@ -11,6 +11,20 @@
 
 namespace dos {
 
+// Counts a wait for the trainer in Session::awaiting_trainer_ while alive.
+class Session::AwaitingTrainerScope {
+ public:
+  explicit AwaitingTrainerScope(const Session& s) : n_(s.awaiting_trainer_) {
+    n_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  ~AwaitingTrainerScope() { n_.fetch_sub(1, std::memory_order_acq_rel); }
+  AwaitingTrainerScope(const AwaitingTrainerScope&) = delete;
+  AwaitingTrainerScope& operator=(const AwaitingTrainerScope&) = delete;
+
+ private:
+  std::atomic<int>& n_;
+};
+
 StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
   StepSync sync;
   sync.trainer_event = trainer_event_;
@@ -47,6 +61,8 @@ absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begu
   // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
   // then every 20 us (backward makes a subgroup's gradients in milliseconds;
   // the CPU pool needs the cores meanwhile). Liveness is checked per slice.
+  if (channel_->SubgroupReady(subgroup, seq)) return absl::OkStatus();
+  AwaitingTrainerScope awaiting(*this);
   int polls = 0;
   absl::Time next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
   while (!channel_->SubgroupReady(subgroup, seq)) {
@@ -74,6 +90,7 @@ absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begu
 
 absl::StatusOr<StepRequest> Session::AwaitVerdict(uint32_t seq, absl::Time begun) const {
   auto* block = static_cast<ControlBlock*>(control_->data());
+  AwaitingTrainerScope awaiting(*this);
   while (!channel_->WaitVerdict(seq, ControlBlockChannel::kLivenessSlice)) {
     // The bell only moves forward to seq (cyclically): past it, no verdict
     // for this step will ever come.

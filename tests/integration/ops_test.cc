@@ -37,8 +37,8 @@ std::string Shell(const std::string& cmd) {
 struct Trainer {
   dos_session* s = nullptr;
   dos_hparams h;
-  dos_status Start(const std::string& socket, uint64_t n) {
-    if (dos_status st = AttachClient(socket, "ops_test", &s); st != DOS_OK) return st;
+  dos_status Start(const std::string& socket, uint64_t n, const char* name = "ops_test") {
+    if (dos_status st = AttachClient(socket, name, &s); st != DOS_OK) return st;
     void* p = nullptr;
     void* g = nullptr;
     if (dos_status st = dos_buffer_alloc(s, n * 4, &p); st != DOS_OK) return st;
@@ -176,6 +176,40 @@ TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
   }
   EXPECT_EQ(d.Stop(), 0);
   EXPECT_NE(d.log().find("daemon.final_checkpoint"), std::string::npos);
+}
+
+// A trainer whose early step never gets its verdict holds its session (dosd
+// waits up to --early_step_ready_timeout): autosaves save the other
+// sessions first and skip it, so another user's autosaves go on.
+TEST(OpsTest, AStalledEarlyStepDelaysNoOtherSessionsAutosave) {
+  const TempDir ckpt_dir("dos-ckpt");
+  const std::string ckpt = ckpt_dir.path();
+  DaemonProcess d({"--checkpoint_dir=" + ckpt, "--autosave_interval=50ms"});
+  ASSERT_TRUE(d.Start());
+  const std::string dir = ckpt + "/uid-" + std::to_string(::getuid()) + "/ops_busy.r-1/";
+  auto exists = [](const std::string& p) {
+    struct stat st;
+    return ::stat(p.c_str(), &st) == 0;
+  };
+  Trainer stalled, busy;
+  ASSERT_EQ(stalled.Start(d.socket(), 1000, "ops_stalled"), DOS_OK) << dos_last_error();
+  ASSERT_EQ(busy.Start(d.socket(), 1000, "ops_busy"), DOS_OK) << dos_last_error();
+  ASSERT_EQ(stalled.Step(), DOS_OK);
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &stalled.h;
+  a.num_groups = 1;
+  ASSERT_EQ(dos_step_begin_early(stalled.s, &a, 0, nullptr), DOS_OK) << dos_last_error();
+  // No verdict: the stalled session's step waits for it from now on.
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_EQ(busy.Step(), DOS_OK);
+    const std::string f = dir + "auto-00000000000" + std::to_string(step) + ".dckpt";
+    for (int i = 0; i < 1000 && !exists(f); ++i) usleep(10'000);  // polling, 10 s deadline
+    EXPECT_TRUE(exists(f)) << f << d.log();
+  }
+  EXPECT_NE(d.log().find("checkpoint.autosave_skipped"), std::string::npos) << d.log();
+  ASSERT_EQ(dos_step_abandon(stalled.s), DOS_OK) << dos_last_error();
+  EXPECT_EQ(d.Stop(), 0);
 }
 
 TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
