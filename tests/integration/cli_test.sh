@@ -45,6 +45,16 @@ grep -q -- '--host_memory_limit=512G from the command line is overridden by --ho
 if grep -q 'flag_overridden' "$tmp/err"; then fail "warned with --flagfile first"; fi
 echo "ok: a flagfile overriding a command-line flag is warned about"
 
+# GPU flags are checked on every machine (a bad value is refused before anything starts).
+for bad in "--gpu_cpu_path_copy=bogus:is not one of: kernel, dma" \
+           "--gpu_staging_slots=0:--gpu_staging_slots must be >= 1"; do
+  rc=0
+  "$dosd" --socket="$tmp/x.sock" "${bad%%:*}" 2> "$tmp/err" || rc=$?
+  [ "$rc" -eq 1 ] || fail "dosd ${bad%%:*} should exit 1, got $rc"
+  grep -q -- "${bad#*:}" "$tmp/err" || { cat "$tmp/err"; fail "no '${bad#*:}' for ${bad%%:*}"; }
+done
+echo "ok: bad GPU flags are refused by name"
+
 # Started by hand: checkpoints in $XDG_STATE_HOME (else ~/.local/state), not /var/lib/dos.
 mkdir -p "$tmp/home" "$tmp/run"
 env -u XDG_STATE_HOME HOME="$tmp/home" "$dosd" --socket="$tmp/run/dosd.sock" \
