@@ -211,11 +211,12 @@ absl::Status GpuEngine::WaitTrainerEvent(void* event) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto ev = static_cast<cudaEvent_t>(event);
-  // The streams that read gradients or write weights: the kernels and the
-  // CPU path's gradient copies. The state streams (h2d_, d2h_) do not
-  // wait: state does not depend on the trainer, and their weight copies
-  // (the CPU path's, on h2d_) are issued after the host saw that path's
-  // gradient copies, which waited, complete.
+  // The streams that read gradients or write weights: the Adam kernels
+  // (streamed and resident) and the CPU path's copies. The state streams
+  // (h2d_, d2h_) do not wait: state does not depend on the trainer, and the
+  // CPU path's weight copies that go on h2d_ (--gpu_cpu_path_copy=dma) are
+  // issued after the host saw that path's gradient copies, which waited,
+  // complete.
   for (cudaStream_t s : {compute_, resident_, cpu_d2h_, cpu_h2d_}) {
     if (s != nullptr) DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, ev, 0));
   }
