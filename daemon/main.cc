@@ -459,6 +459,7 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
     // With autosave on, a clean stop (upgrade, reboot) saves every session
     // so the restarted daemon restores it.
     if (config.checkpoint.autosave_interval > absl::ZeroDuration()) {
+      sessions->StopTakingSteps();  // a stalled trainer's early step ends, nothing applied
       absl::StatusOr<std::vector<CheckpointRecord>> saved = checkpointer->Save(0, "");
       DOS_LOG_INFO("daemon.final_checkpoint", "ok", saved.ok(), "files",
                    saved.ok() ? saved->size() : 0);

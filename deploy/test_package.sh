@@ -22,7 +22,9 @@ fail() { echo "FAIL: $*"; exit 1; }
 for tool in cpack dpkg dpkg-shlibdeps lintian systemd-analyze; do
   command -v "$tool" >/dev/null || fail "$tool not installed (bash deploy/install-deps.sh)"
 done
-if dpkg-query -W -f='${Status}' dos 2>/dev/null | grep -q "ok installed"; then
+# (Output captured before grep -q: with pipefail, a writer cut off by grep's early exit
+# (SIGPIPE) would fail the pipeline.)
+if grep -q "ok installed" <<<"$(dpkg-query -W -f='${Status}' dos 2>/dev/null || true)"; then
   skip "a dos package is installed on this machine already; not replacing it"
 fi
 version=$(sed -n 's/^#define DOS_VERSION_STRING "\(.*\)"$/\1/p' "$build/include/dos/version.h")
@@ -53,7 +55,8 @@ echo "Depends: $depends"
 grep -q 'libgrpc++' <<<"$depends" || fail "Depends lacks the gRPC runtime (dpkg-shlibdeps)"
 grep -q 'libc6' <<<"$depends" || fail "Depends lacks libc6 (dpkg-shlibdeps)"
 if grep -qi 'cuda' <<<"$depends"; then fail "Depends names a CUDA package: $depends"; fi
-dpkg-deb -I "$deb" conffiles | grep -qx /etc/dos/dosd.flags || fail "/etc/dos/dosd.flags not a conffile"
+grep -qx /etc/dos/dosd.flags <<<"$(dpkg-deb -I "$deb" conffiles)" ||
+  fail "/etc/dos/dosd.flags not a conffile"
 
 echo "== dpkg -i"
 installed=1
@@ -77,7 +80,7 @@ for f in ./usr/share/man/man1/dosd.1.gz ./usr/share/man/man1/dosctl.1.gz; do
 done
 [ "$(readlink /usr/lib/libdos_client.so.1)" = "libdos_client.so.$version" ] ||
   fail "libdos_client.so.1 does not link to libdos_client.so.$version"
-objdump -p /usr/lib/libdos_client.so.1 | grep -q 'SONAME *libdos_client.so.1$' ||
+grep -q 'SONAME *libdos_client.so.1$' <<<"$(objdump -p /usr/lib/libdos_client.so.1)" ||
   fail "libdos_client's SONAME is not libdos_client.so.1"
 getent passwd dos >/dev/null || fail "postinst did not create the dos user"
 getent group dos >/dev/null || fail "postinst did not create the dos group"

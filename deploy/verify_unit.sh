@@ -47,7 +47,7 @@ if command -v systemd-sysusers >/dev/null; then
   echo "ok: systemd-sysusers --dry-run sysusers.d/dos.conf"
 fi
 if command -v systemd-tmpfiles >/dev/null; then
-  if systemd-tmpfiles --help 2>/dev/null | grep -q -- '--dry-run'; then
+  if grep -q -- '--dry-run' <<<"$(systemd-tmpfiles --help 2>/dev/null || true)"; then
     dry=(--dry-run)
   else
     dry=()

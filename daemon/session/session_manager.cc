@@ -310,6 +310,12 @@ void SessionManager::StopAndFree(std::shared_ptr<Session> session, absl::string_
   session.reset();
 }
 
+void SessionManager::StopTakingSteps() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, s] : sessions_) s->RequestStop();
+  for (auto& [id, o] : orphans_) o.session->RequestStop();
+}
+
 void SessionManager::Shutdown() {
   std::map<uint64_t, std::shared_ptr<Session>> sessions;
   {

@@ -83,6 +83,13 @@ class SessionManager {
   Policy default_policy() const;
   void SetDefaultPolicy(const Policy& policy);
 
+  // The first half of a drain: every session takes no step after its
+  // in-flight one, and a step waiting for its trainer (an early step's
+  // ready words or verdict) ends within a liveness slice with nothing
+  // applied, so that a final checkpoint finds every session at a step
+  // boundary instead of waiting --early_step_ready_timeout for a stalled
+  // trainer. The state stays until Shutdown().
+  void StopTakingSteps();
   void Shutdown();
 
  private:
