@@ -26,12 +26,12 @@ Rules that follow from the shared binding:
 - A parameter without a gradient at `step()` (grad None, or not reached by
   backward since a set_to_none zero_grad: an unused branch or MoE expert, a
   parameter frozen mid-training) is skipped as torch.optim skips it: dosd
-  leaves its weights, exp_avg, exp_avg_sq and step count untouched. Not
-  detected: a gradient written in place into a zeroed `p.grad` without
-  backward reaching the parameter (it counts as none), e.g. DDP with
-  find_unused_parameters for a parameter this rank did not use. With
-  overlap="update" such parameters are updated with a zero gradient (the step
-  was begun before it was known). Only the first 4096 registered parameters
+  leaves its weights, exp_avg, exp_avg_sq and step count untouched. A
+  gradient written in place into a zeroed `p.grad` without backward reaching
+  the parameter counts as a gradient, as it does for torch (DDP with
+  find_unused_parameters writes the averaged gradient into a parameter only
+  other ranks used). With overlap="update" parameters without a gradient are
+  updated with a zero gradient (the step was begun before it was known). Only the first 4096 registered parameters
   can be skipped; step() raises for a later one without a gradient. With
   overlap="update", parameters unfrozen after construction are not picked up.
 - Replacing `p.data` after construction (`model.to(dtype)`, `model.cuda()`,
