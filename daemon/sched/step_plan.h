@@ -18,6 +18,7 @@
 // read it (TakeShared included).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,6 +38,17 @@ struct ShardLayout {
   double grad_bytes = 2;    // gradient bytes D2H per CPU-path parameter
   double weight_bytes = 2;  // weight bytes H2D per CPU-path parameter
   double state_bytes = 12;  // state bytes per parameter (ShardState::bytes_per_param)
+
+  // The largest subgroup's parameters (0 without subgroups) and its state:
+  // each resident subgroup and each staging slot is charged that much.
+  uint64_t max_subgroup_numel() const {
+    uint64_t m = 0;
+    for (uint64_t n : subgroup_numel) m = std::max(m, n);
+    return m;
+  }
+  uint64_t max_subgroup_state_bytes() const {
+    return max_subgroup_numel() * static_cast<uint64_t>(state_bytes);
+  }
 
   // From a registered shard: tensor 0's dtypes (a CPU path that casts the
   // gradients to fp32 on the GPU first sends 4 bytes: `grad_fp32`) and the

@@ -121,9 +121,7 @@ uint32_t StepPlanner::ResidentCount(const Policy& policy, const ShardLayout& lay
   if (policy.kind != Policy::Kind::kAuto || budgets.gpu_resident_bytes == 0) return 0;
   // Every resident subgroup is charged the largest one's state: the budget
   // then holds whichever subgroups the count selects.
-  const uint64_t max_numel =
-      *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
-  const uint64_t sg_bytes = max_numel * static_cast<uint64_t>(layout.state_bytes);
+  const uint64_t sg_bytes = layout.max_subgroup_state_bytes();
   if (sg_bytes == 0) return 0;
   return static_cast<uint32_t>(std::min<uint64_t>(n, budgets.gpu_resident_bytes / sg_bytes));
 }
@@ -138,8 +136,7 @@ PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets)
 }
 
 uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
-  uint64_t max_numel = 0;
-  for (uint64_t n : layout.subgroup_numel) max_numel = std::max(max_numel, n);
+  const uint64_t max_numel = layout.max_subgroup_numel();
   // The engine's slots hold fp32 state whatever the shard's format.
   uint64_t bytes = uint64_t{options_.budgets.staging_slots} * max_numel *
                    ShardState::kStateBytesPerParam;
@@ -153,11 +150,9 @@ void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardL
   // one's state, as ResidentCount charges them. A lease beyond it (a trainer
   // reports what it likes) asks for no more, so that under a budget it does
   // not shrink the other sessions' shares for memory it could never use.
-  uint64_t max_numel = 0;
-  for (uint64_t n : layout.subgroup_numel) max_numel = std::max(max_numel, n);
-  const unsigned __int128 whole_state = static_cast<unsigned __int128>(max_numel) *
-                                        static_cast<uint64_t>(layout.state_bytes) *
-                                        layout.subgroup_numel.size();
+  const unsigned __int128 whole_state =
+      static_cast<unsigned __int128>(layout.max_subgroup_state_bytes()) *
+      layout.subgroup_numel.size();
   absl::MutexLock lock(&mu_);
   SessionShare& share = sessions_[session];
   if (lease.reported) {
@@ -216,10 +211,7 @@ uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& la
     return count;
   }
   // static:<f> within a lease: no more than the lease holds.
-  const uint64_t max_numel =
-      *std::max_element(layout.subgroup_numel.begin(), layout.subgroup_numel.end());
-  const uint64_t sg_bytes =
-      std::max<uint64_t>(1, max_numel * static_cast<uint64_t>(layout.state_bytes));
+  const uint64_t sg_bytes = std::max<uint64_t>(1, layout.max_subgroup_state_bytes());
   return static_cast<uint32_t>(std::min<uint64_t>(count, budgets.gpu_resident_bytes / sg_bytes));
 }
 
@@ -238,7 +230,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   plan.policy = policy;
   plan.num_subgroups = static_cast<uint32_t>(layout.subgroup_numel.size());
   plan.numel = layout.subgroup_numel;
-  for (uint64_t n : plan.numel) plan.max_numel = std::max(plan.max_numel, n);
+  plan.max_numel = layout.max_subgroup_numel();
   const PlanBudgets& budgets = options_.budgets;
   plan.resident = resident;
   for (uint32_t i = 0; i < plan.resident; ++i) plan.resident_params += plan.numel[i];
