@@ -18,9 +18,7 @@ constexpr int kInvalidArgument = 3;
 constexpr int kDeadlineExceeded = 4;
 
 std::vector<std::string> MemArgv(const std::string& socket, std::vector<std::string> ops) {
-  std::vector<std::string> argv = {ReachableBinary(DOS_MEM_CLIENT_PATH), socket};
-  argv.insert(argv.end(), ops.begin(), ops.end());
-  return argv;
+  return ClientArgv(DOS_MEM_CLIENT_PATH, socket, std::move(ops));
 }
 
 struct Garbage {

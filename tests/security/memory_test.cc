@@ -31,9 +31,7 @@ constexpr int kFailedPrecondition = 9;
 constexpr int kPermissionDenied = 7;
 
 std::vector<std::string> MemArgv(const std::string& socket, std::vector<std::string> ops) {
-  std::vector<std::string> argv = {ReachableBinary(DOS_MEM_CLIENT_PATH), socket};
-  argv.insert(argv.end(), ops.begin(), ops.end());
-  return argv;
+  return ClientArgv(DOS_MEM_CLIENT_PATH, socket, std::move(ops));
 }
 
 std::string RunMem(const SecUser& u, const std::string& socket, std::vector<std::string> ops) {

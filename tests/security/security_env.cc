@@ -121,17 +121,16 @@ std::unique_ptr<DaemonProcess> SecureDaemon(std::vector<std::string> flags) {
   return d;
 }
 
-namespace {
-std::vector<std::string> SecClientArgv(const std::string& target, std::vector<std::string> ops) {
-  std::vector<std::string> argv = {ReachableBinary(DOS_SEC_CLIENT_PATH), target};
+std::vector<std::string> ClientArgv(const std::string& binary, const std::string& target,
+                                    std::vector<std::string> ops) {
+  std::vector<std::string> argv = {ReachableBinary(binary), target};
   argv.insert(argv.end(), ops.begin(), ops.end());
   return argv;
 }
-}  // namespace
 
 UserProcess::UserProcess(const SecUser& user, const std::string& target,
                          std::vector<std::string> ops)
-    : UserProcess(user, SecClientArgv(target, std::move(ops))) {}
+    : UserProcess(user, ClientArgv(DOS_SEC_CLIENT_PATH, target, std::move(ops))) {}
 
 UserProcess::UserProcess(const SecUser& user, std::vector<std::string> argv) {
   int in[2], out[2];

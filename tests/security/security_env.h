@@ -97,6 +97,10 @@ int Code(const std::string& line);
 // Path of a build-tree binary that `user`s can execute (copied to a
 // world-readable temporary directory when the build tree is private).
 std::string ReachableBinary(const std::string& path);
+// The argv of a client binary run as a fixture user: ReachableBinary(binary),
+// then `target` (a socket or address), then `ops`.
+std::vector<std::string> ClientArgv(const std::string& binary, const std::string& target,
+                                    std::vector<std::string> ops);
 
 // Polls `pred` until true or `timeout_ms` passes.
 bool WaitFor(const std::function<bool()>& pred, int timeout_ms);
