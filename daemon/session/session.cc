@@ -216,7 +216,7 @@ void Session::HandleRequest(uint32_t seq) {
       const Policy step_policy = policy();
       absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
       channel_->PostLeaseApplied(seq);
-      const StepSync sync = MakeStepSync(seq, request.flags);
+      const StepSync sync = MakeStepSync(seq, request.flags, start);
       const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
       outcome = leased.ok() ? executor_->Run(*shard_, bindings_, request, step_policy,
                                              sync, identity_.id, verdict)

@@ -225,8 +225,9 @@ class Session {
   void HandleRequest(uint32_t seq);
   bool ClientAlive() const;
   // Step `seq`'s synchronisation with the trainer: its event, the progress
-  // words and, for early steps, the ready words.
-  StepSync MakeStepSync(uint32_t seq, uint32_t flags) const
+  // words and, for early steps, the ready words (waited for within
+  // early_ready_timeout of `begun`, the step's begin, as its verdict is).
+  StepSync MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Early steps (dos/wire/control_block.h): wait, on the step thread or an
   // engine's, until subgroup `subgroup`'s gradients of step `seq` are final,

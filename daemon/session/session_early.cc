@@ -25,14 +25,13 @@ class Session::AwaitingTrainerScope {
   std::atomic<int>& n_;
 };
 
-StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags) const {
+StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) const {
   StepSync sync;
   sync.trainer_event = trainer_event_;
   sync.subgroup_done = [this, seq](uint32_t subgroup) {
     channel_->MarkSubgroupDone(subgroup, seq);
   };
   if (flags & kStepGradientsPending) {
-    const absl::Time begun = absl::Now();
     sync.wait_ready = [this, seq, begun](uint32_t subgroup) {
       return WaitReady(subgroup, seq, begun);
     };
