@@ -31,9 +31,10 @@ Rules that follow from the shared binding:
   the parameter counts as a gradient, as it does for torch (DDP with
   find_unused_parameters writes the averaged gradient into a parameter only
   other ranks used). With overlap="update" parameters without a gradient are
-  updated with a zero gradient (the step was begun before it was known). Only the first 4096 registered parameters
-  can be skipped; step() raises for a later one without a gradient. With
-  overlap="update", parameters unfrozen after construction are not picked up.
+  updated with a zero gradient (the step was begun before it was known).
+  Only the first 4096 registered parameters can be skipped; step() raises
+  for a later one without a gradient. With overlap="update", parameters
+  unfrozen after construction are not picked up.
 - Replacing `p.data` after construction (`model.to(dtype)`, `model.cuda()`,
   assigning a new tensor of the same shape) re-registers the optimizer at the
   next `step()` with a warning (a full copy of the state, below); in-place
