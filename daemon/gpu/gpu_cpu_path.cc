@@ -190,6 +190,7 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
       if (!status.ok()) break;
     }
     status = pipe.Update(*cur, bi);
+    if (status.ok()) run.queue->CpuDone(*cur);
     if (status.ok() && next && !next_first) {
       status = WaitReady(run, *next, &run.cpu_wait_us);
       if (status.ok()) status = pipe.IssueGrads(*next, (bi + 1) % kCpuBuffers);

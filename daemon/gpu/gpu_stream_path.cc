@@ -175,8 +175,8 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
   StreamPipeline pipe(run, {h2d_, compute_, d2h_}, slots_);
   absl::Status status = pipe.Init();
   // The plan's rule for shared subgroups (auto's dynamic claiming).
-  auto take = [&](uint64_t n, uint64_t shared_left) {
-    return run.plan->TakeShared(n, shared_left, pipe.in_flight());
+  auto take = [&](const SubgroupQueue::SharedClaim& claim) {
+    return run.plan->TakeShared(claim, pipe.in_flight());
   };
   while (status.ok()) {
     if (pipe.full()) {

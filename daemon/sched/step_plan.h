@@ -115,12 +115,12 @@ struct StepPlan {
   // The queue the engine's GPU and CPU sides claim this plan's non-resident
   // subgroups from.
   SubgroupQueue MakeQueue() const { return SubgroupQueue(gpu_only, cpu_only, shared, numel); }
-  // The GPU side's rule for a shared subgroup: take it (of `numel`
-  // parameters, `shared_left` shared parameters still unclaimed, it
-  // included) when, with `in_flight` subgroups already in its pipeline, the
+  // The GPU side's rule for a shared subgroup (`claim`: its size, the
+  // shared parameters still unclaimed, what the CPU still has of its own):
+  // take it when, with `in_flight` subgroups already in its pipeline, the
   // GPU would finish it sooner than the CPU would, given what each still has
   // to do.
-  bool TakeShared(uint64_t numel, uint64_t shared_left, size_t in_flight) const;
+  bool TakeShared(const SubgroupQueue::SharedClaim& claim, size_t in_flight) const;
 };
 
 // One timeline entry: which subgroup ran where and when (microseconds from

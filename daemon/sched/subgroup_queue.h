@@ -7,12 +7,15 @@
 // two meet wherever their real speeds put the boundary and the tail of the
 // phase balances itself. The GPU side asks a predicate before taking a
 // shared subgroup (would it finish sooner than the CPU would?); the CPU
-// always takes what is left.
+// always takes what is left, and reports each subgroup it has finished
+// (CpuDone), so that the predicate sees what the CPU still has to do, not
+// only what is unclaimed.
 //
 // Thread-safety: all methods are thread-safe (one mutex; claims happen once
 // per subgroup, some tens per step, so contention is irrelevant).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -27,6 +30,17 @@ namespace dos {
 
 class SubgroupQueue {
  public:
+  // What the GPU side's predicate is asked about the front shared subgroup.
+  struct SharedClaim {
+    uint64_t numel = 0;        // its parameters
+    uint64_t shared_left = 0;  // shared parameters still unclaimed, it included
+    // Parameters the CPU still has to update before it would reach the
+    // shared ones: its pinned subgroups and those it claimed and has not
+    // finished (the one it is updating counted whole).
+    uint64_t cpu_left = 0;
+  };
+  using TakeShared = std::function<bool(const SharedClaim&)>;
+
   // `numel[i]` is subgroup i's element count (for the predicate).
   SubgroupQueue(std::vector<uint32_t> gpu_only, std::vector<uint32_t> cpu_only,
                 std::vector<uint32_t> shared, std::vector<uint64_t> numel)
@@ -35,14 +49,19 @@ class SubgroupQueue {
         shared_(shared.begin(), shared.end()),
         numel_(std::move(numel)) {
     for (uint32_t i : shared_) shared_params_ += numel_[i];
+    for (uint32_t i : cpu_only_) cpu_left_ += numel_[i];
   }
 
-  // GPU side: its own subgroups first, then the front shared one if
-  // `take(numel_of_next, shared_params_left_including_it)` says so.
-  std::optional<uint32_t> ClaimGpu(const std::function<bool(uint64_t, uint64_t)>& take) {
+  // GPU side: its own subgroups first, then the front shared one if `take`
+  // says so.
+  std::optional<uint32_t> ClaimGpu(const TakeShared& take) {
     absl::MutexLock lock(&mu_);
     if (!gpu_only_.empty()) return Pop(&gpu_only_, true);
-    if (shared_.empty() || !take(numel_[shared_.front()], shared_params_)) return std::nullopt;
+    if (shared_.empty() ||
+        !take({.numel = numel_[shared_.front()], .shared_left = shared_params_,
+               .cpu_left = cpu_left_})) {
+      return std::nullopt;
+    }
     return PopShared(true);
   }
   // CPU side: its own subgroups first, then the back shared one.
@@ -50,7 +69,14 @@ class SubgroupQueue {
     absl::MutexLock lock(&mu_);
     if (!cpu_only_.empty()) return Pop(&cpu_only_, true);
     if (shared_.empty()) return std::nullopt;
-    return PopShared(false);
+    const uint32_t sg = PopShared(false);
+    cpu_left_ += numel_[sg];
+    return sg;
+  }
+  // CPU side: subgroup `sg` (claimed by ClaimCpu) is updated.
+  void CpuDone(uint32_t sg) {
+    absl::MutexLock lock(&mu_);
+    cpu_left_ -= std::min(cpu_left_, numel_[sg]);
   }
   // True while the GPU side could still be handed work (own or shared).
   bool GpuMayHaveWork() const {
@@ -75,6 +101,7 @@ class SubgroupQueue {
   std::deque<uint32_t> cpu_only_ ABSL_GUARDED_BY(mu_);
   std::deque<uint32_t> shared_ ABSL_GUARDED_BY(mu_);
   uint64_t shared_params_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cpu_left_ ABSL_GUARDED_BY(mu_) = 0;
   const std::vector<uint64_t> numel_;
 };
 

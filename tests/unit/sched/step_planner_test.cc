@@ -463,7 +463,7 @@ TEST(StepPlannerTest, ASlowMeasuredCpuMovesAutosShareToTheGpu) {
 TEST(StepPlannerTest, AnIdleGpuTakesASharedSubgroupWhenTheCpuHasMuchLeft) {
   StepPlanner planner(Gpu());
   StepPlan plan = planner.Plan(P("auto"), Uniform(20));
-  EXPECT_TRUE(plan.TakeShared(kSg, 10 * kSg, /*in_flight=*/0));
+  EXPECT_TRUE(plan.TakeShared({.numel = kSg, .shared_left = 10 * kSg}, /*in_flight=*/0));
 }
 
 TEST(StepPlannerTest, ABusyGpuLeavesTheLastSharedSubgroupToTheCpu) {
@@ -471,15 +471,25 @@ TEST(StepPlannerTest, ABusyGpuLeavesTheLastSharedSubgroupToTheCpu) {
   StepPlan plan = planner.Plan(P("auto"), Uniform(20));
   // Three subgroups already in the pipeline; one shared subgroup left: the
   // CPU finishes it sooner than the GPU would.
-  EXPECT_FALSE(plan.TakeShared(kSg, kSg, /*in_flight=*/3));
+  EXPECT_FALSE(plan.TakeShared({.numel = kSg, .shared_left = kSg}, /*in_flight=*/3));
+}
+
+TEST(StepPlannerTest, ABusyGpuTakesTheLastSharedSubgroupWhenTheCpuStillHoldsMuch) {
+  StepPlanner planner(Gpu());
+  StepPlan plan = planner.Plan(P("auto"), Uniform(20));
+  // As above, but the CPU has three subgroups of its own still to update:
+  // it would reach the shared one only after them.
+  EXPECT_FALSE(plan.TakeShared({.numel = kSg, .shared_left = kSg}, /*in_flight=*/3));
+  EXPECT_TRUE(
+      plan.TakeShared({.numel = kSg, .shared_left = kSg, .cpu_left = 6 * kSg}, /*in_flight=*/3));
 }
 
 TEST(StepPlannerTest, TheClaimingRuleUsesTheMeasuredGpuPathRate) {
   StepPlanner planner(Gpu());
   StepPlan plan = planner.Plan(P("auto"), Uniform(20));
-  const bool before = plan.TakeShared(kSg, 4 * kSg, 2);
+  const bool before = plan.TakeShared({.numel = kSg, .shared_left = 4 * kSg}, 2);
   plan.gpu_path_rate = 1e6;  // a GPU path measured to be hopeless
-  EXPECT_FALSE(plan.TakeShared(kSg, 4 * kSg, 2));
+  EXPECT_FALSE(plan.TakeShared({.numel = kSg, .shared_left = 4 * kSg}, 2));
   EXPECT_TRUE(before);
 }
 
@@ -491,7 +501,7 @@ TEST(StepPlannerTest, ThePlansQueueHandsOutEveryNonResidentSubgroupOnce) {
   SubgroupQueue q = plan.MakeQueue();
   std::set<uint32_t> got;
   for (int idle = 0; idle < 2;) {
-    std::optional<uint32_t> g = q.ClaimGpu([](uint64_t, uint64_t) { return true; });
+    std::optional<uint32_t> g = q.ClaimGpu([](const SubgroupQueue::SharedClaim&) { return true; });
     std::optional<uint32_t> c = q.ClaimCpu();
     idle = (g || c) ? 0 : idle + 1;
     if (g) {

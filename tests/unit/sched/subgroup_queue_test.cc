@@ -1,6 +1,6 @@
 // SubgroupQueue: pinned lists in order, shared subgroups from opposite ends,
-// the GPU side's predicate, and concurrent claiming that hands out every
-// subgroup exactly once.
+// the GPU side's predicate (and what the CPU still holds, which it sees),
+// and concurrent claiming that hands out every subgroup exactly once.
 #include "daemon/sched/subgroup_queue.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@ namespace dos {
 namespace {
 
 auto Always() {
-  return [](uint64_t, uint64_t) { return true; };
+  return [](const SubgroupQueue::SharedClaim&) { return true; };
 }
 
 TEST(SubgroupQueueTest, PinnedSubgroupsComeInTheirOrder) {
@@ -53,9 +53,9 @@ TEST(SubgroupQueueTest, OwnSubgroupsBeforeSharedOnes) {
 TEST(SubgroupQueueTest, ThePredicateSeesTheNextSizeAndWhatIsLeftAndCanDecline) {
   SubgroupQueue q({}, {}, {0, 1, 2}, {100, 20, 3});
   std::vector<std::pair<uint64_t, uint64_t>> asked;
-  auto record = [&](uint64_t n, uint64_t left) {
-    asked.emplace_back(n, left);
-    return n > 50;
+  auto record = [&](const SubgroupQueue::SharedClaim& c) {
+    asked.emplace_back(c.numel, c.shared_left);
+    return c.numel > 50;
   };
   EXPECT_EQ(q.ClaimGpu(record), 0u);
   EXPECT_EQ(q.ClaimGpu(record), std::nullopt);  // 20 <= 50: declined, left for the CPU
@@ -69,9 +69,35 @@ TEST(SubgroupQueueTest, ThePredicateSeesTheNextSizeAndWhatIsLeftAndCanDecline) {
   EXPECT_EQ(asked[2], std::make_pair(uint64_t{20}, uint64_t{20}));
 }
 
+TEST(SubgroupQueueTest, ThePredicateSeesWhatTheCpuHoldsUntilItIsDone) {
+  // Pinned to the CPU: 4 and 5 (1000 and 200); shared: 0..3.
+  SubgroupQueue q({}, {4, 5}, {0, 1, 2, 3}, {10, 20, 30, 40, 1000, 200});
+  uint64_t cpu_left = 0;
+  auto record = [&](const SubgroupQueue::SharedClaim& c) {
+    cpu_left = c.cpu_left;
+    return false;
+  };
+  q.ClaimGpu(record);
+  EXPECT_EQ(cpu_left, 1200u);  // its pinned ones, not yet claimed
+  EXPECT_EQ(q.ClaimCpu(), 4u);
+  EXPECT_EQ(q.ClaimCpu(), 5u);
+  q.ClaimGpu(record);
+  EXPECT_EQ(cpu_left, 1200u);  // claimed, still being updated
+  q.CpuDone(4);
+  q.ClaimGpu(record);
+  EXPECT_EQ(cpu_left, 200u);
+  EXPECT_EQ(q.ClaimCpu(), 3u);  // a shared one it claims counts from then on
+  q.ClaimGpu(record);
+  EXPECT_EQ(cpu_left, 240u);
+  q.CpuDone(5);
+  q.CpuDone(3);
+  q.ClaimGpu(record);
+  EXPECT_EQ(cpu_left, 0u);
+}
+
 TEST(SubgroupQueueTest, ThePredicateIsNotAskedForPinnedSubgroups) {
   SubgroupQueue q({3}, {}, {}, std::vector<uint64_t>(4, 1));
-  EXPECT_EQ(q.ClaimGpu([](uint64_t, uint64_t) -> bool {
+  EXPECT_EQ(q.ClaimGpu([](const SubgroupQueue::SharedClaim&) -> bool {
     ADD_FAILURE() << "asked";
     return false;
   }), 3u);
