@@ -80,6 +80,47 @@ def test_layer_waits_equal_synchronous_steps(dos_socket, zero_at):
             assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
 
 
+def decay_groups(model):
+    """Weights in one group, biases in another registered after every
+    weight (as GPT and Hugging Face training split weight decay): a layer's
+    weight and bias then lie far apart in the shard."""
+    weights = [p for p in model.parameters() if p.ndim >= 2]
+    biases = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": weights, "weight_decay": 0.05}, {"params": biases, "weight_decay": 0.0}]
+
+
+def test_a_layer_waits_for_its_own_subgroups_not_everything_between(dos_socket, monkeypatch):
+    import dos._hooks as hooks
+    data = batches(6)
+    sync_model, async_model = make_deep(), make_deep()
+    with dos.torch.AdamW(decay_groups(sync_model), socket=dos_socket, subgroup_size=SUBGROUP,
+                         lr=2e-3) as sync_opt, \
+            dos.torch.AdamW(decay_groups(async_model), socket=dos_socket, subgroup_size=SUBGROUP,
+                            lr=2e-3, model=async_model, async_step=True) as async_opt:
+        first_linear = async_model[0]
+        by_param = {id(e.param): e for e in async_opt._entries}
+        w = async_opt._ranges[by_param[id(first_linear.weight)].index]
+        b = async_opt._ranges[by_param[id(first_linear.bias)].index]
+        assert b[0] > w[1] + 1  # far apart: subgroups of other layers lie between
+        waits = []
+        real_call = hooks.call
+
+        def record(name, *args):
+            if name == "dos_wait_subgroups":
+                waits.append((args[1].value, args[2].value))
+            return real_call(name, *args)
+        monkeypatch.setattr(hooks, "call", record)
+        ref = train(sync_model, sync_opt, data)
+        got = train(async_model, async_opt, data)
+        assert got == ref
+        for a, c in zip(async_model.parameters(), sync_model.parameters()):
+            assert torch.equal(a, c)
+        # The first layer's forward waited for its weight's and its bias's
+        # subgroups, and never for one range from one to the other.
+        assert w in waits and b in waits
+        assert all(not (first <= w[0] and last >= b[1]) for first, last in waits)
+
+
 def test_cpu_steps_finish_before_step_returns_by_default(dos_socket):
     """On the CPU path model= alone keeps step() synchronous: a read of the
     shared memory that passes through no hook could not be made to wait
