@@ -78,7 +78,8 @@ ABSL_FLAG(int, gpu_staging_slots, 2,
 ABSL_FLAG(bool, gpu_prefetch, false,
           "Copy the first streamed subgroups' state into the staging slots while backward still "
           "runs (before the step's inf/NaN verdict). Off by default: at 6B on the H200 it measured "
-          "3% slower (bench/e2e/README.md).");
+          "3% slower, and on 2026-12-01 the same as without it within the noise "
+          "(bench/e2e/README.md).");
 ABSL_FLAG(bool, gpu_cpu_grad_fp32, false,
           "CPU path in GPU mode: cast 16-bit gradients to fp32 on the GPU before copying them "
           "to the host (twice the PCIe bytes; for measurement).");
