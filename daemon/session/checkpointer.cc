@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/checkpoint_writer.h"
@@ -293,14 +294,22 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     for (auto& s : sessions_->List()) targets.push_back(s);
     for (auto& s : sessions_->ListOrphans()) targets.push_back(s);
   }
-  if (job.autosave && job.session_id == 0) {
+  const bool every_session = job.session_id == 0;
+  if (every_session) {
     // Sessions waiting for their trainer last (stable: otherwise in order).
     std::stable_partition(targets.begin(), targets.end(),
                           [](const std::shared_ptr<Session>& s) { return !s->AwaitingTrainer(); });
   }
   std::vector<CheckpointRecord> out;
+  std::vector<std::string> stalled;  // an explicit save of every session: left out
   for (const auto& s : targets) {
-    if (job.autosave && !WaitUntilNotAwaitingTrainer(*s)) continue;
+    if (every_session && !WaitUntilNotAwaitingTrainer(*s, job.autosave)) {
+      if (!job.autosave) {
+        stalled.push_back(
+            absl::StrCat("session ", s->identity().id, " (pid ", s->identity().pid, ")"));
+      }
+      continue;
+    }
     if (!s->registered()) {
       if (job.session_id != 0) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -333,27 +342,39 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     }
     if (!rec->path.empty()) out.push_back(*rec);
   }
+  if (!stalled.empty()) {
+    std::vector<std::string> saved;
+    for (const CheckpointRecord& r : out) saved.push_back(r.path);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint: saved ", out.size(), " session(s)", saved.empty() ? "" : " (",
+        absl::StrJoin(saved, ", "), saved.empty() ? "" : ")", "; not saved: ",
+        absl::StrJoin(stalled, ", "), ": its step waits for its trainer's gradients or verdict "
+        "(an early step before step()) and still did after ",
+        absl::FormatDuration(options_.stalled_trainer_wait),
+        "; save it with --session once its trainer reaches step() (that save waits for the "
+        "step), or close the trainer"));
+  }
   return out;
 }
 
-bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s) {
+bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s, bool autosave) {
   const uint64_t id = s.identity().id;
   const absl::Time deadline =
-      absl::Now() + (autosave_skipped_.count(id) ? absl::ZeroDuration()
-                                                 : options_.autosave_trainer_wait);
+      absl::Now() + (autosave && autosave_skipped_.count(id) ? absl::ZeroDuration()
+                                                             : options_.stalled_trainer_wait);
   while (s.AwaitingTrainer()) {
     if (absl::Now() >= deadline) {
-      if (autosave_skipped_.insert(id).second) {
+      if (autosave && autosave_skipped_.insert(id).second) {
         DOS_LOG_WARNING("checkpoint.autosave_skipped", "session", id, "pid", s.identity().pid,
                         "reason", "a step waits for this trainer's gradients or verdict",
-                        "waited", absl::FormatDuration(options_.autosave_trainer_wait),
+                        "waited", absl::FormatDuration(options_.stalled_trainer_wait),
                         "next_try", "each autosave, until that step ends");
       }
       return false;
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
-  autosave_skipped_.erase(id);
+  if (autosave) autosave_skipped_.erase(id);
   return true;
 }
 

@@ -59,13 +59,16 @@ struct CheckpointerOptions {
   absl::Duration autosave_interval = absl::ZeroDuration();  // 0: no autosave
   int autosave_keep = 2;     // autosaves kept per (client, rank)
   bool restore = true;       // offer the latest checkpoints to re-attaching trainers
-  // An autosave saves the sessions whose step waits for its trainer (an
+  // A save of every session (autosave or `dosctl checkpoint save` without
+  // a session) saves the sessions whose step waits for its trainer (an
   // early step before its verdict: Session::AwaitingTrainer) after the
-  // others, and gives such a session up to this long to finish waiting
-  // (a backward) before skipping it; once skipped, later autosaves skip it
-  // at once while it still waits. One stalled trainer (dosd waits for it
-  // up to --early_step_ready_timeout) delays no one else's autosaves.
-  absl::Duration autosave_trainer_wait = absl::Seconds(5);
+  // others, and gives such a session up to this long to finish waiting (a
+  // backward) before leaving it out: an autosave skips it (and later
+  // autosaves skip it at once while it still waits), an explicit save
+  // fails naming it after saving the others. One stalled trainer (dosd
+  // waits for it up to --early_step_ready_timeout) delays no one else's
+  // checkpoints.
+  absl::Duration stalled_trainer_wait = absl::Seconds(5);
 };
 
 struct CheckpointRecord {
@@ -126,9 +129,9 @@ class Checkpointer {
   };
   void WriterLoop();
   absl::StatusOr<std::vector<CheckpointRecord>> Run(const Job& job);
-  // False when `s` still waits for its trainer after autosave_trainer_wait
-  // (at once if it did at the last autosave too).
-  bool WaitUntilNotAwaitingTrainer(const Session& s);
+  // False when `s` still waits for its trainer after stalled_trainer_wait
+  // (for an autosave: at once if it did at the last autosave too).
+  bool WaitUntilNotAwaitingTrainer(const Session& s, bool autosave);
   // `resolved_path` empty (or `autosave`): the default name.
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
                                            const std::string& resolved_path, bool autosave);

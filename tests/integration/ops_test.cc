@@ -178,6 +178,19 @@ TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
   EXPECT_NE(d.log().find("daemon.final_checkpoint"), std::string::npos);
 }
 
+// Two trainers on `d`, "ops_stalled" and "ops_busy"; the stalled one steps
+// once, then begins an early step (`a`) that gets no verdict: from then on
+// its session waits for its trainer.
+void StartStalledAndBusy(DaemonProcess& d, Trainer& stalled, Trainer& busy, dos_step_args* a) {
+  ASSERT_EQ(stalled.Start(d.socket(), 1000, "ops_stalled"), DOS_OK) << dos_last_error();
+  ASSERT_EQ(busy.Start(d.socket(), 1000, "ops_busy"), DOS_OK) << dos_last_error();
+  ASSERT_EQ(stalled.Step(), DOS_OK);
+  dos_step_args_init(a);
+  a->groups = &stalled.h;
+  a->num_groups = 1;
+  ASSERT_EQ(dos_step_begin_early(stalled.s, a, 0, nullptr), DOS_OK) << dos_last_error();
+}
+
 // A trainer whose early step never gets its verdict holds its session (dosd
 // waits up to --early_step_ready_timeout): autosaves save the other
 // sessions first and skip it, so another user's autosaves go on; a clean
@@ -194,14 +207,8 @@ TEST(OpsTest, AStalledEarlyStepHoldsUpNeitherOtherAutosavesNorTheStop) {
     return ::stat(p.c_str(), &st) == 0;
   };
   Trainer stalled, busy;
-  ASSERT_EQ(stalled.Start(d.socket(), 1000, "ops_stalled"), DOS_OK) << dos_last_error();
-  ASSERT_EQ(busy.Start(d.socket(), 1000, "ops_busy"), DOS_OK) << dos_last_error();
-  ASSERT_EQ(stalled.Step(), DOS_OK);
   dos_step_args a;
-  dos_step_args_init(&a);
-  a.groups = &stalled.h;
-  a.num_groups = 1;
-  ASSERT_EQ(dos_step_begin_early(stalled.s, &a, 0, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
   // No verdict: the stalled session's step waits for it from now on.
   for (int step = 1; step <= 3; ++step) {
     ASSERT_EQ(busy.Step(), DOS_OK);
@@ -213,6 +220,40 @@ TEST(OpsTest, AStalledEarlyStepHoldsUpNeitherOtherAutosavesNorTheStop) {
   EXPECT_EQ(d.Stop(), 0) << d.log();
   EXPECT_NE(d.log().find("event=daemon.final_checkpoint ok=1 files=2"), std::string::npos)
       << d.log();
+}
+
+// The same for an explicit save of every session (`dosctl checkpoint save`
+// without --session): the other sessions are saved at once, and the call
+// fails within seconds naming the stalled session and what to do, instead of
+// waiting for it up to --early_step_ready_timeout.
+TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
+  const TempDir ckpt_dir("dos-ckpt");
+  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
+  ASSERT_TRUE(d.Start());
+  Trainer stalled, busy;
+  dos_step_args a;
+  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
+  ASSERT_EQ(busy.Step(), DOS_OK);
+  auto stub = DosStub(d.socket());
+  v1::SaveCheckpointRequest req;  // session 0: every session
+  v1::SaveCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const auto t0 = std::chrono::steady_clock::now();
+  grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_LT(s, 30.0) << "waited for the stalled trainer";
+  const std::string msg = st.error_message();
+  EXPECT_NE(msg.find("saved 1 session(s)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("ops_busy"), std::string::npos) << msg;  // the file saved
+  EXPECT_NE(msg.find("session " + std::to_string(dos_session_id(stalled.s))), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("--session"), std::string::npos) << msg;
+  // The stalled step, once its verdict comes, completes as usual.
+  ASSERT_EQ(dos_step_verdict(stalled.s, &a, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_step_wait(stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
+  EXPECT_EQ(d.Stop(), 0) << d.log();
 }
 
 TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
