@@ -181,6 +181,16 @@ absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups
     DOS_RETURN_IF_ERROR(ValidateGroupStepParams(out->groups[g], g, "step"));
   }
   out->flags = args.gradients_checked ? kStepGradientsChecked : 0u;
+  DOS_RETURN_IF_ERROR(FillSkipMask(args, registered_tensors, out));
+  out->num_groups = static_cast<uint32_t>(args.num_groups);
+  out->reserved = 0;
+  out->grad_scale = args.grad_scale;
+  out->clip_coef = args.clip_coef;
+  return absl::OkStatus();
+}
+
+absl::Status FillSkipMask(const dos_step_args& args, size_t registered_tensors,
+                          StepRequest* out) {
   std::memset(out->skip, 0, sizeof(out->skip));
   if (args.num_skip_tensors != 0 && args.skip_tensors == nullptr) {
     return absl::InvalidArgumentError("step: skip_tensors is NULL but num_skip_tensors > 0");
@@ -196,10 +206,6 @@ absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups
     out->skip[i / 64] |= uint64_t{1} << (i % 64);
     out->flags |= kStepSkipTensors;
   }
-  out->num_groups = static_cast<uint32_t>(args.num_groups);
-  out->reserved = 0;
-  out->grad_scale = args.grad_scale;
-  out->clip_coef = args.clip_coef;
   return absl::OkStatus();
 }
 

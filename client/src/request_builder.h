@@ -47,5 +47,9 @@ absl::StatusOr<v1::RegisterShardRequest> BuildRegisterRequest(
 // fills `out` (everything but seq).
 absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups,
                              size_t registered_tensors, StepRequest* out);
+// The skip mask alone (`out->skip`, kStepSkipTensors in `out->flags` when
+// any tensor is skipped), checked against the registered tensors.
+absl::Status FillSkipMask(const dos_step_args& args, size_t registered_tensors,
+                          StepRequest* out);
 
 }  // namespace dos::client

@@ -489,6 +489,19 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
         "step_abandon: an early step without a verdict (DOS_EARLY_NO_VERDICT) cannot be "
         "abandoned: dosd applies its subgroups as they become ready; call dos_step_verdict");
   }
+  if (early_no_verdict_) {
+    // Tensors without a gradient (their subgroups were never announced, so
+    // dosd has not updated them): published before those subgroups are
+    // announced, so dosd reads the mask before it updates them.
+    StepRequest late{};
+    DOS_RETURN_IF_ERROR(FillSkipMask(*args, tensors_.size(), &late));
+    if (late.flags != 0) {
+      StepRequest& v = control_->verdict;
+      v = late;
+      v.seq = seq_;
+      step_channel_->PublishVerdict(seq_);
+    }
+  }
   // Every subgroup not announced yet is final now (unused parameters, a
   // gradient replaced outside autograd's hooks): announced after the work
   // queued so far.

@@ -57,6 +57,12 @@ struct StepSync {
   std::function<absl::Status(uint32_t subgroup)> wait_ready;
   // The same without waiting (set with wait_ready).
   std::function<bool(uint32_t subgroup)> is_ready;
+  // Early steps without a verdict: true, with the tensors the trainer found
+  // without a gradient at step() in `late->skip` (kStepSkipTensors), once it
+  // published them. It publishes them before it marks the subgroups that
+  // hold them ready, so a subgroup seen ready after they were published is
+  // updated with them. The executor applies them (engines never call it).
+  std::function<bool(StepRequest* late)> late_skip;
 };
 
 class Engine {

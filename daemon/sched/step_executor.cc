@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_for.h"
@@ -246,10 +247,48 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
       return out;
     }
   }
-  const std::vector<cpu::AdamScalars> scalars = Scalars(shard, request);
+  std::vector<cpu::AdamScalars> scalars = Scalars(shard, request);
   StepMeasurements measured;
   StepSync run_sync = sync;
   if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)
+  // Without a verdict, the tensors the trainer found without a gradient at
+  // step() (StepSync::late_skip) keep their state, as torch skips them: the
+  // subgroups holding them become ready only after the trainer published
+  // them, so applying them when the engine first sees a subgroup ready
+  // after that is in time; the tensors they change are in no subgroup an
+  // engine reads meanwhile.
+  absl::Mutex late_mu;
+  bool late_applied = false;
+  absl::Status late_status;  // once applied: the outcome, for every later call
+  auto apply_late_skip = [&]() -> absl::Status {
+    absl::MutexLock lock(&late_mu);
+    if (late_applied) return late_status;
+    StepRequest late;
+    if (!sync.late_skip(&late)) return absl::OkStatus();
+    late_applied = true;
+    if (late.seq != begun.seq || (late.flags & ~kStepSkipTensors) != 0) {
+      return late_status = absl::InvalidArgumentError(absl::StrCat(
+          "step: early step ", begun.seq, " has no verdict, but the trainer published one with "
+          "seq ", late.seq, " and flags ", late.flags, "; only the tensors without a gradient "
+          "(kStepSkipTensors) may follow such a step (dos_step_verdict does this)"));
+    }
+    std::memcpy(request.skip, late.skip, sizeof(request.skip));
+    request.flags |= late.flags;
+    for (uint32_t i = 0; i < tensors.size(); ++i) {
+      if (SkipsTensor(request, i)) scalars[i] = cpu::KeepAdamScalars();
+    }
+    return absl::OkStatus();
+  };
+  if (no_verdict && sync.late_skip) {
+    run_sync.wait_ready = [&, wait = sync.wait_ready](uint32_t sg) -> absl::Status {
+      DOS_RETURN_IF_ERROR(wait(sg));
+      return apply_late_skip();
+    };
+    run_sync.is_ready = [&, ready = sync.is_ready](uint32_t sg) {
+      // A failure to apply shows when the engine waits for the subgroup.
+      return ready(sg) && apply_late_skip().ok();
+    };
+  }
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, run_sync, &measured);
   if (!st.ok()) return st;
   node_step.Finish(StepPlanner::NodeStepEnd(plan, measured));

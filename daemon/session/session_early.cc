@@ -39,6 +39,14 @@ StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) c
       return channel_->SubgroupReady(subgroup, seq);
     };
   }
+  if ((flags & kStepGradientsPending) && (flags & kStepNoVerdict)) {
+    sync.late_skip = [this, seq](StepRequest* late) {
+      if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;
+      const auto* block = static_cast<const ControlBlock*>(control_->data());
+      *late = block->verdict;  // published by verdict_bell (acquire)
+      return true;
+    };
+  }
   return sync;
 }
 

@@ -188,6 +188,48 @@ def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
 @pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
                     reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
 @pytest.mark.parametrize("policy", ["auto", "cpu", "static:0.5"])
+def test_cuda_update_during_backward_skips_an_unused_layer(dos_socket, policy):
+    """overlap="update" on the GPU path with a layer the forward never uses
+    (registered first, sharing a subgroup with a used weight): it keeps its
+    weights, as torch skips a parameter without a gradient, and the rest is
+    bitwise the synchronous result, on every path."""
+    need_cuda_build()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(6)]
+    kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
+
+    def build():
+        torch.manual_seed(7)
+        unused = torch.nn.Linear(1024, 64).cuda()
+        return torch.nn.ModuleDict({"unused": unused, "net": make_wide()})
+    models = {k: build() for k in ("sync", "early")}
+    before = [p.detach().clone() for p in models["early"]["unused"].parameters()]
+    opts = {"sync": make_opt(models["sync"], dos_socket, "sync", async_step=False, **kw),
+            "early": make_opt(models["early"], dos_socket, "early", overlap="update", **kw)}
+    try:
+        if not opts["early"]._stream_sync:
+            pytest.skip("the CUDA driver has no stream memory operations")
+        for k, o in opts.items():
+            o.set_policy(policy)
+            for x, y in data:
+                o.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(models[k]["net"](x), y).backward()
+                o.step()
+            o.synchronize()
+        assert opts["early"].last_step["early"]
+        for p, b in zip(models["early"]["unused"].parameters(), before):
+            assert torch.equal(p.detach(), b), policy
+        for a, b in zip(models["early"].parameters(), models["sync"].parameters()):
+            assert torch.equal(a, b), policy
+    finally:
+        for o in opts.values():
+            o.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
+@pytest.mark.parametrize("policy", ["auto", "cpu", "static:0.5"])
 def test_cuda_early_steps_equal_synchronous(dos_socket, policy):
     """Early steps on the GPU path (stream-ordered ready words): overlap=True
     with opt.clip_grad_norm_ and overlap="update" (dosd updates subgroups

@@ -131,6 +131,48 @@ def test_update_during_backward_equals_synchronous(dos_socket):
         assert_bitwise(model, ref_model, opt, ref_opt)
 
 
+class WithUnused(torch.nn.Module):
+    """make_deep() behind a layer its forward never uses (registered first,
+    so its weight shares a subgroup with the used network's first weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(16, 48)
+        self.net = make_deep()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_update_during_backward_skips_parameters_backward_did_not_reach(dos_socket):
+    """overlap="update" with an unused layer: as torch (and synchronous dos
+    steps) skip a parameter without a gradient, its weights and state stay
+    as they are, and everything else is bitwise the synchronous result."""
+    data = batches(6)
+    torch.manual_seed(0)
+    ref_model = WithUnused()
+    torch.manual_seed(0)
+    model = WithUnused()
+    before = [p.detach().clone() for p in model.unused.parameters()]
+    with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as ref_opt, early_opt(model, dos_socket, "update") as opt:
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            for x, y in data:
+                o.zero_grad(set_to_none=True)
+                loss_of(m, x, y).backward()
+                if not HAS_HOOK and o.overlap:  # the hooks' body, for what backward reached
+                    for e in reversed(o._entries):
+                        if not e.grad_none:
+                            o._on_ready(e)
+                o.step()
+        assert opt.last_step["early"]
+        for p, b in zip(model.unused.parameters(), before):
+            assert torch.equal(p.detach(), b)
+        assert_bitwise(model, ref_model, opt, ref_opt)
+        state = opt.state_dict()["state"]
+        assert int(state[0]["step"]) == 0 and not state[0]["exp_avg"].any()
+
+
 @pytest.mark.skipif(HAS_HOOK, reason="needs the hooks' body called by hand, between gradients")
 def test_update_starts_before_the_last_gradient(dos_socket):
     """With only the last layer's gradients final, dosd updates that layer's

@@ -282,8 +282,11 @@ dos_status dos_wait_subgroups(dos_session* session, uint32_t first, uint32_t las
  *  - DOS_EARLY_NO_VERDICT: `args` is final, nothing global is pending (no loss
  *    scale, no clip applied later; non-finite gradients are not scanned for,
  *    as with gradients_checked = 1), and dosd updates each subgroup as soon as
- *    it is marked ready, during backward. dos_step_verdict (args ignored, may
- *    be NULL) then only marks the subgroups not marked yet.
+ *    it is marked ready, during backward. dos_step_verdict (may be NULL; of
+ *    `args` only skip_tensors counts) then publishes the tensors without a
+ *    gradient this step (dosd leaves them as they are, as torch.optim skips
+ *    them; a subgroup holding one was never marked ready, so dosd has not
+ *    updated it) and marks the subgroups not marked yet.
  * dos_mark_ready marks subgroups [first, last] of the early step ready: with
  * stream sync (GPU mode) the mark is enqueued on `cuda_stream` after the
  * gradient kernels queued there (cuStreamWriteValue32); otherwise it is a

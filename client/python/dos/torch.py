@@ -30,11 +30,13 @@ Rules that follow from the shared binding:
   gradient written in place into a zeroed `p.grad` without backward reaching
   the parameter counts as a gradient, as it does for torch (DDP with
   find_unused_parameters writes the averaged gradient into a parameter only
-  other ranks used). With overlap="update" parameters without a gradient are
-  updated with a zero gradient (the step was begun before it was known).
-  Only the first 4096 registered parameters can be skipped; step() raises
-  for a later one without a gradient. With overlap="update", parameters
-  unfrozen after construction are not picked up.
+  other ranks used). With overlap="update" too: dosd updates no subgroup
+  before all its tensors' gradients are final, and step() tells it which
+  were never reached. Only the first 4096 registered parameters can be
+  skipped; step() raises for a later one without a gradient (with
+  overlap="update" it is updated with a zero gradient). With
+  overlap="update", parameters unfrozen after construction are not picked
+  up.
 - Replacing `p.data` after construction (`model.to(dtype)`, `model.cuda()`,
   assigning a new tensor of the same shape) re-registers the optimizer at the
   next `step()` with a warning (a full copy of the state, below); in-place
@@ -854,7 +856,12 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             if self._lease is not None:
                 self._lease.update(self._session)  # goes with the next step (peak after backward)
             if self._early_update:
-                call("dos_step_verdict", self._session, None, self._stream())
+                # Parameters backward did not reach: dosd has not updated
+                # their subgroups yet and leaves them as torch would.
+                skip = [e.index for e in self._entries
+                        if e.index < _native.MAX_SKIP_TENSORS and self._no_gradient(e)]
+                args, _groups = self._args(1.0, 1.0, skip=skip)
+                call("dos_step_verdict", self._session, ctypes.byref(args), self._stream())
                 late = (grad_scale != 1.0 or clip_coef != 1.0 or grad_scaler is not None
                         or getattr(self, "grad_scale", None) is not None)
                 if late or self._early_error:

@@ -308,6 +308,53 @@ TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictWaitsPerSubgroupAndMatches) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
 }
 
+// Without a verdict, the tensors the trainer found without a gradient at
+// step() (StepSync::late_skip, published before their subgroups are marked
+// ready) keep their state and step count; a late message with anything but
+// the skip mask fails the step naming it.
+TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictSkipsTheTensorsPublishedLate) {
+  Fixture ref;
+  StepExecutor ref_ex(&ref.engine);
+  StepRequest skip1 = Fixture::Request();
+  skip1.flags = kStepSkipTensors;
+  skip1.skip[0] = uint64_t{1} << 1;
+  ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, skip1, Policy{}).ok());
+
+  Fixture f;
+  const std::vector<float> before = f.Master(1);
+  StepExecutor ex(&f.engine);
+  StepRequest r = Fixture::Request();
+  r.flags = kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+  StepRequest late{};
+  late.seq = r.seq;
+  late.flags = kStepSkipTensors;
+  late.skip[0] = uint64_t{1} << 1;
+  int asked = 0;
+  StepSync sync;
+  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  sync.is_ready = [](uint32_t) { return true; };
+  sync.late_skip = [&](StepRequest* out) {
+    ++asked;
+    *out = late;
+    return true;
+  };
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(asked, 1);  // read once, when the first subgroup was ready
+  EXPECT_EQ(f.Master(0), ref.Master(0));
+  EXPECT_EQ(f.Master(1), before);
+  EXPECT_EQ(f.shard->tensors()[0].step, 1);
+  EXPECT_EQ(f.shard->tensors()[1].step, 0);
+
+  Fixture g;
+  StepExecutor g_ex(&g.engine);
+  late.flags = kStepSkipTensors | kStepAbandon;
+  out = g_ex.Run(*g.shard, g.bindings, r, Policy{}, sync);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_NE(out.status().message().find("kStepSkipTensors"), absl::string_view::npos)
+      << out.status();
+}
+
 TEST(StepExecutorTest, AFailedReadyWaitStopsTheEarlyStep) {
   Fixture f;
   StepExecutor ex(&f.engine);
