@@ -66,6 +66,62 @@ std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest
   return scalars;
 }
 
+// Early steps without a verdict: the tensors the trainer found without a
+// gradient at step() (StepSync::late_skip) keep their state, as torch skips
+// them. The subgroups holding them become ready only after the trainer
+// published them, so applying them when an engine first sees a subgroup
+// ready after that is in time, and the scalars it changes belong to no
+// subgroup an engine reads meanwhile. Wrap() makes the step's readiness
+// checks apply them; the request's mask then also keeps their step counts.
+class LateSkip {
+ public:
+  LateSkip(const StepSync& sync, uint32_t seq, size_t num_tensors, StepRequest* request,
+           std::vector<cpu::AdamScalars>* scalars)
+      : sync_(sync), seq_(seq), num_tensors_(num_tensors), request_(request),
+        scalars_(scalars) {}
+
+  void Wrap(StepSync* run) {
+    if (!sync_.late_skip) return;
+    run->wait_ready = [this, wait = sync_.wait_ready](uint32_t sg) -> absl::Status {
+      DOS_RETURN_IF_ERROR(wait(sg));
+      return Apply();
+    };
+    run->is_ready = [this, ready = sync_.is_ready](uint32_t sg) {
+      return ready(sg) && Apply().ok();  // a failure shows when the engine waits for it
+    };
+  }
+
+ private:
+  absl::Status Apply() {
+    absl::MutexLock lock(&mu_);
+    if (applied_) return status_;
+    StepRequest late;
+    if (!sync_.late_skip(&late)) return absl::OkStatus();
+    applied_ = true;
+    if (late.seq != seq_ || (late.flags & ~kStepSkipTensors) != 0) {
+      return status_ = absl::InvalidArgumentError(absl::StrCat(
+          "step: early step ", seq_, " has no verdict, but the trainer published one with seq ",
+          late.seq, " and flags ", late.flags, "; only the tensors without a gradient "
+          "(kStepSkipTensors) may follow such a step (dos_step_verdict does this)"));
+    }
+    std::memcpy(request_->skip, late.skip, sizeof(request_->skip));
+    request_->flags |= late.flags;
+    for (uint32_t i = 0; i < num_tensors_; ++i) {
+      if (SkipsTensor(*request_, i)) (*scalars_)[i] = cpu::KeepAdamScalars();
+    }
+    return absl::OkStatus();
+  }
+
+  const StepSync& sync_;
+  const uint32_t seq_;
+  const size_t num_tensors_;
+  StepRequest* const request_;
+  std::vector<cpu::AdamScalars>* const scalars_;
+  absl::Mutex mu_;
+  bool applied_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);  // once applied: the outcome, for every later call
+};
+
 constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
                                      kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
                                      kStepAbandon | kStepSkipTensors;
@@ -251,44 +307,8 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   StepMeasurements measured;
   StepSync run_sync = sync;
   if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)
-  // Without a verdict, the tensors the trainer found without a gradient at
-  // step() (StepSync::late_skip) keep their state, as torch skips them: the
-  // subgroups holding them become ready only after the trainer published
-  // them, so applying them when the engine first sees a subgroup ready
-  // after that is in time; the tensors they change are in no subgroup an
-  // engine reads meanwhile.
-  absl::Mutex late_mu;
-  bool late_applied = false;
-  absl::Status late_status;  // once applied: the outcome, for every later call
-  auto apply_late_skip = [&]() -> absl::Status {
-    absl::MutexLock lock(&late_mu);
-    if (late_applied) return late_status;
-    StepRequest late;
-    if (!sync.late_skip(&late)) return absl::OkStatus();
-    late_applied = true;
-    if (late.seq != begun.seq || (late.flags & ~kStepSkipTensors) != 0) {
-      return late_status = absl::InvalidArgumentError(absl::StrCat(
-          "step: early step ", begun.seq, " has no verdict, but the trainer published one with "
-          "seq ", late.seq, " and flags ", late.flags, "; only the tensors without a gradient "
-          "(kStepSkipTensors) may follow such a step (dos_step_verdict does this)"));
-    }
-    std::memcpy(request.skip, late.skip, sizeof(request.skip));
-    request.flags |= late.flags;
-    for (uint32_t i = 0; i < tensors.size(); ++i) {
-      if (SkipsTensor(request, i)) scalars[i] = cpu::KeepAdamScalars();
-    }
-    return absl::OkStatus();
-  };
-  if (no_verdict && sync.late_skip) {
-    run_sync.wait_ready = [&, wait = sync.wait_ready](uint32_t sg) -> absl::Status {
-      DOS_RETURN_IF_ERROR(wait(sg));
-      return apply_late_skip();
-    };
-    run_sync.is_ready = [&, ready = sync.is_ready](uint32_t sg) {
-      // A failure to apply shows when the engine waits for the subgroup.
-      return ready(sg) && apply_late_skip().ok();
-    };
-  }
+  LateSkip late(sync, begun.seq, tensors.size(), &request, &scalars);
+  if (no_verdict) late.Wrap(&run_sync);
   absl::Status st = engine_->Execute(plan, shard, bindings, scalars, run_sync, &measured);
   if (!st.ok()) return st;
   node_step.Finish(StepPlanner::NodeStepEnd(plan, measured));
