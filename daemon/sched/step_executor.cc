@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_for.h"
+#include "daemon/common/log.h"
 #include "daemon/cpu/adam_kernel.h"
 #include "dos/wire/hparams.h"
 #include "dos/wire/status_macros.h"
@@ -73,6 +74,9 @@ std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest
 // ready after that is in time, and the scalars it changes belong to no
 // subgroup an engine reads meanwhile. Wrap() makes the step's readiness
 // checks apply them; the request's mask then also keeps their step counts.
+// Anything else published in the verdict slot of such a step (another seq,
+// other flags: an abandon) is ignored, as it always was, and logged: failing
+// the step there would leave it half applied.
 class LateSkip {
  public:
   LateSkip(const StepSync& sync, uint32_t seq, size_t num_tensors, StepRequest* request,
@@ -84,32 +88,34 @@ class LateSkip {
     if (!sync_.late_skip) return;
     run->wait_ready = [this, wait = sync_.wait_ready](uint32_t sg) -> absl::Status {
       DOS_RETURN_IF_ERROR(wait(sg));
-      return Apply();
+      Apply();
+      return absl::OkStatus();
     };
     run->is_ready = [this, ready = sync_.is_ready](uint32_t sg) {
-      return ready(sg) && Apply().ok();  // a failure shows when the engine waits for it
+      if (!ready(sg)) return false;
+      Apply();
+      return true;
     };
   }
 
  private:
-  absl::Status Apply() {
+  void Apply() {
     absl::MutexLock lock(&mu_);
-    if (applied_) return status_;
     StepRequest late;
-    if (!sync_.late_skip(&late)) return absl::OkStatus();
+    if (applied_ || !sync_.late_skip(&late)) return;
     applied_ = true;
-    if (late.seq != seq_ || (late.flags & ~kStepSkipTensors) != 0) {
-      return status_ = absl::InvalidArgumentError(absl::StrCat(
-          "step: early step ", seq_, " has no verdict, but the trainer published one with seq ",
-          late.seq, " and flags ", late.flags, "; only the tensors without a gradient "
-          "(kStepSkipTensors) may follow such a step (dos_step_verdict does this)"));
+    if (late.seq != seq_ || late.flags != kStepSkipTensors) {
+      DOS_LOG_WARNING("step.late_verdict_ignored", "seq", seq_, "published_seq", late.seq,
+                      "flags", late.flags, "reason",
+                      "a step without a verdict takes only the tensors without a gradient "
+                      "(kStepSkipTensors alone) after its begin");
+      return;
     }
     std::memcpy(request_->skip, late.skip, sizeof(request_->skip));
-    request_->flags |= late.flags;
+    request_->flags |= kStepSkipTensors;
     for (uint32_t i = 0; i < num_tensors_; ++i) {
       if (SkipsTensor(*request_, i)) (*scalars_)[i] = cpu::KeepAdamScalars();
     }
-    return absl::OkStatus();
   }
 
   const StepSync& sync_;
@@ -119,7 +125,6 @@ class LateSkip {
   std::vector<cpu::AdamScalars>* const scalars_;
   absl::Mutex mu_;
   bool applied_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);  // once applied: the outcome, for every later call
 };
 
 constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |

@@ -285,8 +285,9 @@ TEST_F(EarlyStepTest, AbandonAndTwiceRungVerdictsApplyNothingTheyShouldNot) {
   t.Verdict(seq, seq, kStepAbandon);
   StepResult r = t.Wait(seq);
   EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kAborted)) << r.message;
-  // A verdict (an abandon) on a step without one is not read: its ready
-  // words decide, and the step is applied.
+  // A verdict (an abandon) on a step without one is ignored (only a skip
+  // mask alone is taken there): its ready words decide, and the step is
+  // applied whole.
   seq = t.Begin(kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked);
   t.Verdict(seq, seq, kStepAbandon);
   t.MarkAllReady(seq);
