@@ -132,6 +132,19 @@ def test_cuda_mixed_devices_rejected(dos_socket):
         dos.torch.AdamW([a, b], socket=dos_socket)
 
 
+def wide_data(seed, n):
+    """n random (input, target) batches for make_wide(), on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
+            for _ in range(n)]
+
+
+# Early steps begin in post-accumulate-grad hooks.
+needs_grad_hooks = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+    reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
+
+
 def make_wide(seed=0):
     torch.manual_seed(seed)
     layers = []
@@ -149,9 +162,7 @@ def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
     next forward is queued; a missing wait would read half-updated weights
     and break the bitwise equality with synchronous steps."""
     need_cuda_build()
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
-            for _ in range(12)]
+    data = wide_data(3, 12)
     models = {k: make_wide() for k in ("sync", "stream", "layers")}
     kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
     opts = {"sync": make_opt(models["sync"], dos_socket, "sync", async_step=False, **kw),
@@ -185,8 +196,7 @@ def test_cuda_stream_ordered_steps_equal_synchronous(dos_socket, policy):
             o.close()
 
 
-@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
-                    reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
+@needs_grad_hooks
 @pytest.mark.parametrize("policy", ["auto", "cpu", "static:0.5"])
 def test_cuda_update_during_backward_skips_an_unused_layer(dos_socket, policy):
     """overlap="update" on the GPU path with a layer the forward never uses
@@ -194,9 +204,7 @@ def test_cuda_update_during_backward_skips_an_unused_layer(dos_socket, policy):
     weights, as torch skips a parameter without a gradient, and the rest is
     bitwise the synchronous result, on every path."""
     need_cuda_build()
-    g = torch.Generator().manual_seed(5)
-    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
-            for _ in range(6)]
+    data = wide_data(5, 6)
     kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
 
     def build():
@@ -227,8 +235,7 @@ def test_cuda_update_during_backward_skips_an_unused_layer(dos_socket, policy):
             o.close()
 
 
-@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
-                    reason="early steps need torch >= 2.1 (post-accumulate-grad hooks)")
+@needs_grad_hooks
 @pytest.mark.parametrize("policy", ["auto", "cpu", "static:0.5"])
 def test_cuda_early_steps_equal_synchronous(dos_socket, policy):
     """Early steps on the GPU path (stream-ordered ready words): overlap=True
@@ -237,9 +244,7 @@ def test_cuda_early_steps_equal_synchronous(dos_socket, policy):
     stream marks them) are bitwise equal to synchronous steps with the same
     clip coefficient, with per-layer waits (model=)."""
     need_cuda_build()
-    g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
-            for _ in range(10)]
+    data = wide_data(4, 10)
     kw = dict(lr=1e-3, weight_decay=0.05, subgroup_size=65536)
     for clip in (0.05, None):
         models = {k: make_wide() for k in ("sync", "early")}
@@ -275,10 +280,8 @@ CUDA_TRAINER = """
 import json, os, signal, sys, torch
 sys.path.insert(0, {testdir!r})
 import dos.torch
-from test_cuda import make_wide
-g = torch.Generator().manual_seed(5)
-data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
-        for _ in range({total})]
+from test_cuda import make_wide, wide_data
+data = wide_data(5, {total})
 model = make_wide()
 opt = dos.torch.AdamW(model.parameters(), socket={socket!r}, subgroup_size=65536, lr=1e-3)
 opt.set_policy("auto")
@@ -311,9 +314,7 @@ def test_cuda_resume_after_sigkill_mid_step(dos_socket, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), timeout=180)
     assert proc.returncode == -signal.SIGKILL
     info = json.loads(info_path.read_text())
-    g = torch.Generator().manual_seed(5)
-    data = [(torch.randn(64, 1024, generator=g).cuda(), torch.randn(64, 8, generator=g).cuda())
-            for _ in range(total)]
+    data = wide_data(5, total)
 
     def run(model, opt, batches):
         out = []
