@@ -13,7 +13,7 @@ constexpr int kThreads = 256;
 // update, so a grid of every SM kept the trainer's next forward (and the
 // resident subgroups' kernels) off the GPU for the whole step (measured at
 // 6B on nvidia-h200 with 528 blocks: the forward overlapped nothing of the
-// update, and the resident kernels took 80 ms instead of 38). 24 blocks of
+// update, and the resident kernels took 80 ms instead of 60). 24 blocks of
 // 256 threads with 8 loads of 16 bytes in flight each keep 768 KiB in
 // flight, several times what PCIe's latency at its full rate needs.
 constexpr int kMaxBlocks = 24;
