@@ -103,6 +103,12 @@ ABSL_FLAG(std::string, checkpoint_dir, "auto",
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
+ABSL_FLAG(std::string, checkpoint_quota, "0", "Bytes each uid's checkpoints may take in the "
+          "store (its folder uid-<uid>), e.g. 100G; 0 = no quota.");
+ABSL_FLAG(bool, checkpoint_quota_prune, true, "A save beyond --checkpoint_quota first deletes "
+          "the uid's oldest checkpoints (never its newest); false: it is refused instead.");
+ABSL_FLAG(uint32_t, fd_reserve, 256, "File descriptors (below RLIMIT_NOFILE, raised to its hard "
+          "limit at start) kept for uids that hold no session yet; 0 = none.");
 ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");
@@ -173,25 +179,8 @@ struct DaemonConfig {
   int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
   std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
   AuthorizerOptions authz;           // operators; what TCP callers may do
+  uint32_t fd_reserve = 256;         // descriptors kept for uids without sessions
 };
-
-bool ParseBytes(absl::string_view text, uint64_t* out) {
-  uint64_t mult = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      case 'T': case 't': mult = uint64_t{1} << 40; break;
-      default: break;
-    }
-    if (mult != 1) text.remove_suffix(1);
-  }
-  uint64_t v;
-  if (!absl::SimpleAtoi(text, &v)) return false;
-  *out = v * mult;
-  return true;
-}
 
 // The GPU engines' and planners' flags.
 absl::Status GpuFlags(DaemonConfig& c) {
@@ -199,7 +188,7 @@ absl::Status GpuFlags(DaemonConfig& c) {
       GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
   if (!devices.ok()) return devices.status();
   c.gpu_devices = *std::move(devices);
-  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
+  if (!cli::ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
         " is not a size; write e.g. 12G or 0"));
@@ -289,7 +278,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
   }
   c.socket_mode = mode;
-  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
+  if (!cli::ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
         " is not a size; write e.g. 64G, 512M or 0 for no cap"));
@@ -336,7 +325,12 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
     return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
   }
-  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
+  if (!cli::ParseBytes(absl::GetFlag(FLAGS_checkpoint_quota), &c.checkpoint.folders.quota_bytes)) {
+    return absl::InvalidArgumentError("--checkpoint_quota is not a size; write e.g. 100G or 0");
+  }
+  c.checkpoint.folders.prune = absl::GetFlag(FLAGS_checkpoint_quota_prune);
+  c.fd_reserve = absl::GetFlag(FLAGS_fd_reserve);
+  if (!cli::ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
         " is not a size; write e.g. 16G or 0"));
@@ -471,6 +465,24 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
   server->Wait();
 }
 
+// The checkpoint store; null when off or unusable (training goes on without it);
+// an error for one that others could write (one user's state to another).
+absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConfig& config,
+                                                                SessionManager* sessions,
+                                                                MetricsRegistry* metrics) {
+  if (!config.checkpoints) return nullptr;
+  CheckpointerOptions options = config.checkpoint;
+  options.folders.on_usage = CheckpointUsageGauges(metrics, options.folders.quota_bytes);
+  auto checkpointer = std::make_unique<Checkpointer>(options, sessions);
+  absl::Status st = checkpointer->Start();
+  if (absl::IsPermissionDenied(st)) return st;
+  if (!st.ok()) {
+    DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
+    return nullptr;
+  }
+  return checkpointer;
+}
+
 int Run(const DaemonConfig& config) {
   SetMinLogLevel(config.log_level);
   // Block the stop signals in every thread; main() takes them with sigwait.
@@ -504,27 +516,21 @@ int Run(const DaemonConfig& config) {
                           config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
-  std::unique_ptr<Checkpointer> checkpointer;
-  if (config.checkpoints) {
-    checkpointer = std::make_unique<Checkpointer>(config.checkpoint, &sessions);
-    // Not fatal: a daemon without a writable checkpoint directory still
-    // serves training, it only cannot save or restore.
-    if (absl::Status st = checkpointer->Start(); !st.ok()) {
-      DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
-      checkpointer.reset();
-    }
-  }
+  absl::StatusOr<std::unique_ptr<Checkpointer>> checkpointer =
+      StartCheckpointer(config, &sessions, &metrics);
+  if (!checkpointer.ok()) return Fail("daemon.checkpoint_dir", checkpointer.status());
   // Development builds before the descriptor socket also served
   // <socket>.auth; a file one left behind would only mislead.
   ::unlink((config.socket_path + ".auth").c_str());
   auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
-                                          config.socket_mode, config.group, &sessions);
+                                          config.socket_mode, config.group, &sessions,
+                                          config.fd_reserve);
   if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   // dosd accepts its gRPC socket itself: each connection's kernel identity
   // (SO_PEERCRED) is recorded, and every call is checked against it.
   PeerTable peers;
   Authorizer authorizer(config.authz);
-  DosService service(&sessions, &budget, kVersion, checkpointer.get(), descriptors->get(), &peers,
+  DosService service(&sessions, &budget, kVersion, checkpointer->get(), descriptors->get(), &peers,
                      &authorizer);
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
@@ -563,7 +569,8 @@ int Run(const DaemonConfig& config) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  Drain(config, server->get(), listener->get(), checkpointer.get(), &sessions);
+  Drain(config, server->get(), listener->get(), checkpointer->get(), &sessions);
+  log_internal::FlushSuppressed();
   DOS_LOG_INFO("daemon.stopped");
   return 0;
 }

@@ -209,6 +209,15 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
                            n.active_engines(), n.host_gbps(), n.cpu_gparams_per_s(),
                            n.bound_gparams_per_s());
   }
+  // The checkpoint store, per owner (each uid's folder) against the quota.
+  for (const auto& u : resp.checkpoint_usage()) {
+    out << "checkpoints uid " << u.uid() << ": " << Bytes(u.bytes()) << " in " << u.files()
+        << " file(s)"
+        << (resp.checkpoint_quota_bytes() != 0
+                ? absl::StrCat(" of ", Bytes(resp.checkpoint_quota_bytes()), " allowed")
+                : std::string(" (no quota)"))
+        << "\n";
+  }
   Table t({"ID", "STEPS", "SKIPPED", "PARAMS", "PARAMS/S", "LAST WALL US", "CPU US", "GPU US",
            "PREDICTED US", "CPU/GPU/RESIDENT SUBGROUPS", "GPU LEASE", "CKPT STALL MAX US"},
           {true, true, true, true, true, true, true, true, true, true, true, true});
@@ -315,6 +324,27 @@ absl::Status Commands::LoadCheckpoint(uint64_t session_id, const std::string& pa
   } else {
     PrintFiles(resp.files(), out);
   }
+  return absl::OkStatus();
+}
+
+absl::Status Commands::DeleteCheckpoint(const std::string& path, int64_t uid,
+                                        std::ostream& out) {
+  if (auto st = CheckSocket(); !st.ok()) return st;
+  v1::DeleteCheckpointRequest req;
+  req.set_path(path);
+  if (uid >= 0) req.set_uid(static_cast<uint32_t>(uid));
+  v1::DeleteCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.checkpoint_timeout));
+  grpc::Status s = dos_->DeleteCheckpoint(&ctx, req, &resp);
+  if (!s.ok()) return FromRpc("checkpoint delete", s);
+  if (options_.json) {
+    out << ToJson(resp);
+    return absl::OkStatus();
+  }
+  for (const std::string& p : resp.paths()) out << "deleted " << p << "\n";
+  out << "freed " << Bytes(resp.bytes()) << "; uid " << resp.usage().uid() << " now holds "
+      << Bytes(resp.usage().bytes()) << " in " << resp.usage().files() << " file(s)\n";
   return absl::OkStatus();
 }
 

@@ -45,6 +45,8 @@ class Commands {
   // session_id 0: every session. `path` is relative to dosd's --checkpoint_dir.
   absl::Status SaveCheckpoint(uint64_t session_id, const std::string& path, std::ostream& out);
   absl::Status LoadCheckpoint(uint64_t session_id, const std::string& path, std::ostream& out);
+  // `path` relative to uid's folder of the store; uid < 0: the caller's own.
+  absl::Status DeleteCheckpoint(const std::string& path, int64_t uid, std::ostream& out);
 
  private:
   void Prepare(grpc::ClientContext* ctx) const;

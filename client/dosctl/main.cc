@@ -7,7 +7,9 @@
 //                                     step statistics (all sessions by default)
 //     checkpoint save SESSION_ID|all [PATH]
 //     checkpoint load SESSION_ID|all PATH
-//                                     PATH relative to dosd's --checkpoint_dir
+//     checkpoint delete PATH [--uid=UID]
+//                                     PATH relative to the owner's folder of dosd's
+//                                     --checkpoint_dir (delete: yours, or UID's for operators)
 //     policy get SESSION_ID [TOKEN]   a session's scheduling policy
 //     policy set SESSION_ID|default POLICY
 //                                     cpu, static:<f>, interleave:<k> or auto
@@ -42,6 +44,8 @@ ABSL_FLAG(bool, json, false, "print JSON instead of tables");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline of each call to the daemon");
 ABSL_FLAG(absl::Duration, checkpoint_timeout, absl::Minutes(30),
           "deadline of checkpoint save/load calls");
+ABSL_FLAG(int64_t, uid, -1,
+          "checkpoint delete: whose folder (operators); default: the caller's own");
 ABSL_FLAG(bool, watch, false, "stats: repeat every --interval until interrupted");
 ABSL_FLAG(absl::Duration, interval, absl::Seconds(2), "stats --watch: time between samples");
 ABSL_FLAG(int, count, 0, "stats --watch: stop after this many samples (0 = never)");
@@ -56,6 +60,7 @@ constexpr char kUsage[] =
     "                                       step statistics\n"
     "  checkpoint save SESSION_ID|all [PATH] checkpoint (PATH under dosd's --checkpoint_dir)\n"
     "  checkpoint load SESSION_ID|all PATH  restore state (and the trainers' weights)\n"
+    "  checkpoint delete PATH [--uid=UID]   delete checkpoints (a file or folder; '.': all)\n"
     "  policy get SESSION_ID [TOKEN]        a session's scheduling policy\n"
     "  policy set SESSION_ID|default POLICY cpu, static:<f>, interleave:<k>, auto";
 
@@ -123,6 +128,8 @@ int main(int argc, char** argv) {
     const std::string path = args.size() == 4 ? args[3] : "";
     st = args[1] == "save" ? cmd.SaveCheckpoint(id, path, std::cout)
                            : cmd.LoadCheckpoint(id, path, std::cout);
+  } else if (c == "checkpoint" && args.size() == 3 && args[1] == "delete") {
+    st = cmd.DeleteCheckpoint(args[2], absl::GetFlag(FLAGS_uid), std::cout);
   } else if (c == "policy" && args.size() >= 3 && args[1] == "get" && args.size() <= 4) {
     if (!ParseId(args[2], &id) || id == 0) return Usage("bad SESSION_ID " + args[2]);
     st = cmd.GetPolicy(id, args.size() == 4 ? args[3] : "", std::cout);

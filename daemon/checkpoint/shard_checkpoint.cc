@@ -142,6 +142,12 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
   return absl::OkStatus();
 }
 
+uint64_t ShardFileBytes(const ShardState& shard, const CheckpointOwner& owner,
+                        const CheckpointWriterOptions& options) {
+  const CheckpointLayout layout = LayoutOf(shard, owner);
+  return ExpectedFileSize(layout, EncodeLayout(layout).size(), options.chunk_bytes);
+}
+
 absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
                        const CheckpointOwner& owner, const CheckpointWriterOptions& options) {
   DOS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,

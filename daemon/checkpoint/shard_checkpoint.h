@@ -43,6 +43,11 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner 
 absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardState& shard,
                                 absl::string_view path);
 
+// The size of the file SaveShard writes for `shard` (before it writes it:
+// the checkpoint quota is checked against it).
+uint64_t ShardFileBytes(const ShardState& shard, const CheckpointOwner& owner = {},
+                        const CheckpointWriterOptions& options = {});
+
 // Writes `shard` to `path` atomically, in the shard's state format (a
 // compact shard's moments are saved as bf16, as it holds them). RESOURCE_EXHAUSTED (naming the path and
 // the free space) when the disk is full; any failure leaves the previous file

@@ -7,13 +7,16 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
@@ -34,6 +37,48 @@ StoreEnv::Kind KindOfMode(mode_t m) {
   return StoreEnv::Kind::kOther;
 }
 
+// The store is dosd's alone: trainers reach their state only through dosd,
+// and whoever may write the root (or rename it) could hand one user's
+// folder to another. `fd` is the opened root.
+absl::Status CheckOwnRoot(const std::string& root, int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat", root);
+  const uid_t me = ::geteuid();
+  if (st.st_uid != me) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--checkpoint_dir=", root, " is owned by uid ", st.st_uid, ", not by dosd's uid ", me,
+        ": its owner could swap the owners' uid-<uid> folders in it and hand one user's state "
+        "to another; dosd does not start on it. chown ", me, " ", root,
+        " (and chmod 0700), or give --checkpoint_dir a folder dosd creates"));
+  }
+  const int chmod_rc = ::fchmod(fd, 0700);
+  const int chmod_err = errno;
+  if (chmod_rc != 0 || ::fstat(fd, &st) != 0 || (st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--checkpoint_dir=", root, " cannot be made dosd's alone (chmod 0700: ",
+        chmod_rc != 0 ? std::strerror(chmod_err) : "done",
+        absl::StrFormat("; mode now %04o", st.st_mode & 07777),
+        "); dosd does not start on a store others can write: fix its owner, mode and ACLs, or "
+        "give --checkpoint_dir another folder"));
+  }
+  // The folder holding the root (as opened: the operator's link followed).
+  char self[64];
+  std::snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+  std::error_code ec;
+  const fs::path real = fs::read_symlink(self, ec);
+  struct stat parent;
+  if (!ec && real.has_parent_path() && ::stat(real.parent_path().c_str(), &parent) == 0 &&
+      (parent.st_mode & S_IWOTH) != 0 && (parent.st_mode & S_ISVTX) == 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--checkpoint_dir=", root, " lies in ", real.parent_path().string(),
+        absl::StrFormat(", which every user may write (mode %04o", parent.st_mode & 07777),
+        ", no sticky bit): anyone could rename the store away and put their own in its "
+        "place; dosd does not start on it. Move the store (e.g. /var/lib/dos/checkpoints) or "
+        "chmod o-w (or +t) that folder"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StoreEnv>> StoreEnv::Open(const std::string& root) {
@@ -51,8 +96,7 @@ absl::StatusOr<std::unique_ptr<StoreEnv>> StoreEnv::Open(const std::string& root
         ec ? ec.message() : std::string(std::strerror(errno)),
         "); create it writable by the daemon's user"));
   }
-  // The store is dosd's alone: trainers reach their state through dosd.
-  (void)::fchmod(fd.get(), 0700);
+  DOS_RETURN_IF_ERROR(CheckOwnRoot(root, fd.get()));
   return std::unique_ptr<StoreEnv>(new StoreEnv(r, std::move(fd)));
 }
 
@@ -186,6 +230,36 @@ absl::StatusOr<uint64_t> StoreEnv::FileSize(const std::string& path) {
     return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
   }
   return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<StoreEnv::Info> StoreEnv::Stat(const std::string& path) {
+  absl::StatusOr<Leaf> leaf = OpenParent(path);
+  Info info;
+  if (absl::IsNotFound(leaf.status())) return info;
+  if (!leaf.ok()) return leaf.status();
+  struct stat st;
+  const int rc = leaf->name.empty() ? ::fstat(leaf->dir.get(), &st)
+                                    : ::fstatat(leaf->dir.get(), leaf->name.c_str(), &st,
+                                                AT_SYMLINK_NOFOLLOW);
+  if (rc != 0) {
+    if (errno == ENOENT) return info;
+    return ErrnoToStatus(errno, "stat", path);
+  }
+  info.kind = KindOfMode(st.st_mode);
+  info.bytes = static_cast<uint64_t>(st.st_size);
+  info.owner = st.st_uid;
+  info.mode = st.st_mode & 07777;
+  info.modified_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  return info;
+}
+
+absl::Status StoreEnv::DeleteDir(const std::string& dir) {
+  absl::StatusOr<Leaf> leaf = OpenParent(dir);
+  if (!leaf.ok()) return leaf.status();
+  if (leaf->name.empty() || ::unlinkat(leaf->dir.get(), leaf->name.c_str(), AT_REMOVEDIR) != 0) {
+    return ErrnoToStatus(leaf->name.empty() ? EBUSY : errno, "rmdir", dir);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StoreEnv::CreateDirs(const std::string& dir, mode_t mode) {

@@ -14,6 +14,12 @@
 // (INVALID_ARGUMENT naming the link and the fix) instead of redirecting dosd
 // out of its store; nothing is followed, and `..` is refused.
 //
+// The root must be dosd's alone: Open() refuses (PERMISSION_DENIED naming the
+// path and the fix) a root owned by another uid (its owner could swap the
+// owners' folders inside), one whose mode cannot be set to 0700, and one in a
+// folder that every user may write without the sticky bit (anyone could
+// rename the root away and put their own in its place before a restart).
+//
 // Thread-safety: thread-safe (the root descriptor is only read).
 #pragma once
 
@@ -32,7 +38,8 @@ namespace dos {
 class StoreEnv final : public Env {
  public:
   // FAILED_PRECONDITION naming `root` and the fix when it cannot be created
-  // or opened as a directory.
+  // or opened as a directory; PERMISSION_DENIED (see above) when it is not
+  // dosd's alone.
   static absl::StatusOr<std::unique_ptr<StoreEnv>> Open(const std::string& root);
 
   // The store's folder, lexically normal ("/var/lib/dos/checkpoints").
@@ -56,6 +63,17 @@ class StoreEnv final : public Env {
   // the way.
   absl::StatusOr<Kind> KindOf(const std::string& path);
   absl::StatusOr<uint64_t> FileSize(const std::string& path);
+  // What fstatat (not following a link) says of a path.
+  struct Info {
+    Kind kind = Kind::kMissing;
+    uint64_t bytes = 0;
+    uid_t owner = 0;
+    mode_t mode = 0;               // permission bits only
+    int64_t modified_ns = 0;       // st_mtim
+  };
+  absl::StatusOr<Info> Stat(const std::string& path);
+  // Removes the empty folder `dir` (below the root).
+  absl::Status DeleteDir(const std::string& dir);
   // The missing folders of `dir` (below the root) are created with `mode`.
   absl::Status CreateDirs(const std::string& dir, mode_t mode);
 

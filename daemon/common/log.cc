@@ -75,6 +75,17 @@ RateLimiter::Decision RateLimiter::Admit(absl::string_view event, absl::Time now
   return d;
 }
 
+std::vector<std::pair<std::string, uint64_t>> RateLimiter::TakeSuppressed() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, uint64_t>> out;
+  for (auto& [event, w] : windows_) {
+    if (w.suppressed == 0) continue;
+    out.emplace_back(event, w.suppressed);
+    w.suppressed = 0;
+  }
+  return out;
+}
+
 namespace {
 // Warnings and errors: at most 10 lines per event per 10 s; the next line
 // after a quiet spell says how many were left out (suppressed=N).
@@ -82,19 +93,51 @@ RateLimiter& Limiter() {
   static RateLimiter* const limiter = new RateLimiter(10, absl::Seconds(10));
   return *limiter;
 }
+// Info lines: at most 20 per event and uid per 10 s, so one user's attach
+// loop neither floods the journal nor hides another user's lines.
+RateLimiter& InfoLimiter() {
+  static RateLimiter* const limiter = new RateLimiter(20, absl::Seconds(10));
+  return *limiter;
+}
+
+// "<event>" or "<event> uid=<n>" when the line names a uid.
+std::string LimitKey(absl::string_view event, absl::string_view fields) {
+  const size_t at = fields.find(" uid=");
+  if (at == absl::string_view::npos) return std::string(event);
+  const size_t end = fields.find(' ', at + 1);
+  return absl::StrCat(event, fields.substr(at, end == absl::string_view::npos ? end : end - at));
+}
+
+std::string Timestamp(absl::Time now) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", now, absl::UTCTimeZone());
+}
 }  // namespace
+
+void FlushSuppressed() {
+  const std::string ts = Timestamp(absl::Now());
+  for (RateLimiter* limiter : {&Limiter(), &InfoLimiter()}) {
+    for (const auto& [key, n] : limiter->TakeSuppressed()) {
+      const std::string line = absl::StrCat("ts=", ts, " level=info event=log.suppressed "
+                                            "limited_event=", key, " suppressed=", n, "\n");
+      ssize_t unused = ::write(STDERR_FILENO, line.data(), line.size());
+      (void)unused;
+    }
+  }
+}
 
 void Emit(LogLevel level, absl::string_view event, const std::string& fields) {
   const absl::Time now = absl::Now();
   std::string suppressed;
-  if (level >= LogLevel::kWarning) {
-    RateLimiter::Decision d = Limiter().Admit(event, now);
+  if (level >= LogLevel::kInfo) {
+    const bool info = level == LogLevel::kInfo;
+    const std::string key = info ? LimitKey(event, fields) : std::string(event);
+    RateLimiter::Decision d = (info ? InfoLimiter() : Limiter()).Admit(key, now);
     if (!d.emit) {
       if (!d.first_suppressed) return;
       // Say once that lines are being left out, and how the count is reported.
       const std::string note = absl::StrCat(
-          "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", now, absl::UTCTimeZone()),
-          " level=warning event=log.rate_limited limited_event=", event,
+          "ts=", Timestamp(now), " level=warning event=log.rate_limited limited_event=", event,
+          info ? key.substr(event.size()) : "",
           " note=\"further lines of this event are left out for up to 10s; the next one says "
           "suppressed=N\"\n");
       ssize_t unused = ::write(STDERR_FILENO, note.data(), note.size());
@@ -103,9 +146,8 @@ void Emit(LogLevel level, absl::string_view event, const std::string& fields) {
     }
     if (d.suppressed_before > 0) suppressed = absl::StrCat(" suppressed=", d.suppressed_before);
   }
-  std::string line = absl::StrCat(
-      "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", now, absl::UTCTimeZone()),
-      " level=", LevelName(level), " event=", event, fields, suppressed, "\n");
+  std::string line = absl::StrCat("ts=", Timestamp(now), " level=", LevelName(level),
+                                  " event=", event, fields, suppressed, "\n");
   // One write(2) per line keeps lines whole when threads log at once.
   ssize_t unused = ::write(STDERR_FILENO, line.data(), line.size());
   (void)unused;

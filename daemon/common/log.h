@@ -8,11 +8,14 @@
 // Arguments after the event name alternate key, value. Nothing in a hot loop
 // (per tile, per element) may log; per step is the finest grain allowed, and
 // only at debug level. Warnings and errors are rate-limited per event (10
-// lines per 10 s; the next line says suppressed=N).
+// lines per 10 s), info lines per event and uid (20 per 10 s, keyed on the
+// line's uid= field when it has one); the next line says suppressed=N.
 #pragma once
 
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 #include <type_traits>
 #include "absl/strings/string_view.h"
 
@@ -46,6 +49,9 @@ class RateLimiter {
     bool first_suppressed = false;   // this is the window's first line left out
   };
   Decision Admit(absl::string_view event, absl::Time now);
+  // The events with lines left out and not yet reported (a later line
+  // reports them as suppressed=N), each with its count; resets them.
+  std::vector<std::pair<std::string, uint64_t>> TakeSuppressed();
 
  private:
   struct Window {
@@ -60,6 +66,9 @@ class RateLimiter {
 };
 
 void AppendField(std::string* line, absl::string_view key, absl::string_view value);
+// Writes one log.suppressed line per event (and uid) whose left-out lines no
+// later line has reported yet (at exit: nothing goes uncounted).
+void FlushSuppressed();
 void Emit(LogLevel level, absl::string_view event, const std::string& fields);
 
 inline void AppendFields(std::string*) {}

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/fd_limits.h"
 #include "daemon/common/log.h"
 
 namespace dos {
@@ -162,7 +163,11 @@ void SocketListener::Loop() {
     if (!conn.valid()) {
       const int err = errno;
       if (err == EAGAIN || err == EINTR || err == ECONNABORTED) continue;
-      DOS_LOG_WARNING("listen.accept_failed", "socket", name_, "error", std::strerror(err));
+      if (err == EMFILE || err == ENFILE) {
+        LogOutOfDescriptors(absl::StrCat("accept ", name_), err);
+      } else {
+        DOS_LOG_WARNING("listen.accept_failed", "socket", name_, "error", std::strerror(err));
+      }
       // Out of descriptors or memory: the pending connection stays queued
       // and poll would answer at once; give the process a moment.
       if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {

@@ -76,4 +76,28 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
   }
 }
 
+std::function<void(uint32_t, const CheckpointUsage&)> CheckpointUsageGauges(MetricsRegistry* m,
+                                                                            uint64_t quota) {
+  if (absl::StatusOr<Gauge*> g = m->AddGauge(
+          "dos_checkpoint_quota_bytes", "--checkpoint_quota: bytes per uid (0: none).");
+      g.ok()) {
+    (*g)->Set(static_cast<double>(quota));
+  }
+  return [m](uint32_t uid, const CheckpointUsage& u) {
+    const MetricLabels labels = {{"uid", absl::StrCat(uid)}};
+    if (absl::StatusOr<Gauge*> g = m->AddGauge(
+            "dos_checkpoint_bytes", "Bytes in each uid's folder of the checkpoint store.",
+            labels);
+        g.ok()) {
+      (*g)->Set(static_cast<double>(u.bytes));
+    }
+    if (absl::StatusOr<Gauge*> g = m->AddGauge(
+            "dos_checkpoint_files", "Files in each uid's folder of the checkpoint store.",
+            labels);
+        g.ok()) {
+      (*g)->Set(static_cast<double>(u.files));
+    }
+  };
+}
+
 }  // namespace dos

@@ -14,6 +14,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <utility>
 #include <atomic>
 #include <vector>
 
@@ -147,6 +148,14 @@ MetricsHttpServer::~MetricsHttpServer() {
 
 void MetricsHttpServer::Accepted(UniqueFd conn) {
   absl::MutexLock lock(&mu_);
+  if (!RoomOrStopping()) {
+    // Full: the oldest connection goes (an idle one first) rather than this
+    // one waiting for a deadline, so idle clients never hold a scrape up.
+    ++evict_;
+    uint64_t one = 1;
+    while (::write(wake_.get(), &one, sizeof one) < 0 && errno == EINTR) {
+    }
+  }
   mu_.Await(absl::Condition(this, &MetricsHttpServer::RoomOrStopping));
   if (stopping_) return;
   queued_.push_back(std::move(conn));
@@ -213,6 +222,15 @@ void MetricsHttpServer::Loop() {
     absl::MutexLock lock(&mu_);
     open_ -= closed;
     if (stopping_) break;
+    for (; evict_ > 0 && open_ >= kMaxConnections && !conns.empty(); --evict_, --open_) {
+      // Idle ones (nothing received) first, the oldest of them.
+      auto victim = std::min_element(conns.begin(), conns.end(), [](const Conn& x, const Conn& y) {
+        return std::make_pair(!x.req.empty(), x.deadline) <
+               std::make_pair(!y.req.empty(), y.deadline);
+      });
+      conns.erase(victim);
+    }
+    if (open_ < kMaxConnections) evict_ = 0;
     for (UniqueFd& q : queued_) {
       conns.push_back(Conn{std::move(q), std::string(), now + read_timeout_});
     }

@@ -8,8 +8,9 @@
 // sockets use too; "dos-metrics-acc") accepts and hands each connection to
 // "dos-metrics", which polls up to 64 of them at once, each with its own
 // buffer and deadline, so an idle or slow client never delays another
-// client's scrape. While 64 are open the accept thread waits and the kernel
-// queues the rest.
+// client's scrape. While 64 are open, a new connection closes the oldest one
+// (an idle one first: nothing received), so idle connections cannot hold a
+// scrape up either.
 //
 // It binds loopback addresses only (127.0.0.0/8, ::1, "localhost") unless
 // `allow_non_loopback` is set: the metrics reveal what runs on the node, and
@@ -85,6 +86,7 @@ class MetricsHttpServer {
   absl::Mutex mu_;
   std::vector<UniqueFd> queued_ ABSL_GUARDED_BY(mu_);  // accepted, not yet polled
   size_t open_ ABSL_GUARDED_BY(mu_) = 0;               // queued or polled
+  size_t evict_ ABSL_GUARDED_BY(mu_) = 0;  // connections to close to make room
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

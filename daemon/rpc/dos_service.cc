@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
 #include "daemon/rpc/grpc_status.h"
+#include "daemon/rpc/session_lookup.h"
 #include "daemon/rpc/step_stats.h"
 #include "dos/wire/control_block.h"
 
@@ -12,33 +13,6 @@ namespace dos {
 namespace {
 
 using grpc::ServerContext;
-
-absl::StatusOr<std::shared_ptr<Session>> FindSession(const SessionManager& sessions,
-                                                     const v1::SessionRef& ref) {
-  if (ref.session_id() == 0) {
-    return absl::InvalidArgumentError("session.session_id is 0; pass the id Attach returned");
-  }
-  return sessions.Find(ref.session_id(), ref.token());
-}
-
-// Operator calls (dosctl) may name a session by id alone; clients send their
-// token, which is then checked.
-absl::StatusOr<std::shared_ptr<Session>> FindSessionOrOperator(const SessionManager& sessions,
-                                                               const v1::SessionRef& ref) {
-  if (ref.token().empty()) return sessions.FindUnchecked(ref.session_id());
-  return FindSession(sessions, ref);
-}
-
-// A live session, or one whose trainer died and that waits for a resume.
-absl::StatusOr<std::shared_ptr<Session>> FindLiveOrOrphan(const SessionManager& sessions,
-                                                          uint64_t id) {
-  absl::StatusOr<std::shared_ptr<Session>> s = sessions.FindUnchecked(id);
-  if (s.ok()) return s;
-  for (auto& o : sessions.ListOrphans()) {
-    if (o->identity().id == id) return o;
-  }
-  return s.status();
-}
 
 // Largest step count ImportState accepts: far beyond any run, and the step
 // counter (int64) can still count on for as long as anyone trains.
@@ -407,11 +381,13 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
     m->set_cpu_gparams_per_s(node.cpu_params_per_s * 1e-9);
     m->set_bound_gparams_per_s(node.bound_params_per_s * 1e-9);
   }
+  FillCheckpointUsage(resp);
   return grpc::Status::OK;
 }
 
-grpc::Status DosService::ListSessions(ServerContext*, const v1::ListSessionsRequest*,
+grpc::Status DosService::ListSessions(ServerContext* ctx, const v1::ListSessionsRequest*,
                                       v1::ListSessionsResponse* resp) {
+  if (absl::Status st = MayListSessions(ctx); !st.ok()) return ToGrpcStatus(st);
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
   std::vector<std::shared_ptr<Session>> all = live;
   for (auto& o : sessions_->ListOrphans()) all.push_back(std::move(o));
@@ -495,84 +471,6 @@ grpc::Status DosService::ImportState(ServerContext* ctx, const v1::TransferState
                                       req->step());
   if (!st.ok()) return ToGrpcStatus(st);
   resp->set_step(req->step());
-  return grpc::Status::OK;
-}
-
-namespace {
-void FillRecords(const std::vector<CheckpointRecord>& records,
-                 google::protobuf::RepeatedPtrField<v1::CheckpointFile>* out) {
-  for (const CheckpointRecord& r : records) {
-    v1::CheckpointFile* f = out->Add();
-    f->set_session_id(r.session_id);
-    f->set_path(r.path);
-    f->set_step(r.step);
-    f->set_bytes(r.bytes);
-    f->set_snapshot_us(r.snapshot_us);
-    f->set_write_ms(r.write_ms);
-    f->set_last_step_wall_us(r.last_step_wall_us);
-    f->set_copy_ms(r.copy_ms);
-    f->set_subgroups_copied_by_steps(r.subgroups_copied_by_steps);
-  }
-}
-}  // namespace
-
-grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckpointRequest* req,
-                                        v1::SaveCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
-  if (req->session_id() == 0) {
-    if (absl::Status st = MustBeOperator(ctx, "save checkpoint of every session"); !st.ok()) {
-      return ToGrpcStatus(st);
-    }
-  } else {
-    absl::StatusOr<std::shared_ptr<Session>> s = FindLiveOrOrphan(*sessions_, req->session_id());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    if (absl::Status st = MayActOn(ctx, **s, "save checkpoint"); !st.ok()) return ToGrpcStatus(st);
-    if (!req->path().empty()) {
-      absl::StatusOr<std::string> p =
-          checkpointer_->Resolve((*s)->identity().uid, req->path(), "path");
-      if (!p.ok()) return ToGrpcStatus(p.status());
-    }
-  }
-  absl::StatusOr<std::vector<CheckpointRecord>> saved =
-      checkpointer_->Save(req->session_id(), req->path());
-  if (!saved.ok()) return ToGrpcStatus(saved.status());
-  if (!saved->empty()) resp->set_path(saved->front().path);
-  FillRecords(*saved, resp->mutable_files());
-  return grpc::Status::OK;
-}
-
-grpc::Status DosService::LoadCheckpoint(ServerContext* ctx, const v1::LoadCheckpointRequest* req,
-                                        v1::LoadCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
-  if (req->path().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "path is empty; name a checkpoint file or directory in the session owner's folder "
-        "under dosd's --checkpoint_dir"));
-  }
-  std::shared_ptr<Session> session;
-  if (req->session().session_id() != 0) {
-    absl::StatusOr<std::shared_ptr<Session>> s =
-        FindSessionOrOperator(*sessions_, req->session());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    if (absl::Status st = MayActOn(ctx, **s, "load checkpoint"); !st.ok()) return ToGrpcStatus(st);
-    if (absl::StatusOr<std::string> p =
-            checkpointer_->Resolve((*s)->identity().uid, req->path(), "path");
-        !p.ok()) {
-      return ToGrpcStatus(p.status());
-    }
-    session = *std::move(s);
-  } else if (absl::Status st = MustBeOperator(ctx, "load checkpoints into every session");
-             !st.ok()) {
-    return ToGrpcStatus(st);
-  }
-  absl::StatusOr<std::vector<CheckpointRecord>> loaded =
-      checkpointer_->Load(std::move(session), req->path());
-  if (!loaded.ok()) return ToGrpcStatus(loaded.status());
-  FillRecords(*loaded, resp->mutable_files());
   return grpc::Status::OK;
 }
 

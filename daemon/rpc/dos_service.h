@@ -59,6 +59,9 @@ class DosService final : public v1::Dos::Service {
                               v1::SaveCheckpointResponse*) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
                               v1::LoadCheckpointResponse*) override;
+  // checkpoint_calls.cc, as are Save/LoadCheckpoint.
+  grpc::Status DeleteCheckpoint(grpc::ServerContext*, const v1::DeleteCheckpointRequest*,
+                                v1::DeleteCheckpointResponse*) override;
 
  private:
   SessionManager* const sessions_;
@@ -74,6 +77,14 @@ class DosService final : public v1::Dos::Service {
   absl::Status MayActOn(const grpc::ServerContext* ctx, const Session& s,
                         absl::string_view what) const;
   absl::Status MustBeOperator(const grpc::ServerContext* ctx, absl::string_view what) const;
+  // Whose folder a DeleteCheckpoint names: the caller's own, or (operators)
+  // the uid it gives; PERMISSION_DENIED naming both and the fix otherwise.
+  absl::StatusOr<uint32_t> DeleteOwner(const grpc::ServerContext* ctx,
+                                       const v1::DeleteCheckpointRequest& req) const;
+  // GetStats: each uid's checkpoint bytes and the quota.
+  void FillCheckpointUsage(v1::GetStatsResponse* resp) const;
+  // ListSessions names jobs and pids: not to TCP callers unless operators.
+  absl::Status MayListSessions(const grpc::ServerContext* ctx) const;
   const absl::Time started_ = absl::Now();
 };
 

@@ -6,12 +6,19 @@
 
 namespace dos {
 
-absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
-                                                                        mode_t mode, gid_t group,
-                                                                        SessionManager* sessions) {
+absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(
+    const std::string& path, mode_t mode, gid_t group, SessionManager* sessions,
+    uint32_t fd_reserve) {
   DescriptorServer::Options options;
   options.socket_mode = mode;
   options.group = group;
+  options.reserve = std::make_shared<FdReserve>(FdReserve::AtStart(fd_reserve));
+  options.sessions_of = [sessions](uint32_t uid) {
+    uint64_t n = 0;
+    for (const auto& s : sessions->List()) n += s->identity().uid == uid ? 1 : 0;
+    for (const auto& s : sessions->ListOrphans()) n += s->identity().uid == uid ? 1 : 0;
+    return n;
+  };
   return DescriptorServer::Start(
       path, options,
       [sessions](uint64_t id, absl::string_view token,

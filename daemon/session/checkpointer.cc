@@ -108,14 +108,6 @@ int RemoveStaleTemporaries(StoreEnv& store, const std::string& dir, int depth) {
   return removed;
 }
 
-constexpr char kUserDirPrefix[] = "uid-";
-
-// "uid-<n>" -> n.
-bool ParseUserDir(const std::string& name, uint32_t* uid) {
-  return absl::StartsWith(name, kUserDirPrefix) &&
-         absl::SimpleAtoi(absl::string_view(name).substr(sizeof(kUserDirPrefix) - 1), uid);
-}
-
 }  // namespace
 
 Checkpointer::Checkpointer(CheckpointerOptions options, SessionManager* sessions)
@@ -138,9 +130,10 @@ absl::Status Checkpointer::Start() {
   absl::StatusOr<std::unique_ptr<StoreEnv>> store = StoreEnv::Open(options_.dir);
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
+  folders_ = std::make_unique<UserFolders>(store_.get(), options_.folders);
   // Temporaries of a writer killed mid-checkpoint (this daemon, SIGKILLed).
   const int removed = RemoveStaleTemporaries(*store_, store_->root(), 0);
-  auto candidates = ScanForRestore(*store_);
+  auto candidates = ScanForRestore();
   DOS_LOG_INFO("checkpoint.start", "dir", options_.dir, "stale_temporaries_removed", removed,
                "restorable", candidates.size(), "autosave_interval",
                absl::FormatDuration(options_.autosave_interval), "autosave_keep",
@@ -169,32 +162,68 @@ void Checkpointer::Stop() {
   if (writer_.joinable()) writer_.join();
 }
 
-std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore(
-    StoreEnv& store) {
+std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore() {
   std::map<SessionManager::RestoreKey, std::vector<std::string>> out;
-  absl::StatusOr<std::vector<StoreEnv::Entry>> owners = store.List(store.root());
+  absl::StatusOr<std::vector<StoreEnv::Entry>> owners = store_->List(store_->root());
   if (!owners.ok()) {
-    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", store.root(), "error",
+    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", store_->root(), "error",
                     owners.status().message());
     return out;
   }
   for (const StoreEnv::Entry& e : *owners) {
     uint32_t uid = 0;
-    // Only the owners' folders (never a link: List reports it as kOther).
-    if (e.kind != StoreEnv::Kind::kDirectory || !ParseUserDir(e.name, &uid)) continue;
-    for (auto& [key, list] : Scan(store, absl::StrCat(store.root(), "/", e.name), uid)) {
+    if (!UserFolders::ParseName(e.name, &uid)) continue;
+    // Only the folders dosd made for that uid (never a link, nor one another
+    // uid's folder was renamed to).
+    if (absl::Status st = folders_->Trust(uid, false); !st.ok()) {
+      DOS_LOG_WARNING("checkpoint.folder_untrusted", "uid", uid, "error", st.message());
+      continue;
+    }
+    folders_->Measure(uid);
+    for (auto& [key, list] : Scan(*store_, folders_->Dir(uid), uid)) {
       for (Candidate& c : list) out[key].push_back(std::move(c.path));
     }
   }
   return out;
 }
 
+std::map<uint32_t, CheckpointUsage> Checkpointer::Usage() const {
+  return folders_ != nullptr ? folders_->Usage() : std::map<uint32_t, CheckpointUsage>{};
+}
+
+absl::StatusOr<UserFolders::Deleted> Checkpointer::Delete(uint32_t owner,
+                                                          const std::string& path) {
+  absl::StatusOr<UserFolders::Deleted> result;
+  bool done = false;
+  absl::MutexLock lock(&mu_);
+  if (!started_ || stop_) {
+    return absl::UnavailableError("checkpoint: the checkpointer is not running");
+  }
+  Job job;
+  job.task = [this, owner, &path, &result] { result = folders_->Delete(owner, path); };
+  job.result = nullptr;
+  job.done = &done;
+  jobs_.push_back(std::move(job));
+  mu_.Await(absl::Condition(&done));
+  return result;
+}
+
 std::string Checkpointer::UserDir(uint32_t uid) const {
-  return (fs::path(options_.dir) / absl::StrCat(kUserDirPrefix, uid)).string();
+  return (fs::path(options_.dir) / absl::StrCat("uid-", uid)).string();
 }
 
 absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::string& path,
                                                   absl::string_view field) const {
+  // Paths reach file names, logs and operators' terminals: no control
+  // characters (a newline would forge a log line, an escape drive a terminal).
+  for (size_t i = 0; i < path.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(path[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " has control character 0x", absl::Hex(c, absl::kZeroPad2), " at byte ", i,
+          "; name checkpoints with printable characters"));
+    }
+  }
   const fs::path root = fs::path(UserDir(owner));
   fs::path p(path);
   bool bad = false;
@@ -237,7 +266,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Save(uint64_t sessio
   if (!started_ || stop_) {
     return absl::UnavailableError("checkpoint: the checkpointer is not running");
   }
-  jobs_.push_back(Job{session_id, path, false, 0, &result, &done});
+  jobs_.push_back(Job{session_id, path, false, 0, &result, &done, nullptr});
   mu_.Await(absl::Condition(&done));
   return result;
 }
@@ -263,6 +292,12 @@ void Checkpointer::WriterLoop() {
       } else {
         continue;
       }
+    }
+    if (job.task) {
+      job.task();
+      absl::MutexLock lock(&mu_);
+      *job.done = true;
+      continue;
     }
     if (job.forget != 0) {
       staging_.erase(job.forget);
@@ -397,22 +432,28 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   std::string path = resolved_path;
   if (autosave || path.empty()) path = DefaultPath(*s, autosave ? "auto" : "step", snap.step);
   // Every folder and file through the store's descriptors (StoreEnv): a
-  // link anywhere below the store fails the save instead of leading out.
+  // link anywhere below the store fails the save instead of leading out;
+  // only into the folder dosd made for the owner, and within its quota.
+  const SessionIdentity& sid = s->identity();
+  const CheckpointOwner owner{sid.client_name, sid.rank, sid.world_size};
+  DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
+  DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, ShardFileBytes(*staging_[id], owner), path));
   DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
   const absl::Time start = absl::Now();
-  const SessionIdentity& sid = s->identity();
-  DOS_RETURN_IF_ERROR(SaveShard(*staging_[id], path, store_.get(),
-                                CheckpointOwner{sid.client_name, sid.rank, sid.world_size}));
+  const absl::Status saved = SaveShard(*staging_[id], path, store_.get(), owner);
+  folders_->Measure(sid.uid);
+  DOS_RETURN_IF_ERROR(saved);
   rec.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   rec.path = path;
   rec.bytes = store_->FileSize(path).value_or(0);
-  DOS_LOG_INFO("checkpoint.saved", "session", id, "path", path, "step", snap.step, "bytes",
-               rec.bytes, "snapshot_us", snap.locked_us, "copy_ms", rec.copy_ms,
+  DOS_LOG_INFO("checkpoint.saved", "session", id, "uid", sid.uid, "path", path, "step",
+               snap.step, "bytes", rec.bytes, "snapshot_us", snap.locked_us, "copy_ms", rec.copy_ms,
                "copied_by_steps", snap.subgroups_copied_by_steps, "write_ms", rec.write_ms,
                "last_step_wall_us", snap.last_step_wall_us, "autosave", autosave);
   if (autosave) {
     autosaved_step_[id] = snap.step;
     PruneAutosaves(DirName(path));
+    folders_->Measure(sid.uid);
   }
   return rec;
 }
@@ -458,6 +499,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
     if (!s->registered()) continue;
     const SessionIdentity& id = s->identity();
     DOS_ASSIGN_OR_RETURN(std::string resolved, Resolve(id.uid, path, "checkpoint path"));
+    DOS_RETURN_IF_ERROR(folders_->Trust(id.uid, false));
     DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(resolved));
     const bool is_dir = kind == StoreEnv::Kind::kDirectory;
     if (!is_dir && targets.size() != 1) {

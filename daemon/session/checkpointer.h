@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -50,6 +51,7 @@
 #include "absl/time/time.h"
 #include "daemon/checkpoint/store_env.h"
 #include "daemon/session/session_manager.h"
+#include "daemon/session/user_folders.h"
 #include "daemon/state/host_memory_budget.h"
 
 namespace dos {
@@ -69,6 +71,9 @@ struct CheckpointerOptions {
   // waits for it up to --early_step_ready_timeout) delays no one else's
   // checkpoints.
   absl::Duration stalled_trainer_wait = absl::Seconds(5);
+  // Who may keep how much in the store (--checkpoint_quota), and whose
+  // folders dosd trusts (UserFolders).
+  UserFoldersOptions folders;
 };
 
 struct CheckpointRecord {
@@ -98,6 +103,14 @@ class Checkpointer {
   // until written; training continues meanwhile.
   absl::StatusOr<std::vector<CheckpointRecord>> Save(uint64_t session_id,
                                                      const std::string& path);
+  // Deletes `path` (resolved under uid `owner`'s folder: a file, or every
+  // checkpoint under a folder) on the writer thread, after the saves queued
+  // before it. The caller checked that it may act for `owner`.
+  absl::StatusOr<UserFolders::Deleted> Delete(uint32_t owner, const std::string& path);
+  // Each uid's last measured usage of the store (empty before Start()).
+  std::map<uint32_t, CheckpointUsage> Usage() const;
+  uint64_t quota() const { return options_.folders.quota_bytes; }
+
   // `session` may be null: every registered session (path a directory).
   absl::StatusOr<std::vector<CheckpointRecord>> Load(std::shared_ptr<Session> session,
                                                      const std::string& path);
@@ -113,10 +126,9 @@ class Checkpointer {
   // when the SessionManager reports a session closed.
   void ForgetSession(uint64_t session_id);
 
-  // Latest per (uid, client, rank) under the store's uid-<uid>/ folders, as
-  // described above.
-  static std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore(
-      StoreEnv& store);
+  // Latest per (uid, client, rank) under the store's trusted uid-<uid>/
+  // folders (UserFolders), as described above; measures each folder's usage.
+  std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore();
 
  private:
   struct Job {
@@ -126,6 +138,7 @@ class Checkpointer {
     uint64_t forget = 0;  // != 0: free this closed session's staging copy only
     absl::StatusOr<std::vector<CheckpointRecord>>* result = nullptr;  // null: nobody waits
     bool* done = nullptr;
+    std::function<void()> task;  // set: only run this (then set *done)
   };
   void WriterLoop();
   absl::StatusOr<std::vector<CheckpointRecord>> Run(const Job& job);
@@ -142,6 +155,7 @@ class Checkpointer {
   SessionManager* const sessions_;
   // The store's folder and every file operation in it (set by Start()).
   std::unique_ptr<StoreEnv> store_;
+  std::unique_ptr<UserFolders> folders_;  // over store_ (set by Start())
   HostMemoryBudget staging_budget_{0};  // staging copies are not capped
 
   absl::Mutex mu_;

@@ -298,7 +298,7 @@ void SessionManager::ReapLoop() {
 void SessionManager::StopAndFree(std::shared_ptr<Session> session, absl::string_view why) {
   const uint64_t id = session->identity().id;
   session->Stop();
-  DOS_LOG_INFO("session.close", "session", id, "reason", why);
+  DOS_LOG_INFO("session.close", "session", id, "uid", session->identity().uid, "reason", why);
   std::function<void(uint64_t)> on_close;
   {
     absl::MutexLock lock(&mu_);

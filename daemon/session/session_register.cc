@@ -211,8 +211,8 @@ void Session::Publish(Registration* reg) {
                        .gpu_device = reg->device.ordinal,
                        .gpu_uuid = reg->device.uuid};
   }
-  DOS_LOG_INFO("session.register", "session", identity_.id, "tensors", shard.tensors().size(),
-               "params", shard.total_params(), "subgroups", shard.subgroups().size(),
+  DOS_LOG_INFO("session.register", "session", identity_.id, "uid", identity_.uid, "tensors",
+               shard.tensors().size(), "params", shard.total_params(), "subgroups", shard.subgroups().size(),
                "state_bytes", shard.state_bytes(), "state_format",
                StateFormatName(shard.format()), "device", reg->executor->engine()->name(),
                "gpu_uuid", reg->device.uuid);

@@ -60,6 +60,12 @@ void DescriptorServer::Serve(UniqueFd conn) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   absl::StatusOr<std::shared_ptr<const PeerProcess>> caller = PeerProcess::FromSocket(fd);
+  if (caller.ok() && options_.reserve != nullptr && options_.sessions_of) {
+    const uint32_t uid = (*caller)->uid();
+    if (absl::Status st = options_.reserve->Admit(fd, uid, options_.sessions_of(uid)); !st.ok()) {
+      caller = st;
+    }
+  }
   if (!caller.ok()) {
     fdproto::Reply r = fdproto::MakeReply(caller.status());
     fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();

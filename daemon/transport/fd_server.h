@@ -12,7 +12,9 @@
 //
 // Connections are served one at a time by one thread ("dos-fd", a
 // SocketListener: daemon/common/socket_listener.h), each with a 1 s receive
-// timeout, so a stalled peer delays others by at most that.
+// timeout, so a stalled peer delays others by at most that. While dosd's
+// descriptors run short (Options::reserve), a uid that already holds sessions
+// is refused before its request is read.
 //
 // Thread-safety: thread-safe.
 #pragma once
@@ -30,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/fd_limits.h"
 #include "daemon/common/socket_listener.h"
 #include "daemon/transport/peer_process.h"
 #include "daemon/transport/segment_inbox.h"
@@ -61,6 +64,10 @@ class DescriptorServer {
     absl::Duration ticket_life = absl::Seconds(30);
     size_t max_tickets = 4096;         // outstanding, all callers
     size_t max_tickets_per_uid = 64;   // outstanding, one uid
+    // Descriptors kept for uids that hold no session (daemon/common/
+    // fd_limits.h); null: none. `sessions_of` counts a uid's sessions.
+    std::shared_ptr<const FdReserve> reserve;
+    std::function<uint64_t(uint32_t uid)> sessions_of;
   };
 
   static absl::StatusOr<std::unique_ptr<DescriptorServer>> Start(const std::string& path,

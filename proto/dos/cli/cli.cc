@@ -10,6 +10,7 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -205,6 +206,24 @@ std::string UserStateDir(absl::string_view sub) {
   const char* home = std::getenv("HOME");
   if (home != nullptr && home[0] == '/') return absl::StrCat(home, "/.local/state/", sub);
   return "";
+}
+
+bool ParseBytes(absl::string_view text, uint64_t* out) {
+  uint64_t mult = 1;
+  if (!text.empty()) {
+    switch (text.back()) {
+      case 'K': case 'k': mult = uint64_t{1} << 10; break;
+      case 'M': case 'm': mult = uint64_t{1} << 20; break;
+      case 'G': case 'g': mult = uint64_t{1} << 30; break;
+      case 'T': case 't': mult = uint64_t{1} << 40; break;
+      default: break;
+    }
+    if (mult != 1) text.remove_suffix(1);
+  }
+  uint64_t v;
+  if (!absl::SimpleAtoi(text, &v)) return false;
+  *out = v * mult;
+  return true;
 }
 
 }  // namespace dos::cli

@@ -7,6 +7,7 @@
 #ifndef DOS_CLI_CLI_H_
 #define DOS_CLI_CLI_H_
 
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -44,6 +45,10 @@ int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
 // $XDG_STATE_HOME/sub, else $HOME/.local/state/sub; "" when neither is an
 // absolute path.
 std::string UserStateDir(absl::string_view sub);
+
+// Parses a size flag: a number of bytes with an optional K, M, G or T suffix
+// (powers of 1024), e.g. "512G"; false if it is not one.
+bool ParseBytes(absl::string_view text, uint64_t* out);
 
 }  // namespace dos::cli
 

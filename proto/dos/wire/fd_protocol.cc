@@ -1,5 +1,6 @@
 #include "dos/wire/fd_protocol.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -177,7 +178,17 @@ absl::StatusOr<size_t> ReceiveMessage(int sock, void* data, size_t cap,
         "descriptor socket: message truncated (more than ", cap, " bytes or ", kMaxFds,
         " descriptors)"));
   }
-  if (got == 0) return absl::UnavailableError("descriptor socket: peer closed the connection");
+  if (got == 0) {
+    // A sequenced-packet socket reads 0 bytes both for an empty message and
+    // at the peer's close; only a close leaves the socket hung up.
+    pollfd p{sock, POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP)) != 0) {
+      return absl::UnavailableError("descriptor socket: peer closed the connection");
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "descriptor socket: the message is empty; send one request (", sizeof(Request),
+        " bytes, dos/wire/fd_protocol.h) per message, as libdos_client does"));
+  }
   return static_cast<size_t>(got);
 }
 

@@ -1,0 +1,28 @@
+// Finding the session a call names (DosService's handlers).
+//
+// Thread-safety: as SessionManager's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "daemon/session/session_manager.h"
+#include "proto/dos/v1/dos.pb.h"
+
+namespace dos {
+
+// By id and token; INVALID_ARGUMENT for id 0.
+absl::StatusOr<std::shared_ptr<Session>> FindSession(const SessionManager& sessions,
+                                                     const v1::SessionRef& ref);
+
+// Operator calls (dosctl) may name a session by id alone; clients send their
+// token, which is then checked.
+absl::StatusOr<std::shared_ptr<Session>> FindSessionOrOperator(const SessionManager& sessions,
+                                                               const v1::SessionRef& ref);
+
+// A live session, or one whose trainer died and that waits for a resume.
+absl::StatusOr<std::shared_ptr<Session>> FindLiveOrOrphan(const SessionManager& sessions,
+                                                          uint64_t id);
+
+}  // namespace dos
