@@ -108,7 +108,7 @@ ABSL_FLAG(std::string, checkpoint_quota, "0", "Bytes each uid's checkpoints may 
 ABSL_FLAG(bool, checkpoint_quota_prune, true, "A save beyond --checkpoint_quota first deletes "
           "the uid's oldest checkpoints (never its newest); false: it is refused instead.");
 ABSL_FLAG(uint32_t, fd_reserve, 256, "File descriptors (below RLIMIT_NOFILE, raised to its hard "
-          "limit at start) kept for uids that hold no session yet; 0 = none.");
+          "limit at start) kept for uids holding few sessions (< N/32); 0 = none.");
 ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");

@@ -37,12 +37,13 @@ FdReserve FdReserve::AtStart(uint64_t reserve) {
 }
 
 absl::Status FdReserve::Admit(int fd, uint32_t uid, uint64_t sessions) const {
-  if (sessions == 0 || !InReserve(fd)) return absl::OkStatus();
+  if (sessions < few_sessions() || !InReserve(fd)) return absl::OkStatus();
   absl::Status st = absl::ResourceExhaustedError(absl::StrCat(
       "dosd is short of file descriptors (about ", fd, " of its limit ", limit_,
-      " in use; the last ", reserve_, " are kept for users who hold no session yet), and uid ",
-      uid, " holds ", sessions, " session(s); detach sessions you no longer use, or ask the "
-      "operator to raise dosd's LimitNOFILE (or lower --max_sessions_per_uid)"));
+      " in use; the last ", reserve_, " (--fd_reserve) are kept for users who hold fewer than ",
+      few_sessions(), " sessions), and uid ", uid, " holds ", sessions,
+      "; detach sessions you no longer use, or ask the operator to raise dosd's LimitNOFILE "
+      "(or lower --max_sessions_per_uid)"));
   DOS_LOG_WARNING("daemon.fd_reserve_refused", "uid", uid, "sessions", sessions, "fd", fd,
                   "limit", limit_, "reserve", reserve_);
   return st;

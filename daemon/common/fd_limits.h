@@ -7,15 +7,18 @@
 // take them all and leave the next user's Attach failing. The soft limit is
 // raised to the hard one at start (a dosd started by hand keeps the shell's
 // 1024 otherwise; the unit's LimitNOFILE sets both); the last `reserve`
-// descriptors below it are kept for uids that hold no session: while a new
-// connection's descriptor falls in them, a uid that already holds sessions is
-// refused more (RESOURCE_EXHAUSTED naming the numbers and the fix). A
-// descriptor's number is the lowest free one, so it tells how many are open
-// without counting.
+// descriptors below it are kept for uids that hold few sessions (fewer than
+// reserve / 32, at least one; a session costs dosd 3 to 8 descriptors): while
+// a new descriptor-socket connection's descriptor falls in them, a uid that
+// holds more is refused (RESOURCE_EXHAUSTED naming the numbers and the fix),
+// so a new user's trainer still attaches, fetches its control block and
+// sends its segments. A descriptor's number is the lowest free one, so it
+// tells how many are open without counting.
 //
 // Thread-safety: FdReserve is immutable after construction.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -44,10 +47,12 @@ class FdReserve {
   bool InReserve(int fd) const {
     return reserve_ != 0 && static_cast<uint64_t>(fd) + reserve_ >= limit_;
   }
-  // RESOURCE_EXHAUSTED for uid `uid` holding `sessions` sessions when its new
-  // connection got descriptor `fd` in the reserve; OK otherwise (and always
-  // for a uid holding none). Logs the refusal (rate-limited).
+  // RESOURCE_EXHAUSTED for uid `uid` holding `sessions` sessions (not few)
+  // when its new connection got descriptor `fd` in the reserve; OK otherwise.
+  // Logs the refusal (rate-limited).
   absl::Status Admit(int fd, uint32_t uid, uint64_t sessions) const;
+  // Sessions a uid may hold and still be served from the reserve.
+  uint64_t few_sessions() const { return std::max<uint64_t>(1, reserve_ / 32); }
 
   uint64_t limit() const { return limit_; }
   uint64_t reserve() const { return reserve_; }

@@ -104,7 +104,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
         "describe this node's jobs. Bind 127.0.0.1, or allow non-loopback binds explicitly"));
   }
   SocketListenerOptions lo;
-  lo.backlog = static_cast<int>(kMaxConnections);
+  // Room in the kernel's queue while the accept thread makes room (a full
+  // queue drops a scraper's SYN, which TCP retries only after a second).
+  lo.backlog = 1024;
   lo.accept_flags = SOCK_CLOEXEC | SOCK_NONBLOCK;
   lo.thread_name = "dos-metrics-acc";
   lo.flag = "--metrics_port";

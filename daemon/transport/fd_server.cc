@@ -60,12 +60,6 @@ void DescriptorServer::Serve(UniqueFd conn) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   absl::StatusOr<std::shared_ptr<const PeerProcess>> caller = PeerProcess::FromSocket(fd);
-  if (caller.ok() && options_.reserve != nullptr && options_.sessions_of) {
-    const uint32_t uid = (*caller)->uid();
-    if (absl::Status st = options_.reserve->Admit(fd, uid, options_.sessions_of(uid)); !st.ok()) {
-      caller = st;
-    }
-  }
   if (!caller.ok()) {
     fdproto::Reply r = fdproto::MakeReply(caller.status());
     fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
@@ -80,6 +74,17 @@ void DescriptorServer::Serve(UniqueFd conn) {
     fdproto::Reply r = fdproto::MakeReply(n.status());
     fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
     return;
+  }
+  // Short of descriptors: only uids that hold few sessions go on (the
+  // request is read first: closing on an unread one resets the peer, which
+  // would then not see why).
+  if (options_.reserve != nullptr && options_.sessions_of) {
+    const uint32_t uid = (*caller)->uid();
+    if (absl::Status st = options_.reserve->Admit(fd, uid, options_.sessions_of(uid)); !st.ok()) {
+      fdproto::Reply r = fdproto::MakeReply(st);
+      fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+      return;
+    }
   }
   int send_fd = -1;
   SessionPort port;

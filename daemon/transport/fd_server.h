@@ -13,8 +13,8 @@
 // Connections are served one at a time by one thread ("dos-fd", a
 // SocketListener: daemon/common/socket_listener.h), each with a 1 s receive
 // timeout, so a stalled peer delays others by at most that. While dosd's
-// descriptors run short (Options::reserve), a uid that already holds sessions
-// is refused before its request is read.
+// descriptors run short (Options::reserve), a uid that holds more than a few
+// sessions is refused (after its request is read).
 //
 // Thread-safety: thread-safe.
 #pragma once

@@ -22,12 +22,19 @@
 //   rpc_import:id=I[,token=T]     ImportState of tensor 0 (buffer name "x")
 //   rpc_stats[:id=I]              GetStats
 //   rpc_list                      ListSessions (prints the count)
+//   rpc_delete:path=P[,uid=U]     DeleteCheckpoint (uid: another's folder, operators only)
+//   fd_empty                      an empty message on the descriptor socket; prints dosd's answer
 //   rpc_attach:name=N[,n=K,keep=1] K raw Attach calls claiming this process's pid (keep=1:
 //                                 go on after a refusal)
 //   rpc_resume:id=I,token=T       raw Attach resuming session I with token T
 // `id=self` names the session this process attached. Exit status: 0 when every line was printed (whatever each op answered), 2 on
 // bad usage.
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 
 #include <cstdio>
 #include <cstring>
@@ -242,6 +249,42 @@ int main(int argc, char** argv) {
       req.set_path(Str(a, "path"));
       dos::v1::LoadCheckpointResponse resp;
       PrintRpc("rpc_load", stub->LoadCheckpoint(Context().get(), req, &resp));
+    } else if (op.name == "rpc_delete") {
+      dos::v1::DeleteCheckpointRequest req;
+      req.set_path(Str(a, "path"));
+      if (a.count("uid") != 0) req.set_uid(static_cast<uint32_t>(U64(a, "uid")));
+      dos::v1::DeleteCheckpointResponse resp;
+      const grpc::Status st = stub->DeleteCheckpoint(Context().get(), req, &resp);
+      PrintRpc("rpc_delete", st,
+               absl::StrCat("files=", resp.paths_size(), " bytes=", resp.bytes(),
+                            " uid_bytes=", resp.usage().bytes()));
+    } else if (op.name == "fd_empty") {
+      // An empty message on the descriptor socket: dosd answers what is wrong.
+      dos::UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      const std::string path = dos::fdproto::SocketPathFor(socket);
+      std::memcpy(addr.sun_path, path.data(), std::min(path.size(), sizeof addr.sun_path - 1));
+      absl::Status st;
+      if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        st = absl::UnavailableError(std::strerror(errno));
+      } else {
+        st = dos::fdproto::SendMessage(s.get(), "", 0, {});
+      }
+      alignas(dos::fdproto::Reply) char buf[sizeof(dos::fdproto::Reply)];
+      std::vector<dos::UniqueFd> fds;
+      absl::StatusOr<size_t> n = st.ok() ? dos::fdproto::ReceiveMessage(s.get(), buf, sizeof buf,
+                                                                        &fds)
+                                         : absl::StatusOr<size_t>(st);
+      absl::StatusOr<dos::fdproto::Reply> r =
+          n.ok() ? dos::fdproto::ParseReply(buf, *n, fds.size()) : n.status();
+      if (r.ok() && r->status_code != 0) {
+        r = absl::Status(static_cast<absl::StatusCode>(r->status_code),
+                         dos::fdproto::ReplyText(*r));
+      }
+      PrintRpc("fd_empty", r.ok() ? grpc::Status::OK
+                                  : grpc::Status(static_cast<grpc::StatusCode>(r.status().code()),
+                                                 std::string(r.status().message())));
     } else if (op.name == "rpc_policy") {
       dos::v1::SetPolicyRequest req;
       req.mutable_session()->set_session_id(SessionId(a, session));
