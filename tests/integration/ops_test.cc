@@ -262,12 +262,18 @@ TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
   ASSERT_TRUE(d.Start());
   auto stub = v1::Dos::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
                                                    grpc::InsecureChannelCredentials()));
-  v1::ListSessionsResponse list;
+  v1::GetStatsResponse stats;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status st = stub->ListSessions(&ctx, v1::ListSessionsRequest(), &list);
+  grpc::Status st = stub->GetStats(&ctx, v1::GetStatsRequest(), &stats);
   EXPECT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(list.daemon_pid(), d.pid());
+  EXPECT_GT(stats.uptime_s(), 0);
+  // The session list (job names, pids) is not for TCP callers (no identity).
+  v1::ListSessionsResponse list;
+  grpc::ClientContext ctx2;
+  st = stub->ListSessions(&ctx2, v1::ListSessionsRequest(), &list);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+  EXPECT_NE(st.error_message().find("--tcp_operator_calls"), std::string::npos);
   EXPECT_EQ(d.Stop(), 0);
 
   DaemonProcess remote({"--tcp_listen=0.0.0.0:" + std::to_string(FreeLoopbackPort())});

@@ -41,6 +41,16 @@ void MkdirOwned(const std::string& path) {
   }
 }
 
+// Marks `dir` (an owner's folder <store>/uid-<uid> made by the test) as dosd
+// marks the folders it makes, so dosd trusts it (UserFolders).
+void MarkOwned(const std::string& dir, const std::string& user) {
+  const std::string marker = dir + "/.dos-owner";
+  std::ofstream(marker) << User(user).uid << "\n";
+  const SecUser d = User("dos-sec-d");
+  ::chown(marker.c_str(), d.uid, d.gid);
+  ::chmod(marker.c_str(), 0600);
+}
+
 // "a/a/.../" with `n` folders.
 std::string Deep(int n) {
   std::string p;
@@ -165,6 +175,7 @@ TEST_F(CheckpointStore, PlantedSymlinksAreNeverFollowed) {
   // folder (and where older dosd versions put it).
   for (const std::string& dir : {UserDir(ck, "dos-sec-a") + "/job.r-1", ck + "/job.r-1"}) {
     MkdirOwned(dir);
+    if (dir.find("/uid-") != std::string::npos) MarkOwned(UserDir(ck, "dos-sec-a"), "dos-sec-a");
     for (int n = 0; n < 16; ++n) {
       fs::create_symlink(victim, dir + "/step-000000000002.dckpt.tmp." +
                                      std::to_string(daemon_->pid()) + "." + std::to_string(n));
