@@ -532,8 +532,8 @@ int Run(const DaemonConfig& config) {
   Authorizer authorizer(config.authz);
   DosService service(&sessions, &budget, kVersion, checkpointer->get(), descriptors->get(), &peers,
                      &authorizer);
-  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
-      UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
+  auto listener = UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers,
+                                     config.session.max_sessions_per_uid);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
 
   std::string failed_event;

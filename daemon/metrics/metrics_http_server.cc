@@ -224,6 +224,10 @@ void MetricsHttpServer::Loop() {
     absl::MutexLock lock(&mu_);
     open_ -= closed;
     if (stopping_) break;
+    for (UniqueFd& q : queued_) {
+      conns.push_back(Conn{std::move(q), std::string(), now + read_timeout_});
+    }
+    queued_.clear();
     for (; evict_ > 0 && open_ >= kMaxConnections && !conns.empty(); --evict_, --open_) {
       // Idle ones (nothing received) first, the oldest of them.
       auto victim = std::min_element(conns.begin(), conns.end(), [](const Conn& x, const Conn& y) {
@@ -233,10 +237,6 @@ void MetricsHttpServer::Loop() {
       conns.erase(victim);
     }
     if (open_ < kMaxConnections) evict_ = 0;
-    for (UniqueFd& q : queued_) {
-      conns.push_back(Conn{std::move(q), std::string(), now + read_timeout_});
-    }
-    queued_.clear();
   }
 }
 

@@ -19,6 +19,21 @@ void PeerTable::Record(int fd, ino_t inode, CallerIdentity id) {
   entries_[fd] = Entry{inode, std::move(id)};
 }
 
+size_t PeerTable::Connections(uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    struct stat st;
+    if (::fstat(it->first, &st) != 0 || st.st_ino != it->second.inode) {
+      it = entries_.erase(it);  // gRPC closed it (the number may be reused)
+      continue;
+    }
+    n += it->second.id.known && it->second.id.uid == uid ? 1 : 0;
+    ++it;
+  }
+  return n;
+}
+
 CallerIdentity PeerTable::Lookup(absl::string_view peer) const {
   CallerIdentity unknown;
   unknown.peer = std::string(peer);

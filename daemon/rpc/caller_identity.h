@@ -50,6 +50,9 @@ class PeerTable {
   // The identity of gRPC peer `peer` ("fd:<n>"); unknown for anything else
   // or a descriptor that no longer is the recorded socket.
   CallerIdentity Lookup(absl::string_view peer) const;
+  // Connections of `uid` still open (entries whose descriptor is still the
+  // recorded socket); forgets the closed ones.
+  size_t Connections(uid_t uid);
 
  private:
   struct Entry {

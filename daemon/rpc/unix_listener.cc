@@ -6,11 +6,13 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_posix.h>
 
+#include "daemon/common/log.h"
+
 namespace dos {
 
-absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path,
-                                                                  mode_t mode, gid_t group,
-                                                                  PeerTable* peers) {
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(
+    const std::string& path, mode_t mode, gid_t group, PeerTable* peers,
+    uint32_t max_sessions_per_uid) {
   SocketListenerOptions o;
   o.type = SOCK_STREAM;
   o.mode = mode;
@@ -21,7 +23,9 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
   o.flag = "--socket";
   absl::StatusOr<std::unique_ptr<SocketListener>> l = SocketListener::Bind(path, std::move(o));
   if (!l.ok()) return l.status();
-  return std::unique_ptr<UnixListener>(new UnixListener(*std::move(l), peers));
+  return std::unique_ptr<UnixListener>(
+      new UnixListener(*std::move(l), peers,
+                       max_sessions_per_uid == 0 ? 0 : 2 * max_sessions_per_uid + 16));
 }
 
 absl::Status UnixListener::Serve(grpc::Server* server) {
@@ -47,6 +51,15 @@ void UnixListener::Accepted(UniqueFd fd, grpc::Server* server) {
   socklen_t glen = sizeof groups;
   if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERGROUPS, groups, &glen) == 0) {
     id.groups.assign(groups, groups + glen / sizeof(gid_t));
+  }
+  if (max_per_uid_ != 0) {
+    if (const size_t held = peers_->Connections(id.uid); held >= max_per_uid_) {
+      DOS_LOG_WARNING("auth.connection_refused", "uid", id.uid, "pid", id.pid, "connections",
+                      held, "limit", max_per_uid_, "fix",
+                      "close connections (each session holds one) or ask the operator to raise "
+                      "--max_sessions_per_uid (a uid may hold twice that, plus 16)");
+      return;  // closed
+    }
   }
   peers_->Record(fd.get(), st.st_ino, std::move(id));
   grpc::AddInsecureChannelFromFd(server, fd.release());  // gRPC owns it from here

@@ -110,6 +110,27 @@ TEST(Limits, ADescriptorReserveKeepsANewUsersAttachWorking) {
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
 
+// One user's idle connections to the gRPC socket (a descriptor each in dosd)
+// are bounded per uid (twice --max_sessions_per_uid, plus 16): with
+// RLIMIT_NOFILE 256, 400 of them leave another user attaching and stepping
+// (unbounded, dosd ran out of descriptors and the attach failed).
+TEST(Limits, IdleConnectionsOfOneUserAreBoundedPerUid) {
+  DOS_SECURITY_REQUIRE();
+  auto d = DaemonWithFileLimit(256, 256, {"--max_sessions_per_uid=8"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess attacker(User("dos-sec-a"), d->socket(), {"connect:n=400", "wait"});
+  ASSERT_EQ(Code(attacker.Await("connect")), 0) << attacker.output();
+  EXPECT_TRUE(WaitFor([&] {
+    return d->log().find("event=auth.connection_refused uid=" +
+                         std::to_string(User("dos-sec-a").uid)) != std::string::npos;
+  }, 10000)) << d->log().substr(0, 4000);
+  const std::string victim = RunAs(User("dos-sec-e"), d->socket(),
+                                   {"attach", "register:numel=4096", "step:n=3"});
+  EXPECT_NE(victim.find("OK step step=3"), std::string::npos) << victim << d->log().substr(0, 4000);
+  attacker.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
 // One user attaching 150 times logs session.attach 20 times and a count; the
 // next user's line is not held back.
 TEST(Limits, InfoLinesAreRateLimitedPerEventAndUid) {

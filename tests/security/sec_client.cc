@@ -24,6 +24,7 @@
 //   rpc_list                      ListSessions (prints the count)
 //   rpc_delete:path=P[,uid=U]     DeleteCheckpoint (uid: another's folder, operators only)
 //   fd_empty                      an empty message on the descriptor socket; prints dosd's answer
+//   connect:n=N                   N idle connections to the gRPC socket, held until exit
 //   rpc_attach:name=N[,n=K,keep=1] K raw Attach calls claiming this process's pid (keep=1:
 //                                 go on after a refusal)
 //   rpc_resume:id=I,token=T       raw Attach resuming session I with token T
@@ -258,6 +259,19 @@ int main(int argc, char** argv) {
       PrintRpc("rpc_delete", st,
                absl::StrCat("files=", resp.paths_size(), " bytes=", resp.bytes(),
                             " uid_bytes=", resp.usage().bytes()));
+    } else if (op.name == "connect") {
+      // Idle connections to the gRPC socket, held until the process ends.
+      static std::vector<dos::UniqueFd> held;
+      uint64_t opened = 0;
+      for (uint64_t k = 0; k < U64(a, "n", 1); ++k) {
+        dos::UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        std::memcpy(addr.sun_path, socket.data(), std::min(socket.size(), sizeof addr.sun_path - 1));
+        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) ++opened;
+        held.push_back(std::move(s));
+      }
+      Print(absl::StrCat("OK connect opened=", opened));
     } else if (op.name == "fd_empty") {
       // An empty message on the descriptor socket: dosd answers what is wrong.
       dos::UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
