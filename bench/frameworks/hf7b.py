@@ -86,12 +86,23 @@ class Sampler:
 
 
 def dosd_pid_of(socket):
+    if os.environ.get("DOS_DOSD_PID"):
+        return int(os.environ["DOS_DOSD_PID"])
     try:
-        out = subprocess.run(["pgrep", "-f", f"--socket={socket}"], capture_output=True,
+        out = subprocess.run(["pgrep", "-f", "--", f"--socket={socket}"], capture_output=True,
                              text=True).stdout.split()
         return int(out[0]) if out else 0
     except (OSError, ValueError):
         return 0
+
+
+def mmap_loads():
+    """The one line a resuming user writes: torch.load maps checkpoint files
+    instead of reading them whole (HF's resume loads optimizer.pt with it)."""
+    try:
+        torch.utils.serialization.config.load.mmap = True  # torch >= 2.5
+    except AttributeError:
+        torch.serialization.config.load.mmap = True
 
 
 def make_model(size, device):
@@ -165,6 +176,14 @@ def main():
 
     marks = {}
 
+    class NoFinalSave(TrainerCallback):
+        """The disk holds one checkpoint of the round trip's model: the
+        save_steps one is kept, the Trainer's save at the last step skipped."""
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step >= args.steps and args.steps % args.save_at:
+                control.should_save = False
+
     class Clock(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
             marks["train_begin"] = time.perf_counter()
@@ -192,15 +211,14 @@ def main():
                  dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-5,
                  lr_scheduler_type="constant", seed=0, data_seed=0)
     if args.roundtrip:
-        targs.update(save_strategy="steps", save_steps=args.save_at, save_total_limit=1,
-                     save_only_model=False)
+        targs.update(save_strategy="steps", save_steps=args.save_at, save_only_model=False)
     trainer = Trainer(model=model, args=TrainingArguments(**targs),
                       train_dataset=RandomTokens(max(64, args.steps), args.seq),
-                      optimizers=(opt, None), callbacks=[Clock()])
+                      optimizers=(opt, None), callbacks=[Clock(), NoFinalSave()])
     t = time.time()
     resume = None
     if args.roundtrip == "resume":
-        torch.serialization.config.load.mmap = True  # the one line a resuming user writes
+        mmap_loads()
         resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
     trainer.train(resume_from_checkpoint=resume)
     res["train_s"] = time.time() - t

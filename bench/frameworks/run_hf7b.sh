@@ -16,6 +16,7 @@ mkdir -p "$O"
 sock=/tmp/dos-hf7b.sock; rm -f $sock
 "$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt > "$O/dosd.log" 2>&1 &
 dpid=$!
+export DOS_DOSD_PID=$dpid
 for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
 export DOS_SOCKET=$sock
 W=/tmp/hf7b-work; rm -rf $W; mkdir -p $W

@@ -417,6 +417,18 @@ dos_status dos_state_view_map(dos_session* session, uint32_t tensor, int32_t whi
   });
 }
 
+dos_status dos_state_view_modified(void* addr, uint64_t map_bytes, int32_t* modified) {
+  return Guard("state_view_modified", [&]() -> absl::Status {
+    if (modified == nullptr) {
+      return absl::InvalidArgumentError("state_view_modified: modified is NULL");
+    }
+    absl::StatusOr<bool> m = dos::client::StateViews::Modified(addr, map_bytes);
+    if (!m.ok()) return m.status();
+    *modified = *m ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
 dos_status dos_state_view_unmap(void* addr, uint64_t map_bytes) {
   return Guard("state_view_unmap", [&]() -> absl::Status {
     return dos::client::StateViews::Unmap(addr, map_bytes);

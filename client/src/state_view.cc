@@ -1,5 +1,6 @@
 #include "state_view.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -93,6 +94,33 @@ absl::StatusOr<StateView> StateViews::Map(uint32_t tensor, int which) const {
   }
   v.addr = base;
   return v;
+}
+
+absl::StatusOr<bool> StateViews::Modified(void* addr, uint64_t map_bytes) {
+  constexpr uint64_t kPresent = uint64_t{1} << 63;
+  constexpr uint64_t kFileOrShared = uint64_t{1} << 61;
+  UniqueFd pm(::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC));
+  if (!pm.valid()) {
+    return absl::UnavailableError(
+        absl::StrCat("state view: /proc/self/pagemap: ", std::strerror(errno)));
+  }
+  const uint64_t first = reinterpret_cast<uintptr_t>(addr) / kPage;
+  const uint64_t pages = (map_bytes + kPage - 1) / kPage;
+  std::vector<uint64_t> e(std::min<uint64_t>(pages, 1 << 16));
+  for (uint64_t done = 0; done < pages;) {
+    const uint64_t n = std::min<uint64_t>(e.size(), pages - done);
+    const ssize_t got = ::pread(pm.get(), e.data(), n * 8, static_cast<off_t>((first + done) * 8));
+    if (got <= 0) {
+      return absl::UnavailableError(
+          absl::StrCat("state view: /proc/self/pagemap: ", std::strerror(errno)));
+    }
+    const uint64_t k = static_cast<uint64_t>(got) / 8;
+    for (uint64_t i = 0; i < k; ++i) {
+      if ((e[i] & kPresent) != 0 && (e[i] & kFileOrShared) == 0) return true;
+    }
+    done += k;
+  }
+  return false;
 }
 
 absl::Status StateViews::Unmap(void* addr, uint64_t map_bytes) {

@@ -45,6 +45,10 @@ class StateViews {
   // `which`: 0 master, 1 exp_avg, 2 exp_avg_sq.
   absl::StatusOr<StateView> Map(uint32_t tensor, int which) const;
   static absl::Status Unmap(void* addr, uint64_t map_bytes);
+  // True if any page of the view was written (a private copy replaced
+  // dosd's page: /proc/self/pagemap shows it anonymous). Reads 8 bytes of
+  // pagemap per 4 KiB page, in bounded pieces.
+  static absl::StatusOr<bool> Modified(void* addr, uint64_t map_bytes);
 
  private:
   UniqueFd state_;

@@ -62,9 +62,14 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uin
   UniqueFd fd(static_cast<int>(::memfd_create("dos-state", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
   if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(a->file_bytes_)) != 0 ||
       ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, ": cannot create ", FormatBytes(a->file_bytes_), " of shared host memory for the "
-        "optimizer state (memfd: ", std::strerror(errno), ")"));
+    // Private memory still holds the state; only the owner's zero-copy view
+    // is lost (state_dict() then copies). RLIMIT_FSIZE limits memfds too.
+    a->unshared_reason_ = absl::StrCat("memfd of ", FormatBytes(a->file_bytes_), ": ",
+                                       std::strerror(errno));
+    DOS_LOG_WARNING("state.not_shareable", "what", what, "error", a->unshared_reason_,
+                    "fix", "raise dosd's RLIMIT_FSIZE (ulimit -f unlimited); state_dict() of "
+                    "this session copies its state");
+    fd.reset();
   }
   // Over-map by one huge page so the slots can start 2 MiB-aligned: reserve
   // the range, then map the memfd at its aligned start.
@@ -79,8 +84,10 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uin
     aligned = a->huge_
                   ? reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(base), kHugePage))
                   : base;
-    if (::mmap(aligned, a->file_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd.get(),
-               0) == MAP_FAILED) {
+    const bool shared = fd.valid();
+    if (::mmap(aligned, a->file_bytes_, PROT_READ | PROT_WRITE,
+               (shared ? MAP_SHARED : MAP_PRIVATE | MAP_ANONYMOUS) | MAP_FIXED,
+               shared ? fd.get() : -1, 0) == MAP_FAILED) {
       p = MAP_FAILED;
     }
   }
@@ -109,6 +116,11 @@ HostArena::~HostArena() {
 }
 
 absl::StatusOr<UniqueFd> HostArena::ReadOnlyFd() const {
+  if (!fd_.valid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state memory: this session's state is not shareable (", unshared_reason_,
+        "); read it by copy (dos_state_read)"));
+  }
   // A new open file description, read-only: its holder can map the state
   // (MAP_PRIVATE; MAP_SHARED only without PROT_WRITE) but neither write,
   // resize nor seal it.

@@ -2,6 +2,8 @@
 // (shmem) mapped shared, cut into per-subgroup slots. The memfd's size is
 // sealed; ReadOnlyFd() gives the session's owner a read-only descriptor of it
 // (the zero-copy state_dict(): the owner maps its state, nothing is copied).
+// Where no memfd can be made (RLIMIT_FSIZE smaller than the state), the
+// state lives in private memory as before and ReadOnlyFd() says why.
 //
 // Why one mapping, filled in parallel: a 6B-parameter shard is ~71 GB of
 // fp32 state. Allocated with malloc and zeroed by one thread it took most of
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -72,7 +75,8 @@ class HostArena {
   char* data_ = nullptr;  // where the memfd is mapped (file_bytes_ bytes)
   uint64_t mapped_ = 0;
   uint64_t file_bytes_ = 0;
-  UniqueFd fd_;
+  UniqueFd fd_;                  // invalid: private memory (unshared_reason_)
+  std::string unshared_reason_;
   std::vector<uint64_t> file_offsets_;
   bool huge_ = false;
   std::vector<uint64_t> offsets_;

@@ -76,20 +76,31 @@ std::optional<uint64_t> CgroupRoom(std::string* where, uint64_t* limit_out) {
 
 }  // namespace
 
+namespace {
+bool WriteOomScoreAdj(int value) {
+  std::ofstream out("/proc/self/oom_score_adj");
+  out << value << std::flush;
+  return out.good();
+}
+}  // namespace
+
 void LowerOomScore() {
-  const char* path = "/proc/self/oom_score_adj";
-  std::ofstream out(path);
-  out << kDaemonOomScoreAdj << std::flush;
-  if (out.good()) {
+  if (WriteOomScoreAdj(kDaemonOomScoreAdj)) {
     DOS_LOG_INFO("daemon.oom_score_adj", "value", kDaemonOomScoreAdj);
     return;
   }
-  DOS_LOG_WARNING("daemon.oom_score_adj_kept", "message",
-                  absl::StrCat("cannot lower dosd's OOM score to ", kDaemonOomScoreAdj, " (", path,
-                               ": needs CAP_SYS_RESOURCE); trainers still raise their own when "
-                               "they attach, but run dosd as the packaged service "
-                               "(OOMScoreAdjust=-900) or with CAP_SYS_RESOURCE so the kernel's "
-                               "OOM killer never picks it"));
+  // Without CAP_SYS_RESOURCE a score can still come down to what this
+  // process started from: one inherited from a trainer that raised its own
+  // (client/src/oom_score.h) goes back to 0.
+  int current = 0;
+  std::ifstream("/proc/self/oom_score_adj") >> current;
+  const bool reset = current > 0 && WriteOomScoreAdj(0);
+  DOS_LOG_WARNING("daemon.oom_score_adj_kept", "value", reset ? 0 : current, "message",
+                  absl::StrCat("cannot lower dosd's OOM score to ", kDaemonOomScoreAdj,
+                               " (/proc/self/oom_score_adj: needs CAP_SYS_RESOURCE); trainers "
+                               "raise their own when they attach, but run dosd as the packaged "
+                               "service (OOMScoreAdjust=-900) or with CAP_SYS_RESOURCE so the "
+                               "kernel's OOM killer never picks it"));
 }
 
 absl::Status CheckHostCanHold(uint64_t bytes, absl::string_view what) {

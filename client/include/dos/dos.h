@@ -370,6 +370,9 @@ dos_status dos_state_views_fetch(dos_session* session, uint32_t* num_tensors,
 dos_status dos_state_view_step(dos_session* session, uint32_t tensor, int64_t* step);
 dos_status dos_state_view_map(dos_session* session, uint32_t tensor, int32_t which,
                               dos_state_view* out);
+/* *modified = 1 if the caller wrote into the view (a page of it is now the
+ * caller's private copy), else 0. */
+dos_status dos_state_view_modified(void* addr, uint64_t map_bytes, int32_t* modified);
 dos_status dos_state_view_unmap(void* addr, uint64_t map_bytes);
 
 /* GPU lease (GPU mode). dosd keeps as many subgroups' optimizer state

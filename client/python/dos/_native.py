@@ -190,6 +190,7 @@ SIGNATURES = {
                                    ctypes.POINTER(ctypes.c_uint32)]),
     "dos_state_view_step": (_S, [_P, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_view_map": (_S, [_P, ctypes.c_uint32, ctypes.c_int32, ctypes.POINTER(StateView)]),
+    "dos_state_view_modified": (_S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int32)]),
     "dos_state_view_unmap": (_S, [_P, ctypes.c_uint64]),
     # GPU mode: the memory this trainer lends dosd for its resident tier.
     "dos_set_gpu_lease": (_S, [_P, ctypes.POINTER(GpuLease)]),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 from collections import defaultdict
 from typing import Any, Dict, Optional
 
@@ -97,21 +98,29 @@ class _StateMixin:
              buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
         return buf, int(step.value)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, *, all_params: Optional[bool] = None) -> Dict[str, Any]:
         """torch.optim.AdamW's format: state[i] = {'step', 'exp_avg',
         'exp_avg_sq'} (CPU tensors over dosd's memory, shaped like the
         parameter, or like a DTensor's local shard wrapped as a DTensor),
-        plus 'master_param' (fp32) for 16-bit parameters; only parameters a
-        step has updated have state. Waits for a step in flight first, so it
-        always shows finished steps."""
+        plus 'master_param' (fp32) for 16-bit parameters. Only parameters a
+        step has updated have state, as in torch, unless `all_params`: then
+        every parameter's (fresh ones: master = weight, zero moments, step 0),
+        a layout to load into in place (DCP). torch.distributed.checkpoint's
+        get/set_optimizer_state_dict get that by default (torch's own
+        optimizers get it from DCP's zero-gradient init step, which DOS skips:
+        its gradients are never None). Waits for a step in flight first, so
+        it always shows finished steps."""
         self._check_open("state_dict")
+        if all_params is None:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            all_params = caller.startswith("torch.distributed.checkpoint")
         self._finish_inflight()
         self._sync_device()
         state = defaultdict(dict)
         moment_bytes = _views.fetch(self._session)
         for e in self._entries:
             step = _views.step_of(self._session, e.index)
-            if step > 0:
+            if step > 0 or all_params:
                 state[e.param] = self._tensor_state(e, step, moment_bytes)
         saved, self.state = self.state, state
         try:
@@ -132,7 +141,7 @@ class _StateMixin:
         """e's state from the views fetched last: views of dosd's memory
         where the tensor is page-aligned there, else copies."""
         shape = e.local.shape  # a DTensor's local shard: this rank's state
-        moment = torch.bfloat16 if moment_bytes == 2 else torch.float32
+        moment = torch.bfloat16 if (moment_bytes or self._moment_bytes()) == 2 else torch.float32
         fp16 = e.param.dtype != torch.float32
         parts = [_views.view(self._session, e.index, w, dt, shape) if want else None
                  for w, dt, want in ((0, torch.float32, fp16), (1, moment, True),
@@ -145,6 +154,9 @@ class _StateMixin:
         if master is not None:
             s["master_param"] = _state_tensor(e, master)
         return s
+
+    def _moment_bytes(self) -> int:
+        return 2 if getattr(self, "_compact_state", False) else 4
 
     def _copied_state(self, e: Entry, fp16: bool, moment: torch.dtype):
         """[master or None, exp_avg, exp_avg_sq] of e read into new tensors

@@ -35,9 +35,12 @@ __all__ = ["fetch", "step_of", "view", "live", "is_view_of"]
 
 _lock = threading.Lock()
 _live = 0
-# Address of a live view -> (session address, tensor index, array): lets
-# load_state_dict() see that it is handed the state it already holds.
-_origins: Dict[int, Tuple[int, int, int]] = {}
+# Address of a live view -> (session address, tensor index, array, bytes
+# mapped): lets load_state_dict() see that it is handed the state it already
+# holds.
+_origins: Dict[int, Tuple[int, int, int, int]] = {}
+# Sessions whose state dosd could not share (fetch() answered 0).
+_unshared: set = set()
 
 
 def _release(addr: int, map_bytes: int) -> None:
@@ -60,21 +63,38 @@ def live() -> int:
 def is_view_of(t, session, index: int, which: int) -> bool:
     """True if `t` is a view made here of tensor `index`'s array `which` of
     `session` (what load_state_dict() of a state dict just taken gets)."""
-    return (isinstance(t, torch.Tensor) and t.device.type == "cpu"
-            and _origins.get(t.data_ptr()) == (_address(session), index, which))
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return False
+    o = _origins.get(t.data_ptr())
+    if o is None or o[:3] != (_address(session), index, which):
+        return False
+    modified = ctypes.c_int32()
+    call("dos_state_view_modified", ctypes.c_void_p(t.data_ptr()), ctypes.c_uint64(o[3]),
+         ctypes.byref(modified))
+    return not modified.value  # written into: the caller's values, to be loaded
 
 
 def fetch(session) -> int:
     """Asks dosd for the session's state map now; returns the bytes of a
-    moment element (4, or 2 in compact format)."""
+    moment element (4, or 2 in compact format), or 0 where dosd cannot share
+    the state (its log says why): then view() returns None (copies)."""
     moment = ctypes.c_uint32()
-    call("dos_state_views_fetch", session, None, ctypes.byref(moment))
+    rc = lib.dos_state_views_fetch(session, None, ctypes.byref(moment))
+    if rc == Status.FAILED_PRECONDITION:
+        _unshared.add(_address(session))
+        return 0
+    check(rc)
+    _unshared.discard(_address(session))
     return int(moment.value)
 
 
 def step_of(session, index: int) -> int:
     step = ctypes.c_int64()
-    call("dos_state_view_step", session, ctypes.c_uint32(index), ctypes.byref(step))
+    if _address(session) in _unshared:
+        call("dos_state_read", session, ctypes.c_uint32(index), None, None, None,
+             ctypes.byref(step))
+    else:
+        call("dos_state_view_step", session, ctypes.c_uint32(index), ctypes.byref(step))
     return int(step.value)
 
 
@@ -83,6 +103,8 @@ def view(session, index: int, which: int, dtype: torch.dtype,
     """Tensor `index`'s array `which` (0 master, 1 exp_avg, 2 exp_avg_sq) as
     a tensor over dosd's memory, or None where it cannot be mapped."""
     global _live
+    if _address(session) in _unshared:
+        return None
     v = StateView()
     rc = lib.dos_state_view_map(session, ctypes.c_uint32(index), ctypes.c_int32(which),
                                 ctypes.byref(v))
@@ -93,7 +115,7 @@ def view(session, index: int, which: int, dtype: torch.dtype,
     buf = (ctypes.c_uint8 * map_bytes).from_address(addr)
     with _lock:
         _live += 1
-        _origins[addr] = (_address(session), index, which)
+        _origins[addr] = (_address(session), index, which, map_bytes)
     weakref.finalize(buf, _release, addr, map_bytes)
     if int(v.numel) == 0:
         raise DosError(Status.INTERNAL, "state view of an empty tensor")
