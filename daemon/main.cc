@@ -25,6 +25,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
+#include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
 #ifdef DOS_WITH_CUDA
@@ -465,8 +466,7 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
   server->Wait();
 }
 
-// The checkpoint store; null when off or unusable (training goes on without it);
-// an error for one that others could write (one user's state to another).
+// The checkpoint store; null when off or unusable; an error when others could write it.
 absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConfig& config,
                                                                 SessionManager* sessions,
                                                                 MetricsRegistry* metrics) {
@@ -474,9 +474,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConf
   CheckpointerOptions options = config.checkpoint;
   options.folders.on_usage = CheckpointUsageGauges(metrics, options.folders.quota_bytes);
   auto checkpointer = std::make_unique<Checkpointer>(options, sessions);
-  absl::Status st = checkpointer->Start();
-  if (absl::IsPermissionDenied(st)) return st;
-  if (!st.ok()) {
+  if (absl::Status st = checkpointer->Start(); !st.ok()) {
+    if (absl::IsPermissionDenied(st)) return st;  // not dosd's alone: users' state at stake
     DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
     return nullptr;
   }
@@ -596,5 +595,6 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<dos::DaemonConfig> config = dos::ConfigFromFlags();
   if (!config.ok()) return dos::Fail("daemon.config", config.status());
+  dos::LowerOomScore();  // a trainer's memory use must never take dosd down
   return dos::Run(*config);
 }
