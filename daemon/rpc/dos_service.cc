@@ -6,6 +6,7 @@
 #include "daemon/common/log.h"
 #include "daemon/rpc/grpc_status.h"
 #include "daemon/rpc/step_stats.h"
+#include "daemon/rpc/uid_usage.h"
 #include "dos/wire/control_block.h"
 
 namespace dos {
@@ -375,6 +376,7 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
   resp->set_host_state_bytes(budget_->used());
   resp->set_host_state_limit_bytes(budget_->limit());
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  FillUidUsage(*sessions_, resp);
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
   const ExecutorSet& executors = *sessions_->executors();
   const NodeResources::View node = executors.node().Snapshot();

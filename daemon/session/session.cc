@@ -61,12 +61,20 @@ Session::Session(SessionIdentity identity, const SessionOptions& options, const 
       executor_(executors->host()),
       budget_(budget),
       on_client_gone_(std::move(on_client_gone)),
-      policy_(policy) {}
+      policy_(policy) {
+  UidLedger* ledger = options.ledger;
+  if (ledger == nullptr) {
+    own_ledger_ = std::make_unique<UidLedger>(UidLimits{});
+    ledger = own_ledger_.get();
+  }
+  account_ = ledger->OpenAccount(identity_.uid, identity_.id);
+}
 
 Session::~Session() {
   Stop();
   absl::MutexLock lock(&mu_);
   CloseTrainerEvent();
+  if (bookkeeping_reserved_ != 0) budget_->Release(bookkeeping_reserved_);
 }
 
 void Session::CloseTrainerEvent() {
@@ -218,9 +226,17 @@ void Session::HandleRequest(uint32_t seq) {
       channel_->PostLeaseApplied(seq);
       const StepSync sync = MakeStepSync(seq, request.flags, start);
       const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
-      outcome = leased.ok() ? executor_->Run(*shard_, bindings_, request, step_policy,
-                                             sync, identity_.id, verdict)
-                            : absl::StatusOr<StepOutcome>(leased);
+      // An early step waits for its trainer: counted against its uid's
+      // --max_early_steps_per_uid while it runs.
+      absl::StatusOr<LedgerCharge> early =
+          (request.flags & kStepGradientsPending) == 0
+              ? LedgerCharge()
+              : account_->Charge(UidResource::kEarlySteps, 1,
+                                 absl::StrCat("step: early step ", seq));
+      const absl::Status admitted = !leased.ok() ? leased : early.status();
+      outcome = admitted.ok() ? executor_->Run(*shard_, bindings_, request, step_policy, sync,
+                                               identity_.id, verdict)
+                              : absl::StatusOr<StepOutcome>(admitted);
       ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
       num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());

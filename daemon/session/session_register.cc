@@ -27,6 +27,14 @@ struct Session::Registration {
   std::string restored_from;  // "", "resume" or a checkpoint path
   void* trainer_event = nullptr;
   bool attached = false;  // the engine's AttachShard ran (new state: before its weights)
+  // The tensors' bookkeeping (ChargeBookkeeping), the session's once published.
+  LedgerCharge tensors_charge;
+  LedgerCharge bookkeeping_charge;
+  HostMemoryBudget* budget = nullptr;
+  uint64_t bookkeeping_reserved = 0;  // from `budget`, given back unless published
+  ~Registration() {
+    if (bookkeeping_reserved != 0) budget->Release(bookkeeping_reserved);
+  }
 };
 
 absl::Status Session::Register(const ShardSpec& given) {
@@ -41,6 +49,7 @@ absl::Status Session::Register(const ShardSpec& given) {
   }
   DOS_RETURN_IF_ERROR(ValidateShardSpec(spec));
   Registration reg;
+  DOS_RETURN_IF_ERROR(ChargeBookkeeping(spec, &reg));
   DOS_RETURN_IF_ERROR(PickExecutor(spec, &reg));
   // The segments the spec names by id, out of the inbox (a failed Register
   // frees them: the client sends them again).
@@ -55,6 +64,21 @@ absl::Status Session::Register(const ShardSpec& given) {
   }
   Publish(&reg);
   StartStepThread();
+  return absl::OkStatus();
+}
+
+absl::Status Session::ChargeBookkeeping(const ShardSpec& spec, Registration* reg) {
+  const uint64_t n = spec.tensors.size();
+  uint64_t bytes = 0;
+  for (const TensorSpec& t : spec.tensors) bytes += kBookkeepingBytesPerTensor + t.desc.name.size();
+  DOS_ASSIGN_OR_RETURN(reg->tensors_charge,
+                       account_->Charge(UidResource::kTensors, n, "register"));
+  DOS_ASSIGN_OR_RETURN(reg->bookkeeping_charge,
+                       account_->Charge(UidResource::kBookkeepingBytes, bytes, "register"));
+  DOS_RETURN_IF_ERROR(budget_->Reserve(
+      bytes, absl::StrCat("register: the bookkeeping of ", n, " tensors (records and names)")));
+  reg->budget = budget_;
+  reg->bookkeeping_reserved = bytes;
   return absl::OkStatus();
 }
 
@@ -217,6 +241,9 @@ void Session::Publish(Registration* reg) {
                StateFormatName(shard.format()), "device", reg->executor->engine()->name(),
                "gpu_uuid", reg->device.uuid);
   executor_ = reg->executor;
+  tensors_charge_ = std::move(reg->tensors_charge);
+  bookkeeping_charge_ = std::move(reg->bookkeeping_charge);
+  bookkeeping_reserved_ = std::exchange(reg->bookkeeping_reserved, 0);
   transport_ = std::move(reg->transport);
   bindings_ = std::move(reg->bindings);
   trainer_event_ = reg->trainer_event;

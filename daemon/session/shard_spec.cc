@@ -98,6 +98,12 @@ absl::Status ValidateShardSpec(const ShardSpec& spec) {
   }
   if (device) DOS_RETURN_IF_ERROR(CheckOneDevice(spec));
   for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    const std::string& name = spec.tensors[i].desc.name;
+    if (name.size() > kMaxTensorNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "register: tensor ", i, "'s name has ", name.size(), " bytes; at most ",
+          kMaxTensorNameBytes, " are kept: give it a shorter name"));
+    }
     DOS_RETURN_IF_ERROR(CheckTensor(spec, i, device));
   }
   return absl::OkStatus();

@@ -38,6 +38,10 @@ struct ShardSpec {
 // "register: tensor 3 (w) param", for errors about one tensor.
 std::string TensorWhat(uint32_t index, const std::string& name, absl::string_view part);
 
+// Longest tensor name a registration may carry (bytes): names are kept for
+// the session's life (stats, checkpoints), so their size is bounded.
+inline constexpr size_t kMaxTensorNameBytes = 1024;
+
 // INVALID_ARGUMENT naming the tensor or group and the fix when the spec
 // cannot be registered: no tensors or groups (or too many groups), a group's
 // hyperparameters outside torch's rules (ValidateGroupStepParams), a tensor with
