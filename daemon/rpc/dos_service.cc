@@ -311,6 +311,7 @@ grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterSha
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   if (absl::Status st = MayActOn(ctx, **s, "register"); !st.ok()) return ToGrpcStatus(st);
+  if (absl::Status st = AdmitRegistration(**s, *req); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
   absl::Status st = (*s)->Register(*spec);

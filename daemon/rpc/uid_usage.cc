@@ -25,4 +25,14 @@ void FillUidUsage(const SessionManager& sessions, v1::GetStatsResponse* resp) {
   Fill(sessions.max_sessions_per_uid(), limits.per_uid, resp->mutable_uid_limits());
 }
 
+absl::Status AdmitRegistration(const Session& session, const v1::RegisterShardRequest& req) {
+  uint64_t bytes = 0;
+  for (int i = 0; i < req.tensors_size(); ++i) {
+    const size_t name = req.tensors(i).name().size();
+    if (absl::Status st = CheckTensorName(static_cast<uint32_t>(i), name); !st.ok()) return st;
+    bytes += kBookkeepingBytesPerTensor + name;
+  }
+  return session.CheckBookkeeping(static_cast<uint64_t>(req.tensors_size()), bytes);
+}
+
 }  // namespace dos

@@ -91,11 +91,6 @@ struct SessionOptions {
   UidLedger* ledger = nullptr;
 };
 
-// Bookkeeping dosd keeps per registered tensor beyond its name (its spec,
-// binding, layout and summary records), charged with the name to the uid
-// (--max_bookkeeping_bytes_per_uid) and to --host_memory_limit. An estimate
-// from the structures' sizes, rounded up.
-inline constexpr uint64_t kBookkeepingBytesPerTensor = 512;
 
 // Smallest subgroup a registration gets (smaller requests are raised to it):
 // each subgroup is its own page-aligned allocation.
@@ -196,6 +191,12 @@ class Session {
   uint64_t control_block_bytes() const { return control_->size(); }
   // The control block's memfd (the descriptor socket sends dups of it).
   int control_fd() const { return control_->fd(); }
+  // Whether a registration of `tensors` tensors with `bookkeeping_bytes`
+  // (kBookkeepingBytesPerTensor each plus their names) would be charged now:
+  // RESOURCE_EXHAUSTED as Register would answer. Charges nothing; lets the
+  // RPC layer refuse a hopeless request before it copies it.
+  absl::Status CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_bytes) const;
+
   // Segments the client sent over the descriptor socket, waiting for use.
   SegmentInbox* inbox() { return &inbox_; }
   // The session's share of its uid's bounds (UidLedger).

@@ -67,10 +67,23 @@ absl::Status Session::Register(const ShardSpec& given) {
   return absl::OkStatus();
 }
 
+absl::Status Session::CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_bytes) const {
+  DOS_ASSIGN_OR_RETURN(LedgerCharge t, account_->Charge(UidResource::kTensors, tensors, "register"));
+  DOS_ASSIGN_OR_RETURN(LedgerCharge b, account_->Charge(UidResource::kBookkeepingBytes,
+                                                        bookkeeping_bytes, "register"));
+  DOS_RETURN_IF_ERROR(budget_->Reserve(
+      bookkeeping_bytes,
+      absl::StrCat("register: the bookkeeping of ", tensors, " tensors (records and names)")));
+  budget_->Release(bookkeeping_bytes);
+  return absl::OkStatus();
+}
+
 absl::Status Session::ChargeBookkeeping(const ShardSpec& spec, Registration* reg) {
   const uint64_t n = spec.tensors.size();
   uint64_t bytes = 0;
-  for (const TensorSpec& t : spec.tensors) bytes += kBookkeepingBytesPerTensor + t.desc.name.size();
+  for (const TensorSpec& t : spec.tensors) {
+    bytes += kBookkeepingBytesPerTensor + t.desc.name.size();
+  }
   DOS_ASSIGN_OR_RETURN(reg->tensors_charge,
                        account_->Charge(UidResource::kTensors, n, "register"));
   DOS_ASSIGN_OR_RETURN(reg->bookkeeping_charge,

@@ -82,10 +82,16 @@ DescriptorServer::~DescriptorServer() {
 }
 
 namespace {
-// Answers `status` without waiting: the peer may not read.
+// Answers `status` without waiting (the peer may not read) before the
+// connection is closed. A request already there is read first: closing a
+// unix socket with unread data makes the peer's next receive fail with
+// ECONNRESET instead of reading the answer (the client retries once).
 void Refuse(int fd, const absl::Status& status) {
   fdproto::Reply r = fdproto::MakeReply(status);
   (void)!::send(fd, &r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL);
+  alignas(fdproto::Request) char drain[sizeof(fdproto::Request)];
+  while (::recv(fd, drain, sizeof drain, MSG_DONTWAIT) > 0) {
+  }
 }
 }  // namespace
 

@@ -220,8 +220,11 @@ absl::StatusOr<Exchange> Call(const std::string& fd_socket, const Request& reque
         "cannot connect to dosd's descriptor socket ", fd_socket, ": ", std::strerror(errno),
         "; is dosd (of this release) running on the socket beside it?"));
   }
-  if (absl::Status s = SendMessage(sock.get(), &request, sizeof request, fds); !s.ok()) return s;
+  // A refused connection is answered and closed at once, perhaps before our
+  // request went out: then the answer is the reason, not the send's EPIPE.
+  const absl::Status sent = SendMessage(sock.get(), &request, sizeof request, fds);
   pollfd p{sock.get(), POLLIN, 0};
+  if (!sent.ok() && ::poll(&p, 1, 0) != 1) return sent;
   int ready;
   do {
     const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
@@ -231,6 +234,11 @@ absl::StatusOr<Exchange> Call(const std::string& fd_socket, const Request& reque
   Exchange ex;
   alignas(Reply) char buf[sizeof(Reply) + 1];
   absl::StatusOr<size_t> n = ReceiveMessage(sock.get(), buf, sizeof buf, &ex.fds);
+  if (!n.ok() && ::poll(&p, 1, 0) == 1) {
+    // Closed with our request unread, the connection reports ECONNRESET
+    // once; the answer that says why is queued behind it.
+    n = ReceiveMessage(sock.get(), buf, sizeof buf, &ex.fds);
+  }
   if (!n.ok()) return n.status();
   absl::StatusOr<Reply> reply = ParseReply(buf, *n, ex.fds.size());
   if (!reply.ok()) return reply.status();
