@@ -192,6 +192,35 @@ void Session::StepLoop() {
   }
 }
 
+namespace {
+
+// The daemon-wide totals (metrics) after one step; `params`: the session's
+// parameters when the step applied an update.
+void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome,
+                   double lock_wait_us, double snapshot_wait_us, uint64_t params) {
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
+  c->snapshot_wait_us.fetch_add(static_cast<uint64_t>(snapshot_wait_us), kRelaxed);
+  if (!outcome.ok()) {
+    c->failed_steps.fetch_add(1, kRelaxed);
+  } else {
+    c->steps.fetch_add(1, kRelaxed);
+    c->update_us.fetch_add(static_cast<uint64_t>(outcome->update_us), kRelaxed);
+    if (outcome->found_inf) {
+      c->skipped_steps.fetch_add(1, kRelaxed);
+    } else {
+      c->params_updated.fetch_add(params, kRelaxed);
+      const bool split = outcome->cpu_params + outcome->gpu_params != 0;
+      c->cpu_params.fetch_add(split ? outcome->cpu_params : params, kRelaxed);
+      c->gpu_params.fetch_add(outcome->gpu_params, kRelaxed);
+    }
+    c->h2d_bytes.fetch_add(outcome->h2d_bytes, kRelaxed);
+    c->d2h_bytes.fetch_add(outcome->d2h_bytes, kRelaxed);
+  }
+}
+
+}  // namespace
+
 void Session::HandleRequest(uint32_t seq) {
   auto* block = static_cast<ControlBlock*>(control_->data());
   const absl::Time start = absl::Now();
@@ -260,27 +289,9 @@ void Session::HandleRequest(uint32_t seq) {
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
   }
   result.wall_us = wall_us;
-  if (DaemonCounters* c = options_.counters; c != nullptr) {
-    constexpr auto kRelaxed = std::memory_order_relaxed;
-    c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
-    c->snapshot_wait_us.fetch_add(static_cast<uint64_t>(snapshot_wait_us), kRelaxed);
-    if (!outcome.ok()) {
-      c->failed_steps.fetch_add(1, kRelaxed);
-    } else {
-      c->steps.fetch_add(1, kRelaxed);
-      c->update_us.fetch_add(static_cast<uint64_t>(outcome->update_us), kRelaxed);
-      if (outcome->found_inf) {
-        c->skipped_steps.fetch_add(1, kRelaxed);
-      } else {
-        const uint64_t params = summary().params;
-        c->params_updated.fetch_add(params, kRelaxed);
-        const bool split = outcome->cpu_params + outcome->gpu_params != 0;
-        c->cpu_params.fetch_add(split ? outcome->cpu_params : params, kRelaxed);
-        c->gpu_params.fetch_add(outcome->gpu_params, kRelaxed);
-      }
-      c->h2d_bytes.fetch_add(outcome->h2d_bytes, kRelaxed);
-      c->d2h_bytes.fetch_add(outcome->d2h_bytes, kRelaxed);
-    }
+  if (options_.counters != nullptr) {
+    AddToCounters(options_.counters, outcome, lock_wait_us, snapshot_wait_us,
+                  outcome.ok() && !outcome->found_inf ? summary().params : 0);
   }
   {
     absl::MutexLock lock(&stats_mu_);

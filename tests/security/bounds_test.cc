@@ -153,16 +153,20 @@ TEST(Bounds, MappedBytesPerUidBoundsEveryOneOfItsSessions) {
 // Item 2: 128 idle connections used to hold a victim's dos_attach for 28 s.
 TEST(Bounds, IdleDescriptorConnectionsDelayNoOneElse) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon();
+  auto d = SecureDaemon({"--max_fd_connections_per_uid=8"});
   ASSERT_TRUE(d->Start()) << d->log();
-  UserProcess a(User("dos-sec-a"), BoundsArgv(d->socket(), {"idle:n=128", "wait"}));
+  // (A session too, so that `dosctl stats` lists the uid.)
+  UserProcess a(User("dos-sec-a"),
+                BoundsArgv(d->socket(), {"sparse:segments=1,bytes=4096", "idle:n=128", "wait"}));
   const std::string idle = a.Await("idle", 30000);
   ASSERT_EQ(Code(idle), 0) << idle;
   ASSERT_EQ(Code(a.Await("wait")), 0);
   const VictimRun v = RunVictim(*d, 10);
   ExpectVictimOk(v, 10, d->log());
   EXPECT_LT(Ms(v.attach), 1000) << v.attach;
+  // At most --max_fd_connections_per_uid of them wait to be served.
   const std::string row = UidRow(Stats(*d), User("dos-sec-a").uid);
+  EXPECT_NE(row.find(" / 8 "), std::string::npos) << row;
   a.Finish();
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
