@@ -91,7 +91,6 @@ struct SessionOptions {
   UidLedger* ledger = nullptr;
 };
 
-
 // Smallest subgroup a registration gets (smaller requests are raised to it):
 // each subgroup is its own page-aligned allocation.
 inline constexpr uint64_t kMinSubgroupSize = 256;
