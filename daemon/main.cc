@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/bounds_flags.h"
 #include "daemon/common/log.h"
+#include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
 #ifdef DOS_WITH_CUDA
@@ -563,5 +564,6 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<dos::DaemonConfig> config = dos::ConfigFromFlags();
   if (!config.ok()) return dos::Fail("daemon.config", config.status());
+  dos::LowerOomScore();  // a trainer's memory use must never take dosd down
   return dos::Run(*config);
 }

@@ -382,6 +382,59 @@ dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t
   });
 }
 
+dos_status dos_state_views_fetch(dos_session* session, uint32_t* num_tensors,
+                                 uint32_t* moment_bytes) {
+  return Guard("state_views_fetch", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_views_fetch"); !st.ok()) return st;
+    if (absl::Status st = session->impl->FetchStateViews(); !st.ok()) return st;
+    const dos::client::StateViews& v = session->impl->state_views();
+    if (num_tensors != nullptr) *num_tensors = v.num_tensors();
+    if (moment_bytes != nullptr) *moment_bytes = v.moment_bytes();
+    return absl::OkStatus();
+  });
+}
+
+dos_status dos_state_view_step(dos_session* session, uint32_t tensor, int64_t* step) {
+  return Guard("state_view_step", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_view_step"); !st.ok()) return st;
+    if (step == nullptr) return absl::InvalidArgumentError("state_view_step: step is NULL");
+    absl::StatusOr<int64_t> s = session->impl->state_views().Step(tensor);
+    if (!s.ok()) return s.status();
+    *step = *s;
+    return absl::OkStatus();
+  });
+}
+
+dos_status dos_state_view_map(dos_session* session, uint32_t tensor, int32_t which,
+                              dos_state_view* out) {
+  return Guard("state_view_map", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "state_view_map"); !st.ok()) return st;
+    if (out == nullptr) return absl::InvalidArgumentError("state_view_map: out is NULL");
+    absl::StatusOr<dos::client::StateView> v = session->impl->state_views().Map(tensor, which);
+    if (!v.ok()) return v.status();
+    *out = dos_state_view{v->addr, v->map_bytes, v->numel, v->elem_bytes, 0};
+    return absl::OkStatus();
+  });
+}
+
+dos_status dos_state_view_modified(void* addr, uint64_t map_bytes, int32_t* modified) {
+  return Guard("state_view_modified", [&]() -> absl::Status {
+    if (modified == nullptr) {
+      return absl::InvalidArgumentError("state_view_modified: modified is NULL");
+    }
+    absl::StatusOr<bool> m = dos::client::StateViews::Modified(addr, map_bytes);
+    if (!m.ok()) return m.status();
+    *modified = *m ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+dos_status dos_state_view_unmap(void* addr, uint64_t map_bytes) {
+  return Guard("state_view_unmap", [&]() -> absl::Status {
+    return dos::client::StateViews::Unmap(addr, map_bytes);
+  });
+}
+
 dos_status dos_set_gpu_lease(dos_session* session, const dos_gpu_lease* lease) {
   return Guard("set_gpu_lease", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "set_gpu_lease"); !st.ok()) return st;

@@ -1,5 +1,7 @@
 #include "session.h"
 
+#include "oom_score.h"
+
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -171,6 +173,7 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   s->step_channel_ = std::make_unique<ControlBlockChannel>(s->control_);
   s->step_channel_->SetDaemonConnection(s->daemon_connection_.get());
   s->control_->client_pid = static_cast<int32_t>(::getpid());
+  RaiseOomScore(s->control_->daemon_pid);  // out of memory, a trainer dies before dosd
   return s;
 }
 

@@ -33,6 +33,7 @@
 #include "buffer_table.h"
 #include "device_memory.h"
 #include "device_sync.h"
+#include "state_view.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/unique_fd.h"
 #include "dos/wire/shm_segment.h"
@@ -139,6 +140,10 @@ class ClientSession {
                                int64_t step);
 
   absl::Status SetPolicy(const std::string& policy);
+  // Zero-copy state views (state_view.h): Fetch asks dosd for the state map
+  // now; state_views() maps from the last one fetched.
+  absl::Status FetchStateViews() { return views_.Fetch(fd_socket_, id(), token()); }
+  const StateViews& state_views() const { return views_; }
   // The GPU lease the following steps carry (dos_set_gpu_lease).
   void SetGpuLease(const dos_gpu_lease& lease) {
     lease_ = lease;
@@ -159,6 +164,7 @@ class ClientSession {
   // Sends segments over the descriptor socket; their ids in order.
   absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::vector<const ShmSegment*>& segs);
   std::string fd_socket_;
+  StateViews views_;
   UniqueFd daemon_connection_;  // see ControlBlockChannel::SetDaemonConnection
   absl::Status CheckTensor(uint32_t tensor, const char* call) const;
   absl::Status CheckRange(uint32_t tensor, uint64_t offset, uint64_t count,

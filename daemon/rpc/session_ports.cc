@@ -29,6 +29,14 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
         port.control_fd = (*s)->control_fd();
         port.inbox = (*s)->inbox();
         port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
+        port.state_memory = [s = *s]() -> absl::StatusOr<std::vector<UniqueFd>> {
+          absl::StatusOr<ShardState::StateMemory> m = s->ExportStateMemory();
+          if (!m.ok()) return m.status();
+          std::vector<UniqueFd> fds;
+          fds.push_back(std::move(m->state));
+          fds.push_back(std::move(m->map));
+          return fds;
+        };
         port.keep_alive = *s;
         port.account = (*s)->account();
         return port;

@@ -368,6 +368,20 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, u
   return shard_->tensors()[tensor].step;
 }
 
+absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
+  absl::MutexLock lock(&mu_);
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state memory: session ", identity_.id, " has no registered state yet; register first"));
+  }
+  if (resident_synced_at_ != steps_run_) {
+    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    resident_synced_at_ = steps_run_;
+  }
+  return shard_->ExportStateMemory();
+}
+
 absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                   const MemoryRef& buf, int64_t step) {
   absl::MutexLock lock(&mu_);

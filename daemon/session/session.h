@@ -138,6 +138,9 @@ class Session {
   // 0: the whole tensor, offset 0): count fp32 master weights, exp_avg and
   // exp_avg_sq back to back at `buf`. Import rewrites the trainer's weights
   // of the range from the new masters and sets the tensor's step.
+  // The owner's zero-copy view of its state (ShardState::ExportStateMemory),
+  // after bringing resident subgroups' state home: taken between steps.
+  absl::StatusOr<ShardState::StateMemory> ExportStateMemory();
   absl::StatusOr<int64_t> ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                       const MemoryRef& buf);
   absl::Status ImportState(uint32_t tensor, uint64_t offset, uint64_t count, const MemoryRef& buf,

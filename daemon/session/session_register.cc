@@ -8,6 +8,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/state/host_guard.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
@@ -160,6 +161,12 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
                  subgroup_size, "used", kMinSubgroupSize);
     subgroup_size = kMinSubgroupSize;
   }
+  if (subgroup_size >= ShardState::kMapAlignMinSubgroup &&
+      subgroup_size % ShardState::kMapAlignElems != 0) {
+    // A multiple of the map alignment, so the owner's state_dict() maps its
+    // state instead of copying it (shard_state.h).
+    subgroup_size += ShardState::kMapAlignElems - subgroup_size % ShardState::kMapAlignElems;
+  }
   // What registering really allocates (page-aligned subgroups), not 12 (or
   // 8) bytes per parameter.
   const uint64_t bytes = ShardState::AllocatedBytes(numel, subgroup_size, spec.state_format);
@@ -172,6 +179,11 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
         spec.state_format == StateFormat::kFp32 ? ", use compact state (8 bytes a parameter)" : "",
         " or raise the limit"));
   }
+  // Beside what the host has committed already: a registration that cannot
+  // be held is refused here, not answered by the kernel's OOM killer.
+  DOS_RETURN_IF_ERROR(
+      CheckHostCanHold(bytes, absl::StrCat("session ", identity_.id, " (", numel,
+                                           " parameters)")));
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
                                           budget_,

@@ -1,5 +1,6 @@
 #include "daemon/state/host_arena.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -53,23 +54,55 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uin
     a->rounded_.push_back(RoundUp(std::max<uint64_t>(b, 1), kPage));
     offset += RoundUp(std::max<uint64_t>(b, 1), align);
   }
-  // Over-map by one huge page so the slots can start 2 MiB-aligned.
-  const uint64_t map_bytes = std::max<uint64_t>(offset, kPage) + (a->huge_ ? kHugePage : 0);
-  void* p = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
-                   0);
+  // The state lives in a memfd (shmem), mapped shared, so that dosd can hand
+  // its owner a read-only descriptor of it (StateMemoryFd): the owner's
+  // state_dict() maps its state instead of copying it. Its size is sealed:
+  // nobody, dosd included, can shrink it under a mapping (a SIGBUS).
+  a->file_bytes_ = std::max<uint64_t>(offset, kPage);
+  UniqueFd fd(static_cast<int>(::memfd_create("dos-state", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(a->file_bytes_)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    // Private memory still holds the state; only the owner's zero-copy view
+    // is lost (state_dict() then copies). RLIMIT_FSIZE limits memfds too.
+    a->unshared_reason_ = absl::StrCat("memfd of ", FormatBytes(a->file_bytes_), ": ",
+                                       std::strerror(errno));
+    DOS_LOG_WARNING("state.not_shareable", "what", what, "error", a->unshared_reason_,
+                    "fix", "raise dosd's RLIMIT_FSIZE (ulimit -f unlimited); state_dict() of "
+                    "this session copies its state");
+    fd.reset();
+  }
+  // Over-map by one huge page so the slots can start 2 MiB-aligned: reserve
+  // the range, then map the memfd at its aligned start.
+  const uint64_t map_bytes = a->file_bytes_ + (a->huge_ ? kHugePage : 0);
+  void* p = ::mmap(nullptr, map_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  char* aligned = nullptr;
+  if (p != MAP_FAILED) {
+    char* base = static_cast<char*>(p);
+    a->base_ = base;
+    a->mapped_ = map_bytes;
+    aligned = a->huge_
+                  ? reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(base), kHugePage))
+                  : base;
+    const bool shared = fd.valid();
+    if (::mmap(aligned, a->file_bytes_, PROT_READ | PROT_WRITE,
+               (shared ? MAP_SHARED : MAP_PRIVATE | MAP_ANONYMOUS) | MAP_FIXED,
+               shared ? fd.get() : -1, 0) == MAP_FAILED) {
+      p = MAP_FAILED;
+    }
+  }
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat(
         what, ": cannot map ", FormatBytes(map_bytes), " of host memory for the optimizer "
         "state (", std::strerror(errno), "); the host is out of memory or address space"));
   }
-  a->mapped_ = map_bytes;
-  char* base = static_cast<char*>(p);
-  a->base_ = base;
+  a->fd_ = std::move(fd);
+  a->data_ = aligned;
+  for (uint64_t& o : a->offsets_) a->file_offsets_.push_back(o);
+  for (uint64_t& o : a->offsets_) o += static_cast<uint64_t>(aligned - a->base_);
   if (a->huge_) {
-    char* aligned = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(base), kHugePage));
-    for (uint64_t& o : a->offsets_) o += static_cast<uint64_t>(aligned - base);
-    // Advisory: without THP (or with it "never") the pages are 4 KiB, which
-    // only costs speed.
+    // Advisory: without THP for shmem (shmem_enabled "never") the pages are
+    // 4 KiB, which only costs speed.
     if (::madvise(aligned, offset, MADV_HUGEPAGE) != 0) {
       DOS_LOG_INFO("state.no_huge_pages", "error", std::strerror(errno));
       a->huge_ = false;
@@ -80,6 +113,24 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uin
 
 HostArena::~HostArena() {
   if (base_ != nullptr) ::munmap(base_, mapped_);
+}
+
+absl::StatusOr<UniqueFd> HostArena::ReadOnlyFd() const {
+  if (!fd_.valid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state memory: this session's state is not shareable (", unshared_reason_,
+        "); read it by copy (dos_state_read)"));
+  }
+  // A new open file description, read-only: its holder can map the state
+  // (MAP_PRIVATE; MAP_SHARED only without PROT_WRITE) but neither write,
+  // resize nor seal it.
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
+  UniqueFd ro(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!ro.valid()) {
+    return absl::InternalError(absl::StrCat("cannot reopen the state's memfd read-only (", path,
+                                            ": ", std::strerror(errno), ")"));
+  }
+  return ro;
 }
 
 absl::Status HostArena::Touch(RegisterProgress* progress) {

@@ -1,5 +1,9 @@
-// HostArena: the host memory of one shard's optimizer state, one anonymous
-// private mapping cut into per-subgroup slots.
+// HostArena: the host memory of one shard's optimizer state, one memfd
+// (shmem) mapped shared, cut into per-subgroup slots. The memfd's size is
+// sealed; ReadOnlyFd() gives the session's owner a read-only descriptor of it
+// (the zero-copy state_dict(): the owner maps its state, nothing is copied).
+// Where no memfd can be made (RLIMIT_FSIZE smaller than the state), the
+// state lives in private memory as before and ReadOnlyFd() says why.
 //
 // Why one mapping, filled in parallel: a 6B-parameter shard is ~71 GB of
 // fp32 state. Allocated with malloc and zeroed by one thread it took most of
@@ -19,11 +23,13 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "daemon/state/register_progress.h"
+#include "dos/wire/unique_fd.h"
 
 namespace dos {
 
@@ -51,6 +57,11 @@ class HostArena {
   absl::Status Touch(RegisterProgress* progress);
 
   void* slot(size_t i) const { return base_ + offsets_[i]; }
+  // Where slot i lies in the memfd (ReadOnlyFd) and the memfd's size.
+  uint64_t file_offset(size_t i) const { return file_offsets_[i]; }
+  uint64_t file_bytes() const { return file_bytes_; }
+  // A new read-only descriptor of the state's memfd (O_RDONLY, close-on-exec).
+  absl::StatusOr<UniqueFd> ReadOnlyFd() const;
   // Bytes of slot i rounded up to whole pages (what may be page-locked).
   uint64_t slot_bytes(size_t i) const { return rounded_[i]; }
   size_t num_slots() const { return offsets_.size(); }
@@ -60,8 +71,13 @@ class HostArena {
 
  private:
   HostArena() = default;
-  char* base_ = nullptr;
+  char* base_ = nullptr;  // the reserved range (mapped_ bytes)
+  char* data_ = nullptr;  // where the memfd is mapped (file_bytes_ bytes)
   uint64_t mapped_ = 0;
+  uint64_t file_bytes_ = 0;
+  UniqueFd fd_;                  // invalid: private memory (unshared_reason_)
+  std::string unshared_reason_;
+  std::vector<uint64_t> file_offsets_;
   bool huge_ = false;
   std::vector<uint64_t> offsets_;
   std::vector<uint64_t> rounded_;

@@ -1,15 +1,25 @@
 #include "daemon/state/shard_state.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "dos/wire/state_map.h"
 #include "dos/wire/status_macros.h"
 
 namespace dos {
+namespace {
+uint64_t RoundUpTo(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
 uint64_t ShardState::AllocatedBytes(uint64_t params, uint64_t subgroup_size,
                                     StateFormat format) {
   if (subgroup_size == 0 || params == 0) return 0;
@@ -34,14 +44,23 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
     return absl::InvalidArgumentError(absl::StrCat(what, ": no tensors to register"));
   }
   std::unique_ptr<ShardState> s(new ShardState());
+  uint64_t params = 0;
+  for (const TensorDesc& t : tensors) params += t.numel;
+  // Map alignment (see kMapAlignElems): large tensors start on a boundary of
+  // the flat space, which then ends on one, so each run of theirs starts on a
+  // page in every state array and the owner can map them whole.
+  const bool align = subgroup_size % kMapAlignElems == 0 && params >= kMapAlignMinParams;
   uint64_t flat = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (const TensorDesc& t : tensors) {
+    if (align && t.numel >= kMapAlignMinNumel) flat = RoundUpTo(flat, kMapAlignElems);
     s->flat_offsets_.push_back(flat);
-    flat += tensors[i].numel;
+    flat += t.numel;
   }
+  if (align) flat = RoundUpTo(flat, kMapAlignElems);
   s->tensors_ = std::move(tensors);
   s->groups_ = std::move(groups);
-  s->total_params_ = flat;
+  s->total_params_ = params;
+  s->flat_size_ = flat;
   s->subgroup_size_ = subgroup_size;
   s->format_ = alloc.format;
   s->budget_ = budget;
@@ -49,26 +68,23 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
   DOS_RETURN_IF_ERROR(budget->Reserve(allocated, what));
   s->reserved_bytes_ = allocated;
 
-  // Cut the flat space into subgroups and record which tensor runs each covers.
-  uint32_t tensor = 0;
-  uint64_t tensor_offset = 0;
+  // Cut the flat space into subgroups and record which tensor runs each
+  // covers (the padding between tensors belongs to none).
   std::vector<uint64_t> slot_bytes;
+  uint32_t first = 0;
+  const auto num_tensors = static_cast<uint32_t>(s->tensors_.size());
   for (uint64_t begin = 0; begin < flat; begin += subgroup_size) {
     Subgroup g;
     g.format = alloc.format;
     g.flat_begin = begin;
     g.numel = std::min(subgroup_size, flat - begin);
-    uint64_t filled = 0;
-    while (filled < g.numel) {
-      const TensorDesc& t = s->tensors_[tensor];
-      uint64_t count = std::min(t.numel - tensor_offset, g.numel - filled);
-      if (count > 0) g.segments.push_back({tensor, tensor_offset, filled, count});
-      filled += count;
-      tensor_offset += count;
-      if (tensor_offset == t.numel) {
-        ++tensor;
-        tensor_offset = 0;
-      }
+    const uint64_t end = begin + g.numel;
+    auto tensor_end = [&](uint32_t t) { return s->flat_offsets_[t] + s->tensors_[t].numel; };
+    while (first < num_tensors && tensor_end(first) <= begin) ++first;
+    for (uint32_t t = first; t < num_tensors && s->flat_offsets_[t] < end; ++t) {
+      const uint64_t lo = std::max(begin, s->flat_offsets_[t]);
+      const uint64_t hi = std::min(end, tensor_end(t));
+      if (hi > lo) g.segments.push_back({t, lo - s->flat_offsets_[t], lo - begin, hi - lo});
     }
     slot_bytes.push_back(AllocationBytes(g.numel, alloc.format));
     s->subgroups_.push_back(std::move(g));
@@ -236,6 +252,60 @@ uint32_t ShardState::FinishSnapshot() {
 
 double ShardState::TakeWriteWaitUs() {
   return static_cast<double>(write_wait_ns_.exchange(0, std::memory_order_relaxed)) / 1e3;
+}
+
+}  // namespace dos
+
+namespace dos {
+
+absl::StatusOr<ShardState::StateMemory> ShardState::ExportStateMemory() const {
+  const uint64_t moment_bytes = format_ == StateFormat::kCompact ? 2 : 4;
+  std::vector<statemap::StateMapTensor> tensors;
+  std::vector<statemap::StateMapRun> runs;
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    statemap::StateMapTensor rec{tensors_[t].numel, tensors_[t].step, runs.size(), 0};
+    ForEachRun(t, [&](const Subgroup& g, const SubgroupSegment& seg) {
+      const uint64_t base = arena_->file_offset(static_cast<size_t>(&g - subgroups_.data()));
+      const uint64_t o = seg.subgroup_offset;
+      runs.push_back({{base + o * 4, base + g.numel * 4 + o * moment_bytes,
+                       base + g.numel * (4 + moment_bytes) + o * moment_bytes},
+                      seg.tensor_offset,
+                      seg.count});
+      ++rec.num_runs;
+    });
+    tensors.push_back(rec);
+  }
+  const statemap::StateMapHeader header{statemap::kMagic,
+                                        statemap::kVersion,
+                                        static_cast<uint32_t>(tensors.size()),
+                                        static_cast<uint32_t>(moment_bytes),
+                                        runs.size(),
+                                        arena_->file_bytes()};
+  std::string bytes(reinterpret_cast<const char*>(&header), sizeof header);
+  bytes.append(reinterpret_cast<const char*>(tensors.data()),
+               tensors.size() * sizeof(statemap::StateMapTensor));
+  bytes.append(reinterpret_cast<const char*>(runs.data()),
+               runs.size() * sizeof(statemap::StateMapRun));
+  UniqueFd map(static_cast<int>(::memfd_create("dos-state-map", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  if (!map.valid()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("state map: memfd_create: ", std::strerror(errno)));
+  }
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(map.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("state map: write: ", std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fcntl(map.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) !=
+      0) {
+    return absl::InternalError(absl::StrCat("state map: seal: ", std::strerror(errno)));
+  }
+  DOS_ASSIGN_OR_RETURN(UniqueFd state, arena_->ReadOnlyFd());
+  return StateMemory{std::move(state), std::move(map)};
 }
 
 }  // namespace dos

@@ -137,6 +137,22 @@ class ShardState {
   static uint64_t AllocatedBytes(uint64_t params, uint64_t subgroup_size,
                                  StateFormat format = StateFormat::kFp32);
 
+  // Map alignment: when the subgroup size is a multiple of kMapAlignElems and
+  // the shard has at least kMapAlignMinParams parameters, every tensor of at
+  // least kMapAlignMinNumel elements starts at a multiple of kMapAlignElems in
+  // the flat space (at most 2047 elements of padding each, in no segment), and
+  // the flat space ends on one. Each of such a tensor's runs then starts on a
+  // page of every state array (fp32 and bf16), so its owner can map each of
+  // its arrays as one contiguous read-only view (StateMemoryLayout).
+  static constexpr uint64_t kMapAlignElems = 2048;
+  static constexpr uint64_t kMapAlignMinNumel = uint64_t{1} << 16;
+  static constexpr uint64_t kMapAlignMinParams = uint64_t{1} << 20;
+  // Subgroup sizes of at least this many elements are rounded up to a
+  // multiple of kMapAlignElems by the session (a change of at most 0.2%).
+  static constexpr uint64_t kMapAlignMinSubgroup = uint64_t{1} << 20;
+  // The flat element space, padding included (subgroups cut it).
+  uint64_t flat_size() const { return flat_size_; }
+
   // Copies `n` elements of one state array of `tensor`, starting at
   // `tensor_offset`, out of (Read) or into (Write) `buf`. `which` is 0 for
   // master, 1 for exp_avg, 2 for exp_avg_sq. `buf` is fp32 whatever the
@@ -171,6 +187,16 @@ class ShardState {
   // Microseconds writers spent in BeforeWrite copying or waiting for a
   // snapshot (the copy-on-write stall) since the last call; resets it.
   double TakeWriteWaitUs();
+
+  // The owner's zero-copy view (fdproto::Op::kStateMemory): a read-only
+  // descriptor of the state's memfd and a sealed memfd holding the state map
+  // (dos/wire/state_map.h) of every tensor's runs and step count now. The
+  // caller makes sure the host state is current (resident subgroups synced).
+  struct StateMemory {
+    UniqueFd state;
+    UniqueFd map;
+  };
+  absl::StatusOr<StateMemory> ExportStateMemory() const;
 
   // The state's memory: subgroup i's state is arena().slot(i).
   const HostArena& arena() const { return *arena_; }
@@ -228,7 +254,8 @@ class ShardState {
   std::vector<GroupConfig> groups_;
   std::vector<Subgroup> subgroups_;
   std::unique_ptr<HostArena> arena_;
-  uint64_t total_params_ = 0;
+  uint64_t total_params_ = 0;  // sum of the tensors' elements
+  uint64_t flat_size_ = 0;     // total_params_ plus map-alignment padding
   uint64_t subgroup_size_ = 0;
   StateFormat format_ = StateFormat::kFp32;
   HostMemoryBudget* budget_ = nullptr;

@@ -199,10 +199,12 @@ void DescriptorServer::Serve(Waiting w) {
   }
   int send_fd = -1;
   SessionPort port;
-  fdproto::Reply reply = Handle(buf, *n, std::move(fds), caller, &send_fd, &port);
-  absl::Status sent =
-      send_fd >= 0 ? fdproto::SendMessage(fd, &reply, sizeof reply, {&send_fd, 1})
-                   : fdproto::SendMessage(fd, &reply, sizeof reply, {});
+  std::vector<UniqueFd> owned;
+  fdproto::Reply reply = Handle(buf, *n, std::move(fds), caller, &send_fd, &port, &owned);
+  std::vector<int> out;
+  if (send_fd >= 0) out.push_back(send_fd);
+  for (const UniqueFd& o : owned) out.push_back(o.get());
+  absl::Status sent = fdproto::SendMessage(fd, &reply, sizeof reply, out);
   if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(w.conn));
 }
 
@@ -248,7 +250,8 @@ absl::StatusOr<std::shared_ptr<const PeerProcess>> DescriptorServer::Redeem(
 
 fdproto::Reply DescriptorServer::Handle(const void* data, size_t n, std::vector<UniqueFd> fds,
                                         const std::shared_ptr<const PeerProcess>& caller,
-                                        int* send_fd, SessionPort* port_out) {
+                                        int* send_fd, SessionPort* port_out,
+                                        std::vector<UniqueFd>* owned) {
   *send_fd = -1;
   absl::StatusOr<fdproto::Request> req = fdproto::ParseRequest(data, n, fds.size());
   if (!req.ok()) return fdproto::MakeReply(req.status());
@@ -272,6 +275,17 @@ fdproto::Reply DescriptorServer::Handle(const void* data, size_t n, std::vector<
     r.num_fds = 1;
     *send_fd = port->control_fd;
     if (port_out != nullptr) *port_out = *port;
+    return r;
+  }
+  if (op == fdproto::Op::kStateMemory) {
+    if (!port->state_memory || owned == nullptr) {
+      return fdproto::MakeReply(absl::UnimplementedError("state memory: not served here"));
+    }
+    absl::StatusOr<std::vector<UniqueFd>> mem = port->state_memory();
+    if (!mem.ok()) return fdproto::MakeReply(mem.status());
+    fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
+    r.num_fds = static_cast<uint32_t>(mem->size());
+    *owned = *std::move(mem);
     return r;
   }
   return ReceiveSegments(*req, std::move(fds), *caller, *port);

@@ -55,6 +55,9 @@ struct SessionPort {
   // the session's life (its hang-up is the client's sign that dosd or the
   // session is gone); may be empty.
   std::function<void(UniqueFd)> hold_connection;
+  // The owner's view of its state (Op::kStateMemory): the state memfd
+  // (read-only) and its state map; may be empty.
+  std::function<absl::StatusOr<std::vector<UniqueFd>>()> state_memory;
   std::shared_ptr<void> keep_alive;  // holds the session while the port is used
   // The session's share of its uid's bounds: segments are charged to it
   // (kMappedBytes) before they are mapped. Null: not charged.
@@ -96,9 +99,10 @@ class DescriptorServer {
   // Serves one received request from `caller` (the connection's peer).
   // *send_fd: a descriptor to send with the reply, or -1; *port: the session
   // a control block request resolved to (for the connection hand-over).
+  // *owned: descriptors to send with the reply and close after (kStateMemory).
   fdproto::Reply Handle(const void* data, size_t n, std::vector<UniqueFd> fds,
                         const std::shared_ptr<const PeerProcess>& caller, int* send_fd,
-                        SessionPort* port = nullptr);
+                        SessionPort* port = nullptr, std::vector<UniqueFd>* owned = nullptr);
 
  private:
   DescriptorServer(std::string path, Options options, ResolveFn resolve)

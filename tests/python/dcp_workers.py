@@ -147,7 +147,10 @@ def load_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
         model = build(mode, world)
         opt = dos.torch.AdamW(model.parameters(), socket=socket,
                               client_name=f"pytest-dcp-load-{rank}", **LR)
-        sd = opt.state_dict()  # this rank's layout, filled in place by DCP
+        # This rank's layout, filled in place by DCP (a fresh optimizer has no
+        # state, as torch's: all_params gives every parameter's, as DCP's
+        # get_optimizer_state_dict does).
+        sd = opt.state_dict(all_params=True)
         dcp_load(flatten(model, sd), ckpt, backend)
         opt.load_state_dict(sd)
         full = full_state(model, opt.state_dict())  # read back from the daemon

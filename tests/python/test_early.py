@@ -170,7 +170,7 @@ def test_update_during_backward_skips_parameters_backward_did_not_reach(dos_sock
             assert torch.equal(p.detach(), b)
         assert_bitwise(model, ref_model, opt, ref_opt)
         state = opt.state_dict()["state"]
-        assert int(state[0]["step"]) == 0 and not state[0]["exp_avg"].any()
+        assert 0 not in state  # never updated: no state, as torch
 
 
 @pytest.mark.skipif(HAS_HOOK, reason="needs the hooks' body called by hand, between gradients")

@@ -345,6 +345,36 @@ dos_status dos_state_write_range(dos_session* session, uint32_t tensor, uint64_t
                                  uint64_t count, const float* master, const float* exp_avg,
                                  const float* exp_avg_sq, int64_t step);
 
+/* Zero-copy state views: what state_dict() returns instead of copies.
+ * dos_state_views_fetch asks dosd for the session's state memory now (a
+ * step in flight must be waited for first; resident GPU state is brought
+ * home): the number of tensors and the bytes of a moment element (4 fp32,
+ * 2 bf16 in compact format). dos_state_view_step gives a tensor's step count
+ * as fetched (0: torch would hold no state for it yet). dos_state_view_map
+ * maps tensor `tensor`'s array `which` (0 master fp32, 1 exp_avg,
+ * 2 exp_avg_sq) as one contiguous range over dosd's own memory: nothing is
+ * copied, later steps show through it, and writes to it change only the
+ * caller's private copy of a page. It answers DOS_FAILED_PRECONDITION for a
+ * tensor whose state is not page-aligned in dosd (small tensors): read a copy
+ * with dos_state_read. A view stays valid until dos_state_view_unmap, also
+ * after the session is detached. Added within API version 1. */
+typedef struct dos_state_view {
+  void* addr;
+  uint64_t map_bytes; /* what dos_state_view_unmap releases */
+  uint64_t numel;
+  uint32_t elem_bytes;
+  uint32_t reserved;
+} dos_state_view;
+dos_status dos_state_views_fetch(dos_session* session, uint32_t* num_tensors,
+                                 uint32_t* moment_bytes);
+dos_status dos_state_view_step(dos_session* session, uint32_t tensor, int64_t* step);
+dos_status dos_state_view_map(dos_session* session, uint32_t tensor, int32_t which,
+                              dos_state_view* out);
+/* *modified = 1 if the caller wrote into the view (a page of it is now the
+ * caller's private copy), else 0. */
+dos_status dos_state_view_modified(void* addr, uint64_t map_bytes, int32_t* modified);
+dos_status dos_state_view_unmap(void* addr, uint64_t map_bytes);
+
 /* GPU lease (GPU mode). dosd keeps as many subgroups' optimizer state
  * resident on the session's GPU as the memory the trainer lends it allows, so
  * those skip PCIe every step. The trainer lends what its own GPU budget leaves

@@ -112,6 +112,12 @@ class GpuLease(ctypes.Structure):
                 ("peak_bytes", ctypes.c_uint64)]
 
 
+class StateView(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("map_bytes", ctypes.c_uint64),
+                ("numel", ctypes.c_uint64), ("elem_bytes", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32)]
+
+
 # C struct name in dos.h -> its ctypes mirror (checked by test_native_abi.py).
 STRUCTS = {
     "dos_daemon_info": DaemonInfo,
@@ -123,6 +129,7 @@ STRUCTS = {
     "dos_step_args": StepArgs,
     "dos_step_result": StepResult,
     "dos_gpu_lease": GpuLease,
+    "dos_state_view": StateView,
 }
 
 _S = ctypes.c_int  # dos_status
@@ -178,6 +185,13 @@ SIGNATURES = {
                                   _F, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write_range": (_S, [_P, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64, _F, _F,
                                    _F, ctypes.c_int64]),
+    # Zero-copy state views (state_dict() over dosd's memory).
+    "dos_state_views_fetch": (_S, [_P, ctypes.POINTER(ctypes.c_uint32),
+                                   ctypes.POINTER(ctypes.c_uint32)]),
+    "dos_state_view_step": (_S, [_P, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int64)]),
+    "dos_state_view_map": (_S, [_P, ctypes.c_uint32, ctypes.c_int32, ctypes.POINTER(StateView)]),
+    "dos_state_view_modified": (_S, [_P, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int32)]),
+    "dos_state_view_unmap": (_S, [_P, ctypes.c_uint64]),
     # GPU mode: the memory this trainer lends dosd for its resident tier.
     "dos_set_gpu_lease": (_S, [_P, ctypes.POINTER(GpuLease)]),
     "dos_set_policy": (_S, [_P, ctypes.c_char_p]),

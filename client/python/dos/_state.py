@@ -1,17 +1,25 @@
 """Optimizer state I/O: state_dict() and load_state_dict() in
-torch.optim.AdamW's format, streamed from and to the daemon.
+torch.optim.AdamW's format, without a copy of the state in the trainer.
 
-state_dict() returns CPU tensors, whatever device the parameters are on: the
-state is read tensor by tensor straight into the tensors it returns (the
-client library moves it through one shared-memory buffer of at most 48 MiB),
-so the only copy besides the daemon's is the one handed to the caller and no
-GPU memory is used. FSDP2 (DTensor) parameters get DTensor state with the
-parameter's mesh and placements over CPU local shards, so that
-torch.distributed.checkpoint can save each rank's shard and reshard on load.
+Lazy state, as torch's: a parameter has state once a step has updated it;
+before that state_dict()["state"] and opt.state hold nothing for it, so
+frameworks that round-trip the optimizer before training (accelerate's
+prepare, Lightning's setup) move no state.
 
-load_state_dict() takes CPU tensors as they are (fp32 and contiguous: no copy)
-and converts anything else (other dtypes or devices, DTensors) in pieces of
-_CHUNK elements, so loading also needs no more than a bounded staging buffer.
+state_dict() returns CPU tensors over dosd's own memory (dos/_views.py):
+nothing is copied, whatever device the parameters are on, and torch.save
+streams the state from dosd's pages to the file. Small tensors (under 64 Ki
+elements, not page-aligned in dosd) are copies. With compact_state=True the
+moments are bf16 tensors (what dosd holds), the masters fp32. FSDP2 (DTensor)
+parameters get DTensor state with the parameter's mesh and placements over
+CPU local shards, so torch.distributed.checkpoint saves each rank's shard.
+
+load_state_dict() takes CPU tensors as they are (fp32 and contiguous: no
+copy; a file loaded with torch.load(mmap=True) is read page by page) and
+converts anything else (other dtypes or devices, DTensors) in pieces of
+_CHUNK elements, so loading also needs no more than a bounded buffer.
+Parameters without state in the loaded dict and none in dosd are left alone,
+and a state dict this optimizer just returned loads without moving a byte.
 
 param_groups carry the keys torch.optim.AdamW (or Adam) of the running torch
 has (foreach, fused, capturable, differentiable, ...), so a DOS state dict
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 from collections import defaultdict
 from typing import Any, Dict, Optional
 
@@ -32,6 +41,7 @@ import torch
 
 from dos._errors import DosError, call
 from dos._native import Status
+from dos import _views
 from dos._register import Entry, is_dtensor, local_of
 
 __all__ = ["torch_defaults"]
@@ -66,7 +76,7 @@ def _state_tensor(e: Entry, local: torch.Tensor):
         from torch.distributed._tensor import DTensor
         from torch.distributed._tensor.placement_types import DTensorSpec, TensorMeta
     p = e.param
-    meta = TensorMeta(p.shape, p.stride(), torch.float32)
+    meta = TensorMeta(p.shape, p.stride(), local.dtype)
     base = getattr(p, "_spec", None)
     if dataclasses.is_dataclass(base):  # the parameter's own spec: every field kept
         spec = dataclasses.replace(base, tensor_meta=meta)
@@ -88,43 +98,78 @@ class _StateMixin:
              buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
         return buf, int(step.value)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, *, all_params: Optional[bool] = None) -> Dict[str, Any]:
         """torch.optim.AdamW's format: state[i] = {'step', 'exp_avg',
-        'exp_avg_sq'} (fp32 CPU tensors shaped like the parameter, or like a
-        DTensor's local shard wrapped as a DTensor), plus 'master_param'
-        (fp32) for 16-bit parameters. Waits for a step in flight first, so it
-        always shows finished steps."""
+        'exp_avg_sq'} (CPU tensors over dosd's memory, shaped like the
+        parameter, or like a DTensor's local shard wrapped as a DTensor),
+        plus 'master_param' (fp32) for 16-bit parameters. Only parameters a
+        step has updated have state, as in torch, unless `all_params`: then
+        every parameter's (fresh ones: master = weight, zero moments, step 0),
+        a layout to load into in place (DCP). torch.distributed.checkpoint's
+        get/set_optimizer_state_dict get that by default (torch's own
+        optimizers get it from DCP's zero-gradient init step, which DOS skips:
+        its gradients are never None). Waits for a step in flight first, so
+        it always shows finished steps."""
         self._check_open("state_dict")
+        if all_params is None:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            all_params = caller.startswith("torch.distributed.checkpoint")
         self._finish_inflight()
         self._sync_device()
         state = defaultdict(dict)
+        moment_bytes = _views.fetch(self._session)
         for e in self._entries:
-            state[e.param] = self._tensor_state(e)
+            step = _views.step_of(self._session, e.index)
+            if step > 0 or all_params:
+                state[e.param] = self._tensor_state(e, step, moment_bytes)
         saved, self.state = self.state, state
         try:
             return super().state_dict()
         finally:
             self.state = saved
 
-    def _tensor_state(self, e: Entry) -> Dict[str, Any]:
-        """e's state in torch's per-parameter format, read from dosd (after
-        any step in flight)."""
+    def _state_of(self, e: Entry) -> Dict[str, Any]:
+        """e's state in torch's per-parameter format now ({} before its
+        first step, as torch's)."""
         self._finish_inflight()
         self._sync_device()
+        moment_bytes = _views.fetch(self._session)
+        step = _views.step_of(self._session, e.index)
+        return self._tensor_state(e, step, moment_bytes) if step > 0 else {}
+
+    def _tensor_state(self, e: Entry, step: int, moment_bytes: int) -> Dict[str, Any]:
+        """e's state from the views fetched last: views of dosd's memory
+        where the tensor is page-aligned there, else copies."""
         shape = e.local.shape  # a DTensor's local shard: this rank's state
-        m = torch.empty(shape, dtype=torch.float32)
-        v = torch.empty(shape, dtype=torch.float32)
-        master = None if e.param.dtype == torch.float32 else torch.empty(
-            shape, dtype=torch.float32)
-        step = ctypes.c_int64()
-        call("dos_state_read", self._session, ctypes.c_uint32(e.index),
-             None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
-             ctypes.byref(step))
-        s = {"step": torch.tensor(float(step.value)), "exp_avg": _state_tensor(e, m),
+        moment = torch.bfloat16 if (moment_bytes or self._moment_bytes()) == 2 else torch.float32
+        fp16 = e.param.dtype != torch.float32
+        parts = [_views.view(self._session, e.index, w, dt, shape) if want else None
+                 for w, dt, want in ((0, torch.float32, fp16), (1, moment, True),
+                                     (2, moment, True))]
+        if any(t is None for t, want in zip(parts, (fp16, True, True)) if want):
+            parts = self._copied_state(e, fp16, moment)
+        master, m, v = parts
+        s = {"step": torch.tensor(float(step)), "exp_avg": _state_tensor(e, m),
              "exp_avg_sq": _state_tensor(e, v)}
         if master is not None:
             s["master_param"] = _state_tensor(e, master)
         return s
+
+    def _moment_bytes(self) -> int:
+        return 2 if getattr(self, "_compact_state", False) else 4
+
+    def _copied_state(self, e: Entry, fp16: bool, moment: torch.dtype):
+        """[master or None, exp_avg, exp_avg_sq] of e read into new tensors
+        (small tensors only: see dos/_views.py)."""
+        shape = e.local.shape
+        m = torch.empty(shape, dtype=torch.float32)
+        v = torch.empty(shape, dtype=torch.float32)
+        master = torch.empty(shape, dtype=torch.float32) if fp16 else None
+        step = ctypes.c_int64()
+        call("dos_state_read", self._session, ctypes.c_uint32(e.index),
+             None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
+             ctypes.byref(step))
+        return [master, m.to(moment), v.to(moment)]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,
@@ -164,12 +209,33 @@ class _StateMixin:
                     continue  # frozen: no state in the daemon
                 self._write(e, s)
                 pushed.add(id(p))
-            for e in self._entries:
-                if id(e.param) not in pushed:
-                    self._write(e, None)  # torch would start this param afresh
+            fresh = [e for e in self._entries if id(e.param) not in pushed]
+            if fresh:
+                _views.fetch(self._session)
+            for e in fresh:
+                # torch would start this param afresh; one dosd has not
+                # stepped yet is fresh already (accelerate's prepare loads
+                # an empty state dict: nothing moves).
+                if _views.step_of(self._session, e.index) > 0:
+                    self._write(e, None)
         self._copy_out()
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+
+    def _is_own_state(self, e: Entry, s: Dict[str, Any]) -> bool:
+        """True if `s` is e's state as state_dict() returned it (views of
+        dosd's memory, same step): loading it would change nothing."""
+        arrays = [(1, "exp_avg"), (2, "exp_avg_sq")]
+        if "master_param" in s:
+            arrays.append((0, "master_param"))
+        elif e.param.dtype != torch.float32:
+            return False
+        if not all(s.get(k) is not None and
+                   _views.is_view_of(local_of(s[k]), self._session, e.index, w)
+                   for w, k in arrays):
+            return False
+        _views.fetch(self._session)
+        return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
 
     def _write(self, e: Entry, s: Optional[Dict[str, Any]]):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
@@ -187,6 +253,8 @@ class _StateMixin:
 
         if s is None:
             master, m, v, step = flat(p, "param"), None, None, 0
+        elif self._is_own_state(e, s):
+            return  # the state dict this optimizer returned: dosd holds it already
         else:
             master = flat(s["master_param"] if "master_param" in s else p, "master_param")
             m = flat(s["exp_avg"], "exp_avg")

@@ -227,6 +227,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from dos import _native
+from dos import _views
 from dos._errors import DosError, call
 from dos._hooks import _HooksMixin
 from dos._lease import GpuLease
@@ -248,9 +249,10 @@ class _DaemonState(defaultdict):
     """`opt.state`: torch's per-parameter state mapping, empty (the state
     lives in dosd, and frameworks that iterate it to move or save the state
     find nothing to copy), except that `state[p]` and `state.get(p)` of a
-    registered parameter read its state from dosd: a fresh copy, not kept
-    here (writes into it change nothing), on the parameter's device as
-    torch's (the step count stays a CPU scalar, as torch keeps it)."""
+    registered parameter read its state from dosd ({} before its first step,
+    as torch's): not kept here (writes into it change nothing), on the
+    parameter's device as torch's (the step count stays a CPU scalar, as
+    torch keeps it)."""
 
     def __init__(self, opt):
         super().__init__(dict)
@@ -275,7 +277,7 @@ class _DaemonState(defaultdict):
         return default if e is None else self._read(e)
 
     def _read(self, e):
-        s = self._opt()._tensor_state(e)
+        s = self._opt()._state_of(e)  # {} before the parameter's first step
         dev = e.param.device
         if dev.type != "cpu" and not is_dtensor(e.param):
             s = {k: v if k == "step" else v.to(dev) for k, v in s.items()}
@@ -292,8 +294,17 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
     (dos/_step.py)."""
 
     _decoupled = True  # AdamW; Adam (L2) overrides
-    # GradScaler hands the loss scale to step() instead of unscaling in place.
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """GradScaler hands the loss scale to step() instead of unscaling in
+        place (no pass over the gradients). Lightning reads the same flag to
+        refuse gradient_clip_val ("performs unscaling of gradients
+        internally"): to Lightning the answer is False, so it unscales in
+        place (16-mixed), clips the gradients itself, and its scaler.step()
+        then hands step() no scale (grad_scale None: already unscaled)."""
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return not caller.startswith(("lightning.", "pytorch_lightning.", "lightning_fabric."))
+
     # close() waits this long for the step in flight before detaching anyway.
     _CLOSE_WAIT_MS = 120_000
     # torch 2.x's GradScaler sets `grad_scale` (a tensor, or None after
@@ -901,7 +912,7 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             args, _groups = self._args(float(grad_scale) * amp_scale, clip_coef, skip=skip)
             self._begin(args)
         self._ready.clear()
-        if self._async and grad_scaler is None:
+        if self._async and grad_scaler is None and not _views.live():
             # Queued: the result is collected at the next step() (or by
             # found_inf, last_step, state access, synchronize()); the next
             # forward waits per layer (model=) or behind the whole step on the
@@ -911,6 +922,8 @@ class _DosAdamBase(_RegisterMixin, _HooksMixin, _StateMixin, torch.optim.Optimiz
             elif self._stream_sync:
                 self._queue_device_wait()
             return loss
+        # Synchronous also while a state dict's views of dosd's memory are
+        # alive (dos/_views.py): whoever holds one never sees a half step.
         self._wait()
         self._record_amp(grad_scaler)
         return loss

@@ -81,7 +81,8 @@ absl::StatusOr<Request> ParseRequest(const void* data, size_t n, size_t fds_rece
   absl::StatusOr<Request> r = Header<Request>(data, n, "request");
   if (!r.ok()) return r.status();
   const Op op = static_cast<Op>(r->op);
-  if (op != Op::kHello && op != Op::kControlBlock && op != Op::kSegments) {
+  if (op != Op::kHello && op != Op::kControlBlock && op != Op::kSegments &&
+      op != Op::kStateMemory) {
     return absl::InvalidArgumentError(
         absl::StrCat("descriptor socket: unknown request op ", r->op, "; expected 1 to 3"));
   }
@@ -105,7 +106,7 @@ absl::StatusOr<Request> ParseRequest(const void* data, size_t n, size_t fds_rece
 absl::StatusOr<Reply> ParseReply(const void* data, size_t n, size_t fds_received) {
   absl::StatusOr<Reply> r = Header<Reply>(data, n, "reply");
   if (!r.ok()) return r.status();
-  if (r->num_fds != fds_received || r->num_fds > 1 || r->count > kMaxFds) {
+  if (r->num_fds != fds_received || r->num_fds > 2 || r->count > kMaxFds) {
     return absl::InvalidArgumentError(absl::StrCat(
         "descriptor socket: malformed reply (", r->num_fds, " descriptors announced, ",
         fds_received, " received, ", r->count, " ids)"));
@@ -267,6 +268,18 @@ absl::StatusOr<ControlBlockHandle> FetchControlBlock(const std::string& fd_socke
     return absl::InternalError("descriptor socket: control block reply carried no descriptor");
   }
   return ControlBlockHandle{std::move(ex->fds[0]), std::move(ex->connection)};
+}
+
+absl::StatusOr<StateMemoryHandle> FetchStateMemory(const std::string& fd_socket,
+                                                   uint64_t session_id, absl::string_view token,
+                                                   absl::Duration timeout) {
+  absl::StatusOr<Exchange> ex =
+      Call(fd_socket, MakeRequest(Op::kStateMemory, session_id, token, 0), {}, timeout);
+  if (!ex.ok()) return ex.status();
+  if (ex->fds.size() != 2) {
+    return absl::InternalError("descriptor socket: state memory reply carried no descriptors");
+  }
+  return StateMemoryHandle{std::move(ex->fds[0]), std::move(ex->fds[1])};
 }
 
 absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::string& fd_socket,

@@ -19,6 +19,11 @@
 //                      session's inbox; RegisterShard and Export/ImportState
 //                      name them by id (ShmLocation.segment). Same session
 //                      checks as kControlBlock.
+//   kStateMemory    -> OK + 2 fds: the session's optimizer state memfd,
+//                      read-only, and a sealed memfd holding its state map
+//                      (state_map.h), after dosd brought resident state home.
+//                      Same session checks as kControlBlock. The owner's
+//                      state_dict() maps its state from them: nothing copied.
 //
 // Every field is fixed size; ParseRequest/ParseReply validate a received
 // buffer (the fuzz target's entry points).
@@ -48,7 +53,7 @@ inline constexpr uint32_t kMaxFds = 64;          // descriptors per message
 inline constexpr size_t kTokenBytes = 64;        // session token, NUL-padded
 inline constexpr size_t kTextBytes = 512;        // ticket or error message, NUL-terminated
 
-enum class Op : uint32_t { kHello = 1, kControlBlock = 2, kSegments = 3 };
+enum class Op : uint32_t { kHello = 1, kControlBlock = 2, kSegments = 3, kStateMemory = 4 };
 
 struct Request {
   uint32_t magic;
@@ -118,6 +123,14 @@ struct ControlBlockHandle {
 absl::StatusOr<ControlBlockHandle> FetchControlBlock(const std::string& fd_socket,
                                                      uint64_t session_id, absl::string_view token,
                                                      absl::Duration timeout = kDefaultCallTimeout);
+// kStateMemory: {state memfd (read-only), state map memfd}.
+struct StateMemoryHandle {
+  UniqueFd state;
+  UniqueFd map;
+};
+absl::StatusOr<StateMemoryHandle> FetchStateMemory(const std::string& fd_socket,
+                                                   uint64_t session_id, absl::string_view token,
+                                                   absl::Duration timeout = kDefaultCallTimeout);
 // `timeout` bounds each exchange (one per kMaxFds descriptors).
 absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::string& fd_socket,
                                                    uint64_t session_id, absl::string_view token,

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""A real job at the scale users bring: the Hugging Face Trainer fine-tuning a
+Llama-2-7B-shaped model (issue 22), with the optimizer state never copied
+into the trainer.
+
+One process per run (a fresh dosd session each, and a clean host-memory
+reading):
+
+  hf7b.py --mode dos|dos_compact|all_gpu --size 7b --steps 12 --sink --out R.json
+      trains `steps` steps through Trainer.train() (accelerate's prepare, the
+      trainer's own loop, max_grad_norm=1.0, gradient checkpointing, batch
+      1 x 2048, bf16 weights), then streams torch.save(opt.state_dict()) into
+      /dev/null (the disk cannot hold a 7B checkpoint); samples the trainer's
+      RssAnon, dosd's RSS and the device's used memory throughout.
+  hf7b.py --mode dos --size 2b --roundtrip save|resume --workdir W --out R.json
+      the full round trip: save_steps mid-run, then a new process with
+      resume_from_checkpoint; the resumed losses must equal the first run's.
+
+The DOS modes cap the trainer at --gpu-cap-gib (74 GiB) of the GPU: DOS's
+state lives in dosd's host memory and its GPU lease comes out of that cap.
+all_gpu is torch.optim.AdamW(fused=True) with its state on the GPU and no cap.
+The one-line integration for resuming: torch.serialization.config.load.mmap =
+True (HF's resume torch.loads optimizer.pt whole otherwise).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+SIZES = {  # layers, hidden, intermediate, heads
+    "7b": (32, 4096, 11008, 32),
+    "2b": (28, 2560, 6912, 20),
+    "tiny": (2, 256, 688, 4),
+}
+GiB = 2**30
+
+
+def status_kb(pid, field):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Sampler:
+    """Peaks of the trainer's RssAnon, dosd's VmRSS and the GPU's used memory
+    (cudaMemGetInfo: every process on the device), every 0.2 s."""
+
+    def __init__(self, dosd_pid):
+        self.dosd_pid = dosd_pid
+        self.peak = {"trainer_rss_anon": 0, "dosd_rss": 0, "gpu_used": 0}
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def sample(self):
+        p = self.peak
+        p["trainer_rss_anon"] = max(p["trainer_rss_anon"], status_kb("self", "RssAnon"))
+        if self.dosd_pid:
+            p["dosd_rss"] = max(p["dosd_rss"], status_kb(self.dosd_pid, "VmRSS"))
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            p["gpu_used"] = max(p["gpu_used"], total - free)
+
+    def run(self):
+        while not self.stop.wait(0.2):
+            self.sample()
+
+    def mark(self):
+        self.sample()
+        return dict(self.peak)
+
+    def close(self):
+        self.stop.set()
+        self.t.join()
+        return self.mark()
+
+
+def dosd_pid_of(socket):
+    if os.environ.get("DOS_DOSD_PID"):
+        return int(os.environ["DOS_DOSD_PID"])
+    try:
+        out = subprocess.run(["pgrep", "-f", "--", f"--socket={socket}"], capture_output=True,
+                             text=True).stdout.split()
+        return int(out[0]) if out else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def mmap_loads():
+    """The one line a resuming user writes: torch.load maps checkpoint files
+    instead of reading them whole (HF's resume loads optimizer.pt with it)."""
+    try:
+        torch.utils.serialization.config.load.mmap = True  # torch >= 2.5
+    except AttributeError:
+        torch.serialization.config.load.mmap = True
+
+
+def make_model(size, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    layers, hidden, inter, heads = SIZES[size]
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, max_position_embeddings=2048,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return model
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n, seq, seed=3):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, 32000, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["dos", "dos_compact", "all_gpu"], default="dos")
+    ap.add_argument("--size", choices=sorted(SIZES), default="7b")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--gpu-cap-gib", type=float, default=74.0)
+    ap.add_argument("--sink", action="store_true", help="stream the optimizer state to /dev/null")
+    ap.add_argument("--roundtrip", choices=["save", "resume"])
+    ap.add_argument("--save-at", type=int, default=4)
+    ap.add_argument("--workdir", default="/tmp/hf7b")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    import dos.torch
+
+    socket = os.environ.get("DOS_SOCKET", "")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
+    res = {"mode": args.mode, "size": args.size, "steps": args.steps, "seq": args.seq,
+           "torch": torch.__version__}
+    t0 = time.time()
+    model = make_model(args.size, device)
+    res["params"] = sum(p.numel() for p in model.parameters())
+    if args.mode == "all_gpu":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    else:
+        if device == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GiB / total))
+        t = time.time()
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, model=model,
+                              compact_state=args.mode == "dos_compact")
+        res["register_s"] = time.time() - t
+    res["setup_s"] = time.time() - t0
+    res["peaks_after_setup"] = sampler.mark()
+
+    times, losses = [], {}
+
+    marks = {}
+
+    class NoFinalSave(TrainerCallback):
+        """The disk holds one checkpoint of the round trip's model: the
+        save_steps one is kept, the Trainer's save at the last step skipped."""
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step >= args.steps and args.steps % args.save_at:
+                control.should_save = False
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            marks["train_begin"] = time.perf_counter()
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+            marks.setdefault("first_step", self.t)
+
+        def on_step_end(self, a, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.end = time.perf_counter()
+            times.append(self.end - self.t)
+
+        def on_save(self, a, state, control, **kw):
+            marks["save_s"] = time.perf_counter() - self.end
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses[state.global_step] = logs["loss"]
+
+    out_dir = os.path.join(args.workdir, "out")
+    targs = dict(output_dir=out_dir, per_device_train_batch_size=1, max_steps=args.steps,
+                 max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
+                 dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-5,
+                 lr_scheduler_type="constant", seed=0, data_seed=0)
+    if args.roundtrip:
+        targs.update(save_strategy="steps", save_steps=args.save_at, save_only_model=False)
+    trainer = Trainer(model=model, args=TrainingArguments(**targs),
+                      train_dataset=RandomTokens(max(64, args.steps), args.seq),
+                      optimizers=(opt, None), callbacks=[Clock(), NoFinalSave()])
+    t = time.time()
+    resume = None
+    if args.roundtrip == "resume":
+        mmap_loads()
+        resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
+    trainer.train(resume_from_checkpoint=resume)
+    res["train_s"] = time.time() - t
+    res["step_s"] = times
+    steady = sorted(times[2:]) if len(times) > 4 else sorted(times)
+    res["iter_s"] = steady[len(steady) // 2]
+    res["losses"] = losses
+    res["hf_save_s"] = marks.get("save_s")
+    if "first_step" in marks and "train_begin" in marks:
+        res["until_first_step_s"] = marks["first_step"] - marks["train_begin"]
+    res["peaks_after_train"] = sampler.mark()
+    if args.sink:
+        t = time.time()
+        torch.save(opt.state_dict(), "/dev/null")
+        res["sink_save_s"] = time.time() - t
+        res["peaks_after_sink"] = sampler.mark()
+    if args.roundtrip == "save":
+        t = time.time()
+        trainer.save_model(os.path.join(args.workdir, "final"))
+        res["final_save_s"] = time.time() - t
+        from safetensors.torch import load_file
+        saved = {}
+        for f in os.listdir(os.path.join(args.workdir, "final")):
+            if f.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(args.workdir, "final", f)))
+        live = model.state_dict()
+        res["saved_equals_final"] = int(all(
+            torch.equal(saved[k].cpu(), live[k].detach().cpu()) for k in saved if k in live))
+        ck = os.path.join(out_dir, f"checkpoint-{args.save_at}")
+        res["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(ck, f))
+                                      for f in os.listdir(ck))
+    res["peaks"] = sampler.close()
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("step_s",)}, indent=1))
+    if hasattr(opt, "close"):
+        opt.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

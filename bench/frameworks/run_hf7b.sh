@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The 7B Hugging Face Trainer job of issue 22 on the GPU machine, every mode
+# in one call: DOS (fp32 state), DOS (compact state), all-GPU fused AdamW;
+# then the HF round trip (save_steps, resume_from_checkpoint in a new
+# process) at the largest Llama whose checkpoint fits the disk (2b: ~2.4B).
+# Writes bench/results/hf7b_<machine>_<date>.json (bench/frameworks/report.py)
+# and the logs to OUT.
+#   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny] [2b|tiny]
+set -u
+O=${1:?out dir}; SIZE=${2:-7b}; RT=${3:-2b}
+DIST=$PWD/.dist; B=$DIST/bin
+export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
+export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+machine=${DOS_MACHINE:-nvidia-h200}
+mkdir -p "$O"
+sock=/tmp/dos-hf7b.sock; rm -f $sock
+"$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt > "$O/dosd.log" 2>&1 &
+dpid=$!
+export DOS_DOSD_PID=$dpid
+for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+export DOS_SOCKET=$sock
+W=/tmp/hf7b-work; rm -rf $W; mkdir -p $W
+cat /sys/kernel/mm/transparent_hugepage/shmem_enabled > "$O/thp.txt" 2>&1
+free -g >> "$O/thp.txt"
+for mode in all_gpu dos dos_compact; do
+  echo "== $mode $SIZE" >> "$O/hf7b.log"
+  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode --size $SIZE --steps ${STEPS:-12} \
+    --sink --workdir $W/$mode --out $W/$mode.json >> "$O/hf7b.log" 2>&1
+  echo "exit=$?" >> "$O/hf7b.log"
+done
+if [ "$RT" != none ]; then
+  echo "== roundtrip save $RT" >> "$O/hf7b.log"
+  timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
+    --roundtrip save --workdir $W/rt --out $W/rt_save.json >> "$O/hf7b.log" 2>&1
+  echo "exit=$?" >> "$O/hf7b.log"
+  df -h /tmp >> "$O/hf7b.log"
+  echo "== roundtrip resume $RT" >> "$O/hf7b.log"
+  timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
+    --roundtrip resume --workdir $W/rt --out $W/rt_resume.json >> "$O/hf7b.log" 2>&1
+  echo "exit=$?" >> "$O/hf7b.log"
+fi
+kill $dpid; wait $dpid; echo "dosd exit=$?" >> "$O/hf7b.log"
+python3 bench/frameworks/report.py $W "$machine" "bench/results/hf7b_${machine}_$(date +%F).json" \
+  >> "$O/hf7b.log" 2>&1
+cp bench/results/hf7b_${machine}_*.json "$O/" 2>/dev/null
+tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"; rm -f "$O/dosd.log"
+rm -rf $W /tmp/dos-hf7b-ckpt

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what a GPU-machine call needs into .dist (ignored): dosd, dosctl,
+# the GPU test programs and libdos_client.so from ./build, plus the shared
+# libraries the GPU machine's image lacks (../shared/device/bundle-libs).
+# Then: run(carry=[".dist"], command="bash bench/device_session.sh tests $OUT/t").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+b=${DOS_BUILD_DIR:-build}
+rm -rf .dist; mkdir -p .dist/bin .dist/lib
+for p in daemon/dosd client/dosctl/dosctl; do cp "$b/$p" .dist/bin/; done
+for t in gpu_adam_test gpu_lease_test gpu_ipc_test multi_gpu_test gpu_doomed_trainer \
+         gpu_rank_trainer dos_bench_update_probe; do
+  f=$(find "$b" -type f -name "$t" | head -1); [ -n "$f" ] && cp "$f" .dist/bin/
+done
+cp -L "$b/client/src/libdos_client.so" .dist/lib/libdos_client.so
+strip --strip-debug .dist/bin/* .dist/lib/libdos_client.so
+bash ../shared/device/bundle-libs .dist
+du -sh .dist

@@ -1,0 +1,122 @@
+"""Zero-copy views of the optimizer state held by dosd.
+
+state_dict() at 7B must not copy 81 GB of fp32 state into the trainer. dosd
+keeps each session's state in a memfd and hands its owner a read-only
+descriptor of it with a map of where each tensor's state lies
+(dos_state_views_fetch); dos_state_view_map maps one tensor's master,
+exp_avg or exp_avg_sq as one contiguous range over dosd's pages. A tensor
+made here from such a range (torch.frombuffer) costs no host memory of the
+trainer's own (the pages are dosd's: RssShmem, not RssAnon), so torch.save
+streams the state from dosd's memory to the file.
+
+Like torch's own state tensors, a view shows later steps (dosd updates the
+pages in place); a write into it changes only the writer's private copy of
+that page, never dosd's state (load_state_dict() is the way to change it).
+The mapping is released when the last tensor over it is freed. Small tensors
+(under 64 Ki elements) are not page-aligned in dosd and come back as copies.
+
+While any view is alive, step() returns only once the step is finished, so
+a framework that still holds a state dict never reads a half-updated one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dos._errors import DosError, call, check
+from dos._native import StateView, Status, lib
+
+__all__ = ["fetch", "step_of", "view", "live", "is_view_of"]
+
+_lock = threading.Lock()
+_live = 0
+# Address of a live view -> (session address, tensor index, array, bytes
+# mapped): lets load_state_dict() see that it is handed the state it already
+# holds.
+_origins: Dict[int, Tuple[int, int, int, int]] = {}
+# Sessions whose state dosd could not share (fetch() answered 0).
+_unshared: set = set()
+
+
+def _release(addr: int, map_bytes: int) -> None:
+    global _live
+    with _lock:
+        _live -= 1
+        _origins.pop(addr, None)
+    lib.dos_state_view_unmap(ctypes.c_void_p(addr), ctypes.c_uint64(map_bytes))
+
+
+def _address(session) -> int:
+    return int(getattr(session, "value", session) or 0)
+
+
+def live() -> int:
+    """Views alive now (all sessions of this process)."""
+    return _live
+
+
+def is_view_of(t, session, index: int, which: int) -> bool:
+    """True if `t` is a view made here of tensor `index`'s array `which` of
+    `session` (what load_state_dict() of a state dict just taken gets)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return False
+    o = _origins.get(t.data_ptr())
+    if o is None or o[:3] != (_address(session), index, which):
+        return False
+    modified = ctypes.c_int32()
+    call("dos_state_view_modified", ctypes.c_void_p(t.data_ptr()), ctypes.c_uint64(o[3]),
+         ctypes.byref(modified))
+    return not modified.value  # written into: the caller's values, to be loaded
+
+
+def fetch(session) -> int:
+    """Asks dosd for the session's state map now; returns the bytes of a
+    moment element (4, or 2 in compact format), or 0 where dosd cannot share
+    the state (its log says why): then view() returns None (copies)."""
+    moment = ctypes.c_uint32()
+    rc = lib.dos_state_views_fetch(session, None, ctypes.byref(moment))
+    if rc == Status.FAILED_PRECONDITION:
+        _unshared.add(_address(session))
+        return 0
+    check(rc)
+    _unshared.discard(_address(session))
+    return int(moment.value)
+
+
+def step_of(session, index: int) -> int:
+    step = ctypes.c_int64()
+    if _address(session) in _unshared:
+        call("dos_state_read", session, ctypes.c_uint32(index), None, None, None,
+             ctypes.byref(step))
+    else:
+        call("dos_state_view_step", session, ctypes.c_uint32(index), ctypes.byref(step))
+    return int(step.value)
+
+
+def view(session, index: int, which: int, dtype: torch.dtype,
+         shape: torch.Size) -> Optional[torch.Tensor]:
+    """Tensor `index`'s array `which` (0 master, 1 exp_avg, 2 exp_avg_sq) as
+    a tensor over dosd's memory, or None where it cannot be mapped."""
+    global _live
+    if _address(session) in _unshared:
+        return None
+    v = StateView()
+    rc = lib.dos_state_view_map(session, ctypes.c_uint32(index), ctypes.c_int32(which),
+                                ctypes.byref(v))
+    if rc == Status.FAILED_PRECONDITION:
+        return None
+    check(rc)
+    addr, map_bytes = int(v.addr), int(v.map_bytes)
+    buf = (ctypes.c_uint8 * map_bytes).from_address(addr)
+    with _lock:
+        _live += 1
+        _origins[addr] = (_address(session), index, which, map_bytes)
+    weakref.finalize(buf, _release, addr, map_bytes)
+    if int(v.numel) == 0:
+        raise DosError(Status.INTERNAL, "state view of an empty tensor")
+    return torch.frombuffer(buf, dtype=dtype, count=int(v.numel)).view(shape)

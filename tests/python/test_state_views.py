@@ -1,0 +1,199 @@
+"""The optimizer state never passes through the trainer's memory (issue 22):
+torch's lazy state (nothing before a parameter's first step, so a framework's
+round trip before training moves nothing), state_dict() tensors that are
+views of dosd's memory (no private memory of the trainer's: RssAnon does not
+grow; equal to the daemon's values; showing later steps, never half of one),
+a state dict that loads back into its own optimizer without a copy, compact
+moments as bf16, and the Lightning clipping flag."""
+
+import ctypes
+import gc
+import io
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos  # noqa: E402
+import dos.torch  # noqa: E402
+from dos import _errors, _views  # noqa: E402
+
+LR = dict(lr=1e-3, weight_decay=0.01)
+MiB = 1 << 20
+
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def big_model(seed=0):
+    """About 4.3M parameters in tensors large enough to be page-aligned in
+    dosd (>= 64 Ki elements) plus small ones (biases) that are copied."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(),
+                               torch.nn.Linear(2048, 1024))
+
+
+def train(model, opt, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 1024, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def daemon_state(opt, e):
+    n = e.local.numel()
+    buf = torch.empty(3, n)
+    step = ctypes.c_int64()
+    _errors.call("dos_state_read", opt._session, ctypes.c_uint32(e.index), buf[0].data_ptr(),
+                 buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
+    return buf, step.value
+
+
+def test_no_state_before_the_first_step_as_torch(dos_socket):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        ref = torch.optim.AdamW(big_model().parameters(), **LR)
+        sd = opt.state_dict()
+        assert sd["state"] == {} == ref.state_dict()["state"]
+        assert len(opt.state) == 0
+        assert opt.state[model[0].weight] == {}
+        # accelerate's prepare: state_dict() -> move -> load_state_dict():
+        # nothing moves, and training then goes on as if it never happened.
+        before = rss_anon()
+        opt.load_state_dict(sd)
+        assert rss_anon() - before < 16 * MiB
+        train(model, opt, 2)
+        sd = opt.state_dict()
+        assert sorted(sd["state"]) == list(range(4))
+        assert float(sd["state"][0]["step"]) == 2
+
+
+def test_a_parameter_not_stepped_yet_has_no_state(dos_socket):
+    model = big_model()
+    model[2].weight.requires_grad_(True)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(4, 1024, generator=g)
+        opt.zero_grad()
+        # Only the first layer gets gradients; torch skips the others.
+        (model[0](x).pow(2).mean()).backward()
+        opt.step()
+        sd = opt.state_dict()
+        assert sorted(sd["state"]) == [0, 1]
+
+
+def test_state_dict_is_views_of_dosd_memory_equal_to_its_values(dos_socket):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 3)
+        gc.collect()
+        before = rss_anon()
+        sd = opt.state_dict()
+        grew = rss_anon() - before
+        total = sum(p.numel() for p in model.parameters()) * 8  # exp_avg + exp_avg_sq
+        assert grew < total / 4, f"state_dict() grew RssAnon by {grew} of {total} state bytes"
+        assert _views.live() >= 4  # the two weights' moments are views
+        for e in opt._entries:
+            s = sd["state"][e.index]
+            buf, step = daemon_state(opt, e)
+            assert float(s["step"]) == step == 3
+            assert torch.equal(s["exp_avg"].reshape(-1), buf[1])
+            assert torch.equal(s["exp_avg_sq"].reshape(-1), buf[2])
+            assert s["exp_avg"].shape == e.param.shape
+        # torch.save streams it (from dosd's pages) and it loads as torch's.
+        f = io.BytesIO()
+        torch.save(sd, f)
+        f.seek(0)
+        loaded = torch.load(f)
+        ref = torch.optim.AdamW(big_model().parameters(), **LR)
+        ref.load_state_dict(loaded)
+        assert torch.equal(ref.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+        # A write into a view changes the writer's page, never dosd's state.
+        sd["state"][0]["exp_avg"].fill_(7.0)
+        buf, _ = daemon_state(opt, opt._entries[0])
+        assert not torch.equal(buf[1], torch.full_like(buf[1], 7.0))
+        del sd, loaded, ref, s
+        gc.collect()
+        assert _views.live() == 0
+
+
+def test_views_show_later_steps_whole(dos_socket):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+        sd = opt.state_dict()
+        m0 = sd["state"][0]["exp_avg"].clone()
+        train(model, opt, 1, seed=5)  # returns only when finished: views are alive
+        buf, step = daemon_state(opt, opt._entries[0])
+        assert step == 3
+        assert torch.equal(sd["state"][0]["exp_avg"].reshape(-1), buf[1])
+        assert not torch.equal(sd["state"][0]["exp_avg"], m0)
+
+
+def test_own_state_dict_loads_without_a_copy_and_changes_nothing(dos_socket):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+        before = [daemon_state(opt, e)[0].clone() for e in opt._entries]
+        opt.load_state_dict(opt.state_dict())
+        after = [daemon_state(opt, e)[0] for e in opt._entries]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_saved_state_resumes_into_a_new_optimizer_exactly(dos_socket, tmp_path):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "c.pt")
+        train(model, opt, 2, seed=9)
+        want = [p.detach().clone() for p in model.parameters()]
+    ck = torch.load(tmp_path / "c.pt")
+    model2 = big_model(seed=4)
+    model2.load_state_dict(ck["model"])
+    with dos.torch.AdamW(model2.parameters(), socket=dos_socket, **LR) as opt2:
+        opt2.load_state_dict(ck["opt"])
+        train(model2, opt2, 2, seed=9)
+        for a, b in zip(want, model2.parameters()):
+            assert torch.equal(a, b.detach())
+
+
+def test_compact_state_dict_has_bf16_moments(dos_socket):
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, compact_state=True,
+                         **LR) as opt:
+        train(model, opt, 2)
+        sd = opt.state_dict()
+        for s in sd["state"].values():
+            assert s["exp_avg"].dtype == torch.bfloat16 == s["exp_avg_sq"].dtype
+        ref = torch.optim.AdamW(big_model().parameters(), **LR)
+        ref.load_state_dict(sd)  # torch converts to the parameter's dtype
+        with dos.torch.AdamW(big_model().parameters(), socket=dos_socket, **LR) as opt2:
+            opt2.load_state_dict(sd)
+            got = opt2.state_dict()["state"][0]["exp_avg"]
+            assert torch.equal(got, sd["state"][0]["exp_avg"].float())
+
+
+def test_lightning_sees_no_internal_unscaling_torch_does(dos_socket):
+    """Lightning refuses gradient_clip_val for optimizers whose step()
+    unscales (it reads _step_supports_amp_scaling): DOS answers False to
+    Lightning's modules, True to torch's GradScaler."""
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        assert opt._step_supports_amp_scaling
+        for name in ("lightning.pytorch.plugins.precision.amp",
+                     "pytorch_lightning.plugins.precision.native_amp"):
+            mod = types.ModuleType(name)
+            exec("def handles(o):\n    return getattr(o, '_step_supports_amp_scaling', False)\n",
+                 mod.__dict__)
+            assert mod.handles(opt) is False
+        mod = types.ModuleType("torch.amp.grad_scaler")
+        exec("def handles(o):\n    return getattr(o, '_step_supports_amp_scaling', False)\n",
+             mod.__dict__)
+        assert mod.handles(opt) is True
