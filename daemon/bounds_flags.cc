@@ -32,8 +32,8 @@ ABSL_FLAG(int, max_fd_connections_per_uid, 16,
 ABSL_FLAG(int, max_tensors_per_uid, 262144,
           "Tensors one uid's sessions may register in all; 0 = no cap.");
 ABSL_FLAG(std::string, max_bookkeeping_bytes_per_uid, "256M",
-          "Bytes of per-tensor records and names one uid's registrations may make dosd keep "
-          "(also charged to --host_memory_limit); 0 = no cap.");
+          "Bytes of per-tensor records and names one uid's registrations may make dosd keep; "
+          "0 = no cap.");
 
 namespace dos {
 

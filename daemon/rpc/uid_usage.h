@@ -14,7 +14,7 @@ void FillUidUsage(const SessionManager& sessions, v1::GetStatsResponse* resp);
 
 // Refuses a RegisterShard request whose tensors' bookkeeping cannot be
 // charged (a name past kMaxTensorNameBytes; past the uid's tensors or
-// bookkeeping bound, or --host_memory_limit) from the request itself, before
+// bookkeeping bound) from the request itself, before
 // it is copied into a ShardSpec: a hopeless request of 100,000 tensors or
 // megabyte names then costs dosd no copies. Session::Register charges.
 absl::Status AdmitRegistration(const Session& session, const v1::RegisterShardRequest& req);

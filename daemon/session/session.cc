@@ -74,7 +74,6 @@ Session::~Session() {
   Stop();
   absl::MutexLock lock(&mu_);
   CloseTrainerEvent();
-  if (bookkeeping_reserved_ != 0) budget_->Release(bookkeeping_reserved_);
 }
 
 void Session::CloseTrainerEvent() {

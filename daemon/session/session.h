@@ -294,11 +294,11 @@ class Session {
   // destroyed after.
   std::unique_ptr<UidLedger> own_ledger_;  // when options.ledger is null
   std::shared_ptr<UidLedger::Account> account_;
-  // The registered tensors' bookkeeping, charged at Register for the
-  // session's life: to the uid (tensors, bytes) and to `budget_`.
+  // The registered tensors' bookkeeping, charged to the uid (tensors,
+  // bytes) at Register for the session's life. Not to `budget_`: that is
+  // the optimizer state's (host_state_bytes).
   LedgerCharge tensors_charge_ ABSL_GUARDED_BY(mu_);
   LedgerCharge bookkeeping_charge_ ABSL_GUARDED_BY(mu_);
-  uint64_t bookkeeping_reserved_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::unique_ptr<ShmSegment> control_;
   std::unique_ptr<ControlBlockChannel> channel_;

@@ -31,11 +31,6 @@ struct Session::Registration {
   // The tensors' bookkeeping (ChargeBookkeeping), the session's once published.
   LedgerCharge tensors_charge;
   LedgerCharge bookkeeping_charge;
-  HostMemoryBudget* budget = nullptr;
-  uint64_t bookkeeping_reserved = 0;  // from `budget`, given back unless published
-  ~Registration() {
-    if (bookkeeping_reserved != 0) budget->Release(bookkeeping_reserved);
-  }
 };
 
 absl::Status Session::Register(const ShardSpec& given) {
@@ -72,10 +67,6 @@ absl::Status Session::CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_by
   DOS_ASSIGN_OR_RETURN(LedgerCharge t, account_->Charge(UidResource::kTensors, tensors, "register"));
   DOS_ASSIGN_OR_RETURN(LedgerCharge b, account_->Charge(UidResource::kBookkeepingBytes,
                                                         bookkeeping_bytes, "register"));
-  DOS_RETURN_IF_ERROR(budget_->Reserve(
-      bookkeeping_bytes,
-      absl::StrCat("register: the bookkeeping of ", tensors, " tensors (records and names)")));
-  budget_->Release(bookkeeping_bytes);
   return absl::OkStatus();
 }
 
@@ -89,10 +80,6 @@ absl::Status Session::ChargeBookkeeping(const ShardSpec& spec, Registration* reg
                        account_->Charge(UidResource::kTensors, n, "register"));
   DOS_ASSIGN_OR_RETURN(reg->bookkeeping_charge,
                        account_->Charge(UidResource::kBookkeepingBytes, bytes, "register"));
-  DOS_RETURN_IF_ERROR(budget_->Reserve(
-      bytes, absl::StrCat("register: the bookkeeping of ", n, " tensors (records and names)")));
-  reg->budget = budget_;
-  reg->bookkeeping_reserved = bytes;
   return absl::OkStatus();
 }
 
@@ -268,7 +255,6 @@ void Session::Publish(Registration* reg) {
   executor_ = reg->executor;
   tensors_charge_ = std::move(reg->tensors_charge);
   bookkeeping_charge_ = std::move(reg->bookkeeping_charge);
-  bookkeeping_reserved_ = std::exchange(reg->bookkeeping_reserved, 0);
   transport_ = std::move(reg->transport);
   bindings_ = std::move(reg->bindings);
   trainer_event_ = reg->trainer_event;

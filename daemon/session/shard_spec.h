@@ -43,7 +43,7 @@ std::string TensorWhat(uint32_t index, const std::string& name, absl::string_vie
 inline constexpr size_t kMaxTensorNameBytes = 1024;
 // Bookkeeping dosd keeps per registered tensor beyond its name (its spec,
 // binding, layout and summary records), charged with the name to the uid
-// (--max_bookkeeping_bytes_per_uid) and to --host_memory_limit. An estimate
+// (--max_bookkeeping_bytes_per_uid). An estimate
 // from the structures' sizes, rounded up.
 inline constexpr uint64_t kBookkeepingBytesPerTensor = 512;
 // INVALID_ARGUMENT for tensor `index`'s name of `bytes` past kMaxTensorNameBytes.

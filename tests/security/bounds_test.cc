@@ -206,7 +206,7 @@ TEST(Bounds, StalledEarlyStepsCostNoCpuAndAreCappedPerUid) {
 // grow dosd by hundreds of MB uncharged.
 TEST(Bounds, TensorBookkeepingAndNamesAreChargedAndBounded) {
   DOS_SECURITY_REQUIRE();
-  auto d = SecureDaemon({"--host_memory_limit=32M"});
+  auto d = SecureDaemon({"--max_bookkeeping_bytes_per_uid=32M"});
   ASSERT_TRUE(d->Start()) << d->log();
   const long before = ProcStatus(d->pid(), "VmRSS");
   UserProcess a(User("dos-sec-a"),
@@ -215,7 +215,8 @@ TEST(Bounds, TensorBookkeepingAndNamesAreChargedAndBounded) {
   const std::string tensors = a.Await("tensors", 60000);
   EXPECT_EQ(Field(tensors, "registered"), "0") << tensors;
   EXPECT_NE(tensors.find("code8:"), std::string::npos) << tensors;
-  EXPECT_NE(tensors.find("--host_memory_limit"), std::string::npos) << tensors;
+  EXPECT_NE(tensors.find("--max_bookkeeping_bytes_per_uid=32.00_MiB"), std::string::npos)
+      << tensors;
   const std::string names = a.Await("names", 60000);
   EXPECT_EQ(Field(names, "registered"), "0") << names;
   EXPECT_NE(names.find("code3:"), std::string::npos) << names;
