@@ -24,6 +24,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/bounds_flags.h"
 #include "daemon/common/log.h"
 #include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
@@ -128,14 +129,6 @@ ABSL_FLAG(std::string, operator_gids, "",
           "every session. Root and dosd's own uid always are.");
 ABSL_FLAG(bool, tcp_operator_calls, false,
           "Let --tcp_listen callers (no identity) make operator calls; off: they only read.");
-ABSL_FLAG(int, max_sessions, 1024, "Sessions held at once (attached or orphaned); 0 = no cap.");
-ABSL_FLAG(int, max_sessions_per_uid, 256, "Sessions one uid holds at once; 0 = no cap.");
-ABSL_FLAG(absl::Duration, early_step_ready_timeout, absl::Minutes(10),
-          "Longest an early step without a verdict (overlap=\"update\") waits for one "
-          "subgroup's gradients, and an early step with one (overlap=True) for its verdict, "
-          "from the step's begin; the GPU engine (or the session) is held meanwhile, so a "
-          "trainer stalled mid-backward would hold up the other trainers on that GPU. The "
-          "step then fails with DEADLINE_EXCEEDED.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
           "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
           "operator calls).");
@@ -174,25 +167,8 @@ struct DaemonConfig {
   int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
   std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
   AuthorizerOptions authz;           // operators; what TCP callers may do
+  UidLimits uid_limits;              // per-uid and per-session bounds (bounds_flags.h)
 };
-
-bool ParseBytes(absl::string_view text, uint64_t* out) {
-  uint64_t mult = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      case 'T': case 't': mult = uint64_t{1} << 40; break;
-      default: break;
-    }
-    if (mult != 1) text.remove_suffix(1);
-  }
-  uint64_t v;
-  if (!absl::SimpleAtoi(text, &v)) return false;
-  *out = v * mult;
-  return true;
-}
 
 // The GPU engines' and planners' flags.
 absl::Status GpuFlags(DaemonConfig& c) {
@@ -250,15 +226,6 @@ absl::Status AccessFlags(DaemonConfig& c) {
   }
   c.authz.tcp_operator_calls = absl::GetFlag(FLAGS_tcp_operator_calls);
   c.authz.daemon_uid = ::geteuid();
-  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_sessions_per_uid) < 0) {
-    return absl::InvalidArgumentError("--max_sessions and --max_sessions_per_uid must be >= 0");
-  }
-  c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
-  c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
-  c.session.early_ready_timeout = absl::GetFlag(FLAGS_early_step_ready_timeout);
-  if (c.session.early_ready_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--early_step_ready_timeout must be positive (e.g. 10m)");
-  }
   c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
   if (!c.tcp_listen.empty()) {
     const size_t colon = c.tcp_listen.rfind(':');
@@ -350,6 +317,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.session_lease = absl::GetFlag(FLAGS_session_lease);
   if (c.session_lease < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session_lease must be >= 0");
+  }
+  if (absl::Status st = BoundsFromFlags(c.host_memory_limit, c.session_lease, &c.session,
+                                        &c.uid_limits);
+      !st.ok()) {
+    return st;
   }
   return c;
 }
@@ -488,6 +460,7 @@ int Run(const DaemonConfig& config) {
   if (!guard.ok()) return Fail("daemon.socket", guard.status());
 
   HostMemoryBudget budget(config.host_memory_limit);
+  UidLedger ledger(config.uid_limits);
   cpu::CpuUpdater cpu_updater(config.cpu);
   // One GPU engine (streams, staging, performance model) and executor per
   // device; every engine shares the one CPU updater.
@@ -501,6 +474,7 @@ int Run(const DaemonConfig& config) {
   DaemonCounters counters;
   SessionOptions session_options = config.session;
   session_options.counters = &counters;
+  session_options.ledger = &ledger;
   SessionManager sessions(session_options, config.default_policy, &executors, &budget,
                           config.session_lease);
   MetricsRegistry metrics;
@@ -519,7 +493,7 @@ int Run(const DaemonConfig& config) {
   // <socket>.auth; a file one left behind would only mislead.
   ::unlink((config.socket_path + ".auth").c_str());
   auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
-                                          config.socket_mode, config.group, &sessions);
+                                          config.socket_mode, config.group, &sessions, &ledger);
   if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   // dosd accepts its gRPC socket itself: each connection's kernel identity
   // (SO_PEERCRED) is recorded, and every call is checked against it.

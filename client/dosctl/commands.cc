@@ -227,7 +227,30 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
               Num(std::max(x.lock_wait_us_max(), x.snapshot_wait_us_max()))});
   }
   t.Print(out);
+  PrintUidUsage(resp, out);
   return absl::OkStatus();
+}
+
+void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out) {
+  if (resp.uids().empty()) return;
+  // Each column against its per-uid bound ("-": no cap).
+  const v1::UidUsage& cap = resp.uid_limits();
+  auto of = [](const std::string& used, uint64_t limit, bool bytes) {
+    return absl::StrCat(used, " / ", limit == 0 ? std::string("-")
+                                                : bytes ? Bytes(limit) : absl::StrCat(limit));
+  };
+  out << "\nper uid (used / bound):\n";
+  Table t({"UID", "SESSIONS", "MAPPED", "FD CONNECTIONS", "EARLY STEPS", "TENSORS", "BOOKKEEPING"},
+          {true, true, true, true, true, true, true});
+  for (const v1::UidUsage& u : resp.uids()) {
+    t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
+              of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
+              of(absl::StrCat(u.connections()), cap.connections(), false),
+              of(absl::StrCat(u.early_steps()), cap.early_steps(), false),
+              of(absl::StrCat(u.tensors()), cap.tensors(), false),
+              of(Bytes(u.bookkeeping_bytes()), cap.bookkeeping_bytes(), true)});
+  }
+  t.Print(out);
 }
 
 absl::Status Commands::GetPolicy(uint64_t session_id, const std::string& token,

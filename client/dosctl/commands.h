@@ -52,6 +52,8 @@ class Commands {
                   std::ostream& out) const;
   absl::Status FromRpc(const char* call, const grpc::Status& s) const;
   absl::Status CheckSocket() const;
+  // The per-uid table of `stats`: each uid's use of each bounded resource.
+  static void PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;

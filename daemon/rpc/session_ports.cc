@@ -8,8 +8,10 @@ namespace dos {
 
 absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
                                                                         mode_t mode, gid_t group,
-                                                                        SessionManager* sessions) {
+                                                                        SessionManager* sessions,
+                                                                        UidLedger* ledger) {
   DescriptorServer::Options options;
+  options.ledger = ledger;
   options.socket_mode = mode;
   options.group = group;
   return DescriptorServer::Start(
@@ -36,6 +38,7 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
           return fds;
         };
         port.keep_alive = *s;
+        port.account = (*s)->account();
         return port;
       });
 }

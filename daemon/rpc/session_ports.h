@@ -17,10 +17,11 @@
 
 namespace dos {
 
-// Listens on `path` (mode and group as the gRPC socket); `sessions` outlives
-// the server.
+// Listens on `path` (mode and group as the gRPC socket); `sessions` and
+// `ledger` (connections per uid; may be null) outlive the server.
 absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
                                                                         mode_t mode, gid_t group,
-                                                                        SessionManager* sessions);
+                                                                        SessionManager* sessions,
+                                                                        UidLedger* ledger);
 
 }  // namespace dos
