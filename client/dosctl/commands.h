@@ -3,7 +3,8 @@
 //
 // Each command writes its answer to `out`, readable (aligned tables) or as
 // JSON (protobuf's JSON printer, proto field names), and returns a Status
-// whose message names the socket and what to do when the daemon is down.
+// whose message names the socket and what to do when the daemon is down or
+// its socket refuses this user (CheckDaemonSocket, dos/wire/socket_access.h).
 //
 // Operator calls carry no session token: `policy get/set` and `stats` send
 // session_id with an empty token; the daemon accepts that from the socket's
