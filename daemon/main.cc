@@ -578,7 +578,7 @@ int main(int argc, char** argv) {
       "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
       "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
   absl::SetProgramUsageMessage(kUsage);
-  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+  if (int rc = dos::cli::HandleEarlyArgs(argc, argv, "dosd", kUsage, "daemon/main.cc");
       rc >= 0) {
     return rc;
   }
