@@ -175,24 +175,6 @@ struct DaemonConfig {
   AuthorizerOptions authz;           // operators; what TCP callers may do
 };
 
-bool ParseBytes(absl::string_view text, uint64_t* out) {
-  uint64_t mult = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      case 'T': case 't': mult = uint64_t{1} << 40; break;
-      default: break;
-    }
-    if (mult != 1) text.remove_suffix(1);
-  }
-  uint64_t v;
-  if (!absl::SimpleAtoi(text, &v)) return false;
-  *out = v * mult;
-  return true;
-}
-
 // The GPU engines' and planners' flags.
 absl::Status GpuFlags(DaemonConfig& c) {
   absl::StatusOr<GpuDeviceSelection> devices =
