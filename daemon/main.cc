@@ -426,6 +426,25 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConf
   return m;
 }
 
+// The checkpointer, or null with `*off` saying why and the fix (the
+// checkpoint calls answer FAILED_PRECONDITION with it). Not fatal: a daemon
+// without a usable checkpoint folder still serves training.
+std::unique_ptr<Checkpointer> StartCheckpointer(const DaemonConfig& config,
+                                                SessionManager* sessions, std::string* off) {
+  if (!config.checkpoints) {
+    *off = "dosd runs with --checkpoint_dir empty; restart it with --checkpoint_dir=DIR (a "
+           "folder its user can write) to save and load checkpoints";
+    return nullptr;
+  }
+  auto checkpointer = std::make_unique<Checkpointer>(config.checkpoint, sessions);
+  if (absl::Status st = checkpointer->Start(); !st.ok()) {
+    DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
+    *off = absl::StrCat(st.message(), ", then restart dosd");
+    return nullptr;
+  }
+  return checkpointer;
+}
+
 // SIGTERM/SIGINT: stop taking calls, then drain: each session finishes its
 // in-flight step. Calls in flight get a second to answer; after that gRPC
 // cancels them (their handlers still run to the end before Wait() returns, so
@@ -486,16 +505,9 @@ int Run(const DaemonConfig& config) {
                           config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
-  std::unique_ptr<Checkpointer> checkpointer;
-  if (config.checkpoints) {
-    checkpointer = std::make_unique<Checkpointer>(config.checkpoint, &sessions);
-    // Not fatal: a daemon without a writable checkpoint directory still
-    // serves training, it only cannot save or restore.
-    if (absl::Status st = checkpointer->Start(); !st.ok()) {
-      DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
-      checkpointer.reset();
-    }
-  }
+  std::string checkpoints_off;
+  std::unique_ptr<Checkpointer> checkpointer = StartCheckpointer(config, &sessions,
+                                                                 &checkpoints_off);
   // Development builds before the descriptor socket also served
   // <socket>.auth; a file one left behind would only mislead.
   ::unlink((config.socket_path + ".auth").c_str());
@@ -507,7 +519,7 @@ int Run(const DaemonConfig& config) {
   PeerTable peers;
   Authorizer authorizer(config.authz);
   DosService service(&sessions, &budget, kVersion, checkpointer.get(), descriptors->get(), &peers,
-                     &authorizer);
+                     &authorizer, checkpoints_off);
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
