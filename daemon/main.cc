@@ -109,8 +109,8 @@ ABSL_FLAG(bool, restore, true,
 ABSL_FLAG(std::string, session_memory_limit, "0",
           "Cap on one session's optimizer state (12 bytes per parameter), e.g. 16G; 0 = none.");
 ABSL_FLAG(std::string, group, "",
-          "Group given the socket and the shared-memory control blocks (with --socket_mode "
-          "0660: the trainers' group); empty: the daemon's own group.");
+          "Group given the socket and the descriptor socket <socket>.fd beside it (with "
+          "--socket_mode 0660: the trainers' group); empty: the daemon's own group.");
 ABSL_FLAG(std::string, allow_uids, "",
           "Comma-separated uids allowed to attach (the attaching process's credentials from the "
           "kernel, on the descriptor socket <socket>.fd); with --allow_gids empty too: no check "
@@ -136,8 +136,8 @@ ABSL_FLAG(absl::Duration, early_step_ready_timeout, absl::Minutes(10),
           "trainer stalled mid-backward would hold up the other trainers on that GPU. The "
           "step then fails with DEADLINE_EXCEEDED.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
-          "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
-          "operator calls).");
+          "Allow --tcp_listen on a non-loopback address: anyone who reaches it can read stats, "
+          "sessions and policies, and with --tcp_operator_calls also make operator calls.");
 ABSL_FLAG(int, metrics_port, 0,
           "Serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off.");
 ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
