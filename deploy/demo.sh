@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: sets up a fresh machine, builds DOS, starts dosd on a private
-# socket and trains a small GPT-style model through it (CPU; see --device),
-# then compares the run with torch.optim.AdamW and stops the daemon.
+# The main job: sets up a fresh machine, builds what it runs (dosd, dosctl,
+# libdos_client; the GPU path only where there is a GPU), starts dosd on a
+# private socket and trains a small GPT-style model through it (CPU; see
+# --device), then compares the run with torch.optim.AdamW and stops the daemon.
 #   bash deploy/demo.sh [--steps N] [--device cpu|cuda]
 set -euo pipefail
 cd "$(dirname "$0")/.."
