@@ -13,13 +13,10 @@ build=${DOS_BUILD_DIR:-build}
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
-# Said every time, so that one build's choice does not stick in the cache.
-cuda=()
-if [ -n "${DOS_WITH_CUDA:-}" ]; then
-  cuda=("-DDOS_WITH_CUDA=$DOS_WITH_CUDA")
-elif [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
-  cuda=(-DDOS_WITH_CUDA=ON)
-fi
+# Decided afresh every time (unset: CMake's default, on with a working nvcc),
+# so that the demo's DOS_WITH_CUDA=OFF does not stick in the cache.
+cuda=(-UDOS_WITH_CUDA)
+if [ -n "${DOS_WITH_CUDA:-}" ]; then cuda=("-DDOS_WITH_CUDA=$DOS_WITH_CUDA"); fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=${DOS_BUILD_TYPE:-RelWithDebInfo} "${cuda[@]}" "$@"
 targets=()
 for t in ${DOS_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
