@@ -103,6 +103,13 @@ def test_readme_python_install_as_written(tmp_path, dosd):
     assert f"{home}/venv/" in r.stdout, out
     assert "ok:" in r.stdout and "SERVING" in r.stdout, out
     assert "build tree" not in r.stdout, out
+    # Without the library, the installed copy lists where it looked: only
+    # places that exist for it (no build trees of a checkout it is not in).
+    no_lib = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
+    r = subprocess.run([str(home / "venv" / "bin" / "python"), "-m", "dos"], env=no_lib,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "NOT FOUND" in r.stdout, r.stdout + r.stderr
+    assert "build tree" not in r.stdout and "/build/" not in r.stdout, r.stdout
     # torch from Debian's packages, through the venv.
     r = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", "import torch, dos.torch"],
                        env=env, capture_output=True, text=True, timeout=120)
