@@ -111,8 +111,8 @@ ABSL_FLAG(bool, restore, true,
 ABSL_FLAG(std::string, session_memory_limit, "0",
           "Cap on one session's optimizer state (12 bytes per parameter), e.g. 16G; 0 = none.");
 ABSL_FLAG(std::string, group, "",
-          "Group given the socket and the shared-memory control blocks (with --socket_mode "
-          "0660: the trainers' group); empty: the daemon's own group.");
+          "Group given the socket and the descriptor socket <socket>.fd beside it (with "
+          "--socket_mode 0660: the trainers' group); empty: the daemon's own group.");
 ABSL_FLAG(std::string, allow_uids, "",
           "Comma-separated uids allowed to attach (the attaching process's credentials from the "
           "kernel, on the descriptor socket <socket>.fd); with --allow_gids empty too: no check "
@@ -130,8 +130,8 @@ ABSL_FLAG(std::string, operator_gids, "",
 ABSL_FLAG(bool, tcp_operator_calls, false,
           "Let --tcp_listen callers (no identity) make operator calls; off: they only read.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
-          "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
-          "operator calls).");
+          "Allow --tcp_listen on a non-loopback address: anyone who reaches it can read stats, "
+          "sessions and policies, and with --tcp_operator_calls also make operator calls.");
 ABSL_FLAG(int, metrics_port, 0,
           "Serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off.");
 ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
@@ -417,6 +417,25 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConf
   return m;
 }
 
+// The checkpointer, or null with `*off` saying why and the fix (the
+// checkpoint calls answer FAILED_PRECONDITION with it). Not fatal: a daemon
+// without a usable checkpoint folder still serves training.
+std::unique_ptr<Checkpointer> StartCheckpointer(const DaemonConfig& config,
+                                                SessionManager* sessions, std::string* off) {
+  if (!config.checkpoints) {
+    *off = "dosd runs with --checkpoint_dir empty; restart it with --checkpoint_dir=DIR (a "
+           "folder its user can write) to save and load checkpoints";
+    return nullptr;
+  }
+  auto checkpointer = std::make_unique<Checkpointer>(config.checkpoint, sessions);
+  if (absl::Status st = checkpointer->Start(); !st.ok()) {
+    DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
+    *off = absl::StrCat(st.message(), ", then restart dosd");
+    return nullptr;
+  }
+  return checkpointer;
+}
+
 // SIGTERM/SIGINT: stop taking calls, then drain: each session finishes its
 // in-flight step. Calls in flight get a second to answer; after that gRPC
 // cancels them (their handlers still run to the end before Wait() returns, so
@@ -479,16 +498,9 @@ int Run(const DaemonConfig& config) {
                           config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
-  std::unique_ptr<Checkpointer> checkpointer;
-  if (config.checkpoints) {
-    checkpointer = std::make_unique<Checkpointer>(config.checkpoint, &sessions);
-    // Not fatal: a daemon without a writable checkpoint directory still
-    // serves training, it only cannot save or restore.
-    if (absl::Status st = checkpointer->Start(); !st.ok()) {
-      DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
-      checkpointer.reset();
-    }
-  }
+  std::string checkpoints_off;
+  std::unique_ptr<Checkpointer> checkpointer = StartCheckpointer(config, &sessions,
+                                                                 &checkpoints_off);
   // Development builds before the descriptor socket also served
   // <socket>.auth; a file one left behind would only mislead.
   ::unlink((config.socket_path + ".auth").c_str());
@@ -500,7 +512,7 @@ int Run(const DaemonConfig& config) {
   PeerTable peers;
   Authorizer authorizer(config.authz);
   DosService service(&sessions, &budget, kVersion, checkpointer.get(), descriptors->get(), &peers,
-                     &authorizer);
+                     &authorizer, checkpoints_off);
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
@@ -553,7 +565,7 @@ int main(int argc, char** argv) {
       "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
       "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
   absl::SetProgramUsageMessage(kUsage);
-  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+  if (int rc = dos::cli::HandleEarlyArgs(argc, argv, "dosd", kUsage, "daemon/main.cc");
       rc >= 0) {
     return rc;
   }

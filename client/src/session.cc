@@ -16,9 +16,11 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "request_builder.h"
 #include "dos/wire/fd_protocol.h"
+#include "dos/wire/socket_access.h"
 #include "dos/wire/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -97,17 +99,17 @@ absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status
         "); start the daemon (systemctl start dosd, or dosd --socket=", options_.socket_path,
         ") or point DOS_SOCKET / socket_path at a running one"));
   }
+  // dosd's messages already name the call ("register: ..."): not twice.
+  if (absl::StartsWith(status.error_message(), absl::StrCat(call, ":"))) {
+    return absl::Status(code, status.error_message());
+  }
   return absl::Status(code, absl::StrCat(call, ": ", status.error_message()));
 }
 
 
 absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Options& options) {
-  struct stat st;
-  if (::stat(options.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(
-        "attach: no dosd socket at ", options.socket_path,
-        "; start the daemon (systemctl start dosd, or dosd --socket=", options.socket_path,
-        ") or set DOS_SOCKET to the socket of a running one"));
+  if (absl::Status st = CheckDaemonSocket(options.socket_path); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("attach: ", st.message()));
   }
   auto channel =
       grpc::CreateChannel(absl::StrCat("unix:", options.socket_path),

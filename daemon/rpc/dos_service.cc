@@ -313,9 +313,15 @@ grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterSha
   if (absl::Status st = MayActOn(ctx, **s, "register"); !st.ok()) return ToGrpcStatus(st);
   if (absl::Status st = AdmitRegistration(**s, *req); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
-  if (!spec.ok()) return ToGrpcStatus(spec.status());
-  absl::Status st = (*s)->Register(*spec);
-  if (!st.ok()) return ToGrpcStatus(st);
+  absl::Status st = spec.ok() ? (*s)->Register(*spec) : spec.status();
+  if (!st.ok()) {
+    // The trainer gets the reason; the operator reads it here.
+    const SessionIdentity& id = (*s)->identity();
+    DOS_LOG_WARNING("session.register_refused", "session", id.id, "client", id.client_name,
+                    "uid", id.uid, "pid", id.pid, "rank", id.rank, "code",
+                    absl::StatusCodeToString(st.code()), "error", st.message());
+    return ToGrpcStatus(st);
+  }
   Session::Summary sum = (*s)->summary();
   resp->set_total_params(sum.params);
   resp->set_num_subgroups(sum.subgroups);
@@ -519,11 +525,14 @@ void FillRecords(const std::vector<CheckpointRecord>& records,
 }
 }  // namespace
 
+grpc::Status DosService::CheckpointsOff() const {
+  return ToGrpcStatus(absl::FailedPreconditionError(
+      absl::StrCat("checkpoints are off in this dosd: ", checkpoints_off_)));
+}
+
 grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckpointRequest* req,
                                         v1::SaveCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
+  if (checkpointer_ == nullptr) return CheckpointsOff();
   if (req->session_id() == 0) {
     if (absl::Status st = MustBeOperator(ctx, "save checkpoint of every session"); !st.ok()) {
       return ToGrpcStatus(st);
@@ -548,9 +557,7 @@ grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckp
 
 grpc::Status DosService::LoadCheckpoint(ServerContext* ctx, const v1::LoadCheckpointRequest* req,
                                         v1::LoadCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
+  if (checkpointer_ == nullptr) return CheckpointsOff();
   if (req->path().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         "path is empty; name a checkpoint file or directory in the session owner's folder "
