@@ -36,11 +36,13 @@ case "$what" in
         cp "/tmp/$t.log" "$O/"
       done
       echo "== pytest (CUDA, compact state, async, GPT loss, state I/O, DCP with DDP and FSDP2, early steps with torch's hooks)"
-      timeout 360 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py \
+      timeout 360 python3 -m pytest -q -rfs -p no:cacheprovider tests/python/test_cuda.py \
         tests/python/test_compact_state.py tests/python/test_gpu_lease.py \
         tests/python/test_async.py tests/python/test_gpt_loss.py tests/python/test_state_io.py \
         tests/python/test_dcp.py tests/python/test_early.py \
-        tests/python/test_training_features.py 2>&1 | tail -40
+        tests/python/test_training_features.py tests/python/test_state_views.py \
+        tests/python/test_oom.py tests/python/frameworks/test_lightning_clip.py 2>&1 \
+        | grep -vE "^(INFO|  /|$)" | tail -150
     } > "$O/tests.log" 2>&1
     ;;
   e2e)

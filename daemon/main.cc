@@ -24,6 +24,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/bounds_flags.h"
 #include "daemon/common/log.h"
 #include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
@@ -104,20 +105,14 @@ ABSL_FLAG(std::string, checkpoint_dir, "auto",
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
-ABSL_FLAG(std::string, checkpoint_quota, "0", "Bytes each uid's checkpoints may take in the "
-          "store (its folder uid-<uid>), e.g. 100G; 0 = no quota.");
-ABSL_FLAG(bool, checkpoint_quota_prune, true, "A save beyond --checkpoint_quota first deletes "
-          "the uid's oldest checkpoints (never its newest); false: it is refused instead.");
-ABSL_FLAG(uint32_t, fd_reserve, 256, "File descriptors (below RLIMIT_NOFILE, raised to its hard "
-          "limit at start) kept for uids holding few sessions (< N/32); 0 = none.");
 ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");
 ABSL_FLAG(std::string, session_memory_limit, "0",
           "Cap on one session's optimizer state (12 bytes per parameter), e.g. 16G; 0 = none.");
 ABSL_FLAG(std::string, group, "",
-          "Group given the socket and the shared-memory control blocks (with --socket_mode "
-          "0660: the trainers' group); empty: the daemon's own group.");
+          "Group given the socket and the descriptor socket <socket>.fd beside it (with "
+          "--socket_mode 0660: the trainers' group); empty: the daemon's own group.");
 ABSL_FLAG(std::string, allow_uids, "",
           "Comma-separated uids allowed to attach (the attaching process's credentials from the "
           "kernel, on the descriptor socket <socket>.fd); with --allow_gids empty too: no check "
@@ -134,17 +129,9 @@ ABSL_FLAG(std::string, operator_gids, "",
           "every session. Root and dosd's own uid always are.");
 ABSL_FLAG(bool, tcp_operator_calls, false,
           "Let --tcp_listen callers (no identity) make operator calls; off: they only read.");
-ABSL_FLAG(int, max_sessions, 1024, "Sessions held at once (attached or orphaned); 0 = no cap.");
-ABSL_FLAG(int, max_sessions_per_uid, 256, "Sessions one uid holds at once; 0 = no cap.");
-ABSL_FLAG(absl::Duration, early_step_ready_timeout, absl::Minutes(10),
-          "Longest an early step without a verdict (overlap=\"update\") waits for one "
-          "subgroup's gradients, and an early step with one (overlap=True) for its verdict, "
-          "from the step's begin; the GPU engine (or the session) is held meanwhile, so a "
-          "trainer stalled mid-backward would hold up the other trainers on that GPU. The "
-          "step then fails with DEADLINE_EXCEEDED.");
 ABSL_FLAG(bool, tcp_allow_remote, false,
-          "Allow --tcp_listen on a non-loopback address (anyone who reaches it can drive "
-          "operator calls).");
+          "Allow --tcp_listen on a non-loopback address: anyone who reaches it can read stats, "
+          "sessions and policies, and with --tcp_operator_calls also make operator calls.");
 ABSL_FLAG(int, metrics_port, 0,
           "Serve Prometheus metrics at http://127.0.0.1:PORT/metrics; 0 = off.");
 ABSL_FLAG(absl::Duration, session_lease, absl::Seconds(60),
@@ -180,6 +167,7 @@ struct DaemonConfig {
   int metrics_port = 0;              // loopback Prometheus endpoint; 0 = off
   std::string tcp_listen;            // extra gRPC listener HOST:PORT; empty: none
   AuthorizerOptions authz;           // operators; what TCP callers may do
+  UidLimits uid_limits;              // per-uid and per-session bounds (bounds_flags.h)
   uint32_t fd_reserve = 256;         // descriptors kept for uids without sessions
 };
 
@@ -189,7 +177,7 @@ absl::Status GpuFlags(DaemonConfig& c) {
       GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
   if (!devices.ok()) return devices.status();
   c.gpu_devices = *std::move(devices);
-  if (!cli::ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
+  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
         " is not a size; write e.g. 12G or 0"));
@@ -239,15 +227,6 @@ absl::Status AccessFlags(DaemonConfig& c) {
   }
   c.authz.tcp_operator_calls = absl::GetFlag(FLAGS_tcp_operator_calls);
   c.authz.daemon_uid = ::geteuid();
-  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_sessions_per_uid) < 0) {
-    return absl::InvalidArgumentError("--max_sessions and --max_sessions_per_uid must be >= 0");
-  }
-  c.session.max_sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions));
-  c.session.max_sessions_per_uid = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_sessions_per_uid));
-  c.session.early_ready_timeout = absl::GetFlag(FLAGS_early_step_ready_timeout);
-  if (c.session.early_ready_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--early_step_ready_timeout must be positive (e.g. 10m)");
-  }
   c.tcp_listen = absl::GetFlag(FLAGS_tcp_listen);
   if (!c.tcp_listen.empty()) {
     const size_t colon = c.tcp_listen.rfind(':');
@@ -279,7 +258,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("--socket_mode must be octal permissions such as 0660");
   }
   c.socket_mode = mode;
-  if (!cli::ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
+  if (!ParseBytes(absl::GetFlag(FLAGS_host_memory_limit), &c.host_memory_limit)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--host_memory_limit=", absl::GetFlag(FLAGS_host_memory_limit),
         " is not a size; write e.g. 64G, 512M or 0 for no cap"));
@@ -326,12 +305,10 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.checkpoint.autosave_interval > absl::ZeroDuration() && !c.checkpoints) {
     return absl::InvalidArgumentError("--autosave_interval needs a --checkpoint_dir");
   }
-  if (!cli::ParseBytes(absl::GetFlag(FLAGS_checkpoint_quota), &c.checkpoint.folders.quota_bytes)) {
-    return absl::InvalidArgumentError("--checkpoint_quota is not a size; write e.g. 100G or 0");
+  if (absl::Status st = StoreBoundsFromFlags(&c.checkpoint.folders, &c.fd_reserve); !st.ok()) {
+    return st;
   }
-  c.checkpoint.folders.prune = absl::GetFlag(FLAGS_checkpoint_quota_prune);
-  c.fd_reserve = absl::GetFlag(FLAGS_fd_reserve);
-  if (!cli::ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
+  if (!ParseBytes(absl::GetFlag(FLAGS_session_memory_limit), &c.session.memory_limit)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--session_memory_limit=", absl::GetFlag(FLAGS_session_memory_limit),
         " is not a size; write e.g. 16G or 0"));
@@ -344,6 +321,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.session_lease = absl::GetFlag(FLAGS_session_lease);
   if (c.session_lease < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session_lease must be >= 0");
+  }
+  if (absl::Status st = BoundsFromFlags(c.host_memory_limit, c.session_lease, &c.session,
+                                        &c.uid_limits);
+      !st.ok()) {
+    return st;
   }
   return c;
 }
@@ -466,17 +448,26 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
   server->Wait();
 }
 
-// The checkpoint store; null when off or unusable; an error when others could write it.
+// The checkpointer, or null with `*off` saying why and the fix (the
+// checkpoint calls answer FAILED_PRECONDITION with it): a daemon without a
+// usable checkpoint folder still serves training. An error (dosd does not
+// start) only for a store others could write: users' state is at stake.
 absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConfig& config,
                                                                 SessionManager* sessions,
-                                                                MetricsRegistry* metrics) {
-  if (!config.checkpoints) return nullptr;
+                                                                MetricsRegistry* metrics,
+                                                                std::string* off) {
+  if (!config.checkpoints) {
+    *off = "dosd runs with --checkpoint_dir empty; restart it with --checkpoint_dir=DIR (a "
+           "folder its user can write) to save and load checkpoints";
+    return nullptr;
+  }
   CheckpointerOptions options = config.checkpoint;
   options.folders.on_usage = CheckpointUsageGauges(metrics, options.folders.quota_bytes);
   auto checkpointer = std::make_unique<Checkpointer>(options, sessions);
   if (absl::Status st = checkpointer->Start(); !st.ok()) {
-    if (absl::IsPermissionDenied(st)) return st;  // not dosd's alone: users' state at stake
+    if (absl::IsPermissionDenied(st)) return st;
     DOS_LOG_WARNING("daemon.checkpoints_off", "error", st.message());
+    *off = absl::StrCat(st.message(), ", then restart dosd");
     return nullptr;
   }
   return checkpointer;
@@ -498,6 +489,7 @@ int Run(const DaemonConfig& config) {
   if (!guard.ok()) return Fail("daemon.socket", guard.status());
 
   HostMemoryBudget budget(config.host_memory_limit);
+  UidLedger ledger(config.uid_limits);
   cpu::CpuUpdater cpu_updater(config.cpu);
   // One GPU engine (streams, staging, performance model) and executor per
   // device; every engine shares the one CPU updater.
@@ -511,18 +503,20 @@ int Run(const DaemonConfig& config) {
   DaemonCounters counters;
   SessionOptions session_options = config.session;
   session_options.counters = &counters;
+  session_options.ledger = &ledger;
   SessionManager sessions(session_options, config.default_policy, &executors, &budget,
                           config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
+  std::string checkpoints_off;
   absl::StatusOr<std::unique_ptr<Checkpointer>> checkpointer =
-      StartCheckpointer(config, &sessions, &metrics);
+      StartCheckpointer(config, &sessions, &metrics, &checkpoints_off);
   if (!checkpointer.ok()) return Fail("daemon.checkpoint_dir", checkpointer.status());
   // Development builds before the descriptor socket also served
   // <socket>.auth; a file one left behind would only mislead.
   ::unlink((config.socket_path + ".auth").c_str());
   auto descriptors = StartDescriptorSocket(fdproto::SocketPathFor(config.socket_path),
-                                          config.socket_mode, config.group, &sessions,
+                                          config.socket_mode, config.group, &sessions, &ledger,
                                           config.fd_reserve);
   if (!descriptors.ok()) return Fail("daemon.fd_socket", descriptors.status());
   // dosd accepts its gRPC socket itself: each connection's kernel identity
@@ -530,7 +524,7 @@ int Run(const DaemonConfig& config) {
   PeerTable peers;
   Authorizer authorizer(config.authz);
   DosService service(&sessions, &budget, kVersion, checkpointer->get(), descriptors->get(), &peers,
-                     &authorizer);
+                     &authorizer, checkpoints_off);
   auto listener = UnixListener::Bind(config.socket_path, config.socket_mode, config.group, &peers,
                                      config.session.max_sessions_per_uid);
   if (!listener.ok()) return Fail("daemon.listen", listener.status());
@@ -584,7 +578,7 @@ int main(int argc, char** argv) {
       "usage: dosd [--flagfile=/etc/dos/dosd.flags] [--socket=PATH] [FLAG...]\n"
       "The packaged service runs `dosd --flagfile=/etc/dos/dosd.flags` (systemctl start dosd).";
   absl::SetProgramUsageMessage(kUsage);
-  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosd", kUsage, "daemon/main.cc");
+  if (int rc = dos::cli::HandleEarlyArgs(argc, argv, "dosd", kUsage, "daemon/");
       rc >= 0) {
     return rc;
   }

@@ -30,7 +30,9 @@ stage() {
 }
 
 build=${DOS_BUILD_DIR:-build}
-stage build bash deploy/build.sh
+# A CI and development build: warnings in project code are errors here (a
+# user's or packager's build, deploy/build.sh alone, only warns).
+stage build bash deploy/build.sh -DDOS_WERROR=ON
 # Skipped tests (GPU tests without a GPU, ...) are listed with their reasons
 # after the run (tests/skipped_report.py): ctest itself only says "Skipped".
 ctest_stage() {

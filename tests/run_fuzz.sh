@@ -19,7 +19,7 @@ t0=$(date +%s)
 mkdir -p "$build"
 # -Wno-unknown-warning-option: some components pass GCC-only -Wno-* options.
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DDOS_WITH_CUDA=OFF -DDOS_BUILD_BENCHMARKS=OFF -DDOS_BUILD_FUZZERS=ON \
+  -DDOS_WITH_CUDA=OFF -DDOS_WERROR=ON -DDOS_BUILD_BENCHMARKS=OFF -DDOS_BUILD_FUZZERS=ON \
   -DDOS_SANITIZE=address,undefined,fuzzer-no-link ${DOS_CMAKE_ARGS:-} \
   -DCMAKE_CXX_FLAGS=-Wno-unknown-warning-option > "$build/configure.log"
 if ! cmake --build "$build" -j "$jobs" --target fuzz_seeds > "$build/fuzz_seeds.build.log" 2>&1; then

@@ -85,7 +85,7 @@ for cfg in "${configs[@]}"; do
   rc=0
   progress_stage "$cfg: configure and build $build/ (full log: $build/build.log)"
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDOS_WITH_CUDA=OFF \
-    -DDOS_BUILD_BENCHMARKS=OFF -DDOS_SANITIZE="$sanitize" "${extra_flags[@]}" ${DOS_CMAKE_ARGS:-} \
+    -DDOS_WERROR=ON -DDOS_BUILD_BENCHMARKS=OFF -DDOS_SANITIZE="$sanitize" "${extra_flags[@]}" ${DOS_CMAKE_ARGS:-} \
     > "$build/configure.log" && cmake --build "$build" -j "$jobs" "${targets[@]}" 2>&1 |
     progress_filter "$cfg build" "$build/build.log" || rc=$?
   t1=$(date +%s)

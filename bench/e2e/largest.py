@@ -43,10 +43,12 @@ largest_model_params_compact, every candidate's outcome).
       --trainer-host-gib 0 --dosd-overhead-gib 0 --host-margin-gib 0 --out /tmp/largest
 """
 import argparse
+import atexit
 import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -443,6 +445,10 @@ def main(argv=None):
                     int(args.host_margin_gib * GiB), int(args.gpu_budget_gb * GiB),
                     int(args.dosd_context_gb * GiB), args.subgroup_size)
     tmp = tempfile.mkdtemp(prefix="dos-largest-")
+    # The candidates' sockets and logs go when the search ends
+    # (DOS_KEEP_TEST_DIRS=1 keeps them to look at).
+    if os.environ.get("DOS_KEEP_TEST_DIRS") != "1":
+        atexit.register(shutil.rmtree, tmp, True)
     print(f"host memory to plan with {avail0 / GiB:.1f} GiB; GPU budget "
           f"{args.gpu_budget_gb:g} GiB (trainer room {budget.trainer_gpu_room() / GiB:.1f} GiB)"
           if args.gpu_budget_gb else f"host memory to plan with {avail0 / GiB:.3f} GiB",

@@ -100,9 +100,11 @@ def mmap_loads():
     """The one line a resuming user writes: torch.load maps checkpoint files
     instead of reading them whole (HF's resume loads optimizer.pt with it)."""
     try:
-        torch.utils.serialization.config.load.mmap = True  # torch >= 2.5
-    except AttributeError:
-        torch.serialization.config.load.mmap = True
+        import torch.utils.serialization  # torch >= 2.5
+        torch.utils.serialization.config.load.mmap = True
+    except (ImportError, AttributeError):  # older torch: the same through a wrapper
+        import functools
+        torch.load = functools.partial(torch.load, mmap=True)
 
 
 def make_model(size, device):

@@ -22,7 +22,8 @@ export DOS_SOCKET=$sock
 W=/tmp/hf7b-work; rm -rf $W; mkdir -p $W
 cat /sys/kernel/mm/transparent_hugepage/shmem_enabled > "$O/thp.txt" 2>&1
 free -g >> "$O/thp.txt"
-for mode in all_gpu dos dos_compact; do
+[ "$SIZE" = none ] && modes= || modes=${MODES:-all_gpu dos dos_compact}
+for mode in $modes; do
   echo "== $mode $SIZE" >> "$O/hf7b.log"
   timeout 300 python3 bench/frameworks/hf7b.py --mode $mode --size $SIZE --steps ${STEPS:-12} \
     --sink --workdir $W/$mode --out $W/$mode.json >> "$O/hf7b.log" 2>&1

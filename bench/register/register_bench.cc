@@ -130,7 +130,9 @@ bool MakeShard(dos_session* s, bool cuda, uint64_t params, uint64_t tensor_numel
     } else {
       std::memset(p, 0x3c, n * 2);
     }
-    out->names.push_back("t" + std::to_string(i));
+    // Not "t" + std::to_string(i): GCC 12 at -O3 reports a false -Wrestrict
+    // inside basic_string's operator+ (GCC bug 105329).
+    out->names.push_back(std::to_string(i).insert(0, 1, 't'));
     out->tensors.push_back(dos_tensor{nullptr, DOS_DTYPE_BF16, p, DOS_DTYPE_BF16, g, n, 0});
   }
   for (size_t i = 0; i < out->tensors.size(); ++i) out->tensors[i].name = out->names[i].c_str();

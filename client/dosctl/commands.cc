@@ -1,14 +1,14 @@
 #include "client/dosctl/commands.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/dosctl/json.h"
 #include "client/dosctl/table.h"
+#include "dos/wire/socket_access.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
@@ -69,16 +69,7 @@ void Commands::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
 }
 
-absl::Status Commands::CheckSocket() const {
-  struct stat st;
-  if (::stat(options_.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(
-        "no dosd socket at ", options_.socket_path,
-        ": is the daemon running? (systemctl status dosd, or start it with dosd --socket=",
-        options_.socket_path, "); pass --socket or set DOS_SOCKET for another one"));
-  }
-  return absl::OkStatus();
-}
+absl::Status Commands::CheckSocket() const { return CheckDaemonSocket(options_.socket_path); }
 
 absl::Status Commands::FromRpc(const char* call, const grpc::Status& s) const {
   const auto code = static_cast<absl::StatusCode>(s.error_code());
@@ -86,6 +77,10 @@ absl::Status Commands::FromRpc(const char* call, const grpc::Status& s) const {
     return absl::Status(code, absl::StrCat(call, ": dosd at ", options_.socket_path,
                                            " does not answer (", s.error_message(),
                                            "); is it running? (systemctl status dosd)"));
+  }
+  // dosd's messages may already name the call ("checkpoint save: ..."): not twice.
+  if (absl::StartsWith(s.error_message(), absl::StrCat(call, ":"))) {
+    return absl::Status(code, s.error_message());
   }
   return absl::Status(code, absl::StrCat(call, ": ", s.error_message()));
 }
@@ -236,7 +231,30 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
               Num(std::max(x.lock_wait_us_max(), x.snapshot_wait_us_max()))});
   }
   t.Print(out);
+  PrintUidUsage(resp, out);
   return absl::OkStatus();
+}
+
+void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out) {
+  if (resp.uids().empty()) return;
+  // Each column against its per-uid bound ("-": no cap).
+  const v1::UidUsage& cap = resp.uid_limits();
+  auto of = [](const std::string& used, uint64_t limit, bool bytes) {
+    return absl::StrCat(used, " / ", limit == 0 ? std::string("-")
+                                                : bytes ? Bytes(limit) : absl::StrCat(limit));
+  };
+  out << "\nper uid (used / bound):\n";
+  Table t({"UID", "SESSIONS", "MAPPED", "FD CONNECTIONS", "EARLY STEPS", "TENSORS", "BOOKKEEPING"},
+          {true, true, true, true, true, true, true});
+  for (const v1::UidUsage& u : resp.uids()) {
+    t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
+              of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
+              of(absl::StrCat(u.connections()), cap.connections(), false),
+              of(absl::StrCat(u.early_steps()), cap.early_steps(), false),
+              of(absl::StrCat(u.tensors()), cap.tensors(), false),
+              of(Bytes(u.bookkeeping_bytes()), cap.bookkeeping_bytes(), true)});
+  }
+  t.Print(out);
 }
 
 absl::Status Commands::GetPolicy(uint64_t session_id, const std::string& token,

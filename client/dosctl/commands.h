@@ -3,11 +3,13 @@
 //
 // Each command writes its answer to `out`, readable (aligned tables) or as
 // JSON (protobuf's JSON printer, proto field names), and returns a Status
-// whose message names the socket and what to do when the daemon is down.
+// whose message names the socket and what to do when the daemon is down or
+// its socket refuses this user (CheckDaemonSocket, dos/wire/socket_access.h).
 //
-// Operator calls carry no session token: `policy get/set` and `stats` send
-// session_id with an empty token; the daemon accepts that from the socket's
-// owner (dosctl is the operator tool; access is the socket's file mode).
+// Operator calls carry no session token: `policy get/set`, `stats` and
+// `checkpoint` send session_id with an empty token; dosd lets the session's
+// own uid and operators (root, dosd's user, --operator_gids) act on it, by
+// the caller's kernel identity on the socket.
 //
 // Thread-safety: one Commands per thread.
 #pragma once
@@ -54,6 +56,8 @@ class Commands {
                   std::ostream& out) const;
   absl::Status FromRpc(const char* call, const grpc::Status& s) const;
   absl::Status CheckSocket() const;
+  // The per-uid table of `stats`: each uid's use of each bounded resource.
+  static void PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -14,7 +14,8 @@
 //     policy set SESSION_ID|default POLICY
 //                                     cpu, static:<f>, interleave:<k> or auto
 //
-// Exit status: 0 success, 1 the daemon refused or is unreachable, 2 usage.
+// Exit status: 0 success, 1 the daemon refused or is unreachable, 2 usage
+// (an unknown command, flag or flag value).
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -69,7 +70,7 @@ constexpr char kAbout[] =
 constexpr char kNotes[] =
     "--json prints one JSON object per command; every 64-bit integer (ids, counters, bytes)\n"
     "is a JSON number. Exit status: 0 success, 1 the daemon refused or is unreachable,\n"
-    "2 usage.";
+    "2 usage (an unknown command, flag or flag value).";
 
 int Usage(const std::string& why) {
   std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';
@@ -83,8 +84,7 @@ bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(te
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   const std::string help = absl::StrCat(kAbout, "usage: ", kUsage, "\n", kNotes);
-  if (int rc = dos::cli::HandleHelpAndVersion(argc, argv, "dosctl", help,
-                                               "client/dosctl/main.cc");
+  if (int rc = dos::cli::HandleEarlyArgs(argc, argv, "dosctl", help, "client/dosctl/main.cc");
       rc >= 0) {
     return rc;
   }

@@ -1,11 +1,10 @@
 #include "daemon_probe.h"
 
-#include <sys/stat.h>
-
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/socket_access.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
@@ -17,12 +16,7 @@ const char* ClientRelease() { return DOS_CLIENT_RELEASE; }
 uint32_t ClientProtocolVersion() { return kProtocolVersion; }
 
 absl::StatusOr<DaemonInfo> ProbeDaemon(const std::string& socket_path, int64_t timeout_ms) {
-  struct stat st;
-  if (::stat(socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(
-        "no dosd socket at ", socket_path, "; start the daemon (systemctl start dosd, or dosd "
-        "--socket=", socket_path, ") or set DOS_SOCKET to the socket of a running one"));
-  }
+  if (absl::Status st = CheckDaemonSocket(socket_path); !st.ok()) return st;
   auto channel = grpc::CreateChannel(absl::StrCat("unix:", socket_path),
                                      grpc::InsecureChannelCredentials());
   auto deadline = [&] {

@@ -20,8 +20,10 @@ struct DaemonInfo {
   uint32_t sessions = 0;
 };
 
-// UNAVAILABLE (naming the socket and how to start dosd) when nothing
-// answers; the daemon's own error otherwise. `timeout_ms` bounds each call.
+// What CheckDaemonSocket (dos/wire/socket_access.h) says when the socket is
+// missing (UNAVAILABLE, how to start dosd) or refuses this process
+// (PERMISSION_DENIED, the group to join and "log in again"); UNAVAILABLE
+// when nothing answers on it; the daemon's own error otherwise. `timeout_ms` bounds each call.
 absl::StatusOr<DaemonInfo> ProbeDaemon(const std::string& socket_path, int64_t timeout_ms);
 
 // This library's release and protocol.

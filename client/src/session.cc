@@ -16,9 +16,11 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "request_builder.h"
 #include "dos/wire/fd_protocol.h"
+#include "dos/wire/socket_access.h"
 #include "dos/wire/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -97,17 +99,17 @@ absl::Status ClientSession::FromRpc(const char* call, const grpc::Status& status
         "); start the daemon (systemctl start dosd, or dosd --socket=", options_.socket_path,
         ") or point DOS_SOCKET / socket_path at a running one"));
   }
+  // dosd's messages already name the call ("register: ..."): not twice.
+  if (absl::StartsWith(status.error_message(), absl::StrCat(call, ":"))) {
+    return absl::Status(code, status.error_message());
+  }
   return absl::Status(code, absl::StrCat(call, ": ", status.error_message()));
 }
 
 
 absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Options& options) {
-  struct stat st;
-  if (::stat(options.socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(
-        "attach: no dosd socket at ", options.socket_path,
-        "; start the daemon (systemctl start dosd, or dosd --socket=", options.socket_path,
-        ") or set DOS_SOCKET to the socket of a running one"));
+  if (absl::Status st = CheckDaemonSocket(options.socket_path); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("attach: ", st.message()));
   }
   auto channel =
       grpc::CreateChannel(absl::StrCat("unix:", options.socket_path),
@@ -134,7 +136,7 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   // pid namespace); the ticket it answers makes the session ours.
   s->fd_socket_ = fdproto::SocketPathFor(options.socket_path);
   {
-    absl::StatusOr<std::string> ticket = fdproto::Hello(s->fd_socket_);
+    absl::StatusOr<std::string> ticket = fdproto::Hello(s->fd_socket_, options.rpc_timeout);
     if (!ticket.ok()) {
       return absl::Status(ticket.status().code(),
                           absl::StrCat("attach: ", ticket.status().message()));
@@ -155,7 +157,7 @@ absl::StatusOr<std::unique_ptr<ClientSession>> ClientSession::Attach(const Optio
   s->attached_ = true;  // from here on the destructor detaches
 
   absl::StatusOr<fdproto::ControlBlockHandle> cb =
-      fdproto::FetchControlBlock(s->fd_socket_, s->id(), s->token());
+      fdproto::FetchControlBlock(s->fd_socket_, s->id(), s->token(), options.rpc_timeout);
   if (!cb.ok()) {
     return absl::Status(cb.status().code(),
                         absl::StrCat("attach: control block: ", cb.status().message()));
@@ -233,7 +235,7 @@ absl::StatusOr<std::vector<uint64_t>> ClientSession::SendSegments(
     const std::vector<const ShmSegment*>& segs) {
   std::vector<int> fds;
   for (const ShmSegment* s : segs) fds.push_back(s->fd());
-  return fdproto::SendSegments(fd_socket_, id(), token(), fds);
+  return fdproto::SendSegments(fd_socket_, id(), token(), fds, options_.rpc_timeout);
 }
 
 absl::StatusOr<void*> ClientSession::AllocBuffer(uint64_t bytes) {
@@ -462,9 +464,12 @@ absl::Status ClientSession::MarkOne(uint32_t i, void* stream) {
   if (ready_marked_[i]) return absl::OkStatus();
   ready_marked_[i] = 1;
   if (i >= kMaxTrackedSubgroups - 1 && --tail_unmarked_ != 0) return absl::OkStatus();
-  std::atomic<uint32_t>* word = step_channel_->ReadyWord(i);
-  if (device_sync_ != nullptr) return device_sync_->StreamWrite(stream, word, seq_);
-  word->store(seq_, std::memory_order_release);
+  // GPU mode: stream-ordered; dosd cannot be woken by the stream's write and
+  // polls the word with a bounded backoff. Otherwise a store that wakes it.
+  if (device_sync_ != nullptr) {
+    return device_sync_->StreamWrite(stream, step_channel_->ReadyWord(i), seq_);
+  }
+  step_channel_->MarkReady(i, seq_);
   return absl::OkStatus();
 }
 

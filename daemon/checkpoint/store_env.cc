@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -100,6 +101,41 @@ absl::StatusOr<std::unique_ptr<StoreEnv>> StoreEnv::Open(const std::string& root
   return std::unique_ptr<StoreEnv>(new StoreEnv(r, std::move(fd)));
 }
 
+absl::Status StoreEnv::CheckWritable() const {
+  if (::faccessat(root_fd_.get(), ".", W_OK | X_OK, AT_EACCESS) == 0) return absl::OkStatus();
+  return WriteFailed(errno, "write in", root_);
+}
+
+absl::Status StoreEnv::WriteFailed(int err, absl::string_view what,
+                                   const std::string& path) const {
+  absl::Status st = ErrnoToStatus(err, what, path);
+  if (err == EROFS) {
+    return absl::Status(st.code(), absl::StrCat(st.message(), "; the checkpoint folder ", root_,
+                                                " is on a read-only file system: point "
+                                                "--checkpoint_dir at a writable one"));
+  }
+  if (err != EACCES && err != EPERM) return st;
+  struct stat root;
+  std::string owner;
+  if (::fstat(root_fd_.get(), &root) == 0) {
+    owner = absl::StrFormat(" (owner uid %u, group gid %u, mode %04o)", root.st_uid, root.st_gid,
+                            root.st_mode & 07777);
+  }
+  // dosd's user by name where it has one (chown takes either).
+  std::string user = absl::StrCat(::geteuid());
+  struct passwd pw;
+  struct passwd* found = nullptr;
+  char buf[4096];
+  if (::getpwuid_r(::geteuid(), &pw, buf, sizeof(buf), &found) == 0 && found != nullptr) {
+    user = found->pw_name;
+  }
+  return absl::Status(
+      st.code(), absl::StrCat(st.message(), "; dosd runs as ", user, " (uid ", ::geteuid(),
+                              "), which may not write in its checkpoint folder ", root_, owner,
+                              ": give it the folder (sudo chown -R ", user, " ", root_,
+                              ") or point --checkpoint_dir at a folder it can write"));
+}
+
 std::string StoreEnv::Join(const std::vector<std::string>& parts, size_t n) const {
   std::string out = root_;
   for (size_t i = 0; i < n; ++i) absl::StrAppend(&out, out == "/" ? "" : "/", parts[i]);
@@ -153,7 +189,7 @@ absl::StatusOr<UniqueFd> StoreEnv::OpenDir(const std::vector<std::string>& parts
     int fd = ::openat(cur.get(), name, kDirFlags);
     if (fd < 0 && errno == ENOENT && create) {
       if (::mkdirat(cur.get(), name, mode) != 0 && errno != EEXIST) {
-        return ErrnoToStatus(errno, "mkdir", Join(parts, i + 1));
+        return WriteFailed(errno, "mkdir", Join(parts, i + 1));
       }
       fd = ::openat(cur.get(), name, kDirFlags);
     }
@@ -183,7 +219,7 @@ absl::StatusOr<std::unique_ptr<WritableFile>> StoreEnv::NewWritableFile(const st
   if (leaf->name.empty()) return ErrnoToStatus(EISDIR, "create", path);
   int fd = ::openat(leaf->dir.get(), leaf->name.c_str(),
                     O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
-  if (fd < 0) return ErrnoToStatus(errno, "create", path);  // EEXIST for a planted link too
+  if (fd < 0) return WriteFailed(errno, "create", path);  // EEXIST for a planted link too
   return WritableFileFromFd(path, fd);
 }
 

@@ -44,6 +44,11 @@ class StoreEnv final : public Env {
 
   // The store's folder, lexically normal ("/var/lib/dos/checkpoints").
   const std::string& root() const { return root_; }
+  // OK when dosd may create folders and files in the store's folder (the
+  // per-uid folders of every save); otherwise PERMISSION_DENIED naming the
+  // folder, its owner and mode, the user dosd runs as and the fix. A store
+  // dosd cannot write still restores; saves fail.
+  absl::Status CheckWritable() const;
 
   // Env. Paths outside the root are INVALID_ARGUMENT.
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
@@ -102,6 +107,9 @@ class StoreEnv final : public Env {
   absl::Status Refused(int dir_fd, const std::vector<std::string>& parts, size_t n, int err,
                        absl::string_view what) const;
   std::string Join(const std::vector<std::string>& parts, size_t n) const;
+  // ErrnoToStatus for a write (`what` at `path`) that failed with `err`,
+  // plus the fix when dosd lacks the right (EACCES, EPERM, EROFS).
+  absl::Status WriteFailed(int err, absl::string_view what, const std::string& path) const;
 
   const std::string root_;
   const UniqueFd root_fd_;

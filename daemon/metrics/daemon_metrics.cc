@@ -59,6 +59,31 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
                         return sum;
                       })
       .IgnoreError();
+  // Per uid, what it holds of each bounded resource (README, threat model),
+  // and the per-uid bounds.
+  m->AddCallbackGaugeFamily(
+       "dos_uid_usage", "What each uid holds of dosd's bounded resources (by resource).",
+       [sessions] {
+         MetricsRegistry::SeriesList out;
+         for (const auto& [uid, u] : sessions->UsageByUid()) {
+           const std::string id = absl::StrCat(uid);
+           out.push_back(
+               {{{"uid", id}, {"resource", "sessions"}}, static_cast<double>(u.sessions)});
+           for (int r = 0; r < kNumUidResources; ++r) {
+             out.push_back({{{"uid", id}, {"resource", UidResourceName(UidResource(r))}},
+                            static_cast<double>(u.used[r])});
+           }
+         }
+         return out;
+       })
+      .IgnoreError();
+  const UidLimits limits = sessions->Limits();
+  for (int r = 0; r < kNumUidResources; ++r) {
+    m->AddCallbackGauge("dos_uid_limit", "The per-uid bound of each resource (0: none).",
+                        {{"resource", UidResourceName(UidResource(r))}},
+                        [v = limits.per_uid[r]] { return static_cast<double>(v); })
+        .IgnoreError();
+  }
   // One series per GPU engine, labelled with its device: the sessions it runs.
   for (const GpuDeviceInfo& d : sessions->executors()->devices()) {
     m->AddCallbackGauge("dos_gpu_engine_sessions",

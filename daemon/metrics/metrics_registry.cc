@@ -90,7 +90,7 @@ absl::StatusOr<MetricsRegistry::Family*> MetricsRegistry::FamilyFor(absl::string
   }
   auto it = families_.find(name);
   if (it == families_.end()) {
-    it = families_.emplace(std::string(name), Family{type, std::string(help), {}}).first;
+    it = families_.emplace(std::string(name), Family{type, std::string(help), {}, {}}).first;
   } else if (it->second.type != type || it->second.help != help) {
     return absl::AlreadyExistsError(absl::StrCat(
         "metric ", name, " is already registered with another type or help text"));
@@ -159,13 +159,26 @@ absl::Status MetricsRegistry::RemoveSeries(absl::string_view name, const MetricL
   return absl::OkStatus();
 }
 
+absl::Status MetricsRegistry::AddCallbackGaugeFamily(absl::string_view name,
+                                                    absl::string_view help,
+                                                    std::function<SeriesList()> read) {
+  absl::MutexLock l(&mu_);
+  if (families_.count(name) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("metric family ", name, " already exists"));
+  }
+  absl::StatusOr<Family*> f = FamilyFor(name, help, Type::kGauge, {});
+  if (!f.ok()) return f.status();
+  (*f)->read_family = std::move(read);
+  return absl::OkStatus();
+}
+
 std::string MetricsRegistry::RenderText() const {
   absl::MutexLock l(&mu_);
   std::string out;
   for (const auto& [name, family] : families_) {
     absl::StrAppend(&out, "# HELP ", name, " ", EscapeHelp(family.help), "\n# TYPE ", name,
                     family.type == Type::kCounter ? " counter\n" : " gauge\n");
-    for (const auto& [labels, s] : family.series) {
+    auto series_name = [&](const MetricLabels& labels) {
       out += name;
       if (!labels.empty()) {
         out += '{';
@@ -176,6 +189,15 @@ std::string MetricsRegistry::RenderText() const {
         out += '}';
       }
       out += ' ';
+    };
+    if (family.read_family) {
+      for (const auto& [labels, v] : family.read_family()) {
+        series_name(labels);
+        absl::StrAppend(&out, FormatSampleValue(v), "\n");
+      }
+    }
+    for (const auto& [labels, s] : family.series) {
+      series_name(labels);
       if (s.counter) out += absl::StrCat(s.counter->value());
       else if (s.read_counter) out += absl::StrCat(s.read_counter());
       else if (s.gauge) out += FormatSampleValue(s.gauge->value());

@@ -85,6 +85,13 @@ class MetricsRegistry {
   absl::Status AddCallbackCounter(absl::string_view name, absl::string_view help,
                                   const MetricLabels& labels, std::function<uint64_t()> read);
 
+  // A gauge family whose series are read at each scrape, all at once, from
+  // `read` (labels -> value): series that come and go (one per uid).
+  // ALREADY_EXISTS if the name is taken.
+  using SeriesList = std::vector<std::pair<MetricLabels, double>>;
+  absl::Status AddCallbackGaugeFamily(absl::string_view name, absl::string_view help,
+                                      std::function<SeriesList()> read);
+
   // Removes one series (e.g. a detached session's); its pointer dangles
   // afterwards. NOT_FOUND if absent.
   absl::Status RemoveSeries(absl::string_view name, const MetricLabels& labels);
@@ -104,6 +111,7 @@ class MetricsRegistry {
     Type type;
     std::string help;
     std::map<MetricLabels, Series> series;
+    std::function<SeriesList()> read_family;  // AddCallbackGaugeFamily
   };
 
   // The family `name`, created if absent; checks name, type and help.

@@ -28,11 +28,14 @@ void FillRecords(const std::vector<CheckpointRecord>& records,
 }
 }  // namespace
 
+grpc::Status DosService::CheckpointsOff() const {
+  return ToGrpcStatus(absl::FailedPreconditionError(
+      absl::StrCat("checkpoints are off in this dosd: ", checkpoints_off_)));
+}
+
 grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckpointRequest* req,
                                         v1::SaveCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
+  if (checkpointer_ == nullptr) return CheckpointsOff();
   if (req->session_id() == 0) {
     if (absl::Status st = MustBeOperator(ctx, "save checkpoint of every session"); !st.ok()) {
       return ToGrpcStatus(st);
@@ -57,9 +60,7 @@ grpc::Status DosService::SaveCheckpoint(ServerContext* ctx, const v1::SaveCheckp
 
 grpc::Status DosService::LoadCheckpoint(ServerContext* ctx, const v1::LoadCheckpointRequest* req,
                                         v1::LoadCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
+  if (checkpointer_ == nullptr) return CheckpointsOff();
   if (req->path().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         "path is empty; name a checkpoint file or directory in the session owner's folder "
@@ -91,9 +92,7 @@ grpc::Status DosService::LoadCheckpoint(ServerContext* ctx, const v1::LoadCheckp
 grpc::Status DosService::DeleteCheckpoint(ServerContext* ctx,
                                           const v1::DeleteCheckpointRequest* req,
                                           v1::DeleteCheckpointResponse* resp) {
-  if (checkpointer_ == nullptr) {
-    return ToGrpcStatus(absl::UnavailableError("checkpoint: this dosd has no checkpointer"));
-  }
+  if (checkpointer_ == nullptr) return CheckpointsOff();
   absl::StatusOr<uint32_t> owner = DeleteOwner(ctx, *req);
   if (!owner.ok()) return ToGrpcStatus(owner.status());
   if (req->path().empty()) {

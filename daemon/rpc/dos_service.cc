@@ -7,6 +7,7 @@
 #include "daemon/rpc/grpc_status.h"
 #include "daemon/rpc/session_lookup.h"
 #include "daemon/rpc/step_stats.h"
+#include "daemon/rpc/uid_usage.h"
 #include "dos/wire/control_block.h"
 
 namespace dos {
@@ -284,10 +285,17 @@ grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterSha
   absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
   if (!s.ok()) return ToGrpcStatus(s.status());
   if (absl::Status st = MayActOn(ctx, **s, "register"); !st.ok()) return ToGrpcStatus(st);
+  if (absl::Status st = AdmitRegistration(**s, *req); !st.ok()) return ToGrpcStatus(st);
   absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
-  if (!spec.ok()) return ToGrpcStatus(spec.status());
-  absl::Status st = (*s)->Register(*spec);
-  if (!st.ok()) return ToGrpcStatus(st);
+  absl::Status st = spec.ok() ? (*s)->Register(*spec) : spec.status();
+  if (!st.ok()) {
+    // The trainer gets the reason; the operator reads it here.
+    const SessionIdentity& id = (*s)->identity();
+    DOS_LOG_WARNING("session.register_refused", "session", id.id, "client", id.client_name,
+                    "uid", id.uid, "pid", id.pid, "rank", id.rank, "code",
+                    absl::StatusCodeToString(st.code()), "error", st.message());
+    return ToGrpcStatus(st);
+  }
   Session::Summary sum = (*s)->summary();
   resp->set_total_params(sum.params);
   resp->set_num_subgroups(sum.subgroups);
@@ -349,6 +357,7 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
   resp->set_host_state_bytes(budget_->used());
   resp->set_host_state_limit_bytes(budget_->limit());
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  FillUidUsage(*sessions_, resp);
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
   const ExecutorSet& executors = *sessions_->executors();
   const NodeResources::View node = executors.node().Snapshot();

@@ -21,7 +21,8 @@ namespace dos {
 
 class DosService final : public v1::Dos::Service {
  public:
-  // `checkpointer` may be null: the checkpoint calls answer UNAVAILABLE.
+  // `checkpointer` may be null: checkpoints are off and the checkpoint calls
+  // answer FAILED_PRECONDITION with `checkpoints_off` (why, and the fix).
   // `descriptors` (the descriptor socket) may be null only in-process
   // (tests, fuzzers): Attach then trusts the claimed pid; dosd always passes
   // it, and Attach requires its ticket. `peers` and `authorizer` may be null: no per-call identity
@@ -30,14 +31,16 @@ class DosService final : public v1::Dos::Service {
   // Attach's also whether it may attach (--allow_uids / --allow_gids).
   DosService(SessionManager* sessions, HostMemoryBudget* budget, std::string version,
              Checkpointer* checkpointer = nullptr, DescriptorServer* descriptors = nullptr,
-             const PeerTable* peers = nullptr, const Authorizer* authorizer = nullptr)
+             const PeerTable* peers = nullptr, const Authorizer* authorizer = nullptr,
+             std::string checkpoints_off = "this dosd has no checkpointer")
       : sessions_(sessions),
         budget_(budget),
         version_(std::move(version)),
         checkpointer_(checkpointer),
         descriptors_(descriptors),
         peers_(peers),
-        authorizer_(authorizer) {}
+        authorizer_(authorizer),
+        checkpoints_off_(std::move(checkpoints_off)) {}
 
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
@@ -71,6 +74,7 @@ class DosService final : public v1::Dos::Service {
   DescriptorServer* const descriptors_;
   const PeerTable* const peers_;
   const Authorizer* const authorizer_;
+  const std::string checkpoints_off_;  // why checkpointer_ is null
 
   CallerIdentity Caller(const grpc::ServerContext* ctx) const;
   // OK if the caller may act on `s` (its owner or an operator).
@@ -85,6 +89,8 @@ class DosService final : public v1::Dos::Service {
   void FillCheckpointUsage(v1::GetStatsResponse* resp) const;
   // ListSessions names jobs and pids: not to TCP callers unless operators.
   absl::Status MayListSessions(const grpc::ServerContext* ctx) const;
+  // FAILED_PRECONDITION for a checkpoint call while checkpoints are off.
+  grpc::Status CheckpointsOff() const;
   const absl::Time started_ = absl::Now();
 };
 

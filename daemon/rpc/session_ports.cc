@@ -6,10 +6,13 @@
 
 namespace dos {
 
-absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(
-    const std::string& path, mode_t mode, gid_t group, SessionManager* sessions,
-    uint32_t fd_reserve) {
+absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
+                                                                        mode_t mode, gid_t group,
+                                                                        SessionManager* sessions,
+                                                                        UidLedger* ledger,
+                                                                        uint32_t fd_reserve) {
   DescriptorServer::Options options;
+  options.ledger = ledger;
   options.socket_mode = mode;
   options.group = group;
   options.reserve = std::make_shared<FdReserve>(FdReserve::AtStart(fd_reserve));
@@ -43,6 +46,7 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(
           return fds;
         };
         port.keep_alive = *s;
+        port.account = (*s)->account();
         return port;
       });
 }

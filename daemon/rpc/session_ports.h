@@ -17,13 +17,16 @@
 
 namespace dos {
 
-// Listens on `path` (mode and group as the gRPC socket); `sessions` outlives
-// the server. It first raises dosd's soft RLIMIT_NOFILE to the hard limit
-// (FdReserve::AtStart, logged: every session costs descriptors, and this is
-// where they are asked for) and keeps `fd_reserve` descriptors below it for
-// uids that hold no session (daemon/common/fd_limits.h; 0: none).
-absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(
-    const std::string& path, mode_t mode, gid_t group, SessionManager* sessions,
-    uint32_t fd_reserve);
+// Listens on `path` (mode and group as the gRPC socket); `sessions` and
+// `ledger` (connections per uid; may be null) outlive the server. It first
+// raises dosd's soft RLIMIT_NOFILE to the hard limit (FdReserve::AtStart,
+// logged: every session costs descriptors, and this is where they are asked
+// for) and keeps `fd_reserve` descriptors below it for uids that hold no
+// session (daemon/common/fd_limits.h; 0: none).
+absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const std::string& path,
+                                                                        mode_t mode, gid_t group,
+                                                                        SessionManager* sessions,
+                                                                        UidLedger* ledger,
+                                                                        uint32_t fd_reserve);
 
 }  // namespace dos

@@ -130,6 +130,11 @@ absl::Status Checkpointer::Start() {
   absl::StatusOr<std::unique_ptr<StoreEnv>> store = StoreEnv::Open(options_.dir);
   if (!store.ok()) return store.status();
   store_ = *std::move(store);
+  // A folder dosd may read but not write (another user's, read-only) still
+  // restores; say so now, with the fix, rather than at the first save.
+  if (absl::Status st = store_->CheckWritable(); !st.ok()) {
+    DOS_LOG_WARNING("checkpoint.dir_not_writable", "dir", options_.dir, "error", st.message());
+  }
   folders_ = std::make_unique<UserFolders>(store_.get(), options_.folders);
   // Temporaries of a writer killed mid-checkpoint (this daemon, SIGKILLed).
   const int removed = RemoveStaleTemporaries(*store_, store_->root(), 0);

@@ -93,8 +93,10 @@ class Checkpointer {
   Checkpointer(CheckpointerOptions options, SessionManager* sessions);
   ~Checkpointer();  // Stop()s.
 
-  // Creates the directory if needed, removes temporaries of killed writers,
-  // scans for restore candidates and starts the writer thread.
+  // Creates the directory if needed (a warning, checkpoint.dir_not_writable,
+  // names it and the fix when dosd may not write there), removes temporaries
+  // of killed writers, scans for restore candidates and starts the writer
+  // thread.
   absl::Status Start();
   // Finishes the queued jobs and joins the thread.
   void Stop();

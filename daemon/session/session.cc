@@ -61,7 +61,14 @@ Session::Session(SessionIdentity identity, const SessionOptions& options, const 
       executor_(executors->host()),
       budget_(budget),
       on_client_gone_(std::move(on_client_gone)),
-      policy_(policy) {}
+      policy_(policy) {
+  UidLedger* ledger = options.ledger;
+  if (ledger == nullptr) {
+    own_ledger_ = std::make_unique<UidLedger>(UidLimits{});
+    ledger = own_ledger_.get();
+  }
+  account_ = ledger->OpenAccount(identity_.uid, identity_.id);
+}
 
 Session::~Session() {
   Stop();
@@ -184,6 +191,35 @@ void Session::StepLoop() {
   }
 }
 
+namespace {
+
+// The daemon-wide totals (metrics) after one step; `params`: the session's
+// parameters when the step applied an update.
+void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome,
+                   double lock_wait_us, double snapshot_wait_us, uint64_t params) {
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
+  c->snapshot_wait_us.fetch_add(static_cast<uint64_t>(snapshot_wait_us), kRelaxed);
+  if (!outcome.ok()) {
+    c->failed_steps.fetch_add(1, kRelaxed);
+  } else {
+    c->steps.fetch_add(1, kRelaxed);
+    c->update_us.fetch_add(static_cast<uint64_t>(outcome->update_us), kRelaxed);
+    if (outcome->found_inf) {
+      c->skipped_steps.fetch_add(1, kRelaxed);
+    } else {
+      c->params_updated.fetch_add(params, kRelaxed);
+      const bool split = outcome->cpu_params + outcome->gpu_params != 0;
+      c->cpu_params.fetch_add(split ? outcome->cpu_params : params, kRelaxed);
+      c->gpu_params.fetch_add(outcome->gpu_params, kRelaxed);
+    }
+    c->h2d_bytes.fetch_add(outcome->h2d_bytes, kRelaxed);
+    c->d2h_bytes.fetch_add(outcome->d2h_bytes, kRelaxed);
+  }
+}
+
+}  // namespace
+
 void Session::HandleRequest(uint32_t seq) {
   auto* block = static_cast<ControlBlock*>(control_->data());
   const absl::Time start = absl::Now();
@@ -218,9 +254,17 @@ void Session::HandleRequest(uint32_t seq) {
       channel_->PostLeaseApplied(seq);
       const StepSync sync = MakeStepSync(seq, request.flags, start);
       const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
-      outcome = leased.ok() ? executor_->Run(*shard_, bindings_, request, step_policy,
-                                             sync, identity_.id, verdict)
-                            : absl::StatusOr<StepOutcome>(leased);
+      // An early step waits for its trainer: counted against its uid's
+      // --max_early_steps_per_uid while it runs.
+      absl::StatusOr<LedgerCharge> early =
+          (request.flags & kStepGradientsPending) == 0
+              ? LedgerCharge()
+              : account_->Charge(UidResource::kEarlySteps, 1,
+                                 absl::StrCat("step: early step ", seq));
+      const absl::Status admitted = !leased.ok() ? leased : early.status();
+      outcome = admitted.ok() ? executor_->Run(*shard_, bindings_, request, step_policy, sync,
+                                               identity_.id, verdict)
+                              : absl::StatusOr<StepOutcome>(admitted);
       ++steps_run_;
       snapshot_wait_us = shard_->TakeWriteWaitUs();
       num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
@@ -244,27 +288,9 @@ void Session::HandleRequest(uint32_t seq) {
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
   }
   result.wall_us = wall_us;
-  if (DaemonCounters* c = options_.counters; c != nullptr) {
-    constexpr auto kRelaxed = std::memory_order_relaxed;
-    c->lock_wait_us.fetch_add(static_cast<uint64_t>(lock_wait_us), kRelaxed);
-    c->snapshot_wait_us.fetch_add(static_cast<uint64_t>(snapshot_wait_us), kRelaxed);
-    if (!outcome.ok()) {
-      c->failed_steps.fetch_add(1, kRelaxed);
-    } else {
-      c->steps.fetch_add(1, kRelaxed);
-      c->update_us.fetch_add(static_cast<uint64_t>(outcome->update_us), kRelaxed);
-      if (outcome->found_inf) {
-        c->skipped_steps.fetch_add(1, kRelaxed);
-      } else {
-        const uint64_t params = summary().params;
-        c->params_updated.fetch_add(params, kRelaxed);
-        const bool split = outcome->cpu_params + outcome->gpu_params != 0;
-        c->cpu_params.fetch_add(split ? outcome->cpu_params : params, kRelaxed);
-        c->gpu_params.fetch_add(outcome->gpu_params, kRelaxed);
-      }
-      c->h2d_bytes.fetch_add(outcome->h2d_bytes, kRelaxed);
-      c->d2h_bytes.fetch_add(outcome->d2h_bytes, kRelaxed);
-    }
+  if (options_.counters != nullptr) {
+    AddToCounters(options_.counters, outcome, lock_wait_us, snapshot_wait_us,
+                  outcome.ok() && !outcome->found_inf ? summary().params : 0);
   }
   {
     absl::MutexLock lock(&stats_mu_);

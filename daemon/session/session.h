@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/checkpoint/env.h"
+#include "daemon/common/uid_ledger.h"
 #include "daemon/sched/policy.h"
 #include "daemon/session/daemon_counters.h"
 #include "daemon/session/shard_spec.h"
@@ -84,6 +85,10 @@ struct SessionOptions {
   // trainers on its GPU) or for its verdict (the node counts its engine as
   // stepping, and the session's lock is held, until then).
   absl::Duration early_ready_timeout = absl::Minutes(10);
+  // Per-uid and per-session bounds (mapped bytes, early steps, bookkeeping,
+  // tensors) are charged here; null: a private ledger without bounds.
+  // Outlives the sessions.
+  UidLedger* ledger = nullptr;
 };
 
 // Smallest subgroup a registration gets (smaller requests are raised to it):
@@ -188,8 +193,16 @@ class Session {
   uint64_t control_block_bytes() const { return control_->size(); }
   // The control block's memfd (the descriptor socket sends dups of it).
   int control_fd() const { return control_->fd(); }
+  // Whether a registration of `tensors` tensors with `bookkeeping_bytes`
+  // (kBookkeepingBytesPerTensor each plus their names) would be charged now:
+  // RESOURCE_EXHAUSTED as Register would answer. Charges nothing; lets the
+  // RPC layer refuse a hopeless request before it copies it.
+  absl::Status CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_bytes) const;
+
   // Segments the client sent over the descriptor socket, waiting for use.
   SegmentInbox* inbox() { return &inbox_; }
+  // The session's share of its uid's bounds (UidLedger).
+  const std::shared_ptr<UidLedger::Account>& account() const { return account_; }
   // Keeps the client's descriptor-socket connection open until the session
   // stops: its hang-up tells the client (in any pid namespace) that dosd or
   // the session is gone.
@@ -239,13 +252,18 @@ class Session {
   // with DEADLINE_EXCEEDED `early_ready_timeout` after the step's begin (a
   // trainer alive but stalled must not hold its engine or the node's share
   // forever); a verdict bell rung past `seq` is INVALID_ARGUMENT at once.
-  absl::Status WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const;
+  // `stream_written`: the trainer's GPU stream writes the ready words (no
+  // futex wake comes; the wait backs off instead).
+  absl::Status WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun,
+                         bool stream_written) const;
   absl::StatusOr<StepRequest> AwaitVerdict(uint32_t seq, absl::Time begun) const;
   // Why an early step's wait gives up (OK while it may go on).
   absl::Status EarlyStepAlive(const char* waiting_for) const;
 
   // Register's steps (session_register.cc), in order.
   struct Registration;
+  absl::Status ChargeBookkeeping(const ShardSpec& spec, Registration* reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PickExecutor(const ShardSpec& spec, Registration* reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status MapTensors(const ShardSpec& spec, Registration* reg)
@@ -272,6 +290,15 @@ class Session {
   Engine* engine() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return executor_->engine(); }
   HostMemoryBudget* const budget_;
   const std::function<void(uint64_t)> on_client_gone_;
+  // Declared before everything charged through them (segments, early steps):
+  // destroyed after.
+  std::unique_ptr<UidLedger> own_ledger_;  // when options.ledger is null
+  std::shared_ptr<UidLedger::Account> account_;
+  // The registered tensors' bookkeeping, charged to the uid (tensors,
+  // bytes) at Register for the session's life. Not to `budget_`: that is
+  // the optimizer state's (host_state_bytes).
+  LedgerCharge tensors_charge_ ABSL_GUARDED_BY(mu_);
+  LedgerCharge bookkeeping_charge_ ABSL_GUARDED_BY(mu_);
 
   std::unique_ptr<ShmSegment> control_;
   std::unique_ptr<ControlBlockChannel> channel_;

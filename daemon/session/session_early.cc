@@ -2,7 +2,7 @@
 // synchronisation with the trainer and the waits for its ready words and its
 // verdict, each bounded by the trainer's liveness and by
 // SessionOptions::early_ready_timeout from the step's begin.
-#include <thread>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -32,8 +32,10 @@ StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) c
     channel_->MarkSubgroupDone(subgroup, seq);
   };
   if (flags & kStepGradientsPending) {
-    sync.wait_ready = [this, seq, begun](uint32_t subgroup) {
-      return WaitReady(subgroup, seq, begun);
+    // With the trainer's event the ready words are written by its GPU stream.
+    const bool stream_written = trainer_event_ != nullptr;
+    sync.wait_ready = [this, seq, begun, stream_written](uint32_t subgroup) {
+      return WaitReady(subgroup, seq, begun, stream_written);
     };
     sync.is_ready = [this, seq](uint32_t subgroup) {
       return channel_->SubgroupReady(subgroup, seq);
@@ -63,34 +65,41 @@ absl::Status Session::EarlyStepAlive(const char* waiting_for) const {
   return absl::OkStatus();
 }
 
-absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun) const {
-  // The words are written by the trainer's GPU stream (or a plain store on
-  // the CPU path): no futex wakes anyone, so the wait polls, briefly hot,
-  // then every 20 us (backward makes a subgroup's gradients in milliseconds;
-  // the CPU pool needs the cores meanwhile). Liveness is checked per slice.
+absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begun,
+                               bool stream_written) const {
+  // Waiting costs nothing. On the CPU path the trainer's library wakes the
+  // word's futex after its store (ControlBlockChannel::MarkReady), so the
+  // wait sleeps a liveness slice at a time. In GPU mode the trainer's stream
+  // writes the word (cuStreamWriteValue32) and nothing wakes a futex: the
+  // wait sleeps in FUTEX_WAIT with a timeout that doubles from 50 us to 1 ms
+  // (backward makes a subgroup's gradients in milliseconds), and to 10 ms
+  // once it has waited a second (a stalled trainer then costs 100 wake-ups a
+  // second, not a core). Liveness and the deadline are checked per slice.
   if (channel_->SubgroupReady(subgroup, seq)) return absl::OkStatus();
   AwaitingTrainerScope awaiting(*this);
-  int polls = 0;
-  absl::Time next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
-  while (!channel_->SubgroupReady(subgroup, seq)) {
-    if (++polls < 64) {
-      std::this_thread::yield();
-      continue;
+  const absl::Time wait_start = absl::Now();
+  absl::Duration nap =
+      stream_written ? absl::Microseconds(50) : ControlBlockChannel::kLivenessSlice;
+  absl::Time next_check = wait_start + ControlBlockChannel::kLivenessSlice;
+  while (!channel_->WaitSubgroupReady(subgroup, seq, nap)) {
+    const absl::Time now = absl::Now();
+    if (stream_written) {
+      const absl::Duration cap =
+          now - wait_start < absl::Seconds(1) ? absl::Milliseconds(1) : absl::Milliseconds(10);
+      nap = std::min(nap * 2, cap);
     }
-    absl::SleepFor(absl::Microseconds(20));
-    if (absl::Now() >= next_check) {
-      DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
-      if (absl::Now() - begun > options_.early_ready_timeout) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "step: the gradients of subgroup ", subgroup, " were not marked ready within ",
-            absl::FormatDuration(options_.early_ready_timeout), " of early step ", seq,
-            "'s begin (trainer pid ", identity_.pid, "); dosd stopped waiting so that the "
-            "other trainers on its engine go on. Subgroups updated before are one update "
-            "ahead (resume= continues from there). A backward that long needs dosd "
-            "--early_step_ready_timeout raised, or overlap=True/False instead of \"update\""));
-      }
-      next_check = absl::Now() + ControlBlockChannel::kLivenessSlice;
+    if (now < next_check) continue;
+    DOS_RETURN_IF_ERROR(EarlyStepAlive("gradients"));
+    if (now - begun > options_.early_ready_timeout) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step: the gradients of subgroup ", subgroup, " were not marked ready within ",
+          absl::FormatDuration(options_.early_ready_timeout), " of early step ", seq,
+          "'s begin (trainer pid ", identity_.pid, "); dosd stopped waiting so that the "
+          "other trainers on its engine go on. Subgroups updated before are one update "
+          "ahead (resume= continues from there). A backward that long needs dosd "
+          "--early_step_ready_timeout raised, or overlap=True/False instead of \"update\""));
     }
+    next_check = now + ControlBlockChannel::kLivenessSlice;
   }
   return absl::OkStatus();
 }

@@ -223,6 +223,21 @@ std::vector<std::shared_ptr<Session>> SessionManager::List() const {
   return out;
 }
 
+std::map<uint32_t, SessionManager::UidUsage> SessionManager::UsageByUid() const {
+  std::map<uint32_t, UidUsage> out;
+  if (options_.ledger != nullptr) {
+    for (const auto& [uid, u] : options_.ledger->Snapshot()) out[uid].used = u.used;
+  }
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, s] : sessions_) ++out[s->identity().uid].sessions;
+  for (const auto& [id, o] : orphans_) ++out[o.session->identity().uid].sessions;
+  return out;
+}
+
+UidLimits SessionManager::Limits() const {
+  return options_.ledger != nullptr ? options_.ledger->limits() : UidLimits{};
+}
+
 void SessionManager::SetOnClose(std::function<void(uint64_t)> on_close) {
   absl::MutexLock lock(&mu_);
   on_close_ = std::move(on_close);

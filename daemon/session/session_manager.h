@@ -68,6 +68,18 @@ class SessionManager {
   // The daemon's executors: its GPU engines' devices, for stats.
   const ExecutorSet* executors() const { return executors_; }
 
+  // Per uid: its sessions (attached and orphaned) and what it holds of each
+  // resource the ledger bounds (SessionOptions::ledger; nothing without one),
+  // for dosctl stats and metrics.
+  struct UidUsage {
+    uint32_t sessions = 0;
+    UidAmounts used{};
+  };
+  std::map<uint32_t, UidUsage> UsageByUid() const;
+  // The per-uid and per-session bounds (all 0 without a ledger).
+  UidLimits Limits() const;
+  uint32_t max_sessions_per_uid() const { return options_.max_sessions_per_uid; }
+
   // (owner uid, client_name, rank): a client names its job, the kernel its
   // user, so no one is offered another user's state.
   using RestoreKey = std::tuple<uint32_t, std::string, int32_t>;

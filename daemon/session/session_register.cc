@@ -28,6 +28,9 @@ struct Session::Registration {
   std::string restored_from;  // "", "resume" or a checkpoint path
   void* trainer_event = nullptr;
   bool attached = false;  // the engine's AttachShard ran (new state: before its weights)
+  // The tensors' bookkeeping (ChargeBookkeeping), the session's once published.
+  LedgerCharge tensors_charge;
+  LedgerCharge bookkeeping_charge;
 };
 
 absl::Status Session::Register(const ShardSpec& given) {
@@ -42,6 +45,7 @@ absl::Status Session::Register(const ShardSpec& given) {
   }
   DOS_RETURN_IF_ERROR(ValidateShardSpec(spec));
   Registration reg;
+  DOS_RETURN_IF_ERROR(ChargeBookkeeping(spec, &reg));
   DOS_RETURN_IF_ERROR(PickExecutor(spec, &reg));
   // The segments the spec names by id, out of the inbox (a failed Register
   // frees them: the client sends them again).
@@ -56,6 +60,26 @@ absl::Status Session::Register(const ShardSpec& given) {
   }
   Publish(&reg);
   StartStepThread();
+  return absl::OkStatus();
+}
+
+absl::Status Session::CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_bytes) const {
+  DOS_ASSIGN_OR_RETURN(LedgerCharge t, account_->Charge(UidResource::kTensors, tensors, "register"));
+  DOS_ASSIGN_OR_RETURN(LedgerCharge b, account_->Charge(UidResource::kBookkeepingBytes,
+                                                        bookkeeping_bytes, "register"));
+  return absl::OkStatus();
+}
+
+absl::Status Session::ChargeBookkeeping(const ShardSpec& spec, Registration* reg) {
+  const uint64_t n = spec.tensors.size();
+  uint64_t bytes = 0;
+  for (const TensorSpec& t : spec.tensors) {
+    bytes += kBookkeepingBytesPerTensor + t.desc.name.size();
+  }
+  DOS_ASSIGN_OR_RETURN(reg->tensors_charge,
+                       account_->Charge(UidResource::kTensors, n, "register"));
+  DOS_ASSIGN_OR_RETURN(reg->bookkeeping_charge,
+                       account_->Charge(UidResource::kBookkeepingBytes, bytes, "register"));
   return absl::OkStatus();
 }
 
@@ -229,6 +253,8 @@ void Session::Publish(Registration* reg) {
                StateFormatName(shard.format()), "device", reg->executor->engine()->name(),
                "gpu_uuid", reg->device.uuid);
   executor_ = reg->executor;
+  tensors_charge_ = std::move(reg->tensors_charge);
+  bookkeeping_charge_ = std::move(reg->bookkeeping_charge);
   transport_ = std::move(reg->transport);
   bindings_ = std::move(reg->bindings);
   trainer_event_ = reg->trainer_event;

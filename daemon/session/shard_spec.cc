@@ -76,6 +76,13 @@ std::string TensorWhat(uint32_t index, const std::string& name, absl::string_vie
                       " ", part);
 }
 
+absl::Status CheckTensorName(uint32_t index, size_t bytes) {
+  if (bytes <= kMaxTensorNameBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("register: tensor ", index, "'s name has ", bytes,
+                                                 " bytes; at most ", kMaxTensorNameBytes,
+                                                 " are kept: give it a shorter name"));
+}
+
 absl::Status ValidateShardSpec(const ShardSpec& spec) {
   if (spec.groups.empty() || spec.groups.size() > kMaxGroups) {
     return absl::InvalidArgumentError(absl::StrCat("register: ", spec.groups.size(),
@@ -98,6 +105,7 @@ absl::Status ValidateShardSpec(const ShardSpec& spec) {
   }
   if (device) DOS_RETURN_IF_ERROR(CheckOneDevice(spec));
   for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    DOS_RETURN_IF_ERROR(CheckTensorName(i, spec.tensors[i].desc.name.size()));
     DOS_RETURN_IF_ERROR(CheckTensor(spec, i, device));
   }
   return absl::OkStatus();

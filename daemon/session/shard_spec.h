@@ -38,6 +38,17 @@ struct ShardSpec {
 // "register: tensor 3 (w) param", for errors about one tensor.
 std::string TensorWhat(uint32_t index, const std::string& name, absl::string_view part);
 
+// Longest tensor name a registration may carry (bytes): names are kept for
+// the session's life (stats, checkpoints), so their size is bounded.
+inline constexpr size_t kMaxTensorNameBytes = 1024;
+// Bookkeeping dosd keeps per registered tensor beyond its name (its spec,
+// binding, layout and summary records), charged with the name to the uid
+// (--max_bookkeeping_bytes_per_uid). An estimate
+// from the structures' sizes, rounded up.
+inline constexpr uint64_t kBookkeepingBytesPerTensor = 512;
+// INVALID_ARGUMENT for tensor `index`'s name of `bytes` past kMaxTensorNameBytes.
+absl::Status CheckTensorName(uint32_t index, size_t bytes);
+
 // INVALID_ARGUMENT naming the tensor or group and the fix when the spec
 // cannot be registered: no tensors or groups (or too many groups), a group's
 // hyperparameters outside torch's rules (ValidateGroupStepParams), a tensor with

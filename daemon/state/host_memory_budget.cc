@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -41,6 +42,24 @@ std::string FormatBytes(uint64_t bytes) {
     ++unit;
   }
   return absl::StrFormat("%.2f %s", v, kUnits[unit]);
+}
+
+bool ParseBytes(absl::string_view text, uint64_t* out) {
+  uint64_t mult = 1;
+  if (!text.empty()) {
+    switch (text.back()) {
+      case 'K': case 'k': mult = uint64_t{1} << 10; break;
+      case 'M': case 'm': mult = uint64_t{1} << 20; break;
+      case 'G': case 'g': mult = uint64_t{1} << 30; break;
+      case 'T': case 't': mult = uint64_t{1} << 40; break;
+      default: break;
+    }
+    if (mult != 1) text.remove_suffix(1);
+  }
+  uint64_t v;
+  if (!absl::SimpleAtoi(text, &v) || v > UINT64_MAX / mult) return false;
+  *out = v * mult;
+  return true;
 }
 
 }  // namespace dos

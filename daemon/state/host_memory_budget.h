@@ -35,5 +35,8 @@ class HostMemoryBudget {
 
 // "1.50 GiB", "512.00 MiB", "12 B": for messages.
 std::string FormatBytes(uint64_t bytes);
+// A size as flags write it: "64G", "512M", "16k", "4096" (K, M, G, T: powers
+// of 1024, either case). False for anything else, and on overflow.
+bool ParseBytes(absl::string_view text, uint64_t* out);
 
 }  // namespace dos

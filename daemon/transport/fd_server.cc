@@ -1,10 +1,15 @@
 #include "daemon/transport/fd_server.h"
 
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <utility>
@@ -40,8 +45,17 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> DescriptorServer::Start(const 
   if (!listener.ok()) return listener.status();
   std::unique_ptr<DescriptorServer> s(
       new DescriptorServer(path, std::move(options), std::move(resolve)));
+  s->wake_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s->wake_.valid()) {
+    return absl::InternalError(absl::StrCat("eventfd for ", path, ": ", std::strerror(errno)));
+  }
+  s->io_thread_ = std::thread([raw = s.get()] {
+    pthread_setname_np(pthread_self(), "dos-fd-io");
+    raw->ServeLoop();
+  });
   s->listener_ = *std::move(listener);
-  if (absl::Status st = s->listener_->Serve([raw = s.get()](UniqueFd c) { raw->Serve(std::move(c)); });
+  if (absl::Status st =
+          s->listener_->Serve([raw = s.get()](UniqueFd c) { raw->Accept(std::move(c)); });
       !st.ok()) {
     return st;
   }
@@ -54,47 +68,154 @@ std::unique_ptr<DescriptorServer> DescriptorServer::ForTesting(Options options,
       new DescriptorServer("", std::move(options), std::move(resolve)));
 }
 
-void DescriptorServer::Serve(UniqueFd conn) {
+DescriptorServer::~DescriptorServer() {
+  listener_.reset();  // no more Accept
+  if (io_thread_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+    io_thread_.join();
+  }
+}
+
+namespace {
+// Answers `status` without waiting (the peer may not read) before the
+// connection is closed. A request already there is read first: closing a
+// unix socket with unread data makes the peer's next receive fail with
+// ECONNRESET instead of reading the answer (the client retries once).
+void Refuse(int fd, const absl::Status& status) {
+  fdproto::Reply r = fdproto::MakeReply(status);
+  (void)!::send(fd, &r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL);
+  alignas(fdproto::Request) char drain[sizeof(fdproto::Request)];
+  while (::recv(fd, drain, sizeof drain, MSG_DONTWAIT) > 0) {
+  }
+}
+}  // namespace
+
+void DescriptorServer::Accept(UniqueFd conn) {
   const int fd = conn.get();
-  timeval tv{1, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  // Replies are one small message into an empty socket buffer; never wait.
+  timeval tv{0, 100'000};
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   absl::StatusOr<std::shared_ptr<const PeerProcess>> caller = PeerProcess::FromSocket(fd);
   if (!caller.ok()) {
-    fdproto::Reply r = fdproto::MakeReply(caller.status());
-    fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+    Refuse(fd, caller.status());
     return;
   }
+  LedgerCharge charge;
+  if (options_.ledger != nullptr) {
+    absl::StatusOr<LedgerCharge> c = options_.ledger->Charge(
+        (*caller)->uid(), UidResource::kConnections, 1, "descriptor socket");
+    if (!c.ok()) {
+      Refuse(fd, c.status());
+      return;
+    }
+    charge = *std::move(c);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (waiting_ >= options_.max_connections) {
+      Refuse(fd, absl::ResourceExhaustedError(absl::StrCat(
+                     "descriptor socket: ", waiting_, " connections wait for their request; "
+                     "try again shortly (dosd serves at most ", options_.max_connections, ")")));
+      return;
+    }
+    ++waiting_;
+    incoming_.push_back(Waiting{std::move(conn), *std::move(caller), std::move(charge),
+                                absl::Now() + options_.request_deadline});
+  }
+  uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+void DescriptorServer::ServeLoop() {
+  std::vector<Waiting> waiting;
+  std::vector<pollfd> fds;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      for (Waiting& w : incoming_) waiting.push_back(std::move(w));
+      incoming_.clear();
+    }
+    absl::Time next = absl::InfiniteFuture();
+    fds.assign(1, pollfd{wake_.get(), POLLIN, 0});
+    for (const Waiting& w : waiting) {
+      fds.push_back(pollfd{w.conn.get(), POLLIN, 0});
+      next = std::min(next, w.deadline);
+    }
+    // Rounded up, so that a wake-up is not a millisecond early.
+    const int64_t left_ms = absl::ToInt64Milliseconds(next - absl::Now() + absl::Milliseconds(1));
+    const int timeout_ms = next == absl::InfiniteFuture()
+                               ? -1
+                               : static_cast<int>(std::clamp<int64_t>(left_ms, 0, INT32_MAX));
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
+      DOS_LOG_ERROR("fd.poll_failed", "error", std::strerror(errno));
+      absl::SleepFor(absl::Milliseconds(10));
+      continue;
+    }
+    if (fds[0].revents != 0) {
+      uint64_t n;
+      (void)!::read(wake_.get(), &n, sizeof n);
+    }
+    const absl::Time now = absl::Now();
+    std::vector<Waiting> still;
+    size_t done = 0;
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      if (fds[i + 1].revents != 0) {
+        Serve(std::move(waiting[i]));
+        ++done;
+      } else if (waiting[i].deadline <= now) {
+        Refuse(waiting[i].conn.get(),
+               absl::DeadlineExceededError(absl::StrCat(
+                   "descriptor socket: no request within ",
+                   absl::FormatDuration(options_.request_deadline),
+                   " of connecting; send the request as soon as you connect")));
+        ++done;
+      } else {
+        still.push_back(std::move(waiting[i]));
+      }
+    }
+    waiting.swap(still);
+    absl::MutexLock lock(&mu_);
+    waiting_ -= done;
+  }
+}
+
+void DescriptorServer::Serve(Waiting w) {
+  const int fd = w.conn.get();
+  const std::shared_ptr<const PeerProcess>& caller = w.caller;
   alignas(fdproto::Request) char buf[sizeof(fdproto::Request) + 1];
   std::vector<UniqueFd> fds;
   absl::StatusOr<size_t> n = fdproto::ReceiveMessage(fd, buf, sizeof buf, &fds);
   if (!n.ok()) {
-    DOS_LOG_WARNING("fd.bad_request", "pid", (*caller)->pid(), "uid", (*caller)->uid(), "error",
+    DOS_LOG_WARNING("fd.bad_request", "pid", caller->pid(), "uid", caller->uid(), "error",
                     n.status().message());
-    fdproto::Reply r = fdproto::MakeReply(n.status());
-    fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+    Refuse(fd, n.status());
     return;
   }
-  // Short of descriptors: only uids that hold few sessions go on (the
-  // request is read first: closing on an unread one resets the peer, which
-  // would then not see why).
+  // Short of descriptors: only uids that hold few sessions go on (checked
+  // once the request is read: closing on an unread one resets the peer,
+  // which would then not see why).
   if (options_.reserve != nullptr && options_.sessions_of) {
-    const uint32_t uid = (*caller)->uid();
+    const uint32_t uid = caller->uid();
     if (absl::Status st = options_.reserve->Admit(fd, uid, options_.sessions_of(uid)); !st.ok()) {
-      fdproto::Reply r = fdproto::MakeReply(st);
-      fdproto::SendMessage(fd, &r, sizeof r, {}).IgnoreError();
+      Refuse(fd, st);
       return;
     }
   }
   int send_fd = -1;
   SessionPort port;
   std::vector<UniqueFd> owned;
-  fdproto::Reply reply = Handle(buf, *n, std::move(fds), *caller, &send_fd, &port, &owned);
+  fdproto::Reply reply = Handle(buf, *n, std::move(fds), caller, &send_fd, &port, &owned);
   std::vector<int> out;
   if (send_fd >= 0) out.push_back(send_fd);
   for (const UniqueFd& o : owned) out.push_back(o.get());
   absl::Status sent = fdproto::SendMessage(fd, &reply, sizeof reply, out);
-  if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(conn));
+  if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(w.conn));
 }
 
 absl::StatusOr<std::string> DescriptorServer::IssueTicket(
@@ -177,18 +298,40 @@ fdproto::Reply DescriptorServer::Handle(const void* data, size_t n, std::vector<
     *owned = *std::move(mem);
     return r;
   }
+  return ReceiveSegments(*req, std::move(fds), *caller, *port);
+}
+
+fdproto::Reply DescriptorServer::ReceiveSegments(const fdproto::Request& req,
+                                                 std::vector<UniqueFd> fds,
+                                                 const PeerProcess& caller,
+                                                 const SessionPort& port) {
+  const long page = ::sysconf(_SC_PAGESIZE);
   std::vector<std::unique_ptr<ShmSegment>> segments;
   for (size_t i = 0; i < fds.size(); ++i) {
-    absl::StatusOr<std::unique_ptr<ShmSegment>> seg = ShmSegment::Adopt(
-        std::move(fds[i]), absl::StrCat("session ", req->session_id, " segment ", i));
+    const std::string what = absl::StrCat("session ", req.session_id, " segment ", i);
+    // Charged before it is mapped: a sparse memfd costs its sender nothing
+    // but would cost dosd address space.
+    absl::StatusOr<uint64_t> bytes = ShmSegment::SealedSize(fds[i].get(), what);
+    absl::StatusOr<LedgerCharge> charge = LedgerCharge();
+    if (bytes.ok() && port.account != nullptr) {
+      const uint64_t mapped = (*bytes + page - 1) / page * page;
+      charge = port.account->Charge(UidResource::kMappedBytes, mapped,
+                                    absl::StrCat("descriptor socket: ", what));
+    }
+    absl::StatusOr<std::unique_ptr<ShmSegment>> seg =
+        !bytes.ok() ? bytes.status()
+        : !charge.ok() ? charge.status()
+                       : ShmSegment::Adopt(std::move(fds[i]), what);
     if (!seg.ok()) {
-      DOS_LOG_WARNING("fd.segment_refused", "session", req->session_id, "pid", caller->pid(),
-                      "error", seg.status().message());
+      DOS_LOG_WARNING("fd.segment_refused", "session", req.session_id, "pid", caller.pid(),
+                      "uid", caller.uid(), "error", seg.status().message());
       return fdproto::MakeReply(seg.status());
     }
+    auto held = std::make_shared<LedgerCharge>(*std::move(charge));
+    (*seg)->SetOnUnmap([held] { held->Reset(); });
     segments.push_back(*std::move(seg));
   }
-  absl::StatusOr<std::vector<uint64_t>> ids = port->inbox->AddAll(std::move(segments));
+  absl::StatusOr<std::vector<uint64_t>> ids = port.inbox->AddAll(std::move(segments));
   if (!ids.ok()) return fdproto::MakeReply(ids.status());
   fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
   r.count = static_cast<uint32_t>(ids->size());

@@ -10,11 +10,18 @@
 //   control block's memfd is sent back, or the received memfds are checked
 //   (sealed, ShmSegment::Adopt) and filed in the session's SegmentInbox.
 //
-// Connections are served one at a time by one thread ("dos-fd", a
-// SocketListener: daemon/common/socket_listener.h), each with a 1 s receive
-// timeout, so a stalled peer delays others by at most that. While dosd's
-// descriptors run short (Options::reserve), a uid that holds more than a few
-// sessions is refused (after its request is read).
+// Connections are served concurrently: the accepting thread ("dos-fd", a
+// SocketListener: daemon/common/socket_listener.h) only reads the peer's
+// identity, charges its uid one connection (UidLedger, --max_fd_connections_
+// per_uid; past it, or past Options::max_connections in all, the connection
+// is answered RESOURCE_EXHAUSTED and closed) and hands it to the serving
+// thread ("dos-fd-io"), which polls every waiting connection and serves each
+// as soon as its request has arrived. A request is one message and Handle
+// never waits on a client, so an idle connection delays no one; one that
+// sends nothing within Options::request_deadline is answered
+// DEADLINE_EXCEEDED and closed.
+// While dosd's descriptors run short (Options::reserve), a uid that holds
+// more than a few sessions is refused once its request is read.
 //
 // Thread-safety: thread-safe.
 #pragma once
@@ -25,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -34,6 +42,7 @@
 #include "absl/time/time.h"
 #include "daemon/common/fd_limits.h"
 #include "daemon/common/socket_listener.h"
+#include "daemon/common/uid_ledger.h"
 #include "daemon/transport/peer_process.h"
 #include "daemon/transport/segment_inbox.h"
 #include "dos/wire/fd_protocol.h"
@@ -53,6 +62,9 @@ struct SessionPort {
   // (read-only) and its state map; may be empty.
   std::function<absl::StatusOr<std::vector<UniqueFd>>()> state_memory;
   std::shared_ptr<void> keep_alive;  // holds the session while the port is used
+  // The session's share of its uid's bounds: segments are charged to it
+  // (kMappedBytes) before they are mapped. Null: not charged.
+  std::shared_ptr<UidLedger::Account> account;
 };
 
 class DescriptorServer {
@@ -67,6 +79,11 @@ class DescriptorServer {
     absl::Duration ticket_life = absl::Seconds(30);
     size_t max_tickets = 4096;         // outstanding, all callers
     size_t max_tickets_per_uid = 64;   // outstanding, one uid
+    // Connections per uid (kConnections) are charged here; null: no per-uid
+    // bound. Outlives the server.
+    UidLedger* ledger = nullptr;
+    size_t max_connections = 1024;     // waiting for their request, all uids
+    absl::Duration request_deadline = absl::Seconds(2);  // connect to request
     // Descriptors kept for uids that hold no session (daemon/common/
     // fd_limits.h); null: none. `sessions_of` counts a uid's sessions.
     std::shared_ptr<const FdReserve> reserve;
@@ -78,7 +95,7 @@ class DescriptorServer {
                                                                  ResolveFn resolve);
   // Without a socket: Handle() only (tests, the fuzz target).
   static std::unique_ptr<DescriptorServer> ForTesting(Options options, ResolveFn resolve);
-  ~DescriptorServer() = default;  // stops the thread, removes the socket
+  ~DescriptorServer();  // stops both threads, removes the socket
 
   const std::string& path() const { return path_; }
 
@@ -97,13 +114,26 @@ class DescriptorServer {
  private:
   DescriptorServer(std::string path, Options options, ResolveFn resolve)
       : path_(std::move(path)), options_(std::move(options)), resolve_(std::move(resolve)) {}
-  void Serve(UniqueFd fd);
+  // A connection accepted and charged, waiting for its request.
+  struct Waiting {
+    UniqueFd conn;
+    std::shared_ptr<const PeerProcess> caller;
+    LedgerCharge charge;  // one of kConnections
+    absl::Time deadline;
+  };
+  // On the accepting thread: identity, charge, hand-over to the serving one.
+  void Accept(UniqueFd conn);
+  // The serving thread: polls the waiting connections.
+  void ServeLoop();
+  // Receives, handles and answers one request (the connection is readable).
+  void Serve(Waiting w);
   absl::StatusOr<std::string> IssueTicket(std::shared_ptr<const PeerProcess> caller);
+  fdproto::Reply ReceiveSegments(const fdproto::Request& req, std::vector<UniqueFd> fds,
+                                 const PeerProcess& caller, const SessionPort& port);
 
   const std::string path_;
   const Options options_;
   const ResolveFn resolve_;
-  // Last member: destroyed (its thread joined) before the tickets it serves.
 
   struct Ticket {
     std::shared_ptr<const PeerProcess> process;
@@ -111,6 +141,15 @@ class DescriptorServer {
   };
   absl::Mutex mu_;
   std::map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+  // Accepted connections not yet taken by the serving thread, and the
+  // number of connections waiting in all (both threads').
+  std::vector<Waiting> incoming_ ABSL_GUARDED_BY(mu_);
+  size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  UniqueFd wake_;  // eventfd: new connections, or stop
+  std::thread io_thread_;
+  // The destructor stops the listener, then the serving thread, before the
+  // tickets and connections they use go.
   std::unique_ptr<SocketListener> listener_;  // null: ForTesting
 };
 

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/cpu/host_engine.h"
 #include "daemon/gpu/adam_kernel.h"
+#include "tests/support/dtype_print.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/gpu/pcie_copy.h"
 #include "daemon/sched/step_executor.h"
@@ -148,7 +150,12 @@ INSTANTIATE_TEST_SUITE_P(
     AllDtypes, KernelTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                       ::testing::Bool()));
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<KernelTest::ParamType>& info) {
+      return "grad_" + std::string(DTypeName(std::get<0>(info.param))) + "_out_" +
+             std::string(DTypeName(std::get<1>(info.param))) +
+             (std::get<2>(info.param) ? "_decoupled" : "_l2");
+    });
 
 // The engine under each policy, 50 steps, against the CPU path over the same
 // gradients: every path (resident, streamed, CPU in GPU mode) must reproduce

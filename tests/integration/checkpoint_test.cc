@@ -148,7 +148,11 @@ TEST_P(CheckpointStallTest, SaveWhileTrainingStallsOnlyForTheSnapshot) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BackToBackAndWithForwardBackward, CheckpointStallTest,
-                         ::testing::Values(0, 30000));
+                         ::testing::Values(0, 30000), [](const auto& info) {
+                           return info.param == 0
+                                      ? std::string("BackToBack")
+                                      : "Gap" + std::to_string(info.param) + "us";
+                         });
 
 // Checkpoints are copy-on-write: the lock is held only to mark the step
 // boundary and steps keep running while the state is copied, copying a

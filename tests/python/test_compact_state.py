@@ -211,4 +211,4 @@ def test_cuda_compact_tracks_torch_adamw(dos_socket, policy):
     assert worst < LOSS_RTOL, f"[{policy}] loss deviates by up to {worst:.3%}"
     for s in sd["state"].values():
         for k in ("exp_avg", "exp_avg_sq"):
-            assert s[k].dtype == torch.float32 and is_bf16_exact(s[k].cpu()), k
+            assert s[k].dtype == torch.bfloat16, k  # what dosd holds

@@ -10,6 +10,7 @@ the same N -> M flow runs for DDP with torch.save by rank 0."""
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -52,7 +53,7 @@ def spawn(fn, world, socket, out_dir, mode, backend, ckpt, prefix):
 
 @pytest.mark.parametrize("mode,backend", [("ddp", "dcp"), ("fsdp2", "dcp"),
                                           ("ddp", "torch.save")])
-def test_save_two_ranks_load_one_and_three(dos_socket, mode, backend):
+def test_save_two_ranks_load_one_and_three(dos_socket, mode, backend, request):
     why = dcp_unavailable() if backend == "dcp" else None
     if why:
         pytest.skip(f"torch {torch.__version__}'s torch.distributed.checkpoint cannot be "
@@ -62,6 +63,7 @@ def test_save_two_ranks_load_one_and_three(dos_socket, mode, backend):
             pytest.skip(f"FSDP2 (fully_shard) needs torch >= 2.4; this is torch "
                         f"{torch.__version__}")
     out = tempfile.mkdtemp(prefix=f"dos-dcp-{mode}-")
+    request.addfinalizer(lambda: shutil.rmtree(out, ignore_errors=True))
     ckpt = os.path.join(out, "ckpt")
     saved = spawn(dcp_workers.save_worker, 2, dos_socket, out, mode, backend, ckpt, "save")
     for r in saved.values():

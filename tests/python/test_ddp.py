@@ -11,6 +11,7 @@ local shard; skipped with a message where torch lacks it.
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -42,13 +43,16 @@ def find_dosctl():
 
 def run_workers(fn, socket, dosctl):
     tmp = tempfile.mkdtemp(prefix="dos-ddp-")
-    mp.spawn(fn, args=(WORLD, os.path.join(tmp, "rdv"), socket, dosctl, tmp), nprocs=WORLD,
-             join=True)
-    reports = {}
-    for path in glob.glob(os.path.join(tmp, "rank*.json")):
-        with open(path) as f:
-            r = json.load(f)
-        reports[r["rank"]] = r
+    try:
+        mp.spawn(fn, args=(WORLD, os.path.join(tmp, "rdv"), socket, dosctl, tmp), nprocs=WORLD,
+                 join=True)
+        reports = {}
+        for path in glob.glob(os.path.join(tmp, "rank*.json")):
+            with open(path) as f:
+                r = json.load(f)
+            reports[r["rank"]] = r
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the rendezvous file and the reports
     assert sorted(reports) == list(range(WORLD)), f"missing worker reports: {reports}"
     for r in reports.values():
         assert "error" not in r, f"rank {r['rank']}: {r['error']}"

@@ -344,7 +344,7 @@ def test_ready_timeout_flag_is_checked():
     binary = os.environ.get("DOS_DOSD")
     if not binary or not os.path.exists(binary):
         pytest.skip("DOS_DOSD does not name a dosd binary")
-    out = subprocess.run([binary, "--socket=/tmp/dos-never.sock", "--early_step_ready_timeout=0s"],
+    out = subprocess.run([binary, "--socket=/tmp/dos-never.sock", "--early_step_ready_timeout=-1s"],
                          capture_output=True, text=True, timeout=20)
     assert out.returncode != 0
     assert "--early_step_ready_timeout must be positive" in out.stderr + out.stdout

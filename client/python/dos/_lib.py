@@ -13,7 +13,9 @@ Search order (find_library() returns the first that loads):
      ldconfig cache (ctypes.util.find_library), then through the dynamic
      linker's own search (LD_LIBRARY_PATH, the default paths)
   4. the build trees of a source checkout, for developers: <repo>/build/
-     client/src, then <repo>/build*/client/src in sorted order
+     client/src, then <repo>/build*/client/src in sorted order; only when
+     the package is imported from a checkout (<repo>/client/python/dos), and
+     only the build trees that exist (an installed copy has none to offer)
 """
 
 from __future__ import annotations
@@ -43,11 +45,27 @@ def candidates() -> Iterator[Tuple[str, str]]:
     if found:
         yield found, "the system's library path (ldconfig, LD_LIBRARY_PATH)"
     yield SONAME, "the dynamic linker's search path"
-    repo = os.path.abspath(os.path.join(here, "..", "..", ".."))
+    repo = _checkout_root(here)
+    if repo is None:
+        return
     builds = [os.path.join(repo, "build", "client", "src", "libdos_client.so")]
     builds += sorted(glob.glob(os.path.join(repo, "build*", "client", "src", "libdos_client.so")))
     for b in dict.fromkeys(builds):
-        yield b, "a build tree of this checkout"
+        if os.path.exists(b):
+            yield b, "a build tree of this checkout"
+
+
+def _checkout_root(here: str):
+    """The source checkout this package lies in (`here` is <repo>/client/
+    python/dos), or None for an installed copy (site-packages)."""
+    python = os.path.dirname(here)
+    repo = os.path.dirname(os.path.dirname(python))
+    if (os.path.basename(python) == "python" and
+            os.path.basename(os.path.dirname(python)) == "client" and
+            os.path.isfile(os.path.join(repo, "CMakeLists.txt")) and
+            os.path.isfile(os.path.join(python, "pyproject.toml"))):
+        return repo
+    return None
 
 
 def find_library() -> ctypes.CDLL:

@@ -1,7 +1,9 @@
 #include "dos/cli/cli.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <fstream>
 #include <map>
@@ -10,7 +12,6 @@
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -57,15 +58,24 @@ bool TakesNextArg(const FlagArg& f) {
 }
 
 struct Setting {
-  std::string value;   // as written
-  std::string where;   // "the command line" or "FILE line N"
+  std::string value;       // as written ("true" for a bare --flag)
+  std::string where;       // kCommandLine or "FILE line N"
+  bool has_value = false;  // false: a bare --flag
 };
 
-// Appends every flag a flagfile sets (following nested --flagfile lines).
+constexpr char kCommandLine[] = "the command line";
+
+// Appends every flag a flagfile sets (following nested --flagfile lines);
+// a file that cannot be read goes to `unreadable` (if not null).
 void ReadFlagfile(const std::string& path, int depth,
-                  std::vector<std::pair<std::string, Setting>>* out) {
+                  std::vector<std::pair<std::string, Setting>>* out,
+                  std::vector<std::string>* unreadable) {
   if (depth > 8) return;
   std::ifstream in(path);
+  if (!in && unreadable != nullptr) {
+    unreadable->push_back(absl::StrCat("cannot read --flagfile=", path, ": ",
+                                       std::strerror(errno)));
+  }
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     absl::string_view l = absl::StripAsciiWhitespace(line);
@@ -73,13 +83,47 @@ void ReadFlagfile(const std::string& path, int depth,
     if (l.empty() || l[0] == '#' || !SplitFlag(l, &f)) continue;
     if (f.name == "flagfile") {
       for (absl::string_view p : absl::StrSplit(f.value, ',', absl::SkipEmpty())) {
-        ReadFlagfile(std::string(p), depth + 1, out);
+        ReadFlagfile(std::string(p), depth + 1, out, unreadable);
       }
       continue;
     }
     out->push_back({f.name, Setting{f.has_value ? f.value : "true",
-                                    absl::StrCat(path, " line ", n)}});
+                                    absl::StrCat(path, " line ", n), f.has_value}});
   }
+}
+
+// Every setting argv makes, in the order abseil applies them (a
+// --flagfile's lines where it stands).
+std::vector<std::pair<std::string, Setting>> Settings(int argc, char** argv,
+                                                      std::vector<std::string>* unreadable) {
+  std::vector<std::pair<std::string, Setting>> order;
+  for (int i = 1; i < argc; ++i) {
+    FlagArg f;
+    if (absl::string_view(argv[i]) == "--") break;
+    if (!SplitFlag(argv[i], &f)) continue;
+    if (TakesNextArg(f) && i + 1 < argc) {
+      f.value = argv[++i];
+      f.has_value = true;
+    }
+    if (f.name == "flagfile") {
+      for (absl::string_view p : absl::StrSplit(f.value, ',', absl::SkipEmpty())) {
+        ReadFlagfile(std::string(p), 0, &order, unreadable);
+      }
+    } else {
+      order.push_back({f.name, Setting{f.has_value ? f.value : "true", kCommandLine,
+                                       f.has_value}});
+    }
+  }
+  return order;
+}
+
+// abseil's usage flags, which are not registered flags.
+bool IsUsageFlag(absl::string_view name) {
+  for (absl::string_view u : {"help", "helpfull", "helpshort", "helppackage", "helpon",
+                              "helpmatch", "version", "only_check_args"}) {
+    if (name == u) return true;
+  }
+  return false;
 }
 
 void Wrap(std::ostream& out, absl::string_view text, absl::string_view indent, size_t width) {
@@ -125,7 +169,9 @@ void PrintHelp(std::ostream& out, absl::string_view usage, absl::string_view fla
   out << usage << "\n\nFlags (default in brackets):\n";
   std::vector<absl::CommandLineFlag*> flags;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (absl::EndsWith(flag->Filename(), flags_file)) flags.push_back(flag);
+    std::string file = flag->Filename();
+    if (absl::EndsWith(flags_file, "/")) file = file.substr(0, file.rfind('/') + 1);
+    if (absl::EndsWith(file, flags_file)) flags.push_back(flag);
   }
   std::sort(flags.begin(), flags.end(),
             [](const absl::CommandLineFlag* a, const absl::CommandLineFlag* b) {
@@ -147,28 +193,11 @@ void PrintVersion(std::ostream& out, absl::string_view program) {
 }
 
 std::vector<std::string> FlagfileOverrides(int argc, char** argv) {
-  // Every setting in the order abseil applies them.
-  std::vector<std::pair<std::string, Setting>> order;
-  for (int i = 1; i < argc; ++i) {
-    FlagArg f;
-    if (absl::string_view(argv[i]) == "--") break;
-    if (!SplitFlag(argv[i], &f)) continue;
-    if (TakesNextArg(f) && i + 1 < argc) {
-      f.value = argv[++i];
-      f.has_value = true;
-    }
-    if (f.name == "flagfile") {
-      for (absl::string_view p : absl::StrSplit(f.value, ',', absl::SkipEmpty())) {
-        ReadFlagfile(std::string(p), 0, &order);
-      }
-    } else {
-      order.push_back({f.name, Setting{f.has_value ? f.value : "true", "the command line"}});
-    }
-  }
+  const std::vector<std::pair<std::string, Setting>> order = Settings(argc, argv, nullptr);
   std::vector<std::string> warnings;
   std::map<std::string, Setting> from_cmdline;  // the command line's last setting per flag
   for (const auto& [name, s] : order) {
-    const bool cmdline = s.where == "the command line";
+    const bool cmdline = s.where == kCommandLine;
     auto it = from_cmdline.find(name);
     if (cmdline) {
       from_cmdline[name] = s;
@@ -185,8 +214,34 @@ std::vector<std::string> FlagfileOverrides(int argc, char** argv) {
   return warnings;
 }
 
-int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
-                         absl::string_view usage, absl::string_view flags_file) {
+std::vector<std::string> UsageErrors(int argc, char** argv) {
+  std::vector<std::string> errors;
+  const std::vector<std::pair<std::string, Setting>> order = Settings(argc, argv, &errors);
+  for (const auto& [name, s] : order) {
+    if (IsUsageFlag(name)) continue;
+    const std::string where = s.where == kCommandLine ? "" : absl::StrCat(" (", s.where, ")");
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr) {
+      errors.push_back(absl::StrCat("unknown flag --", name, where));
+      continue;
+    }
+    if (flag->IsRetired()) continue;
+    if (!s.has_value && !flag->IsOfType<bool>()) {
+      errors.push_back(absl::StrCat("--", name, where, " needs a value: --", name, "=VALUE"));
+      continue;
+    }
+    // Sets the flag as absl::ParseCommandLine will again, in the same order
+    // (abseil's FlagSaver would put values back but logs each one it does).
+    std::string error;
+    if (!flag->ParseFrom(s.value, &error)) {
+      errors.push_back(absl::StrCat("--", name, "=", s.value, where, ": ", error));
+    }
+  }
+  return errors;
+}
+
+int HandleEarlyArgs(int argc, char** argv, absl::string_view program, absl::string_view usage,
+                    absl::string_view flags_file) {
   switch (ScanEarlyAction(argc, argv)) {
     case EarlyAction::kHelp:
       PrintHelp(std::cout, usage, flags_file);
@@ -197,7 +252,11 @@ int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
     case EarlyAction::kNone:
       break;
   }
-  return -1;
+  const std::vector<std::string> errors = UsageErrors(argc, argv);
+  if (errors.empty()) return -1;
+  for (const std::string& e : errors) std::cerr << program << ": " << e << '\n';
+  std::cerr << program << ": `" << program << " --help` lists the flags\n";
+  return 2;
 }
 
 std::string UserStateDir(absl::string_view sub) {
@@ -206,24 +265,6 @@ std::string UserStateDir(absl::string_view sub) {
   const char* home = std::getenv("HOME");
   if (home != nullptr && home[0] == '/') return absl::StrCat(home, "/.local/state/", sub);
   return "";
-}
-
-bool ParseBytes(absl::string_view text, uint64_t* out) {
-  uint64_t mult = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      case 'T': case 't': mult = uint64_t{1} << 40; break;
-      default: break;
-    }
-    if (mult != 1) text.remove_suffix(1);
-  }
-  uint64_t v;
-  if (!absl::SimpleAtoi(text, &v)) return false;
-  *out = v * mult;
-  return true;
 }
 
 }  // namespace dos::cli

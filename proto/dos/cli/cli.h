@@ -2,12 +2,12 @@
 // wire: code both programs use, neither daemon nor client), on top of abseil
 // flags:
 // -h/--help that lists the program's own flags and exits 0, --version that
-// prints the project version, and a check for flags that a later --flagfile
+// prints the project version, usage errors (unknown flags, bad values) that
+// point at --help and exit 2, and a check for flags that a later --flagfile
 // silently overrides.
 #ifndef DOS_CLI_CLI_H_
 #define DOS_CLI_CLI_H_
 
-#include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -22,7 +22,8 @@ enum class EarlyAction { kNone, kHelp, kVersion };
 EarlyAction ScanEarlyAction(int argc, char** argv);
 
 // Prints `usage`, then every flag defined in a source file whose path ends
-// with `flags_file` (e.g. "daemon/main.cc"), sorted, with type, default and
+// with `flags_file` (e.g. "client/dosctl/main.cc") or, when it ends with '/'
+// (e.g. "daemon/"), directly in that folder, sorted, with type, default and
 // help, then the common abseil flags (--flagfile, --version, --helpfull).
 void PrintHelp(std::ostream& out, absl::string_view usage, absl::string_view flags_file);
 
@@ -36,19 +37,25 @@ void PrintVersion(std::ostream& out, absl::string_view program);
 // Files that cannot be read are skipped (abseil reports them).
 std::vector<std::string> FlagfileOverrides(int argc, char** argv);
 
-// For main(): handles -h/--help (PrintHelp) and --version (PrintVersion) on
-// stdout and returns the exit status (0), or -1 when argv asks for neither.
-int HandleHelpAndVersion(int argc, char** argv, absl::string_view program,
-                         absl::string_view usage, absl::string_view flags_file);
+// What is wrong with argv's flags before abseil parses them, one message
+// each: a flag this program does not define ("unknown flag --nope"), a value
+// its flag cannot take ("--timeout=abc: ..."), a --flagfile that cannot be
+// read. Flagfiles are read (nested ones included). Trying a value sets the
+// flag, as absl::ParseCommandLine then does again in the same order.
+std::vector<std::string> UsageErrors(int argc, char** argv);
+
+// For main(), before absl::ParseCommandLine: handles -h/--help (PrintHelp)
+// and --version (PrintVersion) on stdout and returns 0; prints UsageErrors
+// on stderr ("PROGRAM: unknown flag --nope") with a pointer to
+// `PROGRAM --help` and returns 2 (abseil would exit 1 and name no help);
+// returns -1 when main should go on.
+int HandleEarlyArgs(int argc, char** argv, absl::string_view program, absl::string_view usage,
+                    absl::string_view flags_file);
 
 // The user's own state folder for `sub` (e.g. "dos/checkpoints"):
 // $XDG_STATE_HOME/sub, else $HOME/.local/state/sub; "" when neither is an
 // absolute path.
 std::string UserStateDir(absl::string_view sub);
-
-// Parses a size flag: a number of bytes with an optional K, M, G or T suffix
-// (powers of 1024), e.g. "512G"; false if it is not one.
-bool ParseBytes(absl::string_view text, uint64_t* out);
 
 }  // namespace dos::cli
 

@@ -104,17 +104,30 @@ class ControlBlockChannel {
         std::memory_order_acquire);
     return static_cast<int32_t>(w - seq) >= 0;  // cyclic, as cuStreamWaitValue32's GEQ
   }
+  // Sleeps (FUTEX_WAIT on the word, no polling) up to `timeout` or until
+  // the client's MarkReady wakes it; true when subgroup `i` of step `seq` is
+  // ready. A word written by the trainer's GPU stream wakes no one: the
+  // caller then passes short timeouts (Session::WaitReady).
+  bool WaitSubgroupReady(uint32_t i, uint32_t seq, absl::Duration timeout) {
+    std::atomic<uint32_t>* word = ReadyWord(i);
+    const uint32_t w = word->load(std::memory_order_acquire);
+    if (static_cast<int32_t>(w - seq) >= 0) return true;
+    FutexWaitShared(word, w, timeout);
+    return SubgroupReady(i, seq);
+  }
   // Waits up to `timeout` for step `seq`'s verdict; true when it is in
   // block()->verdict (acquire).
   bool WaitVerdict(uint32_t seq, absl::Duration timeout) { return verdict_.WaitFor(seq, timeout); }
 
   // --- client side ---
-  // Early steps: subgroup `i` of step `seq` is ready (release; CPU path).
+  // Early steps: subgroup `i` of step `seq` is ready (release; CPU path),
+  // and dosd, which sleeps on the word (WaitSubgroupReady), is woken.
   // Subgroups from kMaxTrackedSubgroups - 1 on share one word: the caller
   // stores it once all of them are ready.
   void MarkReady(uint32_t i, uint32_t seq) {
-    block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)].store(seq,
-                                                                        std::memory_order_release);
+    std::atomic<uint32_t>* word = ReadyWord(i);
+    word->store(seq, std::memory_order_release);
+    FutexWakeShared(word);
   }
   std::atomic<uint32_t>* ReadyWord(uint32_t i) const {
     return &block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)];

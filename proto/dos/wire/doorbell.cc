@@ -144,4 +144,13 @@ bool Doorbell::WaitFor(uint32_t seq, absl::Duration timeout) {
   return Wait([seq](uint32_t v) { return v == seq; }, timeout) == seq;
 }
 
+void FutexWaitShared(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return;
+  const int64_t ns = absl::ToInt64Nanoseconds(std::min(timeout, absl::Hours(24)));
+  const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  Futex(word, FUTEX_WAIT, expected, &ts);
+}
+
+void FutexWakeShared(std::atomic<uint32_t>* word) { Futex(word, FUTEX_WAKE, INT_MAX, nullptr); }
+
 }  // namespace dos

@@ -63,4 +63,11 @@ class Doorbell {
   std::atomic<uint32_t>* sleeping_;
 };
 
+// A shared futex on a word that is not a Doorbell (no `sleeping` flag): sleeps
+// while *word == expected, up to `timeout` (woken, a changed value, a signal
+// or the timeout all return; the caller re-reads the word).
+void FutexWaitShared(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout);
+// Wakes every waiter on `word` (a system call, whether anyone sleeps or not).
+void FutexWakeShared(std::atomic<uint32_t>* word);
+
 }  // namespace dos

@@ -2,10 +2,13 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -193,28 +196,60 @@ absl::StatusOr<size_t> ReceiveMessage(int sock, void* data, size_t cap,
   return static_cast<size_t>(got);
 }
 
+namespace {
+
+absl::Status TimedOut(const std::string& fd_socket, absl::Duration timeout, const char* what) {
+  return absl::DeadlineExceededError(absl::StrCat(
+      "dosd's descriptor socket ", fd_socket, " did not ", what, " within ",
+      absl::FormatDuration(timeout), "; dosd is busy or stopped answering: try again, or raise "
+      "the client's timeout"));
+}
+
+}  // namespace
+
 absl::StatusOr<Exchange> Call(const std::string& fd_socket, const Request& request,
-                              absl::Span<const int> fds) {
+                              absl::Span<const int> fds, absl::Duration timeout) {
   sockaddr_un addr{};
   if (fd_socket.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(
         absl::StrCat("descriptor socket path ", fd_socket, " is too long"));
   }
+  const absl::Time deadline = absl::Now() + timeout;
   UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!sock.valid()) {
     return absl::InternalError(absl::StrCat("descriptor socket: socket: ", std::strerror(errno)));
   }
+  // Bounds connect (a full accept queue) and send.
+  // (At least 1 ms: a zero timeval would mean "wait forever".)
+  const timeval send_tv = absl::ToTimeval(std::max(timeout, absl::Milliseconds(1)));
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &send_tv, sizeof send_tv);
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, fd_socket.data(), fd_socket.size());
   if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == EAGAIN || errno == EINPROGRESS) return TimedOut(fd_socket, timeout, "accept");
     return absl::UnavailableError(absl::StrCat(
         "cannot connect to dosd's descriptor socket ", fd_socket, ": ", std::strerror(errno),
         "; is dosd (of this release) running on the socket beside it?"));
   }
-  if (absl::Status s = SendMessage(sock.get(), &request, sizeof request, fds); !s.ok()) return s;
+  // A refused connection is answered and closed at once, perhaps before our
+  // request went out: then the answer is the reason, not the send's EPIPE.
+  const absl::Status sent = SendMessage(sock.get(), &request, sizeof request, fds);
+  pollfd p{sock.get(), POLLIN, 0};
+  if (!sent.ok() && ::poll(&p, 1, 0) != 1) return sent;
+  int ready;
+  do {
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    ready = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left_ms, 0, INT32_MAX)));
+  } while (ready < 0 && errno == EINTR);
+  if (ready == 0) return TimedOut(fd_socket, timeout, "answer");
   Exchange ex;
   alignas(Reply) char buf[sizeof(Reply) + 1];
   absl::StatusOr<size_t> n = ReceiveMessage(sock.get(), buf, sizeof buf, &ex.fds);
+  if (!n.ok() && ::poll(&p, 1, 0) == 1) {
+    // Closed with our request unread, the connection reports ECONNRESET
+    // once; the answer that says why is queued behind it.
+    n = ReceiveMessage(sock.get(), buf, sizeof buf, &ex.fds);
+  }
   if (!n.ok()) return n.status();
   absl::StatusOr<Reply> reply = ParseReply(buf, *n, ex.fds.size());
   if (!reply.ok()) return reply.status();
@@ -227,16 +262,17 @@ absl::StatusOr<Exchange> Call(const std::string& fd_socket, const Request& reque
   return ex;
 }
 
-absl::StatusOr<std::string> Hello(const std::string& fd_socket) {
-  absl::StatusOr<Exchange> ex = Call(fd_socket, MakeRequest(Op::kHello, 0, "", 0), {});
+absl::StatusOr<std::string> Hello(const std::string& fd_socket, absl::Duration timeout) {
+  absl::StatusOr<Exchange> ex = Call(fd_socket, MakeRequest(Op::kHello, 0, "", 0), {}, timeout);
   if (!ex.ok()) return ex.status();
   return ReplyText(ex->reply);
 }
 
 absl::StatusOr<ControlBlockHandle> FetchControlBlock(const std::string& fd_socket,
-                                                     uint64_t session_id, absl::string_view token) {
+                                                     uint64_t session_id, absl::string_view token,
+                                                     absl::Duration timeout) {
   absl::StatusOr<Exchange> ex =
-      Call(fd_socket, MakeRequest(Op::kControlBlock, session_id, token, 0), {});
+      Call(fd_socket, MakeRequest(Op::kControlBlock, session_id, token, 0), {}, timeout);
   if (!ex.ok()) return ex.status();
   if (ex->fds.size() != 1) {
     return absl::InternalError("descriptor socket: control block reply carried no descriptor");
@@ -245,9 +281,10 @@ absl::StatusOr<ControlBlockHandle> FetchControlBlock(const std::string& fd_socke
 }
 
 absl::StatusOr<StateMemoryHandle> FetchStateMemory(const std::string& fd_socket,
-                                                   uint64_t session_id, absl::string_view token) {
+                                                   uint64_t session_id, absl::string_view token,
+                                                   absl::Duration timeout) {
   absl::StatusOr<Exchange> ex =
-      Call(fd_socket, MakeRequest(Op::kStateMemory, session_id, token, 0), {});
+      Call(fd_socket, MakeRequest(Op::kStateMemory, session_id, token, 0), {}, timeout);
   if (!ex.ok()) return ex.status();
   if (ex->fds.size() != 2) {
     return absl::InternalError("descriptor socket: state memory reply carried no descriptors");
@@ -257,14 +294,15 @@ absl::StatusOr<StateMemoryHandle> FetchStateMemory(const std::string& fd_socket,
 
 absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::string& fd_socket,
                                                    uint64_t session_id, absl::string_view token,
-                                                   absl::Span<const int> fds) {
+                                                   absl::Span<const int> fds,
+                                                   absl::Duration timeout) {
   std::vector<uint64_t> ids;
   for (size_t first = 0; first < fds.size(); first += kMaxFds) {
     absl::Span<const int> part = fds.subspan(first, kMaxFds);
     absl::StatusOr<Exchange> ex =
         Call(fd_socket,
              MakeRequest(Op::kSegments, session_id, token, static_cast<uint32_t>(part.size())),
-             part);
+             part, timeout);
     if (!ex.ok()) return ex.status();
     if (ex->reply.count != part.size()) {
       return absl::InternalError(absl::StrCat("descriptor socket: ", part.size(),

@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "dos/wire/unique_fd.h"
 
@@ -97,16 +98,21 @@ absl::Status SendMessage(int sock, const void* data, size_t n, absl::Span<const 
 absl::StatusOr<size_t> ReceiveMessage(int sock, void* data, size_t cap,
                                       std::vector<UniqueFd>* fds);
 
-// Client side: one request/reply exchange with dosd's descriptor socket.
-// UNAVAILABLE (naming the path) when nothing listens there.
+// Client side: one request/reply exchange with dosd's descriptor socket,
+// connect to reply within `timeout` (DEADLINE_EXCEEDED naming the path
+// after it: dosd busy, or its queue full). UNAVAILABLE (naming the path)
+// when nothing listens there.
+inline constexpr absl::Duration kDefaultCallTimeout = absl::Seconds(30);
 struct Exchange {
   Reply reply;
   std::vector<UniqueFd> fds;
   UniqueFd connection;  // still open
 };
 absl::StatusOr<Exchange> Call(const std::string& fd_socket, const Request& request,
-                              absl::Span<const int> fds);
-absl::StatusOr<std::string> Hello(const std::string& fd_socket);
+                              absl::Span<const int> fds,
+                              absl::Duration timeout = kDefaultCallTimeout);
+absl::StatusOr<std::string> Hello(const std::string& fd_socket,
+                                  absl::Duration timeout = kDefaultCallTimeout);
 // The control block's memfd, and the connection it came on: dosd keeps its
 // end open for the session's life, so a hang-up (poll: readable) means dosd
 // or the session is gone, in any pid namespace.
@@ -115,16 +121,20 @@ struct ControlBlockHandle {
   UniqueFd connection;
 };
 absl::StatusOr<ControlBlockHandle> FetchControlBlock(const std::string& fd_socket,
-                                                     uint64_t session_id, absl::string_view token);
+                                                     uint64_t session_id, absl::string_view token,
+                                                     absl::Duration timeout = kDefaultCallTimeout);
 // kStateMemory: {state memfd (read-only), state map memfd}.
 struct StateMemoryHandle {
   UniqueFd state;
   UniqueFd map;
 };
 absl::StatusOr<StateMemoryHandle> FetchStateMemory(const std::string& fd_socket,
-                                                   uint64_t session_id, absl::string_view token);
+                                                   uint64_t session_id, absl::string_view token,
+                                                   absl::Duration timeout = kDefaultCallTimeout);
+// `timeout` bounds each exchange (one per kMaxFds descriptors).
 absl::StatusOr<std::vector<uint64_t>> SendSegments(const std::string& fd_socket,
                                                    uint64_t session_id, absl::string_view token,
-                                                   absl::Span<const int> fds);
+                                                   absl::Span<const int> fds,
+                                                   absl::Duration timeout = kDefaultCallTimeout);
 
 }  // namespace dos::fdproto

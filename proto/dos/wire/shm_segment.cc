@@ -164,6 +164,13 @@ absl::Status ShmSegment::CheckSealed(int fd, absl::string_view what) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> ShmSegment::SealedSize(int fd, absl::string_view what) {
+  if (absl::Status s = CheckSealed(fd, what); !s.ok()) return s;
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", what));
+  return static_cast<uint64_t>(st.st_size);
+}
+
 absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Adopt(UniqueFd fd, absl::string_view what) {
   if (!fd.valid()) {
     return absl::InvalidArgumentError(absl::StrCat("shm: ", what, ": no descriptor"));
@@ -190,6 +197,9 @@ ShmSegment::ShmSegment(std::string label, UniqueFd fd, std::unique_ptr<Mapping> 
       data_(mapping_->region->get_address()),
       size_(mapping_->region->get_size()) {}
 
-ShmSegment::~ShmSegment() = default;
+ShmSegment::~ShmSegment() {
+  mapping_.reset();
+  if (on_unmap_) on_unmap_();
+}
 
 }  // namespace dos

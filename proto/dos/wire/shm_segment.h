@@ -26,6 +26,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include "absl/strings/string_view.h"
@@ -62,6 +63,13 @@ class ShmSegment {
 
   // OK if `fd` is a sealed memfd that Adopt would accept; else the reason.
   static absl::Status CheckSealed(int fd, absl::string_view what);
+  // CheckSealed, then the memfd's size: what Adopt would map (a receiver
+  // charges it before mapping anything).
+  static absl::StatusOr<uint64_t> SealedSize(int fd, absl::string_view what);
+
+  // Runs `f` once the mapping is gone (when the segment is destroyed): a
+  // receiver gives back what it charged for the mapping. Once.
+  void SetOnUnmap(std::function<void()> f) { on_unmap_ = std::move(f); }
 
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
@@ -84,6 +92,7 @@ class ShmSegment {
   std::unique_ptr<Mapping> mapping_;
   void* data_;
   uint64_t size_;
+  std::function<void()> on_unmap_;
 };
 
 }  // namespace dos

@@ -1,5 +1,6 @@
-// dos/cli: -h/--help/--version detection, the help text, and the
-// warning for flags a later --flagfile overrides.
+// dos/cli: -h/--help/--version detection, the help text, usage errors
+// (unknown flags, bad values) and the warning for flags a later --flagfile
+// overrides.
 #include "dos/cli/cli.h"
 
 #include <cstdio>
@@ -14,6 +15,7 @@
 
 ABSL_FLAG(std::string, cli_test_limit, "0", "A size the test sets, e.g. 512G.");
 ABSL_FLAG(bool, cli_test_verbose, false, "A boolean flag.");
+ABSL_FLAG(int, cli_test_count, 3, "An integer flag.");
 
 namespace dos::cli {
 namespace {
@@ -95,6 +97,40 @@ TEST(CliTest, NestedFlagfilesAndSpaceSeparatedValues) {
   ASSERT_THAT(w, SizeIs(1));
   EXPECT_THAT(w[0], HasSubstr("--cli_test_verbose=true from the command line is overridden by "
                               "--cli_test_verbose=false (" + inner + " line 1)"));
+}
+
+TEST(CliTest, UsageErrorsNameUnknownFlagsAndBadValues) {
+  const std::string f = WriteFile("cli_e.flags", "--cli_test_count=2\n--cli_tset_limit=1G\n");
+  Argv a({"dosctl", "status", "--nope", "--cli_test_count=abc", "--cli_test_verbose",
+          "--nocli_test_verbose", "--cli_test_limit", "8G", "--flagfile=" + f, "--helpfull",
+          "--", "--after"});
+  const std::vector<std::string> e = UsageErrors(a.argc(), a.argv());
+  ASSERT_THAT(e, SizeIs(3)) << ::testing::PrintToString(e);
+  EXPECT_EQ(e[0], "unknown flag --nope");
+  EXPECT_THAT(e[1], HasSubstr("--cli_test_count=abc: "));
+  EXPECT_EQ(e[2], "unknown flag --cli_tset_limit (" + f + " line 2)");
+}
+
+TEST(CliTest, UsageErrorsNameAMissingValueAndAnUnreadableFlagfile) {
+  Argv a({"dosd", "--flagfile=/nonexistent/dos.flags", "--cli_test_limit"});
+  const std::vector<std::string> e = UsageErrors(a.argc(), a.argv());
+  ASSERT_THAT(e, SizeIs(2)) << ::testing::PrintToString(e);
+  EXPECT_THAT(e[0], HasSubstr("cannot read --flagfile=/nonexistent/dos.flags: "));
+  EXPECT_EQ(e[1], "--cli_test_limit needs a value: --cli_test_limit=VALUE");
+  Argv ok({"dosd", "--cli_test_limit=1G", "--cli_test_verbose=false", "-cli_test_count", "4"});
+  EXPECT_THAT(UsageErrors(ok.argc(), ok.argv()), IsEmpty());
+}
+
+TEST(CliTest, HandleEarlyArgsExitsTwoOnAUsageErrorAndPointsAtHelp) {
+  Argv bad({"dosctl", "--nope", "status"}), fine({"dosctl", "status"}), help({"dosctl", "-h"});
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(HandleEarlyArgs(bad.argc(), bad.argv(), "dosctl", "usage", "cli_test.cc"), 2);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, "dosctl: unknown flag --nope\ndosctl: `dosctl --help` lists the flags\n");
+  EXPECT_EQ(HandleEarlyArgs(fine.argc(), fine.argv(), "dosctl", "usage", "cli_test.cc"), -1);
+  ::testing::internal::CaptureStdout();
+  EXPECT_EQ(HandleEarlyArgs(help.argc(), help.argv(), "dosctl", "usage", "cli_test.cc"), 0);
+  EXPECT_THAT(::testing::internal::GetCapturedStdout(), HasSubstr("usage"));
 }
 
 TEST(CliTest, MissingFlagfileIsLeftToAbseil) {

@@ -21,6 +21,7 @@
 #include "daemon/cpu/adam_reference.h"
 #include "daemon/cpu/kernel_variants.h"
 #include "gtest/gtest.h"
+#include "tests/support/dtype_print.h"
 #include "tests/unit/cpu/adam_test_data.h"
 
 namespace dos::cpu {

@@ -262,8 +262,18 @@ TEST_P(NoGpuTest, EveryPolicyRunsAsCpu) {
   EXPECT_EQ(plan.gpu_share, 0);
 }
 
+// "static:0.5" -> static_0_5 (test names take letters, digits and _ only).
+std::string PolicyName(const ::testing::TestParamInfo<const char*>& info) {
+  std::string s = info.param;
+  for (char& c : s) {
+    if (c == ':' || c == '.') c = '_';
+  }
+  return s;
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, NoGpuTest,
-                         ::testing::Values("cpu", "static:0.5", "interleave:2", "auto"));
+                         ::testing::Values("cpu", "static:0.5", "interleave:2", "auto"),
+                         PolicyName);
 
 // --- degenerate shards -----------------------------------------------------------
 
@@ -280,7 +290,8 @@ TEST_P(EmptyShardTest, PlansNothingAndPredictsZero) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, EmptyShardTest,
-                         ::testing::Values("cpu", "static:1", "interleave:3", "auto"));
+                         ::testing::Values("cpu", "static:1", "interleave:3", "auto"),
+                         PolicyName);
 
 TEST(StepPlannerTest, ZeroElementSubgroupsNeverDivideByZero) {
   StepPlanner planner(Gpu(/*resident_bytes=*/1000));

@@ -3,10 +3,14 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,6 +22,14 @@ namespace dos {
 namespace {
 
 using ::testing::HasSubstr;
+
+bool WaitFor(const std::function<bool()>& pred) {
+  for (int i = 0; i < 500; ++i) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return pred();
+}
 
 // A descriptor server on a temporary socket with one fake session (id 7,
 // token "secret", owned by this process's uid).
@@ -173,6 +185,77 @@ TEST_F(FdServerTest, OutstandingTicketsPerUidAreCapped) {
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(server_->Redeem(tickets[0]).ok());
   EXPECT_TRUE(fdproto::Hello(path_).ok());  // one slot free again
+}
+
+// A connection to `path` that sends nothing.
+UniqueFd IdleConnection(const std::string& path) {
+  UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  EXPECT_EQ(::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  return s;
+}
+
+TEST_F(FdServerTest, IdleConnectionsDelayNoOneAndAreClosedAtTheirDeadline) {
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 8; ++i) idle.push_back(IdleConnection(path_));
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(fdproto::Hello(path_, absl::Seconds(5)).ok());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  // Answered DEADLINE_EXCEEDED and closed about 2 s after connecting.
+  pollfd p{idle[0].get(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  fdproto::Reply r{};
+  ASSERT_EQ(::recv(idle[0].get(), &r, sizeof r, 0), static_cast<ssize_t>(sizeof r));
+  EXPECT_EQ(r.status_code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(fdproto::ReplyText(r), HasSubstr("no request within"));
+}
+
+TEST(FdServerLimitsTest, ConnectionsPerUidAreBoundedAndTheClientHonoursItsTimeout) {
+  char dir[] = "/tmp/dos_fd_test.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/dosd.sock.fd";
+  UidLimits limits;
+  limits.per_uid[static_cast<size_t>(UidResource::kConnections)] = 2;
+  UidLedger ledger(limits);
+  DescriptorServer::Options o;
+  o.ledger = &ledger;
+  o.request_deadline = absl::Milliseconds(300);
+  auto server = DescriptorServer::Start(
+      path, o, [](uint64_t, absl::string_view, const PeerProcess&) -> absl::StatusOr<SessionPort> {
+        return absl::NotFoundError("none");
+      });
+  ASSERT_TRUE(server.ok()) << server.status();
+  UniqueFd a = IdleConnection(path), b = IdleConnection(path);
+  ASSERT_TRUE(WaitFor([&] {  // both accepted and charged
+    return ledger.Snapshot()[getuid()].used[static_cast<size_t>(UidResource::kConnections)] == 2;
+  }));
+  absl::StatusOr<std::string> refused = fdproto::Hello(path, absl::Seconds(5));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("--max_fd_connections_per_uid=2"));
+  // Their deadline frees the uid's share.
+  EXPECT_TRUE(WaitFor([&] { return fdproto::Hello(path, absl::Seconds(5)).ok(); }));
+  server->reset();
+  // Nothing accepts (a listening socket nobody serves: the backlog fills);
+  // the client gives up at its timeout instead of waiting for ever.
+  UniqueFd l(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(::bind(l.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(l.get(), 0), 0);
+  std::vector<UniqueFd> queued;
+  for (int i = 0; i < 4; ++i) {
+    UniqueFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    ::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    queued.push_back(std::move(s));
+  }
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> late = fdproto::Hello(path, absl::Milliseconds(300));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
 }
 
 TEST(FdProtocolTest, ParseRejectsEverythingButWellFormedRequests) {
