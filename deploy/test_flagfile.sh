@@ -40,5 +40,10 @@ for _ in $(seq 400); do [ -S "$tmp/run/dosd.sock" ] && break; sleep 0.05; done
 kill -TERM "$pid"
 wait "$pid" || { cat "$tmp/log"; fail "dosd exited $? after SIGTERM"; }
 pid=
-if grep -q 'level=warning' "$tmp/log"; then cat "$tmp/log"; fail "warnings with $flags"; fi
-echo "ok: dosd starts with $flags and warns about nothing"
+# Started by hand, not as the unit (OOMScoreAdjust=-900): without
+# CAP_SYS_RESOURCE dosd keeps its OOM score and says so; that is how it was
+# run, not what the file says.
+if grep 'level=warning' "$tmp/log" | grep -qv 'event=daemon.oom_score_adj_kept'; then
+  cat "$tmp/log"; fail "warnings with $flags"
+fi
+echo "ok: dosd starts with $flags and warns about nothing (but how it was started)"
