@@ -37,24 +37,6 @@ ABSL_FLAG(std::string, max_bookkeeping_bytes_per_uid, "256M",
 
 namespace dos {
 
-bool ParseBytes(absl::string_view text, uint64_t* out) {
-  uint64_t mult = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'K': case 'k': mult = uint64_t{1} << 10; break;
-      case 'M': case 'm': mult = uint64_t{1} << 20; break;
-      case 'G': case 'g': mult = uint64_t{1} << 30; break;
-      case 'T': case 't': mult = uint64_t{1} << 40; break;
-      default: break;
-    }
-    if (mult != 1) text.remove_suffix(1);
-  }
-  uint64_t v;
-  if (!absl::SimpleAtoi(text, &v)) return false;
-  *out = v * mult;
-  return true;
-}
-
 namespace {
 
 absl::Status Count(const char* flag, int value, uint64_t* out) {

@@ -3,7 +3,7 @@
 // bytes, descriptor-socket connections, tensors and their bookkeeping. Part
 // of the composition root: main.cc calls BoundsFromFlags once from its
 // ConfigFromFlags (the flags live here so that main.cc stays within the
-// structure test's file size), and ParseBytes is shared by both.
+// structure test's file size); ParseBytes is daemon/state/host_memory_budget.h's.
 //
 // Thread-safety: call from main's thread, after absl::ParseCommandLine.
 #pragma once
@@ -14,12 +14,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/common/uid_ledger.h"
+#include "daemon/state/host_memory_budget.h"
 #include "daemon/session/session.h"
 
 namespace dos {
 
 // "64G", "512M", "4096" -> bytes (K, M, G, T: powers of 1024). False if not a size.
-bool ParseBytes(absl::string_view text, uint64_t* out);
 
 // Fills the session options' caps (max_sessions, max_sessions_per_uid,
 // early_ready_timeout) and `limits` from the flags. Defaults derived here:
