@@ -4,8 +4,7 @@
 // checkpoint quota and the descriptor reserve. Part of the composition root:
 // main.cc calls BoundsFromFlags and StoreBoundsFromFlags once from its
 // ConfigFromFlags (the flags live here so that main.cc stays within the
-// structure test's file size); sizes are parsed by ParseBytes
-// (daemon/state/host_memory_budget.h).
+// structure test's file size); ParseBytes is daemon/state/host_memory_budget.h's.
 //
 // Thread-safety: call from main's thread, after absl::ParseCommandLine.
 #pragma once
@@ -16,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/common/uid_ledger.h"
+#include "daemon/state/host_memory_budget.h"
 #include "daemon/session/session.h"
 #include "daemon/session/user_folders.h"
 
