@@ -148,7 +148,13 @@ def main():
     ap.add_argument("--save-at", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/hf7b")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): the round trip's losses then "
+                         "cannot differ through CUDA's atomics (the embedding's backward)")
     args = ap.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
     import dos.torch

@@ -5,7 +5,10 @@
 # process) at the largest Llama whose checkpoint fits the disk (2b: ~2.4B).
 # Writes bench/results/hf7b_<machine>_<date>.json (bench/frameworks/report.py)
 # and the logs to OUT.
-#   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny] [2b|tiny]
+#   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny|none] [2b|tiny|none]
+# MODES picks the runs at the first size; RT_ARGS=--deterministic makes the
+# round trip deterministic on CUDA (hf7b.py: the losses of a resumed run can
+# otherwise differ through CUDA's atomics, not the optimizer).
 set -u
 O=${1:?out dir}; SIZE=${2:-7b}; RT=${3:-2b}
 DIST=$PWD/.dist; B=$DIST/bin
@@ -32,12 +35,12 @@ done
 if [ "$RT" != none ]; then
   echo "== roundtrip save $RT" >> "$O/hf7b.log"
   timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
-    --roundtrip save --workdir $W/rt --out $W/rt_save.json >> "$O/hf7b.log" 2>&1
+    --roundtrip save --workdir $W/rt --out $W/rt_save.json ${RT_ARGS:-} >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
   df -h /tmp >> "$O/hf7b.log"
   echo "== roundtrip resume $RT" >> "$O/hf7b.log"
   timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
-    --roundtrip resume --workdir $W/rt --out $W/rt_resume.json >> "$O/hf7b.log" 2>&1
+    --roundtrip resume --workdir $W/rt --out $W/rt_resume.json ${RT_ARGS:-} >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 fi
 kill $dpid; wait $dpid; echo "dosd exit=$?" >> "$O/hf7b.log"
