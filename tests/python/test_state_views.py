@@ -6,7 +6,6 @@ grow; equal to the daemon's values; showing later steps, never half of one),
 a state dict that loads back into its own optimizer without a copy, compact
 moments as bf16, and the Lightning clipping flag."""
 
-import ctypes
 import gc
 import io
 import types
@@ -16,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import dos  # noqa: E402
 import dos.torch  # noqa: E402
-from dos import _errors, _views  # noqa: E402
+from dos import _views  # noqa: E402
+from test_state_io import daemon_state  # noqa: E402
 
 LR = dict(lr=1e-3, weight_decay=0.01)
 MiB = 1 << 20
@@ -45,15 +45,6 @@ def train(model, opt, steps, seed=1):
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-
-
-def daemon_state(opt, e):
-    n = e.local.numel()
-    buf = torch.empty(3, n)
-    step = ctypes.c_int64()
-    _errors.call("dos_state_read", opt._session, ctypes.c_uint32(e.index), buf[0].data_ptr(),
-                 buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
-    return buf, step.value
 
 
 def test_no_state_before_the_first_step_as_torch(dos_socket):
