@@ -107,6 +107,18 @@ def mmap_loads():
         torch.load = functools.partial(torch.load, mmap=True)
 
 
+def no_optimizer_placement():
+    """accelerate's AcceleratedOptimizer round-trips state_dict() to move the
+    state to the device unless device_placement is False: force it off."""
+    import accelerate.optimizer as ao
+    init = ao.AcceleratedOptimizer.__init__
+
+    def patched(self, optimizer, device_placement=True, *a, **kw):
+        init(self, optimizer, False, *a, **kw)
+
+    ao.AcceleratedOptimizer.__init__ = patched
+
+
 def make_model(size, device):
     from transformers import LlamaConfig, LlamaForCausalLM
     layers, hidden, inter, heads = SIZES[size]
@@ -151,10 +163,16 @@ def main():
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True): the round trip's losses then "
                          "cannot differ through CUDA's atomics (the embedding's backward)")
+    ap.add_argument("--no-placement", action="store_true",
+                    help="switch accelerate's optimizer placement off (the workaround the issue's "
+                         "baseline was measured with: a build without lazy state copies the whole "
+                         "state into the trainer in accelerator.prepare otherwise)")
     args = ap.parse_args()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.no_placement:
+        no_optimizer_placement()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
     import dos.torch
@@ -163,7 +181,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
     res = {"mode": args.mode, "size": args.size, "steps": args.steps, "seq": args.seq,
-           "torch": torch.__version__}
+           "torch": torch.__version__, "optimizer_placement": not args.no_placement}
     t0 = time.time()
     model = make_model(args.size, device)
     res["params"] = sum(p.numel() for p in model.parameters())

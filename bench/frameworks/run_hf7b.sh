@@ -8,7 +8,8 @@
 #   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny|none] [2b|tiny|none]
 # MODES picks the runs at the first size; RT_ARGS=--deterministic makes the
 # round trip deterministic on CUDA (hf7b.py: the losses of a resumed run can
-# otherwise differ through CUDA's atomics, not the optimizer).
+# otherwise differ through CUDA's atomics, not the optimizer); RESULT names
+# the results file (default bench/results/hf7b_<machine>_<date>.json).
 set -u
 O=${1:?out dir}; SIZE=${2:-7b}; RT=${3:-2b}
 DIST=$PWD/.dist; B=$DIST/bin
@@ -44,8 +45,8 @@ if [ "$RT" != none ]; then
   echo "exit=$?" >> "$O/hf7b.log"
 fi
 kill $dpid; wait $dpid; echo "dosd exit=$?" >> "$O/hf7b.log"
-python3 bench/frameworks/report.py $W "$machine" "bench/results/hf7b_${machine}_$(date +%F).json" \
-  >> "$O/hf7b.log" 2>&1
-cp bench/results/hf7b_${machine}_*.json "$O/" 2>/dev/null
+result=${RESULT:-bench/results/hf7b_${machine}_$(date +%F).json}
+python3 bench/frameworks/report.py $W "$machine" "$result" >> "$O/hf7b.log" 2>&1
+cp "$result" "$O/" 2>/dev/null
 tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"; rm -f "$O/dosd.log"
 rm -rf $W /tmp/dos-hf7b-ckpt
