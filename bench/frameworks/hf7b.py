@@ -119,13 +119,14 @@ def no_optimizer_placement():
     ao.AcceleratedOptimizer.__init__ = patched
 
 
-def make_model(size, device):
+def make_model(size, device, attn=None):
     from transformers import LlamaConfig, LlamaForCausalLM
     layers, hidden, inter, heads = SIZES[size]
+    extra = {"attn_implementation": attn} if attn else {}
     config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=heads, max_position_embeddings=2048,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
@@ -161,8 +162,9 @@ def main():
     ap.add_argument("--workdir", default="/tmp/hf7b")
     ap.add_argument("--out", required=True)
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch.use_deterministic_algorithms(True): the round trip's losses then "
-                         "cannot differ through CUDA's atomics (the embedding's backward)")
+                    help="torch.use_deterministic_algorithms(True) and eager attention (cuDNN's "
+                         "attention backward has no deterministic algorithm): the round trip's "
+                         "losses then cannot differ through CUDA's atomics")
     ap.add_argument("--no-placement", action="store_true",
                     help="switch accelerate's optimizer placement off (the workaround the issue's "
                          "baseline was measured with: a build without lazy state copies the whole "
@@ -183,7 +185,7 @@ def main():
     res = {"mode": args.mode, "size": args.size, "steps": args.steps, "seq": args.seq,
            "torch": torch.__version__, "optimizer_placement": not args.no_placement}
     t0 = time.time()
-    model = make_model(args.size, device)
+    model = make_model(args.size, device, "eager" if args.deterministic else None)
     res["params"] = sum(p.numel() for p in model.parameters())
     if args.mode == "all_gpu":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
@@ -246,6 +248,7 @@ def main():
     if args.roundtrip == "resume":
         mmap_loads()
         resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
+    t_call = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     res["train_s"] = time.time() - t
     res["step_s"] = times
@@ -255,6 +258,8 @@ def main():
     res["hf_save_s"] = marks.get("save_s")
     if "first_step" in marks and "train_begin" in marks:
         res["until_first_step_s"] = marks["first_step"] - marks["train_begin"]
+    if "first_step" in marks:  # a resume loads the checkpoint in here
+        res["call_to_first_step_s"] = marks["first_step"] - t_call
     res["peaks_after_train"] = sampler.mark()
     if args.sink:
         t = time.time()

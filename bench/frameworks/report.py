@@ -46,7 +46,8 @@ def main():
         common = sorted(set(s["losses"]) & set(r["losses"]), key=int)
         f["hf_resume_params"] = s["params"]
         f["hf_save_s"] = s.get("hf_save_s")
-        f["hf_resume_s"] = r.get("until_first_step_s")
+        # trainer.train(resume_from_checkpoint=...) to the first step: the load
+        f["hf_resume_s"] = r.get("call_to_first_step_s", r["train_s"] - sum(r["step_s"]))
         f["hf_resume_steps_compared"] = len(common)
         f["hf_resume_max_loss_diff"] = max((abs(s["losses"][k] - r["losses"][k]) for k in common),
                                            default=None)

@@ -9,7 +9,8 @@
 # MODES picks the runs at the first size; RT_ARGS=--deterministic makes the
 # round trip deterministic on CUDA (hf7b.py: the losses of a resumed run can
 # otherwise differ through CUDA's atomics, not the optimizer); RESULT names
-# the results file (default bench/results/hf7b_<machine>_<date>.json).
+# the results file; RT_MODE=all_gpu runs the round trip with torch's AdamW (the
+# control: a difference there is the framework's or CUDA's) (default bench/results/hf7b_<machine>_<date>.json).
 set -u
 O=${1:?out dir}; SIZE=${2:-7b}; RT=${3:-2b}
 DIST=$PWD/.dist; B=$DIST/bin
@@ -35,12 +36,12 @@ for mode in $modes; do
 done
 if [ "$RT" != none ]; then
   echo "== roundtrip save $RT" >> "$O/hf7b.log"
-  timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
+  timeout 300 python3 bench/frameworks/hf7b.py --mode ${RT_MODE:-dos} --size $RT --steps 7 --save-at 4 \
     --roundtrip save --workdir $W/rt --out $W/rt_save.json ${RT_ARGS:-} >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
   df -h /tmp >> "$O/hf7b.log"
   echo "== roundtrip resume $RT" >> "$O/hf7b.log"
-  timeout 300 python3 bench/frameworks/hf7b.py --mode dos --size $RT --steps 7 --save-at 4 \
+  timeout 300 python3 bench/frameworks/hf7b.py --mode ${RT_MODE:-dos} --size $RT --steps 7 --save-at 4 \
     --roundtrip resume --workdir $W/rt --out $W/rt_resume.json ${RT_ARGS:-} >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 fi
