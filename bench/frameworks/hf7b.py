@@ -149,9 +149,37 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def train_accelerate(args, model, opt, times, losses, marks):
+    """The same job through Accelerate's own loop: prepare, backward,
+    clip_grad_norm_ and the prepared optimizer's step; returns the prepared
+    optimizer (its state_dict() is what accelerator.save_state saves)."""
+    from accelerate import Accelerator
+    acc = Accelerator()
+    data = torch.utils.data.DataLoader(RandomTokens(max(64, args.steps), args.seq), batch_size=1)
+    model, opt, data = acc.prepare(model, opt, data)
+    model.train()
+    for i, batch in enumerate(data):
+        if i >= args.steps:
+            break
+        t = time.perf_counter()
+        marks.setdefault("first_step", t)
+        loss = model(**batch).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses[i + 1] = loss.item()
+    return opt
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["dos", "dos_compact", "all_gpu"], default="dos")
+    ap.add_argument("--framework", choices=["hf", "accelerate"], default="hf",
+                    help="the Hugging Face Trainer, or Accelerate's own loop (no --roundtrip)")
     ap.add_argument("--size", choices=sorted(SIZES), default="7b")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq", type=int, default=2048)
@@ -170,6 +198,8 @@ def main():
                          "baseline was measured with: a build without lazy state copies the whole "
                          "state into the trainer in accelerator.prepare otherwise)")
     args = ap.parse_args()
+    if args.roundtrip and args.framework != "hf":
+        ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -182,7 +212,7 @@ def main():
     socket = os.environ.get("DOS_SOCKET", "")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
-    res = {"mode": args.mode, "size": args.size, "steps": args.steps, "seq": args.seq,
+    res = {"mode": args.mode, "framework": args.framework, "size": args.size, "steps": args.steps, "seq": args.seq,
            "torch": torch.__version__, "optimizer_placement": not args.no_placement}
     t0 = time.time()
     model = make_model(args.size, device, "eager" if args.deterministic else None)
@@ -233,23 +263,28 @@ def main():
             if logs and "loss" in logs:
                 losses[state.global_step] = logs["loss"]
 
-    out_dir = os.path.join(args.workdir, "out")
-    targs = dict(output_dir=out_dir, per_device_train_batch_size=1, max_steps=args.steps,
-                 max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
-                 dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-5,
-                 lr_scheduler_type="constant", seed=0, data_seed=0)
-    if args.roundtrip:
-        targs.update(save_strategy="steps", save_steps=args.save_at, save_only_model=False)
-    trainer = Trainer(model=model, args=TrainingArguments(**targs),
-                      train_dataset=RandomTokens(max(64, args.steps), args.seq),
-                      optimizers=(opt, None), callbacks=[Clock(), NoFinalSave()])
-    t = time.time()
-    resume = None
-    if args.roundtrip == "resume":
-        mmap_loads()
-        resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
-    t_call = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
+    if args.framework == "accelerate":
+        t = time.time()
+        t_call = time.perf_counter()
+        opt = train_accelerate(args, model, opt, times, losses, marks)
+    else:
+        out_dir = os.path.join(args.workdir, "out")
+        targs = dict(output_dir=out_dir, per_device_train_batch_size=1, max_steps=args.steps,
+                     max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
+                     dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-5,
+                     lr_scheduler_type="constant", seed=0, data_seed=0)
+        if args.roundtrip:
+            targs.update(save_strategy="steps", save_steps=args.save_at, save_only_model=False)
+        trainer = Trainer(model=model, args=TrainingArguments(**targs),
+                          train_dataset=RandomTokens(max(64, args.steps), args.seq),
+                          optimizers=(opt, None), callbacks=[Clock(), NoFinalSave()])
+        t = time.time()
+        resume = None
+        if args.roundtrip == "resume":
+            mmap_loads()
+            resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
+        t_call = time.perf_counter()
+        trainer.train(resume_from_checkpoint=resume)
     res["train_s"] = time.time() - t
     res["step_s"] = times
     steady = sorted(times[2:]) if len(times) > 4 else sorted(times)

@@ -55,6 +55,9 @@ def main():
         f["hf_checkpoint_gib"] = s.get("checkpoint_bytes", 0) / GiB
         f["hf_resume_host_peak_gib_trainer"] = max(s["peaks"]["trainer_rss_anon"],
                                                    r["peaks"]["trainer_rss_anon"]) / GiB
+    if any(r and r.get("framework") == "accelerate" for r in runs.values()):
+        f = {k.replace("hf7b_", "accelerate7b_"): v for k, v in f.items()}
+        ref = None  # the limit line below names the HF figures
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     doc = {"machine": machine, "date": datetime.date.today().isoformat(), "commit": commit,

@@ -9,7 +9,8 @@
 # MODES picks the runs at the first size; RT_ARGS=--deterministic makes the
 # round trip deterministic on CUDA (hf7b.py: the losses of a resumed run can
 # otherwise differ through CUDA's atomics, not the optimizer); RESULT names
-# the results file; RT_MODE=all_gpu runs the round trip with torch's AdamW (the
+# the results file; FRAMEWORK=accelerate runs the first size through
+# Accelerate's own loop instead of the Trainer; RT_MODE=all_gpu runs the round trip with torch's AdamW (the
 # control: a difference there is the framework's or CUDA's) (default bench/results/hf7b_<machine>_<date>.json).
 set -u
 O=${1:?out dir}; SIZE=${2:-7b}; RT=${3:-2b}
@@ -30,7 +31,8 @@ free -g >> "$O/thp.txt"
 [ "$SIZE" = none ] && modes= || modes=${MODES:-all_gpu dos dos_compact}
 for mode in $modes; do
   echo "== $mode $SIZE" >> "$O/hf7b.log"
-  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode --size $SIZE --steps ${STEPS:-12} \
+  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode --framework ${FRAMEWORK:-hf} \
+    --size $SIZE --steps ${STEPS:-12} \
     --sink --workdir $W/$mode --out $W/$mode.json >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 done
