@@ -146,24 +146,29 @@ def parse_blocks(lines):
             while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
                 block.append(lines[i][4:])
                 i += 1
+            while block and not block[-1].strip():
+                block.pop()
             blocks.append((start, "shell", block))
         else:
             i += 1
     return blocks
 
 
-def shell_commands(block):
-    """The block's commands: continuations joined, trailing comments dropped."""
-    cmds, cur = [], ""
-    for line in block:
+def shell_commands(block, start=1):
+    """[(line number, command)] of a block starting at line `start`: continuations joined,
+    trailing comments dropped."""
+    cmds, cur, first = [], "", start
+    for n, line in enumerate(block, start):
         if not line.strip() and not cur:
             continue
+        if not cur:
+            first = n
         cur += line.strip()
         if cur.endswith("\\"):
             cur = cur[:-1] + " "
             continue
         cur = re.sub(r"\s+#(\s.*)?$", "", cur)
-        cmds.append(" ".join(cur.split()))
+        cmds.append((first, " ".join(cur.split())))
         cur = ""
     return cmds
 
@@ -173,7 +178,7 @@ def readme_commands(lines):
     out = []
     for start, kind, block in parse_blocks(lines):
         if kind == "shell":
-            out += [(start, c, "shell", c) for c in shell_commands(block)]
+            out += [(n, c, "shell", c) for n, c in shell_commands(block, start)]
         elif kind == "python":
             first = next(l for l in block if l.strip())
             out.append((start, "python: " + first.strip(), "python", "\n".join(block)))
@@ -278,7 +283,7 @@ def check_guide(lines, repo):
                         "to docs/ or bench/README.md)")
     # The two commands: exactly those, in that section.
     sec = section(lines, "## The two commands")
-    got = [c for s, k, b in parse_blocks(sec) if k == "shell" for c in shell_commands(b)]
+    got = [c for s, k, b in parse_blocks(sec) if k == "shell" for _, c in shell_commands(b)]
     if got != TWO_COMMANDS:
         problems.append(f'"The two commands" are {got}; they must be exactly {TWO_COMMANDS}')
     # Headline figures: at most MAX_FIGURES rows, each with its date, machine and file.
