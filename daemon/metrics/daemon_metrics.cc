@@ -59,7 +59,7 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
                         return sum;
                       })
       .IgnoreError();
-  // Per uid, what it holds of each bounded resource (README, threat model),
+  // Per uid, what it holds of each bounded resource (docs/threat-model.md),
   // and the per-uid bounds.
   m->AddCallbackGaugeFamily(
        "dos_uid_usage", "What each uid holds of dosd's bounded resources (by resource).",
