@@ -74,6 +74,9 @@ else
   install_file "$here/dos/dosd.flags" /etc/dos/dosd.flags 0644
 fi
 [ -f "$here/../README.md" ] && install_file "$here/../README.md" "$prefix/share/doc/dos/README.md" 0644
+for doc in "$here"/../docs/*.md; do  # the README's links lead into docs/
+  [ -f "$doc" ] && install_file "$doc" "$prefix/share/doc/dos/docs/$(basename "$doc")" 0644
+done
 
 if [ -n "$root" ]; then
   echo "install.sh: staged under $root; run systemd-sysusers, systemd-tmpfiles --create and"

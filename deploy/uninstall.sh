@@ -43,6 +43,10 @@ remove /etc/sysusers.d/dos.conf
 remove /etc/tmpfiles.d/dos.conf
 remove /etc/dos/dosd.flags.example
 remove "$prefix/share/doc/dos/README.md"
+for doc in "$root$prefix"/share/doc/dos/docs/*.md; do
+  [ -f "$doc" ] && remove "${doc#"$root"}"
+done
+if [ -d "$root$prefix/share/doc/dos/docs" ]; then run rmdir --ignore-fail-on-non-empty "$root$prefix/share/doc/dos/docs"; fi
 if [ -z "$root" ] && [ -d /run/systemd/system ]; then run systemctl daemon-reload; fi
 if [ "$purge" -eq 1 ]; then
   remove /etc/dos/dosd.flags
