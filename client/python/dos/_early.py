@@ -77,6 +77,10 @@ class EarlyDriver:
         if self.flight.hook_begun and not self.update and thawed():
             self.finish()  # gives the early step up: an ordinary one registers them
 
+    def begin_step(self, req, amp_scale: float) -> None:
+        """An ordinary step on the driver in charge after a re-registration."""
+        self.inner.begin_step(req, amp_scale)
+
     def finish(self) -> None:
         if self.flight.hook_begun:
             self.flight.claim()

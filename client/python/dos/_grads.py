@@ -13,8 +13,9 @@ their own.
 
 from __future__ import annotations
 
+import math
 import weakref
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -24,7 +25,7 @@ from dos._native import Status
 from dos._register import Entry, local_of
 
 __all__ = ["no_gradient", "zero_entry", "bind", "thawed", "install_seen_hooks",
-           "zero_unregistered"]
+           "zero_unregistered", "clip_coefficient"]
 
 
 def zero_entry(e: Entry) -> None:
@@ -131,3 +132,25 @@ def zero_unregistered(param_groups, entries: List[Entry], set_to_none: bool) -> 
             else:
                 p.grad.detach_()
                 p.grad.zero_()
+
+
+def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: float,
+                     error_if_nonfinite: bool) -> Tuple[torch.Tensor, float]:
+    """(total norm, coefficient) of torch.nn.utils.clip_grad_norm_ over
+    `grads`, without touching them: the coefficient min(1, max_norm / (norm
+    + 1e-6)) goes to dosd with the next step. Reads the norm on the host."""
+    norm_type = float(norm_type)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    dev = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
+    value = float(total)
+    if error_if_nonfinite and not math.isfinite(value):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable "
+                           "this error and scale the gradients by the non-finite norm anyway, "
+                           "set `error_if_nonfinite=False`")
+    # torch's clip_coef_clamped, in fp32. A non-finite norm is not clipped:
+    # dosd's non-finite scan skips such a step (torch would apply NaN updates).
+    coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) /
+                       (torch.tensor(value, dtype=torch.float32) + 1e-6), max=1.0)
+    return total, float(coef) if math.isfinite(value) else 1.0

@@ -46,7 +46,7 @@ from dos import _views
 from dos._grads import no_gradient
 from dos._register import Entry, Registration, is_dtensor, local_of
 
-__all__ = ["torch_defaults", "StateIO", "DaemonState"]
+__all__ = ["torch_defaults", "group_defaults", "StateIO", "DaemonState"]
 
 # Elements per piece when a loaded tensor must be converted (dtype, device).
 _CHUNK = 1 << 22
@@ -64,6 +64,25 @@ def torch_defaults(cls) -> Dict[str, Any]:
 
 
 _TORCH_DEFAULTS: Dict[Any, Dict[str, Any]] = {}
+
+
+def group_defaults(decoupled, lr, betas, eps, weight_decay, foreach, fused, capturable):
+    """A param group's defaults: the hyperparameters, and torch's own
+    AdamW's (Adam's: not `decoupled`) keys (foreach, fused, capturable, ...)
+    too, so that state dicts move between the two without losing them."""
+    defaults = torch_defaults(torch.optim.AdamW if decoupled else torch.optim.Adam)
+    defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                    maximize=False)
+    # torch's implementation choices: kept as given (they travel with state
+    # dicts), without effect on dosd's kernels.
+    for key, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None or key in defaults:
+            defaults[key] = value
+    if capturable or "capturable" in defaults:
+        defaults["capturable"] = capturable
+    if "differentiable" in defaults:
+        defaults["differentiable"] = False
+    return defaults
 
 
 def _state_tensor(e: Entry, local: torch.Tensor):

@@ -27,7 +27,6 @@ rules; they are composed of parts with narrow interfaces:
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 import warnings
 import weakref
@@ -35,7 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from dos import _grads, _native
+from dos import _amp, _grads, _native
 from dos._assembly import Assembly, Options
 from dos._drivers import StepRequest
 from dos._errors import DosError, call
@@ -43,7 +42,7 @@ from dos._hooks import weak_hook
 from dos._native import Status
 from dos._register import local_of
 from dos._session import track, untrack
-from dos._state import DaemonState, torch_defaults
+from dos._state import DaemonState, group_defaults
 
 __all__ = ["AdamW", "Adam", "DosError"]
 
@@ -73,24 +72,6 @@ def _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-def _defaults(decoupled, lr, betas, eps, weight_decay, foreach, fused, capturable):
-    """torch's own optimizer's keys (foreach, fused, capturable, ...) too,
-    so that state dicts move between the two without losing them."""
-    defaults = torch_defaults(torch.optim.AdamW if decoupled else torch.optim.Adam)
-    defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
-                    maximize=False)
-    # torch's implementation choices: kept as given (they travel with state
-    # dicts), without effect on dosd's kernels.
-    for key, value in (("foreach", foreach), ("fused", fused)):
-        if value is not None or key in defaults:
-            defaults[key] = value
-    if capturable or "capturable" in defaults:
-        defaults["capturable"] = capturable
-    if "differentiable" in defaults:
-        defaults["differentiable"] = False
-    return defaults
 
 
 def _overlap(overlap):
@@ -143,7 +124,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
         self._parts = None
         self._registering = True
-        super().__init__(params, _defaults(self._decoupled, lr, betas, eps, weight_decay,
+        super().__init__(params, group_defaults(self._decoupled, lr, betas, eps, weight_decay,
                                            foreach, fused, capturable))
         self._torch_state = DaemonState(weak_hook(self, lambda opt, p: opt._state_of_param(p)))
         self._registering = False
@@ -251,19 +232,19 @@ class _DosAdamBase(torch.optim.Optimizer):
     @property
     def _session(self):
         """The dos_session* (ctypes.c_void_p), or None once closed."""
-        parts = self.__dict__.get("_parts")
+        parts = getattr(self, "_parts", None)
         return None if parts is None or parts.reg is None else parts.reg.ptr
 
     @property
     def _entries(self):
         """The registered tensors (dos/_register.py's Entry)."""
-        parts = self.__dict__.get("_parts")
+        parts = getattr(self, "_parts", None)
         return [] if parts is None or parts.reg is None else parts.reg.entries
 
     @property
     def _inflight(self) -> bool:
         """A step was begun and its result is not collected yet."""
-        parts = self.__dict__.get("_parts")
+        parts = getattr(self, "_parts", None)
         return parts is not None and parts.flight.in_flight
 
     def _check_open(self, what):
@@ -347,7 +328,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         """Collects the step in flight (waits on the host for its result and
         raises its error, if any); an early step that step() has not claimed
         yet is ended as its driver says (dos/_early.py)."""
-        parts = self.__dict__.get("_parts")
+        parts = getattr(self, "_parts", None)
         if parts is not None and parts.driver is not None:
             parts.driver.finish()
 
@@ -385,22 +366,8 @@ class _DosAdamBase(torch.optim.Optimizer):
                  if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
-        norm_type = float(norm_type)
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        dev = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
-        value = float(total)
-        if error_if_nonfinite and not math.isfinite(value):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite, so it cannot be clipped. To disable "
-                               "this error and scale the gradients by the non-finite norm anyway, "
-                               "set `error_if_nonfinite=False`")
-        # torch's clip_coef_clamped, in fp32. A non-finite norm is not
-        # clipped: dosd's non-finite scan skips such a step (torch would apply
-        # NaN updates).
-        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) /
-                           (torch.tensor(value, dtype=torch.float32) + 1e-6), max=1.0)
-        self._clip_coef = float(coef) if math.isfinite(value) else 1.0
+        total, self._clip_coef = _grads.clip_coefficient(grads, max_norm, norm_type,
+                                                         error_if_nonfinite)
         return total
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
@@ -457,40 +424,11 @@ class _DosAdamBase(torch.optim.Optimizer):
         driver.step(StepRequest(
             grad_scale=float(grad_scale), clip_coef=float(clip_coef),
             scaler_arg=grad_scaler is not None, scaled=scaled,
-            amp=lambda: self._amp_args(grad_scaler),
-            record_amp=lambda found_inf: self._record_amp(grad_scaler, found_inf),
+            amp=lambda: _amp.amp_args(id(self), grad_scaler, getattr(self, "grad_scale", None),
+                                      self._amp_found_inf),
+            record_amp=lambda found_inf: _amp.record_amp(id(self), grad_scaler, found_inf),
             reregister=lambda: self._parts.reregister(self.close)))
         return loss
-
-    def _amp_args(self, grad_scaler):
-        """(grad_scale, skip) from a GradScaler driving this step: torch 1.x
-        passes itself as `grad_scaler`; torch 2.x sets self.grad_scale and
-        self.found_inf (after its own inf check) instead."""
-        if grad_scaler is not None:  # torch 1.x protocol
-            state = grad_scaler._per_optimizer_states[id(self)]
-            stage = getattr(state.get("stage"), "name", "READY")
-            found = state.get("found_inf_per_device") or {}
-            if stage == "UNSCALED":  # the user unscaled (and checked) already
-                return 1.0, any(float(v) != 0 for v in found.values())
-            return float(grad_scaler._get_scale_async()), False
-        skip = False
-        if self._amp_found_inf is not None:
-            skip = float(self._amp_found_inf) != 0
-        amp = getattr(self, "grad_scale", None)
-        scale = 1.0 if amp is None else float(amp)
-        return scale, skip
-
-    def _record_amp(self, grad_scaler, found_inf: bool):
-        """Fills GradScaler's found_inf_per_device from the daemon's verdict
-        (torch 1.x protocol, where the scaler did not check itself)."""
-        if grad_scaler is None:
-            return
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state.get("found_inf_per_device"):
-            return
-        scale = grad_scaler._get_scale_async()
-        state["found_inf_per_device"][scale.device] = torch.full(
-            (1,), 1.0 if found_inf else 0.0, dtype=torch.float32, device=scale.device)
 
     # ---- teardown ----
 
@@ -499,7 +437,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         ordinary memory and detaches (the daemon frees this session's state).
         Idempotent; also after dosd stopped. The shared memory itself is
         released once no tensor over it is left (dos/_session.py)."""
-        parts = self.__dict__.get("_parts")
+        parts = getattr(self, "_parts", None)
         if parts is not None and parts.close(self._CLOSE_WAIT_MS):
             untrack(self)
 
