@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 from dos import _grads
 from dos._drivers import make_driver
-from dos._early import EarlyDriver
+from dos._early import EarlyDriver, early_driver
 from dos._flight import Flight
 from dos._lease import GpuLease
 from dos._register import Registration
@@ -102,7 +102,7 @@ class Assembly:
         driver = make_driver(mode, reg, self.flight, self.lease, self._groups, model,
                              self._finish)
         if mode.early is not Early.NONE:
-            driver = EarlyDriver(driver, mode.early)
+            driver = early_driver(driver, mode.early, reg, self.flight)
             driver.armed = self.armed
         self.driver = driver
     def set_armed(self, value) -> None:

@@ -4,14 +4,21 @@ mark each subgroup ready once all its tensors' gradients are final (on CUDA
 the mark is enqueued on the current stream after the gradient kernels; on
 the CPU a store).
 
-`EarlyDriver` wraps the driver of the mode's completion (dos/_drivers.py)
-and has its interface: step() claims the early step the hooks began (or
-lets the inner driver begin an ordinary one), and finish(), zero_grad() and
-close() end an unclaimed one: given up with a verdict pending (nothing was
-applied), completed with its begin-time hyperparameters without one
-(overlap="update": dosd applied part of it already). It owns the hooks, the
-ready bookkeeping of the step (`ready`, `ready_left`, `ready_log`), `armed`
-(the optimizer's overlap_armed) and whether gradients are being accumulated.
+An early driver wraps the driver of the mode's completion (dos/_drivers.py)
+and has its interface: step() claims the early step the hooks began (or lets
+the inner driver begin an ordinary one); finish(), zero_grad() and close()
+end one step() never claimed. The two modes differ in what that means:
+
+    VerdictDriver (overlap=True)    dosd applies nothing before step()'s
+        verdict (loss scale, clip coefficient, learning rates); an unclaimed
+        step is given up, and so is one a second backward (gradient
+        accumulation) reaches: step() then begins an ordinary one.
+    UpdateDriver (overlap="update") dosd applies each subgroup as soon as it
+        is ready; an unclaimed step is completed with its begin-time
+        hyperparameters, and a scale, clip or second backward is an error.
+
+A driver owns its hooks, the step's ready bookkeeping (`ready`,
+`ready_left`, `ready_log`) and `armed` (the optimizer's overlap_armed).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from dos._hooks import weak_hook
 from dos._native import Status
 from dos._step import Early
 
-__all__ = ["EarlyDriver"]
+__all__ = ["EarlyDriver", "VerdictDriver", "UpdateDriver", "early_driver"]
 
 _TOO_LATE = ("with overlap=\"update\" dosd updates each subgroup during backward, so a grad "
              "scale or clip coefficient given at step() comes too late (the step was applied "
@@ -36,10 +43,15 @@ _TOO_LATE = ("with overlap=\"update\" dosd updates each subgroup during backward
 
 
 class EarlyDriver:
-    def __init__(self, inner, early: Early):
+    """What both early modes share: the hooks and the ready marks."""
+
+    no_verdict = False  # dos_step_begin_early's flag (and gradients_checked)
+
+    def __init__(self, inner, reg, flight):
         self.inner = inner
         self.mode = inner.mode
-        self.update = early is Early.UPDATE  # no verdict: dosd applies during backward
+        self._reg = reg
+        self._flight = flight
         self.armed = True
         self.ready = set()
         self.ready_left: List[int] = []
@@ -51,48 +63,33 @@ class EarlyDriver:
         self._accumulating = False
         self._handles = []
         if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            for e in inner.reg.entries:
+            for e in reg.entries:
                 def hook(drv, _param, i=e.index):
-                    drv.on_ready(drv.inner.reg.entries[i])
+                    drv.on_ready(drv._reg.entries[i])
                 self._handles.append(
                     e.param.register_post_accumulate_grad_hook(weak_hook(self, hook)))
 
-    @property
-    def flight(self):
-        return self.inner.flight
-
-    @property
-    def reg(self):
-        return self.inner.reg
-
-    @property
-    def lease(self):
-        return self.inner.lease
+    # -- the driver interface --
 
     def arm(self) -> None:
         self._accumulating = False
 
     def settle(self, thawed) -> None:
         self.inner.settle(thawed)
-        if self.flight.hook_begun and not self.update and thawed():
-            self.finish()  # gives the early step up: an ordinary one registers them
 
     def begin_step(self, req, amp_scale: float) -> None:
         """An ordinary step on the driver in charge after a re-registration."""
         self.inner.begin_step(req, amp_scale)
 
     def finish(self) -> None:
-        if self.flight.hook_begun:
-            self.flight.claim()
-            if not self.update:
-                self.inner.give_up()
-                self.ready = set()
+        if self._flight.hook_begun:
+            self._flight.claim()
+            if not self._end_claimed():
                 return
-            self.flight.verdict(None, self.inner.stream())
         self.inner.finish()
 
     def before_zero_grad(self, entries):
-        if self.flight.hook_begun:
+        if self._flight.hook_begun:
             self.finish()
         entries = self.inner.before_zero_grad(entries)
         self.ready.clear()
@@ -104,85 +101,60 @@ class EarlyDriver:
             h.remove()
         self._handles = []
 
-    def _end_unclaimed(self) -> None:
-        if self.flight.hook_begun:  # an early step step() never claimed
-            self.flight.claim()
-            if self.update:
-                self.flight.verdict(None, self.inner.stream())
-            else:
-                self.flight.abandon()
-
-    # -- step() --
-
     def step(self, req) -> None:
-        if not self.flight.hook_begun:
+        if not self._flight.hook_begun:
             self.inner.step(req)
             self.ready.clear()
             return
         # An early step, begun at the first gradient.
-        self.flight.claim()
+        self._flight.claim()
         self.inner.update_lease()  # goes with the next step (peak after backward)
-        if self.update:
-            self._update_verdict(req)
-        elif not self._verdict(req):
+        if not self._verdict(req):
             return
         self.ready.clear()
         self.inner.complete(req)
 
-    def _update_verdict(self, req) -> None:
-        # Parameters backward did not reach: dosd has not updated their
-        # subgroups yet and leaves them as torch would.
-        skip = [e.index for e in self.reg.entries
-                if e.index < _native.MAX_SKIP_TENSORS and _grads.no_gradient(e)]
-        self.flight.verdict(self.inner.args(1.0, 1.0, skip=skip), self.inner.stream())
-        late = req.grad_scale != 1.0 or req.clip_coef != 1.0 or req.scaled
-        if late or self._error:
-            self.inner.collect()
-            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error or _TOO_LATE}")
+    # -- what the modes decide --
+
+    def _end_claimed(self) -> bool:
+        """Ends a claimed step nobody will give a verdict; True if it is
+        still to be collected."""
+        raise NotImplementedError
+
+    def _end_unclaimed(self) -> None:
+        """close(): ends a step step() never claimed, without waiting."""
+        raise NotImplementedError
 
     def _verdict(self, req) -> bool:
-        """Sends the verdict on the claimed step; False if it was given up
-        (the scaler found inf/nan: nothing is applied)."""
-        amp_scale, skip = req.amp()
-        if skip:
-            self.inner.give_up()
-            self.ready = set()
-            self.flight.found_inf = True
-            return False
-        if self._error:
-            self.inner.give_up()
-            self.ready = set()
-            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error}")
-        try:
-            req.reregister()
-            skip = _grads.bind(self.reg.entries)
-            args = self.inner.args(req.grad_scale * amp_scale, req.clip_coef, skip=skip)
-        except BaseException:
-            self.inner.give_up()
-            self.ready = set()
-            raise
-        self.flight.verdict(args, self.inner.stream())
-        return True
+        """step(): the verdict on the claimed step; False if it was given up."""
+        raise NotImplementedError
+
+    def _second_backward(self, e) -> None:
+        raise NotImplementedError
+
+    def _give_up(self) -> None:
+        self.inner.give_up()
+        self.ready = set()
 
     # -- the hooks --
 
     def _possible(self) -> bool:
         """No parameter moved (re-registration happens at step())."""
-        return not any(self.reg.moved(e) for e in self.reg.entries)
+        return not any(self._reg.moved(e) for e in self._reg.entries)
 
     def _begin(self, now) -> None:
         self.ready = set()
         self._ready_t0 = now
         self.ready_log = []
         self._error = None
-        left = [0] * self.reg.num_subgroups
-        for first, last in self.reg.ranges:
+        left = [0] * self._reg.num_subgroups
+        for first, last in self._reg.ranges:
             for sg in range(first, last + 1):
                 left[sg] += 1
         self.ready_left = left
         with torch.no_grad():
-            args = self.inner.args(1.0, 1.0, gradients_checked=self.update)
-            self.flight.begin_early(args, self.update, self.inner.stream())
+            args = self.inner.args(1.0, 1.0, gradients_checked=self.no_verdict)
+            self._flight.begin_early(args, self.no_verdict, self.inner.stream())
 
     def on_ready(self, e) -> None:
         """Post-accumulate-grad hook: e's gradient is final for this backward.
@@ -190,12 +162,12 @@ class EarlyDriver:
         overlap="update" updates each subgroup as soon as it is marked ready);
         each subgroup is marked ready when all its tensors' gradients are
         final. Without early steps possible here, the step begins at step()."""
-        if not self.armed or self.reg.ptr is None or self._accumulating:
+        if not self.armed or self._reg.ptr is None or self._accumulating:
             return
-        if self.flight.in_flight and not self.flight.hook_begun:
+        if self._flight.in_flight and not self._flight.hook_begun:
             self.inner.finish()  # the previous asynchronous step (already done)
         now = time.perf_counter()
-        if not self.flight.hook_begun:
+        if not self._flight.hook_begun:
             if not self._possible():
                 return
             self._begin(now)
@@ -206,24 +178,6 @@ class EarlyDriver:
         self.ready_log.append((e.index, now - self._ready_t0))
         if self._take_gradient(e):
             self._mark(e)
-
-    def _second_backward(self, e) -> None:
-        """A second backward before step() (gradient accumulation with
-        overlap armed): with a verdict dosd reads the gradients only after
-        step(), so the sum is what it reads; without one it may have updated
-        with the first backward's gradients already."""
-        if self.update:
-            self._error = (f"{e.name}'s gradient was accumulated twice before "
-                           "step() with overlap=\"update\", so dosd may have applied "
-                           "the first backward's gradients; set opt.overlap_armed = "
-                           "False during gradient-accumulation micro-steps")
-        else:
-            # Gradient accumulation with a verdict: the early step is given
-            # up (nothing was applied) and step() begins an ordinary one, so
-            # that dosd does not wait through every micro-batch (holding the
-            # session, within --early_step_ready_timeout).
-            self._accumulating = True
-            self.finish()
 
     def _take_gradient(self, e) -> bool:
         """autograd made a new gradient (grads were set to None): it goes
@@ -243,7 +197,7 @@ class EarlyDriver:
 
     def _mark(self, e) -> None:
         """Marks the subgroups whose last tensor e is ready, in runs."""
-        first, last = self.reg.ranges[e.index]
+        first, last = self._reg.ranges[e.index]
         run = None
         for sg in range(first, last + 1):
             self.ready_left[sg] -= 1
@@ -257,4 +211,91 @@ class EarlyDriver:
 
     def _mark_run(self, run) -> None:
         if run is not None:
-            self.flight.mark_ready(run[0], run[1], self.inner.stream())
+            self._flight.mark_ready(run[0], run[1], self.inner.stream())
+
+
+class VerdictDriver(EarlyDriver):
+    """overlap=True: nothing is applied before step()'s verdict."""
+
+    def settle(self, thawed) -> None:
+        super().settle(thawed)
+        if self._flight.hook_begun and thawed():
+            self.finish()  # gives the early step up: an ordinary one registers them
+
+    def _end_claimed(self) -> bool:
+        self._give_up()
+        return False
+
+    def _end_unclaimed(self) -> None:
+        if self._flight.hook_begun:
+            self._flight.claim()
+            self._flight.abandon()
+
+    def _verdict(self, req) -> bool:
+        amp_scale, skip = req.amp()
+        if skip:  # the scaler found inf/nan: nothing is applied
+            self._give_up()
+            self._flight.found_inf = True
+            return False
+        if self._error:
+            self._give_up()
+            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error}")
+        try:
+            req.reregister()
+            skip = _grads.bind(self._reg.entries)
+            args = self.inner.args(req.grad_scale * amp_scale, req.clip_coef, skip=skip)
+        except BaseException:
+            self._give_up()
+            raise
+        self._flight.verdict(args, self.inner.stream())
+        return True
+
+    def _second_backward(self, e) -> None:
+        # Gradient accumulation with a verdict: dosd reads the gradients only
+        # after step(), but the early step is given up (nothing was applied)
+        # and step() begins an ordinary one, so that dosd does not wait
+        # through every micro-batch (holding the session, within
+        # --early_step_ready_timeout).
+        self._accumulating = True
+        self.finish()
+
+
+class UpdateDriver(EarlyDriver):
+    """overlap="update": dosd applies each subgroup as soon as it is ready."""
+
+    no_verdict = True
+
+    def _end_claimed(self) -> bool:
+        self._flight.verdict(None, self.inner.stream())  # its begin-time hyperparameters
+        return True
+
+    def _end_unclaimed(self) -> None:
+        if self._flight.hook_begun:
+            self._flight.claim()
+            self._end_claimed()
+
+    def _verdict(self, req) -> bool:
+        # Parameters backward did not reach: dosd has not updated their
+        # subgroups yet and leaves them as torch would.
+        skip = [e.index for e in self._reg.entries
+                if e.index < _native.MAX_SKIP_TENSORS and _grads.no_gradient(e)]
+        self._flight.verdict(self.inner.args(1.0, 1.0, skip=skip), self.inner.stream())
+        late = req.grad_scale != 1.0 or req.clip_coef != 1.0 or req.scaled
+        if late or self._error:
+            self.inner.collect()
+            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error or _TOO_LATE}")
+        return True
+
+    def _second_backward(self, e) -> None:
+        # Without a verdict dosd may have updated with the first backward's
+        # gradients already.
+        self._error = (f"{e.name}'s gradient was accumulated twice before "
+                       "step() with overlap=\"update\", so dosd may have applied "
+                       "the first backward's gradients; set opt.overlap_armed = "
+                       "False during gradient-accumulation micro-steps")
+
+
+def early_driver(inner, early: Early, reg, flight) -> EarlyDriver:
+    """The early driver of `early` (not Early.NONE) around `inner`."""
+    cls = UpdateDriver if early is Early.UPDATE else VerdictDriver
+    return cls(inner, reg, flight)

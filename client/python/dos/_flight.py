@@ -14,8 +14,7 @@ import ctypes
 from typing import Any, Callable, Dict, Optional
 
 from dos import _native
-from dos._errors import DosError, call
-from dos._native import Status
+from dos._errors import call
 from dos._step import StepMachine, StepState
 
 __all__ = ["Flight", "step_args"]
@@ -92,15 +91,15 @@ class Flight:
         """Asks dosd to give the claimed early step up (before its verdict)."""
         call("dos_step_abandon", self._session)
 
-    def give_up(self) -> None:
-        """Gives up the claimed early step and collects it: dosd applies
-        nothing and answers ABORTED, which is what we asked for."""
-        self.abandon()
-        try:
-            self.wait()
-        except DosError as e:
-            if getattr(e, "code", None) != Status.ABORTED:
-                raise
+    def needs_wait(self, indices) -> bool:
+        """Per-layer waits: the step in flight (not one the overlap hooks
+        began: that is this backward's own) has weights of these entries the
+        trainer has not waited for yet."""
+        m = self.machine
+        return m.state is StepState.IN_FLIGHT and not all(i in m.waited for i in indices)
+
+    def waited(self, indices) -> None:
+        self.machine.waited.update(indices)
 
     def mark_ready(self, first: int, last: int, stream) -> None:
         call("dos_mark_ready", self._session, ctypes.c_uint32(first), ctypes.c_uint32(last),

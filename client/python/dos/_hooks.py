@@ -22,7 +22,6 @@ from typing import Callable, List
 import torch
 
 from dos import _grads
-from dos._step import StepState
 
 __all__ = ["LayerHooks", "weak_hook", "spans"]
 
@@ -130,15 +129,15 @@ class LayerHooks:
     def wait_layer(self, ents, sp) -> None:
         if self._reg.ptr is None:
             return
-        # An early step (HOOK_BEGUN) is this backward's own: nothing to wait
-        # for (its weights change only once its gradients are final).
-        machine = self._flight.machine
-        if machine.state is StepState.IN_FLIGHT and not all(e.index in machine.waited
-                                                            for e in ents):
+        # An early step (begun by the overlap hooks) is this backward's own:
+        # nothing to wait for (its weights change only once its gradients are
+        # final).
+        indices = [e.index for e in ents]
+        if self._flight.needs_wait(indices):
             stream = self._stream()
             for first, last in sp:
                 self._flight.wait_subgroups(first, last, stream)
-            machine.waited.update(e.index for e in ents)
+            self._flight.waited(indices)
         if self._pending_zero:  # zero_grad() came after this layer's wait, or had no forward
             self.zero_pending(ents)
 
