@@ -192,7 +192,9 @@ class LayerDriver(StreamDriver):
     def __init__(self, mode, reg, flight, lease, groups, model, finish: Callable[[], None]):
         super().__init__(mode, reg, flight, lease, groups)
         self._sync_stream = None
-        self.hooks = LayerHooks(reg, flight, self.stream, model, finish)
+        # The hooks' stream without a reference back to this driver.
+        stream = (lambda: reg.stream()) if mode.stream else (lambda: None)
+        self.hooks = LayerHooks(reg, flight, stream, model, finish)
 
     def collect(self, timeout_ms: int = -1) -> None:
         super().collect(timeout_ms)
