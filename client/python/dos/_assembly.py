@@ -105,6 +105,7 @@ class Assembly:
             driver = early_driver(driver, mode.early, reg, self.flight)
             driver.armed = self.armed
         self.driver = driver
+
     def set_armed(self, value) -> None:
         self.armed = value
         if isinstance(self.driver, EarlyDriver):
@@ -136,7 +137,6 @@ class Assembly:
         afresh. `close`: the optimizer's close()."""
         close()  # copies what lives in the old arena out, detaches
         self.register()
-        self.configure()
         for e in self.reg.entries:
             s = saved.get(id(e.param))
             self.state_io.write(e, s)
@@ -145,6 +145,7 @@ class Assembly:
                 # untouched buffer says so to the gradients' binding.
                 _grads.zero_entry(e)
                 e.grad_none = True
+        self.configure()
 
     def reregister(self, close: Callable[[], None]):
         """Parameters whose storage moved, or frozen at construction and

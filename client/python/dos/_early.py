@@ -24,6 +24,7 @@ A driver owns its hooks, the step's ready bookkeeping (`ready`,
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, List, Optional
 
 import torch
@@ -34,12 +35,25 @@ from dos._hooks import weak_hook
 from dos._native import Status
 from dos._step import Early
 
-__all__ = ["EarlyDriver", "VerdictDriver", "UpdateDriver", "early_driver"]
+__all__ = ["EarlyDriver", "VerdictDriver", "UpdateDriver", "early_driver", "check_overlap"]
 
 _TOO_LATE = ("with overlap=\"update\" dosd updates each subgroup during backward, so a grad "
              "scale or clip coefficient given at step() comes too late (the step was applied "
              "without it); use overlap=True (a verdict at step(): clipping and GradScaler "
              "work) or overlap=False")
+
+
+def check_overlap(overlap):
+    """overlap= checked: False, True or "update" (False on a torch without
+    post-accumulate-grad hooks, with a warning)."""
+    if overlap not in (False, True, "update"):
+        raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
+    if overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
+                      f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
+                      "has none, so steps start at step() as usual")
+        return False
+    return overlap
 
 
 class EarlyDriver:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -37,6 +36,7 @@ import torch
 from dos import _amp, _grads, _native
 from dos._assembly import Assembly, Options
 from dos._drivers import StepRequest
+from dos._early import check_overlap
 from dos._errors import DosError, call
 from dos._hooks import weak_hook
 from dos._native import Status
@@ -72,19 +72,6 @@ def _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-
-
-def _overlap(overlap):
-    """overlap= checked: False, True or "update" (False on a torch without
-    post-accumulate-grad hooks, with a warning)."""
-    if overlap not in (False, True, "update"):
-        raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
-    if overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-        warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
-                      f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
-                      "has none, so steps start at step() as usual")
-        return False
-    return overlap
 
 
 class _DosAdamBase(torch.optim.Optimizer):
@@ -130,7 +117,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._registering = False
         self._amp_found_inf = None
         self._clip_coef = None  # from clip_grad_norm_(), for the next step()
-        overlap = _overlap(overlap)
+        overlap = check_overlap(overlap)
         self.overlap = bool(overlap)
         # The model only weakly: it holds this optimizer's hooks (no cycle).
         # compact_state: dosd keeps exp_avg / exp_avg_sq as bf16 (8 bytes of
@@ -204,6 +191,21 @@ class _DosAdamBase(torch.optim.Optimizer):
         """overlap=: (tensor index, seconds since the first ready) of the last
         early step's gradients, in the order they became final."""
         return self._parts.ready_log
+
+    @property
+    def rank(self) -> int:
+        """The rank this session was tagged with (-1: unknown); local_rank
+        and world_size likewise (arguments, else torch.distributed, else
+        $RANK/$LOCAL_RANK/$WORLD_SIZE)."""
+        return self._parts.reg.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._parts.reg.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._parts.reg.world_size
 
     @property
     def session_id(self) -> int:
