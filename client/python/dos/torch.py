@@ -21,7 +21,8 @@ rules; they are composed of parts with narrow interfaces:
     dos/_flight.py    Flight: the step in flight and dosd's report on it
     dos/_drivers.py   one step driver per way a step completes
     dos/_hooks.py     LayerHooks: per-layer waits on the model (model=)
-    dos/_early.py     EarlyDriver: steps begun during backward (overlap=)
+    dos/_early.py     VerdictDriver, UpdateDriver: steps begun during backward
+    dos/_amp.py       the GradScaler protocol
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
         self._parts = None
         self._registering = True
-        super().__init__(params, group_defaults(self._decoupled, lr, betas, eps, weight_decay,
-                                           foreach, fused, capturable))
+        super().__init__(params, group_defaults(self._decoupled, lr, betas, eps,
+                                                weight_decay, foreach, fused, capturable))
         self._torch_state = DaemonState(weak_hook(self, lambda opt, p: opt._state_of_param(p)))
         self._registering = False
         self._amp_found_inf = None
