@@ -14,11 +14,15 @@ nothing else:
     before_zero_grad(ents)  zero_grad(): the entries to zero now
     close(timeout_ms)       finish within a bound and remove the hooks
 
-A future delayed update (issue 23: the host path's subgroups updated during
-the next forward and backward) is one more wrapper of this interface: its
-step() returns once the gradients are safe, and finish(), which state_dict(),
-synchronize() and close() already call, completes the pending update.
-Drivers hold the registration, the flight and the lease they were built with;
+A delayed update (issue 23: the host path's subgroups updated one step late,
+during the next forward and backward) is meant to be one more wrapper of this
+interface, as the early drivers are: `decide_mode` gains its field (say
+`delay: int`), the step machine one state (a step whose GPU-path subgroups
+are collected and whose host-path update is pending), and the driver's
+step() returns once the gradients are safe (copied off the GPU) while its
+finish(), which state_dict(), synchronize(), close(), found_inf and the
+module hooks already call, completes the pending update first. Nothing else
+changes for it. Drivers hold the registration, the flight and the lease they were built with;
 a re-registration builds new ones (`StepRequest.reregister` returns the
 driver in charge afterwards). Thread-safety: none.
 """
@@ -40,7 +44,7 @@ from dos._native import Status
 from dos._register import Entry, Registration
 from dos._step import Complete, StepMode, StepState
 
-__all__ = ["StepRequest", "Driver", "StreamDriver", "LayerDriver", "make_driver"]
+__all__ = ["StepRequest", "SyncDriver", "StreamDriver", "LayerDriver", "make_driver"]
 
 
 @dataclasses.dataclass
@@ -55,10 +59,10 @@ class StepRequest:
     scaled: bool      # any GradScaler drives this step
     amp: Callable[[], Tuple[float, bool]]
     record_amp: Callable[[bool], None]
-    reregister: Callable[[], "Driver"]
+    reregister: Callable[[], "SyncDriver"]
 
 
-class Driver:
+class SyncDriver:
     """Complete.WAIT: the step begins at step() and step() returns after the
     update (the CPU path by default, async_step=False, DTensor parameters,
     CUDA without stream memory operations)."""
@@ -166,7 +170,7 @@ class Driver:
                               f"{timeout_ms // 1000} s; detaching without it", RuntimeWarning)
 
 
-class StreamDriver(Driver):
+class StreamDriver(SyncDriver):
     """Complete.STREAM (CUDA, stream-ordered, without model=): step() returns
     at once; everything queued on the current stream from then on waits, on
     the GPU, for the whole step. The result is collected at the next step()
@@ -202,7 +206,7 @@ class LayerDriver(StreamDriver):
 
     def complete(self, req: StepRequest) -> None:
         if self.must_wait(req):
-            Driver.complete(self, req)
+            SyncDriver.complete(self, req)
         elif self.mode.stream:
             self._queue_device_wait()
 
@@ -227,10 +231,10 @@ class LayerDriver(StreamDriver):
 
 
 def make_driver(mode: StepMode, reg: Registration, flight: Flight, lease, groups,
-                model: Optional[torch.nn.Module], finish: Callable[[], None]) -> Driver:
+                model: Optional[torch.nn.Module], finish: Callable[[], None]) -> SyncDriver:
     """The driver for `mode` (early steps: wrapped by dos/_early.py)."""
     if mode.complete is Complete.LAYERS:
         return LayerDriver(mode, reg, flight, lease, groups, model, finish)
     if mode.complete is Complete.STREAM:
         return StreamDriver(mode, reg, flight, lease, groups)
-    return Driver(mode, reg, flight, lease, groups)
+    return SyncDriver(mode, reg, flight, lease, groups)
