@@ -66,8 +66,8 @@ def test_layer_waits_equal_synchronous_steps(dos_socket, zero_at):
                          **LR) as sync_opt, \
             dos.torch.AdamW(async_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                             model=async_model, async_step=True, **LR) as async_opt:
-        assert async_opt._async and not sync_opt._async
-        assert async_opt._num_subgroups > 10
+        assert (async_opt._parts.driver.mode.complete.name != "WAIT") and not (sync_opt._parts.driver.mode.complete.name != "WAIT")
+        assert async_opt._parts.reg.num_subgroups > 10
         ref = train(sync_model, sync_opt, data, zero_at)
         got = train(async_model, async_opt, data, zero_at)
         # Collects the last step (it was only queued).
@@ -90,7 +90,7 @@ def decay_groups(model):
 
 
 def test_a_layer_waits_for_its_own_subgroups_not_everything_between(dos_socket, monkeypatch):
-    import dos._hooks as hooks
+    import dos._flight as hooks  # where dos_wait_subgroups is called
     data = batches(6)
     sync_model, async_model = make_deep(), make_deep()
     with dos.torch.AdamW(decay_groups(sync_model), socket=dos_socket, subgroup_size=SUBGROUP,
@@ -99,8 +99,8 @@ def test_a_layer_waits_for_its_own_subgroups_not_everything_between(dos_socket, 
                             lr=2e-3, model=async_model, async_step=True) as async_opt:
         first_linear = async_model[0]
         by_param = {id(e.param): e for e in async_opt._entries}
-        w = async_opt._ranges[by_param[id(first_linear.weight)].index]
-        b = async_opt._ranges[by_param[id(first_linear.bias)].index]
+        w = async_opt._parts.reg.ranges[by_param[id(first_linear.weight)].index]
+        b = async_opt._parts.reg.ranges[by_param[id(first_linear.bias)].index]
         assert b[0] > w[1] + 1  # far apart: subgroups of other layers lie between
         waits = []
         real_call = hooks.call
@@ -129,7 +129,7 @@ def test_cpu_steps_finish_before_step_returns_by_default(dos_socket):
     model = make_deep()
     with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          model=model, **LR) as opt:
-        assert not opt._async
+        assert not (opt._parts.driver.mode.complete.name != "WAIT")
         x, y = batches(1)[0]
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -161,10 +161,10 @@ def test_tensor_subgroups_cover_the_shard(dos_socket):
     with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          **LR) as opt:
         total = sum(p.numel() for p in model.parameters())
-        assert opt._num_subgroups == (total + SUBGROUP - 1) // SUBGROUP
+        assert opt._parts.reg.num_subgroups == (total + SUBGROUP - 1) // SUBGROUP
         prev_last = 0
         offset = 0
-        for e, (first, last) in zip(opt._entries, opt._ranges):
+        for e, (first, last) in zip(opt._entries, opt._parts.reg.ranges):
             n = e.local.numel()
             assert first == offset // SUBGROUP and last == (offset + n - 1) // SUBGROUP
             assert first >= prev_last

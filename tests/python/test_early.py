@@ -31,7 +31,7 @@ def early_opt(model, socket, overlap, **kw):
                           overlap=overlap if HAS_HOOK else False, **kw, **LR)
     if not HAS_HOOK:  # the hooks' body is called by hand (backward() below)
         opt.overlap = True
-        opt._early_update = overlap == "update"
+        opt._parts.configure(overlap)  # the early driver, without hooks to install
     return opt
 
 
@@ -42,7 +42,7 @@ def backward(opt, loss, upto=None):
     if not HAS_HOOK and opt.overlap:
         ents = list(reversed(opt._entries))
         for e in ents[:upto]:
-            opt._on_ready(e)
+            opt._parts.driver.on_ready(e)
 
 
 def loss_of(model, x, y):
@@ -86,7 +86,7 @@ def test_verdict_steps_equal_synchronous(dos_socket, case):
     ref_model, model = make_deep(), make_deep()
     with dos.torch.AdamW(ref_model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
                          **LR) as ref_opt, early_opt(model, dos_socket, True) as opt:
-        assert opt._num_subgroups > 10
+        assert opt._parts.reg.num_subgroups > 10
         ref = train(ref_model, ref_opt, data, **kw)
         got = train(model, opt, data, **kw)
         assert got == ref
@@ -163,7 +163,7 @@ def test_update_during_backward_skips_parameters_backward_did_not_reach(dos_sock
                 if not HAS_HOOK and o.overlap:  # the hooks' body, for what backward reached
                     for e in reversed(o._entries):
                         if not e.grad_none:
-                            o._on_ready(e)
+                            o._parts.driver.on_ready(e)
                 o.step()
         assert opt.last_step["early"]
         for p, b in zip(model.unused.parameters(), before):
@@ -184,18 +184,18 @@ def test_update_starts_before_the_last_gradient(dos_socket):
         last_before, first_before = last.param.detach().clone(), first.param.detach().clone()
         loss_of(model, x, y).backward()
         # The last tensors, until every subgroup of the last one is ready.
-        lf, ll = opt._ranges[last.index]
+        lf, ll = opt._parts.reg.ranges[last.index]
         for e in reversed(opt._entries):
-            opt._on_ready(e)
-            if all(opt._ready_left[sg] == 0 for sg in range(lf, ll + 1)):
+            opt._parts.driver.on_ready(e)
+            if all(opt._parts.driver.ready_left[sg] == 0 for sg in range(lf, ll + 1)):
                 break
-        assert first.index not in opt._ready
+        assert first.index not in opt._parts.driver.ready
         deadline = time.monotonic() + 60
         while torch.equal(last.param.detach(), last_before):
             assert time.monotonic() < deadline, "dosd did not update the ready subgroups"
             time.sleep(0.001)
-        f0, _ = opt._ranges[first.index]
-        l0, _ = opt._ranges[last.index]
+        f0, _ = opt._parts.reg.ranges[first.index]
+        l0, _ = opt._parts.reg.ranges[last.index]
         assert f0 < l0
         assert torch.equal(first.param.detach(), first_before)
         opt.step()  # marks the rest ready; the step completes
@@ -228,7 +228,7 @@ def test_verdict_step_abandoned_by_a_reader(dos_socket):
         for i, (x, y) in enumerate(data):
             opt.zero_grad()
             backward(opt, loss_of(model, x, y))
-            assert opt._step_state.hook_begun
+            assert opt._parts.flight.machine.hook_begun
             if i == 1:
                 opt.state_dict()  # abandons the early step
                 assert not opt._inflight
@@ -267,14 +267,14 @@ def test_early_step_api_errors(dos_socket):
         with pytest.raises(DosError) as err:
             call("dos_mark_ready", opt._session, ctypes.c_uint32(0), ctypes.c_uint32(0), None)
         assert err.value.code == Status.FAILED_PRECONDITION
-        args, _ = opt._args(1.0, 1.0)
+        args = opt._parts.driver.args(1.0, 1.0)
         call("dos_step_begin_early", opt._session, ctypes.byref(args), ctypes.c_uint32(0), None)
         res = _native.StepResult()
         with pytest.raises(DosError, match="no verdict yet"):
             call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
         with pytest.raises(DosError, match="not within"):
             call("dos_mark_ready", opt._session, ctypes.c_uint32(0),
-                 ctypes.c_uint32(opt._num_subgroups), None)
+                 ctypes.c_uint32(opt._parts.reg.num_subgroups), None)
         call("dos_step_abandon", opt._session)
         with pytest.raises(DosError) as err:
             call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
@@ -289,7 +289,7 @@ def test_close_between_backward_and_step(dos_socket, overlap):
     opt = early_opt(model, dos_socket, overlap)
     x, y = batches(1)[0]
     backward(opt, loss_of(model, x, y))
-    assert opt._step_state.hook_begun
+    assert opt._parts.flight.machine.hook_begun
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "did not finish" RuntimeWarning
         opt.close()
@@ -314,7 +314,7 @@ def test_stalled_update_step_times_out_and_dosd_goes_on():
                                 subgroup_size=SUBGROUP, **LR) as other:
             x, y = batches(1)[0]
             loss_of(model, x, y).backward()
-            args, _ = opt._args(1.0, 1.0, gradients_checked=True)
+            args = opt._parts.driver.args(1.0, 1.0, gradients_checked=True)
             t0 = time.monotonic()
             call("dos_step_begin_early", opt._session, ctypes.byref(args),
                  ctypes.c_uint32(_native.DOS_EARLY_NO_VERDICT), None)
@@ -368,7 +368,7 @@ def test_verdict_step_with_gradient_accumulation(dos_socket):
                     else:
                         loss_of(m, x, y).backward()
                 if o is opt:
-                    assert not opt._step_state.hook_begun  # given up at the 2nd backward
+                    assert not opt._parts.flight.machine.hook_begun  # given up at the 2nd backward
                 o.step()
         assert opt.last_step["step"] == 3
         assert_bitwise(model, ref_model, opt, ref_opt)
@@ -376,6 +376,6 @@ def test_verdict_step_with_gradient_accumulation(dos_socket):
         opt.zero_grad()
         x, y = data[0]
         backward(opt, loss_of(model, x, y))
-        assert opt._step_state.hook_begun
+        assert opt._parts.flight.machine.hook_begun
         opt.step()
         assert opt.last_step["early"]

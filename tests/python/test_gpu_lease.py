@@ -142,7 +142,8 @@ def test_the_optimizer_sends_its_lease_to_dosd_before_each_step(dos_socket, monk
                           client_name="pytest-lease")
     try:
         FakeCuda(monkeypatch, peak=5 * GiB)
-        opt._lease = GpuLease("cuda:0", budget_bytes=16 * GiB, env={})
+        opt._parts.lease = GpuLease("cuda:0", budget_bytes=16 * GiB, env={})
+        opt._parts.configure()  # a driver that lends it
         ref = torch.nn.Linear(8, 4)
         ref.load_state_dict(model.state_dict())
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

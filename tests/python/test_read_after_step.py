@@ -231,7 +231,7 @@ def test_cuda_reads_right_after_step(dos_socket, policy, with_model):
             for _ in range(8)]
     opt = make_cuda_opt(model, dos_socket, policy, with_model)
     try:
-        if not opt._stream_sync:
+        if not opt._parts.driver.mode.stream:
             pytest.skip("the CUDA driver has no stream memory operations")
         for i, (x, y) in enumerate(data):
             opt.zero_grad()

@@ -160,7 +160,7 @@ def test_dropping_the_optimizer_closes_it_at_once(dos_socket, kw):
         opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, **kw)
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
-        handle = weakref.ref(opt._handle)
+        handle = weakref.ref(opt._parts.reg.handle)
         gone = weakref.ref(opt)
         del opt
         assert gone() is None, "the optimizer is kept alive by a reference cycle"
@@ -230,7 +230,7 @@ def test_cuda_close_with_stream_waits_still_queued(dos_socket):
         if "no GPU engine" in e.message:
             pytest.skip(f"dosd has no GPU engine: {e.message}")
         raise
-    if not opt._stream_sync:
+    if not opt._parts.driver.mode.stream:
         opt.close()
         pytest.skip("the CUDA driver has no stream memory operations")
     x = torch.randn(64, 1024, device="cuda")

@@ -227,7 +227,7 @@ def test_second_step_begin_without_wait_is_refused(dos_socket):
     model = torch.nn.Linear(4, 2)
     with dos.torch.AdamW(model.parameters(), socket=dos_socket) as opt:
         model(torch.randn(2, 4)).sum().backward()
-        groups = opt._hparams()
+        groups = opt._parts.reg.hparams(opt.param_groups)
         args = _native.StepArgs()
         _native.lib.dos_step_args_init(ctypes.byref(args))
         args.groups, args.num_groups = groups, len(groups)

@@ -82,9 +82,9 @@ def test_state_dict_waits_for_the_step_in_flight(dos_socket):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         with torch.no_grad():
-            opt._bind_grads()
-            args, _groups = opt._args(1.0, 1.0)
-            opt._begin(args)  # what the overlap hooks do at the end of backward
+            dos._grads.bind(opt._entries)
+            args = opt._parts.driver.args(1.0, 1.0)
+            opt._parts.driver.begin(args)  # what the overlap hooks do at the end of backward
         assert opt._inflight
         sd = opt.state_dict()
         assert not opt._inflight

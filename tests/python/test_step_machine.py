@@ -48,3 +48,45 @@ def test_illegal_transitions_raise(setup, action):
         do[action]()
     assert e.value.code_name == "INTERNAL" and "illegal step transition" in e.value.message
     assert m.state is before
+
+
+# dos._step.decide_mode: the one place a step's mode is worked out.
+from dos._step import Complete, Early, decide_mode  # noqa: E402
+
+_BASE = dict(gpu=False, dtensor=False, stream_supported=False, model=False, async_step=None,
+             overlap=False)
+
+
+@pytest.mark.parametrize("given,stream,complete,early", [
+    ({}, False, Complete.WAIT, Early.NONE),  # CPU: step() returns after the update
+    ({"model": True}, False, Complete.WAIT, Early.NONE),  # CPU async only when asked
+    ({"model": True, "async_step": True}, False, Complete.LAYERS, Early.NONE),
+    ({"gpu": True}, False, Complete.WAIT, Early.NONE),  # no stream memory operations
+    ({"gpu": True, "model": True}, False, Complete.LAYERS, Early.NONE),
+    ({"gpu": True, "stream_supported": True}, True, Complete.STREAM, Early.NONE),
+    ({"gpu": True, "stream_supported": True, "async_step": False}, True, Complete.WAIT,
+     Early.NONE),
+    ({"gpu": True, "stream_supported": True, "model": True}, True, Complete.LAYERS, Early.NONE),
+    ({"gpu": True, "stream_supported": True, "dtensor": True, "overlap": True}, False,
+     Complete.WAIT, Early.NONE),  # FSDP2: copied at step(), never early
+    ({"overlap": True}, False, Complete.WAIT, Early.VERDICT),
+    ({"overlap": "update"}, False, Complete.WAIT, Early.UPDATE),
+    ({"gpu": True, "overlap": True}, False, Complete.WAIT, Early.NONE),  # no stream to mark on
+    ({"gpu": True, "stream_supported": True, "overlap": "update"}, True, Complete.STREAM,
+     Early.UPDATE),
+])
+def test_decide_mode(given, stream, complete, early):
+    mode = decide_mode(**{**_BASE, **given})
+    assert (mode.stream, mode.complete, mode.early) == (stream, complete, early)
+
+
+@pytest.mark.parametrize("given,why", [
+    ({"async_step": True}, "without model="),
+    ({"gpu": True, "async_step": True}, "without model="),
+    ({"gpu": True, "stream_supported": True, "dtensor": True, "model": True,
+      "async_step": True}, "FSDP2/DTensor"),
+])
+def test_decide_mode_refuses_an_async_step_nothing_orders(given, why):
+    with pytest.raises(DosError) as e:
+        decide_mode(**{**_BASE, **given})
+    assert e.value.code_name == "INVALID_ARGUMENT" and why in e.value.message

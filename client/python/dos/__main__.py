@@ -27,6 +27,15 @@ def main(argv=None) -> int:
     problems, warnings = [], []
     print(f"dos-optimizer {__version__} (Python {sys.version.split()[0]}, {os.path.dirname(os.path.abspath(__file__))})")
 
+    found = _library(problems)
+    if found is None:
+        return _finish(problems, warnings)
+    _daemon(found, args.socket, args.timeout, problems, warnings)
+    return _finish(problems, warnings)
+
+
+def _library(problems):
+    """(the binding, where the library was found), or None (a problem)."""
     from dos import _lib
     lib, source, tried = _lib._find()
     if lib is None:
@@ -36,18 +45,24 @@ def main(argv=None) -> int:
         problems.append("libdos_client.so cannot be loaded: install the dos Debian package "
                         "(it ships libdos_client.so.1), or set DOS_CLIENT_LIB to a built "
                         "libdos_client.so")
-        return _finish(problems, warnings)
+        return None
     try:
         from dos import _native
     except (ImportError, AttributeError, OSError) as e:
         print(f"library:  {_lib.loaded_path(lib)} ({source}): unusable: {e}")
         problems.append(f"the library found is not one this package can use ({e}): install "
                         f"libdos_client {__version__} or point DOS_CLIENT_LIB at it")
-        return _finish(problems, warnings)
+        return None
+    return _native, source
 
+
+def _daemon(found, socket, timeout, problems, warnings) -> None:
+    """Probes dosd at `socket` and says what the pair of versions means."""
+    from dos import _lib
+    _native, source = found
     info = _native.DaemonInfo()
-    socket = args.socket or _native.default_socket()
-    st = _native.lib.dos_daemon_probe(socket.encode(), int(args.timeout * 1000),
+    socket = socket or _native.default_socket()
+    st = _native.lib.dos_daemon_probe(socket.encode(), int(timeout * 1000),
                                       ctypes.byref(info))
     client_version = (info.client_version or b"").decode()
     print(f"library:  {_lib.loaded_path(_native.lib)} ({source}), release {client_version}, "
@@ -59,7 +74,7 @@ def main(argv=None) -> int:
         msg = (_native.lib.dos_last_error() or b"").decode("utf-8", "replace")
         print(f"daemon:   {socket}: NOT REACHED")
         problems.append(msg)
-        return _finish(problems, warnings)
+        return
     version = (info.version or b"").decode()
     health = (info.health or b"").decode()
     print(f"daemon:   {socket}: dosd {version}, pid {info.pid}, protocol "
@@ -79,7 +94,6 @@ def main(argv=None) -> int:
     if health != "SERVING":
         problems.append(f"dosd reports {health}: it is shutting down or unwell; see its log "
                         "(journalctl -u dosd)")
-    return _finish(problems, warnings)
 
 
 def _finish(problems, warnings) -> int:

@@ -3,9 +3,12 @@ in CPU mode (one shared-memory arena holding every parameter and gradient)
 or GPU mode (CUDA memory registered in place), and re-registration when a
 parameter's storage moved.
 
-`_RegisterMixin` is one part of dos.torch's optimizer class. It owns
-`_session`, `_entries`, `_arena`, `_device`, `_group_map`, `rank`,
-`local_rank` and `world_size`.
+A `Registration` is one part of dos.torch's optimizer: it owns the session
+handle, the entries (one a registered tensor), the CPU arena, the device (GPU
+mode), the map of dosd's groups to torch's param groups and each tensor's
+subgroup range. A re-registration (moved storage, add_param_group) makes a
+new one; `close()` gives the memory back to the model and detaches.
+Thread-safety: none (one optimizer is used from one thread at a time).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import warnings
+from typing import List, Tuple
 
 import torch
 
@@ -21,8 +24,9 @@ from dos import _native
 from dos._errors import DosError, call
 from dos._native import Status
 from dos._progress import with_progress
+from dos._session import SessionHandle
 
-__all__ = ["Entry", "local_of", "is_dtensor", "dist_info", "DTYPES"]
+__all__ = ["Entry", "Registration", "local_of", "is_dtensor", "dist_info", "DTYPES"]
 
 DTYPES = {
     torch.float32: _native.DType.F32,
@@ -51,7 +55,7 @@ class Entry:
     # gradient since (zero_version: grad_shm's version counter when zeroed;
     # DDP writes the averaged gradient of a parameter this rank did not use).
     __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
-                 "copy_out", "copy_grad", "hook", "grad_none", "zero_version")
+                 "copy_out", "copy_grad", "grad_none", "zero_version", "__weakref__")
 
     def __init__(self, param, name, index, group):
         self.param = param
@@ -63,7 +67,6 @@ class Entry:
         self.local = None
         self.copy_out = False
         self.copy_grad = False
-        self.hook = None
         self.grad_none = param.grad is None
         self.zero_version = -1
 
@@ -110,79 +113,162 @@ def dist_info():
     return rank, local_rank, world
 
 
-class _RegisterMixin:
-    def _attach(self, socket, client_name, rank=None, local_rank=None, world_size=None):
-        opts = _native.AttachOptions()
-        _native.lib.dos_attach_options_init(ctypes.byref(opts))
-        if socket is not None:
-            opts.socket_path = os.fspath(socket).encode()
-        opts.client_name = (client_name or os.path.basename(sys.argv[0] or "python")).encode()
-        d_rank, d_local, d_world = dist_info()
-        for field, given, found in (("rank", rank, d_rank), ("local_rank", local_rank, d_local),
-                                    ("world_size", world_size, d_world)):
-            value = given if given is not None else found
-            if value is not None and int(value) >= 0:
-                setattr(opts, field, int(value))
+def _attach_options(socket, client_name, rank, local_rank, world_size):
+    opts = _native.AttachOptions()
+    _native.lib.dos_attach_options_init(ctypes.byref(opts))
+    if socket is not None:
+        opts.socket_path = os.fspath(socket).encode()
+    opts.client_name = (client_name or os.path.basename(sys.argv[0] or "python")).encode()
+    d_rank, d_local, d_world = dist_info()
+    for field, given, found in (("rank", rank, d_rank), ("local_rank", local_rank, d_local),
+                                ("world_size", world_size, d_world)):
+        value = given if given is not None else found
+        if value is not None and int(value) >= 0:
+            setattr(opts, field, int(value))
+    return opts
+
+
+def _attach(opts, resume) -> SessionHandle:
+    handle = ctypes.c_void_p()
+    if resume is not None:
+        try:
+            sid, token = int(resume["session_id"]), str(resume["token"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DosError(Status.INVALID_ARGUMENT,
+                           f"resume: expected {{'session_id': int, 'token': str}} as returned "
+                           f"by opt.session_info(), got {resume!r}") from exc
+        call("dos_resume", ctypes.byref(opts), ctypes.c_uint64(sid), token.encode(),
+             ctypes.byref(handle))
+    else:
+        call("dos_attach", ctypes.byref(opts), ctypes.byref(handle))
+    return SessionHandle(handle)
+
+
+def hparams(param_groups, group_map, decoupled: bool):
+    """dos_hparams for each of dosd's groups, from torch's param groups."""
+    arr = (_native.Hparams * len(group_map))()
+    for dg, gi in enumerate(group_map):
+        g = param_groups[gi]
+        for flag in ("maximize", "amsgrad", "differentiable"):
+            if g.get(flag, False):
+                raise NotImplementedError(
+                    f"dos.torch: param group {gi} has {flag}=True, which dosd does not "
+                    "support")
+        h = arr[dg]
+        h.lr = float(g["lr"])
+        h.beta1 = float(g["betas"][0])
+        h.beta2 = float(g["betas"][1])
+        h.eps = float(g["eps"])
+        h.weight_decay = float(g["weight_decay"])
+        h.decoupled_weight_decay = 1 if decoupled else 0
+    return arr
+
+
+def _entry_of(p, gi, index, dgroup):
+    """An Entry for trainable parameter `p` of torch group `gi` (checked), or
+    None for an empty one (an FSDP2 shard that is empty on this rank)."""
+    label = f"param {index} (group {gi}, shape {tuple(p.shape)})"
+    local = local_of(p)
+    grad = local_of(p.grad)
+    if p.dtype not in DTYPES:
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"register: {label} has dtype {p.dtype}; dosd supports "
+                       "torch.float32, torch.bfloat16 and torch.float16 parameters")
+    if local.device.type not in ("cpu", "cuda"):
+        raise DosError(Status.UNIMPLEMENTED,
+                       f"register: {label} is on {local.device}; dosd supports CPU "
+                       "(shared-memory) and CUDA parameters")
+    if p.is_sparse:
+        raise DosError(Status.INVALID_ARGUMENT, f"register: {label} is sparse")
+    if grad is not None and (grad.dtype != local.dtype or grad.shape != local.shape):
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"register: {label} is {p.dtype} {tuple(local.shape)} but its "
+                       f"grad is {grad.dtype} {tuple(grad.shape)}; gradients "
+                       "must have the parameter's dtype and shape")
+    if local.numel() == 0:
+        return None
+    e = Entry(p, label, index, dgroup)
+    e.local = local
+    e.copy_grad = is_dtensor(p)
+    return e
+
+
+def _collect(param_groups):
+    """(entries, group_map): the trainable parameters, and for each of dosd's
+    groups (torch's groups that have any) its torch group index."""
+    entries = []
+    group_map = []
+    for gi, group in enumerate(param_groups):
+        dgroup = None
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            e = _entry_of(p, gi, len(entries), len(group_map) if dgroup is None else dgroup)
+            if e is None:
+                continue
+            if dgroup is None:
+                dgroup = len(group_map)
+                group_map.append(gi)
+            entries.append(e)
+    return entries, group_map
+
+
+class Registration:
+    """One dosd session and the parameters registered with it."""
+
+    def __init__(self, socket=None, client_name=None, rank=None, local_rank=None,
+                 world_size=None, resume=None):
+        """Attaches (or resumes `resume`, a session_info() dict) a session."""
+        opts = _attach_options(socket, client_name, rank, local_rank, world_size)
         self.rank = int(opts.rank)
         self.local_rank = int(opts.local_rank)
         self.world_size = int(opts.world_size)
-        handle = ctypes.c_void_p()
-        resume = getattr(self, "_resume", None)
-        if resume is not None:
-            try:
-                sid, token = int(resume["session_id"]), str(resume["token"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise DosError(Status.INVALID_ARGUMENT,
-                               f"resume: expected {{'session_id': int, 'token': str}} as returned "
-                               f"by opt.session_info(), got {resume!r}") from exc
-            call("dos_resume", ctypes.byref(opts), ctypes.c_uint64(sid), token.encode(),
-                         ctypes.byref(handle))
-            # A later re-registration (moved storage) attaches afresh.
-            self._resume = None
-        else:
-            call("dos_attach", ctypes.byref(opts), ctypes.byref(handle))
-        self._session = handle
+        self.handle: SessionHandle = _attach(opts, resume)
+        self.entries: List[Entry] = []
+        self.arena = None
+        self.device = None  # torch.device of the parameters in GPU mode, else None
+        self.group_map: List[int] = []  # dosd group -> torch group index
+        self.ranges: List[Tuple[int, int]] = []  # entry index -> (first, last) subgroup
+        self.num_subgroups = 0
+        self._decoupled = True
 
-    def _register(self, subgroup_size):
-        # Collect trainable parameters; daemon group indices skip groups that
-        # have none.
-        entries = []
-        group_map = []  # daemon group -> torch group index
-        for gi, group in enumerate(self.param_groups):
-            dgroup = None
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                label = f"param {len(entries)} (group {gi}, shape {tuple(p.shape)})"
-                local = local_of(p)
-                grad = local_of(p.grad)
-                if p.dtype not in DTYPES:
-                    raise DosError(Status.INVALID_ARGUMENT,
-                                   f"register: {label} has dtype {p.dtype}; dosd supports "
-                                   "torch.float32, torch.bfloat16 and torch.float16 parameters")
-                if local.device.type not in ("cpu", "cuda"):
-                    raise DosError(Status.UNIMPLEMENTED,
-                                   f"register: {label} is on {local.device}; dosd supports CPU "
-                                   "(shared-memory) and CUDA parameters")
-                if p.is_sparse:
-                    raise DosError(Status.INVALID_ARGUMENT, f"register: {label} is sparse")
-                if grad is not None and (grad.dtype != local.dtype or grad.shape != local.shape):
-                    raise DosError(Status.INVALID_ARGUMENT,
-                                   f"register: {label} is {p.dtype} {tuple(local.shape)} but its "
-                                   f"grad is {grad.dtype} {tuple(grad.shape)}; gradients "
-                                   "must have the parameter's dtype and shape")
-                if local.numel() == 0:
-                    continue  # e.g. an FSDP2 shard that is empty on this rank
-                if dgroup is None:
-                    dgroup = len(group_map)
-                    group_map.append(gi)
-                e = Entry(p, label, len(entries), dgroup)
-                e.local = local
-                e.copy_grad = is_dtensor(p)
-                entries.append(e)
-        self._group_map = group_map
+    @property
+    def ptr(self):
+        """The dos_session* (ctypes.c_void_p), or None once closed."""
+        h = self.handle
+        return None if h is None or h.closed else h.ptr
+
+    @property
+    def dtensor(self) -> bool:
+        """Some tensors are copied at step() (FSDP2 shards)."""
+        return any(e.copy_grad or e.copy_out for e in self.entries)
+
+    def stream_supported(self) -> bool:
+        """The session can order steps on a CUDA stream (GPU mode)."""
+        return self.device is not None and bool(_native.lib.dos_stream_sync_supported(self.ptr))
+
+    def stream(self):
+        """The current CUDA stream as a cudaStream_t (GPU mode), else None."""
+        if self.device is None:
+            return None
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def sync_device(self):
+        """Makes the trainer's pending work on the device visible to the
+        daemon (and the daemon's state writes to later trainer work)."""
+        if self.device is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def hparams(self, param_groups):
+        return hparams(param_groups, self.group_map, self._decoupled)
+
+    def register(self, param_groups, subgroup_size, decoupled=True, compact=False):
+        """Registers the trainable parameters of `param_groups`: in place on
+        CUDA, else through one shared-memory arena the model is rebound to."""
+        self._decoupled = decoupled
+        entries, self.group_map = _collect(param_groups)
         if not entries:
-            self._entries = []
+            self.entries = []
             return
         devices = {e.local.device for e in entries}
         if len(devices) > 1:
@@ -192,10 +278,15 @@ class _RegisterMixin:
                            "; one optimizer (one dosd session) takes parameters of one device: "
                            "build one optimizer per device")
         device = devices.pop()
+        send = lambda: self._send_register(entries, param_groups, subgroup_size, compact)
         if device.type == "cuda":
-            self._register_cuda(entries, device, subgroup_size)
-            return
+            self._register_cuda(entries, device, send)
+        else:
+            self._register_cpu(entries, send)
+        self.entries = entries
+        self._read_ranges()
 
+    def _register_cpu(self, entries, send):
         # One arena: param then grad for each tensor, each 64-byte aligned.
         offsets = []
         total = 0
@@ -204,18 +295,17 @@ class _RegisterMixin:
             offsets.append((total, _align(total + nbytes)))
             total = _align(total + nbytes) + _align(nbytes)
         base = ctypes.c_void_p()
-        call("dos_buffer_alloc", self._session, ctypes.c_uint64(total), ctypes.byref(base))
-        self._arena = (ctypes.c_ubyte * total).from_address(base.value)
+        call("dos_buffer_alloc", self.ptr, ctypes.c_uint64(total), ctypes.byref(base))
+        self.arena = (ctypes.c_ubyte * total).from_address(base.value)
         # Every tensor over the arena keeps the session, hence the mapping, alive.
-        self._arena.owner = self._handle
-
+        self.arena.owner = self.handle
         with torch.no_grad():
             for e, (poff, goff) in zip(entries, offsets):
                 local = e.local
                 n = local.numel()
-                e.param_shm = torch.frombuffer(self._arena, dtype=local.dtype, count=n,
+                e.param_shm = torch.frombuffer(self.arena, dtype=local.dtype, count=n,
                                                offset=poff).view(local.shape)
-                e.grad_shm = torch.frombuffer(self._arena, dtype=local.dtype, count=n,
+                e.grad_shm = torch.frombuffer(self.arena, dtype=local.dtype, count=n,
                                               offset=goff).view(local.shape)
                 e.param_shm.copy_(local)
                 grad = local_of(e.param.grad)
@@ -223,7 +313,7 @@ class _RegisterMixin:
                     e.grad_shm.copy_(grad)
                 # A DTensor's shard cannot be rebound: copy in and out instead.
                 e.copy_out = e.copy_grad
-        self._send_register(entries, subgroup_size)
+        send()
         # Only now rebind the model: on failure above it is left untouched.
         for e in entries:
             if e.copy_out:
@@ -231,9 +321,8 @@ class _RegisterMixin:
             e.param.data = e.param_shm
             e.param.grad = e.grad_shm
             e.local = e.param_shm
-        self._entries = entries
 
-    def _register_cuda(self, entries, device, subgroup_size):
+    def _register_cuda(self, entries, device, send):
         """GPU mode: registers each parameter and its gradient where they are."""
         if not _native.cuda_supported():
             raise DosError(Status.UNIMPLEMENTED,
@@ -242,31 +331,13 @@ class _RegisterMixin:
                            "-DDOS_WITH_CUDA=ON (or set DOS_CLIENT_LIB to a CUDA build)")
         with torch.no_grad():
             for e in entries:
-                p = e.param
-                local = e.local
-                if not local.is_contiguous():
-                    raise DosError(Status.INVALID_ARGUMENT,
-                                   f"register: {e.name} is not contiguous; dosd updates "
-                                   "parameters as flat arrays (make it contiguous before "
-                                   "building the optimizer)")
-                if e.copy_grad:
-                    # DTensor (FSDP2): FSDP assigns each step's reduced shard to
-                    # p.grad; it is copied into this registered buffer at step().
-                    e.grad_shm = torch.zeros_like(local, memory_format=torch.contiguous_format)
-                else:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    elif not p.grad.is_contiguous() or p.grad.device != p.device:
-                        p.grad = p.grad.to(device=p.device).contiguous()
-                    e.grad_shm = p.grad
-                e.param_shm = local
+                _bind_cuda(e)
             # The daemon reads the initial weights on its own streams.
             torch.cuda.synchronize(device)
-        self._send_register(entries, subgroup_size)
-        self._device = device
-        self._entries = entries
+        send()
+        self.device = device
 
-    def _send_register(self, entries, subgroup_size):
+    def _send_register(self, entries, param_groups, subgroup_size, compact):
         """dos_register for `entries`, whose param_shm and grad_shm are the
         memory dosd is to use, with each group's hyperparameters and the
         state format (compact or not); logs progress while dosd works."""
@@ -279,37 +350,27 @@ class _RegisterMixin:
             t.grad = e.grad_shm.data_ptr()
             t.numel = e.local.numel()
             t.group = e.group
-        groups = self._hparams()
+        groups = self.hparams(param_groups)
         opts = _native.RegisterOptions(subgroup_size=int(subgroup_size))
-        compact = bool(getattr(self, "_compact_state", False))
-        call("dos_set_state_format", self._session, 1 if compact else 0)
-        with_progress(self._session, _state_what(entries, compact),
-                      lambda: call("dos_register", self._session, tensors, len(entries), groups,
+        call("dos_set_state_format", self.ptr, 1 if compact else 0)
+        with_progress(self.ptr, _state_what(entries, compact),
+                      lambda: call("dos_register", self.ptr, tensors, len(entries), groups,
                                    len(groups), ctypes.byref(opts)))
 
-    def _hparams(self):
-        arr = (_native.Hparams * len(self._group_map))()
-        for dg, gi in enumerate(self._group_map):
-            g = self.param_groups[gi]
-            for flag in ("maximize", "amsgrad", "differentiable"):
-                if g.get(flag, False):
-                    raise NotImplementedError(
-                        f"dos.torch: param group {gi} has {flag}=True, which dosd does not "
-                        "support")
-            h = arr[dg]
-            h.lr = float(g["lr"])
-            h.beta1 = float(g["betas"][0])
-            h.beta2 = float(g["betas"][1])
-            h.eps = float(g["eps"])
-            h.weight_decay = float(g["weight_decay"])
-            h.decoupled_weight_decay = 1 if self._decoupled else 0
-        return arr
+    def _read_ranges(self):
+        first, last = ctypes.c_uint32(), ctypes.c_uint32()
+        self.ranges = []
+        for e in self.entries:
+            call("dos_tensor_subgroups", self.ptr, ctypes.c_uint32(e.index),
+                 ctypes.byref(first), ctypes.byref(last))
+            self.ranges.append((int(first.value), int(last.value)))
+        self.num_subgroups = max(r[1] for r in self.ranges) + 1
 
-    def _moved(self, e: Entry) -> bool:
+    def moved(self, e: Entry) -> bool:
         """True if e's parameter now lives elsewhere (its .data replaced:
         model.to(dtype), model.cuda(), a new tensor) with the same shape:
         re-registrable; raises if its shape changed."""
-        where = ("the CUDA memory registered with dosd" if self._device is not None
+        where = ("the CUDA memory registered with dosd" if self.device is not None
                  else "DOS shared memory")
         local = local_of(e.param)
         if local.data_ptr() == e.local.data_ptr() and local.dtype == e.local.dtype:
@@ -322,56 +383,63 @@ class _RegisterMixin:
                 "cannot change shape after building the optimizer: build a new one")
         return True
 
-    def _reregister(self, moved):
-        """A parameter's storage moved: new session, same fp32 state."""
-        names = ", ".join(e.name for e in moved[:4]) + (" ..." if len(moved) > 4 else "")
-        warnings.warn(f"dos.torch: {len(moved)} parameter(s) moved to new storage ({names}); "
-                      "re-registering with dosd (the fp32 state is carried over). Avoid "
-                      "replacing .data after building the optimizer: this costs a full copy "
-                      "of the state", RuntimeWarning, stacklevel=4)
-        self._sync_device()
-        self._rebuild(self._saved_state(moved))
+    def copy_out(self):
+        """DTensor shards on the CPU: the new weights into the model's shard."""
+        if any(e.copy_out for e in self.entries):
+            with torch.no_grad():
+                for e in self.entries:
+                    if e.copy_out:
+                        e.local.copy_(e.param_shm)
 
-    def _saved_state(self, moved=()):
-        """Every registered tensor's state read from dosd, by id(param); a
-        moved parameter's new values become its master unless they are the
-        old master rounded to the old or the new dtype (a plain conversion
-        keeps the fp32 master)."""
-        moved_ids = {id(e.param) for e in moved}
-        saved = {}
-        for e in self._entries:
-            buf, step = self._read(e)
-            master = buf[0]
-            if id(e.param) in moved_ids:
-                local = local_of(e.param).detach()
-                new = local.to(device="cpu", dtype=torch.float32).reshape(-1)
-                if not any(torch.equal(new, master.to(dt).float())
-                           for dt in {e.local.dtype, local.dtype}):
-                    master = new.clone()  # the user wrote new values: they win
-            saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
-                                  "exp_avg_sq": buf[2], "step": step,
-                                  "grad_none": self._no_gradient(e)}
-        return saved
+    def close(self) -> None:
+        """Moves parameters and gradients back to ordinary memory and drops
+        the session: detached now unless tensors over the arena are still
+        alive (they keep the handle, which detaches when they go). Every view
+        of the optimizer sees the handle closed."""
+        handle = self.handle
+        if handle is None or handle.closed:
+            return
+        with torch.no_grad():
+            for e in self.entries:
+                _unbind(e, self.device is not None)
+        handle.closed = True
+        self.handle = None
+        self.arena = None
+        # 2 = `handle` + the argument: nothing over the arena is left.
+        if sys.getrefcount(handle) <= 2:
+            handle.detach()
 
-    def _rebuild(self, saved):
-        """A new session for the current param_groups, with the state
-        `saved` (from _saved_state) written back; parameters not in it start
-        afresh."""
-        self.close()  # copies what lives in the old arena out, detaches
-        self._entries = []
-        self._attach(*self._attach_args)
-        self._register(self._subgroup_size)
-        for e in self._entries:
-            s = saved.get(id(e.param))
-            self._write(e, s)
-            if s is not None and s["grad_none"] and not e.copy_grad:
-                # No gradient this step (before the rebuild): a zeroed,
-                # untouched buffer says so to _bind_grads.
-                self._zero_entry(e)
-                e.grad_none = True
-        self._install_seen_hooks()
-        if self.overlap:
-            self._install_hooks()
-        model_ref, async_step = self._async_args
-        self._setup_async(None if model_ref is None else model_ref(), async_step)
 
+def _bind_cuda(e: Entry) -> None:
+    p = e.param
+    local = e.local
+    if not local.is_contiguous():
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"register: {e.name} is not contiguous; dosd updates "
+                       "parameters as flat arrays (make it contiguous before "
+                       "building the optimizer)")
+    if e.copy_grad:
+        # DTensor (FSDP2): FSDP assigns each step's reduced shard to
+        # p.grad; it is copied into this registered buffer at step().
+        e.grad_shm = torch.zeros_like(local, memory_format=torch.contiguous_format)
+    else:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not p.grad.is_contiguous() or p.grad.device != p.device:
+            p.grad = p.grad.to(device=p.device).contiguous()
+        e.grad_shm = p.grad
+    e.param_shm = local
+
+
+def _unbind(e: Entry, gpu: bool) -> None:
+    """Gives e's parameter and gradient ordinary memory again (clones of the
+    arena's), unless the memory is the model's own (GPU, DTensor copies)."""
+    p = e.param
+    if gpu or e.copy_out:
+        e.param_shm = e.grad_shm = None
+        return
+    if p.data_ptr() == e.param_shm.data_ptr():
+        p.data = e.param_shm.clone()
+    if p.grad is not None and p.grad.data_ptr() == e.grad_shm.data_ptr():
+        p.grad = e.grad_shm.clone()
+    e.param_shm = e.grad_shm = e.local = None

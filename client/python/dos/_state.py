@@ -26,25 +26,27 @@ has (foreach, fused, capturable, differentiable, ...), so a DOS state dict
 loads into torch's optimizer without resetting them, and keys loaded from a
 torch state dict are kept and saved again.
 
-`_StateMixin` is one part of dos.torch's optimizer class.
+`StateIO` is one part of dos.torch's optimizer: it reads and writes the
+state of one registration's tensors through its session, after `finish()`
+(the optimizer's: collects the step in flight). `DaemonState` is `opt.state`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import sys
 from collections import defaultdict
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from dos._errors import DosError, call
 from dos._native import Status
 from dos import _views
-from dos._register import Entry, is_dtensor, local_of
+from dos._grads import no_gradient
+from dos._register import Entry, Registration, is_dtensor, local_of
 
-__all__ = ["torch_defaults"]
+__all__ = ["torch_defaults", "group_defaults", "StateIO", "DaemonState"]
 
 # Elements per piece when a loaded tensor must be converted (dtype, device).
 _CHUNK = 1 << 22
@@ -62,6 +64,25 @@ def torch_defaults(cls) -> Dict[str, Any]:
 
 
 _TORCH_DEFAULTS: Dict[Any, Dict[str, Any]] = {}
+
+
+def group_defaults(decoupled, lr, betas, eps, weight_decay, foreach, fused, capturable):
+    """A param group's defaults: the hyperparameters, and torch's own
+    AdamW's (Adam's: not `decoupled`) keys (foreach, fused, capturable, ...)
+    too, so that state dicts move between the two without losing them."""
+    defaults = torch_defaults(torch.optim.AdamW if decoupled else torch.optim.Adam)
+    defaults.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                    maximize=False)
+    # torch's implementation choices: kept as given (they travel with state
+    # dicts), without effect on dosd's kernels.
+    for key, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None or key in defaults:
+            defaults[key] = value
+    if capturable or "capturable" in defaults:
+        defaults["capturable"] = capturable
+    if "differentiable" in defaults:
+        defaults["differentiable"] = False
+    return defaults
 
 
 def _state_tensor(e: Entry, local: torch.Tensor):
@@ -87,10 +108,25 @@ def _state_tensor(e: Entry, local: torch.Tensor):
     return DTensor(local, spec, requires_grad=False)
 
 
-class _StateMixin:
-    def _read(self, e: Entry):
+class StateIO:
+    def __init__(self, reg: Registration, finish: Callable[[], None], compact: bool):
+        self._reg = reg
+        self._finish = finish
+        self._compact = compact
+
+    @property
+    def _session(self):
+        return self._reg.ptr
+
+    def _settled(self) -> None:
+        """The step in flight collected and the device's work done: what is
+        read or written now is whole steps."""
+        self._finish()
+        self._reg.sync_device()
+
+    def read(self, e: Entry):
         """e's state as (CPU fp32 [3, n] buffer, step); used when re-registering."""
-        self._finish_inflight()
+        self._finish()
         n = e.local.numel()
         buf = torch.empty(3, n, dtype=torch.float32)
         step = ctypes.c_int64()
@@ -98,41 +134,22 @@ class _StateMixin:
              buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
         return buf, int(step.value)
 
-    def state_dict(self, *, all_params: Optional[bool] = None) -> Dict[str, Any]:
-        """torch.optim.AdamW's format: state[i] = {'step', 'exp_avg',
-        'exp_avg_sq'} (CPU tensors over dosd's memory, shaped like the
-        parameter, or like a DTensor's local shard wrapped as a DTensor),
-        plus 'master_param' (fp32) for 16-bit parameters. Only parameters a
-        step has updated have state, as in torch, unless `all_params`: then
-        every parameter's (fresh ones: master = weight, zero moments, step 0),
-        a layout to load into in place (DCP). torch.distributed.checkpoint's
-        get/set_optimizer_state_dict get that by default (torch's own
-        optimizers get it from DCP's zero-gradient init step, which DOS skips:
-        its gradients are never None). Waits for a step in flight first, so
-        it always shows finished steps."""
-        self._check_open("state_dict")
-        if all_params is None:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            all_params = caller.startswith("torch.distributed.checkpoint")
-        self._finish_inflight()
-        self._sync_device()
+    def states(self, all_params: bool):
+        """{param: torch's per-parameter state} of the parameters a step has
+        updated (every parameter's with `all_params`), for state_dict()."""
+        self._settled()
         state = defaultdict(dict)
         moment_bytes = _views.fetch(self._session)
-        for e in self._entries:
+        for e in self._reg.entries:
             step = _views.step_of(self._session, e.index)
             if step > 0 or all_params:
                 state[e.param] = self._tensor_state(e, step, moment_bytes)
-        saved, self.state = self.state, state
-        try:
-            return super().state_dict()
-        finally:
-            self.state = saved
+        return state
 
-    def _state_of(self, e: Entry) -> Dict[str, Any]:
+    def state_of(self, e: Entry) -> Dict[str, Any]:
         """e's state in torch's per-parameter format now ({} before its
         first step, as torch's)."""
-        self._finish_inflight()
-        self._sync_device()
+        self._settled()
         moment_bytes = _views.fetch(self._session)
         step = _views.step_of(self._session, e.index)
         return self._tensor_state(e, step, moment_bytes) if step > 0 else {}
@@ -156,7 +173,7 @@ class _StateMixin:
         return s
 
     def _moment_bytes(self) -> int:
-        return 2 if getattr(self, "_compact_state", False) else 4
+        return 2 if self._compact else 4
 
     def _copied_state(self, e: Entry, fp16: bool, moment: torch.dtype):
         """[master or None, exp_avg, exp_avg_sq] of e read into new tensors
@@ -171,56 +188,69 @@ class _StateMixin:
              ctypes.byref(step))
         return [master, m.to(moment), v.to(moment)]
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load(self, state_dict: Dict[str, Any], groups: List[Dict[str, Any]]) -> None:
         """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,
-        GPU or DTensor state) and pushes the state to the daemon. The master
-        weight is 'master_param' where present, else the parameter itself."""
-        self._check_open("load_state_dict")
-        groups = self.param_groups
+        GPU or DTensor state) for the param groups `groups` and pushes the
+        state to the daemon, then takes the saved groups' settings. The
+        master weight is 'master_param' where present, else the parameter
+        itself."""
         saved_groups = state_dict["param_groups"]
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        for g, sg in zip(groups, saved_groups):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
-            for flag in ("amsgrad", "maximize"):
-                if sg.get(flag, False):
-                    raise NotImplementedError(
-                        f"dos.torch: cannot load a {flag}=True state dict (dosd has no {flag})")
+        _check_groups(groups, saved_groups)
         id_map = {}
         for g, sg in zip(groups, saved_groups):
             for old, p in zip(sg["params"], g["params"]):
                 id_map[old] = p
-        by_param = {id(e.param): e for e in self._entries}
-        saved_state = state_dict["state"]
         # The daemon rewrites the weights from the loaded masters: let the
         # trainer's pending work on them finish first.
-        self._finish_inflight()
-        self._sync_device()
-        pushed = set()
+        self._settled()
         with torch.no_grad():
-            for old, s in saved_state.items():
-                p = id_map.get(old)
-                if p is None:
-                    continue
-                e = by_param.get(id(p))
-                if e is None:
-                    continue  # frozen: no state in the daemon
-                self._write(e, s)
-                pushed.add(id(p))
-            fresh = [e for e in self._entries if id(e.param) not in pushed]
-            if fresh:
-                _views.fetch(self._session)
-            for e in fresh:
-                # torch would start this param afresh; one dosd has not
-                # stepped yet is fresh already (accelerate's prepare loads
-                # an empty state dict: nothing moves).
-                if _views.step_of(self._session, e.index) > 0:
-                    self._write(e, None)
-        self._copy_out()
+            self._push(state_dict["state"], id_map)
+        self._reg.copy_out()
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+
+    def _push(self, saved_state, id_map) -> None:
+        by_param = {id(e.param): e for e in self._reg.entries}
+        pushed = set()
+        for old, s in saved_state.items():
+            p = id_map.get(old)
+            if p is None:
+                continue
+            e = by_param.get(id(p))
+            if e is None:
+                continue  # frozen: no state in the daemon
+            self.write(e, s)
+            pushed.add(id(p))
+        fresh = [e for e in self._reg.entries if id(e.param) not in pushed]
+        if fresh:
+            _views.fetch(self._session)
+        for e in fresh:
+            # torch would start this param afresh; one dosd has not
+            # stepped yet is fresh already (accelerate's prepare loads
+            # an empty state dict: nothing moves).
+            if _views.step_of(self._session, e.index) > 0:
+                self.write(e, None)
+
+    def saved_state(self, moved=()) -> Dict[int, Dict[str, Any]]:
+        """Every registered tensor's state read from dosd, by id(param); a
+        moved parameter's new values become its master unless they are the
+        old master rounded to the old or the new dtype (a plain conversion
+        keeps the fp32 master)."""
+        moved_ids = {id(e.param) for e in moved}
+        saved = {}
+        for e in self._reg.entries:
+            buf, step = self.read(e)
+            master = buf[0]
+            if id(e.param) in moved_ids:
+                local = local_of(e.param).detach()
+                new = local.to(device="cpu", dtype=torch.float32).reshape(-1)
+                if not any(torch.equal(new, master.to(dt).float())
+                           for dt in {e.local.dtype, local.dtype}):
+                    master = new.clone()  # the user wrote new values: they win
+            saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
+                                  "exp_avg_sq": buf[2], "step": step,
+                                  "grad_none": no_gradient(e)}
+        return saved
 
     def _is_own_state(self, e: Entry, s: Dict[str, Any]) -> bool:
         """True if `s` is e's state as state_dict() returned it (views of
@@ -237,7 +267,7 @@ class _StateMixin:
         _views.fetch(self._session)
         return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
 
-    def _write(self, e: Entry, s: Optional[Dict[str, Any]]):
+    def write(self, e: Entry, s: Optional[Dict[str, Any]]):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
         for None, a fresh start from the parameter's current value."""
         p = local_of(e.param)
@@ -260,7 +290,7 @@ class _StateMixin:
             m = flat(s["exp_avg"], "exp_avg")
             v = flat(s["exp_avg_sq"], "exp_avg_sq")
             step = int(float(s.get("step", 0)))
-        self._finish_inflight()
+        self._finish()
         parts = [master, m, v]
         if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
                              and t.is_contiguous()) for t in parts):
@@ -282,3 +312,57 @@ class _StateMixin:
             call("dos_state_write_range", self._session, ctypes.c_uint32(e.index),
                  ctypes.c_uint64(off), ctypes.c_uint64(c), staging[0].data_ptr(),
                  staging[1].data_ptr(), staging[2].data_ptr(), ctypes.c_int64(step))
+
+
+def _check_groups(groups, saved_groups) -> None:
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for g, sg in zip(groups, saved_groups):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't "
+                             "match the size of optimizer's group")
+        for flag in ("amsgrad", "maximize"):
+            if sg.get(flag, False):
+                raise NotImplementedError(
+                    f"dos.torch: cannot load a {flag}=True state dict (dosd has no {flag})")
+
+
+class DaemonState(defaultdict):
+    """`opt.state`: torch's per-parameter state mapping, empty (the state
+    lives in dosd, and frameworks that iterate it to move or save the state
+    find nothing to copy), except that `state[p]` and `state.get(p)` of a
+    registered parameter read its state from dosd ({} before its first step,
+    as torch's): not kept here (writes into it change nothing), on the
+    parameter's device as torch's (the step count stays a CPU scalar, as
+    torch keeps it). `state_of(p)` is the optimizer's: the state of a
+    registered parameter, None for another key."""
+
+    def __init__(self, state_of: Callable[[Any], Optional[Dict[str, Any]]]):
+        super().__init__(dict)
+        self._state_of = state_of
+
+    def __missing__(self, key):
+        s = self._read(key)
+        if s is None:
+            return super().__missing__(key)
+        return s
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        s = self._read(key)
+        return default if s is None else s
+
+    def _read(self, key):
+        if not isinstance(key, torch.Tensor):
+            return None
+        s = self._state_of(key)  # {} before the parameter's first step
+        if s is None:
+            return None
+        dev = key.device
+        if dev.type != "cpu" and not is_dtensor(key):
+            s = {k: v if k == "step" else v.to(dev) for k, v in s.items()}
+        return s
+
+    def __reduce__(self):  # copies and pickles are plain (torch's own type)
+        return (defaultdict, (dict, dict(self)))

@@ -1,4 +1,26 @@
-"""The life of one optimizer step, as an explicit state machine.
+"""A step's mode, decided once, and the life of one step, as an explicit
+state machine.
+
+The mode (`StepMode`, from `decide_mode`, the one place it is worked out) says
+how a step begins, how the trainer learns it is done and whether it begins
+early, during backward. It picks the step driver (dos/_drivers.py,
+dos/_early.py); nothing else looks at flags to tell modes apart:
+
+    begin     host: synchronise the device, then ring dosd (CPU, DTensor,
+                    CUDA without stream memory operations)
+              stream: stream-ordered on the trainer's CUDA stream
+    complete  WAIT: step() returns after the update
+              STREAM: step() returns at once; the current stream waits for
+                      the whole step on the GPU
+              LAYERS: step() returns at once; each layer's forward (model=)
+                      waits for its own subgroups
+    early     NONE: the step begins at step()
+              VERDICT (overlap=True): begins at the first final gradient,
+                      applied after step()'s verdict
+              UPDATE (overlap="update"): begins at the first final gradient,
+                      each subgroup applied as soon as it is ready
+
+The step's life:
 
     IDLE ──step()──────────────> IN_FLIGHT ──collect──> IDLE
     IDLE ──overlap hooks───────> HOOK_BEGUN
@@ -15,13 +37,65 @@ set of entry indices whose new weights the trainer already waited for
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Set
 
 from dos._errors import DosError
 from dos._native import Status
 
-__all__ = ["StepState", "StepMachine"]
+__all__ = ["StepState", "StepMachine", "StepMode", "Complete", "Early", "decide_mode"]
+
+
+class Complete(enum.Enum):
+    WAIT = "step() returns after the update"
+    STREAM = "the current CUDA stream waits for the whole step"
+    LAYERS = "each layer's forward waits for its subgroups (model=)"
+
+
+class Early(enum.Enum):
+    NONE = "the step begins at step()"
+    VERDICT = "begins during backward, applied after step()'s verdict (overlap=True)"
+    UPDATE = "begins and applies during backward (overlap=\"update\")"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMode:
+    stream: bool  # begun on the trainer's CUDA stream (else after a device sync)
+    complete: Complete
+    early: Early
+
+
+def decide_mode(*, gpu: bool, dtensor: bool, stream_supported: bool, model: bool,
+                async_step, overlap) -> StepMode:
+    """The step's mode for a registration: `gpu` (CUDA parameters), `dtensor`
+    (FSDP2 shards copied at step()), `stream_supported` (the session can order
+    steps on a CUDA stream), `model` (model= given), `async_step` (None: the
+    default) and `overlap` (False, True or "update"). Raises for an
+    async_step=True that nothing could order."""
+    stream = gpu and not dtensor and stream_supported
+    possible = (stream or model) and not dtensor
+    if async_step is None:
+        # By default steps overlap the next forward only on CUDA, where the
+        # trainer's stream orders every later reader (whole-step stream
+        # wait), or model='s hooks and torch.cuda.synchronize() do. On the
+        # CPU path step() returns after the update: a read of the shared
+        # memory that passes through no hook (p.cpu(), parameters(),
+        # torch.save of a parameter) could not be made to wait.
+        async_step = possible and gpu
+    elif async_step and not possible:
+        why = ("FSDP2/DTensor parameters are copied at step()" if dtensor else
+               "without model= nothing would order the next forward after the step on "
+               "this session (shared-memory tensors, or no CUDA stream memory operations)")
+        raise DosError(Status.INVALID_ARGUMENT, f"async_step=True is not possible here: {why}")
+    complete = (Complete.WAIT if not async_step else
+                Complete.LAYERS if model else Complete.STREAM)
+    # Early steps need the parameters registered in place and, on CUDA, a
+    # stream to order the ready marks on.
+    early = Early.NONE
+    if overlap and not dtensor and (stream or not gpu):
+        early = Early.UPDATE if overlap == "update" else Early.VERDICT
+    return StepMode(stream=stream, complete=complete, early=early)
 
 
 class StepState(enum.Enum):

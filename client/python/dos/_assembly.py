@@ -1,0 +1,172 @@
+"""The composition root of dos.torch's optimizer: builds its parts, wires
+them, and builds them again when the parameters are re-registered.
+
+The parts (each with its own module and narrow interface):
+
+    Registration  dos/_register.py  the session and the registered tensors
+    StateIO       dos/_state.py     state_dict()/load_state_dict() through the session
+    GpuLease      dos/_lease.py     the GPU memory lent to dosd (GPU mode)
+    Flight        dos/_flight.py    the step in flight and dosd's report on it
+    a driver      dos/_drivers.py   how a step begins and completes, for the mode
+                  dos/_early.py     decided once (dos/_step.py: decide_mode)
+
+An `Assembly` holds one set of them for the optimizer, which reaches them
+only through it. A re-registration (moved storage, thawed parameters,
+add_param_group) closes the registration and its driver and builds new
+ones; the flight and the lease go on. The parts call back into the optimizer
+only through the two weak callables given here (`groups`: its param_groups;
+`finish`: its _finish_inflight), so none holds it alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+from dos import _grads
+from dos._drivers import make_driver
+from dos._early import EarlyDriver, early_driver
+from dos._flight import Flight
+from dos._lease import GpuLease
+from dos._register import Registration
+from dos._state import StateIO
+from dos._step import Complete, Early, StepMode, decide_mode
+
+__all__ = ["Options", "Assembly"]
+
+_NO_STEPS = StepMode(stream=False, complete=Complete.WAIT, early=Early.NONE)
+
+
+@dataclasses.dataclass
+class Options:
+    """The constructor's arguments the parts are built from."""
+    attach: tuple  # (socket, client_name, rank, local_rank, world_size)
+    subgroup_size: int
+    decoupled: bool
+    compact: bool
+    overlap: Any  # False, True or "update" (checked)
+    model: Optional[Callable[[], Any]]  # a weak reference to model=
+    async_step: Optional[bool]
+
+
+class Assembly:
+    def __init__(self, options: Options, groups: Callable[[], list],
+                 finish: Callable[[], None]):
+        self._options = options
+        self._groups = groups
+        self._finish = finish
+        self.flight = Flight()
+        self.lease: Optional[GpuLease] = None
+        self.reg: Optional[Registration] = None
+        self.state_io: Optional[StateIO] = None
+        self.driver = None
+        self.armed = True
+        self._seen_hooks = []
+        self._on_attach = None
+
+    def register(self, resume=None, on_attach=None) -> None:
+        """Attaches (or resumes) a session and registers the parameters.
+        `on_attach()` runs once the session exists (the optimizer is then
+        tracked for closing at exit)."""
+        if on_attach is not None:
+            self._on_attach = on_attach
+        self.reg = Registration(*self._options.attach, resume=resume)
+        if self._on_attach is not None:
+            self._on_attach()
+        self.reg.register(self._groups(), self._options.subgroup_size,
+                          self._options.decoupled, self._options.compact)
+        self._seen_hooks = _grads.install_seen_hooks(self.reg.entries)
+        self.state_io = StateIO(self.reg, self._finish, self._options.compact)
+        self.flight.bind(self.reg.ptr)
+
+    def lend(self, gpu_budget_bytes) -> None:
+        """GPU mode: the memory this trainer lends dosd's resident tier
+        (dos/_lease.py); made once, for the first registration's device."""
+        if self.reg.device is not None:
+            self.lease = GpuLease(self.reg.device, gpu_budget_bytes)
+
+    def configure(self, overlap=None) -> None:
+        """Decides the step's mode (dos/_step.py: the one place) and builds
+        its driver; `overlap` (checked) replaces the constructor's."""
+        if overlap is not None:
+            self._options.overlap = overlap
+        reg = self.reg
+        model = None if self._options.model is None else self._options.model()
+        mode = _NO_STEPS
+        if reg.entries:
+            mode = decide_mode(gpu=reg.device is not None, dtensor=reg.dtensor,
+                               stream_supported=reg.stream_supported(),
+                               model=model is not None, async_step=self._options.async_step,
+                               overlap=self._options.overlap)
+        driver = make_driver(mode, reg, self.flight, self.lease, self._groups, model,
+                             self._finish)
+        if mode.early is not Early.NONE:
+            driver = early_driver(driver, mode.early, reg, self.flight)
+            driver.armed = self.armed
+        self.driver = driver
+
+    def set_armed(self, value) -> None:
+        self.armed = value
+        if isinstance(self.driver, EarlyDriver):
+            self.driver.armed = value
+
+    @property
+    def ready_log(self):
+        """The last early step's ready order (overlap=), else []."""
+        return self.driver.ready_log if isinstance(self.driver, EarlyDriver) else []
+
+    def close(self, timeout_ms: int) -> bool:
+        """Finishes the step in flight (within `timeout_ms`), removes the
+        hooks, gives the memory back to the model and detaches; False if it
+        was closed already."""
+        reg = self.reg
+        if reg is None or reg.ptr is None:
+            return False
+        if self.driver is not None:
+            self.driver.close(timeout_ms)
+        for h in self._seen_hooks:
+            h.remove()
+        self._seen_hooks = []
+        reg.close()
+        return True
+
+    def rebuild(self, saved: Dict[int, Dict[str, Any]], close: Callable[[], None]) -> None:
+        """A new session for the current param_groups, with the state `saved`
+        (StateIO.saved_state) written back; parameters not in it start
+        afresh. `close`: the optimizer's close()."""
+        close()  # copies what lives in the old arena out, detaches
+        self.register()
+        for e in self.reg.entries:
+            s = saved.get(id(e.param))
+            self.state_io.write(e, s)
+            if s is not None and s["grad_none"] and not e.copy_grad:
+                # No gradient this step (before the rebuild): a zeroed,
+                # untouched buffer says so to the gradients' binding.
+                _grads.zero_entry(e)
+                e.grad_none = True
+        self.configure()
+
+    def reregister(self, close: Callable[[], None]):
+        """Parameters whose storage moved, or frozen at construction and
+        trainable now, are registered afresh (a new session, the fp32 state
+        carried over); returns the step driver in charge afterwards."""
+        moved = [e for e in self.reg.entries if self.reg.moved(e)]
+        if moved:
+            names = ", ".join(e.name for e in moved[:4]) + (" ..." if len(moved) > 4 else "")
+            warnings.warn(f"dos.torch: {len(moved)} parameter(s) moved to new storage ({names}); "
+                          "re-registering with dosd (the fp32 state is carried over). Avoid "
+                          "replacing .data after building the optimizer: this costs a full copy "
+                          "of the state", RuntimeWarning, stacklevel=4)
+            self.reg.sync_device()
+            self.rebuild(self.state_io.saved_state(moved), close)
+        thawed = _grads.thawed(self._groups(), self.reg.entries)
+        if thawed:
+            # Frozen at construction (not registered), trainable now: torch
+            # would start updating them, so they are registered (afresh).
+            warnings.warn(f"dos.torch: {len(thawed)} parameter(s) frozen when the optimizer was "
+                          "built now have gradients; re-registering with dosd to train them "
+                          "(a full copy of the state)", RuntimeWarning, stacklevel=4)
+            self.reg.sync_device()
+            self.rebuild(self.state_io.saved_state(), close)
+        return self.driver

@@ -1,0 +1,315 @@
+"""Early steps (`overlap=True` / `overlap="update"`): a step begun during
+backward, at the first final gradient, by post-accumulate-grad hooks that
+mark each subgroup ready once all its tensors' gradients are final (on CUDA
+the mark is enqueued on the current stream after the gradient kernels; on
+the CPU a store).
+
+An early driver wraps the driver of the mode's completion (dos/_drivers.py)
+and has its interface: step() claims the early step the hooks began (or lets
+the inner driver begin an ordinary one); finish(), zero_grad() and close()
+end one step() never claimed. The two modes differ in what that means:
+
+    VerdictDriver (overlap=True)    dosd applies nothing before step()'s
+        verdict (loss scale, clip coefficient, learning rates); an unclaimed
+        step is given up, and so is one a second backward (gradient
+        accumulation) reaches: step() then begins an ordinary one.
+    UpdateDriver (overlap="update") dosd applies each subgroup as soon as it
+        is ready; an unclaimed step is completed with its begin-time
+        hyperparameters, and a scale, clip or second backward is an error.
+
+A driver owns its hooks, the step's ready bookkeeping (`ready`,
+`ready_left`, `ready_log`) and `armed` (the optimizer's overlap_armed).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, List, Optional
+
+import torch
+
+from dos import _grads, _native
+from dos._errors import DosError
+from dos._hooks import weak_hook
+from dos._native import Status
+from dos._step import Early
+
+__all__ = ["EarlyDriver", "VerdictDriver", "UpdateDriver", "early_driver", "check_overlap"]
+
+_TOO_LATE = ("with overlap=\"update\" dosd updates each subgroup during backward, so a grad "
+             "scale or clip coefficient given at step() comes too late (the step was applied "
+             "without it); use overlap=True (a verdict at step(): clipping and GradScaler "
+             "work) or overlap=False")
+
+
+def check_overlap(overlap):
+    """overlap= checked: False, True or "update" (False on a torch without
+    post-accumulate-grad hooks, with a warning)."""
+    if overlap not in (False, True, "update"):
+        raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
+    if overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
+                      f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
+                      "has none, so steps start at step() as usual")
+        return False
+    return overlap
+
+
+class EarlyDriver:
+    """What both early modes share: the hooks and the ready marks."""
+
+    no_verdict = False  # dos_step_begin_early's flag (and gradients_checked)
+
+    def __init__(self, inner, reg, flight):
+        self.inner = inner
+        self.mode = inner.mode
+        self._reg = reg
+        self._flight = flight
+        self.armed = True
+        self.ready = set()
+        self.ready_left: List[int] = []
+        self.ready_log: List[Any] = []  # (tensor index, seconds since the first ready) last step
+        self._ready_t0 = None
+        self._error: Optional[str] = None
+        # overlap=True saw a second backward before step() (gradient
+        # accumulation): early begins wait for the next step().
+        self._accumulating = False
+        self._handles = []
+        if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            for e in reg.entries:
+                def hook(drv, _param, i=e.index):
+                    drv.on_ready(drv._reg.entries[i])
+                self._handles.append(
+                    e.param.register_post_accumulate_grad_hook(weak_hook(self, hook)))
+
+    # -- the driver interface --
+
+    def arm(self) -> None:
+        self._accumulating = False
+
+    def settle(self, thawed) -> None:
+        self.inner.settle(thawed)
+
+    def begin_step(self, req, amp_scale: float) -> None:
+        """An ordinary step on the driver in charge after a re-registration."""
+        self.inner.begin_step(req, amp_scale)
+
+    def finish(self) -> None:
+        if self._flight.hook_begun:
+            self._flight.claim()
+            if not self._end_claimed():
+                return
+        self.inner.finish()
+
+    def before_zero_grad(self, entries):
+        if self._flight.hook_begun:
+            self.finish()
+        entries = self.inner.before_zero_grad(entries)
+        self.ready.clear()
+        return entries
+
+    def close(self, timeout_ms: int, prepare=None) -> None:
+        self.inner.close(timeout_ms, self._end_unclaimed)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def step(self, req) -> None:
+        if not self._flight.hook_begun:
+            self.inner.step(req)
+            self.ready.clear()
+            return
+        # An early step, begun at the first gradient.
+        self._flight.claim()
+        self.inner.update_lease()  # goes with the next step (peak after backward)
+        if not self._verdict(req):
+            return
+        self.ready.clear()
+        self.inner.complete(req)
+
+    # -- what the modes decide --
+
+    def _end_claimed(self) -> bool:
+        """Ends a claimed step nobody will give a verdict; True if it is
+        still to be collected."""
+        raise NotImplementedError
+
+    def _end_unclaimed(self) -> None:
+        """close(): ends a step step() never claimed, without waiting."""
+        raise NotImplementedError
+
+    def _verdict(self, req) -> bool:
+        """step(): the verdict on the claimed step; False if it was given up."""
+        raise NotImplementedError
+
+    def _second_backward(self, e) -> None:
+        raise NotImplementedError
+
+    def _give_up(self) -> None:
+        self.inner.give_up()
+        self.ready = set()
+
+    # -- the hooks --
+
+    def _possible(self) -> bool:
+        """No parameter moved (re-registration happens at step())."""
+        return not any(self._reg.moved(e) for e in self._reg.entries)
+
+    def _begin(self, now) -> None:
+        self.ready = set()
+        self._ready_t0 = now
+        self.ready_log = []
+        self._error = None
+        left = [0] * self._reg.num_subgroups
+        for first, last in self._reg.ranges:
+            for sg in range(first, last + 1):
+                left[sg] += 1
+        self.ready_left = left
+        with torch.no_grad():
+            args = self.inner.args(1.0, 1.0, gradients_checked=self.no_verdict)
+            self._flight.begin_early(args, self.no_verdict, self.inner.stream())
+
+    def on_ready(self, e) -> None:
+        """Post-accumulate-grad hook: e's gradient is final for this backward.
+        The first one begins an early step (dosd plans it, and with
+        overlap="update" updates each subgroup as soon as it is marked ready);
+        each subgroup is marked ready when all its tensors' gradients are
+        final. Without early steps possible here, the step begins at step()."""
+        if not self.armed or self._reg.ptr is None or self._accumulating:
+            return
+        if self._flight.in_flight and not self._flight.hook_begun:
+            self.inner.finish()  # the previous asynchronous step (already done)
+        now = time.perf_counter()
+        if not self._flight.hook_begun:
+            if not self._possible():
+                return
+            self._begin(now)
+        if e.index in self.ready:
+            self._second_backward(e)
+            return
+        self.ready.add(e.index)
+        self.ready_log.append((e.index, now - self._ready_t0))
+        if self._take_gradient(e):
+            self._mark(e)
+
+    def _take_gradient(self, e) -> bool:
+        """autograd made a new gradient (grads were set to None): it goes
+        into the registered buffer before the subgroup is announced."""
+        g = e.param.grad
+        if g is None or g.data_ptr() == e.grad_shm.data_ptr():
+            return True
+        if g.dtype != e.grad_shm.dtype or g.shape != e.grad_shm.shape:
+            self._error = (f"{e.name}'s gradient is {g.dtype} {tuple(g.shape)}; the "
+                           f"registered one is {e.grad_shm.dtype} "
+                           f"{tuple(e.grad_shm.shape)}")
+            return False
+        with torch.no_grad():
+            e.grad_shm.copy_(g)
+            e.param.grad = e.grad_shm
+        return True
+
+    def _mark(self, e) -> None:
+        """Marks the subgroups whose last tensor e is ready, in runs."""
+        first, last = self._reg.ranges[e.index]
+        run = None
+        for sg in range(first, last + 1):
+            self.ready_left[sg] -= 1
+            if self.ready_left[sg] == 0:
+                if run is not None and run[1] == sg - 1:
+                    run = (run[0], sg)
+                else:
+                    self._mark_run(run)
+                    run = (sg, sg)
+        self._mark_run(run)
+
+    def _mark_run(self, run) -> None:
+        if run is not None:
+            self._flight.mark_ready(run[0], run[1], self.inner.stream())
+
+
+class VerdictDriver(EarlyDriver):
+    """overlap=True: nothing is applied before step()'s verdict."""
+
+    def settle(self, thawed) -> None:
+        super().settle(thawed)
+        if self._flight.hook_begun and thawed():
+            self.finish()  # gives the early step up: an ordinary one registers them
+
+    def _end_claimed(self) -> bool:
+        self._give_up()
+        return False
+
+    def _end_unclaimed(self) -> None:
+        if self._flight.hook_begun:
+            self._flight.claim()
+            self._flight.abandon()
+
+    def _verdict(self, req) -> bool:
+        amp_scale, skip = req.amp()
+        if skip:  # the scaler found inf/nan: nothing is applied
+            self._give_up()
+            self._flight.found_inf = True
+            return False
+        if self._error:
+            self._give_up()
+            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error}")
+        try:
+            req.reregister()
+            skip = _grads.bind(self._reg.entries)
+            args = self.inner.args(req.grad_scale * amp_scale, req.clip_coef, skip=skip)
+        except BaseException:
+            self._give_up()
+            raise
+        self._flight.verdict(args, self.inner.stream())
+        return True
+
+    def _second_backward(self, e) -> None:
+        # Gradient accumulation with a verdict: dosd reads the gradients only
+        # after step(), but the early step is given up (nothing was applied)
+        # and step() begins an ordinary one, so that dosd does not wait
+        # through every micro-batch (holding the session, within
+        # --early_step_ready_timeout).
+        self._accumulating = True
+        self.finish()
+
+
+class UpdateDriver(EarlyDriver):
+    """overlap="update": dosd applies each subgroup as soon as it is ready."""
+
+    no_verdict = True
+
+    def _end_claimed(self) -> bool:
+        self._flight.verdict(None, self.inner.stream())  # its begin-time hyperparameters
+        return True
+
+    def _end_unclaimed(self) -> None:
+        if self._flight.hook_begun:
+            self._flight.claim()
+            self._end_claimed()
+
+    def _verdict(self, req) -> bool:
+        # Parameters backward did not reach: dosd has not updated their
+        # subgroups yet and leaves them as torch would.
+        skip = [e.index for e in self._reg.entries
+                if e.index < _native.MAX_SKIP_TENSORS and _grads.no_gradient(e)]
+        self._flight.verdict(self.inner.args(1.0, 1.0, skip=skip), self.inner.stream())
+        late = req.grad_scale != 1.0 or req.clip_coef != 1.0 or req.scaled
+        if late or self._error:
+            self.inner.collect()
+            raise DosError(Status.FAILED_PRECONDITION, f"step: {self._error or _TOO_LATE}")
+        return True
+
+    def _second_backward(self, e) -> None:
+        # Without a verdict dosd may have updated with the first backward's
+        # gradients already.
+        self._error = (f"{e.name}'s gradient was accumulated twice before "
+                       "step() with overlap=\"update\", so dosd may have applied "
+                       "the first backward's gradients; set opt.overlap_armed = "
+                       "False during gradient-accumulation micro-steps")
+
+
+def early_driver(inner, early: Early, reg, flight) -> EarlyDriver:
+    """The early driver of `early` (not Early.NONE) around `inner`."""
+    cls = UpdateDriver if early is Early.UPDATE else VerdictDriver
+    return cls(inner, reg, flight)

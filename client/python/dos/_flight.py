@@ -1,0 +1,141 @@
+"""The step in flight: dosd's step calls for one session, the step's state
+machine (dos/_step.py) and the daemon's report on the last step.
+
+A `Flight` outlives re-registrations (the report and the state go on);
+`bind()` points it at the current session. The step drivers (dos/_drivers.py,
+dos/_early.py) are its only callers for the step calls; everyone else reads
+`state`, `found_inf` and `last_step`. Thread-safety: none (one thread per
+optimizer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Dict, Optional
+
+from dos import _native
+from dos._errors import call
+from dos._step import StepMachine, StepState
+
+__all__ = ["Flight", "step_args"]
+
+
+def step_args(groups, grad_scale: float, clip_coef: float, gradients_checked: bool = False,
+              skip=()):
+    """A dos_step_args for dosd's groups `groups` (dos_hparams array)."""
+    args = _native.StepArgs()
+    _native.lib.dos_step_args_init(ctypes.byref(args))
+    args.groups = groups
+    args.num_groups = len(groups)
+    args.grad_scale = float(grad_scale)
+    args.clip_coef = float(clip_coef)
+    args.gradients_checked = 1 if gradients_checked else 0
+    if skip:
+        # ctypes keeps the array alive with `args` (its _objects).
+        args.skip_tensors = (ctypes.c_uint32 * len(skip))(*skip)
+        args.num_skip_tensors = len(skip)
+    return args
+
+
+class Flight:
+    def __init__(self):
+        self.machine = StepMachine()
+        self.found_inf = False
+        self.last_step: Optional[Dict[str, Any]] = None  # dosd's report on the last step
+        self._session = None
+
+    def bind(self, session) -> None:
+        """Steps from now on go to `session` (a dos_session*)."""
+        self._session = session
+
+    @property
+    def state(self) -> StepState:
+        return self.machine.state
+
+    @property
+    def in_flight(self) -> bool:
+        return self.machine.in_flight
+
+    @property
+    def hook_begun(self) -> bool:
+        return self.machine.hook_begun
+
+    def begin(self, args, stream=None, *, host_sync: Callable[[], None] = None) -> None:
+        """Begins a step at step(): stream-ordered on `stream` (the daemon
+        waits for its work on the GPU), else after `host_sync()`."""
+        if stream is not None:
+            call("dos_step_begin_on_stream", self._session, ctypes.byref(args), stream)
+        else:
+            if host_sync is not None:
+                host_sync()
+            call("dos_step_begin", self._session, ctypes.byref(args))
+        self.machine.begun(False)
+
+    def begin_early(self, args, no_verdict: bool, stream) -> None:
+        """Begins an early step (the overlap hooks, at the first gradient)."""
+        flags = _native.DOS_EARLY_NO_VERDICT if no_verdict else 0
+        call("dos_step_begin_early", self._session, ctypes.byref(args),
+             ctypes.c_uint32(flags), stream)
+        self.machine.begun(True)
+
+    def claim(self) -> None:
+        self.machine.claim()
+
+    def verdict(self, args, stream) -> None:
+        """The verdict on the claimed early step (None: its begin-time
+        hyperparameters, overlap="update")."""
+        call("dos_step_verdict", self._session, None if args is None else ctypes.byref(args),
+             stream)
+
+    def abandon(self) -> None:
+        """Asks dosd to give the claimed early step up (before its verdict)."""
+        call("dos_step_abandon", self._session)
+
+    def needs_wait(self, indices) -> bool:
+        """Per-layer waits: the step in flight (not one the overlap hooks
+        began: that is this backward's own) has weights of these entries the
+        trainer has not waited for yet."""
+        m = self.machine
+        return m.state is StepState.IN_FLIGHT and not all(i in m.waited for i in indices)
+
+    def waited(self, indices) -> None:
+        self.machine.waited.update(indices)
+
+    def mark_ready(self, first: int, last: int, stream) -> None:
+        call("dos_mark_ready", self._session, ctypes.c_uint32(first), ctypes.c_uint32(last),
+             stream)
+
+    def wait_subgroups(self, first: int, last: int, stream) -> None:
+        """Waits (on the host, or queued on `stream`) for the new weights of
+        subgroups first..last."""
+        call("dos_wait_subgroups", self._session, ctypes.c_uint32(first),
+             ctypes.c_uint32(last), stream, ctypes.c_int64(-1))
+
+    def skipped(self) -> None:
+        """A step the GradScaler skipped before it began: nothing applied."""
+        self.found_inf = True
+        self.last_step = {"found_inf": True, "step": self.last_step["step"]
+                          if self.last_step else 0, "wall_us": 0.0, "update_us": 0.0,
+                          "overlapped": False}
+
+    def wait(self, timeout_ms: int = -1) -> None:
+        """Collects the step in flight: waits for dosd's result, records its
+        report and raises its error, if any."""
+        res = _native.StepResult()
+        overlapped = self.machine.overlapped
+        try:
+            call("dos_step_wait", self._session, ctypes.c_int64(timeout_ms), ctypes.byref(res))
+        finally:
+            self.machine.collected()
+        self.found_inf = bool(res.found_inf)
+        early = ctypes.c_int32()
+        before, after = ctypes.c_double(), ctypes.c_double()
+        prefetched = ctypes.c_uint64()
+        call("dos_last_step_early", self._session, ctypes.byref(early), ctypes.byref(before),
+             ctypes.byref(after), ctypes.byref(prefetched))
+        self.last_step = {"found_inf": self.found_inf, "step": int(res.step),
+                          "wall_us": float(res.wall_us), "update_us": float(res.update_us),
+                          "overlapped": overlapped, "early": bool(early.value),
+                          "before_verdict_us": float(before.value),
+                          "after_verdict_us": float(after.value),
+                          "prefetched_bytes": int(prefetched.value)}

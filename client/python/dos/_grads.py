@@ -1,0 +1,156 @@
+"""Gradients and the registered buffers dosd reads them from.
+
+Every registered parameter's gradient must be in its registered buffer
+(`Entry.grad_shm`) when dosd reads it. Autograd accumulates straight into it
+while `p.grad` is that buffer; a gradient that was replaced (set to None, a
+new tensor, an FSDP2 shard) is copied in at step(). A parameter counts as
+having no gradient, as torch's would be None, after zero_grad(set_to_none=
+True) until backward reaches it (a hook on each parameter notes that), or
+something writes its gradient in place (DDP's averaged gradient of a
+parameter only other ranks used). Plain functions over entries: no state of
+their own.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import List, Tuple
+
+import torch
+
+from dos import _native
+from dos._errors import DosError
+from dos._native import Status
+from dos._register import Entry, local_of
+
+__all__ = ["no_gradient", "zero_entry", "bind", "thawed", "install_seen_hooks",
+           "zero_unregistered", "clip_coefficient"]
+
+
+def zero_entry(e: Entry) -> None:
+    """Zeroes e's registered gradient in place and binds it as p.grad."""
+    e.grad_shm.zero_()
+    e.zero_version = e.grad_shm._version
+    if e.param.grad is not e.grad_shm:
+        e.param.grad = e.grad_shm
+
+
+def no_gradient(e: Entry) -> bool:
+    """Whether torch would see no gradient for e this step: grad None, or
+    zeroed by zero_grad(set_to_none=True), not reached by backward and not
+    written since (DDP writes the averaged gradient into a parameter that
+    only other ranks used: torch updates it, so must we)."""
+    g = e.param.grad
+    if g is None:
+        return True
+    g = local_of(g)
+    return (e.grad_none and g.data_ptr() == e.grad_shm.data_ptr()
+            and g._version == e.zero_version)
+
+
+def _skipped(e: Entry, bound: bool) -> None:
+    """e has no gradient: dosd skips it, as torch does. The buffer dosd
+    still reads must hold finite values (zeros)."""
+    if e.index >= _native.MAX_SKIP_TENSORS:
+        raise DosError(
+            Status.FAILED_PRECONDITION,
+            f"step: {e.name} has no gradient (grad is None or backward did "
+            f"not reach it since zero_grad(set_to_none=True)), and dosd can "
+            f"skip only the first {_native.MAX_SKIP_TENSORS} registered "
+            "parameters; give it a zero gradient (zero_grad(set_to_none=False)) "
+            "or register it among the first (a group of its own first)")
+    if not bound:
+        e.grad_shm.zero_()
+
+
+def bind(entries: List[Entry]) -> List[int]:
+    """Brings every gradient into its registered buffer; returns the
+    indices of the tensors without a gradient (skipped by this step)."""
+    skip = []
+    with torch.no_grad():
+        for e in entries:
+            p = e.param
+            g = p.grad
+            bound = g is not None and local_of(g).data_ptr() == e.grad_shm.data_ptr()
+            if no_gradient(e):
+                _skipped(e, bound)
+                skip.append(e.index)
+                continue
+            e.grad_none = False
+            g = local_of(g)
+            if g.data_ptr() == e.grad_shm.data_ptr() and g.dtype == e.local.dtype:
+                continue
+            if g.dtype != e.local.dtype or g.shape != e.local.shape:
+                raise DosError(
+                    Status.INVALID_ARGUMENT,
+                    f"step: {e.name} is {p.dtype} {tuple(e.local.shape)} but its grad is "
+                    f"{g.dtype} {tuple(g.shape)}; gradients must have the parameter's "
+                    "dtype and shape")
+            if g.is_sparse:
+                raise DosError(Status.INVALID_ARGUMENT, f"step: {e.name} has a sparse gradient")
+            e.grad_shm.copy_(g)
+            if not e.copy_grad:
+                p.grad = e.grad_shm
+    return skip
+
+
+def thawed(param_groups, entries: List[Entry]) -> List[torch.Tensor]:
+    """Parameters frozen at construction (not registered) that now
+    require grad and have a gradient: torch would update them."""
+    registered = {id(e.param) for e in entries}
+    return [p for g in param_groups for p in g["params"]
+            if p.requires_grad and p.grad is not None and id(p) not in registered
+            and local_of(p).numel() > 0]
+
+
+def install_seen_hooks(entries: List[Entry]) -> list:
+    """A gradient hook on each registered parameter notes that backward
+    reached it (its gradient is not None in torch's terms), so that step()
+    skips only the parameters torch would skip. The hooks hold their entry
+    weakly (the entry holds the parameter, which holds the hooks)."""
+    handles = []
+    for e in entries:
+        def seen(_grad, ref=weakref.ref(e)):
+            entry = ref()
+            if entry is not None:
+                entry.grad_none = False
+        handles.append(e.param.register_hook(seen))
+    return handles
+
+
+def zero_unregistered(param_groups, entries: List[Entry], set_to_none: bool) -> None:
+    """zero_grad() for parameters dosd does not read the gradient of
+    (frozen ones, DTensors whose gradient is FSDP's), as torch does."""
+    registered = {id(e.param) for e in entries if not e.copy_grad}
+    for group in param_groups:
+        for p in group["params"]:
+            if id(p) in registered or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+
+def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: float,
+                     error_if_nonfinite: bool) -> Tuple[torch.Tensor, float]:
+    """(total norm, coefficient) of torch.nn.utils.clip_grad_norm_ over
+    `grads`, without touching them: the coefficient min(1, max_norm / (norm
+    + 1e-6)) goes to dosd with the next step. Reads the norm on the host."""
+    norm_type = float(norm_type)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    dev = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
+    value = float(total)
+    if error_if_nonfinite and not math.isfinite(value):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable "
+                           "this error and scale the gradients by the non-finite norm anyway, "
+                           "set `error_if_nonfinite=False`")
+    # torch's clip_coef_clamped, in fp32. A non-finite norm is not clipped:
+    # dosd's non-finite scan skips such a step (torch would apply NaN updates).
+    coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) /
+                       (torch.tensor(value, dtype=torch.float32) + 1e-6), max=1.0)
+    return total, float(coef) if math.isfinite(value) else 1.0
