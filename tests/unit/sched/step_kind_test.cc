@@ -213,8 +213,8 @@ TEST(StepKindTest, TheFakeEngineReadsNoGradientsBeforeTheyAreReady) {
   // Every subgroup waited for once, updated right after, in the plan's order.
   const StepPlan plan = engine.plans().back();
   EXPECT_TRUE(plan.wait_ready);
+  ASSERT_EQ(waited.size(), 6u);
   EXPECT_EQ(waited, engine.done_subgroups());
-  EXPECT_EQ(waited.size(), 6u);
   EXPECT_EQ(std::vector<uint32_t>(waited.end() - 2, waited.end()), (std::vector<uint32_t>{1, 0}));
   EXPECT_EQ(t.params, ref.params);
   EXPECT_EQ(t.State(engine), ref.State(ref_engine));
@@ -259,7 +259,7 @@ TEST(StepKindTest, StepsWhoseGradientsAreFinalNeverWait) {
       ADD_FAILURE() << "is_ready called for a step whose gradients are final";
       return false;
     };
-    const StepRequest r = Trainer::Request(kind.early() ? kStepGradientsPending : 0);
+    const StepRequest r = Trainer::Request(kind.early() ? uint32_t{kStepGradientsPending} : 0u);
     AwaitVerdict verdict = [] { return absl::StatusOr<StepRequest>(Trainer::Request(0)); };
     absl::StatusOr<StepOutcome> out =
         ex.Run(*t.shard, t.bindings, r, kind, P("auto"), sync, 0, verdict);
