@@ -79,7 +79,7 @@ absl::Status ClientSession::CheckBegin() const {
 
 absl::Status ClientSession::StepBegin(const dos_step_args& args) {
   DOS_RETURN_IF_ERROR(CheckBegin());
-  return Publish(args, 0, StepEvent::kBegin);
+  return Publish(args, BeginFlags(StepEvent::kBegin), StepEvent::kBegin);
 }
 
 absl::Status ClientSession::Publish(const dos_step_args& args, uint32_t extra_flags,
@@ -122,9 +122,10 @@ absl::Status ClientSession::StepBeginEarly(const dos_step_args& args, uint32_t f
         "step_begin_early: unknown flags ", flags, "; pass 0 or DOS_EARLY_NO_VERDICT"));
   }
   DOS_RETURN_IF_ERROR(CheckBegin());
-  const bool no_verdict = (flags & DOS_EARLY_NO_VERDICT) != 0;
-  uint32_t extra = kStepGradientsPending;
-  if (no_verdict) extra |= kStepNoVerdict | kStepGradientsChecked;
+  const StepEvent begin = (flags & DOS_EARLY_NO_VERDICT) != 0
+                              ? StepEvent::kBeginEarlyWithoutVerdict
+                              : StepEvent::kBeginEarly;
+  uint32_t extra = BeginFlags(begin);
   if (device_sync_ != nullptr) {
     // Orders the daemon's streams after what the trainer queued so far (the
     // last step's zero_grad, this backward's beginning); each subgroup's
@@ -135,8 +136,7 @@ absl::Status ClientSession::StepBeginEarly(const dos_step_args& args, uint32_t f
   ready_marked_.assign(num_subgroups_, 0);
   tail_unmarked_ = num_subgroups_ >= kMaxTrackedSubgroups ? num_subgroups_ - (kMaxTrackedSubgroups - 1)
                                                           : 0;
-  return Publish(args, extra,
-                 no_verdict ? StepEvent::kBeginEarlyWithoutVerdict : StepEvent::kBeginEarly);
+  return Publish(args, extra, begin);
 }
 
 absl::Status ClientSession::MarkOne(uint32_t i, void* stream) {

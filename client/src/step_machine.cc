@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "dos/wire/control_block.h"
 
 namespace dos::client {
 namespace {
@@ -33,6 +34,16 @@ std::optional<StepPhase> Next(StepPhase from, StepEvent event) {
 }
 
 }  // namespace
+
+uint32_t BeginFlags(StepEvent begin) {
+  switch (begin) {
+    case StepEvent::kBeginEarly: return kStepGradientsPending;
+    case StepEvent::kBeginEarlyWithoutVerdict:
+      // No verdict brings a scan: the client vouches for the gradients.
+      return kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+    default: return 0;
+  }
+}
 
 const char* StepPhaseName(StepPhase phase) {
   switch (phase) {

@@ -43,6 +43,12 @@ enum class StepEvent : uint8_t {
   kLose,
 };
 
+// The request flags (dos/wire/control_block.h) that tell dosd the kind of
+// a step begun by `begin` (the daemon's StepKind::Decode reads them back):
+// none, kStepGradientsPending, or that with kStepNoVerdict and
+// kStepGradientsChecked. 0 for events that begin nothing.
+uint32_t BeginFlags(StepEvent begin);
+
 const char* StepPhaseName(StepPhase phase);
 const char* StepEventName(StepEvent event);
 

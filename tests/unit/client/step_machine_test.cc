@@ -2,6 +2,8 @@
 // path through a step, and every other (phase, event) refused without a move.
 #include "client/src/step_machine.h"
 
+#include "dos/wire/control_block.h"
+
 #include <gtest/gtest.h>
 
 #include <set>
@@ -35,6 +37,14 @@ TEST(StepMachineTest, EveryKindOfStepEndsIdle) {
             (std::vector<P>{P::kAwaitingVerdict, P::kInFlight, P::kIdle}));
   EXPECT_EQ(Walk({E::kBeginEarlyWithoutVerdict, E::kVerdict, E::kLose}),
             (std::vector<P>{P::kAwaitingReady, P::kInFlight, P::kIdle}));
+}
+
+TEST(StepMachineTest, EachBeginCarriesTheFlagsTheDaemonDecodes) {
+  EXPECT_EQ(BeginFlags(E::kBegin), 0u);
+  EXPECT_EQ(BeginFlags(E::kBeginEarly), uint32_t{kStepGradientsPending});
+  EXPECT_EQ(BeginFlags(E::kBeginEarlyWithoutVerdict),
+            uint32_t{kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked});
+  EXPECT_EQ(BeginFlags(E::kCollect), 0u);
 }
 
 TEST(StepMachineTest, WhatEachPhaseAllows) {
