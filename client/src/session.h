@@ -34,6 +34,7 @@
 #include "device_memory.h"
 #include "device_sync.h"
 #include "state_view.h"
+#include "step_machine.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/unique_fd.h"
 #include "dos/wire/shm_segment.h"
@@ -96,7 +97,9 @@ class ClientSession {
   // dos_set_state_format: the format the next Register asks for.
   absl::Status SetStateFormat(int format);
 
-  absl::Status StepBegin(const dos_step_args& args, uint32_t extra_flags = 0);
+  // The step API below follows the session's StepMachine (step_machine.h):
+  // a call its step's phase does not allow is FAILED_PRECONDITION.
+  absl::Status StepBegin(const dos_step_args& args);
   // GPU mode: records the gradients-ready event on `stream` and begins the
   // step; dosd waits for the event on the GPU.
   absl::Status StepBeginOnStream(const dos_step_args& args, void* stream);
@@ -202,13 +205,14 @@ class ClientSession {
   std::vector<std::pair<uint32_t, uint32_t>> tensor_subgroups_;  // per tensor
   uint32_t num_subgroups_ = 0;
   uint32_t seq_ = 0;  // seq of the last published step
-  bool step_in_flight_ = false;
-  // The early step in flight: kind, whether its verdict (or, without one,
-  // its last ready marks) went out, which subgroups were marked ready, and
-  // how many of those sharing the last ready word are still unmarked.
-  bool early_ = false;
-  bool early_no_verdict_ = false;
-  bool verdict_sent_ = false;
+  // The step in flight and its kind (its phase).
+  StepMachine step_;
+  // Refuses a begin without tensors or with a step in flight.
+  absl::Status CheckBegin() const;
+  // Publishes step `args` with `extra_flags` and takes transition `begin`.
+  absl::Status Publish(const dos_step_args& args, uint32_t extra_flags, StepEvent begin);
+  // The early step in flight: which subgroups were marked ready, and how
+  // many of those sharing the last ready word are still unmarked.
   std::vector<uint8_t> ready_marked_;
   uint32_t tail_unmarked_ = 0;
   int32_t last_early_ = 0;

@@ -59,15 +59,12 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
   const absl::Time start = absl::Now();
   std::span<const TensorDesc> tensors = shard.tensors();
   std::vector<CpuUpdater::Item> items;
-  // An early step (sync.wait_ready) updates each subgroup once its gradients
-  // are final, the last subgroups first (backward's order); the time spent
-  // waiting for them is not the update's.
-  const bool early = static_cast<bool>(sync.wait_ready);
-  std::vector<uint32_t> order(plan.cpu_only.begin(), plan.cpu_only.end());
-  if (early) std::reverse(order.begin(), order.end());
+  // A plan that waits for each subgroup's gradients (plan.wait_ready)
+  // updates each one as soon as they are final, in the plan's order; the
+  // time spent waiting for them is not the update's.
   double wait_us = 0;
-  for (uint32_t sg : order) {
-    if (early) {
+  for (uint32_t sg : plan.cpu_only) {
+    if (plan.wait_ready) {
       const absl::Time w0 = absl::Now();
       absl::Status ready = sync.wait_ready(sg);
       wait_us += absl::ToDoubleMicroseconds(absl::Now() - w0);
@@ -84,7 +81,9 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
           return absl::OkStatus();
         });
     if (!st.ok()) return st;
-    if (early || shard.snapshot_in_progress()) {  // copy-on-write for a checkpoint: in order
+    // One subgroup at a time when it was waited for, or for a checkpoint's
+    // copy-on-write (in order).
+    if (plan.wait_ready || shard.snapshot_in_progress()) {
       shard.BeforeWrite(sg);
       cpu_->Run(items);
       items.clear();

@@ -33,8 +33,9 @@ class HostEngine final : public Engine {
                                  std::span<const TensorBinding> bindings) override;
   // Every subgroup of `plan` must be on the CPU path (a host plan);
   // INTERNAL otherwise. All subgroups go to the updater as one batch (one
-  // parallel pass), or subgroup by subgroup while a checkpoint snapshot is
-  // in flight (each is copied before it is written).
+  // parallel pass), or subgroup by subgroup in cpu_only's order when the plan
+  // waits for each one's gradients (plan.wait_ready) or while a checkpoint
+  // snapshot is in flight (each is copied before it is written).
   absl::Status Execute(const StepPlan& plan, ShardState& shard,
                        std::span<const TensorBinding> bindings,
                        std::span<const AdamScalars> scalars, const StepSync& sync,

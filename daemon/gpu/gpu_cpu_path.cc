@@ -183,8 +183,9 @@ absl::Status GpuEngine::CpuLoop(StepRun& run) {
   while (cur && status.ok()) {
     std::optional<uint32_t> next = run.queue->ClaimCpu();
     // The next subgroup's gradients travel while the CPU updates this one;
-    // in an early step only if they are final already, else after it.
-    const bool next_first = next && (!run.early || run.sync->is_ready(*next));
+    // in a plan that waits for each subgroup only if they are final already,
+    // else after it.
+    const bool next_first = next && (!run.plan->wait_ready || run.sync->is_ready(*next));
     if (next_first) {
       status = pipe.IssueGrads(*next, (bi + 1) % kCpuBuffers);
       if (!status.ok()) break;

@@ -266,6 +266,10 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
     return absl::InternalError(absl::StrCat("gpu: the plan has ", plan.num_subgroups,
                                             " subgroups, the shard ", n));
   }
+  if (plan.resident_order.size() != plan.resident) {
+    return absl::InternalError(absl::StrCat("gpu: the plan orders ", plan.resident_order.size(),
+                                            " of its ", plan.resident, " resident subgroups"));
+  }
   DOS_RETURN_IF_ERROR(EnsureBuffers(plan.max_numel));
   DOS_ASSIGN_OR_RETURN(const uint32_t resident, ResizeResident(shard, plan.resident, true));
   if (resident != plan.resident) {
@@ -285,18 +289,10 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
     }
   }
   prefetch_.assign(slots_.size(), {});
-  // An early step takes the pinned lists in readiness order (backward
-  // finishes the last subgroups first); the shared list keeps its ends (the
-  // CPU side already starts from the back).
-  const bool early = static_cast<bool>(sync.wait_ready);
-  SubgroupQueue queue = early ? SubgroupQueue(std::vector<uint32_t>(plan.gpu_only.rbegin(),
-                                                                    plan.gpu_only.rend()),
-                                              std::vector<uint32_t>(plan.cpu_only.rbegin(),
-                                                                    plan.cpu_only.rend()),
-                                              plan.shared, plan.numel)
-                              : plan.MakeQueue();
+  // The lists are in the order the plan executes them (readiness order for
+  // a plan that waits for each subgroup: StepPlanner).
+  SubgroupQueue queue = plan.MakeQueue();
   StepRun run;
-  run.early = early;
   run.prefetched = prefetched;
   run.shard = &shard;
   run.bindings = bindings;

@@ -86,9 +86,8 @@ struct GpuEngine::StepRun {
   uint64_t streamed_params = 0;
   cudaEvent_t start = nullptr;
   absl::Time t0;
-  // Early steps (StepSync::wait_ready set): time each loop spent waiting for
-  // gradients, not counted as the update's.
-  bool early = false;
+  // Plans that wait for each subgroup's gradients (plan->wait_ready): time
+  // each loop spent waiting for them, not counted as the update's.
   double gpu_wait_us = 0, cpu_wait_us = 0;
   // Per staging slot, the subgroup whose state Prefetch already copied
   // there for this step (-1: none).
@@ -112,10 +111,11 @@ struct GpuEngine::StepRun {
   std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
 };
 
-// Early steps: waits (on the host) until subgroup `sg`'s gradients are
-// final, adding the time to `*wait_us`; OK at once for other steps.
+// Plans that wait for each subgroup's gradients: waits (on the host) until
+// subgroup `sg`'s are final, adding the time to `*wait_us`; OK at once for
+// other plans.
 inline absl::Status WaitReady(const GpuEngine::StepRun& run, uint32_t sg, double* wait_us) {
-  if (!run.early) return absl::OkStatus();
+  if (!run.plan->wait_ready) return absl::OkStatus();
   const absl::Time t0 = absl::Now();
   absl::Status st = run.sync->wait_ready(sg);
   *wait_us += absl::ToDoubleMicroseconds(absl::Now() - t0);

@@ -198,15 +198,14 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   std::span<Subgroup> sgs = run.shard->subgroups();
   // Resident subgroups: kernels only, on their own low-priority stream (the
-  // streamed subgroups' kernels do not queue behind them); first, except
-  // in an early step: they are the first layers, whose gradients are final
-  // last, so the streamed subgroups go first and the resident ones follow
-  // from the last to the first.
+  // streamed subgroups' kernels do not queue behind them); before or after
+  // the streamed subgroups and in the order the plan gives.
+  const StepPlan& plan = *run.plan;
   std::vector<cudaEvent_t> res_events(2 * run.gs->resident_count);
   absl::Status status = NewEvents(res_events.data(), static_cast<int>(res_events.size()));
-  if (run.early && status.ok()) status = StreamSubgroups(run);
-  for (uint32_t k = 0; k < run.gs->resident_count && status.ok(); ++k) {
-    const uint32_t i = run.early ? run.gs->resident_count - 1 - k : k;
+  if (!plan.resident_first && status.ok()) status = StreamSubgroups(run);
+  for (size_t k = 0; k < plan.resident_order.size() && status.ok(); ++k) {
+    const uint32_t i = plan.resident_order[k];
     status = [&]() -> absl::Status {
       DOS_RETURN_IF_ERROR(WaitReady(run, i, &run.gpu_wait_us));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], resident_));
@@ -216,7 +215,7 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     }();
     run.gpu_params += sgs[i].numel;
   }
-  if (!run.early && status.ok()) status = StreamSubgroups(run);
+  if (plan.resident_first && status.ok()) status = StreamSubgroups(run);
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
   if (status.ok()) status = st;
   st = DOS_CUDA_STATUS(cudaStreamSynchronize(compute_));

@@ -3,7 +3,7 @@
 // tensors in shared memory, every subgroup on the CPU) and one GPU engine per
 // device (daemon/gpu/gpu_engine.h: tensors in CUDA memory shared by IPC, the
 // GPU and the CPU paths under the plan). Tests use a fake
-// (tests/unit/session/fake_engine.h).
+// (tests/unit/sched/fake_engine.h).
 //
 // The engine decides nothing: the StepPlanner makes the plan, the engine
 // executes it and reports what it measured. Each engine owns its mechanism:
@@ -48,20 +48,22 @@ struct StepSync {
   // memory, from any thread (CUDA host callbacks included): it must be cheap
   // and must not call CUDA. May be empty.
   std::function<void(uint32_t subgroup)> subgroup_done;
-  // Early steps without a verdict (kStepNoVerdict in dos/wire/control_block.h):
-  // returns once subgroup i's gradients are final, or an error when the step
-  // can no longer finish (the trainer died, shutdown). Engines call it before
-  // they read a subgroup's gradients (or write its weights) and take
-  // subgroups in readiness order (backward finishes the last subgroups
-  // first). Empty: every gradient is final already.
+  // Returns once subgroup i's gradients are final (its ready word, in
+  // dos/wire/control_block.h), or an error when the step can no longer
+  // finish (the trainer died, shutdown). Readiness contract: for a plan with
+  // `wait_ready` (StepKind::per_subgroup) an engine calls it before it reads
+  // a subgroup's gradients or writes its weights, and stops the step at its
+  // first error; for any other plan it never calls it or is_ready. Set for
+  // such plans (the executor checks).
   std::function<absl::Status(uint32_t subgroup)> wait_ready;
   // The same without waiting (set with wait_ready).
   std::function<bool(uint32_t subgroup)> is_ready;
-  // Early steps without a verdict: true, with the tensors the trainer found
+  // Steps updated per subgroup: true, with the tensors the trainer found
   // without a gradient at step() in `late->skip` (kStepSkipTensors), once it
   // published them. It publishes them before it marks the subgroups that
   // hold them ready, so a subgroup seen ready after they were published is
   // updated with them. The executor applies them (engines never call it).
+  // May be empty (none can come).
   std::function<bool(StepRequest* late)> late_skip;
 };
 
@@ -110,9 +112,11 @@ class Engine {
     (void)shard;
     return absl::OkStatus();
   }
-  // Updates every subgroup of the shard where `plan` puts it, with one
-  // AdamScalars per tensor, writes the trainer's weights in place and fills
-  // `measured`. When it returns every copy and kernel of the step completed.
+  // Updates every subgroup of the shard where `plan` puts it, in the order
+  // its lists give (waiting for each one's gradients when plan.wait_ready:
+  // StepSync), with one AdamScalars per tensor, writes the trainer's weights
+  // in place and fills `measured`. When it returns every copy and kernel of
+  // the step completed.
   virtual absl::Status Execute(const StepPlan& plan, ShardState& shard,
                                std::span<const TensorBinding> bindings,
                                std::span<const cpu::AdamScalars> scalars, const StepSync& sync,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -67,16 +68,17 @@ std::vector<cpu::AdamScalars> Scalars(const ShardState& shard, const StepRequest
   return scalars;
 }
 
-// Early steps without a verdict: the tensors the trainer found without a
-// gradient at step() (StepSync::late_skip) keep their state, as torch skips
-// them. The subgroups holding them become ready only after the trainer
-// published them, so applying them when an engine first sees a subgroup
-// ready after that is in time, and the scalars it changes belong to no
-// subgroup an engine reads meanwhile. Wrap() makes the step's readiness
-// checks apply them; the request's mask then also keeps their step counts.
-// Anything else published in the verdict slot of such a step (another seq,
-// other flags: an abandon) is ignored, as it always was, and logged: failing
-// the step there would leave it half applied.
+// Steps updated per subgroup (StepKind::per_subgroup): the tensors the
+// trainer found without a gradient at step() (StepSync::late_skip) keep
+// their state, as torch skips them. The subgroups holding them become ready
+// only after the trainer published them, so applying them when an engine
+// first sees a subgroup ready after that is in time, and the scalars it
+// changes belong to no subgroup an engine reads meanwhile. EngineSync()
+// gives the engine readiness checks that apply them; the request's mask
+// then also keeps their step counts. Anything else published in the verdict
+// slot of such a step (another seq, other flags: an abandon) is ignored, as
+// it always was, and logged: failing the step there would leave it half
+// applied.
 class LateSkip {
  public:
   LateSkip(const StepSync& sync, uint32_t seq, size_t num_tensors, StepRequest* request,
@@ -84,18 +86,22 @@ class LateSkip {
       : sync_(sync), seq_(seq), num_tensors_(num_tensors), request_(request),
         scalars_(scalars) {}
 
-  void Wrap(StepSync* run) {
-    if (!sync_.late_skip) return;
-    run->wait_ready = [this, wait = sync_.wait_ready](uint32_t sg) -> absl::Status {
+  // The trainer's synchronisation with readiness checks that apply the late
+  // mask first; `sync` itself when none can come.
+  StepSync EngineSync() {
+    StepSync run = sync_;
+    if (!sync_.late_skip) return run;
+    run.wait_ready = [this, wait = sync_.wait_ready](uint32_t sg) -> absl::Status {
       DOS_RETURN_IF_ERROR(wait(sg));
       Apply();
       return absl::OkStatus();
     };
-    run->is_ready = [this, ready = sync_.is_ready](uint32_t sg) {
+    run.is_ready = [this, ready = sync_.is_ready](uint32_t sg) {
       if (!ready(sg)) return false;
       Apply();
       return true;
     };
+    return run;
   }
 
  private:
@@ -127,20 +133,6 @@ class LateSkip {
   bool applied_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
-                                     kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
-                                     kStepAbandon | kStepSkipTensors;
-
-// Flags the control block's trainer may not combine (it writes them at will).
-absl::Status CheckFlags(uint32_t flags, const char* what) {
-  if (flags & ~kKnownStepFlags) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step: ", what, " flags 0x", absl::Hex(flags), " carry unknown bits 0x",
-        absl::Hex(flags & ~kKnownStepFlags), "; this dosd knows 0x", absl::Hex(kKnownStepFlags)));
-  }
-  return absl::OkStatus();
-}
-
 // Optimizer steps applied so far: the largest tensor count (a tensor
 // without a gradient in some steps, kStepSkipTensors, counts fewer).
 int64_t StepCount(std::span<const TensorDesc> tensors) {
@@ -149,35 +141,24 @@ int64_t StepCount(std::span<const TensorDesc> tensors) {
   return n;
 }
 
-// An early step's flags against what the caller gave to wait with.
-absl::Status CheckEarlyStep(const StepRequest& begun, const StepSync& sync,
-                            const AwaitVerdict& await_verdict) {
-  DOS_RETURN_IF_ERROR(CheckFlags(begun.flags, "request"));
-  if (begun.flags & kStepAbandon) {
-    return absl::InvalidArgumentError(
-        "step: request flags carry kStepAbandon, which only a verdict may carry (an early "
-        "step's verdict gives the step up); clear it");
-  }
-  if ((begun.flags & kStepNoVerdict) && !(begun.flags & kStepGradientsPending)) {
-    return absl::InvalidArgumentError(
-        "step: request flags carry kStepNoVerdict without kStepGradientsPending; only an "
-        "early step can go without a verdict");
-  }
-  const bool early = (begun.flags & kStepGradientsPending) != 0;
-  const bool no_verdict = early && (begun.flags & kStepNoVerdict) != 0;
-  if (no_verdict && !(begun.flags & kStepGradientsChecked)) {
-    return absl::InvalidArgumentError(
-        "step: an early step without a verdict (kStepNoVerdict) must also set "
-        "kStepGradientsChecked: no non-finite scan can see every gradient before the first "
-        "subgroup is updated; begin the step at step() to have dosd scan");
-  }
-  if (no_verdict && !sync.wait_ready) {
+// What a step of `kind` needs from its caller to wait for its trainer.
+absl::Status CheckWaits(StepKind kind, const StepSync& sync, const AwaitVerdict& await_verdict) {
+  if (kind.per_subgroup() && (!sync.wait_ready || !sync.is_ready)) {
     return absl::InternalError("step: an early step without a verdict needs the ready words");
   }
-  if (early && !no_verdict && !await_verdict) {
+  if (kind.awaits_verdict() && !await_verdict) {
     return absl::InternalError("step: an early step needs a way to await its verdict");
   }
   return absl::OkStatus();
+}
+
+// An early step's figures: from `start` (the request) to `verdict_at`
+// (`start` for steps without one) and from there to now.
+void TimeEarly(StepKind kind, absl::Time start, absl::Time verdict_at, StepOutcome* out) {
+  if (!kind.early()) return;
+  out->early = true;
+  out->before_verdict_us = absl::ToDoubleMicroseconds(verdict_at - start);
+  out->after_verdict_us = absl::ToDoubleMicroseconds(absl::Now() - verdict_at);
 }
 
 }  // namespace
@@ -238,101 +219,118 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
 
 absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               std::span<const TensorBinding> bindings,
-                                              const StepRequest& begun, const Policy& policy,
-                                              const StepSync& sync, uint64_t session,
+                                              const StepRequest& request, const Policy& policy,
+                                              const StepSync& sync, uint64_t session) {
+  return Run(shard, bindings, request, StepKind(), policy, sync, session, {});
+}
+
+absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
+                                              std::span<const TensorBinding> bindings,
+                                              const StepRequest& begun, StepKind kind,
+                                              const Policy& policy, const StepSync& sync,
+                                              uint64_t session,
                                               const AwaitVerdict& await_verdict) {
   const absl::Time start = absl::Now();
-  const bool early = (begun.flags & kStepGradientsPending) != 0;
-  const bool no_verdict = early && (begun.flags & kStepNoVerdict) != 0;
-  DOS_RETURN_IF_ERROR(CheckEarlyStep(begun, sync, await_verdict));
-  if (!early || no_verdict) {
-    absl::Status valid = ValidateStepRequest(begun, shard.groups().size());
-    if (!valid.ok()) return valid;
+  DOS_RETURN_IF_ERROR(CheckWaits(kind, sync, await_verdict));
+  if (!kind.awaits_verdict()) {
+    DOS_RETURN_IF_ERROR(ValidateStepRequest(begun, shard.groups().size()));
   }
-  std::span<TensorDesc> tensors = shard.tensors();
   // The plan and the resident tier depend on no gradient: made before the
   // verdict, so that the engine can start moving the first streamed
   // subgroups' state while backward still runs (the scan below waits for it).
   const ShardLayout layout = planner_.LayoutOf(shard);
-  uint32_t resident = 0;
-  if (session != 0) {
-    const uint32_t target = planner_.ResidentTarget(policy, layout, session);
-    DOS_ASSIGN_OR_RETURN(resident, engine_->SetResident(shard, target, true));
-  } else {
-    resident = StepPlanner::ResidentCount(policy, layout, planner_.budgets());
-  }
+  DOS_ASSIGN_OR_RETURN(const uint32_t resident, ResidentFor(shard, layout, policy, session));
   // The node counts this engine as stepping (its share of the host) from
   // here until the step ends, failed or skipped included.
   NodeResources::Step node_step = planner_.BeginStep(layout, resident);
-  const StepPlan plan = planner_.Plan(policy, layout, resident);
+  const StepPlan plan = planner_.Plan(policy, layout, resident, kind);
   DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
   absl::Time verdict_at = start;
-  if (early && !no_verdict) {
-    DOS_ASSIGN_OR_RETURN(request, await_verdict());
+  if (kind.awaits_verdict()) {
+    DOS_ASSIGN_OR_RETURN(request, AwaitFinalRequest(shard, await_verdict));
     verdict_at = absl::Now();
-    DOS_RETURN_IF_ERROR(CheckFlags(request.flags, "verdict"));
-    if (request.flags & kStepAbandon) {
-      return absl::AbortedError(
-          "step: the trainer abandoned the early step before its verdict; nothing was applied");
-    }
-    absl::Status valid = ValidateStepRequest(request, shard.groups().size());
-    if (!valid.ok()) return valid;
   }
-  if (request.flags & kStepTrainerEventRecorded) {
-    if (sync.trainer_event == nullptr) {
-      return absl::InvalidArgumentError(
-          "step: flag kStepTrainerEventRecorded is set but the session registered no CUDA IPC "
-          "event (RegisterShard.cuda_ipc_event) or its tensors are not in GPU memory; clear the "
-          "flag or register the event");
-    }
-    absl::Status st = engine_->WaitTrainerEvent(sync.trainer_event);
-    if (!st.ok()) return st;
-  }
-  auto finish_early = [&](StepOutcome* out) {
-    if (!early) return;
-    const absl::Time end = absl::Now();
-    out->early = true;
-    out->before_verdict_us = absl::ToDoubleMicroseconds(verdict_at - start);
-    out->after_verdict_us = absl::ToDoubleMicroseconds(end - verdict_at);
-  };
+  DOS_RETURN_IF_ERROR(WaitForTrainerEvent(request, sync));
+  StepOutcome out;
+  bool finite = true;
   if (!(request.flags & kStepGradientsChecked)) {
-    absl::StatusOr<bool> finite = engine_->AllFinite(shard, bindings);
-    if (!finite.ok()) return finite.status();
-    if (!*finite) {
-      StepOutcome out;
-      out.found_inf = true;
-      out.step = StepCount(tensors);
-      out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-      finish_early(&out);
-      return out;
-    }
+    DOS_ASSIGN_OR_RETURN(finite, engine_->AllFinite(shard, bindings));
   }
-  std::vector<cpu::AdamScalars> scalars = Scalars(shard, request);
-  StepMeasurements measured;
-  StepSync run_sync = sync;
-  if (!no_verdict) run_sync.wait_ready = nullptr;  // every gradient is final (the verdict says)
-  LateSkip late(sync, begun.seq, tensors.size(), &request, &scalars);
-  if (no_verdict) late.Wrap(&run_sync);
-  absl::Status st = engine_->Execute(plan, shard, bindings, scalars, run_sync, &measured);
-  if (!st.ok()) return st;
-  node_step.Finish(StepPlanner::NodeStepEnd(plan, measured));
-  planner_.Learn(plan, measured);
-  StepOutcome out = Outcome(plan, measured);
-  if (session != 0) {
-    const GpuLease lease = planner_.LeaseOf(session);
-    out.gpu_lease_bytes = lease.lease_bytes;
-    out.trainer_gpu_budget_bytes = lease.budget_bytes;
-    out.trainer_gpu_peak_bytes = lease.peak_bytes;
-    out.resident_budget_bytes = planner_.ResidentBytes(session);
+  if (finite) {
+    DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step));
+    AddLease(session, &out);
+  } else {
+    out.found_inf = true;
   }
-  for (uint32_t i = 0; i < tensors.size(); ++i) {
-    if (!SkipsTensor(request, i)) ++tensors[i].step;  // a skipped tensor keeps its count
-  }
-  out.step = StepCount(tensors);
+  out.step = StepCount(shard.tensors());
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  finish_early(&out);
+  TimeEarly(kind, start, verdict_at, &out);
   return out;
+}
+
+absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const ShardLayout& layout,
+                                                   const Policy& policy, uint64_t session) {
+  if (session == 0) return StepPlanner::ResidentCount(policy, layout, planner_.budgets());
+  const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+  return engine_->SetResident(shard, target, true);
+}
+
+absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,
+                                                            const AwaitVerdict& await_verdict) {
+  DOS_ASSIGN_OR_RETURN(StepRequest request, await_verdict());
+  DOS_RETURN_IF_ERROR(CheckStepFlags(request.flags, "verdict"));
+  if (request.flags & kStepAbandon) {
+    return absl::AbortedError(
+        "step: the trainer abandoned the early step before its verdict; nothing was applied");
+  }
+  DOS_RETURN_IF_ERROR(ValidateStepRequest(request, shard.groups().size()));
+  return request;
+}
+
+absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,
+                                               const StepSync& sync) {
+  if (!(request.flags & kStepTrainerEventRecorded)) return absl::OkStatus();
+  if (sync.trainer_event == nullptr) {
+    return absl::InvalidArgumentError(
+        "step: flag kStepTrainerEventRecorded is set but the session registered no CUDA IPC "
+        "event (RegisterShard.cuda_ipc_event) or its tensors are not in GPU memory; clear the "
+        "flag or register the event");
+  }
+  return engine_->WaitTrainerEvent(sync.trainer_event);
+}
+
+absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState& shard,
+                                                std::span<const TensorBinding> bindings,
+                                                StepKind kind, const StepSync& sync,
+                                                StepRequest* request,
+                                                NodeResources::Step* node_step) {
+  std::span<TensorDesc> tensors = shard.tensors();
+  std::vector<cpu::AdamScalars> scalars = Scalars(shard, *request);
+  StepMeasurements measured;
+  // Only a step updated per subgroup can learn of tensors without a
+  // gradient after its begin.
+  std::optional<LateSkip> late;
+  StepSync engine_sync = sync;
+  if (kind.per_subgroup()) {
+    engine_sync = late.emplace(sync, request->seq, tensors.size(), request, &scalars).EngineSync();
+  }
+  DOS_RETURN_IF_ERROR(engine_->Execute(plan, shard, bindings, scalars, engine_sync, &measured));
+  node_step->Finish(StepPlanner::NodeStepEnd(plan, measured));
+  planner_.Learn(plan, measured);
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    if (!SkipsTensor(*request, i)) ++tensors[i].step;  // a skipped tensor keeps its count
+  }
+  return Outcome(plan, measured);
+}
+
+void StepExecutor::AddLease(uint64_t session, StepOutcome* out) const {
+  if (session == 0) return;
+  const GpuLease lease = planner_.LeaseOf(session);
+  out->gpu_lease_bytes = lease.lease_bytes;
+  out->trainer_gpu_budget_bytes = lease.budget_bytes;
+  out->trainer_gpu_peak_bytes = lease.peak_bytes;
+  out->resident_budget_bytes = planner_.ResidentBytes(session);
 }
 
 absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& request,

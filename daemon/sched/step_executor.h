@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/sched/engine.h"
 #include "daemon/sched/policy.h"
+#include "daemon/sched/step_kind.h"
 #include "daemon/sched/step_planner.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_block.h"
@@ -87,19 +88,27 @@ class StepExecutor {
   Engine* engine() const { return engine_; }
   StepPlanner& planner() { return planner_; }
 
-  // `session` (non-zero) sizes the resident tier from the session's lease
-  // (ApplyLease first); 0: from the planner's budgets alone.
-  // Early steps (kStepGradientsPending): with kStepNoVerdict the request is
-  // final and `sync.wait_ready` must be set (the engine updates subgroups as
-  // their gradients become final; kStepGradientsChecked is required, as no
-  // scan can see every gradient first); otherwise the plan is made (and the
-  // resident tier grown) first, then `await_verdict` gives the final request
-  // and the step runs as a synchronous one would (kStepAbandon in it: ABORTED,
-  // nothing applied).
+  // A step of `kind` (decided from the request's flags where the request
+  // was read: StepKind::Decode). `session` (non-zero) sizes the resident
+  // tier from the session's lease (ApplyLease first); 0: from the planner's
+  // budgets alone. Per kind:
+  //   synchronous    the request is final; `sync` carries the trainer's event.
+  //   per subgroup   the request is final and `sync.wait_ready`/`is_ready`
+  //                  must be set: the plan waits for each subgroup's
+  //                  gradients and takes them in readiness order.
+  //   at verdict     the plan is made (and the resident tier grown) first,
+  //                  then `await_verdict` gives the final request and the
+  //                  step runs as a synchronous one would (kStepAbandon in
+  //                  it: ABORTED, nothing applied).
+  // The request's flags that make the kind are not read again here.
+  absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
+                                  const StepRequest& request, StepKind kind, const Policy& policy,
+                                  const StepSync& sync, uint64_t session,
+                                  const AwaitVerdict& await_verdict);
+  // A synchronous step (tests, benchmarks).
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy,
-                                  const StepSync& sync = {}, uint64_t session = 0,
-                                  const AwaitVerdict& await_verdict = {});
+                                  const StepSync& sync = {}, uint64_t session = 0);
 
   // A step's GPU lease (kStepGpuLease in `request`; without it the session
   // keeps its last one), applied before anything else of the step: the
@@ -127,6 +136,20 @@ class StepExecutor {
  private:
   static PlannerOptions WithEngine(PlannerOptions options, const Engine& engine);
   StepOutcome Outcome(const StepPlan& plan, const StepMeasurements& measured) const;
+  // Run's parts, in order: the resident tier the step plans with; an early
+  // step's final request (its verdict, checked); the trainer's event; the
+  // update of a step whose gradients are finite (the request's mask may
+  // grow with tensors published late); the session's lease figures.
+  absl::StatusOr<uint32_t> ResidentFor(ShardState& shard, const ShardLayout& layout,
+                                       const Policy& policy, uint64_t session);
+  absl::StatusOr<StepRequest> AwaitFinalRequest(const ShardState& shard,
+                                                const AwaitVerdict& await_verdict);
+  absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
+  absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
+                                    std::span<const TensorBinding> bindings, StepKind kind,
+                                    const StepSync& sync, StepRequest* request,
+                                    NodeResources::Step* node_step);
+  void AddLease(uint64_t session, StepOutcome* out) const;
 
   Engine* const engine_;
   StepPlanner planner_;

@@ -14,6 +14,11 @@
 // the two sides claim from opposite ends while the step runs (`auto`'s
 // dynamic claiming; TakeShared is the GPU side's rule).
 //
+// Every list is in the order its side executes it, and the plan says when
+// the resident kernels run and whether a subgroup's gradients must be
+// waited for (`wait_ready`): the planner orders a step by its StepKind
+// (step_kind.h), engines take the lists as they are.
+//
 // Thread-safety: a plan is immutable once made; any number of threads may
 // read it (TakeShared included).
 #pragma once
@@ -89,6 +94,14 @@ struct StepPlan {
   Policy policy;
   uint32_t num_subgroups = 0;
   uint32_t resident = 0;           // subgroups [0, resident) are resident on the GPU
+  // The resident subgroups in the order their kernels run, before the
+  // streamed subgroups (`resident_first`) or after them.
+  std::vector<uint32_t> resident_order;
+  bool resident_first = true;
+  // Engines wait for each subgroup's gradients (StepSync::wait_ready)
+  // before they read them, and every list is in the order the gradients
+  // become final (StepKind::per_subgroup); false: all are final already.
+  bool wait_ready = false;
   std::vector<uint32_t> gpu_only;  // streamed, GPU order
   std::vector<uint32_t> cpu_only;  // CPU path, CPU order
   std::vector<uint32_t> shared;    // claimed at run time (auto), GPU from the front

@@ -223,16 +223,28 @@ uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& la
 }
 
 StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout) {
-  return PlanWith(policy, layout, ResidentCount(policy, layout, options_.budgets));
+  return PlanWith(policy, layout, ResidentCount(policy, layout, options_.budgets), StepKind());
 }
 
-StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident) {
+StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident,
+                           StepKind kind) {
   const uint32_t n = static_cast<uint32_t>(layout.subgroup_numel.size());
-  return PlanWith(policy, layout, options_.budgets.gpu ? std::min(resident, n) : 0);
+  return PlanWith(policy, layout, options_.budgets.gpu ? std::min(resident, n) : 0, kind);
+}
+
+void StepPlanner::OrderFor(StepKind kind, StepPlan& plan) {
+  plan.resident_order.resize(plan.resident);
+  for (uint32_t i = 0; i < plan.resident; ++i) plan.resident_order[i] = i;
+  plan.wait_ready = kind.per_subgroup();
+  plan.resident_first = !plan.wait_ready;
+  if (!plan.wait_ready) return;
+  std::reverse(plan.resident_order.begin(), plan.resident_order.end());
+  std::reverse(plan.gpu_only.begin(), plan.gpu_only.end());
+  std::reverse(plan.cpu_only.begin(), plan.cpu_only.end());
 }
 
 StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
-                               uint32_t resident) {
+                               uint32_t resident, StepKind kind) {
   StepPlan plan;
   plan.policy = policy;
   plan.num_subgroups = static_cast<uint32_t>(layout.subgroup_numel.size());
@@ -267,6 +279,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
                          : 0;
     plan.binding = PerfModel::Bound(plan.inputs, plan.gpu_share).binding;
   }
+  OrderFor(kind, plan);
   uint64_t max_streamed = 0;
   for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
     max_streamed = std::max(max_streamed, plan.numel[i]);

@@ -39,6 +39,16 @@
 // other ranks. The executor brackets each step with BeginStep (which tells
 // the node the step's host demand) and hands the node its measurements.
 //
+// Order (StepKind): a step whose gradients are all final when it runs
+// (synchronous, or early with a verdict) takes the resident subgroups first,
+// 0 up, then each list from its front. A step updated per subgroup as its
+// gradients become final (StepKind::per_subgroup) is planned in readiness
+// order: backward makes the last subgroups' gradients final first, so the
+// pinned lists (gpu_only, cpu_only) and the resident subgroups run back to
+// front, the resident ones after the streamed (they hold the first layers,
+// final last), and `shared` keeps its ends (the CPU already claims from the
+// back); the plan says to wait for each subgroup (wait_ready).
+//
 // The rates start from `PlannerOptions::initial` and are updated (EWMA) from
 // each step's measurements: kernel and copy-engine rates into the model, the
 // whole paths' throughputs for the claiming rule (TakeShared), the host
@@ -58,6 +68,7 @@
 #include "daemon/sched/node_resources.h"
 #include "daemon/sched/perf_model.h"
 #include "daemon/sched/policy.h"
+#include "daemon/sched/step_kind.h"
 #include "daemon/sched/step_plan.h"
 #include "daemon/state/shard_state.h"
 
@@ -86,10 +97,10 @@ class StepPlanner {
   // The plan of one step of a shard of `layout` under `policy`, sized by
   // budgets.gpu_resident_bytes alone (no session: tests, benchmarks).
   StepPlan Plan(const Policy& policy, const ShardLayout& layout) ABSL_LOCKS_EXCLUDED(mu_);
-  // The plan of a session's step when its engine holds subgroups
+  // The plan of a session's step of `kind` when its engine holds subgroups
   // [0, resident) resident (at most ResidentTarget's count).
-  StepPlan Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  StepPlan Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident,
+                StepKind kind = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Resident tier (above). Sessions are keyed by their id.
   void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
@@ -134,6 +145,8 @@ class StepPlanner {
   double gpu_path_rate() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // The pure parts, for tests and the benchmark's report.
+  // Puts `plan`'s lists in the order a step of `kind` executes them (above).
+  static void OrderFor(StepKind kind, StepPlan& plan);
   // Subgroups resident under `policy` for `layout` within `budgets`.
   static uint32_t ResidentCount(const Policy& policy, const ShardLayout& layout,
                                 const PlanBudgets& budgets);
@@ -145,8 +158,8 @@ class StepPlanner {
     GpuLease lease;
     uint64_t asks = 0;  // resident bytes it asks for (before the cap's share)
   };
-  StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident,
+                    StepKind kind) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t ResidentBytesLocked(uint64_t session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PlannerOptions options_;

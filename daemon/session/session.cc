@@ -223,58 +223,82 @@ void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome
 void Session::HandleRequest(uint32_t seq) {
   auto* block = static_cast<ControlBlock*>(control_->data());
   const absl::Time start = absl::Now();
-  StepResult& result = block->result;
-  result.status_code = 0;
-  result.found_inf = 0;
-  result.early = 0;
-  result.before_verdict_us = 0;
-  result.after_verdict_us = 0;
-  result.prefetched_bytes = 0;
-  result.message[0] = '\0';
-  absl::StatusOr<StepOutcome> outcome;
-  double lock_wait_us = 0;
-  double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
-  uint32_t num_subgroups = 0;
+  ClearResult(&block->result);
   // One copy of the request, read once: the trainer can write its block at
   // any time, and what was validated must be what is applied.
   const StepRequest request = block->request;  // published by request_bell (acquire)
+  StepRecord record;
   {
     absl::MutexLock lock(&mu_);
-    lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-    if (shard_ == nullptr) {
-      outcome = absl::FailedPreconditionError(
-          "step: the session has no registered tensors; call dos_register (RegisterShard) "
-          "before the first step");
-    } else {
-      // The GPU lease first: memory a lowered lease no longer covers is given
-      // back before the client, waiting on the lease bell, lets the trainer
-      // allocate again. A failure here fails the step (below).
-      const Policy step_policy = policy();
-      absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
-      channel_->PostLeaseApplied(seq);
-      const StepSync sync = MakeStepSync(seq, request.flags, start);
-      const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
-      // An early step waits for its trainer: counted against its uid's
-      // --max_early_steps_per_uid while it runs.
-      absl::StatusOr<LedgerCharge> early =
-          (request.flags & kStepGradientsPending) == 0
-              ? LedgerCharge()
-              : account_->Charge(UidResource::kEarlySteps, 1,
-                                 absl::StrCat("step: early step ", seq));
-      const absl::Status admitted = !leased.ok() ? leased : early.status();
-      outcome = admitted.ok() ? executor_->Run(*shard_, bindings_, request, step_policy, sync,
-                                               identity_.id, verdict)
-                              : absl::StatusOr<StepOutcome>(admitted);
-      ++steps_run_;
-      snapshot_wait_us = shard_->TakeWriteWaitUs();
-      num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
-    }
+    record.lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    RunStep(seq, request, start, &record);
   }
   // Done, skipped or failed: no waiter on any subgroup (or on the lease) may
   // be left behind.
   channel_->PostLeaseApplied(seq);
-  channel_->MarkAllDone(seq, num_subgroups);
+  channel_->MarkAllDone(seq, record.num_subgroups);
   const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  PostOutcome(block, record.outcome, wall_us);
+  if (options_.counters != nullptr) {
+    const absl::StatusOr<StepOutcome>& o = record.outcome;
+    AddToCounters(options_.counters, o, record.lock_wait_us, record.snapshot_wait_us,
+                  o.ok() && !o->found_inf ? summary().params : 0);
+  }
+  RecordStats(record, wall_us);
+  channel_->PostResult(seq);
+}
+
+void Session::ClearResult(StepResult* result) {
+  result->status_code = 0;
+  result->found_inf = 0;
+  result->early = 0;
+  result->before_verdict_us = 0;
+  result->after_verdict_us = 0;
+  result->prefetched_bytes = 0;
+  result->message[0] = '\0';
+}
+
+void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start,
+                      StepRecord* record) {
+  if (shard_ == nullptr) {
+    record->outcome = absl::FailedPreconditionError(
+        "step: the session has no registered tensors; call dos_register (RegisterShard) "
+        "before the first step");
+    return;
+  }
+  // The GPU lease first: memory a lowered lease no longer covers is given
+  // back before the client, waiting on the lease bell, lets the trainer
+  // allocate again. A failure here fails the step (below).
+  const Policy step_policy = policy();
+  const absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
+  channel_->PostLeaseApplied(seq);
+  // The step's kind, decided here once; everything after runs by it. With
+  // the trainer's event its GPU stream orders the step.
+  const absl::StatusOr<StepKind> kind =
+      StepKind::Decode(request.flags, trainer_event_ != nullptr);
+  // An early step waits for its trainer: counted against its uid's
+  // --max_early_steps_per_uid while it runs.
+  absl::StatusOr<LedgerCharge> early =
+      !kind.ok() || !kind->early()
+          ? LedgerCharge()
+          : account_->Charge(UidResource::kEarlySteps, 1, absl::StrCat("step: early step ", seq));
+  const absl::Status admitted =
+      !leased.ok() ? leased : !kind.ok() ? kind.status() : early.status();
+  if (admitted.ok()) {
+    const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
+    record->outcome = executor_->Run(*shard_, bindings_, request, *kind, step_policy,
+                                     MakeStepSync(seq, *kind, start), identity_.id, verdict);
+  } else {
+    record->outcome = admitted;
+  }
+  ++steps_run_;
+  record->snapshot_wait_us = shard_->TakeWriteWaitUs();
+  record->num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
+}
+
+void Session::PostOutcome(ControlBlock* block, const absl::StatusOr<StepOutcome>& outcome,
+                          double wall_us) {
+  StepResult& result = block->result;
   if (outcome.ok()) {
     result.found_inf = outcome->found_inf ? 1 : 0;
     result.step = outcome->step;
@@ -288,26 +312,22 @@ void Session::HandleRequest(uint32_t seq) {
     DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
   }
   result.wall_us = wall_us;
-  if (options_.counters != nullptr) {
-    AddToCounters(options_.counters, outcome, lock_wait_us, snapshot_wait_us,
-                  outcome.ok() && !outcome->found_inf ? summary().params : 0);
+}
+
+void Session::RecordStats(const StepRecord& record, double wall_us) {
+  absl::MutexLock lock(&stats_mu_);
+  stats_.lock_wait_us_total += record.lock_wait_us;
+  stats_.lock_wait_us_max = std::max(stats_.lock_wait_us_max, record.lock_wait_us);
+  stats_.snapshot_wait_us_total += record.snapshot_wait_us;
+  stats_.snapshot_wait_us_max = std::max(stats_.snapshot_wait_us_max, record.snapshot_wait_us);
+  if (record.outcome.ok()) {
+    ++stats_.steps;
+    if (record.outcome->found_inf) ++stats_.skipped_steps;
+    stats_.last = *record.outcome;
+    stats_.last_wall_us = wall_us;
+  } else {
+    ++stats_.failed_steps;
   }
-  {
-    absl::MutexLock lock(&stats_mu_);
-    stats_.lock_wait_us_total += lock_wait_us;
-    stats_.lock_wait_us_max = std::max(stats_.lock_wait_us_max, lock_wait_us);
-    stats_.snapshot_wait_us_total += snapshot_wait_us;
-    stats_.snapshot_wait_us_max = std::max(stats_.snapshot_wait_us_max, snapshot_wait_us);
-    if (outcome.ok()) {
-      ++stats_.steps;
-      if (outcome->found_inf) ++stats_.skipped_steps;
-      stats_.last = *outcome;
-      stats_.last_wall_us = wall_us;
-    } else {
-      ++stats_.failed_steps;
-    }
-  }
-  channel_->PostResult(seq);
 }
 
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,

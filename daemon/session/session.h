@@ -42,6 +42,7 @@
 #include "daemon/session/shard_spec.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/step_executor.h"
+#include "daemon/sched/step_kind.h"
 #include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_channel.h"
@@ -238,12 +239,30 @@ class Session {
   void StepLoop();
   // Starts the step thread (once; not after Stop()).
   void StartStepThread();
+  // One step request (`seq`), in parts: HandleRequest reads the request
+  // once and clears the result; RunStep (under mu_) applies the lease,
+  // decodes the step's kind (StepKind::Decode: the only place its flags are
+  // read), admits it and runs it; PostOutcome and RecordStats report it.
+  struct StepRecord {
+    absl::StatusOr<StepOutcome> outcome;
+    double lock_wait_us = 0;
+    double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
+    uint32_t num_subgroups = 0;
+  };
   void HandleRequest(uint32_t seq);
+  static void ClearResult(StepResult* result);
+  void RunStep(uint32_t seq, const StepRequest& request, absl::Time start, StepRecord* record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PostOutcome(ControlBlock* block, const absl::StatusOr<StepOutcome>& outcome,
+                   double wall_us);
+  void RecordStats(const StepRecord& record, double wall_us) ABSL_LOCKS_EXCLUDED(stats_mu_);
   bool ClientAlive() const;
-  // Step `seq`'s synchronisation with the trainer: its event, the progress
-  // words and, for early steps, the ready words (waited for within
-  // early_ready_timeout of `begun`, the step's begin, as its verdict is).
-  StepSync MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) const
+  // Step `seq`'s channel to the trainer: its event, the progress words, the
+  // ready words (waited for within early_ready_timeout of `begun`, the
+  // step's begin, as its verdict is; polled when the trainer's stream writes
+  // them, `kind.stream_ordered()`) and the late skip mask. Which of them the
+  // step uses is its kind's business (StepExecutor::Run).
+  StepSync MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Early steps (dos/wire/control_block.h): wait, on the step thread or an
   // engine's, until subgroup `subgroup`'s gradients of step `seq` are final,

@@ -25,30 +25,24 @@ class Session::AwaitingTrainerScope {
   std::atomic<int>& n_;
 };
 
-StepSync Session::MakeStepSync(uint32_t seq, uint32_t flags, absl::Time begun) const {
+StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) const {
   StepSync sync;
   sync.trainer_event = trainer_event_;
   sync.subgroup_done = [this, seq](uint32_t subgroup) {
     channel_->MarkSubgroupDone(subgroup, seq);
   };
-  if (flags & kStepGradientsPending) {
-    // With the trainer's event the ready words are written by its GPU stream.
-    const bool stream_written = trainer_event_ != nullptr;
-    sync.wait_ready = [this, seq, begun, stream_written](uint32_t subgroup) {
-      return WaitReady(subgroup, seq, begun, stream_written);
-    };
-    sync.is_ready = [this, seq](uint32_t subgroup) {
-      return channel_->SubgroupReady(subgroup, seq);
-    };
-  }
-  if ((flags & kStepGradientsPending) && (flags & kStepNoVerdict)) {
-    sync.late_skip = [this, seq](StepRequest* late) {
-      if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;
-      const auto* block = static_cast<const ControlBlock*>(control_->data());
-      *late = block->verdict;  // published by verdict_bell (acquire)
-      return true;
-    };
-  }
+  sync.wait_ready = [this, seq, begun, stream_written = kind.stream_ordered()](uint32_t subgroup) {
+    return WaitReady(subgroup, seq, begun, stream_written);
+  };
+  sync.is_ready = [this, seq](uint32_t subgroup) {
+    return channel_->SubgroupReady(subgroup, seq);
+  };
+  sync.late_skip = [this, seq](StepRequest* late) {
+    if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;
+    const auto* block = static_cast<const ControlBlock*>(control_->data());
+    *late = block->verdict;  // published by verdict_bell (acquire)
+    return true;
+  };
   return sync;
 }
 

@@ -226,7 +226,10 @@ absl::StatusOr<bool> FakeEngine::AllFinite(const ShardState& shard,
 
 std::vector<std::pair<uint32_t, char>> FakeEngine::Order(const StepPlan& plan) {
   std::vector<std::pair<uint32_t, char>> order;
-  for (uint32_t i = 0; i < plan.resident; ++i) order.emplace_back(i, 'r');
+  auto resident = [&] {
+    for (uint32_t i : plan.resident_order) order.emplace_back(i, 'r');
+  };
+  if (plan.resident_first) resident();
   for (uint32_t i : plan.gpu_only) order.emplace_back(i, 'g');
   // Shared subgroups: alternately from the front (GPU) and the back (CPU),
   // as the two sides claim them.
@@ -235,6 +238,7 @@ std::vector<std::pair<uint32_t, char>> FakeEngine::Order(const StepPlan& plan) {
     order.emplace_back(gpu ? plan.shared[front++] : plan.shared[--back], gpu ? 'g' : 'c');
   }
   for (uint32_t i : plan.cpu_only) order.emplace_back(i, 'c');
+  if (!plan.resident_first) resident();
   return order;
 }
 
@@ -280,9 +284,19 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
                                                      " subgroups resident, the device holds ",
                                                      *held));
   }
+  if (plan.resident_order.size() != plan.resident) {
+    return absl::InternalError(absl::StrCat("fake: the plan orders ", plan.resident_order.size(),
+                                            " of its ", plan.resident, " resident subgroups"));
+  }
   uint32_t updated = 0;
   for (auto [sg, path] : Order(plan)) {
     if (fail_after && updated == *fail_after) return fault;
+    // The readiness contract (engine.h): a subgroup's gradients are read
+    // only once they are final, and a failed wait ends the step.
+    if (plan.wait_ready) {
+      if (!sync.wait_ready) return absl::InternalError("fake: a plan waits but wait_ready is unset");
+      if (absl::Status ready = sync.wait_ready(sg); !ready.ok()) return ready;
+    }
     const Subgroup& g = shard.subgroups()[sg];
     float* state = path == 'r' ? ResidentOf(shard)->copies[sg].data() : g.master;
     std::vector<cpu::CpuUpdater::Item> items;

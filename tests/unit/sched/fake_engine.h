@@ -13,6 +13,11 @@
 // poisoned (NaN), so a reader that forgot to bring it home sees it.
 // `device_bytes` bounds the copies (growth stops there, as when a GPU is full).
 //
+// Readiness: a plan with wait_ready is executed as engine.h's StepSync
+// contract says (wait_ready before each subgroup's gradients are read, in
+// the plan's order; the first failed wait ends the step); other plans never
+// call it.
+//
 // Faults are injected at the engine and transport seams: Execute failing
 // after N subgroups (an engine error mid-step), AllFinite, AttachShard,
 // OpenTrainerEvent failing, and transports that fail to map.

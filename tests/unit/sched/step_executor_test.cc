@@ -279,6 +279,9 @@ TEST(ValidateStepRequestTest, FollowsTorchsRulesForEveryField) {
 // the result equals a synchronous step's; with one, nothing is applied until
 // the verdict, whose hyperparameters are the step's; an abandoned verdict
 // applies nothing.
+// The step's kind, as the session decodes it where it reads the request.
+StepKind Kind(const StepRequest& r) { return *StepKind::Decode(r.flags, false); }
+
 TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictWaitsPerSubgroupAndMatches) {
   Fixture ref;
   StepExecutor ref_ex(&ref.engine);
@@ -295,7 +298,8 @@ TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictWaitsPerSubgroupAndMatches) {
     return absl::OkStatus();
   };
   sync.is_ready = [](uint32_t) { return true; };
-  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, r, Kind(r), Policy{}, sync, 0, {});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(out->early);
   EXPECT_EQ(out->step, 1);
@@ -304,8 +308,8 @@ TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictWaitsPerSubgroupAndMatches) {
 
   // Without kStepGradientsChecked no scan could precede the first update.
   r.flags = kStepGradientsPending | kStepNoVerdict;
-  out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
-  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_EQ(StepKind::Decode(r.flags, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Without a verdict, the tensors the trainer found without a gradient at
@@ -339,7 +343,8 @@ TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictSkipsTheTensorsPublishedLate) {
     *out = late;
     return true;
   };
-  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, r, Kind(r), Policy{}, sync, 0, {});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(asked, 1);  // read once, when the first subgroup was ready
   EXPECT_EQ(f.Master(0), ref.Master(0));
@@ -353,7 +358,7 @@ TEST(StepExecutorTest, AnEarlyStepWithoutAVerdictSkipsTheTensorsPublishedLate) {
   Fixture g;
   StepExecutor g_ex(&g.engine);
   late.flags = kStepSkipTensors | kStepAbandon;
-  out = g_ex.Run(*g.shard, g.bindings, r, Policy{}, sync);
+  out = g_ex.Run(*g.shard, g.bindings, r, Kind(r), Policy{}, sync, 0, {});
   ASSERT_TRUE(out.ok()) << out.status();
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(g.Master(t), whole.Master(t));
   EXPECT_EQ(g.shard->tensors()[1].step, 1);
@@ -368,7 +373,8 @@ TEST(StepExecutorTest, AFailedReadyWaitStopsTheEarlyStep) {
   sync.wait_ready = [](uint32_t) { return absl::UnavailableError("trainer gone"); };
   sync.is_ready = [](uint32_t) { return false; };
   const std::vector<float> before = f.Master(0);
-  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, r, Policy{}, sync);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, r, Kind(r), Policy{}, sync, 0, {});
   EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(f.Master(0), before);
   EXPECT_EQ(f.shard->tensors()[0].step, 0);
@@ -393,7 +399,8 @@ TEST(StepExecutorTest, AnEarlyStepAppliesTheVerdictsHyperparameters) {
     EXPECT_EQ(f.shard->tensors()[0].step, 0);  // nothing applied before it
     return final_request;
   };
-  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, begun, Policy{}, {}, 0, verdict);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, begun, Kind(begun), Policy{}, {}, 0, verdict);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(asked);
   EXPECT_TRUE(out->early);
@@ -402,7 +409,7 @@ TEST(StepExecutorTest, AnEarlyStepAppliesTheVerdictsHyperparameters) {
   StepRequest abandon{};
   abandon.flags = kStepAbandon;
   const std::vector<float> before = f.Master(1);
-  out = ex.Run(*f.shard, f.bindings, begun, Policy{}, {}, 0,
+  out = ex.Run(*f.shard, f.bindings, begun, Kind(begun), Policy{}, {}, 0,
                [&]() -> absl::StatusOr<StepRequest> { return abandon; });
   EXPECT_EQ(out.status().code(), absl::StatusCode::kAborted) << out.status();
   EXPECT_EQ(f.Master(1), before);

@@ -1,0 +1,273 @@
+// A step's kind (step_kind.h) from the request's flags, the order the
+// planner gives each kind's plan, and the readiness contract of engine.h
+// as the fake engine keeps it: a step updated per subgroup reads no
+// subgroup's gradients before its wait_ready returned, in the plan's order,
+// and stops at the first failed wait; other steps never wait.
+#include "daemon/sched/step_kind.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "daemon/sched/step_executor.h"
+#include "daemon/sched/step_planner.h"
+#include "daemon/state/shard_state.h"
+#include "dos/wire/control_block.h"
+#include "tests/unit/sched/fake_engine.h"
+
+namespace dos {
+namespace {
+
+using Gradients = StepKind::Gradients;
+constexpr uint64_t kSg = 1000;  // elements per subgroup
+
+TEST(StepKindTest, DecodesEachKindFromTheRequestsFlags) {
+  struct Case {
+    uint32_t flags;
+    Gradients gradients;
+  };
+  const Case cases[] = {
+      {0, Gradients::kFinal},
+      {kStepGradientsChecked | kStepTrainerEventRecorded | kStepGpuLease | kStepSkipTensors,
+       Gradients::kFinal},
+      {kStepGradientsPending, Gradients::kAtVerdict},
+      {kStepGradientsPending | kStepGradientsChecked, Gradients::kAtVerdict},
+      {kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked, Gradients::kPerSubgroup},
+  };
+  for (const Case& c : cases) {
+    for (bool stream : {false, true}) {
+      absl::StatusOr<StepKind> kind = StepKind::Decode(c.flags, stream);
+      ASSERT_TRUE(kind.ok()) << c.flags << ": " << kind.status();
+      EXPECT_EQ(*kind, StepKind(c.gradients, stream)) << c.flags;
+      EXPECT_EQ(kind->early(), c.gradients != Gradients::kFinal);
+      EXPECT_EQ(kind->awaits_verdict(), c.gradients == Gradients::kAtVerdict);
+      EXPECT_EQ(kind->per_subgroup(), c.gradients == Gradients::kPerSubgroup);
+      EXPECT_EQ(kind->stream_ordered(), stream);
+    }
+  }
+  EXPECT_EQ(StepKind(), StepKind(Gradients::kFinal, false));
+  EXPECT_STREQ(StepKind(Gradients::kPerSubgroup, false).name(), "per_subgroup");
+}
+
+TEST(StepKindTest, RefusesWhatNoClientMaySend) {
+  struct Case {
+    uint32_t flags;
+    const char* names;  // in the message
+  };
+  const Case cases[] = {
+      {1u << 31, "unknown bits"},
+      {~0u, "unknown bits"},
+      {kStepAbandon, "kStepAbandon"},
+      {kStepGradientsPending | kStepAbandon, "kStepAbandon"},
+      {kStepNoVerdict | kStepGradientsChecked, "kStepNoVerdict"},
+      {kStepGradientsPending | kStepNoVerdict, "kStepGradientsChecked"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<StepKind> kind = StepKind::Decode(c.flags, false);
+    ASSERT_EQ(kind.status().code(), absl::StatusCode::kInvalidArgument) << c.flags;
+    EXPECT_NE(kind.status().message().find(c.names), absl::string_view::npos) << kind.status();
+  }
+  EXPECT_TRUE(CheckStepFlags(kStepAbandon, "verdict").ok());
+  EXPECT_EQ(CheckStepFlags(1u << 30, "verdict").code(), absl::StatusCode::kInvalidArgument);
+}
+
+ShardLayout Uniform(uint32_t n) {
+  ShardLayout l;
+  l.subgroup_numel.assign(n, kSg);
+  return l;
+}
+
+PlannerOptions Gpu(uint64_t resident_bytes = 0) {
+  PlannerOptions o;
+  o.budgets.gpu = true;
+  o.budgets.gpu_resident_bytes = resident_bytes;
+  return o;
+}
+
+Policy P(absl::string_view text) { return *ParsePolicy(text); }
+
+const StepKind kSync;
+const StepKind kVerdict(Gradients::kAtVerdict, false);
+const StepKind kPerSubgroup(Gradients::kPerSubgroup, true);
+
+// Synchronous and verdict steps: resident first, 0 up, lists as placed.
+// Per subgroup: the order backward makes gradients final (the last
+// subgroups first), the resident ones last; shared keeps its ends.
+TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
+  StepPlanner planner(Gpu());
+  for (StepKind kind : {kSync, kVerdict}) {
+    const StepPlan plan = planner.Plan(P("interleave:2"), Uniform(7), 2, kind);
+    EXPECT_FALSE(plan.wait_ready);
+    EXPECT_TRUE(plan.resident_first);
+    EXPECT_EQ(plan.resident_order, (std::vector<uint32_t>{0, 1}));
+    EXPECT_EQ(plan.gpu_only, (std::vector<uint32_t>{2, 4, 6}));
+    EXPECT_EQ(plan.cpu_only, (std::vector<uint32_t>{3, 5}));
+  }
+  const StepPlan plan = planner.Plan(P("interleave:2"), Uniform(7), 2, kPerSubgroup);
+  EXPECT_TRUE(plan.wait_ready);
+  EXPECT_FALSE(plan.resident_first);
+  EXPECT_EQ(plan.resident_order, (std::vector<uint32_t>{1, 0}));
+  EXPECT_EQ(plan.gpu_only, (std::vector<uint32_t>{6, 4, 2}));
+  EXPECT_EQ(plan.cpu_only, (std::vector<uint32_t>{5, 3}));
+
+  const StepPlan sync_auto = planner.Plan(P("auto"), Uniform(20), 0, kSync);
+  const StepPlan early_auto = planner.Plan(P("auto"), Uniform(20), 0, kPerSubgroup);
+  ASSERT_FALSE(sync_auto.gpu_only.empty());
+  ASSERT_FALSE(sync_auto.cpu_only.empty());
+  EXPECT_EQ(early_auto.gpu_only,
+            std::vector<uint32_t>(sync_auto.gpu_only.rbegin(), sync_auto.gpu_only.rend()));
+  EXPECT_EQ(early_auto.cpu_only,
+            std::vector<uint32_t>(sync_auto.cpu_only.rbegin(), sync_auto.cpu_only.rend()));
+  EXPECT_EQ(early_auto.shared, sync_auto.shared);
+
+  StepPlanner host{PlannerOptions{}};
+  EXPECT_EQ(host.Plan(P("auto"), Uniform(4), 0, kPerSubgroup).cpu_only,
+            (std::vector<uint32_t>{3, 2, 1, 0}));
+}
+
+// One tensor of `n` subgroups whose gradients start as NaN: only the
+// trainer's "backward" (Produce) makes a subgroup's real.
+struct Trainer {
+  HostMemoryBudget budget{0};
+  std::unique_ptr<ShardState> shard;
+  std::vector<float> params, grads;
+  std::vector<TensorBinding> bindings;
+
+  explicit Trainer(uint32_t n, bool produced) {
+    std::vector<TensorDesc> tensors(1);
+    tensors[0].numel = n * kSg;
+    shard = *ShardState::Create(tensors, {GroupConfig{GroupStepParams{}, true}}, kSg, &budget,
+                                "test");
+    params.resize(tensors[0].numel);
+    grads.assign(tensors[0].numel, std::numeric_limits<float>::quiet_NaN());
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i] = 0.5f + 1e-3f * static_cast<float>(i % 89);
+    }
+    bindings.push_back({params.data(), grads.data()});
+    for (uint32_t sg = 0; produced && sg < n; ++sg) Produce(sg);
+  }
+  void Produce(uint32_t sg) {
+    for (uint64_t i = sg * kSg; i < (sg + 1) * kSg; ++i) {
+      grads[i] = 1e-2f * static_cast<float>(static_cast<int>(i % 11) - 5);
+    }
+  }
+  std::vector<float> State(Engine& engine) const {
+    EXPECT_TRUE(engine.SyncResidentToHost(*shard).ok());
+    std::vector<float> all;
+    for (int which = 0; which < 3; ++which) {
+      std::vector<float> v(shard->tensors()[0].numel);
+      shard->ReadTensor(0, which, v.data());
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  }
+  static StepRequest Request(uint32_t flags) {
+    StepRequest r{};
+    r.num_groups = 1;
+    r.grad_scale = 1;
+    r.clip_coef = 1;
+    r.groups[0] = GroupStepParams{1e-2, 0.9, 0.999, 1e-8, 0.01};
+    r.flags = flags;
+    return r;
+  }
+};
+
+constexpr uint32_t kPerSubgroupFlags = kStepGradientsPending | kStepNoVerdict |
+                                       kStepGradientsChecked;
+
+// A fake GPU engine with two resident subgroups of six under auto, and the
+// same step on the fake's host path with every gradient final first: the
+// early step must wait for each subgroup's gradients (they are NaN until
+// then) and end bit for bit where the synchronous one does.
+TEST(StepKindTest, TheFakeEngineReadsNoGradientsBeforeTheyAreReady) {
+  FakeEngine ref_engine(FakeEngine::Options{.gpu = false});
+  StepExecutor ref_ex(&ref_engine);
+  Trainer ref(6, /*produced=*/true);
+  ASSERT_TRUE(ref_ex.ReadWeights(*ref.shard, ref.bindings, 0).ok());
+  ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, Trainer::Request(0), P("auto")).ok());
+
+  FakeEngine engine(FakeEngine::Options{.gpu = true});
+  StepExecutor ex(&engine, Gpu(2 * kSg * 12));
+  Trainer t(6, /*produced=*/false);
+  ASSERT_TRUE(ex.ReadWeights(*t.shard, t.bindings, 0).ok());
+  const StepRequest r = Trainer::Request(kPerSubgroupFlags);
+  std::vector<uint32_t> waited;
+  StepSync sync;
+  sync.wait_ready = [&](uint32_t sg) {
+    waited.push_back(sg);
+    t.Produce(sg);  // backward finished this subgroup just now
+    return absl::OkStatus();
+  };
+  sync.is_ready = [&](uint32_t sg) {
+    return std::find(waited.begin(), waited.end(), sg) != waited.end();
+  };
+  const StepKind kind = *StepKind::Decode(r.flags, false);
+  absl::StatusOr<StepOutcome> out = ex.Run(*t.shard, t.bindings, r, kind, P("auto"), sync, 0, {});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->early);
+  EXPECT_EQ(out->resident_subgroups, 2u);
+  // Every subgroup waited for once, updated right after, in the plan's order.
+  const StepPlan plan = engine.plans().back();
+  EXPECT_TRUE(plan.wait_ready);
+  ASSERT_EQ(waited.size(), 6u);
+  EXPECT_EQ(waited, engine.done_subgroups());
+  EXPECT_EQ(std::vector<uint32_t>(waited.end() - 2, waited.end()), (std::vector<uint32_t>{1, 0}));
+  EXPECT_EQ(t.params, ref.params);
+  EXPECT_EQ(t.State(engine), ref.State(ref_engine));
+}
+
+TEST(StepKindTest, AFailedWaitEndsTheFakeEnginesStepThere) {
+  FakeEngine engine(FakeEngine::Options{.gpu = true});
+  StepExecutor ex(&engine, Gpu());
+  Trainer t(4, /*produced=*/true);
+  ASSERT_TRUE(ex.ReadWeights(*t.shard, t.bindings, 0).ok());
+  const std::vector<float> before = t.params;
+  StepSync sync;
+  int waits = 0;
+  sync.wait_ready = [&](uint32_t) {
+    return ++waits < 3 ? absl::OkStatus() : absl::UnavailableError("trainer gone");
+  };
+  sync.is_ready = [](uint32_t) { return false; };
+  const StepRequest r = Trainer::Request(kPerSubgroupFlags);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*t.shard, t.bindings, r, kPerSubgroup, P("interleave:2"), sync, 0, {});
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable) << out.status();
+  EXPECT_EQ(engine.done_subgroups().size(), 2u);  // the two waited for, nothing after
+  EXPECT_EQ(t.shard->tensors()[0].step, 0);
+  // The subgroups not reached keep the trainer's weights.
+  size_t unchanged = 0;
+  for (size_t i = 0; i < before.size(); ++i) unchanged += t.params[i] == before[i];
+  EXPECT_GE(unchanged, 2 * kSg);
+}
+
+TEST(StepKindTest, StepsWhoseGradientsAreFinalNeverWait) {
+  for (StepKind kind : {kSync, kVerdict}) {
+    FakeEngine engine(FakeEngine::Options{.gpu = true});
+    StepExecutor ex(&engine, Gpu(kSg * 12));
+    Trainer t(3, /*produced=*/true);
+    ASSERT_TRUE(ex.ReadWeights(*t.shard, t.bindings, 0).ok());
+    StepSync sync;
+    sync.wait_ready = [](uint32_t) -> absl::Status {
+      ADD_FAILURE() << "wait_ready called for a step whose gradients are final";
+      return absl::InternalError("waited");
+    };
+    sync.is_ready = [](uint32_t) {
+      ADD_FAILURE() << "is_ready called for a step whose gradients are final";
+      return false;
+    };
+    const StepRequest r = Trainer::Request(kind.early() ? uint32_t{kStepGradientsPending} : 0u);
+    AwaitVerdict verdict = [] { return absl::StatusOr<StepRequest>(Trainer::Request(0)); };
+    absl::StatusOr<StepOutcome> out =
+        ex.Run(*t.shard, t.bindings, r, kind, P("auto"), sync, 0, verdict);
+    ASSERT_TRUE(out.ok()) << kind.name() << ": " << out.status();
+    EXPECT_FALSE(engine.plans().back().wait_ready);
+    EXPECT_EQ(engine.done_subgroups(), (std::vector<uint32_t>{0, 1, 2}));
+  }
+}
+
+}  // namespace
+}  // namespace dos
