@@ -331,7 +331,7 @@ def dosctl_host_state(dosctl, sock):
         return None
 
 
-def make_optimizer(args, model, inner, rank):
+def make_optimizer(args, inner, rank):
     """(optimizer, note); registration happens here for DOS."""
     import torch
     import gpt
@@ -420,8 +420,8 @@ def run(args):
     mem_avail0 = largest.mem_available()  # before anything registers
     if rank == 0:
         print(f"fsdp_scale {args.label}: {cfg['layers']} x {cfg['d_model']} "
-              f"({largest.billions(params)} parameters), {args.optimizer}, {wrap} over {world} rank(s) on {args.device}, "
-              f"batch {args.batch} x seq {cfg['seq']} a rank", flush=True)
+              f"({largest.billions(params)} parameters), {args.optimizer}, {wrap} over {world} "
+              f"rank(s) on {args.device}, batch {args.batch} x seq {cfg['seq']} a rank", flush=True)
     sampler = e2e.GpuSampler(torch, local) if cuda else None
     t0 = time.perf_counter()
     model, inner = build_model(args, cfg, device, rank, world, wrap)
@@ -430,7 +430,7 @@ def run(args):
     model_init_s = time.perf_counter() - t0
     dist.barrier()
     t0 = time.perf_counter()
-    opt, note = make_optimizer(args, model, inner, rank)
+    opt, note = make_optimizer(args, inner, rank)
     register_s = time.perf_counter() - t0
     if hasattr(opt, "_entries"):
         registered = sum(e.local.numel() for e in opt._entries)
@@ -472,7 +472,7 @@ def run(args):
 
 def record(args, cfg, params, world, wrap, wrap_reason, note, recs, loss, dosd, plan):
     """This run's record (rank 0, from every rank's figures)."""
-    per_iter = [max(r["iter_times_s"][i] for r in recs) for i in range(len(recs[0]["iter_times_s"]))]
+    per_iter = [max(ts) for ts in zip(*(r["iter_times_s"] for r in recs))]  # slowest rank
     med = statistics.median(per_iter)
     tokens = args.batch * cfg["seq"] * world
     flops = model_flops(cfg, tokens)
