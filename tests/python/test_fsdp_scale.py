@@ -42,7 +42,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, out_dir, timeout=240):
+def launch(args, out_dir, timeout=150):
     """The script on WORLD ranks, as torchrun would start them; returns
     rank 0's output (fails the test with every rank's output otherwise)."""
     port = free_port()
@@ -50,7 +50,8 @@ def launch(args, out_dir, timeout=240):
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                    LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="")  # CPU ranks, also on a GPU host
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
         procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
