@@ -115,7 +115,7 @@ def test_two_ranks_one_dosd_then_reference():
             assert names.get(f"{key}_tiny_x2", 0) > 0, (key, names)
         tokens = 4 * 32 * WORLD
         assert names["e2e_tokens_per_s_tiny_x2"] == pytest.approx(tokens / r["iter_s_median"],
-                                                                   rel=1e-3)
+                                                                   rel=5e-3)
 
         # The reference (torch's AdamW, no dosd) merges into the same file.
         launch([*TINY, "--optimizer", "reference", "--out", res, "--label", "ref"], logs)
