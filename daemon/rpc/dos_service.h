@@ -11,10 +11,13 @@
 // handler thread for as long as their work takes (each handler says how
 // long). gRPC's synchronous server (dosd sets no thread quota) adds threads
 // as calls need them, so a long call delays no other call, and no step
-// (steps do not travel through gRPC). What bounds them: registration by the
-// session's bytes (the memory limits) and each trainer registering once;
-// saves by the one checkpointer thread that runs them in order (concurrent
-// saves queue there, each holding one handler thread while it waits).
+// (steps do not travel through gRPC). What bounds them: a session registers
+// once (a second RegisterShard fails at once), so registrations in flight
+// are at most the sessions held (--max_sessions, --max_sessions_per_uid),
+// each as long as its state's bytes take (--session_memory_limit,
+// --host_memory_limit); saves run one at a time on the checkpointer's
+// thread, in order (concurrent saves queue there, each holding one handler
+// thread while it waits); loads run on their handler thread.
 //
 // Thread-safety: gRPC calls handlers from its own thread pool; all state is
 // in the thread-safe SessionManager and HostMemoryBudget.
@@ -107,7 +110,7 @@ class DosService final : public v1::Dos::Service {
   // Blocks its handler thread while the state is allocated, pinned and
   // filled (and, on a re-attach, restored from a checkpoint): bounded by the
   // session's tensors' bytes (--session_memory_limit, --host_memory_limit)
-  // at memory and disk speed. Trainers register once, at start-up.
+  // at memory and disk speed; once per session, at the trainer's start-up.
   absl::Status HandleRegisterShard(const RpcCall& call, const v1::RegisterShardRequest& req,
                                    v1::RegisterShardResponse* resp);
   absl::Status HandleGetPolicy(const RpcCall& call, const v1::GetPolicyRequest& req,
