@@ -29,9 +29,7 @@
 #include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
-#ifdef DOS_WITH_CUDA
-#include "daemon/gpu/gpu_engine.h"
-#endif
+#include "daemon/engines.h"
 #include "daemon/metrics/metrics_http_server.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "daemon/metrics/metrics_registry.h"
@@ -149,16 +147,8 @@ struct DaemonConfig {
   mode_t socket_mode = 0660;         // permissions of that socket
   uint64_t host_memory_limit = 0;    // bytes of optimizer state; 0 = unlimited
   SessionOptions session;            // control blocks, subgroup size default
-  cpu::CpuUpdaterOptions cpu;        // update threads, tile, ISA
+  EnginesConfig engines;             // CPU updater (threads, tile, ISA), GPU engines
   Policy default_policy;             // policy of new sessions
-  GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
-  uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
-  int gpu_staging_slots = 2;         // GPU-path subgroups in flight
-  bool gpu_prefetch = false;         // state into the slots before the verdict
-  double model_host_gbps = 0;        // M_host for the performance model; 0 = built-in
-  bool gpu_cpu_grad_fp32 = false;    // CPU path sends fp32 gradients (measurement)
-  bool gpu_cpu_copy_kernel = true;   // CPU path copies by kernel (false: copy engines)
-  std::string gpu_timeline;          // per-step placement log; empty: off
   LogLevel log_level = LogLevel::kInfo;
   bool checkpoints = true;           // false: --checkpoint_dir is empty
   CheckpointerOptions checkpoint;    // directory, autosave, restore
@@ -176,25 +166,29 @@ absl::Status GpuFlags(DaemonConfig& c) {
   absl::StatusOr<GpuDeviceSelection> devices =
       GpuDevicesFromFlags(absl::GetFlag(FLAGS_gpu_devices), absl::GetFlag(FLAGS_gpu_device));
   if (!devices.ok()) return devices.status();
-  c.gpu_devices = *std::move(devices);
-  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.gpu_memory_budget)) {
+  c.engines.gpu_devices = *std::move(devices);
+  if (!ParseBytes(absl::GetFlag(FLAGS_gpu_memory_budget), &c.engines.gpu_memory_budget)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu_memory_budget=", absl::GetFlag(FLAGS_gpu_memory_budget),
         " is not a size; write e.g. 12G or 0"));
   }
-  c.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
-  c.gpu_prefetch = absl::GetFlag(FLAGS_gpu_prefetch);
-  c.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
-  if (c.model_host_gbps < 0) return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
-  if (c.gpu_staging_slots < 1) return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
-  c.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
+  c.engines.gpu_staging_slots = absl::GetFlag(FLAGS_gpu_staging_slots);
+  c.engines.gpu_prefetch = absl::GetFlag(FLAGS_gpu_prefetch);
+  c.engines.model_host_gbps = absl::GetFlag(FLAGS_model_host_gbps);
+  if (c.engines.model_host_gbps < 0) {
+    return absl::InvalidArgumentError("--model_host_gbps must be >= 0");
+  }
+  if (c.engines.gpu_staging_slots < 1) {
+    return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
+  }
+  c.engines.gpu_cpu_grad_fp32 = absl::GetFlag(FLAGS_gpu_cpu_grad_fp32);
   const std::string copy = absl::GetFlag(FLAGS_gpu_cpu_path_copy);
   if (copy != "kernel" && copy != "dma") {
     return absl::InvalidArgumentError(absl::StrCat("--gpu_cpu_path_copy=", copy,
                                                    " is not one of: kernel, dma"));
   }
-  c.gpu_cpu_copy_kernel = copy == "kernel";
-  c.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
+  c.engines.gpu_cpu_copy_kernel = copy == "kernel";
+  c.engines.gpu_timeline = absl::GetFlag(FLAGS_gpu_timeline);
   return absl::OkStatus();
 }
 
@@ -268,18 +262,18 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   if (c.session.default_subgroup_size == 0) {
     return absl::InvalidArgumentError("--subgroup_size must be positive");
   }
-  c.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
-  c.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
-  if (c.cpu.threads < 0 || c.cpu.tile_elems == 0) {
+  c.engines.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.engines.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
+  if (c.engines.cpu.threads < 0 || c.engines.cpu.tile_elems == 0) {
     return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
   }
   std::string isa = absl::GetFlag(FLAGS_cpu_isa);
   if (!isa.empty()) {
-    if (!cpu::ParseIsa(isa, &c.cpu.isa)) {
+    if (!cpu::ParseIsa(isa, &c.engines.cpu.isa)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--cpu_isa=", isa, " is unknown; use scalar, avx2 or avx512"));
     }
-    if (!cpu::IsaSupported(c.cpu.isa)) {
+    if (!cpu::IsaSupported(c.engines.cpu.isa)) {
       return absl::FailedPreconditionError(
           absl::StrCat("--cpu_isa=", isa, " is not supported by this CPU"));
     }
@@ -335,52 +329,6 @@ int Fail(absl::string_view event, const absl::Status& status) {
   std::fprintf(stderr, "dosd: %s\n", std::string(status.message()).c_str());
   return 1;
 }
-
-#ifdef DOS_WITH_CUDA
-// One GPU engine per device --gpu_devices names, each with the executor (and
-// planner) over it. No device at all is not an error: the daemon runs CPU only.
-absl::Status AddGpuEngines(const DaemonConfig& config, cpu::CpuUpdater* cpu_updater,
-                           ExecutorSet* executors,
-                           std::vector<std::unique_ptr<gpu::GpuEngine>>* engines) {
-  absl::StatusOr<std::vector<int>> ordinals =
-      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
-  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
-    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
-    ordinals = std::vector<int>();
-  }
-  if (!ordinals.ok()) return ordinals.status();
-  for (int ordinal : *ordinals) {
-    gpu::GpuEngineOptions gopt;
-    gopt.device = ordinal;
-    gopt.staging_slots = config.gpu_staging_slots;
-    gopt.prefetch = config.gpu_prefetch;
-    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
-    gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
-    PlannerOptions planner;
-    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
-    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
-    planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
-    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
-    // Several engines write a file each (a step's line is too long to append
-    // atomically beside another engine's).
-    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
-                                ? config.gpu_timeline
-                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
-    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, cpu_updater);
-    if (engine.ok()) {
-      executors->AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
-                        engine->get(), planner);
-      engines->push_back(*std::move(engine));
-    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
-      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
-    } else {
-      return engine.status();
-    }
-  }
-  return absl::OkStatus();
-}
-#endif
 
 // The gRPC server on the unix socket (and --tcp_listen), the socket given
 // --socket_mode and --group. On failure `*event` names the log event.
@@ -473,39 +421,59 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConf
   return checkpointer;
 }
 
-int Run(const DaemonConfig& config) {
-  SetMinLogLevel(config.log_level);
-  // Block the stop signals in every thread; main() takes them with sigwait.
+// The stop signals, blocked in every thread from here on (Run takes them
+// with sigwait); SIGXFSZ ignored: a file size limit (systemd LimitFSIZE=,
+// ulimit -f) fails a checkpoint write with EFBIG, reported to its caller,
+// instead of killing dosd.
+sigset_t BlockStopSignals() {
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  // A file size limit (systemd LimitFSIZE=, ulimit -f) fails a checkpoint
-  // write with EFBIG, reported to its caller, instead of killing dosd.
   ::signal(SIGXFSZ, SIG_IGN);
+  return stop_signals;
+}
 
+// Once everything is up: the socket accepts calls (tests and operators take
+// an accepting socket for a ready daemon), health says SERVING and systemd
+// (Type=notify, a no-op outside systemd) hears READY.
+absl::Status AnnounceReady(UnixListener* listener, grpc::Server* server) {
+  if (absl::Status st = listener->Serve(server); !st.ok()) return st;
+  server->GetHealthCheckService()->SetServingStatus(true);
+  if (absl::Status st = SdNotify("READY=1"); !st.ok()) {
+    DOS_LOG_WARNING("daemon.sd_notify_failed", "error", st.message());
+  }
+  return absl::OkStatus();
+}
+
+void LogStart(const DaemonConfig& config, const Engines& engines) {
+  DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
+               config.socket_path, "cpu_threads", engines.cpu_updater().threads(), "cpu_isa",
+               cpu::IsaName(engines.cpu_updater().isa()), "policy",
+               FormatPolicy(config.default_policy), "host_memory_limit",
+               config.host_memory_limit, "gpu_engines",
+               DescribeDevices(engines.executors().devices()), "session_lease",
+               absl::FormatDuration(config.session_lease), "checkpoint_dir",
+               config.checkpoint.dir, "tcp_listen", config.tcp_listen);
+}
+
+int Run(const DaemonConfig& config) {
+  SetMinLogLevel(config.log_level);
+  const sigset_t stop_signals = BlockStopSignals();
   absl::StatusOr<std::unique_ptr<SocketGuard>> guard = SocketGuard::Claim(config.socket_path);
   if (!guard.ok()) return Fail("daemon.socket", guard.status());
 
   HostMemoryBudget budget(config.host_memory_limit);
   UidLedger ledger(config.uid_limits);
-  cpu::CpuUpdater cpu_updater(config.cpu);
-  // One GPU engine (streams, staging, performance model) and executor per
-  // device; every engine shares the one CPU updater.
-  ExecutorSet executors(&cpu_updater);
-#ifdef DOS_WITH_CUDA
-  std::vector<std::unique_ptr<gpu::GpuEngine>> gpu_engines;
-  if (absl::Status st = AddGpuEngines(config, &cpu_updater, &executors, &gpu_engines); !st.ok()) {
-    return Fail("daemon.gpu", st);
-  }
-#endif
+  absl::StatusOr<std::unique_ptr<Engines>> engines = Engines::Create(config.engines);
+  if (!engines.ok()) return Fail("daemon.gpu", engines.status());
   DaemonCounters counters;
   SessionOptions session_options = config.session;
   session_options.counters = &counters;
   session_options.ledger = &ledger;
-  SessionManager sessions(session_options, config.default_policy, &executors, &budget,
-                          config.session_lease);
+  SessionManager sessions(session_options, config.default_policy, (*engines)->executors(),
+                          &budget, config.session_lease);
   MetricsRegistry metrics;
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
   std::string checkpoints_off;
@@ -535,29 +503,16 @@ int Run(const DaemonConfig& config) {
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_server =
       StartMetrics(config, &metrics);
   if (!metrics_server.ok()) return Fail("daemon.metrics", metrics_server.status());
-  // The socket accepts calls once everything is up (tests and operators take
-  // an accepting socket for a ready daemon).
-  if (absl::Status st = (*listener)->Serve(server->get()); !st.ok()) {
+  if (absl::Status st = AnnounceReady(listener->get(), server->get()); !st.ok()) {
     return Fail("daemon.listen", st);
   }
-  (*server)->GetHealthCheckService()->SetServingStatus(true);
-  // systemd (Type=notify): ready once the socket accepts calls; the watchdog
-  // pings only while the session table can be locked (a wedged daemon stops
-  // pinging and systemd restarts it). Both are no-ops outside systemd.
-  if (absl::Status st = SdNotify("READY=1"); !st.ok()) {
-    DOS_LOG_WARNING("daemon.sd_notify_failed", "error", st.message());
-  }
+  // The watchdog pings only while the session table can be locked (a wedged
+  // daemon stops pinging and systemd restarts it); a no-op outside systemd.
   SdWatchdog watchdog([&sessions] {
     sessions.List();
     return true;
   });
-  DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
-               config.socket_path, "cpu_threads", cpu_updater.threads(), "cpu_isa",
-               cpu::IsaName(cpu_updater.isa()), "policy", FormatPolicy(config.default_policy),
-               "host_memory_limit", config.host_memory_limit, "gpu_engines",
-               DescribeDevices(executors.devices()),
-               "session_lease", absl::FormatDuration(config.session_lease), "checkpoint_dir",
-               config.checkpoint.dir, "tcp_listen", config.tcp_listen);
+  LogStart(config, **engines);
 
   int sig = 0;
   sigwait(&stop_signals, &sig);

@@ -4,11 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
-#include "daemon/rpc/grpc_status.h"
 #include "daemon/rpc/session_lookup.h"
 #include "daemon/rpc/step_stats.h"
 #include "daemon/rpc/uid_usage.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 namespace {
@@ -152,151 +152,182 @@ absl::Status VersionMismatch(absl::string_view client_version, uint32_t client_p
 
 }  // namespace
 
-CallerIdentity DosService::Caller(const grpc::ServerContext* ctx) const {
-  if (peers_ == nullptr) return CallerIdentity{};
-  return peers_->Lookup(ctx->peer());
-}
-
-absl::Status DosService::MayActOn(const grpc::ServerContext* ctx, const Session& s,
-                                  absl::string_view what) const {
-  if (authorizer_ == nullptr) return absl::OkStatus();
-  absl::Status st = authorizer_->MayActOn(Caller(ctx), s.identity().uid, s.identity().id, what);
-  if (!st.ok()) DOS_LOG_WARNING("auth.call_refused", "call", what, "error", st.message());
-  return st;
-}
-
-absl::Status DosService::MustBeOperator(const grpc::ServerContext* ctx,
-                                        absl::string_view what) const {
-  if (authorizer_ == nullptr) return absl::OkStatus();
-  absl::Status st = authorizer_->MustBeOperator(Caller(ctx), what);
-  if (!st.ok()) DOS_LOG_WARNING("auth.call_refused", "call", what, "error", st.message());
-  return st;
+RpcCall DosService::CallOf(const grpc::ServerContext* ctx) const {
+  return RpcCall(peers_ != nullptr ? peers_->Lookup(ctx->peer()) : CallerIdentity{}, authorizer_);
 }
 
 grpc::Status DosService::Attach(ServerContext* ctx, const v1::AttachRequest* req,
                                 v1::AttachResponse* resp) {
-  const CallerIdentity caller = Caller(ctx);
-  if (authorizer_ != nullptr) {
-    if (absl::Status st = authorizer_->MustBeLocal(caller, "attach"); !st.ok()) {
-      return ToGrpcStatus(st);
-    }
-  }
-  if (req->protocol_version() != kProtocolVersion) {
-    return ToGrpcStatus(VersionMismatch(req->client_version(), req->protocol_version(), version_));
-  }
-  if (req->pid() <= 0) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("attach: pid ", req->pid(), " is invalid; send the trainer's getpid()")));
-  }
-  // Who attaches, from the kernel (the descriptor socket's Hello), not from
-  // the pid the request claims: a trainer in a pid namespace claims its
-  // namespace's pid.
+  return Serve(ctx, req, resp, &DosService::HandleAttach, "attach", CallRights::kLocal);
+}
+grpc::Status DosService::Detach(ServerContext* ctx, const v1::DetachRequest* req,
+                                v1::DetachResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleDetach, "detach");
+}
+grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterShardRequest* req,
+                                       v1::RegisterShardResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleRegisterShard, "register");
+}
+grpc::Status DosService::GetPolicy(ServerContext* ctx, const v1::GetPolicyRequest* req,
+                                   v1::GetPolicyResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleGetPolicy, "get policy");
+}
+grpc::Status DosService::SetPolicy(ServerContext* ctx, const v1::SetPolicyRequest* req,
+                                   v1::SetPolicyResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleSetPolicy, "set policy");
+}
+grpc::Status DosService::GetStats(ServerContext* ctx, const v1::GetStatsRequest* req,
+                                  v1::GetStatsResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleGetStats, "stats");
+}
+grpc::Status DosService::ListSessions(ServerContext* ctx, const v1::ListSessionsRequest* req,
+                                      v1::ListSessionsResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleListSessions, "sessions", CallRights::kMember);
+}
+grpc::Status DosService::ExportState(ServerContext* ctx, const v1::TransferStateRequest* req,
+                                     v1::TransferStateResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleExportState, "export state");
+}
+grpc::Status DosService::ImportState(ServerContext* ctx, const v1::TransferStateRequest* req,
+                                     v1::TransferStateResponse* resp) {
+  return Serve(ctx, req, resp, &DosService::HandleImportState, "import state");
+}
+
+// Who attaches, from the kernel (the descriptor socket's Hello), not from
+// the pid the request claims: a trainer in a pid namespace claims its
+// namespace's pid. Then the allow lists, on the attaching process's
+// credentials as the kernel gave them at its Hello (else, in-process only,
+// the gRPC connection's).
+absl::StatusOr<std::shared_ptr<const PeerProcess>> DosService::AttachingProcess(
+    const RpcCall& call, const v1::AttachRequest& req) const {
   std::shared_ptr<const PeerProcess> process;
   if (descriptors_ != nullptr) {
-    absl::StatusOr<std::shared_ptr<const PeerProcess>> p = descriptors_->Redeem(req->fd_ticket());
+    absl::StatusOr<std::shared_ptr<const PeerProcess>> p = descriptors_->Redeem(req.fd_ticket());
     if (!p.ok()) {
-      DOS_LOG_WARNING("auth.attach_refused", "pid", req->pid(), "error", p.status().message());
-      return ToGrpcStatus(p.status());
+      DOS_LOG_WARNING("auth.attach_refused", "pid", req.pid(), "error", p.status().message());
+      return p.status();
     }
     process = *std::move(p);
   }
-  const int32_t pid = process != nullptr ? process->pid() : req->pid();
-  // The allow lists, on the attaching process's credentials as the kernel
-  // gave them at its Hello (else, in-process only, the gRPC connection's).
-  if (authorizer_ != nullptr) {
-    absl::Status st =
-        process != nullptr
-            ? authorizer_->MayAttach(process->uid(), process->gid(), process->groups())
-            : authorizer_->MayAttach(caller.uid, caller.gid, caller.groups);
-    if (!st.ok()) {
-      DOS_LOG_WARNING("auth.attach_refused", "pid", pid, "error", st.message());
-      return ToGrpcStatus(st);
-    }
+  const CallerIdentity& caller = call.caller();
+  absl::Status st = process != nullptr
+                        ? call.MayAttach(process->uid(), process->gid(), process->groups())
+                        : call.MayAttach(caller.uid, caller.gid, caller.groups);
+  if (!st.ok()) {
+    DOS_LOG_WARNING("auth.attach_refused", "pid", process != nullptr ? process->pid() : req.pid(),
+                    "error", st.message());
+    return st;
   }
-  if (req->client_name().size() > 256) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "attach: client_name has ", req->client_name().size(), " bytes; at most 256")));
+  return process;
+}
+
+namespace {
+// What the wire can get wrong in an Attach's name and rank.
+absl::Status CheckAttachNameAndRank(const v1::AttachRequest& req) {
+  if (req.client_name().size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attach: client_name has ", req.client_name().size(), " bytes; at most 256"));
   }
   // The name reaches operators' terminals (dosctl sessions) and the log:
   // no control characters (an escape sequence would drive the terminal).
-  for (size_t i = 0; i < req->client_name().size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(req->client_name()[i]);
+  for (size_t i = 0; i < req.client_name().size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(req.client_name()[i]);
     if (c < 0x20 || c == 0x7f) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+      return absl::InvalidArgumentError(absl::StrCat(
           "attach: client_name has control character 0x", absl::Hex(c, absl::kZeroPad2),
-          " at byte ", i, "; use printable characters")));
+          " at byte ", i, "; use printable characters"));
     }
   }
-  if (req->rank() < -1 || (req->world_size() > 0 && req->rank() >= req->world_size())) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "attach: rank ", req->rank(), " is invalid for world_size ", req->world_size(),
-        "; send -1 when not distributed, else 0 <= rank < world_size")));
+  if (req.rank() < -1 || (req.world_size() > 0 && req.rank() >= req.world_size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attach: rank ", req.rank(), " is invalid for world_size ", req.world_size(),
+        "; send -1 when not distributed, else 0 <= rank < world_size"));
   }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<SessionIdentity> DosService::AttachIdentity(
+    const RpcCall& call, const v1::AttachRequest& req,
+    std::shared_ptr<const PeerProcess> process) const {
+  const CallerIdentity& caller = call.caller();
   SessionIdentity id;
-  id.client_name = req->client_name();
-  id.pid = pid;
+  id.client_name = req.client_name();
+  id.pid = process != nullptr ? process->pid() : req.pid();
   // The owner: the uid of the gRPC connection and of the descriptor socket's
   // Hello, which must agree (a ticket is no use to another user).
   id.uid = caller.known ? caller.uid : ::geteuid();
   if (process != nullptr) {
     if (caller.known && process->uid() != caller.uid) {
-      return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
+      return absl::PermissionDeniedError(absl::StrCat(
           "attach: the descriptor ticket belongs to uid ", process->uid(), " but uid ",
-          caller.uid, " called; a process attaches only with its own ticket")));
+          caller.uid, " called; a process attaches only with its own ticket"));
     }
     id.uid = process->uid();
   }
   id.process = std::move(process);
-  id.rank = req->rank();
-  id.local_rank = req->local_rank();
-  id.world_size = req->world_size();
-  if (req->has_resume() && req->resume().session_id() != 0 && req->resume().token().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "attach: resume.token is empty; pass the token the first Attach returned"));
+  id.rank = req.rank();
+  id.local_rank = req.local_rank();
+  id.world_size = req.world_size();
+  return id;
+}
+
+absl::Status DosService::HandleAttach(const RpcCall& call, const v1::AttachRequest& req,
+                                      v1::AttachResponse* resp) {
+  if (req.protocol_version() != kProtocolVersion) {
+    return VersionMismatch(req.client_version(), req.protocol_version(), version_);
+  }
+  if (req.pid() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attach: pid ", req.pid(), " is invalid; send the trainer's getpid()"));
+  }
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<const PeerProcess> process, AttachingProcess(call, req));
+  DOS_RETURN_IF_ERROR(CheckAttachNameAndRank(req));
+  DOS_ASSIGN_OR_RETURN(SessionIdentity id, AttachIdentity(call, req, std::move(process)));
+  if (req.has_resume() && req.resume().session_id() != 0 && req.resume().token().empty()) {
+    return absl::InvalidArgumentError(
+        "attach: resume.token is empty; pass the token the first Attach returned");
   }
   bool resumed = false;
-  absl::StatusOr<std::shared_ptr<Session>> s =
-      sessions_->Attach(std::move(id), req->resume().session_id(), req->resume().token(),
-                        &resumed);
-  if (!s.ok()) return ToGrpcStatus(s.status());
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       sessions_->Attach(std::move(id), req.resume().session_id(),
+                                         req.resume().token(), &resumed));
   resp->set_resumed(resumed);
-  resp->mutable_session()->set_session_id((*s)->identity().id);
-  resp->mutable_session()->set_token((*s)->identity().token);
-  resp->set_control_block_bytes((*s)->control_block_bytes());
+  resp->mutable_session()->set_session_id(s->identity().id);
+  resp->mutable_session()->set_token(s->identity().token);
+  resp->set_control_block_bytes(s->control_block_bytes());
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::Detach(ServerContext* ctx, const v1::DetachRequest* req,
-                                v1::DetachResponse*) {
-  if (req->session().session_id() == 0) {
-    return ToGrpcStatus(
-        absl::InvalidArgumentError("detach: session.session_id is 0; pass the id Attach returned"));
+absl::Status DosService::HandleDetach(const RpcCall& call, const v1::DetachRequest& req,
+                                      v1::DetachResponse*) {
+  if (req.session().session_id() == 0) {
+    return absl::InvalidArgumentError(
+        "detach: session.session_id is 0; pass the id Attach returned");
   }
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  if (absl::Status st = MayActOn(ctx, **s, "detach"); !st.ok()) return ToGrpcStatus(st);
-  return ToGrpcStatus(sessions_->Detach(req->session().session_id(), req->session().token()));
+  DOS_RETURN_IF_ERROR(call.MayActOn(FindSession(*sessions_, req.session()), "detach").status());
+  return sessions_->Detach(req.session().session_id(), req.session().token());
 }
 
-grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterShardRequest* req,
-                                       v1::RegisterShardResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  if (absl::Status st = MayActOn(ctx, **s, "register"); !st.ok()) return ToGrpcStatus(st);
-  if (absl::Status st = AdmitRegistration(**s, *req); !st.ok()) return ToGrpcStatus(st);
-  absl::StatusOr<ShardSpec> spec = ToShardSpec(*req);
-  absl::Status st = spec.ok() ? (*s)->Register(*spec) : spec.status();
+absl::Status DosService::HandleRegisterShard(const RpcCall& call,
+                                             const v1::RegisterShardRequest& req,
+                                             v1::RegisterShardResponse* resp) {
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       call.MayActOn(FindSession(*sessions_, req.session()), "register"));
+  DOS_RETURN_IF_ERROR(AdmitRegistration(*s, req));
+  absl::StatusOr<ShardSpec> spec = ToShardSpec(req);
+  absl::Status st = spec.ok() ? s->Register(*spec) : spec.status();
   if (!st.ok()) {
     // The trainer gets the reason; the operator reads it here.
-    const SessionIdentity& id = (*s)->identity();
+    const SessionIdentity& id = s->identity();
     DOS_LOG_WARNING("session.register_refused", "session", id.id, "client", id.client_name,
                     "uid", id.uid, "pid", id.pid, "rank", id.rank, "code",
                     absl::StatusCodeToString(st.code()), "error", st.message());
-    return ToGrpcStatus(st);
+    return st;
   }
-  Session::Summary sum = (*s)->summary();
+  Session::Summary sum = s->summary();
   resp->set_total_params(sum.params);
   resp->set_num_subgroups(sum.subgroups);
   resp->set_host_state_bytes(sum.state_bytes);
@@ -307,50 +338,45 @@ grpc::Status DosService::RegisterShard(ServerContext* ctx, const v1::RegisterSha
     resp->add_tensor_first_subgroup(first);
     resp->add_tensor_last_subgroup(last);
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::GetPolicy(ServerContext*, const v1::GetPolicyRequest* req,
-                                   v1::GetPolicyResponse* resp) {
-  if (req->session().session_id() == 0) {
+absl::Status DosService::HandleGetPolicy(const RpcCall&, const v1::GetPolicyRequest& req,
+                                         v1::GetPolicyResponse* resp) {
+  if (req.session().session_id() == 0) {
     resp->set_policy(FormatPolicy(sessions_->default_policy()));
-    return grpc::Status::OK;
+    return absl::OkStatus();
   }
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSessionOrOperator(*sessions_, req->session());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  resp->set_policy(FormatPolicy((*s)->policy()));
-  return grpc::Status::OK;
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       FindSessionOrOperator(*sessions_, req.session()));
+  resp->set_policy(FormatPolicy(s->policy()));
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::SetPolicy(ServerContext* ctx, const v1::SetPolicyRequest* req,
-                                   v1::SetPolicyResponse* resp) {
-  absl::StatusOr<Policy> policy = ParsePolicy(req->policy());
-  if (!policy.ok()) return ToGrpcStatus(policy.status());
-  if (req->session().session_id() == 0) {
-    if (absl::Status st = MustBeOperator(ctx, "set the default policy"); !st.ok()) {
-      return ToGrpcStatus(st);
-    }
-    sessions_->SetDefaultPolicy(*policy);
-    DOS_LOG_INFO("policy.default", "policy", FormatPolicy(*policy));
+absl::Status DosService::HandleSetPolicy(const RpcCall& call, const v1::SetPolicyRequest& req,
+                                         v1::SetPolicyResponse* resp) {
+  DOS_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(req.policy()));
+  if (req.session().session_id() == 0) {
+    DOS_RETURN_IF_ERROR(call.MustBeOperator("set the default policy"));
+    sessions_->SetDefaultPolicy(policy);
+    DOS_LOG_INFO("policy.default", "policy", FormatPolicy(policy));
   } else {
-    absl::StatusOr<std::shared_ptr<Session>> s =
-        FindSessionOrOperator(*sessions_, req->session());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    if (absl::Status st = MayActOn(ctx, **s, "set policy"); !st.ok()) return ToGrpcStatus(st);
-    (*s)->SetPolicy(*policy);
-    DOS_LOG_INFO("policy.set", "session", req->session().session_id(), "policy",
-                 FormatPolicy(*policy));
+    DOS_ASSIGN_OR_RETURN(
+        std::shared_ptr<Session> s,
+        call.MayActOn(FindSessionOrOperator(*sessions_, req.session()), "set policy"));
+    s->SetPolicy(policy);
+    DOS_LOG_INFO("policy.set", "session", req.session().session_id(), "policy",
+                 FormatPolicy(policy));
   }
-  resp->set_policy(FormatPolicy(*policy));
-  return grpc::Status::OK;
+  resp->set_policy(FormatPolicy(policy));
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req,
-                                  v1::GetStatsResponse* resp) {
-  if (req->session_id() != 0) {
-    absl::StatusOr<std::shared_ptr<Session>> s = sessions_->FindUnchecked(req->session_id());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    FillSessionStats(**s, resp->add_sessions());
+absl::Status DosService::HandleGetStats(const RpcCall&, const v1::GetStatsRequest& req,
+                                        v1::GetStatsResponse* resp) {
+  if (req.session_id() != 0) {
+    DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_->FindUnchecked(req.session_id()));
+    FillSessionStats(*s, resp->add_sessions());
   } else {
     for (const auto& s : sessions_->List()) FillSessionStats(*s, resp->add_sessions());
   }
@@ -391,12 +417,11 @@ grpc::Status DosService::GetStats(ServerContext*, const v1::GetStatsRequest* req
     m->set_bound_gparams_per_s(node.bound_params_per_s * 1e-9);
   }
   FillCheckpointUsage(resp);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::ListSessions(ServerContext* ctx, const v1::ListSessionsRequest*,
-                                      v1::ListSessionsResponse* resp) {
-  if (absl::Status st = MayListSessions(ctx); !st.ok()) return ToGrpcStatus(st);
+absl::Status DosService::HandleListSessions(const RpcCall&, const v1::ListSessionsRequest&,
+                                            v1::ListSessionsResponse* resp) {
   const std::vector<std::shared_ptr<Session>> live = sessions_->List();
   std::vector<std::shared_ptr<Session>> all = live;
   for (auto& o : sessions_->ListOrphans()) all.push_back(std::move(o));
@@ -438,7 +463,7 @@ grpc::Status DosService::ListSessions(ServerContext* ctx, const v1::ListSessions
   resp->set_daemon_pid(getpid());
   resp->set_daemon_version(version_);
   resp->set_protocol_version(kProtocolVersion);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 namespace {
@@ -450,37 +475,35 @@ absl::Status CheckTransferBuffer(const v1::TransferStateRequest& req) {
 }
 }  // namespace
 
-grpc::Status DosService::ExportState(ServerContext* ctx, const v1::TransferStateRequest* req,
-                                     v1::TransferStateResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  if (absl::Status st = MayActOn(ctx, **s, "export state"); !st.ok()) return ToGrpcStatus(st);
-  if (absl::Status st = CheckTransferBuffer(*req); !st.ok()) return ToGrpcStatus(st);
-  absl::StatusOr<int64_t> step =
-      (*s)->ExportState(req->tensor(), req->offset(), req->count(),
-                        SegmentRef(req->buffer().segment(), req->buffer().offset()));
-  if (!step.ok()) return ToGrpcStatus(step.status());
-  resp->set_step(*step);
-  return grpc::Status::OK;
+absl::Status DosService::HandleExportState(const RpcCall& call,
+                                           const v1::TransferStateRequest& req,
+                                           v1::TransferStateResponse* resp) {
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       call.MayActOn(FindSession(*sessions_, req.session()), "export state"));
+  DOS_RETURN_IF_ERROR(CheckTransferBuffer(req));
+  DOS_ASSIGN_OR_RETURN(int64_t step,
+                       s->ExportState(req.tensor(), req.offset(), req.count(),
+                                      SegmentRef(req.buffer().segment(), req.buffer().offset())));
+  resp->set_step(step);
+  return absl::OkStatus();
 }
 
-grpc::Status DosService::ImportState(ServerContext* ctx, const v1::TransferStateRequest* req,
-                                     v1::TransferStateResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*sessions_, req->session());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  if (absl::Status st = MayActOn(ctx, **s, "import state"); !st.ok()) return ToGrpcStatus(st);
-  if (absl::Status st = CheckTransferBuffer(*req); !st.ok()) return ToGrpcStatus(st);
-  if (req->step() < 0 || req->step() > kMaxImportedStep) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "import state: step ", req->step(), " is out of range; a step count is in [0, ",
-        kMaxImportedStep, "] (the next step must not overflow)")));
+absl::Status DosService::HandleImportState(const RpcCall& call,
+                                           const v1::TransferStateRequest& req,
+                                           v1::TransferStateResponse* resp) {
+  DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       call.MayActOn(FindSession(*sessions_, req.session()), "import state"));
+  DOS_RETURN_IF_ERROR(CheckTransferBuffer(req));
+  if (req.step() < 0 || req.step() > kMaxImportedStep) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "import state: step ", req.step(), " is out of range; a step count is in [0, ",
+        kMaxImportedStep, "] (the next step must not overflow)"));
   }
-  absl::Status st = (*s)->ImportState(req->tensor(), req->offset(), req->count(),
-                                      SegmentRef(req->buffer().segment(), req->buffer().offset()),
-                                      req->step());
-  if (!st.ok()) return ToGrpcStatus(st);
-  resp->set_step(req->step());
-  return grpc::Status::OK;
+  DOS_RETURN_IF_ERROR(s->ImportState(req.tensor(), req.offset(), req.count(),
+                                     SegmentRef(req.buffer().segment(), req.buffer().offset()),
+                                     req.step()));
+  resp->set_step(req.step());
+  return absl::OkStatus();
 }
 
 }  // namespace dos

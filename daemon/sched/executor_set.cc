@@ -6,8 +6,8 @@
 
 namespace dos {
 
-ExecutorSet::ExecutorSet(cpu::CpuUpdater* cpu)
-    : host_engine_(cpu), host_(std::make_unique<StepExecutor>(&host_engine_)) {}
+ExecutorSet::ExecutorSet(Engine* host_engine)
+    : host_(std::make_unique<StepExecutor>(host_engine)) {}
 
 void ExecutorSet::AddGpu(GpuDeviceInfo device, Engine* engine, const PlannerOptions& planner) {
   PlannerOptions with_node = planner;

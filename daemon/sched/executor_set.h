@@ -6,13 +6,17 @@
 // session's steps run on the engine of that device. Register picks it from the
 // device UUID of the session's tensors (ForDeviceUuid); sessions whose
 // tensors are in shared memory run on host(), over the host engine. All
-// executors share the daemon's one CPU updater (its thread pool), and the GPU
+// engines share the daemon's one CPU updater (its thread pool), and the GPU
 // executors' planners one view of the host's memory bandwidth and cores
 // (node()), split between the engines stepping at the same time.
 //
-// Ownership: the set owns its executors (each with its planner) and the host
-// engine; the GPU engines and the CPU updater are owned by the caller and
-// outlive the set. The set outlives every session.
+// Every engine is injected (the composition root, main.cc, builds the host
+// engine and the GPU engines): sched/ knows engines only through engine.h,
+// so it does not depend on cpu/'s host engine nor gpu/.
+//
+// Ownership: the set owns its executors (each with its planner); every
+// engine is owned by the caller and outlives the set. The set outlives every
+// session.
 // Thread-safety: AddGpu is called during start-up only, before any session
 // exists; every other method is const and thread-safe.
 #pragma once
@@ -24,9 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "daemon/cpu/cpu_updater.h"
 #include "daemon/sched/device_selection.h"
-#include "daemon/cpu/host_engine.h"
 #include "daemon/sched/engine.h"
 #include "daemon/sched/node_resources.h"
 #include "daemon/sched/step_planner.h"
@@ -42,7 +44,9 @@ class ExecutorSet {
     StepExecutor* executor = nullptr;
   };
 
-  explicit ExecutorSet(cpu::CpuUpdater* cpu);
+  // `host_engine`: the engine of host-memory sessions (cpu::HostEngine in
+  // dosd; its has_gpu() is false).
+  explicit ExecutorSet(Engine* host_engine);
   ExecutorSet(const ExecutorSet&) = delete;
   ExecutorSet& operator=(const ExecutorSet&) = delete;
 
@@ -66,7 +70,6 @@ class ExecutorSet {
 
  private:
   NodeResources node_;  // before the executors whose planners point to it
-  cpu::HostEngine host_engine_;
   std::unique_ptr<StepExecutor> host_;
   std::vector<GpuDeviceInfo> devices_;                    // parallel to gpu_
   std::vector<std::unique_ptr<StepExecutor>> gpu_;

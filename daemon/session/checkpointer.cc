@@ -263,15 +263,39 @@ std::string Checkpointer::DefaultPath(const Session& session, absl::string_view 
       .string();
 }
 
+absl::StatusOr<std::shared_ptr<Session>> Checkpointer::FindLiveOrOrphan(uint64_t id) const {
+  absl::StatusOr<std::shared_ptr<Session>> s = sessions_->FindUnchecked(id);
+  if (s.ok()) return s;
+  for (auto& o : sessions_->ListOrphans()) {
+    if (o->identity().id == id) return o;
+  }
+  return s.status();
+}
+
 absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Save(uint64_t session_id,
                                                                  const std::string& path) {
+  // One session's path is resolved here, once, on the caller's thread: a bad
+  // path fails at once instead of after the jobs queued before it. (Every
+  // session's: per owner, on the writer thread.)
+  std::string resolved;
+  if (session_id != 0 && !path.empty()) {
+    if (absl::StatusOr<std::shared_ptr<Session>> s = FindLiveOrOrphan(session_id); s.ok()) {
+      DOS_ASSIGN_OR_RETURN(resolved, Resolve((*s)->identity().uid, path, "path"));
+    }
+  }
   absl::StatusOr<std::vector<CheckpointRecord>> result;
   bool done = false;
   absl::MutexLock lock(&mu_);
   if (!started_ || stop_) {
     return absl::UnavailableError("checkpoint: the checkpointer is not running");
   }
-  jobs_.push_back(Job{session_id, path, false, 0, &result, &done, nullptr});
+  Job job;
+  job.session_id = session_id;
+  job.path = path;
+  job.resolved = std::move(resolved);
+  job.result = &result;
+  job.done = &done;
+  jobs_.push_back(std::move(job));
   mu_.Await(absl::Condition(&done));
   return result;
 }
@@ -322,12 +346,7 @@ void Checkpointer::WriterLoop() {
 absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) {
   std::vector<std::shared_ptr<Session>> targets;
   if (job.session_id != 0) {
-    absl::StatusOr<std::shared_ptr<Session>> s = sessions_->FindUnchecked(job.session_id);
-    if (!s.ok()) {
-      for (auto& o : sessions_->ListOrphans()) {
-        if (o->identity().id == job.session_id) s = o;
-      }
-    }
+    absl::StatusOr<std::shared_ptr<Session>> s = FindLiveOrOrphan(job.session_id);
     if (!s.ok()) return s.status();
     targets.push_back(*s);
   } else {
@@ -361,7 +380,11 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     std::string path;
     if (!job.path.empty()) {
       const SessionIdentity& sid = s->identity();
-      DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
+      if (!job.resolved.empty() && sid.id == job.session_id) {
+        path = job.resolved;  // Save() resolved it
+      } else {
+        DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
+      }
       DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(path));
       const bool is_dir = kind == StoreEnv::Kind::kDirectory;
       // A folder (every session, an existing folder, "." or a trailing "/")
@@ -402,17 +425,14 @@ bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s, bool autosave) 
   const absl::Time deadline =
       absl::Now() + (autosave && autosave_skipped_.count(id) ? absl::ZeroDuration()
                                                              : options_.stalled_trainer_wait);
-  while (s.AwaitingTrainer()) {
-    if (absl::Now() >= deadline) {
-      if (autosave && autosave_skipped_.insert(id).second) {
-        DOS_LOG_WARNING("checkpoint.autosave_skipped", "session", id, "pid", s.identity().pid,
-                        "reason", "a step waits for this trainer's gradients or verdict",
-                        "waited", absl::FormatDuration(options_.stalled_trainer_wait),
-                        "next_try", "each autosave, until that step ends");
-      }
-      return false;
+  if (!s.WaitUntilNotAwaitingTrainer(deadline)) {
+    if (autosave && autosave_skipped_.insert(id).second) {
+      DOS_LOG_WARNING("checkpoint.autosave_skipped", "session", id, "pid", s.identity().pid,
+                      "reason", "a step waits for this trainer's gradients or verdict",
+                      "waited", absl::FormatDuration(options_.stalled_trainer_wait),
+                      "next_try", "each autosave, until that step ends");
     }
-    absl::SleepFor(absl::Milliseconds(5));
+    return false;
   }
   if (autosave) autosave_skipped_.erase(id);
   return true;
@@ -491,7 +511,11 @@ void Checkpointer::PruneAutosaves(const std::string& subdir) {
 absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr<Session> session,
                                                                  const std::string& path) {
   std::vector<std::shared_ptr<Session>> targets;
+  // One session's path is resolved once, first (as Save() does); every
+  // session's per owner below.
+  std::string resolved_one;
   if (session != nullptr) {
+    DOS_ASSIGN_OR_RETURN(resolved_one, Resolve(session->identity().uid, path, "path"));
     targets.push_back(std::move(session));
   } else {
     targets = sessions_->List();
@@ -503,7 +527,10 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
   for (const auto& s : targets) {
     if (!s->registered()) continue;
     const SessionIdentity& id = s->identity();
-    DOS_ASSIGN_OR_RETURN(std::string resolved, Resolve(id.uid, path, "checkpoint path"));
+    std::string resolved = resolved_one;
+    if (resolved.empty()) {
+      DOS_ASSIGN_OR_RETURN(resolved, Resolve(id.uid, path, "checkpoint path"));
+    }
     DOS_RETURN_IF_ERROR(folders_->Trust(id.uid, false));
     DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(resolved));
     const bool is_dir = kind == StoreEnv::Kind::kDirectory;

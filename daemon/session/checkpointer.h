@@ -102,7 +102,12 @@ class Checkpointer {
   void Stop();
 
   // session_id 0: every registered (or orphaned) session. Blocks the caller
-  // until written; training continues meanwhile.
+  // until written; training continues meanwhile. How long: the jobs queued
+  // before it (one writer thread, in order), then per session the copy of
+  // its state and the file write (its state's bytes at the copy and disk
+  // speeds), plus, for every session, up to stalled_trainer_wait per session
+  // that waits for its trainer. One session's `path` is resolved under its
+  // owner's folder before queueing (INVALID_ARGUMENT at once, field "path").
   absl::StatusOr<std::vector<CheckpointRecord>> Save(uint64_t session_id,
                                                      const std::string& path);
   // Deletes `path` (resolved under uid `owner`'s folder: a file, or every
@@ -114,6 +119,9 @@ class Checkpointer {
   uint64_t quota() const { return options_.folders.quota_bytes; }
 
   // `session` may be null: every registered session (path a directory).
+  // One session's `path` is resolved first (INVALID_ARGUMENT, field "path").
+  // Runs on the caller's thread: reads and verifies each file (its bytes at
+  // disk speed).
   absl::StatusOr<std::vector<CheckpointRecord>> Load(std::shared_ptr<Session> session,
                                                      const std::string& path);
 
@@ -135,7 +143,8 @@ class Checkpointer {
  private:
   struct Job {
     uint64_t session_id = 0;
-    std::string path;
+    std::string path;      // as the caller gave it
+    std::string resolved;  // one session's path, resolved by Save() ("": none)
     bool autosave = false;
     uint64_t forget = 0;  // != 0: free this closed session's staging copy only
     absl::StatusOr<std::vector<CheckpointRecord>>* result = nullptr;  // null: nobody waits
@@ -143,6 +152,8 @@ class Checkpointer {
     std::function<void()> task;  // set: only run this (then set *done)
   };
   void WriterLoop();
+  // A live session, or one whose trainer died and that waits for a resume.
+  absl::StatusOr<std::shared_ptr<Session>> FindLiveOrOrphan(uint64_t id) const;
   absl::StatusOr<std::vector<CheckpointRecord>> Run(const Job& job);
   // False when `s` still waits for its trainer after stalled_trainer_wait
   // (for an autosave: at once if it did at the last autosave too).

@@ -44,6 +44,7 @@
 #include "daemon/sched/step_executor.h"
 #include "daemon/sched/step_kind.h"
 #include "daemon/state/register_progress.h"
+#include "daemon/session/waitable_count.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
@@ -162,7 +163,12 @@ class Session {
   // step's ready words or verdict, up to --early_step_ready_timeout): a
   // Snapshot now would wait that long, so autosaves take the other sessions
   // first (Checkpointer).
-  bool AwaitingTrainer() const { return awaiting_trainer_.load(std::memory_order_acquire) > 0; }
+  bool AwaitingTrainer() const { return awaiting_trainer_.nonzero(); }
+  // True once no step waits for the trainer, false if one still does at
+  // `deadline` (woken when the wait ends, not polled).
+  bool WaitUntilNotAwaitingTrainer(absl::Time deadline) const {
+    return awaiting_trainer_.WaitForZero(deadline);
+  }
   // Loads a checkpoint file into the state and rewrites the trainer's
   // weights; the state is untouched if the file is corrupt or of another
   // layout. Returns the loaded step count. `env`: the checkpoint store's
@@ -358,7 +364,7 @@ class Session {
   std::atomic<bool> thread_started_{false};
   std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
   // Waits for the trainer in progress (WaitReady, AwaitVerdict).
-  mutable std::atomic<int> awaiting_trainer_{0};
+  mutable WaitableCount awaiting_trainer_;
   class AwaitingTrainerScope;
 };
 

@@ -14,15 +14,13 @@ namespace dos {
 // Counts a wait for the trainer in Session::awaiting_trainer_ while alive.
 class Session::AwaitingTrainerScope {
  public:
-  explicit AwaitingTrainerScope(const Session& s) : n_(s.awaiting_trainer_) {
-    n_.fetch_add(1, std::memory_order_acq_rel);
-  }
-  ~AwaitingTrainerScope() { n_.fetch_sub(1, std::memory_order_acq_rel); }
+  explicit AwaitingTrainerScope(const Session& s) : n_(s.awaiting_trainer_) { n_.Add(); }
+  ~AwaitingTrainerScope() { n_.Remove(); }
   AwaitingTrainerScope(const AwaitingTrainerScope&) = delete;
   AwaitingTrainerScope& operator=(const AwaitingTrainerScope&) = delete;
 
  private:
-  std::atomic<int>& n_;
+  WaitableCount& n_;
 };
 
 StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) const {

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "daemon/cpu/cpu_updater.h"
+#include "daemon/cpu/host_engine.h"
 #include "daemon/rpc/dos_service.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
@@ -22,7 +23,8 @@ struct Daemon {
   Daemon()
       : budget(uint64_t{256} << 20),
         cpu(Options()),
-        executors(&cpu),
+        host_engine(&cpu),
+        executors(&host_engine),
         sessions(SessionOpts(), dos::Policy{}, &executors, &budget),
         service(&sessions, &budget, "fuzz") {}
   static dos::cpu::CpuUpdaterOptions Options() {
@@ -43,6 +45,7 @@ struct Daemon {
 
   dos::HostMemoryBudget budget;
   dos::cpu::CpuUpdater cpu;
+  dos::cpu::HostEngine host_engine;
   dos::ExecutorSet executors;
   dos::SessionManager sessions;
   dos::DosService service;

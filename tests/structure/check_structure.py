@@ -1,27 +1,36 @@
 #!/usr/bin/env python3
-"""Structure limits of the repository (issue 13), run by ctest as `structure`.
+"""Structure limits of the repository (issues 13 and 25), run by ctest as `structure`.
 
-  - no source file under daemon/ longer than 600 lines;
-  - no function under daemon/ longer than 100 lines (from its opening brace
-    to its closing one), found by a brace counter that skips comments,
-    string and character literals: a `{` whose enclosing scopes are all
-    namespaces, classes or `extern` blocks and whose preceding text holds a
-    parameter list opens a function (lambdas and nested blocks count toward
-    the function they sit in);
+  - daemon/ and client/: no C++ source file longer than 600 lines;
+  - daemon/ and client/: no C++ function longer than 100 lines (from its
+    opening brace to its closing one), found by a brace counter that skips
+    comments, string and character literals: a `{` whose enclosing scopes
+    are all namespaces, classes or `extern` blocks and whose preceding text
+    holds a parameter list opens a function (lambdas and nested blocks count
+    toward the function they sit in);
+  - client/: no Python module longer than 500 lines and no Python function
+    (or method) longer than 60 lines (Python's ast: end_lineno - lineno + 1,
+    from the `def` line; a nested function counts in its parent too);
   - nothing under client/ includes a daemon/ header;
   - the top-level folders are exactly the product's layout (TOP_LEVEL):
     code shared by daemon and client lives in proto/, not in a new root
     folder. Hidden folders and build folders (build*/, ignored) are skipped.
 
-Usage: check_structure.py [--only=daemon|client|layout] REPO_ROOT. Prints every
-violation with its file and line and exits 1 if there is any.
+Usage: check_structure.py [--only=daemon|client|layout] REPO_ROOT. --only
+checks one part alone (e.g. the daemon while the client is being split).
+Prints every violation with its file and line and exits 1 if there is any
+(2 for an unknown --only).
 """
+import ast
 import os
 import re
 import sys
 
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 100
+MAX_PY_MODULE_LINES = 500
+MAX_PY_FUNCTION_LINES = 60
+PARTS = ("daemon", "client", "layout")
 SOURCE_EXT = (".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh")
 TOP_LEVEL = {"bench", "client", "cmake", "daemon", "deploy", "docs", "proto", "tests"}
 
@@ -109,6 +118,9 @@ def functions(code):
 
 
 def main(root, only=None):
+    if only is not None and only not in PARTS:
+        print(f"structure: --only={only} is not one of {', '.join(PARTS)}")
+        return 2
     problems = []
     if only in (None, "daemon"):
         problems += check_daemon(root)
@@ -122,43 +134,74 @@ def main(root, only=None):
     return 1 if problems else 0
 
 
-def check_daemon(root):
-    problems = []
-    daemon = os.path.join(root, "daemon")
-    for dirpath, _, files in os.walk(daemon):
+def source_files(folder, ext):
+    """Files under `folder` ending in `ext`, sorted; skips hidden, build and cache folders."""
+    for dirpath, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "build", "__pycache__"))
+                         and not d.endswith(".egg-info"))
         for f in sorted(files):
-            if not f.endswith(SOURCE_EXT):
-                continue
-            path = os.path.join(dirpath, f)
-            rel = os.path.relpath(path, root)
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-            n_lines = text.count("\n")
-            if n_lines > MAX_FILE_LINES:
-                problems.append(f"{rel}: {n_lines} lines (limit {MAX_FILE_LINES}): split it by responsibility")
-            for start, length, head in functions(strip_code(text)):
-                if length > MAX_FUNCTION_LINES:
-                    name = head[-80:]
-                    problems.append(f"{rel}:{start}: function of {length} lines (limit "
-                                    f"{MAX_FUNCTION_LINES}): {name}")
+            if f.endswith(ext):
+                yield os.path.join(dirpath, f)
+
+
+def check_cxx_sizes(root, part):
+    """C++ files over MAX_FILE_LINES and functions over MAX_FUNCTION_LINES under `part`/."""
+    problems = []
+    for path in source_files(os.path.join(root, part), SOURCE_EXT):
+        rel = os.path.relpath(path, root)
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        n_lines = text.count("\n")
+        if n_lines > MAX_FILE_LINES:
+            problems.append(f"{rel}: {n_lines} lines (limit {MAX_FILE_LINES}): split it by responsibility")
+        for start, length, head in functions(strip_code(text)):
+            if length > MAX_FUNCTION_LINES:
+                name = head[-80:]
+                problems.append(f"{rel}:{start}: function of {length} lines (limit "
+                                f"{MAX_FUNCTION_LINES}): {name}")
     return problems
 
 
-def check_client(root):
+def check_python_sizes(root, part):
+    """Python modules over MAX_PY_MODULE_LINES and functions over MAX_PY_FUNCTION_LINES."""
     problems = []
+    for path in source_files(os.path.join(root, part), (".py",)):
+        rel = os.path.relpath(path, root)
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        n_lines = text.count("\n")
+        if n_lines > MAX_PY_MODULE_LINES:
+            problems.append(f"{rel}: {n_lines} lines (limit {MAX_PY_MODULE_LINES}): split it into "
+                            "parts with narrow interfaces")
+        try:
+            tree = ast.parse(text, filename=rel)
+        except SyntaxError as e:
+            problems.append(f"{rel}:{e.lineno}: does not parse: {e.msg}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_PY_FUNCTION_LINES:
+                    problems.append(f"{rel}:{node.lineno}: function {node.name} of {length} lines "
+                                    f"(limit {MAX_PY_FUNCTION_LINES})")
+    return problems
+
+
+def check_daemon(root):
+    return check_cxx_sizes(root, "daemon")
+
+
+def check_client(root):
+    problems = check_cxx_sizes(root, "client") + check_python_sizes(root, "client")
     client = os.path.join(root, "client")
     include_re = re.compile(r'^\s*#\s*include\s*[<"](daemon/[^">]+)[">]', re.M)
-    for dirpath, _, files in os.walk(client):
-        for f in sorted(files):
-            if not f.endswith(SOURCE_EXT):
-                continue
-            path = os.path.join(dirpath, f)
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-            for m in include_re.finditer(text):
-                ln = text.count("\n", 0, m.start()) + 1
-                problems.append(f"{os.path.relpath(path, root)}:{ln}: includes {m.group(1)}; the "
-                                "client may use only shared code, never daemon/ headers")
+    for path in source_files(client, SOURCE_EXT):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        for m in include_re.finditer(text):
+            ln = text.count("\n", 0, m.start()) + 1
+            problems.append(f"{os.path.relpath(path, root)}:{ln}: includes {m.group(1)}; the "
+                            "client may use only shared code, never daemon/ headers")
     return problems
 
 

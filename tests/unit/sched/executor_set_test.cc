@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "daemon/cpu/host_engine.h"
 #include "tests/unit/sched/fake_engine.h"
 
 namespace dos {
@@ -19,7 +20,8 @@ cpu::CpuUpdaterOptions OneThread() {
 
 TEST(ExecutorSetTest, PicksTheExecutorOfEachDevice) {
   cpu::CpuUpdater cpu(OneThread());
-  ExecutorSet set(&cpu);
+  cpu::HostEngine host(&cpu);
+  ExecutorSet set(&host);
   EXPECT_FALSE(set.has_gpu());
   ASSERT_NE(set.host(), nullptr);
   EXPECT_FALSE(set.host()->engine()->has_gpu());

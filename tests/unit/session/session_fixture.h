@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/cpu/host_engine.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session.h"
 #include "dos/wire/control_channel.h"
@@ -38,7 +39,7 @@ class SessionFixture : public testing::Test {
  protected:
   explicit SessionFixture(PlannerOptions planner = OneResidentSubgroup(),
                           FakeEngine::Options gpu = FakeEngine::Options{.gpu = true})
-      : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), gpu_(gpu), executors_(&cpu_) {
+      : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), host_engine_(&cpu_), gpu_(gpu), executors_(&host_engine_) {
     executors_.AddGpu({0, kUuid, "fake"}, &gpu_, planner);
     for (uint64_t i = 0; i < kTotal; ++i) {
       params_[i] = 0.25f + 1e-3f * static_cast<float>(i % 101);
@@ -132,6 +133,7 @@ class SessionFixture : public testing::Test {
   }
 
   cpu::CpuUpdater cpu_;
+  cpu::HostEngine host_engine_;
   FakeEngine gpu_;
   ExecutorSet executors_;
   HostMemoryBudget budget_{0};

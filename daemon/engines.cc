@@ -1,0 +1,70 @@
+#include "daemon/engines.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
+#ifdef DOS_WITH_CUDA
+#include "daemon/gpu/gpu_engine.h"
+#endif
+
+namespace dos {
+
+Engines::Engines(const cpu::CpuUpdaterOptions& cpu)
+    : cpu_updater_(cpu), host_engine_(&cpu_updater_), executors_(&host_engine_) {}
+
+Engines::~Engines() = default;
+
+absl::StatusOr<std::unique_ptr<Engines>> Engines::Create(const EnginesConfig& config) {
+  std::unique_ptr<Engines> engines(new Engines(config.cpu));
+  if (absl::Status st = engines->AddGpuEngines(config); !st.ok()) return st;
+  return engines;
+}
+
+#ifdef DOS_WITH_CUDA
+// One GPU engine per device --gpu_devices names, each with the executor (and
+// planner) over it.
+absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
+  absl::StatusOr<std::vector<int>> ordinals =
+      ResolveGpuDevices(config.gpu_devices, gpu::GpuEngine::VisibleDevices());
+  if (!ordinals.ok() && ordinals.status().code() == absl::StatusCode::kUnavailable) {
+    DOS_LOG_INFO("daemon.cpu_only", "reason", ordinals.status().message());
+    ordinals = std::vector<int>();
+  }
+  if (!ordinals.ok()) return ordinals.status();
+  for (int ordinal : *ordinals) {
+    gpu::GpuEngineOptions gopt;
+    gopt.device = ordinal;
+    gopt.staging_slots = config.gpu_staging_slots;
+    gopt.prefetch = config.gpu_prefetch;
+    gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
+    gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
+    PlannerOptions planner;
+    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
+    planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
+    planner.grad_fp32 = config.gpu_cpu_grad_fp32;
+    // Several engines write a file each (a step's line is too long to append
+    // atomically beside another engine's).
+    planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1
+                                ? config.gpu_timeline
+                                : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
+    absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
+        gpu::GpuEngine::Create(gopt, &cpu_updater_);
+    if (engine.ok()) {
+      executors_.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
+                        engine->get(), planner);
+      gpu_engines_.push_back(*std::move(engine));
+    } else if (engine.status().code() == absl::StatusCode::kUnavailable) {
+      DOS_LOG_INFO("daemon.cpu_only", "reason", engine.status().message());
+    } else {
+      return engine.status();
+    }
+  }
+  return absl::OkStatus();
+}
+#else
+absl::Status Engines::AddGpuEngines(const EnginesConfig&) { return absl::OkStatus(); }
+#endif
+
+}  // namespace dos
