@@ -313,6 +313,27 @@ TEST(OpsTest, AStalledEarlyStepHoldsUpNeitherOtherAutosavesNorTheStop) {
       << d.log();
 }
 
+// True once dosd counts an early step of this uid waiting for its trainer
+// (GetStats' per-uid usage), within 10 s; then a short grace for the step
+// thread to go from the count to its wait.
+bool WaitForEarlyStep(v1::Dos::Stub& stub) {
+  for (int i = 0; i < 1000; ++i) {
+    v1::GetStatsResponse stats;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (stub.GetStats(&ctx, v1::GetStatsRequest(), &stats).ok()) {
+      for (const auto& u : stats.uids()) {
+        if (u.uid() == ::getuid() && u.early_steps() > 0) {
+          usleep(100'000);
+          return true;
+        }
+      }
+    }
+    usleep(10'000);
+  }
+  return false;
+}
+
 // The same for an explicit save of every session (`dosctl checkpoint save`
 // without --session): the other sessions are saved at once, and the call
 // fails within seconds naming the stalled session and what to do, instead of
@@ -326,6 +347,10 @@ TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
   ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
   ASSERT_EQ(busy.Step(), DOS_OK);
   auto stub = DosStub(d.socket());
+  // dos_step_begin_early returns once the request is sent: wait until dosd
+  // holds the early step (the uid's count of early steps waiting for their
+  // trainer), else the save could run before the step and find nothing stalled.
+  ASSERT_TRUE(WaitForEarlyStep(*stub)) << d.log();
   v1::SaveCheckpointRequest req;  // session 0: every session
   v1::SaveCheckpointResponse resp;
   grpc::ClientContext ctx;
