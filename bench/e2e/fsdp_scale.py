@@ -489,6 +489,9 @@ def run(args):
         doc = record(args, cfg, params, world, wrap, wrap_reason, note, recs, loss, dosd, plan)
         path = merge(args, doc)
         print(f"wrote {path}", flush=True)
+    # Every rank has everything it was sent before any leaves: a rank that
+    # exits while a peer still waits for its last message would hang the peer.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -689,6 +692,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    import faulthandler
+    import signal
+    try:
+        faulthandler.register(signal.SIGUSR1)  # a hung rank shows where it waits
+    except (AttributeError, ValueError, OSError):  # stderr without a descriptor (pytest)
+        pass
     args = parse_args(argv)
     if args.plan_largest:
         return plan_largest(args)

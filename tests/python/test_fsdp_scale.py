@@ -9,10 +9,13 @@ into one file with their TFLOPS ratio, the loss going down, and
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 
 import pytest
 
@@ -42,9 +45,22 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, out_dir, timeout=150):
+def launch(args, out_dir):
     """The script on WORLD ranks, as torchrun would start them; returns
-    rank 0's output (fails the test with every rank's output otherwise)."""
+    rank 0's output (fails the test with every rank's output otherwise).
+    A launch that hangs is tried once more: torch 1.13's gloo can leave a
+    rank waiting at exit (seen once in CI, in the reference run, which has no
+    dosd); the first try's stacks are kept as a warning."""
+    codes, text = launch_once(args, out_dir)
+    if "timeout" in codes:
+        warnings.warn("fsdp_scale hung, tried again; the hung try:\n" + "\n".join(text))
+        codes, text = launch_once(args, out_dir)
+    assert codes == [0] * WORLD, "\n".join(text)
+    return text[0]
+
+
+def launch_once(args, out_dir, timeout=int(os.environ.get("FSDP_TEST_TIMEOUT", "150"))):
+    """(exit codes, each rank's output) of one launch."""
     port = free_port()
     procs, logs = [], []
     for rank in range(WORLD):
@@ -61,6 +77,10 @@ def launch(args, out_dir, timeout=150):
         try:
             codes.append(p.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
+            for q in procs:  # each rank's stack into its log, then stop it
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(1)
             for q in procs:
                 q.kill()
             codes.append("timeout")
@@ -69,8 +89,7 @@ def launch(args, out_dir, timeout=150):
         log.seek(0)
         text.append(f"--- rank {rank} (exit {codes[rank]}):\n{log.read()[-3000:]}")
         log.close()
-    assert codes == [0] * WORLD, "\n".join(text)
-    return text[0]
+    return codes, text
 
 
 def load(out_dir):
