@@ -18,6 +18,7 @@
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_block.h"
 #include "tests/unit/sched/fake_engine.h"
+#include "tests/unit/sched/planner_test_util.h"
 
 namespace dos {
 namespace {
@@ -75,17 +76,10 @@ TEST(StepKindTest, RefusesWhatNoClientMaySend) {
   EXPECT_EQ(CheckStepFlags(1u << 30, "verdict").code(), absl::StatusCode::kInvalidArgument);
 }
 
-ShardLayout Uniform(uint32_t n) {
-  ShardLayout l;
-  l.subgroup_numel.assign(n, kSg);
-  return l;
-}
+ShardLayout Uniform(uint32_t n) { return dos::testing::UniformLayout(n, kSg); }
 
 PlannerOptions Gpu(uint64_t resident_bytes = 0) {
-  PlannerOptions o;
-  o.budgets.gpu = true;
-  o.budgets.gpu_resident_bytes = resident_bytes;
-  return o;
+  return dos::testing::GpuPlannerOptions(resident_bytes);
 }
 
 Policy P(absl::string_view text) { return *ParsePolicy(text); }
