@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 out=${1:-.dist/corpus/corpus.txt}
 max_mb=${MAX_MB:-20}
 per_file=$((256 * 1024))
-py=$(ls -d /usr/lib/python3.[0-9]* 2>/dev/null | sort -V | tail -1)
+py=$(find /usr/lib -maxdepth 1 -name 'python3.[0-9]*' | sort -V | tail -1)
 mkdir -p "$(dirname "$out")"
 list=$(mktemp); trap 'rm -f "$list"' EXIT
 

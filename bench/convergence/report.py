@@ -26,13 +26,15 @@ def finished(results):
     return {r["run"]: r for r in results if "last_mean" in r}
 
 
-def metrics_of(ok):
-    """(result entries, printed rows [(name, value or None, judged, what)])."""
+def metrics_of(ok, requested):
+    """(result entries, printed rows [(name, value or None, judged, what)]).
+    A judged pair with a requested run that did not finish is a row without
+    a value."""
     metrics, rows = [], []
     for name, ref, other, what in PAIRS:
         judged = name.startswith("convergence_delay")
         if ref not in ok or other not in ok:
-            if judged:
+            if judged and (ref in requested or other in requested):
                 missing = ", ".join(r for r in (ref, other) if r not in ok)
                 rows.append((name, None, True, f"{what}: not measured (no result of "
                              f"{missing})"))
@@ -155,7 +157,7 @@ def write(results, config, machine, date, commit, out_dir, tag=""):
     """Prints the tables, writes convergence_<machine>_<date>[_<tag>].json and
     its PNG into out_dir. True when every run finished."""
     ok = finished(results)
-    metrics, rows = metrics_of(ok)
+    metrics, rows = metrics_of(ok, {r["run"] for r in results})
     print_tables(results, rows)
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"convergence_{machine}_{date}" + (f"_{tag}" if tag else ""))

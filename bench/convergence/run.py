@@ -230,7 +230,7 @@ def main():
     ap.add_argument("--socket", default=os.environ.get("DOS_SOCKET"))
     ap.add_argument("--machine", default=None)
     ap.add_argument("--workdir", default=None,
-                    help="the runs' records and dosd's logs (default: a new folder in /tmp)")
+                    help="the runs' records and dosd's logs (default: a new temporary folder)")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--merge", nargs="+", metavar="JSON",
