@@ -124,11 +124,12 @@ def delay_of(mode):
 
 def peek_report(opt):
     """dosd's report on the last step the optimizer has collected, read
-    without collecting the step in flight. opt.last_step would collect it: it
-    waits for the step in flight and, with delay=, completes the deferred
-    host-path update first, taking away the overlap being measured. The report
-    sits on the optimizer's Flight (dos/_flight.py, a plain attribute), which
-    is private: None where it moved."""
+    without collecting the step in flight. opt.last_step would collect it:
+    it waits on the host for the step in flight (the GPU path and the wait
+    for the previous delayed update), taking away the overlap with the next
+    forward being measured. The report sits on the optimizer's Flight
+    (dos/_flight.py, a plain attribute), which is private: None where it
+    moved."""
     flight = getattr(getattr(opt, "_parts", None), "flight", None)
     return getattr(flight, "last_step", None)
 
@@ -294,7 +295,7 @@ def child(args):
         d = time.perf_counter()
         losses.append(loss.item())
         if delay:
-            keep_report()  # not opt.last_step: it would complete the deferred update here
+            keep_report()  # not opt.last_step: it would wait for the step in flight
         if it >= args.warmup:
             rows.append((b - a, c - b, d - c, d - a))
             if mode.startswith("dos") and not delay:
@@ -326,11 +327,11 @@ def child(args):
     sync()
     piped_total = time.perf_counter() - start
     if delay:
-        # After the timing, the last step collected (its deferred update
-        # completed) only for its number: steps are numbered one by one, so
-        # the back-to-back ones are the last len(pl), the timed synchronised
-        # ones the len(rows) before them. The medians use the peeked reports
-        # alone (the last step's own may follow the forced completion).
+        # After the timing, the last step collected only for its number:
+        # steps are numbered one by one, so the back-to-back ones are the
+        # last len(pl), the timed synchronised ones the len(rows) before
+        # them. The medians use the peeked reports alone (the last step's,
+        # collected here after the synchronisation, may differ).
         n, k = opt.last_step["step"], len(pl)
         res.update(delay_figures([reports[s] for s in range(n - k + 1, n + 1)
                                   if s in reports]))
@@ -634,7 +635,7 @@ def delay_line(mode, r):
             f"({vs}; window {r['window_s']:.3f} s, predicted update "
             f"{r['predicted_update_s']:.3f} s); delayed update {r['delayed_update_s']:.3f} s, "
             f"hidden in forward+backward {r['delayed_hidden_s']:.3f} s, waited "
-            f"{r['delayed_wait_s']:.3f} s; {r['delayed_subgroups']:g} subgroups "
+            f"{r['delayed_wait_s']:.3f} s; {r['delayed_subgroups']:g} subgroup(s) "
             f"({r['delayed_params'] / 1e6:.1f}M parameters) deferred a step (medians of "
             f"{r['delay_reports']} back-to-back steps of {a}-{b})")
     if r["delay_missing_keys"]:
@@ -849,8 +850,9 @@ def main():
                      "steps")
         why = delay_unsupported()
         if why:
-            ap.error(f"{', '.join(delayed)} need dos.torch.AdamW(delay=, delay_warmup=) (issue "
-                     f"23): {why}; drop them from --modes")
+            ap.error(f"{', '.join(delayed)} need{'s' if len(delayed) == 1 else ''} "
+                     f"dos.torch.AdamW(delay=, delay_warmup=) (issue 23): {why}; drop "
+                     f"{'it' if len(delayed) == 1 else 'them'} from --modes")
     keep = ["--device", args.device, "--size", args.size, "--batch", str(args.batch),
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
             "--clip", str(args.clip), "--subgroup-size", str(args.subgroup_size),

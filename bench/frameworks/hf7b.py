@@ -144,9 +144,8 @@ def takes_delay(cls):
 
 def peek_report(opt):
     """dosd's report on the last step the optimizer collected, read without
-    waiting: opt.last_step collects the step in flight, which with delay=
-    completes the deferred host-path update first (the overlap measured).
-    The report sits on the optimizer's Flight (dos/_flight.py), which is
+    waiting: opt.last_step collects the step in flight, waiting on the host
+    for it (the overlap with the next forward being measured). The report sits on the optimizer's Flight (dos/_flight.py), which is
     private: None where it moved. accelerate's AcceleratedOptimizer (what
     the Trainer steps) is unwrapped."""
     while not hasattr(opt, "_parts") and hasattr(opt, "optimizer"):
