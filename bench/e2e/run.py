@@ -22,6 +22,11 @@ bf16, activation checkpointing, random tokens) trained with
   dos_auto_noclip     per-layer waits, no clipping, overlap="update" (torch >= 2.1): dosd
                       updates each subgroup during backward as soon as its gradients are final
   dos_auto_noclip_nooverlap   (optional) the same without overlap: the overlap's gain
+  dos_auto_delay      (optional) dos_auto with delay=1 (issue 23): the subgroups dosd
+                      updates on the host CPU are updated one step late, during the next
+                      forward and backward (the GPU path's at once); delay_warmup=
+                      --delay-warmup (2) undelayed steps first, which --warmup must exceed
+  dos_auto_compact_delay  (optional) dos_auto_compact with delay=1
   dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
   inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
   all_gpu             fp32 masters + torch.optim.AdamW(fused=True) on the GPU, clip 1.0
@@ -31,7 +36,11 @@ Iteration time: `iter_s` is measured over --iters iterations run back to back wi
 synchronising (as training runs); forward/backward/update come from as many iterations
 synchronised after each phase (iter_s_phases is their sum); the exposed update is iter_s less
 forward and backward (what of the update the back-to-back iteration does not hide), and the
-chart stacks forward, backward and exposed update per mode.
+chart stacks forward, backward and exposed update per mode. With delay=1 the synchronised
+update phase is what step() still costs (the GPU path and the wait for the previous step's
+host path); the delayed update's share hidden in forward and backward comes from dosd's
+reports (opt.last_step: delayed_update_us less delayed_wait_us) and is drawn as a hatched
+bar over forward and backward, beside the planner's predicted iteration time.
 
 Every mode runs in its own child process (clean GPU and host memory peaks); DOS modes
 get a fresh dosd (--dosd PATH), or use $DOS_SOCKET. Prints a table, writes
@@ -98,6 +107,57 @@ class GpuSampler:
         self.t.join()
 
 
+# dosd's report on a step with delay=1 (issue 23; read with .get(key, 0), as
+# a dos.torch without the delay lacks them): the CPU time of the previous
+# step's host-path update, run during this step's forward and backward; how
+# long this step waited for it (the part not hidden); the forward and backward
+# window dosd measured between steps; the planner's predicted iteration
+# (window + exposed update) and update; what this step deferred.
+DELAY_KEYS = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_iter_us",
+              "predicted_update_us", "delayed_subgroups", "delayed_params")
+
+
+def delay_of(mode):
+    """The delay= a mode runs with (its name ends in _delay): 1, else 0."""
+    return 1 if mode.endswith("_delay") else 0
+
+
+def peek_report(opt):
+    """dosd's report on the last step the optimizer has collected, read
+    without collecting the step in flight. opt.last_step would collect it:
+    it waits on the host for the step in flight (the GPU path and the wait
+    for the previous delayed update), taking away the overlap with the next
+    forward being measured. The report sits on the optimizer's Flight
+    (dos/_flight.py, a plain attribute), which is private: None where it
+    moved."""
+    flight = getattr(getattr(opt, "_parts", None), "flight", None)
+    return getattr(flight, "last_step", None)
+
+
+def delay_figures(reports):
+    """Medians over dosd's reports (one a step) in seconds: delayed_update_s,
+    delayed_wait_s, window_s, predicted_iter_s, predicted_update_s, and
+    delayed_hidden_s (per step the update less the wait: its share hidden in
+    forward and backward); delayed_subgroups and delayed_params (deferred a
+    step); delay_reports (how many) and delay_missing_keys (what no report
+    had). {} without reports."""
+    if not reports:
+        return {}
+
+    def med(f):
+        return statistics.median(f(r) for r in reports)
+
+    out = {k[:-3] + "_s": med(lambda r, k=k: r.get(k, 0) * 1e-6)
+           for k in DELAY_KEYS if k.endswith("_us")}
+    out["delayed_hidden_s"] = med(lambda r: max(0.0, r.get("delayed_update_us", 0) -
+                                                r.get("delayed_wait_us", 0)) * 1e-6)
+    for k in ("delayed_subgroups", "delayed_params"):
+        out[k] = med(lambda r, k=k: r.get(k, 0))
+    out["delay_reports"] = len(reports)
+    out["delay_missing_keys"] = [k for k in DELAY_KEYS if not any(k in r for r in reports)]
+    return out
+
+
 def child(args):
     import torch
     import gpt
@@ -136,6 +196,7 @@ def child(args):
     groups = gpt.param_groups(model, 0.1)
     kw = dict(lr=args.lr, betas=(0.9, 0.95))
     clip = 0.0 if "noclip" in mode else args.clip
+    delay = delay_of(mode)
     t0 = time.perf_counter()
     if mode.startswith("dos"):
         import dos.torch
@@ -154,11 +215,17 @@ def child(args):
                               overlap=overlap, subgroup_size=args.subgroup_size,
                               compact_state=compact,
                               gpu_budget_bytes=0 if mode == "dos_auto_flag" else lend_from,
-                              **wait_kw, **kw)
+                              **wait_kw, **kw,
+                              # Only where asked: a dos.torch without the
+                              # delay has no such arguments (main() checks).
+                              **(dict(delay=delay, delay_warmup=args.delay_warmup)
+                                 if delay else {}))
         policy = "cpu" if mode.startswith("dos_cpu") else "auto"
         opt.set_policy(policy)
         res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
             (", compact state" if compact else "") + \
+            (f", delay={delay} after {args.delay_warmup} steps (update phase: what step() "
+             "still costs)" if delay else "") + \
             (f", overlap={overlap!r}" if overlap else "") + \
             (", no clipping" if clip == 0 else
              ", clip via opt.clip_grad_norm_" if mode == "dos_auto_overlap" else "")
@@ -182,6 +249,13 @@ def child(args):
             torch.cuda.synchronize()
 
     rows, losses, early_rows = [], [], []
+    reports = {}  # delay=: dosd's reports by step number, peeked (peek_report)
+
+    def keep_report():
+        r = peek_report(opt)
+        if r is not None and "step" in r:
+            reports[r["step"]] = dict(r)
+
     data = list(gpt.batches(args.warmup + args.iters, args.batch, cfg["seq"], cfg["vocab"],
                             seed=1, device=args.device))
     # --no-phases: only the warm-up iterations run synchronised (untimed).
@@ -220,9 +294,11 @@ def child(args):
         sync()
         d = time.perf_counter()
         losses.append(loss.item())
+        if delay:
+            keep_report()  # not opt.last_step: it would wait for the step in flight
         if it >= args.warmup:
             rows.append((b - a, c - b, d - c, d - a))
-            if mode.startswith("dos"):
+            if mode.startswith("dos") and not delay:
                 # dosd's side of an early step: begin (first gradient) to
                 # verdict (step()), and verdict (or begin) to the update's end;
                 # for every step, the state bytes prefetched before the verdict.
@@ -246,8 +322,26 @@ def child(args):
         now = time.perf_counter()
         piped.append(now - t_prev)
         t_prev = now
+        if delay:
+            keep_report()  # cheap: an attribute read, no wait
     sync()
     piped_total = time.perf_counter() - start
+    if delay:
+        # After the timing, the last step collected only for its number:
+        # steps are numbered one by one, so the back-to-back ones are the
+        # last len(pl), the timed synchronised ones the len(rows) before
+        # them. The medians use the peeked reports alone (the last step's,
+        # collected here after the synchronisation, may differ).
+        n, k = opt.last_step["step"], len(pl)
+        res.update(delay_figures([reports[s] for s in range(n - k + 1, n + 1)
+                                  if s in reports]))
+        res["delay_phased"] = delay_figures([reports[s] for s in range(n - k - len(rows) + 1,
+                                                                       n - k + 1)
+                                             if s in reports])
+        res["delay_steps"] = [n - k + 1, n]
+        if not reports:
+            print(f"  [{mode}] no report could be read without waiting (dos.torch's "
+                  "Flight moved?): no delay figures", flush=True)
     losses += [float(v) for v in pl]
     print(f"  [{mode}] pipelined: {len(pl)} iterations in {piped_total:.3f} s "
           f"({piped_total / len(pl):.3f} s/iter)", flush=True)
@@ -434,7 +528,10 @@ def chart(results, path, title):
     """Where each mode's iteration goes, one stacked bar per mode: forward and
     backward (medians of the synchronised iterations) and the exposed update
     (the back-to-back iteration time less those two; shown from 0), so each bar
-    ends at the measured iteration time."""
+    ends at the measured iteration time. Delay modes add a hatched bar over
+    forward and backward: the delayed host-path update's part hidden there
+    (dosd's delayed_update_us less delayed_wait_us, from the iteration's
+    start, when the update begins), and name the planner's prediction."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -456,44 +553,94 @@ def chart(results, path, title):
         vals = [max(0.0, r[key]) for r in ok]
         ax.barh(names, vals, left=left, color=color, label=label)
         left = [a + b for a, b in zip(left, vals)]
+    hidden = [r.get("delayed_hidden_s", 0.0) if "delay_reports" in r else 0.0 for r in ok]
+    if any(hidden):
+        ax.barh(names, hidden, height=0.4, fill=False, hatch="///", edgecolor="#222222",
+                linewidth=0.8, label="delayed update (host path, one step late):\n"
+                "part hidden in forward + backward")
     for i, r in enumerate(ok):
-        ax.text(left[i], i, f" {r['iter_s']:.3f} s/iter (update alone {r['update_s']:.3f} s), "
-                f"{r['tokens_per_s']:.0f} tok/s", va="center", fontsize=8)
+        if "delay_reports" in r:  # two lines: the prediction, then the delayed update
+            text = (f" {r['iter_s']:.3f} s/iter (predicted {r['predicted_iter_s']:.3f}), "
+                    f"{r['tokens_per_s']:.0f} tok/s\n update phase {r['update_s']:.3f} s; "
+                    f"delayed update {r['delayed_update_s']:.3f} s, "
+                    f"{r['delayed_hidden_s']:.3f} s of it hidden")
+        else:
+            text = (f" {r['iter_s']:.3f} s/iter (update alone {r['update_s']:.3f} s), "
+                    f"{r['tokens_per_s']:.0f} tok/s")
+        ax.text(left[i], i, text, va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds per iteration: forward + backward (synchronised medians) + the "
+    ax.set_xlabel("seconds per iteration: forward + backward (synchronised medians)\n+ the "
                   "update's exposed rest of the back-to-back iteration")
     ax.set_title(title)
-    ax.legend(loc="lower right")
-    ax.set_xlim(0, max(left) * 1.7)
+    # Below the axes: inside, it would cover the bars' text.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8,
+              frameon=False)
+    ax.set_xlim(0, max(left) * 1.7)  # room for the text
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
 # Ratio figures: (name, numerator mode, denominator mode, what the printout
-# says). Each is the numerator's iteration time over the denominator's, written
-# when both modes ran in this invocation.
+# says, the issue's target or None). Each is the numerator's iteration time
+# over the denominator's, written when both modes ran in this invocation; a
+# target is printed beside it.
 RATIOS = [
     ("e2e_speedup_dos_auto_vs_inprocess_offload", "inprocess_offload", "dos_auto",
-     "dos_auto vs in-process offload (speed-up)"),
+     "dos_auto vs in-process offload (speed-up)", None),
     ("e2e_ratio_dos_auto_to_all_gpu", "dos_auto", "all_gpu",
-     "dos_auto / all-GPU AdamW iteration time"),
+     "dos_auto / all-GPU AdamW iteration time", None),
     ("e2e_ratio_dos_auto_compact_to_all_gpu", "dos_auto_compact", "all_gpu",
-     "dos_auto_compact / all-GPU AdamW iteration time"),
+     "dos_auto_compact / all-GPU AdamW iteration time", None),
     ("e2e_ratio_dos_auto_overlap_to_all_gpu", "dos_auto_overlap", "all_gpu",
-     "dos_auto_overlap / all-GPU AdamW iteration time"),
+     "dos_auto_overlap / all-GPU AdamW iteration time", None),
     ("e2e_ratio_dos_auto_noclip_to_all_gpu", "dos_auto_noclip", "all_gpu",
-     "dos_auto_noclip / all-GPU AdamW iteration time"),
+     "dos_auto_noclip / all-GPU AdamW iteration time", None),
     ("e2e_ratio_dos_auto_overlap_to_dos_auto", "dos_auto_overlap", "dos_auto",
-     "dos_auto_overlap / dos_auto iteration time (early steps' gain with clipping)"),
+     "dos_auto_overlap / dos_auto iteration time (early steps' gain with clipping)", None),
+    # Issue 23's targets for the one-step delayed update.
+    ("e2e_ratio_dos_auto_delay_to_all_gpu", "dos_auto_delay", "all_gpu",
+     "dos_auto_delay / all-GPU AdamW iteration time", 1.15),
+    ("e2e_ratio_dos_auto_compact_delay_to_all_gpu", "dos_auto_compact_delay", "all_gpu",
+     "dos_auto_compact_delay / all-GPU AdamW iteration time", 0.95),
+    ("e2e_ratio_dos_auto_delay_to_dos_auto", "dos_auto_delay", "dos_auto",
+     "dos_auto_delay / dos_auto iteration time (the delay's gain)", None),
+    ("e2e_ratio_dos_auto_compact_delay_to_dos_auto_compact", "dos_auto_compact_delay",
+     "dos_auto_compact", "dos_auto_compact_delay / dos_auto_compact iteration time", None),
 ]
 
 
 def ratio_metrics(ok):
-    """[(metric, printed text)] for each RATIOS entry whose modes both ran."""
-    return [({"name": name, "value": round(ok[num]["iter_s"] / ok[den]["iter_s"], 3),
-              "unit": "x"}, text)
-            for name, num, den, text in RATIOS if num in ok and den in ok]
+    """[(metric, printed line)] for each RATIOS entry whose modes both ran."""
+    out = []
+    for name, num, den, text, target in RATIOS:
+        if num in ok and den in ok:
+            v = round(ok[num]["iter_s"] / ok[den]["iter_s"], 3)
+            out.append(({"name": name, "value": v, "unit": "x"},
+                        f"{text}: {v:.2f}x" + ("" if target is None else
+                                               f" (target <= {target:g}x: "
+                                               f"{'met' if v <= target else 'NOT met'})")))
+    return out
+
+
+def delay_line(mode, r):
+    """The printout of a delay mode: the measured iteration beside the
+    planner's prediction, and where the delayed update went."""
+    if "delay_reports" not in r:
+        return f"{mode}: no dosd reports on the delayed steps"
+    p = r["predicted_iter_s"]
+    vs = f"{r['iter_s'] / p:.2f}x the prediction" if p > 0 else "no prediction reported"
+    a, b = r["delay_steps"]
+    line = (f"{mode}: {r['iter_s']:.3f} s/iter measured, planner's prediction {p:.3f} s "
+            f"({vs}; window {r['window_s']:.3f} s, predicted update "
+            f"{r['predicted_update_s']:.3f} s); delayed update {r['delayed_update_s']:.3f} s, "
+            f"hidden in forward+backward {r['delayed_hidden_s']:.3f} s, waited "
+            f"{r['delayed_wait_s']:.3f} s; {r['delayed_subgroups']:g} subgroup(s) "
+            f"({r['delayed_params'] / 1e6:.1f}M parameters) deferred a step (medians of "
+            f"{r['delay_reports']} back-to-back steps of {a}-{b})")
+    if r["delay_missing_keys"]:
+        line += f"; not reported by this dos.torch: {', '.join(r['delay_missing_keys'])}"
+    return line
 
 
 def parent(args):
@@ -528,8 +675,11 @@ def parent(args):
               f"d_model {first['d_model']}, seq {first['seq']}, batch {first['batch']}; " +
               (f"GPU budget {args.gpu_budget_gb:g} GiB" if args.gpu_budget_gb else "no GPU budget"))
     ratios = ratio_metrics(ok)
-    for m, text in ratios:
-        print(f"{text}: {m['value']:.2f}x")
+    for _, line in ratios:
+        print(line)
+    for m, r in ok.items():
+        if delay_of(m):
+            print(delay_line(m, r))
     for m, r in ok.items():
         if "early_verdict_to_end_s" in r:
             print(f"{m}: dosd's early steps: begin (first gradient) to verdict (step()) "
@@ -559,6 +709,10 @@ def parent(args):
             if key in r:
                 metrics.append({"name": f"e2e_{key}_{m}", "value": round(r[key], 4),
                                 "unit": "s"})
+        # delay=: dosd's reports on the back-to-back steps (medians).
+        metrics += [{"name": f"e2e_{key}_{m}", "value": round(r[key], 4), "unit": "s"}
+                    for key in ("predicted_iter_s", "delayed_update_s", "delayed_hidden_s",
+                                "delayed_wait_s", "window_s") if key in r]
         if "prefetched_gb_per_step" in r:
             metrics.append({"name": f"e2e_prefetched_gb_per_step_{m}",
                             "value": round(r["prefetched_gb_per_step"], 3), "unit": "GB"})
@@ -595,6 +749,30 @@ def parent(args):
     return 0 if ok else 1
 
 
+def delay_unsupported():
+    """Why the dos.torch the children would import cannot run the delay
+    modes, or None. Checked before anything runs (each mode would otherwise
+    build its model and then fail): an __init__ of dos.torch.AdamW's classes
+    names delay=, AdamW's own passing **kwargs on to its base."""
+    import inspect
+    try:
+        import dos.torch
+    except Exception as e:  # noqa: BLE001 (the reason is the answer)
+        return f"importing dos.torch failed ({type(e).__name__}: {e})"
+    for cls in dos.torch.AdamW.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        if not cls.__module__.startswith("dos."):
+            return None  # **kwargs all the way down: the constructor will say
+        params = inspect.signature(init).parameters
+        if "delay" in params:
+            return None
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return f"the AdamW of {dos.torch.__file__} takes no delay="
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -612,7 +790,11 @@ def main():
     ap.add_argument("--modes", default=",".join(ALL_MODES),
                     help="comma list of: " + ", ".join(ALL_MODES + [
                         "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync",
-                        "dos_auto_flag"]))
+                        "dos_auto_flag", "dos_auto_delay", "dos_auto_compact_delay"]))
+    ap.add_argument("--delay-warmup", type=int, default=2,
+                    help="the delay modes' delay_warmup= (undelayed steps first); --warmup "
+                         "must exceed it, so that every timed iteration waits for a delayed "
+                         "update")
     ap.add_argument("--gpu-budget-gb", type=float, default=0,
                     help="emulate a card of this size (40, 80): per-process memory fraction")
     ap.add_argument("--dosd-gpu-reserve-gb", type=float, default=6.0,
@@ -660,13 +842,25 @@ def main():
         args.batch = DEFAULT_BATCH.get(args.size, 4)
     if args.child:
         return child_main(args)
+    delayed = [m for m in args.modes.split(",") if delay_of(m)]
+    if delayed:
+        if args.warmup <= args.delay_warmup:
+            ap.error(f"--warmup {args.warmup} must exceed --delay-warmup {args.delay_warmup} "
+                     f"for {', '.join(delayed)}: the timed iterations would include undelayed "
+                     "steps")
+        why = delay_unsupported()
+        if why:
+            ap.error(f"{', '.join(delayed)} need{'s' if len(delayed) == 1 else ''} "
+                     f"dos.torch.AdamW(delay=, delay_warmup=) (issue 23): {why}; drop "
+                     f"{'it' if len(delayed) == 1 else 'them'} from --modes")
     keep = ["--device", args.device, "--size", args.size, "--batch", str(args.batch),
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
             "--clip", str(args.clip), "--subgroup-size", str(args.subgroup_size),
             "--gpu-budget-gb", str(args.gpu_budget_gb),
             "--dosd-gpu-reserve-gb", str(args.dosd_gpu_reserve_gb),
             "--dosd-context-gb", str(args.dosd_context_gb),
-            "--flag-budget-gb", str(args.flag_budget_gb)]
+            "--flag-budget-gb", str(args.flag_budget_gb),
+            "--delay-warmup", str(args.delay_warmup)]
     for k in ("layers", "d_model", "heads", "seq", "vocab"):
         if getattr(args, k) is not None:
             keep += [f"--{k.replace('_', '-')}", str(getattr(args, k))]

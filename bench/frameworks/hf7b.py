@@ -15,6 +15,12 @@ reading):
   hf7b.py --mode dos --size 2b --roundtrip save|resume --workdir W --out R.json
       the full round trip: save_steps mid-run, then a new process with
       resume_from_checkpoint; the resumed losses must equal the first run's.
+  hf7b.py --mode dos|dos_compact --delay 1 [--delay-warmup 2] ...
+      the one-step delayed update (issue 23: dos.torch.AdamW(delay=1), the
+      host path's subgroups updated during the next forward and backward);
+      dosd's report on each step, read without waiting where the Clock
+      callback times the step, gives the planner's predicted iteration time
+      (predicted_iter_s, median of the timed steps) beside the measured one.
 
 The DOS modes cap the trainer at --gpu-cap-gib (74 GiB) of the GPU: DOS's
 state lives in dosd's host memory and its GPU lease comes out of that cap.
@@ -23,14 +29,24 @@ The one-line integration for resuming: torch.serialization.config.load.mmap =
 True (HF's resume torch.loads optimizer.pt whole otherwise).
 """
 import argparse
+import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 
 import torch
+
+# dosd's report on a step with delay= (issue 23), read with .get(key, 0): the
+# CPU time of the previous step's host-path update (run during this step's
+# forward and backward), this step's wait for it, the forward and backward
+# window dosd measured between steps, the planner's predicted iteration
+# (window + exposed update) and update, what this step deferred.
+DELAY_KEYS = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_iter_us",
+              "predicted_update_us", "delayed_subgroups", "delayed_params")
 
 SIZES = {  # layers, hidden, intermediate, heads
     "7b": (32, 4096, 11008, 32),
@@ -119,6 +135,47 @@ def no_optimizer_placement():
     ao.AcceleratedOptimizer.__init__ = patched
 
 
+def takes_delay(cls):
+    """Whether the dos.torch optimizer class takes delay= (issue 23): an
+    __init__ of its own classes names it (AdamW's passes **kwargs on)."""
+    return any("delay" in inspect.signature(c.__init__).parameters
+               for c in cls.__mro__ if c.__module__.startswith("dos."))
+
+
+def peek_report(opt):
+    """dosd's report on the last step the optimizer collected, read without
+    waiting: opt.last_step collects the step in flight, waiting on the host
+    for it (the overlap with the next forward being measured). The report sits on the optimizer's Flight (dos/_flight.py), which is
+    private: None where it moved. accelerate's AcceleratedOptimizer (what
+    the Trainer steps) is unwrapped."""
+    while not hasattr(opt, "_parts") and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    flight = getattr(getattr(opt, "_parts", None), "flight", None)
+    return getattr(flight, "last_step", None)
+
+
+def delay_figures(reports):
+    """Medians over dosd's reports (one a step), in seconds: delayed_update_s,
+    delayed_wait_s, window_s, predicted_iter_s, predicted_update_s and
+    delayed_hidden_s (per step the update less the wait); delayed_subgroups,
+    delayed_params; delay_reports (how many), delay_missing_keys."""
+    if not reports:
+        return {}
+
+    def med(f):
+        return statistics.median(f(r) for r in reports)
+
+    out = {k[:-3] + "_s": med(lambda r, k=k: r.get(k, 0) * 1e-6)
+           for k in DELAY_KEYS if k.endswith("_us")}
+    out["delayed_hidden_s"] = med(lambda r: max(0.0, r.get("delayed_update_us", 0) -
+                                                r.get("delayed_wait_us", 0)) * 1e-6)
+    for k in ("delayed_subgroups", "delayed_params"):
+        out[k] = med(lambda r, k=k: r.get(k, 0))
+    out["delay_reports"] = len(reports)
+    out["delay_missing_keys"] = [k for k in DELAY_KEYS if not any(k in r for r in reports)]
+    return out
+
+
 def make_model(size, device, attn=None):
     from transformers import LlamaConfig, LlamaForCausalLM
     layers, hidden, inter, heads = SIZES[size]
@@ -149,7 +206,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def train_accelerate(args, model, opt, times, losses, marks):
+def train_accelerate(args, model, opt, times, losses, marks, on_step):
     """The same job through Accelerate's own loop: prepare, backward,
     clip_grad_norm_ and the prepared optimizer's step; returns the prepared
     optimizer (its state_dict() is what accelerator.save_state saves)."""
@@ -171,6 +228,7 @@ def train_accelerate(args, model, opt, times, losses, marks):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        on_step(opt)
         losses[i + 1] = loss.item()
     return opt
 
@@ -193,6 +251,12 @@ def main():
                     help="torch.use_deterministic_algorithms(True) and eager attention (cuDNN's "
                          "attention backward has no deterministic algorithm): the round trip's "
                          "losses then cannot differ through CUDA's atomics")
+    ap.add_argument("--delay", type=int, default=0,
+                    help="DOS modes: dos.torch.AdamW(delay=N), the host path's subgroups "
+                         "updated N steps late (issue 23; 0: off)")
+    ap.add_argument("--delay-warmup", type=int, default=2,
+                    help="with --delay: AdamW(delay_warmup=), undelayed steps first (they and "
+                         "the first delayed step are left out of iter_s)")
     ap.add_argument("--no-placement", action="store_true",
                     help="switch accelerate's optimizer placement off (the workaround the issue's "
                          "baseline was measured with: a build without lazy state copies the whole "
@@ -200,6 +264,8 @@ def main():
     args = ap.parse_args()
     if args.roundtrip and args.framework != "hf":
         ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
+    if args.delay and args.mode == "all_gpu":
+        ap.error("--delay is dos.torch.AdamW's: --mode dos or dos_compact")
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -208,12 +274,17 @@ def main():
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
     import dos.torch
+    if args.delay and not takes_delay(dos.torch.AdamW):
+        # Before the model is built: a 7B model takes a while.
+        raise SystemExit(f"hf7b.py: --delay needs dos.torch.AdamW(delay=, delay_warmup=) (issue "
+                         f"23); the AdamW of {dos.torch.__file__} takes no delay=")
 
     socket = os.environ.get("DOS_SOCKET", "")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
     res = {"mode": args.mode, "framework": args.framework, "size": args.size, "steps": args.steps, "seq": args.seq,
-           "torch": torch.__version__, "optimizer_placement": not args.no_placement}
+           "torch": torch.__version__, "optimizer_placement": not args.no_placement,
+           "delay": args.delay}
     t0 = time.time()
     model = make_model(args.size, device, "eager" if args.deterministic else None)
     res["params"] = sum(p.numel() for p in model.parameters())
@@ -225,12 +296,22 @@ def main():
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GiB / total))
         t = time.time()
         opt = dos.torch.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, model=model,
-                              compact_state=args.mode == "dos_compact")
+                              compact_state=args.mode == "dos_compact",
+                              # only where asked: a dos.torch without the delay lacks them
+                              **(dict(delay=args.delay, delay_warmup=args.delay_warmup)
+                                 if args.delay else {}))
         res["register_s"] = time.time() - t
     res["setup_s"] = time.time() - t0
     res["peaks_after_setup"] = sampler.mark()
 
     times, losses = [], {}
+    begins = []  # each step's start: begin to begin includes the Trainer's work between steps
+    reports = {}  # --delay: dosd's reports by step number
+
+    def keep_report(o):
+        r = peek_report(o) if args.delay else None
+        if r is not None and "step" in r:
+            reports[r["step"]] = dict(r)
 
     marks = {}
 
@@ -248,6 +329,7 @@ def main():
 
         def on_step_begin(self, a, state, control, **kw):
             self.t = time.perf_counter()
+            begins.append(self.t)
             marks.setdefault("first_step", self.t)
 
         def on_step_end(self, a, state, control, **kw):
@@ -255,6 +337,9 @@ def main():
                 torch.cuda.synchronize()
             self.end = time.perf_counter()
             times.append(self.end - self.t)
+            # The optimizer the Trainer steps is accelerate's wrapper of
+            # `opt`; the report is read off `opt` itself, without waiting.
+            keep_report(opt)
 
         def on_save(self, a, state, control, **kw):
             marks["save_s"] = time.perf_counter() - self.end
@@ -266,7 +351,7 @@ def main():
     if args.framework == "accelerate":
         t = time.time()
         t_call = time.perf_counter()
-        opt = train_accelerate(args, model, opt, times, losses, marks)
+        opt = train_accelerate(args, model, opt, times, losses, marks, keep_report)
     else:
         out_dir = os.path.join(args.workdir, "out")
         targs = dict(output_dir=out_dir, per_device_train_batch_size=1, max_steps=args.steps,
@@ -287,8 +372,18 @@ def main():
         trainer.train(resume_from_checkpoint=resume)
     res["train_s"] = time.time() - t
     res["step_s"] = times
-    steady = sorted(times[2:]) if len(times) > 4 else sorted(times)
+    # Steady steps: from the third on; with --delay from the first that
+    # waits for a delayed update (step delay_warmup + 2).
+    skip = max(2, args.delay_warmup + 1) if args.delay else 2
+    steady = sorted(times[skip:]) if len(times) > skip + 2 else sorted(times)
     res["iter_s"] = steady[len(steady) // 2]
+    periods = [b - a for a, b in zip(begins, begins[1:])][skip:]
+    if periods:
+        res["period_s"] = statistics.median(periods)
+    if args.delay:
+        # dosd numbers a fresh session's steps 1, 2, ... as the Trainer's
+        # global steps: the steady ones are skip + 1 on.
+        res.update(delay_figures([r for n, r in sorted(reports.items()) if n > skip]))
     res["losses"] = losses
     res["hf_save_s"] = marks.get("save_s")
     if "first_step" in marks and "train_begin" in marks:

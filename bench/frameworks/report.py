@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Collects bench/frameworks/hf7b.py's per-run JSON files (a work folder)
-into the figures of issue 22: report.py WORKDIR MACHINE OUT.json."""
+into the figures of issue 22 (and issue 23's delayed update):
+report.py WORKDIR MACHINE OUT.json. The runs are the files WORKDIR/<run>.json
+that run_hf7b.sh writes: all_gpu, dos, dos_compact, dos_delay,
+dos_compact_delay, rt_save, rt_resume."""
 import datetime
 import json
 import os
@@ -8,6 +11,12 @@ import subprocess
 import sys
 
 GiB = 2**30
+DOS_RUNS = ("dos", "dos_compact", "dos_delay", "dos_compact_delay")
+# Issue 23's targets: compact state with the delay within 1.15x all-GPU; fp32
+# state with the delay within 10% of the host's bound for it (the iteration
+# time dosd's planner predicts: predicted_iter_s).
+DELAY_TARGET_VS_ALL_GPU = {"dos_compact_delay": 1.15}
+DELAY_TARGET_VS_PREDICTED = {"dos_delay": 1.10}
 
 
 def load(w, name):
@@ -15,32 +24,75 @@ def load(w, name):
     return json.load(open(p)) if os.path.exists(p) else None
 
 
+def delay_lines(runs):
+    """Each delay run's iteration beside what it is judged against."""
+    out = []
+    ref = runs["all_gpu"]
+    for key in ("dos_delay", "dos_compact_delay"):
+        r = runs[key]
+        if not r:
+            continue
+        line = f"hf7b_iter_s_{key} {r['iter_s']:.3f} s"
+        if ref:
+            v = r["iter_s"] / ref["iter_s"]
+            line += f"; {v:.2f}x all-GPU ({ref['iter_s']:.3f} s)"
+            if key in DELAY_TARGET_VS_ALL_GPU:
+                t = DELAY_TARGET_VS_ALL_GPU[key]
+                line += f" (target <= {t:g}x: {'met' if v <= t else 'NOT met'})"
+        p = r.get("predicted_iter_s", 0)
+        if p > 0:
+            v = r["iter_s"] / p
+            line += f"; host's bound (dosd's predicted iteration, median) {p:.3f} s: {v:.2f}x"
+            if key in DELAY_TARGET_VS_PREDICTED:
+                t = DELAY_TARGET_VS_PREDICTED[key]
+                line += f" (target within {t - 1:.0%}: {'met' if v <= t else 'NOT met'}" + \
+                    ("; measured below the bound: the prediction is off" if v < 2 - t else "") + \
+                    ")"
+        else:
+            line += "; no prediction reported (a dos.torch without predicted_iter_us?)"
+        if "delayed_update_s" in r:
+            line += (f"; delayed update {r['delayed_update_s']:.3f} s, hidden "
+                     f"{r['delayed_hidden_s']:.3f} s, waited {r['delayed_wait_s']:.3f} s, "
+                     f"window {r['window_s']:.3f} s")
+        if "period_s" in r:
+            line += f"; step to step {r['period_s']:.3f} s"
+        out.append(line)
+    return out
+
+
 def main():
     w, machine, out = sys.argv[1:4]
-    runs = {m: load(w, m) for m in ("all_gpu", "dos", "dos_compact", "rt_save", "rt_resume")}
+    runs = {m: load(w, m) for m in ("all_gpu",) + DOS_RUNS + ("rt_save", "rt_resume")}
     f = {}
     ref = runs["all_gpu"]
-    for mode, key in (("dos", "dos"), ("dos_compact", "dos_compact"), ("all_gpu", "all_gpu")):
-        r = runs[mode]
+    for key in DOS_RUNS + ("all_gpu",):
+        r = runs[key]
         if r:
             f[f"hf7b_iter_s_{key}"] = r["iter_s"]
+            if "period_s" in r:  # step begin to step begin: the Trainer's work between included
+                f[f"hf7b_period_s_{key}"] = r["period_s"]
     if ref:
-        for mode in ("dos", "dos_compact"):
+        for mode in DOS_RUNS:
             if runs[mode]:
                 f[f"hf7b_ratio_{mode}_vs_all_gpu"] = runs[mode]["iter_s"] / ref["iter_s"]
         f["hf7b_host_peak_gib_trainer_all_gpu"] = ref["peaks"]["trainer_rss_anon"] / GiB
-    for mode in ("dos", "dos_compact"):
+    for mode in DOS_RUNS:
         r = runs[mode]
         if not r:
             continue
-        sfx = "" if mode == "dos" else "_compact"
+        sfx = mode[len("dos"):]  # "", "_compact", "_delay", "_compact_delay"
         f[f"hf7b_host_peak_gib_trainer{sfx}"] = r["peaks"]["trainer_rss_anon"] / GiB
         f[f"hf7b_host_peak_gib_dosd{sfx}"] = r["peaks"]["dosd_rss"] / GiB
         f[f"hf7b_gpu_device_peak_gib{sfx}"] = r["peaks"]["gpu_used"] / GiB
-        f[f"hf7b_state_gib{sfx}"] = r["params"] * (12 if mode == "dos" else 8) / GiB
+        f[f"hf7b_state_gib{sfx}"] = r["params"] * (8 if "compact" in mode else 12) / GiB
         f[f"hf7b_sink_save_s{sfx}"] = r.get("sink_save_s")
         f[f"hf7b_register_s{sfx}"] = r.get("register_s")
         f["hf7b_params"] = r["params"]
+        # --delay: medians of dosd's reports on the steady steps (hf7b.py).
+        for k in ("predicted_iter_s", "delayed_update_s", "delayed_hidden_s",
+                  "delayed_wait_s", "window_s"):
+            if k in r:
+                f[f"hf7b_{k}_{mode}"] = r[k]
     s, r = runs["rt_save"], runs["rt_resume"]
     if s and r:
         common = sorted(set(s["losses"]) & set(r["losses"]), key=int)
@@ -55,7 +107,9 @@ def main():
         f["hf_checkpoint_gib"] = s.get("checkpoint_bytes", 0) / GiB
         f["hf_resume_host_peak_gib_trainer"] = max(s["peaks"]["trainer_rss_anon"],
                                                    r["peaks"]["trainer_rss_anon"]) / GiB
+    prefix = "hf7b"
     if any(r and r.get("framework") == "accelerate" for r in runs.values()):
+        prefix = "accelerate7b"
         f = {k.replace("hf7b_", "accelerate7b_"): v for k, v in f.items()}
         ref = None  # the limit line below names the HF figures
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -71,6 +125,8 @@ def main():
         print(f"limit: trainer RssAnon <= all-GPU's + 4 GiB = "
               f"{f['hf7b_host_peak_gib_trainer_all_gpu'] + 4:.1f} GiB; dosd <= state x 1.1 = "
               f"{f['hf7b_state_gib'] * 1.1:.1f} GiB")
+    for line in delay_lines(runs):
+        print(line.replace("hf7b_", prefix + "_", 1))
 
 
 if __name__ == "__main__":

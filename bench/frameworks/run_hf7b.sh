@@ -6,9 +6,12 @@
 # Writes bench/results/hf7b_<machine>_<date>.json (bench/frameworks/report.py)
 # and the logs to OUT.
 #   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny|none] [2b|tiny|none]
-# MODES picks the runs at the first size; RT_ARGS=--deterministic makes the
-# round trip deterministic on CUDA (hf7b.py: the losses of a resumed run can
-# otherwise differ through CUDA's atomics, not the optimizer); RESULT names
+# MODES picks the runs at the first size (all_gpu dos dos_compact by default;
+# dos_delay and dos_compact_delay are dos and dos_compact with --delay 1
+# --delay-warmup ${DELAY_WARMUP:-2}, issue 23's one-step delayed update);
+# RT_ARGS=--deterministic makes the round trip deterministic on CUDA (hf7b.py:
+# the losses of a resumed run can otherwise differ through CUDA's atomics, not
+# the optimizer); RESULT names
 # the results file; FRAMEWORK=accelerate runs the first size through
 # Accelerate's own loop instead of the Trainer; RT_MODE=all_gpu runs the round trip with torch's AdamW (the
 # control: a difference there is the framework's or CUDA's) (default bench/results/hf7b_<machine>_<date>.json).
@@ -29,11 +32,14 @@ W=/tmp/hf7b-work; rm -rf $W; mkdir -p $W
 cat /sys/kernel/mm/transparent_hugepage/shmem_enabled > "$O/thp.txt" 2>&1
 free -g >> "$O/thp.txt"
 [ "$SIZE" = none ] && modes= || modes=${MODES:-all_gpu dos dos_compact}
-for mode in $modes; do
-  echo "== $mode $SIZE" >> "$O/hf7b.log"
-  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode --framework ${FRAMEWORK:-hf} \
-    --size $SIZE --steps ${STEPS:-12} \
-    --sink --workdir $W/$mode --out $W/$mode.json >> "$O/hf7b.log" 2>&1
+for run in $modes; do
+  # A run is a mode, or a DOS mode with _delay: the file name report.py reads.
+  mode=${run%_delay}; delay=()
+  [ "$mode" != "$run" ] && delay=(--delay 1 --delay-warmup "${DELAY_WARMUP:-2}")
+  echo "== $run $SIZE" >> "$O/hf7b.log"
+  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode "${delay[@]}" \
+    --framework ${FRAMEWORK:-hf} --size $SIZE --steps ${STEPS:-12} \
+    --sink --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 done
 if [ "$RT" != none ]; then
