@@ -184,6 +184,14 @@ def parent(args):
     return 0 if done else 1
 
 
+def policy_arg(text):
+    """cpu, auto or static:<fraction resident on the GPU> (the rest on the host path)."""
+    if text in ("cpu", "auto") or (text.startswith("static:") and
+                                   0 <= float(text.split(":", 1)[1]) <= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"--policy {text!r}: cpu, auto or static:<fraction>")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -206,7 +214,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="weights; the batches use seed + 1")
     ap.add_argument("--checkpoint", action="store_true",
                     help="activation checkpointing (off: 350M at batch 8 x 512 fits easily)")
-    ap.add_argument("--policy", default="cpu", choices=["cpu", "auto"],
+    ap.add_argument("--policy", default="cpu", type=policy_arg,
                     help="dosd policy (cpu: every subgroup on the host path, where the "
                          "delay applies)")
     ap.add_argument("--gpu-budget-gb", type=float, default=0,

@@ -340,6 +340,46 @@ dos_status dos_last_step_early(const dos_session* session, int32_t* early,
   });
 }
 
+dos_status dos_set_step_delay(dos_session* session, uint32_t delay) {
+  return Guard("set_step_delay", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "set_step_delay"); !st.ok()) return st;
+    return session->impl->SetStepDelay(delay);
+  });
+}
+
+dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms) {
+  return Guard("step_finish_delayed", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_finish_delayed"); !st.ok()) return st;
+    return session->impl->FinishDelayed(
+        cuda_stream, timeout_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms));
+  });
+}
+
+dos_status dos_last_step_delay(const dos_session* session, uint32_t* delayed_subgroups,
+                               uint64_t* delayed_params, double* delayed_update_us,
+                               double* delayed_wait_us, double* window_us,
+                               double* predicted_update_us, double* predicted_iter_us) {
+  return Guard("last_step_delay", [&]() -> absl::Status {
+    if (session == nullptr || session->impl == nullptr) {
+      return absl::InvalidArgumentError("last_step_delay: session is NULL");
+    }
+    if (delayed_subgroups == nullptr || delayed_params == nullptr ||
+        delayed_update_us == nullptr || delayed_wait_us == nullptr || window_us == nullptr ||
+        predicted_update_us == nullptr || predicted_iter_us == nullptr) {
+      return absl::InvalidArgumentError("last_step_delay: an output pointer is NULL");
+    }
+    const dos::client::ClientSession::DelayFigures& d = session->impl->last_delay();
+    *delayed_subgroups = d.subgroups;
+    *delayed_params = d.params;
+    *delayed_update_us = d.update_us;
+    *delayed_wait_us = d.wait_us;
+    *window_us = d.window_us;
+    *predicted_update_us = d.predicted_update_us;
+    *predicted_iter_us = d.predicted_iter_us;
+    return absl::OkStatus();
+  });
+}
+
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result) {
   dos_status st = dos_step_begin(session, args);
   if (st != DOS_OK) return st;

@@ -125,6 +125,18 @@ class ClientSession {
     *prefetched_bytes = last_prefetched_bytes_;
   }
 
+  // The delayed host path (dos.h: dos_set_step_delay,
+  // dos_step_finish_delayed, dos_last_step_delay).
+  struct DelayFigures {
+    uint32_t subgroups = 0;
+    uint64_t params = 0;
+    double update_us = 0, wait_us = 0, window_us = 0, predicted_update_us = 0,
+           predicted_iter_us = 0;
+  };
+  absl::Status SetStepDelay(uint32_t delay);
+  absl::Status FinishDelayed(void* stream, absl::Duration timeout);
+  const DelayFigures& last_delay() const { return last_delay_; }
+
   // State transfer of one tensor (registration order). NULL parts are
   // skipped on read and kept on write.
   absl::Status ReadState(uint32_t tensor, float* master, float* exp_avg, float* exp_avg_sq,
@@ -219,6 +231,9 @@ class ClientSession {
   double last_before_verdict_us_ = 0;
   double last_after_verdict_us_ = 0;
   uint64_t last_prefetched_bytes_ = 0;
+  uint32_t delay_ = 0;          // SetStepDelay
+  bool finishing_ = false;      // the request in flight is a FinishDelayed
+  DelayFigures last_delay_;
   // Marks subgroup `i` of the early step ready (on `stream` with stream sync).
   absl::Status MarkOne(uint32_t i, void* stream);
   // GPU lease: the one to send, and the last one sent (a first or lower one

@@ -2,6 +2,8 @@
 // begin (synchronous, on a stream, early), ready marks, the verdict, the
 // result, and the per-subgroup waits. Which calls a step takes is its
 // phase in the session's StepMachine (step_machine.h).
+#include <time.h>
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -12,6 +14,16 @@
 #include "session.h"
 
 namespace dos::client {
+namespace {
+
+// CLOCK_MONOTONIC now (StepRequest::ring_ns).
+uint64_t MonotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+}  // namespace
 
 absl::Status ClientSession::StepBeginOnStream(const dos_step_args& args, void* stream) {
   if (device_sync_ == nullptr) {
@@ -66,6 +78,40 @@ absl::Status ClientSession::TensorSubgroups(uint32_t tensor, uint32_t* first,
   return absl::OkStatus();
 }
 
+absl::Status ClientSession::SetStepDelay(uint32_t delay) {
+  if (delay > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "set_step_delay: delay ", delay, " is not supported; 0 (exact) or 1 (one step late)"));
+  }
+  delay_ = delay;
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::FinishDelayed(void* stream, absl::Duration timeout) {
+  DOS_RETURN_IF_ERROR(CheckBegin());
+  if (control_->closed.load(std::memory_order_acquire) != 0) {
+    return absl::UnavailableError(
+        "step_finish_delayed: the daemon closed this session (shutdown or detach)");
+  }
+  StepRequest& r = control_->request;
+  r.flags = kStepFinishDelayed;
+  r.num_groups = static_cast<uint32_t>(num_groups_);
+  r.grad_scale = 1;
+  r.clip_coef = 1;
+  r.ring_ns = 0;  // not the end of a forward and backward
+  if (device_sync_ != nullptr && stream != nullptr) {
+    DOS_RETURN_IF_ERROR(device_sync_->RecordGradientsReady(stream));
+    r.flags |= kStepTrainerEventRecorded;
+  }
+  r.seq = control_->request_bell.load(std::memory_order_relaxed) + 1;
+  seq_ = step_channel_->PublishRequest();
+  DOS_RETURN_IF_ERROR(step_.Go(StepEvent::kBegin));
+  inflight_seq_.store(seq_, std::memory_order_release);
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { WatchSteps(); });
+  finishing_ = true;
+  return StepWait(timeout, nullptr);
+}
+
 absl::Status ClientSession::CheckBegin() const {
   if (!registered_) {
     return absl::FailedPreconditionError("step: no tensors registered; call dos_register first");
@@ -87,9 +133,17 @@ absl::Status ClientSession::Publish(const dos_step_args& args, uint32_t extra_fl
   if (control_->closed.load(std::memory_order_acquire) != 0) {
     return absl::UnavailableError("step: the daemon closed this session (shutdown or detach)");
   }
+  if (delay_ != 0 && begin == StepEvent::kBeginEarlyWithoutVerdict) {
+    return absl::InvalidArgumentError(
+        "step: a delayed session (dos_set_step_delay) cannot begin an early step without a "
+        "verdict (DOS_EARLY_NO_VERDICT updates during backward already); set the delay to 0 "
+        "or begin the step with a verdict");
+  }
   StepRequest& r = control_->request;
   DOS_RETURN_IF_ERROR(FillStepRequest(args, num_groups_, tensors_.size(), &r));
   r.flags |= extra_flags;
+  if (delay_ != 0) r.flags |= kStepDelayHost;
+  r.ring_ns = MonotonicNs();
   bool lease_lowered = false;
   if (lease_set_) {
     r.flags |= kStepGpuLease;
@@ -225,7 +279,11 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
         "dos_step_verdict or dos_step_abandon first");
   }
   absl::Status waited = step_channel_->WaitResult(seq_, timeout);
-  if (!absl::IsDeadlineExceeded(waited)) inflight_seq_.store(0, std::memory_order_release);
+  const bool finish = finishing_;  // a FinishDelayed is no step: the last step's figures stay
+  if (!absl::IsDeadlineExceeded(waited)) {
+    inflight_seq_.store(0, std::memory_order_release);
+    finishing_ = false;
+  }
   if (absl::IsDeadlineExceeded(waited)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "step_wait: step ", seq_, " not finished after ", absl::FormatDuration(timeout),
@@ -241,10 +299,16 @@ absl::Status ClientSession::StepWait(absl::Duration timeout, dos_step_result* re
   }
   DOS_RETURN_IF_ERROR(step_.Go(StepEvent::kCollect));
   const StepResult& res = control_->result;  // published by done_bell (acquire)
-  last_early_ = static_cast<int32_t>(res.early);
-  last_before_verdict_us_ = res.before_verdict_us;
-  last_after_verdict_us_ = res.after_verdict_us;
-  last_prefetched_bytes_ = res.prefetched_bytes;
+  if (!finish) {
+    last_early_ = static_cast<int32_t>(res.early);
+    last_before_verdict_us_ = res.before_verdict_us;
+    last_after_verdict_us_ = res.after_verdict_us;
+    last_prefetched_bytes_ = res.prefetched_bytes;
+    last_delay_ = DelayFigures{res.delayed_subgroups, res.delayed_params,
+                               res.delayed_update_us, res.delayed_wait_us,
+                               res.window_us, res.predicted_update_us,
+                               res.predicted_iter_us};
+  }
   if (res.seq != seq_) {
     return absl::InternalError(absl::StrCat("step_wait: result seq ", res.seq,
                                             " does not match request seq ", seq_));

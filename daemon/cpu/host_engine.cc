@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/cpu/delayed_update.h"
 #include "daemon/cpu/subgroup_spans.h"
+#include "dos/wire/status_macros.h"
 #include "daemon/transport/shm_transport.h"
 
 namespace dos::cpu {
@@ -51,7 +54,8 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
                                  std::span<const AdamScalars> scalars, const StepSync& sync,
                                  StepMeasurements* measured) {
   if (plan.resident != 0 || !plan.gpu_only.empty() || !plan.shared.empty() ||
-      plan.cpu_only.size() != shard.subgroups().size()) {
+      plan.cpu_only.size() + plan.delayed.size() != shard.subgroups().size() ||
+      (!plan.delayed.empty() && sync.delayed == nullptr)) {
     return absl::InternalError(absl::StrCat(
         "host engine: the plan places ", plan.resident + plan.gpu_only.size() + plan.shared.size(),
         " subgroups off the CPU; a host session's plan must be all CPU"));
@@ -92,10 +96,42 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
     measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'c'});
   }
   cpu_->Run(items);
+  // A delayed step: the delayed subgroups' pending weights in, their
+  // gradients out (the update runs after the result: UpdateDelayed).
+  if (!plan.delayed.empty()) {
+    DOS_RETURN_IF_ERROR(CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true));
+    for (uint32_t sg : plan.delayed) {
+      measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
+    }
+  }
   measured->wall_us = absl::ToDoubleMicroseconds(absl::Now() - start) - wait_us;
   measured->cpu_kernel_us = measured->wall_us;
   measured->cpu_loop_us = measured->wall_us;
   return absl::OkStatus();
+}
+
+}  // namespace dos::cpu
+
+namespace dos::cpu {
+
+absl::StatusOr<HostBuffer> HostEngine::AllocStaging(uint64_t bytes) {
+  char* p = static_cast<char*>(::operator new(bytes, std::align_val_t{64}, std::nothrow));
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+  }
+  return HostBuffer(p, [](char* q) { ::operator delete(q, std::align_val_t{64}); });
+}
+
+absl::Status HostEngine::InstallDelayed(const ShardState& shard,
+                                        std::span<const TensorBinding> bindings,
+                                        const DelayedHost& delayed,
+                                        std::span<const uint32_t> subgroups) {
+  return CopyDelayedHost(shard, bindings, delayed, subgroups, false);
+}
+
+absl::Status HostEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                                       double* kernel_us) {
+  return cpu::UpdateDelayed(cpu_, shard, delayed, kernel_us);
 }
 
 }  // namespace dos::cpu

@@ -43,6 +43,12 @@ class HostEngine final : public Engine {
   absl::Status SyncResidentToHost(ShardState&) override { return absl::OkStatus(); }
   void DropResident(ShardState&) override {}
   absl::StatusOr<uint32_t> SetResident(ShardState&, uint32_t, bool) override { return 0u; }
+  absl::StatusOr<HostBuffer> AllocStaging(uint64_t bytes) override;
+  absl::Status InstallDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
+                              const DelayedHost& delayed,
+                              std::span<const uint32_t> subgroups) override;
+  absl::Status UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                             double* kernel_us) override;
 
  private:
   CpuUpdater* const cpu_;

@@ -302,21 +302,29 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
   run.queue = &queue;
   run.sync = &sync;
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.ready));
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(run.ready, compute_));
   DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(run.start, h2d_));
   run.t0 = absl::Now();
+  if (!plan.delayed.empty() && sync.delayed == nullptr) {
+    return absl::InternalError("gpu: a delayed plan without the session's delayed buffers");
+  }
 
-  // The GPU path on the worker, the CPU path here, at once.
+  // The GPU path on the worker, the CPU path (a delayed step: its captures)
+  // here, at once.
   absl::Status gpu_status;
   worker_->Start([&] {
     const absl::Time g0 = absl::Now();
     gpu_status = GpuLoop(run);
     run.gpu_loop_us = absl::ToDoubleMicroseconds(absl::Now() - g0);
   });
-  absl::Status cpu_status = CpuLoop(run);
+  absl::Status cpu_status = plan.delayed.empty() ? CpuLoop(run) : CaptureLoop(run);
   worker_->Wait();
   absl::Status synced = DOS_CUDA_STATUS(cudaDeviceSynchronize());
   const double wall_us = absl::ToDoubleMicroseconds(absl::Now() - run.t0);
+  if (synced.ok()) MeasureWindow(run, measured);
   cudaEventDestroy(run.start);
+  cudaEventDestroy(run.ready);
   DOS_RETURN_IF_ERROR(gpu_status);
   DOS_RETURN_IF_ERROR(cpu_status);
   DOS_RETURN_IF_ERROR(synced);

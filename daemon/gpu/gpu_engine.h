@@ -102,6 +102,13 @@ class GpuEngine final : public Engine {
   absl::Status SyncResidentToHost(ShardState& shard) override;
   void DropResident(ShardState& shard) override;
   absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) override;
+  // The delayed host path (gpu_delayed.cc).
+  absl::StatusOr<HostBuffer> AllocStaging(uint64_t bytes) override;
+  absl::Status InstallDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
+                              const DelayedHost& delayed,
+                              std::span<const uint32_t> subgroups) override;
+  absl::Status UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                             double* kernel_us) override;
 
   // A staging slot's content copied by Prefetch: subgroup `subgroup` of
   // `shard` at step count `step` (tensor 0's), queued on the H2D stream.
@@ -124,6 +131,11 @@ class GpuEngine final : public Engine {
   absl::Status GpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status StreamSubgroups(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status CpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // A delayed step's CPU side: the delayed subgroups' pending weights H2D
+  // and their gradients D2H, each marked done after both (gpu_delayed.cc).
+  absl::Status CaptureLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // The window (StepMeasurements::window_us) from the shard's events.
+  void MeasureWindow(StepRun& run, StepMeasurements* m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // Fills `measured` from a finished run.
   void Measure(StepRun& run, double wall_us, StepMeasurements* measured)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);

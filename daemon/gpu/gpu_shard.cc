@@ -22,6 +22,9 @@ GpuEngine::Shard::~Shard() {
     if (!st.ok()) DOS_LOG_WARNING("gpu.unregister_failed", "error", st.message());
   }
   for (size_t i = 0; i < resident.size(); ++i) FreeResident(i);
+  for (cudaEvent_t ev : {last_end, delayed_end}) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+  }
 }
 
 void GpuEngine::Shard::FreeResident(size_t i) {

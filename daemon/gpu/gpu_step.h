@@ -69,6 +69,11 @@ class GpuEngine::Shard final : public ShardAttachment {
   std::vector<float*> resident;        // per subgroup; null when streamed
   std::vector<uint64_t> resident_size;
   uint32_t resident_count = 0;         // resident are subgroups [0, resident_count)
+  // Timing between steps (GpuEngine::MeasureWindow): recorded when the last
+  // step ended and when the last delayed update ended (each valid once
+  // recorded).
+  cudaEvent_t last_end = nullptr, delayed_end = nullptr;
+  bool last_end_valid = false, delayed_end_valid = false;
 
  private:
   const int device_;
@@ -109,6 +114,9 @@ struct GpuEngine::StepRun {
     uint32_t subgroup;
   };
   std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
+  // Recorded on the compute stream when the step starts there, after the
+  // trainer's event (the trainer's gradients are final).
+  cudaEvent_t ready = nullptr;
 };
 
 // Plans that wait for each subgroup's gradients: waits (on the host) until

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "daemon/sched/delayed_host.h"
 #include "daemon/sched/step_plan.h"
 #include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
@@ -65,6 +66,11 @@ struct StepSync {
   // updated with them. The executor applies them (engines never call it).
   // May be empty (none can come).
   std::function<bool(StepRequest* late)> late_skip;
+  // A delayed step (plan.delayed not empty): the buffers the engine copies
+  // the delayed subgroups' gradients into, after installing the weights
+  // pending there for them (DelayedHost::is_pending), each subgroup marked
+  // done once both are complete. Null for any other step.
+  DelayedHost* delayed = nullptr;
 };
 
 class Engine {
@@ -134,6 +140,23 @@ class Engine {
   // subgroups are resident now. Engines without a GPU keep none (0).
   virtual absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) = 0;
   virtual void DropResident(ShardState& shard) = 0;
+
+  // The delayed host path (delayed_host.h). Host memory for its buffers
+  // (GPU engines: page-locked).
+  virtual absl::StatusOr<HostBuffer> AllocStaging(uint64_t bytes) = 0;
+  // Copies the pending weights of `subgroups` from `delayed` into the
+  // trainer's memory (after the trainer's event: WaitTrainerEvent came
+  // first); returns once they are in.
+  virtual absl::Status InstallDelayed(const ShardState& shard,
+                                      std::span<const TensorBinding> bindings,
+                                      const DelayedHost& delayed,
+                                      std::span<const uint32_t> subgroups) = 0;
+  // The CPU kernel over the captured subgroups of `delayed` with its
+  // scalars: the shard's state of those subgroups becomes the step's and
+  // their new weights go into `delayed`'s buffers. Adds the kernel's time
+  // to `*kernel_us`.
+  virtual absl::Status UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                                     double* kernel_us) = 0;
 };
 
 }  // namespace dos

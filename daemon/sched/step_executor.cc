@@ -197,7 +197,7 @@ StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& 
   for (const TimelineEntry& e : m.entries) {
     if (e.path == 'r') ++out.resident_subgroups;
     if (e.path == 'g') ++out.gpu_subgroups;
-    if (e.path == 'c') ++out.cpu_subgroups;
+    if (e.path == 'c' || e.path == 'd') ++out.cpu_subgroups;
   }
   if (!engine_->has_gpu()) return out;
   out.cpu_params = m.cpu_params;
@@ -229,9 +229,21 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                                               const StepRequest& begun, StepKind kind,
                                               const Policy& policy, const StepSync& sync,
                                               uint64_t session,
-                                              const AwaitVerdict& await_verdict) {
+                                              const AwaitVerdict& await_verdict,
+                                              DelayedHost* delayed) {
   const absl::Time start = absl::Now();
   DOS_RETURN_IF_ERROR(CheckWaits(kind, sync, await_verdict));
+  if ((kind.delays_host() || kind.finishes_delayed()) && delayed == nullptr) {
+    return absl::InternalError("step: a delayed step needs the session's delayed host path");
+  }
+  if (kind.finishes_delayed()) {
+    DOS_RETURN_IF_ERROR(WaitForTrainerEvent(begun, sync));
+    DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
+    StepOutcome out;
+    out.step = StepCount(shard.tensors());
+    out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    return out;
+  }
   if (!kind.awaits_verdict()) {
     DOS_RETURN_IF_ERROR(ValidateStepRequest(begun, shard.groups().size()));
   }
@@ -239,11 +251,13 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   // verdict, so that the engine can start moving the first streamed
   // subgroups' state while backward still runs (the scan below waits for it).
   const ShardLayout layout = planner_.LayoutOf(shard);
-  DOS_ASSIGN_OR_RETURN(const uint32_t resident, ResidentFor(shard, layout, policy, session));
+  DOS_ASSIGN_OR_RETURN(const uint32_t resident,
+                       ResidentFor(shard, layout, policy, session, kind, delayed));
   // The node counts this engine as stepping (its share of the host) from
   // here until the step ends, failed or skipped included.
   NodeResources::Step node_step = planner_.BeginStep(layout, resident);
-  const StepPlan plan = planner_.Plan(policy, layout, resident, kind);
+  const double window_us = delayed != nullptr ? delayed->window_us : 0;
+  const StepPlan plan = planner_.Plan(policy, layout, resident, kind, window_us);
   DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
   absl::Time verdict_at = start;
@@ -258,11 +272,15 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     DOS_ASSIGN_OR_RETURN(finite, engine_->AllFinite(shard, bindings));
   }
   if (finite) {
-    DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step));
+    DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step,
+                                    delayed));
     AddLease(session, &out);
   } else {
     out.found_inf = true;
+    if (delayed != nullptr) DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
   }
+  out.window_us = plan.window_us;
+  out.predicted_iter_us = plan.predicted_iter_us;
   out.step = StepCount(shard.tensors());
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   TimeEarly(kind, start, verdict_at, &out);
@@ -270,10 +288,48 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
 }
 
 absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const ShardLayout& layout,
-                                                   const Policy& policy, uint64_t session) {
+                                                   const Policy& policy, uint64_t session,
+                                                   StepKind kind, DelayedHost* delayed) {
   if (session == 0) return StepPlanner::ResidentCount(policy, layout, planner_.budgets());
-  const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+  uint32_t target = planner_.ResidentTarget(policy, layout, session);
+  if (kind.delays_host() && delayed != nullptr) {
+    // The host takes the tail the window covers, resident or not; the cap
+    // moves by two subgroups or more only, so that a window's jitter does
+    // not move a subgroup's state in and out of the GPU every step.
+    const uint32_t cap = planner_.DelayedResidentCap(policy, layout, delayed->window_us);
+    if (delayed->resident_cap < 0 || cap + 1 < static_cast<uint32_t>(delayed->resident_cap) ||
+        cap > static_cast<uint32_t>(delayed->resident_cap) + 1) {
+      delayed->resident_cap = static_cast<int64_t>(cap);
+    }
+    target = std::min<uint32_t>(target, static_cast<uint32_t>(delayed->resident_cap));
+  }
   return engine_->SetResident(shard, target, true);
+}
+
+absl::Status StepExecutor::InstallPending(const ShardState& shard,
+                                          std::span<const TensorBinding> bindings,
+                                          DelayedHost& delayed) {
+  if (delayed.pending().empty()) return absl::OkStatus();
+  const std::vector<uint32_t> all = delayed.pending();
+  DOS_RETURN_IF_ERROR(engine_->InstallDelayed(shard, bindings, delayed, all));
+  delayed.Installed(all);
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed) {
+  if (delayed.captured().empty()) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  uint64_t params = 0;
+  for (uint32_t sg : delayed.captured()) params += shard.subgroups()[sg].numel;
+  double kernel_us = 0;
+  absl::Status st = engine_->UpdateDelayed(shard, delayed, &kernel_us);
+  // Whatever happened, these subgroups' weights are what the buffers hold
+  // now; a failed kernel (none can fail but a bad plan) is the step's error.
+  delayed.Updated();
+  delayed.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  delayed.update_end_ns = MonotonicNs();
+  if (st.ok()) planner_.LearnDelayed(params, delayed.update_us);
+  return st;
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,
@@ -304,10 +360,25 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
                                                 std::span<const TensorBinding> bindings,
                                                 StepKind kind, const StepSync& sync,
                                                 StepRequest* request,
-                                                NodeResources::Step* node_step) {
+                                                NodeResources::Step* node_step,
+                                                DelayedHost* delayed) {
   std::span<TensorDesc> tensors = shard.tensors();
   std::vector<cpu::AdamScalars> scalars = Scalars(shard, *request);
   StepMeasurements measured;
+  // Weights a delayed step left pending go in first, except for the
+  // subgroups this step delays again: the engine installs those itself,
+  // each before its gradients are captured.
+  if (delayed != nullptr) {
+    const std::vector<uint32_t> before = delayed->PendingExcept(plan.delayed);
+    if (!before.empty()) {
+      DOS_RETURN_IF_ERROR(engine_->InstallDelayed(shard, bindings, *delayed, before));
+      delayed->Installed(before);
+    }
+    if (!plan.delayed.empty()) {
+      DOS_RETURN_IF_ERROR(delayed->Place(
+          plan.delayed, [this](uint64_t bytes) { return engine_->AllocStaging(bytes); }));
+    }
+  }
   // Only a step updated per subgroup can learn of tensors without a
   // gradient after its begin.
   std::optional<LateSkip> late;
@@ -315,13 +386,20 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
   if (kind.per_subgroup()) {
     engine_sync = late.emplace(sync, request->seq, tensors.size(), request, &scalars).EngineSync();
   }
+  if (!plan.delayed.empty()) engine_sync.delayed = delayed;
   DOS_RETURN_IF_ERROR(engine_->Execute(plan, shard, bindings, scalars, engine_sync, &measured));
   node_step->Finish(StepPlanner::NodeStepEnd(plan, measured));
   planner_.Learn(plan, measured);
   for (uint32_t i = 0; i < tensors.size(); ++i) {
     if (!SkipsTensor(*request, i)) ++tensors[i].step;  // a skipped tensor keeps its count
   }
-  return Outcome(plan, measured);
+  if (!plan.delayed.empty()) delayed->Captured(plan.delayed, std::move(scalars));
+  StepOutcome out = Outcome(plan, measured);
+  out.delayed_subgroups = static_cast<uint32_t>(plan.delayed.size());
+  out.delayed_params = plan.delayed_params;
+  out.measured_window_us = measured.window_us;
+  out.delayed_slack_us = measured.delayed_slack_us;
+  return out;
 }
 
 void StepExecutor::AddLease(uint64_t session, StepOutcome* out) const {

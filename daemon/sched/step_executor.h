@@ -69,6 +69,21 @@ struct StepOutcome {
   bool early = false;
   double before_verdict_us = 0;
   double after_verdict_us = 0;
+  // The delayed host path (StepKind::delays_host): this step's deferred
+  // subgroups; the planner's window and predictions; how long the trainer's
+  // gradients came after the last delayed update ended (GPU engines;
+  // negative: it waited that long; 0 unknown) and the window measured on
+  // the GPU (0: unknown).
+  uint32_t delayed_subgroups = 0;
+  uint64_t delayed_params = 0;
+  double window_us = 0;
+  double predicted_iter_us = 0;
+  double measured_window_us = 0;
+  double delayed_slack_us = 0;
+  // Filled by the session: the previous delayed update's time and the part
+  // of it this step waited for.
+  double delayed_update_us = 0;
+  double delayed_wait_us = 0;
 };
 
 // How an early step's verdict reaches the executor: waits for it and returns
@@ -104,7 +119,17 @@ class StepExecutor {
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, StepKind kind, const Policy& policy,
                                   const StepSync& sync, uint64_t session,
-                                  const AwaitVerdict& await_verdict);
+                                  const AwaitVerdict& await_verdict,
+                                  DelayedHost* delayed = nullptr);
+  // The delayed host path (delayed_host.h), for the session that owns
+  // `delayed`: a delayed step (`kind.delays_host()`, Run above) captures the
+  // gradients of its plan's delayed subgroups and leaves their update to
+  // UpdateDelayed, which the session calls after posting the result; any
+  // other step, and InstallPending, installs the weights left pending first.
+  // kind.finishes_delayed(): Run installs them and applies nothing.
+  absl::Status UpdateDelayed(ShardState& shard, DelayedHost& delayed);
+  absl::Status InstallPending(const ShardState& shard, std::span<const TensorBinding> bindings,
+                              DelayedHost& delayed);
   // A synchronous step (tests, benchmarks).
   absl::StatusOr<StepOutcome> Run(ShardState& shard, std::span<const TensorBinding> bindings,
                                   const StepRequest& request, const Policy& policy,
@@ -141,14 +166,15 @@ class StepExecutor {
   // update of a step whose gradients are finite (the request's mask may
   // grow with tensors published late); the session's lease figures.
   absl::StatusOr<uint32_t> ResidentFor(ShardState& shard, const ShardLayout& layout,
-                                       const Policy& policy, uint64_t session);
+                                       const Policy& policy, uint64_t session, StepKind kind,
+                                       DelayedHost* delayed);
   absl::StatusOr<StepRequest> AwaitFinalRequest(const ShardState& shard,
                                                 const AwaitVerdict& await_verdict);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,
                                     const StepSync& sync, StepRequest* request,
-                                    NodeResources::Step* node_step);
+                                    NodeResources::Step* node_step, DelayedHost* delayed);
   void AddLease(uint64_t session, StepOutcome* out) const;
 
   Engine* const engine_;

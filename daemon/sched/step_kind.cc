@@ -9,7 +9,32 @@ namespace {
 
 constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
                                      kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
-                                     kStepAbandon | kStepSkipTensors;
+                                     kStepAbandon | kStepSkipTensors | kStepDelayHost |
+                                     kStepFinishDelayed;
+
+// The delay of a request with `flags` whose gradients are `gradients`.
+absl::StatusOr<StepKind::Delay> DecodeDelay(uint32_t flags, StepKind::Gradients gradients) {
+  const bool host = (flags & kStepDelayHost) != 0;
+  const bool finish = (flags & kStepFinishDelayed) != 0;
+  if (finish) {
+    constexpr uint32_t kWithFinish =
+        kStepFinishDelayed | kStepTrainerEventRecorded | kStepGpuLease;
+    if (flags & ~kWithFinish) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step: kStepFinishDelayed (install the pending weights, apply nothing) came with "
+          "flags 0x", absl::Hex(flags & ~kWithFinish),
+          "; send it alone (kStepTrainerEventRecorded and kStepGpuLease may come with it)"));
+    }
+    return StepKind::Delay::kFinish;
+  }
+  if (host && gradients == StepKind::Gradients::kPerSubgroup) {
+    return absl::InvalidArgumentError(
+        "step: kStepDelayHost with an early step without a verdict (kStepNoVerdict): such a "
+        "step already updates each subgroup during backward; send one or the other "
+        "(dos.torch: delay= with overlap=\"update\" is not supported)");
+  }
+  return host ? StepKind::Delay::kHost : StepKind::Delay::kNone;
+}
 
 }  // namespace
 
@@ -46,7 +71,8 @@ absl::StatusOr<StepKind> StepKind::Decode(uint32_t flags, bool stream_ordered) {
   const Gradients gradients = !pending    ? Gradients::kFinal
                               : no_verdict ? Gradients::kPerSubgroup
                                            : Gradients::kAtVerdict;
-  return StepKind(gradients, stream_ordered);
+  DOS_ASSIGN_OR_RETURN(const Delay delay, DecodeDelay(flags, gradients));
+  return StepKind(gradients, stream_ordered, delay);
 }
 
 const char* StepKind::name() const {

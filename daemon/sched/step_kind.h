@@ -10,6 +10,14 @@
 //   kPerSubgroup     kStepGradientsPending | kStepNoVerdict      at each ready   the request's
 //                    (and kStepGradientsChecked)                 word
 //
+// `delay` (protocol 7, dos/wire/control_block.h "delayed host path"):
+//   kNone        every subgroup is updated before the step completes
+//   kHost        kStepDelayHost: the CPU path's subgroups are updated after
+//                the result is posted, one step late (not with kPerSubgroup:
+//                those steps already update during backward)
+//   kFinish      kStepFinishDelayed: no update; the pending weights of the
+//                last delayed step are installed (gradients are not read)
+//
 // `stream_ordered`: the trainer's GPU stream orders the step (the session
 // registered a CUDA IPC event): its ready words are written by the stream,
 // so no futex wake comes with them. Whether a step runs on the CPU or a GPU
@@ -37,10 +45,12 @@ class StepKind {
     kPerSubgroup,   // early without a verdict: each subgroup's at its ready word
   };
 
+  enum class Delay : uint8_t { kNone, kHost, kFinish };
+
   // A synchronous step, not stream-ordered.
   constexpr StepKind() = default;
-  constexpr StepKind(Gradients gradients, bool stream_ordered)
-      : gradients_(gradients), stream_ordered_(stream_ordered) {}
+  constexpr StepKind(Gradients gradients, bool stream_ordered, Delay delay = Delay::kNone)
+      : gradients_(gradients), stream_ordered_(stream_ordered), delay_(delay) {}
 
   // The kind of a request with `flags`; INVALID_ARGUMENT for unknown bits or
   // a combination no client may send (kStepAbandon outside a verdict,
@@ -56,6 +66,11 @@ class StepKind {
   // Each subgroup is updated once its ready word says its gradients are final.
   bool per_subgroup() const { return gradients_ == Gradients::kPerSubgroup; }
   bool stream_ordered() const { return stream_ordered_; }
+  Delay delay() const { return delay_; }
+  // The CPU path's subgroups are updated after the result (kStepDelayHost).
+  bool delays_host() const { return delay_ == Delay::kHost; }
+  // Installs the pending weights and applies nothing (kStepFinishDelayed).
+  bool finishes_delayed() const { return delay_ == Delay::kFinish; }
   // "sync", "verdict" or "per_subgroup" (logs, errors).
   const char* name() const;
 
@@ -64,6 +79,7 @@ class StepKind {
  private:
   Gradients gradients_ = Gradients::kFinal;
   bool stream_ordered_ = false;
+  Delay delay_ = Delay::kNone;
 };
 
 // INVALID_ARGUMENT when `flags` (a request's or, `what` "verdict", a

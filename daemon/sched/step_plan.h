@@ -105,6 +105,14 @@ struct StepPlan {
   std::vector<uint32_t> gpu_only;  // streamed, GPU order
   std::vector<uint32_t> cpu_only;  // CPU path, CPU order
   std::vector<uint32_t> shared;    // claimed at run time (auto), GPU from the front
+  // A delayed step (StepKind::delays_host): the CPU path's subgroups, whose
+  // gradients the engine only captures (StepSync::delayed); with any of them
+  // cpu_only and shared are empty. The planner's view of the iteration:
+  // the trainer's measured time between steps and the update it waits for.
+  std::vector<uint32_t> delayed;
+  uint64_t delayed_params = 0;
+  double window_us = 0;
+  double predicted_iter_us = 0;
   std::vector<uint64_t> numel;     // per subgroup
   uint64_t max_numel = 0;          // largest subgroup (the staging buffers' size)
   uint64_t resident_params = 0;
@@ -137,7 +145,8 @@ struct StepPlan {
 };
 
 // One timeline entry: which subgroup ran where and when (microseconds from
-// the step's start). Path 'r' resident, 'g' streamed, 'c' CPU; `in` is the
+// the step's start). Path 'r' resident, 'g' streamed, 'c' CPU, 'd' delayed (its
+// gradients captured for the delayed host path); `in` is the
 // inbound copy (state H2D or gradients D2H), `out` the outbound one.
 struct TimelineEntry {
   uint32_t subgroup = 0;
@@ -163,6 +172,13 @@ struct StepMeasurements {
   double cpu_loop_us = 0;         // CPU path wall time, copies and waits included
   double gpu_loop_us = 0;         // GPU path wall time
   double wall_us = 0;             // the whole update
+  // GPU engines: the trainer's time between the previous step's end and
+  // this step's gradients (its forward and backward), measured on the GPU
+  // (0: unknown); how long its gradients came after the last delayed
+  // update ended (negative: the update ended that long after them: the
+  // part not hidden).
+  double window_us = 0;
+  double delayed_slack_us = 0;
   uint64_t gpu_memory_bytes = 0;  // staging and resident memory held on the GPU
   std::vector<TimelineEntry> entries;  // one per subgroup updated
 };

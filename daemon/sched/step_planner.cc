@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include "daemon/common/log.h"
@@ -223,13 +224,85 @@ uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& la
 }
 
 StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout) {
-  return PlanWith(policy, layout, ResidentCount(policy, layout, options_.budgets), StepKind());
+  return PlanWith(policy, layout, ResidentCount(policy, layout, options_.budgets), StepKind(), 0);
 }
 
 StepPlan StepPlanner::Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident,
-                           StepKind kind) {
+                           StepKind kind, double window_us) {
   const uint32_t n = static_cast<uint32_t>(layout.subgroup_numel.size());
-  return PlanWith(policy, layout, options_.budgets.gpu ? std::min(resident, n) : 0, kind);
+  return PlanWith(policy, layout, options_.budgets.gpu ? std::min(resident, n) : 0, kind,
+                  window_us);
+}
+
+double StepPlanner::DelayedBudgetParams(const Policy& policy, double window_us) const {
+  if (!options_.budgets.gpu || policy.kind != Policy::Kind::kAuto) {
+    return std::numeric_limits<double>::infinity();
+  }
+  double rate = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(model_.inputs());
+  }
+  return 0.9 * window_us * 1e-6 * rate;
+}
+
+uint32_t StepPlanner::DelayedResidentCap(const Policy& policy, const ShardLayout& layout,
+                                         double window_us) const {
+  const uint32_t n = static_cast<uint32_t>(layout.subgroup_numel.size());
+  if (!options_.budgets.gpu || policy.kind != Policy::Kind::kAuto || window_us <= 0) return n;
+  const double budget = DelayedBudgetParams(policy, window_us);
+  uint32_t cap = n;
+  double acc = 0;
+  while (cap > 0 && acc + static_cast<double>(layout.subgroup_numel[cap - 1]) <= budget) {
+    acc += static_cast<double>(layout.subgroup_numel[--cap]);
+  }
+  return cap;
+}
+
+void StepPlanner::LearnDelayed(uint64_t params, double update_us) {
+  if (params == 0 || update_us <= 0) return;
+  absl::MutexLock lock(&mu_);
+  delayed_rate_ = Ewma(delayed_rate_, static_cast<double>(params) / (update_us * 1e-6));
+}
+
+void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
+  std::vector<uint32_t> cpu_side = plan.cpu_only;  // the CPU's order
+  cpu_side.insert(cpu_side.end(), plan.shared.rbegin(), plan.shared.rend());
+  double acc = 0;
+  size_t taken = 0;
+  while (taken < cpu_side.size() &&
+         acc + static_cast<double>(plan.numel[cpu_side[taken]]) <= budget_params) {
+    acc += static_cast<double>(plan.numel[cpu_side[taken++]]);
+  }
+  plan.delayed.assign(cpu_side.begin(), cpu_side.begin() + taken);
+  for (uint32_t sg : plan.delayed) plan.delayed_params += plan.numel[sg];
+  // What the CPU does not take goes to the GPU, in the GPU's order: its own,
+  // the shared front to back, then the CPU's leftovers nearest first.
+  std::vector<uint32_t> left(cpu_side.begin() + taken, cpu_side.end());
+  std::reverse(left.begin(), left.end());
+  plan.gpu_only.insert(plan.gpu_only.end(), left.begin(), left.end());
+  plan.cpu_only.clear();
+  plan.shared.clear();
+}
+
+void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
+  const PerfInputs& in = plan.inputs;
+  const double streamed = static_cast<double>(plan.streamed_params - plan.delayed_params);
+  const double gpu_s = PerfModel::PhaseSeconds(in, 1.0, streamed,
+                                               static_cast<double>(plan.resident_params),
+                                               static_cast<double>(max_streamed));
+  const double h = static_cast<double>(plan.delayed_params);
+  const double capture_s = std::max(in.d2h_bytes_per_s > 0 ? h * in.grad_bytes / in.d2h_bytes_per_s : 0,
+                                    in.h2d_bytes_per_s > 0 ? h * in.weight_bytes / in.h2d_bytes_per_s : 0);
+  double rate = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(in);
+  }
+  const double window_s = plan.window_us * 1e-6;
+  const double overrun_s = rate > 0 ? std::max(0.0, h / rate - window_s) : 0;
+  plan.predicted_us = (std::max(gpu_s, capture_s) + overrun_s) * 1e6;
+  plan.predicted_iter_us = plan.window_us + plan.predicted_us;
 }
 
 void StepPlanner::OrderFor(StepKind kind, StepPlan& plan) {
@@ -244,7 +317,7 @@ void StepPlanner::OrderFor(StepKind kind, StepPlan& plan) {
 }
 
 StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
-                               uint32_t resident, StepKind kind) {
+                               uint32_t resident, StepKind kind, double window_us) {
   StepPlan plan;
   plan.policy = policy;
   plan.num_subgroups = static_cast<uint32_t>(layout.subgroup_numel.size());
@@ -279,16 +352,24 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
                          : 0;
     plan.binding = PerfModel::Bound(plan.inputs, plan.gpu_share).binding;
   }
+  plan.window_us = window_us;
+  const bool delayed = kind.delays_host() && (window_us > 0 || !budgets.gpu);
+  if (delayed) PlaceDelayed(plan, DelayedBudgetParams(policy, window_us));
   OrderFor(kind, plan);
   uint64_t max_streamed = 0;
   for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
     max_streamed = std::max(max_streamed, plan.numel[i]);
   }
-  plan.predicted_us =
-      PerfModel::PhaseSeconds(plan.inputs, plan.gpu_share,
-                              static_cast<double>(plan.streamed_params),
-                              static_cast<double>(plan.resident_params),
-                              static_cast<double>(max_streamed)) * 1e6;
+  if (delayed && budgets.gpu) {
+    PredictDelayed(plan, max_streamed);
+  } else {
+    plan.predicted_us =
+        PerfModel::PhaseSeconds(plan.inputs, plan.gpu_share,
+                                static_cast<double>(plan.streamed_params),
+                                static_cast<double>(plan.resident_params),
+                                static_cast<double>(max_streamed)) * 1e6;
+    plan.predicted_iter_us = window_us > 0 ? window_us + plan.predicted_us : 0;
+  }
   if (node != nullptr) {
     node->Planned(options_.node_engine, plan.resident_params + plan.streamed_params,
                   plan.node_share, plan.predicted_us, plan.binding);

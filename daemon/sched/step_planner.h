@@ -99,8 +99,26 @@ class StepPlanner {
   StepPlan Plan(const Policy& policy, const ShardLayout& layout) ABSL_LOCKS_EXCLUDED(mu_);
   // The plan of a session's step of `kind` when its engine holds subgroups
   // [0, resident) resident (at most ResidentTarget's count).
+  // A delayed step (kind.delays_host) also gets the trainer's last measured
+  // time between steps, `window_us` (0: unknown: the step is planned as an
+  // exact one, nothing delayed).
   StepPlan Plan(const Policy& policy, const ShardLayout& layout, uint32_t resident,
-                StepKind kind = {}) ABSL_LOCKS_EXCLUDED(mu_);
+                StepKind kind = {}, double window_us = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // The delayed host path's budget: the parameters the CPU updates within
+  // `window_us` (90% of it) at its delayed rate (learned: LearnDelayed; the
+  // model's CPU rate until then); unbounded for policies that put their
+  // subgroups on the CPU by rule (cpu, static, interleave) and for engines
+  // without a GPU.
+  double DelayedBudgetParams(const Policy& policy, double window_us) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Under `auto` with a delay: the most subgroups a session should keep
+  // resident so that the tail that fits DelayedBudgetParams goes to the
+  // host (resident subgroups cannot be delayed: their state is on the GPU);
+  // the subgroup count (no cap) otherwise.
+  uint32_t DelayedResidentCap(const Policy& policy, const ShardLayout& layout,
+                              double window_us) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Learns the delayed update's rate (params per second of its CPU time).
+  void LearnDelayed(uint64_t params, double update_us) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Resident tier (above). Sessions are keyed by their id.
   void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
@@ -147,6 +165,12 @@ class StepPlanner {
   // The pure parts, for tests and the benchmark's report.
   // Puts `plan`'s lists in the order a step of `kind` executes them (above).
   static void OrderFor(StepKind kind, StepPlan& plan);
+  // Moves CPU-path subgroups of `plan` (cpu_only in its order, then shared
+  // from the CPU's end) into plan.delayed while their parameters fit
+  // `budget_params`; the CPU-path subgroups left go to the GPU (gpu_only),
+  // so that a delayed plan has no exact CPU work. Without a GPU every
+  // subgroup is delayed.
+  static void PlaceDelayed(StepPlan& plan, double budget_params);
   // Subgroups resident under `policy` for `layout` within `budgets`.
   static uint32_t ResidentCount(const Policy& policy, const ShardLayout& layout,
                                 const PlanBudgets& budgets);
@@ -159,7 +183,10 @@ class StepPlanner {
     uint64_t asks = 0;  // resident bytes it asks for (before the cap's share)
   };
   StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident,
-                    StepKind kind) ABSL_LOCKS_EXCLUDED(mu_);
+                    StepKind kind, double window_us) ABSL_LOCKS_EXCLUDED(mu_);
+  // A delayed plan's prediction (plan.predicted_us: the update the trainer
+  // waits for; plan.predicted_iter_us: with its window).
+  void PredictDelayed(StepPlan& plan, uint64_t max_streamed) const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t ResidentBytesLocked(uint64_t session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PlannerOptions options_;
@@ -168,6 +195,7 @@ class StepPlanner {
   PerfModel model_ ABSL_GUARDED_BY(mu_);
   double cpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
   double gpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
+  double delayed_rate_ ABSL_GUARDED_BY(mu_) = 0;  // params/s of the delayed update
   int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

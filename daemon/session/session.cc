@@ -19,17 +19,6 @@
 #include "daemon/transport/shm_transport.h"
 
 namespace dos {
-namespace {
-
-void PostError(ControlBlock* block, const absl::Status& status) {
-  block->result.status_code = static_cast<int32_t>(status.code());
-  absl::string_view msg = status.message();
-  size_t n = std::min(msg.size(), static_cast<size_t>(kMaxStatusMessage - 1));
-  std::memcpy(block->result.message, msg.data(), n);
-  block->result.message[n] = '\0';
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     SessionIdentity identity, const SessionOptions& options, const Policy& policy,
@@ -228,11 +217,13 @@ void Session::HandleRequest(uint32_t seq) {
   // any time, and what was validated must be what is applied.
   const StepRequest request = block->request;  // published by request_bell (acquire)
   StepRecord record;
-  {
-    absl::MutexLock lock(&mu_);
-    record.lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-    RunStep(seq, request, start, &record);
-  }
+  // Held from the step to the end of its delayed update (if any), which runs
+  // after the result is posted: nothing reads or writes the state between
+  // the two (state reads, checkpoints and resumes see whole steps).
+  absl::MutexLock lock(&mu_);
+  record.lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  RunStep(seq, request, start, &record);
+  if (record.outcome.ok()) AddDelayFigures(request, &*record.outcome);
   // Done, skipped or failed: no waiter on any subgroup (or on the lease) may
   // be left behind.
   channel_->PostLeaseApplied(seq);
@@ -245,17 +236,9 @@ void Session::HandleRequest(uint32_t seq) {
                   o.ok() && !o->found_inf ? summary().params : 0);
   }
   RecordStats(record, wall_us);
+  last_post_ns_ = MonotonicNs();
   channel_->PostResult(seq);
-}
-
-void Session::ClearResult(StepResult* result) {
-  result->status_code = 0;
-  result->found_inf = 0;
-  result->early = 0;
-  result->before_verdict_us = 0;
-  result->after_verdict_us = 0;
-  result->prefetched_bytes = 0;
-  result->message[0] = '\0';
+  RunDelayedUpdate();
 }
 
 void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start,
@@ -286,32 +269,17 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
       !leased.ok() ? leased : !kind.ok() ? kind.status() : early.status();
   if (admitted.ok()) {
     const ::dos::AwaitVerdict verdict = [this, seq, start] { return AwaitVerdict(seq, start); };
+    DelayedHost* delayed = DelayedFor(*kind);
+    NoteWindow(request);
     record->outcome = executor_->Run(*shard_, bindings_, request, *kind, step_policy,
-                                     MakeStepSync(seq, *kind, start), identity_.id, verdict);
+                                     MakeStepSync(seq, *kind, start), identity_.id, verdict,
+                                     delayed);
   } else {
     record->outcome = admitted;
   }
   ++steps_run_;
   record->snapshot_wait_us = shard_->TakeWriteWaitUs();
   record->num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
-}
-
-void Session::PostOutcome(ControlBlock* block, const absl::StatusOr<StepOutcome>& outcome,
-                          double wall_us) {
-  StepResult& result = block->result;
-  if (outcome.ok()) {
-    result.found_inf = outcome->found_inf ? 1 : 0;
-    result.step = outcome->step;
-    result.update_us = outcome->update_us;
-    result.early = outcome->early ? 1 : 0;
-    result.before_verdict_us = outcome->before_verdict_us;
-    result.after_verdict_us = outcome->after_verdict_us;
-    result.prefetched_bytes = outcome->prefetched_bytes;
-  } else {
-    PostError(block, outcome.status());
-    DOS_LOG_WARNING("step.failed", "session", identity_.id, "error", outcome.status().message());
-  }
-  result.wall_us = wall_us;
 }
 
 void Session::RecordStats(const StepRecord& record, double wall_us) {
@@ -410,6 +378,9 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
   }
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
+  // Weights a delayed step left pending go in first: the import rewrites
+  // only its own range of them.
+  DOS_RETURN_IF_ERROR(InstallPendingWeights());
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   // A range may cover part of a resident subgroup: the rest of it must come
   // home before the GPU copies are dropped below.
@@ -512,6 +483,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
   }
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
+  delayed_.reset();  // every weight is rewritten below: nothing is pending any more
   engine()->DropResident(*shard_);
   for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
     DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
@@ -534,6 +506,7 @@ std::unique_ptr<ShardState> Session::TakeShard() {
   // The dead client's memory: unmap it (the step thread is stopped). State
   // resident on the GPU comes home first: the attachment frees it.
   bindings_.clear();
+  delayed_.reset();  // a resumed session's weights are rewritten from the masters
   CloseTrainerEvent();
   if (shard_ != nullptr) {
     absl::Status synced = engine()->SyncResidentToHost(*shard_);

@@ -256,6 +256,17 @@ class Session {
     uint32_t num_subgroups = 0;
   };
   void HandleRequest(uint32_t seq);
+  // The delayed host path (daemon/sched/delayed_host.h): the session's
+  // DelayedHost for its shard (made at the first step that needs one); the
+  // trainer's window before a request; the update after the result; the
+  // pending weights installed before anything else writes the trainer's
+  // memory or state outside a step.
+  DelayedHost* DelayedFor(StepKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NoteWindow(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunDelayedUpdate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status InstallPendingWeights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddDelayFigures(const StepRequest& request, StepOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void ClearResult(StepResult* result);
   void RunStep(uint32_t seq, const StepRequest& request, absl::Time start, StepRecord* record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -343,6 +354,8 @@ class Session {
   int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<DelayedHost> delayed_ ABSL_GUARDED_BY(mu_);  // for shard_; null: none yet
+  uint64_t last_post_ns_ ABSL_GUARDED_BY(mu_) = 0;  // MonotonicNs when the last result was posted
   // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;
   void CloseTrainerEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

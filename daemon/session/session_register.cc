@@ -259,6 +259,7 @@ void Session::Publish(Registration* reg) {
   bindings_ = std::move(reg->bindings);
   trainer_event_ = reg->trainer_event;
   shard_ = std::move(reg->shard);
+  delayed_.reset();  // a new shard: nothing of the old one's delayed path applies
 }
 
 }  // namespace dos

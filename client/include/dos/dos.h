@@ -314,6 +314,32 @@ dos_status dos_last_step_early(const dos_session* session, int32_t* early,
                                double* before_verdict_us, double* after_verdict_us,
                                uint64_t* prefetched_bytes);
 
+/* The delayed host path (protocol 7; dos/wire/control_block.h "delayed host
+ * path"). dos_set_step_delay(session, 1) makes every later step a delayed
+ * one (0: exact again; not with DOS_EARLY_NO_VERDICT steps, which fail
+ * INVALID_ARGUMENT): the subgroups dosd updates on its CPU are updated after
+ * the step's result, during the trainer's next forward and backward, and
+ * their new weights reach the trainer's memory at the next step (their
+ * forward sees the weights one step old). dosd's state is never half a step.
+ * dos_step_finish_delayed installs the weights still pending, with no step
+ * (after the work queued on `cuda_stream` when the session has stream sync;
+ * the call returns once they are in), for readers of the trainer's weights
+ * that must see whole steps; a no-op when none are pending. It must not be
+ * called with a step in flight. dos_last_step_delay reports the last
+ * collected step: the subgroups and parameters it delayed, the previous
+ * delayed update's CPU time and how much of it the step waited for, the
+ * trainer's time between steps dosd measured (`window_us`), and the
+ * planner's prediction of the update the trainer waits for and of the
+ * iteration (`window_us` + that; zeros where unknown).
+ * Added within API version 1 (look them up with dlsym to run with an older
+ * libdos_client). */
+dos_status dos_set_step_delay(dos_session* session, uint32_t delay);
+dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms);
+dos_status dos_last_step_delay(const dos_session* session, uint32_t* delayed_subgroups,
+                               uint64_t* delayed_params, double* delayed_update_us,
+                               double* delayed_wait_us, double* window_us,
+                               double* predicted_update_us, double* predicted_iter_us);
+
 /* dos_step_begin + dos_step_wait. */
 dos_status dos_step(dos_session* session, const dos_step_args* args, dos_step_result* result);
 

@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from dos import _grads
+from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
 from dos._flight import Flight
@@ -48,6 +49,8 @@ class Options:
     overlap: Any  # False, True or "update" (checked)
     model: Optional[Callable[[], Any]]  # a weak reference to model=
     async_step: Optional[bool]
+    delay: int = 0          # 1: the CPU path's subgroups one step late (dos/_delay.py)
+    delay_warmup: int = 0   # exact steps before the delay starts
 
 
 class Assembly:
@@ -104,17 +107,24 @@ class Assembly:
         if mode.early is not Early.NONE:
             driver = early_driver(driver, mode.early, reg, self.flight)
             driver.armed = self.armed
+        if self._options.delay and reg.entries:
+            driver = DelayedDriver(driver, reg, self.flight, self._options.delay_warmup, model,
+                                   self._finish)
         self.driver = driver
 
     def set_armed(self, value) -> None:
         self.armed = value
-        if isinstance(self.driver, EarlyDriver):
-            self.driver.armed = value
+        if isinstance(self._early(), EarlyDriver):
+            self._early().armed = value
+
+    def _early(self):
+        d = self.driver
+        return d.inner if isinstance(d, DelayedDriver) else d
 
     @property
     def ready_log(self):
         """The last early step's ready order (overlap=), else []."""
-        return self.driver.ready_log if isinstance(self.driver, EarlyDriver) else []
+        return self._early().ready_log if isinstance(self._early(), EarlyDriver) else []
 
     def close(self, timeout_ms: int) -> bool:
         """Finishes the step in flight (within `timeout_ms`), removes the

@@ -14,15 +14,14 @@ nothing else:
     before_zero_grad(ents)  zero_grad(): the entries to zero now
     close(timeout_ms)       finish within a bound and remove the hooks
 
-A delayed update (issue 23: the host path's subgroups updated one step late,
-during the next forward and backward) is meant to be one more wrapper of this
-interface, as the early drivers are: `decide_mode` gains its field (say
-`delay: int`), the step machine one state (a step whose GPU-path subgroups
-are collected and whose host-path update is pending), and the driver's
-step() returns once the gradients are safe (copied off the GPU) while its
-finish(), which state_dict(), synchronize(), close(), found_inf and the
-module hooks already call, completes the pending update first. Nothing else
-changes for it. Drivers hold the registration, the flight and the lease they were built with;
+    report()                collect the step in flight for found_inf / last_step
+
+The delayed update (delay=1: the CPU path's subgroups updated one step late,
+during the next forward and backward) is one more wrapper of this interface
+(dos/_delay.py), as the early drivers are: step() returns once dosd has the
+gradients, and finish(), which state_dict(), synchronize(), close() and the
+module hooks call, also installs the weights dosd left pending; report()
+does not. Drivers hold the registration, the flight and the lease they were built with;
 a re-registration builds new ones (`StepRequest.reregister` returns the
 driver in charge afterwards). Thread-safety: none.
 """
@@ -121,6 +120,12 @@ class SyncDriver:
     def finish(self) -> None:
         if self.flight.in_flight:
             self.collect()
+
+    def report(self) -> None:
+        """Collects the step in flight for its report (found_inf,
+        last_step); a delayed update's driver (dos/_delay.py) leaves its
+        install for finish()."""
+        self.finish()
 
     def step(self, req: StepRequest) -> None:
         amp_scale, skip = req.amp()

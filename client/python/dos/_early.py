@@ -102,6 +102,9 @@ class EarlyDriver:
                 return
         self.inner.finish()
 
+    def report(self) -> None:
+        self.finish()
+
     def before_zero_grad(self, entries):
         if self._flight.hook_begun:
             self.finish()

@@ -43,10 +43,32 @@ class Flight:
         self.found_inf = False
         self.last_step: Optional[Dict[str, Any]] = None  # dosd's report on the last step
         self._session = None
+        self._delay = 0  # what the session was last told (dos_set_step_delay)
+        # A collected step left delayed weights in dosd that the trainer's
+        # memory does not have yet (dos/_delay.py).
+        self.delayed_pending = False
 
     def bind(self, session) -> None:
         """Steps from now on go to `session` (a dos_session*)."""
         self._session = session
+        self._delay = 0  # a new session starts exact
+        self.delayed_pending = False
+
+    # -- the delayed host path (dos/_delay.py) --
+
+    def set_delay(self, delay: int) -> None:
+        """Steps begun from now on are delayed (1) or exact (0)."""
+        if delay != self._delay:
+            call("dos_set_step_delay", self._session, ctypes.c_uint32(delay))
+            self._delay = delay
+
+    def finish_delayed(self, stream=None, timeout_ms: int = -1) -> None:
+        """Installs the weights the last delayed step left pending (after
+        the work queued on `stream`); returns once they are in."""
+        if not self.delayed_pending:
+            return
+        call("dos_step_finish_delayed", self._session, stream, ctypes.c_int64(timeout_ms))
+        self.delayed_pending = False
 
     @property
     def state(self) -> StepState:
@@ -139,3 +161,16 @@ class Flight:
                           "before_verdict_us": float(before.value),
                           "after_verdict_us": float(after.value),
                           "prefetched_bytes": int(prefetched.value)}
+        self.last_step.update(self._delay_report())
+        self.delayed_pending = self.last_step["delayed_subgroups"] > 0
+
+    def _delay_report(self) -> Dict[str, Any]:
+        subgroups, params = ctypes.c_uint32(), ctypes.c_uint64()
+        figures = [ctypes.c_double() for _ in range(5)]
+        call("dos_last_step_delay", self._session, ctypes.byref(subgroups), ctypes.byref(params),
+             *[ctypes.byref(f) for f in figures])
+        names = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_update_us",
+                 "predicted_iter_us")
+        report = {"delayed_subgroups": int(subgroups.value), "delayed_params": int(params.value)}
+        report.update({n: float(f.value) for n, f in zip(names, figures)})
+        return report

@@ -178,6 +178,11 @@ SIGNATURES = {
                                  ctypes.POINTER(ctypes.c_double),
                                  ctypes.POINTER(ctypes.c_double),
                                  ctypes.POINTER(ctypes.c_uint64)]),
+    "dos_set_step_delay": (_S, [_P, ctypes.c_uint32]),
+    "dos_step_finish_delayed": (_S, [_P, _P, ctypes.c_int64]),
+    "dos_last_step_delay": (_S, [_P, ctypes.POINTER(ctypes.c_uint32),
+                                 ctypes.POINTER(ctypes.c_uint64)] +
+                            [ctypes.POINTER(ctypes.c_double)] * 5),
     "dos_step": (_S, [_P, ctypes.POINTER(StepArgs), ctypes.POINTER(StepResult)]),
     "dos_state_read": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.POINTER(ctypes.c_int64)]),
     "dos_state_write": (_S, [_P, ctypes.c_uint32, _F, _F, _F, ctypes.c_int64]),

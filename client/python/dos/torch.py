@@ -37,6 +37,7 @@ import torch
 from dos import _amp, _grads, _native
 from dos._assembly import Assembly, Options
 from dos._drivers import StepRequest
+from dos._delay import check_delay
 from dos._early import check_overlap
 from dos._errors import DosError, call
 from dos._hooks import weak_hook
@@ -107,7 +108,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                  resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
                  gpu_budget_bytes=None, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
-                 differentiable: bool = False):
+                 differentiable: bool = False, delay: int = 0, delay_warmup: int = 20):
         _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
         self._parts = None
@@ -120,6 +121,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._clip_coef = None  # from clip_grad_norm_(), for the next step()
         overlap = check_overlap(overlap)
         self.overlap = bool(overlap)
+        # delay=1: dosd's CPU path one step late (dos/_delay.py, docs/python.md).
+        delay, delay_warmup = check_delay(delay, delay_warmup, overlap, model)
         # The model only weakly: it holds this optimizer's hooks (no cycle).
         # compact_state: dosd keeps exp_avg / exp_avg_sq as bf16 (8 bytes of
         # state a parameter instead of 12); state_dict() still returns fp32.
@@ -127,7 +130,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                           subgroup_size=subgroup_size, decoupled=self._decoupled,
                           compact=bool(compact_state), overlap=overlap,
                           model=None if model is None else weakref.ref(model),
-                          async_step=async_step)
+                          async_step=async_step, delay=delay, delay_warmup=delay_warmup)
         self._parts = Assembly(options, groups=weak_hook(self, lambda opt: opt.param_groups),
                                finish=weak_hook(self, lambda opt: opt._finish_inflight()))
         try:
@@ -145,7 +148,7 @@ class _DosAdamBase(torch.optim.Optimizer):
     # step() (its inf-check tensor); the property keeps the two apart.
     @property
     def found_inf(self) -> bool:
-        self._finish_inflight()  # an asynchronous step's verdict is known once it is done
+        self._collect_inflight()  # an asynchronous step's verdict is known once it is done
         return self._parts.flight.found_inf
 
     @found_inf.setter
@@ -161,8 +164,9 @@ class _DosAdamBase(torch.optim.Optimizer):
 
     @property
     def last_step(self) -> Optional[Dict[str, Any]]:
-        """The daemon's report on the last step (waits for a step in flight)."""
-        self._finish_inflight()
+        """The daemon's report on the last step (waits for a step in flight;
+        with delay=1 it leaves the delayed update pending)."""
+        self._collect_inflight()
         return self._parts.flight.last_step
 
     @last_step.setter
@@ -324,16 +328,26 @@ class _DosAdamBase(torch.optim.Optimizer):
         hooks while steps overlap the next forward (`model=` on CUDA, or
         `async_step=True` on the CPU): a tensor read directly (`p.cpu()`,
         `parameters()`, `model.to()`); module state_dict()/load_state_dict(),
-        the model's forward, and the optimizer's state wait by themselves."""
+        the model's forward, and the optimizer's state wait by themselves.
+        With delay=1 it also installs the delayed subgroups' new weights, so
+        the model holds the whole last step."""
         self._finish_inflight()
 
     def _finish_inflight(self) -> None:
         """Collects the step in flight (waits on the host for its result and
         raises its error, if any); an early step that step() has not claimed
-        yet is ended as its driver says (dos/_early.py)."""
+        yet is ended as its driver says (dos/_early.py); a delayed update's
+        weights are installed (dos/_delay.py)."""
         parts = getattr(self, "_parts", None)
         if parts is not None and parts.driver is not None:
             parts.driver.finish()
+
+    def _collect_inflight(self) -> None:
+        """The same for a report (found_inf, last_step): a delayed update's
+        weights stay pending."""
+        parts = getattr(self, "_parts", None)
+        if parts is not None and parts.driver is not None:
+            parts.driver.report()
 
     # ---- setup ----
 

@@ -95,8 +95,9 @@
 namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
-// 4: the GPU lease; 5: early steps; 6: tensors without a gradient (skip mask)
-inline constexpr uint32_t kProtocolVersion = 6;
+// 4: the GPU lease; 5: early steps; 6: tensors without a gradient (skip mask);
+// 7: the delayed host path (kStepDelayHost, kStepFinishDelayed, ring_ns)
+inline constexpr uint32_t kProtocolVersion = 7;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -124,7 +125,30 @@ enum StepFlags : uint32_t {
   kStepAbandon = 1u << 5,
   // `skip` marks tensors without a gradient this step (above).
   kStepSkipTensors = 1u << 6,
+  // Delayed host path (protocol 7; below): the subgroups the daemon updates
+  // on its CPU are updated one step late.
+  kStepDelayHost = 1u << 7,
+  // Applies nothing: installs the new weights a delayed step left pending
+  // (below), then posts the result. Only with kStepTrainerEventRecorded and
+  // kStepGpuLease beside it.
+  kStepFinishDelayed = 1u << 8,
 };
+
+// The delayed host path (kStepDelayHost): in such a step the daemon updates
+// the resident and streamed subgroups at once as always, but for the
+// subgroups its plan puts on the CPU (StepResult::delayed_subgroups) it only
+// copies the gradients into host memory of its own before it marks them
+// done, and posts the result; their update runs after the result is posted,
+// during the trainer's next forward and backward, and writes the new weights
+// into host memory, not the trainer's. The next request (any kind) first
+// waits for that update, then installs those weights into the trainer's
+// memory (a delayed step: each subgroup before it is marked done) before
+// anything else touches them, so a forward after step t sees the weights of
+// step t-1 for the subgroups step t delayed and of step t for the others.
+// kStepFinishDelayed installs them without a step (for readers that must see
+// whole steps). The daemon's own state (state reads, checkpoints, crash
+// survival) is never half a step: nothing reads it before the delayed update
+// is complete.
 
 struct StepRequest {
   uint32_t seq;
@@ -138,6 +162,9 @@ struct StepRequest {
   uint64_t gpu_peak_bytes;    // the trainer's measured peak (stats)
   GroupStepParams groups[kMaxGroups];
   uint64_t skip[kMaxSkipTensors / 64];  // kStepSkipTensors: tensors without a gradient
+  // CLOCK_MONOTONIC nanoseconds when the client published the request (0:
+  // unknown): the daemon's measure of the trainer's time between steps.
+  uint64_t ring_ns;
 };
 
 // True when `r` marks tensor `i` as having no gradient this step.
@@ -159,6 +186,20 @@ struct StepResult {
   double before_verdict_us;
   double after_verdict_us;
   uint64_t prefetched_bytes;  // GPU path state copied into staging before the verdict
+  // The delayed host path (kStepDelayHost): this step's deferred subgroups
+  // and their parameters; the previous delayed update's CPU time and how
+  // much of it this step waited for (the rest ran hidden behind the
+  // trainer's forward and backward); the trainer's time between steps as
+  // the daemon measured it (`window_us`) and the planner's prediction of
+  // the update the trainer waits for and of the whole iteration.
+  uint32_t delayed_subgroups;
+  uint32_t reserved2;
+  uint64_t delayed_params;
+  double delayed_update_us;
+  double delayed_wait_us;
+  double window_us;
+  double predicted_update_us;
+  double predicted_iter_us;
   char message[kMaxStatusMessage];  // NUL-terminated, set when status_code != 0
 };
 

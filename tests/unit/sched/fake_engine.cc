@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/cpu/delayed_update.h"
 #include "daemon/cpu/subgroup_spans.h"
 #include "daemon/transport/shm_transport.h"
 
@@ -320,8 +321,36 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
     }
     ++updated;
   }
+  if (!plan.delayed.empty()) {
+    if (sync.delayed == nullptr) return absl::InternalError("fake: a delayed plan without buffers");
+    if (plan.wait_ready) return absl::InternalError("fake: a delayed plan that waits per subgroup");
+    absl::Status st = cpu::CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true);
+    if (!st.ok()) return st;
+    for (uint32_t sg : plan.delayed) {
+      measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
+      if (sync.subgroup_done) sync.subgroup_done(sg);
+      absl::MutexLock lock(&mu_);
+      done_.push_back(sg);
+    }
+  }
   measured->wall_us = measured->cpu_loop_us + measured->gpu_loop_us;
   return absl::OkStatus();
+}
+
+absl::StatusOr<HostBuffer> FakeEngine::AllocStaging(uint64_t bytes) {
+  return HostBuffer(new char[bytes], [](char* p) { delete[] p; });
+}
+
+absl::Status FakeEngine::InstallDelayed(const ShardState& shard,
+                                        std::span<const TensorBinding> bindings,
+                                        const DelayedHost& delayed,
+                                        std::span<const uint32_t> subgroups) {
+  return cpu::CopyDelayedHost(shard, bindings, delayed, subgroups, false);
+}
+
+absl::Status FakeEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                                       double* kernel_us) {
+  return cpu::UpdateDelayed(&cpu_, shard, delayed, kernel_us);
 }
 
 }  // namespace dos

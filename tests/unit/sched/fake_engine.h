@@ -88,6 +88,13 @@ class FakeEngine final : public Engine {
   absl::Status SyncResidentToHost(ShardState& shard) override;
   void DropResident(ShardState& shard) override;
   absl::StatusOr<uint32_t> SetResident(ShardState& shard, uint32_t count, bool grow) override;
+  // The delayed host path as the host engine runs it (shared memory).
+  absl::StatusOr<HostBuffer> AllocStaging(uint64_t bytes) override;
+  absl::Status InstallDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
+                              const DelayedHost& delayed,
+                              std::span<const uint32_t> subgroups) override;
+  absl::Status UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                             double* kernel_us) override;
   // Resident copies held now, all shards (bytes).
   uint64_t resident_bytes() const;
 

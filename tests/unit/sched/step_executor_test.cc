@@ -241,6 +241,62 @@ namespace {
 
 // The one hyperparameter check (dos/wire/hparams.h) as every step applies
 // it: torch's rules, eps = 0 included.
+// The delayed host path (delayed_host.h): a delayed step captures the
+// gradients and applies nothing; the update after the result makes the
+// state the exact step's and leaves the weights pending; the next request
+// installs them.
+TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
+  Fixture f, exact;
+  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  const std::vector<std::vector<float>> weights0 = f.params;
+  const std::vector<float> master0 = f.Master(0);
+  DelayedHost delayed(*f.shard);
+  const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
+                                           Policy{}, StepSync{}, 0, {}, &delayed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->step, 1);
+  EXPECT_EQ(out->delayed_subgroups, 5u);
+  EXPECT_EQ(out->delayed_params, 4501u);
+  EXPECT_EQ(f.params, weights0);     // nothing applied before the result
+  EXPECT_EQ(f.Master(0), master0);
+  for (std::vector<float>& g : f.grads) std::fill(g.begin(), g.end(), 1e3f);  // captured already
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  EXPECT_EQ(delayed.pending().size(), 5u);
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  EXPECT_EQ(f.params, weights0);     // the weights wait for the next request
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+  EXPECT_TRUE(delayed.pending().empty());
+}
+
+TEST(StepExecutorTest, AFinishRequestInstallsAndAppliesNothing) {
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  DelayedHost delayed(*f.shard);
+  const StepKind host(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  const StepKind finish(StepKind::Gradients::kFinal, false, StepKind::Delay::kFinish);
+  ASSERT_TRUE(
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), host, Policy{}, StepSync{}, 0, {}, &delayed)
+          .ok());
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  const std::vector<float> master = f.Master(1);
+  StepRequest r{};  // a finish carries no hyperparameters
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, r, finish, Policy{}, StepSync{}, 0, {}, &delayed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->step, 1);
+  EXPECT_EQ(f.Master(1), master);
+  EXPECT_EQ(f.params[1], master);  // fp32 weights: the masters themselves
+  EXPECT_TRUE(delayed.pending().empty());
+  // Without the session's delayed path a delayed kind is a bug, not a step.
+  EXPECT_EQ(ex.Run(*f.shard, f.bindings, Fixture::Request(), host, Policy{}, StepSync{}, 0, {})
+                .status()
+                .code(),
+            absl::StatusCode::kInternal);
+}
+
 TEST(ValidateStepRequestTest, FollowsTorchsRulesForEveryField) {
   StepRequest r{};
   r.num_groups = 2;

@@ -91,6 +91,52 @@ const StepKind kPerSubgroup(Gradients::kPerSubgroup, true);
 // Synchronous and verdict steps: resident first, 0 up, lists as placed.
 // Per subgroup: the order backward makes gradients final (the last
 // subgroups first), the resident ones last; shared keeps its ends.
+TEST(StepKindTest, DecodesTheDelay) {
+  absl::StatusOr<StepKind> k = StepKind::Decode(kStepDelayHost, true);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_TRUE(k->delays_host());
+  EXPECT_FALSE(k->finishes_delayed());
+  k = StepKind::Decode(kStepDelayHost | kStepGradientsPending, true);  // a verdict step
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_TRUE(k->delays_host() && k->awaits_verdict());
+  k = StepKind::Decode(kStepFinishDelayed | kStepTrainerEventRecorded | kStepGpuLease, true);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_TRUE(k->finishes_delayed());
+  EXPECT_FALSE(StepKind::Decode(0, false)->delays_host());
+  // An early step without a verdict updates during backward already.
+  k = StepKind::Decode(kStepDelayHost | kStepGradientsPending | kStepNoVerdict |
+                           kStepGradientsChecked, true);
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(k.status().message().find("overlap"), std::string::npos) << k.status();
+  // A finish applies nothing: no other kind may come with it.
+  EXPECT_EQ(StepKind::Decode(kStepFinishDelayed | kStepDelayHost, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StepKind::Decode(kStepFinishDelayed | kStepGradientsPending, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepKindTest, ADelayedPlanDelaysTheCpuSideWithinTheBudget) {
+  StepPlan plan;
+  plan.num_subgroups = 6;
+  plan.numel = {10, 10, 10, 10, 10, 10};
+  plan.gpu_only = {0};
+  plan.shared = {1, 2, 3};
+  plan.cpu_only = {5, 4};
+  StepPlanner::PlaceDelayed(plan, 35);  // room for three subgroups
+  EXPECT_EQ(plan.delayed, (std::vector<uint32_t>{5, 4, 3}));
+  EXPECT_EQ(plan.delayed_params, 30u);
+  EXPECT_EQ(plan.gpu_only, (std::vector<uint32_t>{0, 1, 2}));  // the rest to the GPU, in order
+  EXPECT_TRUE(plan.cpu_only.empty());
+  EXPECT_TRUE(plan.shared.empty());
+  StepPlan all;
+  all.num_subgroups = 2;
+  all.numel = {10, 10};
+  all.cpu_only = {0, 1};
+  StepPlanner::PlaceDelayed(all, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(all.delayed, (std::vector<uint32_t>{0, 1}));
+  EXPECT_TRUE(all.gpu_only.empty());
+}
+
 TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
   StepPlanner planner(Gpu());
   for (StepKind kind : {kSync, kVerdict}) {

@@ -1,0 +1,150 @@
+"""The delayed update (delay=1): dosd updates the subgroups it puts on its
+CPU one step late, during the trainer's next forward and backward
+(dos/wire/control_block.h, "delayed host path"); the resident and streamed
+subgroups are applied at once as always.
+
+`DelayedDriver` wraps the step driver of any mode (dos/_drivers.py,
+dos/_early.py) with the same interface and adds two things:
+
+  - which steps are delayed: none of the first `warmup` optimizer steps
+    (dosd's step count), and none while a state dict's views of dosd's memory
+    are alive (dos/_views.py: their holder must never see a half step);
+    a step begun during backward (overlap=True) is delayed as the flag stood
+    when it began, which the previous step() set;
+  - whole steps for readers: `finish()` (state_dict(), synchronize(), a
+    module's state_dict hook, `opt.state`) and `close()` collect the step in
+    flight, then have dosd install the weights it left pending (the daemon's
+    state is whole already: dosd serialises its state reads behind the
+    update). `report()` (found_inf, last_step) only collects, so reading the
+    last step's figures every iteration costs no install.
+
+What the model holds between step() and the next step's end: the weights of
+the step before for the delayed subgroups (`opt.last_step["delayed_params"]`
+of them), of the last step for the others. Thread-safety: none.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dos import _views
+from dos._hooks import reader_hooks
+from dos._errors import DosError
+from dos._native import Status
+
+__all__ = ["DelayedDriver", "check_delay"]
+
+
+def check_delay(delay, warmup, overlap, model) -> tuple:
+    """(delay, warmup) checked: delay 0 or 1, warmup >= 0; not with
+    overlap="update" (whose steps update during backward already); model=
+    given (its state_dict() must see whole steps)."""
+    if isinstance(delay, bool) or delay not in (0, 1):
+        raise ValueError(f"delay={delay!r}: use 0 (exact steps) or 1 (the CPU path's "
+                         "subgroups updated one step late)")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"delay_warmup={warmup!r}: the number of exact steps before the "
+                         "delay starts, an int >= 0")
+    if delay and model is None:
+        raise ValueError("delay=1 needs model= (the module being trained): its state_dict() and "
+                         "load_state_dict(), through which frameworks save and load weights, "
+                         "must first install the delayed subgroups' new weights")
+    if delay and overlap == "update":
+        raise ValueError("delay=1 with overlap=\"update\": those steps update each subgroup "
+                         "during backward already; use overlap=True (or False) with the delay")
+    return int(delay), int(warmup)
+
+
+def owner_reader_hooks(model, entries, finish) -> list:
+    """dos/_hooks.py's reader hooks on each module of `model` that owns
+    registered parameters."""
+    registered = {id(e.param) for e in entries}
+    handles = []
+    for module in model.modules():
+        if any(id(p) in registered for p in module.parameters(recurse=False)):
+            handles += reader_hooks(module, finish)
+    return handles
+
+
+class DelayedDriver:
+    def __init__(self, inner, reg, flight, warmup: int, model, finish):
+        if reg.dtensor:
+            raise DosError(Status.INVALID_ARGUMENT,
+                           "dos.torch: delay=1 is not supported for FSDP2 (DTensor) parameters: "
+                           "their shards are copied at step(); use delay=0")
+        self.inner = inner
+        self._reg = reg
+        self._flight = flight
+        self._warmup = warmup
+        # A per-layer driver's hooks finish steps on state_dict() already;
+        # for the others the model's modules get the same reader hooks.
+        self._handles = [] if hasattr(inner, "hooks") or model is None else \
+            owner_reader_hooks(model, reg.entries, finish)
+        self._plan_next()
+
+    def __getattr__(self, name):
+        # Everything else a driver offers (mode, hooks, armed, ready_log ...).
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("inner", "_reg", "_flight", "_warmup", "_handles"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    # -- the interface --
+
+    def arm(self) -> None:
+        self.inner.arm()
+
+    def settle(self, thawed) -> None:
+        self.inner.settle(thawed)  # collects the step in flight; the next one installs
+
+    def step(self, req) -> None:
+        if _views.live():
+            self._flight.set_delay(0)
+        self.inner.step(req)
+        if _views.live():
+            # A view's holder must see whole steps: wait until dosd ended the
+            # delayed update (it runs behind this step's result).
+            self.finish()
+        self._plan_next()
+
+    def report(self) -> None:
+        """Collects the step in flight for its report (found_inf,
+        last_step), leaving a delayed update pending."""
+        self.inner.finish()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self._install()
+
+    def before_zero_grad(self, entries):
+        return self.inner.before_zero_grad(entries)  # the gradients were captured
+
+    def close(self, timeout_ms: int, prepare=None) -> None:
+        self.inner.close(timeout_ms, prepare)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._flight.in_flight:
+            return  # the step did not finish in time: nothing to install after it
+        try:
+            self._install(timeout_ms)
+        except DosError as e:  # dosd gone or stuck: detaching goes on (close() is bounded)
+            if e.code not in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED):
+                raise
+
+    # -- the delay --
+
+    def _plan_next(self) -> None:
+        """Whether the next step is delayed: after the warm-up."""
+        last = self._flight.last_step
+        steps = last["step"] if last else 0
+        self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
+
+    def _install(self, timeout_ms: int = -1) -> None:
+        if self._flight.in_flight or not self._flight.delayed_pending:
+            return
+        stream: Optional[object] = self._reg.stream() if self.inner.mode.stream else None
+        self._flight.finish_delayed(stream, timeout_ms)

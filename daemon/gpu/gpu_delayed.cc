@@ -1,0 +1,155 @@
+// GpuEngine's delayed host path (daemon/sched/delayed_host.h): a delayed
+// step's captures on the CPU path's streams, the installs of pending weights
+// outside a step, the CPU update after the result, and the window between
+// steps measured on the GPU.
+//
+// A captured subgroup's copies: its pending weights H2D (when it has any)
+// and its gradients D2H, on the CPU path's two streams (both wait for the
+// trainer's event: WaitTrainerEvent), then "done" on the H2D stream once the
+// D2H stream's copy is in too: the trainer's next backward may overwrite the
+// gradients and its next forward reads the weights. Copy kernels or DMA as
+// the CPU path's (GpuEngineOptions::cpu_copy_kernel).
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/cpu/delayed_update.h"
+#include "daemon/cpu/subgroup_spans.h"
+#include "daemon/gpu/gpu_step.h"
+#include "daemon/gpu/pcie_copy.h"
+
+namespace dos::gpu {
+namespace {
+
+absl::Status CopyOn(bool kernel, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind,
+                    cudaStream_t stream) {
+  if (kernel) return LaunchPcieCopy(dst, src, bytes, stream);
+  return DOS_CUDA_STATUS(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+}
+
+// The pending weights of subgroup `sg` into the trainer's parameters.
+absl::Status QueueInstall(bool kernel, const ShardState& shard,
+                          std::span<const TensorBinding> bindings, const DelayedHost& delayed,
+                          uint32_t sg, cudaStream_t stream, uint64_t* bytes) {
+  for (const SubgroupSegment& seg : shard.subgroups()[sg].segments) {
+    const TensorDesc& t = shard.tensors()[seg.tensor];
+    const uint64_t n = seg.count * DTypeSize(t.param_dtype);
+    DOS_RETURN_IF_ERROR(CopyOn(kernel,
+                               cpu::ElementAt(bindings[seg.tensor].param, t.param_dtype,
+                                              seg.tensor_offset),
+                               delayed.weight(sg, seg), n, cudaMemcpyHostToDevice, stream));
+    *bytes += n;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<HostBuffer> GpuEngine::AllocStaging(uint64_t bytes) {
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  char* p = nullptr;
+  cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaHostAlloc of ", bytes, " bytes: ",
+                                                     cudaGetErrorString(err)));
+  }
+  const int device = options_.device;
+  return HostBuffer(p, [device](char* q) {
+    if (cudaSetDevice(device) == cudaSuccess) cudaFreeHost(q);
+  });
+}
+
+absl::Status GpuEngine::InstallDelayed(const ShardState& shard,
+                                       std::span<const TensorBinding> bindings,
+                                       const DelayedHost& delayed,
+                                       std::span<const uint32_t> subgroups) {
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  uint64_t bytes = 0;
+  for (uint32_t sg : subgroups) {
+    DOS_RETURN_IF_ERROR(QueueInstall(options_.cpu_copy_kernel, shard, bindings, delayed, sg,
+                                     cpu_h2d_, &bytes));
+  }
+  return DOS_CUDA_STATUS(cudaStreamSynchronize(cpu_h2d_));
+}
+
+absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
+                                      double* kernel_us) {
+  // The CPU kernel alone: no GPU work, so no engine lock (another session's
+  // step may run on the GPU meanwhile; the CPU updater is thread-safe).
+  DOS_RETURN_IF_ERROR(cpu::UpdateDelayed(cpu_, shard, delayed, kernel_us));
+  auto* gs = static_cast<Shard*>(shard.attachment());
+  if (gs == nullptr) return absl::OkStatus();
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  if (gs->delayed_end == nullptr) {
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&gs->delayed_end));
+  }
+  // The resident stream is idle between steps: the event completes now.
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(gs->delayed_end, resident_));
+  gs->delayed_end_valid = true;
+  return absl::OkStatus();
+}
+
+absl::Status GpuEngine::CaptureLoop(StepRun& run) {
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  const bool kernel = options_.cpu_copy_kernel;
+  const DelayedHost& delayed = *run.sync->delayed;
+  const absl::Time loop_start = absl::Now();
+  cudaEvent_t grads_in = nullptr;
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_in, cudaEventDisableTiming));
+  absl::Status status;
+  for (uint32_t sg : run.plan->delayed) {
+    const Subgroup& g = run.shard->subgroups()[sg];
+    if (delayed.is_pending(sg)) {
+      status = QueueInstall(kernel, *run.shard, run.bindings, delayed, sg, cpu_h2d_, &run.cpu_h2d);
+      if (!status.ok()) break;
+    }
+    for (const SubgroupSegment& seg : g.segments) {
+      const TensorDesc& t = run.shard->tensors()[seg.tensor];
+      const uint64_t n = seg.count * DTypeSize(t.grad_dtype);
+      status = CopyOn(kernel, delayed.grad(sg, seg),
+                      cpu::ElementAt(run.bindings[seg.tensor].grad, t.grad_dtype,
+                                     seg.tensor_offset),
+                      n, cudaMemcpyDeviceToHost, cpu_d2h_);
+      if (!status.ok()) break;
+      run.cpu_d2h += n;
+    }
+    if (!status.ok()) break;
+    status = DOS_CUDA_STATUS(cudaEventRecord(grads_in, cpu_d2h_));
+    if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, grads_in, 0));
+    if (status.ok()) status = EnqueueDone(run, &run.cpu_done_calls, sg, cpu_h2d_);
+    if (!status.ok()) break;
+    run.cpu_entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
+  }
+  for (cudaStream_t s : {cpu_d2h_, cpu_h2d_}) {
+    absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(s));
+    if (status.ok()) status = st;
+  }
+  cudaEventDestroy(grads_in);
+  run.cpu_loop_us = absl::ToDoubleMicroseconds(absl::Now() - loop_start);
+  return status;
+}
+
+void GpuEngine::MeasureWindow(StepRun& run, StepMeasurements* m) {
+  Shard* gs = run.gs;
+  float ms = 0;
+  if (gs->last_end_valid && cudaEventElapsedTime(&ms, gs->last_end, run.ready) == cudaSuccess) {
+    m->window_us = ms * 1e3;
+  }
+  if (gs->delayed_end_valid &&
+      cudaEventElapsedTime(&ms, gs->delayed_end, run.ready) == cudaSuccess) {
+    m->delayed_slack_us = ms * 1e3;
+  }
+  cudaGetLastError();  // an elapsed time the driver would not give is only a figure lost
+  gs->delayed_end_valid = false;
+  if (gs->last_end == nullptr && cudaEventCreate(&gs->last_end) != cudaSuccess) {
+    cudaGetLastError();
+    gs->last_end = nullptr;
+    return;
+  }
+  gs->last_end_valid = cudaEventRecord(gs->last_end, compute_) == cudaSuccess;
+}
+
+}  // namespace dos::gpu

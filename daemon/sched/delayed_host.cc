@@ -1,0 +1,101 @@
+#include "daemon/sched/delayed_host.h"
+
+#include <time.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
+
+namespace dos {
+
+uint64_t MonotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+DelayedHost::DelayedHost(const ShardState& shard) {
+  for (const TensorDesc& t : shard.tensors()) {
+    grad_elem_ = std::max<uint64_t>(grad_elem_, DTypeSize(t.grad_dtype));
+    weight_elem_ = std::max<uint64_t>(weight_elem_, DTypeSize(t.param_dtype));
+  }
+  for (const Subgroup& g : shard.subgroups()) max_numel_ = std::max(max_numel_, g.numel);
+  region_bytes_ = max_numel_ * (grad_elem_ + weight_elem_);
+  region_of_.assign(shard.subgroups().size(), -1);
+  state_.assign(shard.subgroups().size(), kNone);
+}
+
+absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
+                                const AllocHostBuffer& alloc) {
+  std::vector<bool> wanted(region_of_.size(), false);
+  for (uint32_t sg : subgroups) wanted[sg] = true;
+  // Regions of subgroups that left the set and wait for nothing go back.
+  for (uint32_t sg = 0; sg < region_of_.size(); ++sg) {
+    if (region_of_[sg] >= 0 && !wanted[sg] && state_[sg] == kNone) {
+      free_.push_back(static_cast<uint32_t>(region_of_[sg]));
+      region_of_[sg] = -1;
+    }
+  }
+  for (uint32_t sg : subgroups) {
+    if (region_of_[sg] >= 0) continue;
+    if (free_.empty()) {
+      absl::StatusOr<HostBuffer> buf = alloc(region_bytes_);
+      if (!buf.ok()) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "step: the delayed host path needs ", region_bytes_, " more bytes of host memory ",
+            "for subgroup ", sg, "'s gradients and weights (", regions_.size(),
+            " regions held): ", buf.status().message(),
+            "; run without delay (dos.torch: delay=0) or free host memory"));
+      }
+      free_.push_back(static_cast<uint32_t>(regions_.size()));
+      regions_.push_back(std::move(*buf));
+    }
+    region_of_[sg] = static_cast<int32_t>(free_.back());
+    free_.pop_back();
+  }
+  return absl::OkStatus();
+}
+
+char* DelayedHost::grad(uint32_t sg, const SubgroupSegment& seg) const {
+  return regions_[region_of_[sg]].get() + seg.subgroup_offset * grad_elem_;
+}
+
+char* DelayedHost::weight(uint32_t sg, const SubgroupSegment& seg) const {
+  return regions_[region_of_[sg]].get() + max_numel_ * grad_elem_ +
+         seg.subgroup_offset * weight_elem_;
+}
+
+void DelayedHost::Captured(std::span<const uint32_t> subgroups,
+                           std::vector<cpu::AdamScalars> scalars) {
+  Installed(subgroups);  // the pending ones among them were installed first
+  captured_.assign(subgroups.begin(), subgroups.end());
+  for (uint32_t sg : captured_) state_[sg] = kCaptured;
+  scalars_ = std::move(scalars);
+}
+
+void DelayedHost::Updated() {
+  for (uint32_t sg : captured_) state_[sg] = kPending;
+  pending_.insert(pending_.end(), captured_.begin(), captured_.end());
+  captured_.clear();
+  scalars_.clear();
+}
+
+std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep) const {
+  std::vector<bool> kept(state_.size(), false);
+  for (uint32_t sg : keep) kept[sg] = true;
+  std::vector<uint32_t> out;
+  for (uint32_t sg : pending_) {
+    if (!kept[sg]) out.push_back(sg);
+  }
+  return out;
+}
+
+void DelayedHost::Installed(std::span<const uint32_t> subgroups) {
+  for (uint32_t sg : subgroups) {
+    if (state_[sg] == kPending) state_[sg] = kNone;
+  }
+  std::erase_if(pending_, [&](uint32_t sg) { return state_[sg] != kPending; });
+}
+
+}  // namespace dos

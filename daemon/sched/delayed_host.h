@@ -1,0 +1,101 @@
+// DelayedHost: one shard's delayed host path (StepKind::delays_host; the
+// protocol is in dos/wire/control_block.h, "delayed host path").
+//
+// A delayed step's CPU-path subgroups go through three stages, each owned by
+// one party:
+//   captured   the engine copied the step's gradients into this object's
+//              host buffers while executing the step (Engine::Execute with
+//              StepSync::delayed), and the step's Adam scalars were kept;
+//   updated    after the result was posted, the CPU kernel ran over the
+//              captured gradients (Engine::UpdateDelayed): the shard's state
+//              is the step's, and the new weights wait in the buffers;
+//   installed  the next request copied them into the trainer's memory (the
+//              next delayed step's Execute for the subgroups it delays
+//              again, Engine::InstallDelayed for every other).
+// The buffers: one region per subgroup in the delayed set, sized for the
+// shard's largest subgroup, holding its gradients and, after the update,
+// its new weights (a subgroup's region is reused step after step; regions
+// of subgroups that left the set are reused by others).
+//
+// Ownership: the session owns one per registered shard, next to it; the
+// buffers come from the shard's engine (Engine::AllocStaging: page-locked
+// for a GPU engine). Thread-safety: none; the session's step lock guards it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/cpu/adam_kernel.h"
+#include "daemon/state/shard_state.h"
+
+namespace dos {
+
+// Host memory an engine allocated (page-locked for GPU engines), freed by
+// its deleter.
+using HostBuffer = std::unique_ptr<char, std::function<void(char*)>>;
+using AllocHostBuffer = std::function<absl::StatusOr<HostBuffer>(uint64_t bytes)>;
+
+// CLOCK_MONOTONIC now, in nanoseconds (the clock StepRequest::ring_ns uses).
+uint64_t MonotonicNs();
+
+class DelayedHost {
+ public:
+  explicit DelayedHost(const ShardState& shard);
+
+  // Gives each of `subgroups` a region (allocating with `alloc` when the pool
+  // has none free), keeping the regions of those whose weights are pending.
+  // RESOURCE_EXHAUSTED from `alloc` (host memory) names the size and the fix.
+  absl::Status Place(std::span<const uint32_t> subgroups, const AllocHostBuffer& alloc);
+
+  // Where segment `seg` of subgroup `sg` (placed) keeps its gradients and
+  // its new weights, in the tensor's grad and param dtypes.
+  char* grad(uint32_t sg, const SubgroupSegment& seg) const;
+  char* weight(uint32_t sg, const SubgroupSegment& seg) const;
+
+  // Stage bookkeeping (above).
+  // After the step's Execute captured `subgroups` (and installed the
+  // pending ones among them): their update waits, with `scalars`.
+  void Captured(std::span<const uint32_t> subgroups, std::vector<cpu::AdamScalars> scalars);
+  // Subgroups captured and not yet updated, and their step's scalars.
+  const std::vector<uint32_t>& captured() const { return captured_; }
+  const std::vector<cpu::AdamScalars>& scalars() const { return scalars_; }
+  // After Engine::UpdateDelayed: their weights are pending.
+  void Updated();
+  // Subgroups whose new weights wait in the buffers (after Updated), and
+  // whether one of them is `sg`.
+  const std::vector<uint32_t>& pending() const { return pending_; }
+  bool is_pending(uint32_t sg) const { return sg < state_.size() && state_[sg] == kPending; }
+  // The pending subgroups that are not in `keep` (those the next step
+  // installs itself): what must be installed before it runs.
+  std::vector<uint32_t> PendingExcept(std::span<const uint32_t> keep) const;
+  // After the weights of `subgroups` were installed.
+  void Installed(std::span<const uint32_t> subgroups);
+
+  // Bytes of host memory the regions hold.
+  uint64_t bytes() const { return static_cast<uint64_t>(regions_.size()) * region_bytes_; }
+
+  // Timing between steps: when the last delayed update ended and how long
+  // it took (StepExecutor::UpdateDelayed); the trainer's time between steps
+  // as last measured, smoothed (0: not yet; the session keeps it); the
+  // resident cap a delayed `auto` plan keeps (-1: none yet).
+  uint64_t update_end_ns = 0;  // CLOCK_MONOTONIC (MonotonicNs)
+  double update_us = 0;
+  double window_us = 0;
+  int64_t resident_cap = -1;
+
+ private:
+  enum Stage : uint8_t { kNone, kCaptured, kPending };
+  uint64_t grad_elem_ = 2, weight_elem_ = 2, max_numel_ = 0, region_bytes_ = 0;
+  std::vector<HostBuffer> regions_;
+  std::vector<uint32_t> free_;            // region indices not in use
+  std::vector<int32_t> region_of_;        // per subgroup; -1: none
+  std::vector<Stage> state_;              // per subgroup
+  std::vector<uint32_t> captured_, pending_;
+  std::vector<cpu::AdamScalars> scalars_;
+};
+
+}  // namespace dos

@@ -1,0 +1,56 @@
+// Session's delayed host path (daemon/sched/delayed_host.h; the protocol in
+// dos/wire/control_block.h): the DelayedHost of the session's shard, the
+// trainer's window between steps, the update that runs after a delayed
+// step's result (HandleRequest, still under the step lock) and the installs
+// of pending weights before anything else writes them.
+#include <algorithm>
+
+#include "daemon/common/log.h"
+#include "daemon/session/session.h"
+
+namespace dos {
+
+DelayedHost* Session::DelayedFor(StepKind kind) {
+  if (delayed_ == nullptr && (kind.delays_host() || kind.finishes_delayed())) {
+    delayed_ = std::make_unique<DelayedHost>(*shard_);
+  }
+  return delayed_.get();
+}
+
+void Session::NoteWindow(const StepRequest& request) {
+  if (delayed_ == nullptr || request.ring_ns <= last_post_ns_ || last_post_ns_ == 0) return;
+  // The host's view (the trainer rang after its forward and backward): what
+  // engines that measure on the GPU replace (AddDelayFigures).
+  const double sample = static_cast<double>(request.ring_ns - last_post_ns_) * 1e-3;
+  delayed_->window_us = delayed_->window_us > 0 ? 0.5 * delayed_->window_us + 0.5 * sample : sample;
+}
+
+void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
+  if (delayed_ == nullptr) return;
+  if (out->measured_window_us > 0) {  // the GPU's view, for the next plan
+    delayed_->window_us = delayed_->window_us > 0
+                              ? 0.5 * delayed_->window_us + 0.5 * out->measured_window_us
+                              : out->measured_window_us;
+  }
+  out->delayed_update_us = delayed_->update_us;
+  if (out->measured_window_us > 0) {
+    out->delayed_wait_us = std::max(0.0, -out->delayed_slack_us);
+  } else if (request.ring_ns != 0 && delayed_->update_end_ns > request.ring_ns) {
+    out->delayed_wait_us = static_cast<double>(delayed_->update_end_ns - request.ring_ns) * 1e-3;
+  }
+}
+
+void Session::RunDelayedUpdate() {
+  if (delayed_ == nullptr || delayed_->captured().empty()) return;
+  absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_);
+  if (!st.ok()) {
+    DOS_LOG_ERROR("step.delayed_update_failed", "session", identity_.id, "error", st.message());
+  }
+}
+
+absl::Status Session::InstallPendingWeights() {
+  if (delayed_ == nullptr) return absl::OkStatus();
+  return executor_->InstallPending(*shard_, bindings_, *delayed_);
+}
+
+}  // namespace dos

@@ -1,0 +1,177 @@
+"""The delayed update (delay=1, dos/_delay.py) on the CPU path, where every
+subgroup is on dosd's host path and so every one is delayed.
+
+What it must be, step by step: torch's AdamW fed the gradients a one-step
+delayed run computes (ZeRO-Offload's delayed parameter update): after step t
+the model holds the weights of step t-1 and dosd's state is step t's; the
+gradient of step t+1 is computed with the weights of step t-1. The reference
+below runs torch.optim.AdamW on its own master weights and keeps the model
+one step behind them; the weights are compared at every step within the
+tolerance test_equivalence.py explains. Readers that must see whole steps
+(state_dict(), the model's state_dict(), synchronize(), close()) install
+the pending weights first; reports (last_step, found_inf) do not.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos.torch  # noqa: E402
+from test_equivalence import assert_same, make_data, make_mlp  # noqa: E402
+
+STEPS = 60
+
+
+def reference(data, warmup, lr=1e-3, device="cpu"):
+    """The model's weights after each step of a delayed run (list index t:
+    after step t) and the master weights after the last step."""
+    model = make_mlp().to(device)
+    master = make_mlp().to(device)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr)
+    seen, behind = [], None  # behind: the master one step ago
+    seen.append([p.detach().clone() for p in model.parameters()])
+    for t, (x, y) in enumerate(data, 1):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        for p, q in zip(master.parameters(), model.parameters()):
+            p.grad = q.grad.clone()
+        before = [p.detach().clone() for p in master.parameters()]
+        opt.step()
+        # Step t delayed (t > warmup): the model gets step t-1's weights now
+        # and step t's at the next step; an exact step installs its own.
+        delayed = t > warmup
+        new = before if delayed else [p.detach().clone() for p in master.parameters()]
+        if behind is not None or not delayed:
+            with torch.no_grad():
+                for q, w in zip(model.parameters(), new):
+                    q.copy_(w)
+        behind = before
+        seen.append([p.detach().clone() for p in model.parameters()])
+    return seen, master
+
+
+def check(model, weights, step):
+    ref = make_mlp().to(weights[0].device)
+    with torch.no_grad():
+        for p, w in zip(ref.parameters(), weights):
+            p.copy_(w)
+    assert_same(model, ref, step)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_delayed_steps_are_adamw_one_step_late(dos_socket, warmup, device):
+    """On CUDA with policy cpu and nothing lent: every subgroup on dosd's
+    host path (gradients D2H, weights H2D), all of them delayed, the next
+    forward waiting per layer (model=)."""
+    data = make_data(n=STEPS)
+    seen, master = reference(data, warmup, device=device)
+    model = make_mlp().to(device)
+    cuda = device == "cuda"
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=dos_socket,
+                          client_name="pytest-delay", model=model, delay=1,
+                          delay_warmup=warmup, **({"gpu_budget_bytes": 0} if cuda else {}))
+    if cuda:
+        opt.set_policy("cpu")
+    try:
+        for t, (x, y) in enumerate(data, 1):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+            if cuda:
+                # Direct reads pass no hook: the optimizer's stream orders them.
+                torch.cuda.synchronize()
+            last = opt.last_step  # a report: leaves the delayed update pending
+            assert last["step"] == t
+            assert (last["delayed_subgroups"] > 0) == (t > warmup), (t, last)
+            check(model, seen[t], t)
+        # A reader that must see a whole step installs step STEPS's weights.
+        opt.synchronize()
+        assert_same(model, master, STEPS)
+    finally:
+        opt.close()
+    assert_same(model, master, STEPS)
+
+
+def test_readers_see_whole_steps(dos_socket, tmp_path):
+    data = make_data(n=8)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket, model=model,
+                          client_name="pytest-delay-readers", delay=1, delay_warmup=0)
+    try:
+        for x, y in data[:4]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        behind = [p.detach().clone() for p in model.parameters()]
+        # The optimizer's state: step 4's, whole (dosd never shows half a step).
+        sd = opt.state_dict()
+        assert all(s["step"] == 4 for s in sd["state"].values())
+        # It also installed the pending weights: the model is step 4's and
+        # differs from what it held before (step 3's).
+        assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), behind))
+        masters = [opt.state[p] for p in model.parameters()]
+        assert all(m["step"] == 4 for m in masters)
+        # Training goes on delayed; a framework's save (module state_dict()
+        # through the model's hooks) installs too.
+        for x, y in data[4:]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        assert opt.last_step["delayed_subgroups"] > 0
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(saved, tmp_path / "model.pt")
+        sd = opt.state_dict()
+        ref = make_mlp()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        ref_opt.load_state_dict(sd)
+        # The saved weights are the optimizer state's step: whole, not mixed.
+        for (name, w), s in zip(saved.items(), sd["state"].values()):
+            assert s["step"] == 8, name
+        again = {k: v for k, v in model.state_dict().items()}
+        for k in saved:
+            assert torch.equal(saved[k], again[k])
+    finally:
+        opt.close()
+
+
+def test_delay_arguments_are_checked(dos_socket):
+    model = make_mlp()
+    with pytest.raises(ValueError, match="model="):
+        dos.torch.AdamW(model.parameters(), socket=dos_socket, delay=1)
+    with pytest.raises(ValueError, match="delay=2"):
+        dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, delay=2)
+    if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+        with pytest.raises(ValueError, match="overlap"):
+            dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, delay=1,
+                            overlap="update")
+    with pytest.raises(ValueError, match="delay_warmup"):
+        dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, delay=1,
+                        delay_warmup=-1)
+
+
+def test_state_dict_with_an_update_pending_is_the_last_step(dos_socket):
+    """dosd's state is whole after a delayed step: torch's AdamW loaded from
+    its state_dict() has every tensor at the last step, and reading it
+    installed the last step's weights into the model."""
+    data = make_data(n=6)
+    seen, master = reference(data, warmup=0)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=dos_socket,
+                          model=model, client_name="pytest-delay-state", delay=1,
+                          delay_warmup=0)
+    try:
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        check(model, seen[len(data)], len(data))  # step 5's weights in the model
+        fresh = make_mlp()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=1e-2)
+        fresh_opt.load_state_dict(opt.state_dict())
+        assert all(s["step"] == len(data) for s in fresh_opt.state_dict()["state"].values())
+        assert_same(model, master, len(data))  # state_dict() installed step 6
+    finally:
+        opt.close()
