@@ -353,7 +353,10 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
     plan.binding = PerfModel::Bound(plan.inputs, plan.gpu_share).binding;
   }
   plan.window_us = window_us;
-  const bool delayed = kind.delays_host() && (window_us > 0 || !budgets.gpu);
+  // Under auto the budget is the measured window (none yet: this step runs
+  // exact); other policies put their CPU subgroups on the host path by rule.
+  const bool delayed = kind.delays_host() && (window_us > 0 || !budgets.gpu ||
+                                              policy.kind != Policy::Kind::kAuto);
   if (delayed) PlaceDelayed(plan, DelayedBudgetParams(policy, window_us));
   OrderFor(kind, plan);
   uint64_t max_streamed = 0;

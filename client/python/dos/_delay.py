@@ -101,8 +101,7 @@ class DelayedDriver:
         self.inner.settle(thawed)  # collects the step in flight; the next one installs
 
     def step(self, req) -> None:
-        if _views.live():
-            self._flight.set_delay(0)
+        self._plan_next()  # settle() collected the step before: its count is known
         self.inner.step(req)
         if _views.live():
             # A view's holder must see whole steps: wait until dosd ended the
@@ -138,7 +137,9 @@ class DelayedDriver:
     # -- the delay --
 
     def _plan_next(self) -> None:
-        """Whether the next step is delayed: after the warm-up."""
+        """Whether the next step is delayed: after the warm-up (a step the
+        overlap hooks begin during backward goes by what the previous
+        step() set)."""
         last = self._flight.last_step
         steps = last["step"] if last else 0
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
