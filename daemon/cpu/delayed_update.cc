@@ -50,7 +50,7 @@ absl::Status CopyDelayedHost(const ShardState& shard, std::span<const TensorBind
   tbb::parallel_for(size_t{0}, subgroups.size(), [&](size_t i) {
     const uint32_t sg = subgroups[i];
     const Subgroup& g = shard.subgroups()[sg];
-    const bool install = !capture || delayed.is_pending(sg);
+    const bool install = !capture || delayed.installs(sg);
     for (const SubgroupSegment& seg : g.segments) {
       const TensorDesc& t = tensors[seg.tensor];
       if (install) {

@@ -21,9 +21,10 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
                            double* kernel_us);
 
 // Copies between the trainer's memory (host-addressable: shared memory) and
-// `delayed`'s buffers: the pending weights of `install` into the trainer's
-// parameters, and (when `capture`) the gradients of `capture`'s subgroups
-// into the buffers, the pending weights of those among them first.
+// `delayed`'s buffers: without `capture`, the pending weights of
+// `subgroups` into the trainer's parameters; with it, their gradients into
+// the buffers, after the weights of those the step installs
+// (DelayedHost::installs).
 absl::Status CopyDelayedHost(const ShardState& shard, std::span<const TensorBinding> bindings,
                              const DelayedHost& delayed, std::span<const uint32_t> subgroups,
                              bool capture);

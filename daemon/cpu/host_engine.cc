@@ -100,6 +100,7 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
   // gradients out (the update runs after the result: UpdateDelayed).
   if (!plan.delayed.empty()) {
     DOS_RETURN_IF_ERROR(CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true));
+    if (sync.delayed_captured) sync.delayed_captured();
     for (uint32_t sg : plan.delayed) {
       measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
     }

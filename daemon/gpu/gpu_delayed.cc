@@ -102,7 +102,7 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   absl::Status status;
   for (uint32_t sg : run.plan->delayed) {
     const Subgroup& g = run.shard->subgroups()[sg];
-    if (delayed.is_pending(sg)) {
+    if (delayed.installs(sg)) {
       status = QueueInstall(kernel, *run.shard, run.bindings, delayed, sg, cpu_h2d_, &run.cpu_h2d);
       if (!status.ok()) break;
     }
@@ -128,6 +128,9 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
     if (status.ok()) status = st;
   }
   cudaEventDestroy(grads_in);
+  // Every gradient is in host memory: their update may start while the GPU
+  // path still runs (its CPU is idle in a delayed step).
+  if (status.ok() && run.sync->delayed_captured) run.sync->delayed_captured();
   run.cpu_loop_us = absl::ToDoubleMicroseconds(absl::Now() - loop_start);
   return status;
 }

@@ -66,9 +66,11 @@ char* DelayedHost::weight(uint32_t sg, const SubgroupSegment& seg) const {
          seg.subgroup_offset * weight_elem_;
 }
 
-void DelayedHost::Captured(std::span<const uint32_t> subgroups,
-                           std::vector<cpu::AdamScalars> scalars) {
-  Installed(subgroups);  // the pending ones among them were installed first
+void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
+                               std::vector<cpu::AdamScalars> scalars) {
+  installs_.assign(state_.size(), false);
+  for (uint32_t sg : subgroups) installs_[sg] = state_[sg] == kPending;
+  Installed(subgroups);  // the step installs the pending ones among them first
   captured_.assign(subgroups.begin(), subgroups.end());
   for (uint32_t sg : captured_) state_[sg] = kCaptured;
   scalars_ = std::move(scalars);
@@ -79,6 +81,7 @@ void DelayedHost::Updated() {
   pending_.insert(pending_.end(), captured_.begin(), captured_.end());
   captured_.clear();
   scalars_.clear();
+  installs_.clear();
 }
 
 std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep) const {

@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,13 +58,18 @@ class DelayedHost {
   char* weight(uint32_t sg, const SubgroupSegment& seg) const;
 
   // Stage bookkeeping (above).
-  // After the step's Execute captured `subgroups` (and installed the
-  // pending ones among them): their update waits, with `scalars`.
-  void Captured(std::span<const uint32_t> subgroups, std::vector<cpu::AdamScalars> scalars);
+  // Before the step's Execute captures `subgroups`: those among them whose
+  // weights are pending are installed by it (installs()), and their update
+  // waits, with `scalars`, from then on.
+  void BeginCapture(std::span<const uint32_t> subgroups, std::vector<cpu::AdamScalars> scalars);
+  // Whether the step being executed installs subgroup `sg`'s pending
+  // weights before it captures its gradients.
+  bool installs(uint32_t sg) const { return sg < installs_.size() && installs_[sg]; }
   // Subgroups captured and not yet updated, and their step's scalars.
   const std::vector<uint32_t>& captured() const { return captured_; }
   const std::vector<cpu::AdamScalars>& scalars() const { return scalars_; }
-  // After Engine::UpdateDelayed: their weights are pending.
+  // After Engine::UpdateDelayed: their weights are pending; the installs
+  // are done.
   void Updated();
   // Subgroups whose new weights wait in the buffers (after Updated), and
   // whether one of them is `sg`.
@@ -86,6 +92,17 @@ class DelayedHost {
   double update_us = 0;
   double window_us = 0;
   int64_t resident_cap = -1;
+  // The update of the captured subgroups, when it started as soon as they
+  // were captured (StepExecutor: while the step's GPU path still runs), and
+  // what it reports (read after the join; update_us and update_end_ns keep
+  // the previous update's meanwhile).
+  struct Run {
+    absl::Status status;
+    double us = 0;
+    uint64_t end_ns = 0;
+  };
+  std::thread worker;
+  Run worker_run;
 
  private:
   enum Stage : uint8_t { kNone, kCaptured, kPending };
@@ -95,6 +112,7 @@ class DelayedHost {
   std::vector<int32_t> region_of_;        // per subgroup; -1: none
   std::vector<Stage> state_;              // per subgroup
   std::vector<uint32_t> captured_, pending_;
+  std::vector<bool> installs_;
   std::vector<cpu::AdamScalars> scalars_;
 };
 

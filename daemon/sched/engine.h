@@ -68,9 +68,14 @@ struct StepSync {
   std::function<bool(StepRequest* late)> late_skip;
   // A delayed step (plan.delayed not empty): the buffers the engine copies
   // the delayed subgroups' gradients into, after installing the weights
-  // pending there for them (DelayedHost::is_pending), each subgroup marked
+  // pending there for them (DelayedHost::installs), each subgroup marked
   // done once both are complete. Null for any other step.
   DelayedHost* delayed = nullptr;
+  // Called once every delayed subgroup's gradients are in `delayed`'s
+  // buffers (host-visible), from the thread that executes the step, while
+  // the rest of the step may still run: the executor starts their update
+  // then. May be empty.
+  std::function<void()> delayed_captured;
 };
 
 class Engine {

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -294,11 +296,12 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
   uint32_t target = planner_.ResidentTarget(policy, layout, session);
   if (kind.delays_host() && delayed != nullptr) {
     // The host takes the tail the window covers, resident or not; the cap
-    // moves by two subgroups or more only, so that a window's jitter does
-    // not move a subgroup's state in and out of the GPU every step.
+    // moves by more than a twentieth of the subgroups (at least 2) only, so
+    // that a window's jitter does not move state in and out of the GPU.
     const uint32_t cap = planner_.DelayedResidentCap(policy, layout, delayed->window_us);
-    if (delayed->resident_cap < 0 || cap + 1 < static_cast<uint32_t>(delayed->resident_cap) ||
-        cap > static_cast<uint32_t>(delayed->resident_cap) + 1) {
+    const int64_t jitter = std::max<int64_t>(2, static_cast<int64_t>(layout.subgroup_numel.size()) / 20);
+    if (delayed->resident_cap < 0 ||
+        std::abs(static_cast<int64_t>(cap) - delayed->resident_cap) > jitter) {
       delayed->resident_cap = static_cast<int64_t>(cap);
     }
     target = std::min<uint32_t>(target, static_cast<uint32_t>(delayed->resident_cap));
@@ -316,19 +319,34 @@ absl::Status StepExecutor::InstallPending(const ShardState& shard,
   return absl::OkStatus();
 }
 
-absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed) {
-  if (delayed.captured().empty()) return absl::OkStatus();
+DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const DelayedHost& delayed) {
   const absl::Time start = absl::Now();
   uint64_t params = 0;
   for (uint32_t sg : delayed.captured()) params += shard.subgroups()[sg].numel;
   double kernel_us = 0;
-  absl::Status st = engine_->UpdateDelayed(shard, delayed, &kernel_us);
+  DelayedHost::Run run;
+  run.status = engine_->UpdateDelayed(shard, delayed, &kernel_us);
+  run.us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  run.end_ns = MonotonicNs();
+  if (run.status.ok()) planner_.LearnDelayed(params, run.us);
+  return run;
+}
+
+absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed) {
+  if (delayed.captured().empty()) return absl::OkStatus();
+  DelayedHost::Run run;
+  if (delayed.worker.joinable()) {
+    delayed.worker.join();
+    run = delayed.worker_run;
+  } else {
+    run = RunDelayedKernel(shard, delayed);
+  }
+  delayed.update_us = run.us;
+  delayed.update_end_ns = run.end_ns;
+  const absl::Status st = run.status;
   // Whatever happened, these subgroups' weights are what the buffers hold
   // now; a failed kernel (none can fail but a bad plan) is the step's error.
   delayed.Updated();
-  delayed.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  delayed.update_end_ns = MonotonicNs();
-  if (st.ok()) planner_.LearnDelayed(params, delayed.update_us);
   return st;
 }
 
@@ -386,14 +404,30 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
   if (kind.per_subgroup()) {
     engine_sync = late.emplace(sync, request->seq, tensors.size(), request, &scalars).EngineSync();
   }
-  if (!plan.delayed.empty()) engine_sync.delayed = delayed;
-  DOS_RETURN_IF_ERROR(engine_->Execute(plan, shard, bindings, scalars, engine_sync, &measured));
+  if (!plan.delayed.empty()) {
+    delayed->BeginCapture(plan.delayed, scalars);
+    engine_sync.delayed = delayed;
+    // Their update starts as soon as the engine captured the gradients,
+    // beside the rest of the step; the session joins it after the result.
+    engine_sync.delayed_captured = [this, &shard, delayed] {
+      delayed->worker = std::thread([this, &shard, delayed] {
+        delayed->worker_run = RunDelayedKernel(shard, *delayed);
+      });
+    };
+  }
+  absl::Status executed = engine_->Execute(plan, shard, bindings, scalars, engine_sync, &measured);
+  if (!executed.ok()) {
+    if (delayed != nullptr && !plan.delayed.empty()) {
+      absl::Status ignored = UpdateDelayed(shard, *delayed);  // ends the worker, if it started
+      (void)ignored;
+    }
+    return executed;
+  }
   node_step->Finish(StepPlanner::NodeStepEnd(plan, measured));
   planner_.Learn(plan, measured);
   for (uint32_t i = 0; i < tensors.size(); ++i) {
     if (!SkipsTensor(*request, i)) ++tensors[i].step;  // a skipped tensor keeps its count
   }
-  if (!plan.delayed.empty()) delayed->Captured(plan.delayed, std::move(scalars));
   StepOutcome out = Outcome(plan, measured);
   out.delayed_subgroups = static_cast<uint32_t>(plan.delayed.size());
   out.delayed_params = plan.delayed_params;

@@ -126,6 +126,8 @@ class StepExecutor {
   // gradients of its plan's delayed subgroups and leaves their update to
   // UpdateDelayed, which the session calls after posting the result; any
   // other step, and InstallPending, installs the weights left pending first.
+  // The update starts as soon as the engine has the gradients (on a thread
+  // of its own, beside the step's GPU path); UpdateDelayed waits for it.
   // kind.finishes_delayed(): Run installs them and applies nothing.
   absl::Status UpdateDelayed(ShardState& shard, DelayedHost& delayed);
   absl::Status InstallPending(const ShardState& shard, std::span<const TensorBinding> bindings,
@@ -176,6 +178,9 @@ class StepExecutor {
                                     const StepSync& sync, StepRequest* request,
                                     NodeResources::Step* node_step, DelayedHost* delayed);
   void AddLease(uint64_t session, StepOutcome* out) const;
+  // The CPU kernel of the delayed subgroups (on the worker thread a delayed
+  // step starts, or inline), timed for the planner.
+  DelayedHost::Run RunDelayedKernel(ShardState& shard, const DelayedHost& delayed);
 
   Engine* const engine_;
   StepPlanner planner_;

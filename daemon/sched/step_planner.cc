@@ -285,6 +285,36 @@ void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
   plan.shared.clear();
 }
 
+double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) const {
+  double rate = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(plan.inputs);
+  }
+  if (rate <= 0) return 0;
+  const PerfInputs& in = plan.inputs;
+  std::vector<uint32_t> cpu_side = plan.cpu_only;  // PlaceDelayed's order
+  cpu_side.insert(cpu_side.end(), plan.shared.rbegin(), plan.shared.rend());
+  uint64_t max_streamed = 0;
+  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
+    max_streamed = std::max(max_streamed, plan.numel[i]);
+  }
+  // The update starts once the gradients are captured and may run until the
+  // trainer's next gradients: through the rest of the GPU path and the
+  // window. The most parameters whose update fits 90% of that.
+  double best = 0, h = 0;
+  for (uint32_t sg : cpu_side) {
+    h += static_cast<double>(plan.numel[sg]);
+    const double gpu_s = PerfModel::PhaseSeconds(
+        in, 1.0, static_cast<double>(plan.streamed_params) - h,
+        static_cast<double>(plan.resident_params), static_cast<double>(max_streamed));
+    const double capture_s = in.d2h_bytes_per_s > 0 ? h * in.grad_bytes / in.d2h_bytes_per_s : 0;
+    if (h / rate > 0.9 * (window_us * 1e-6 + std::max(0.0, gpu_s - capture_s))) break;
+    best = h;
+  }
+  return best + 0.5;
+}
+
 void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
   const PerfInputs& in = plan.inputs;
   const double streamed = static_cast<double>(plan.streamed_params - plan.delayed_params);
@@ -300,7 +330,10 @@ void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
     rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(in);
   }
   const double window_s = plan.window_us * 1e-6;
-  const double overrun_s = rate > 0 ? std::max(0.0, h / rate - window_s) : 0;
+  // The update starts once the gradients are captured: it overlaps the rest
+  // of the GPU path, then the window.
+  const double overrun_s =
+      rate > 0 ? std::max(0.0, h / rate - window_s - std::max(0.0, gpu_s - capture_s)) : 0;
   plan.predicted_us = (std::max(gpu_s, capture_s) + overrun_s) * 1e6;
   plan.predicted_iter_us = plan.window_us + plan.predicted_us;
 }
@@ -357,7 +390,11 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   // exact); other policies put their CPU subgroups on the host path by rule.
   const bool delayed = kind.delays_host() && (window_us > 0 || !budgets.gpu ||
                                               policy.kind != Policy::Kind::kAuto);
-  if (delayed) PlaceDelayed(plan, DelayedBudgetParams(policy, window_us));
+  if (delayed) {
+    PlaceDelayed(plan, budgets.gpu && policy.kind == Policy::Kind::kAuto
+                           ? AutoDelayedBudget(plan, window_us)
+                           : DelayedBudgetParams(policy, window_us));
+  }
   OrderFor(kind, plan);
   uint64_t max_streamed = 0;
   for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {

@@ -184,6 +184,11 @@ class StepPlanner {
   };
   StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident,
                     StepKind kind, double window_us) ABSL_LOCKS_EXCLUDED(mu_);
+  // Under auto: the delayed parameters whose update, started once their
+  // gradients are captured, ends within 90% of the rest of the GPU path and
+  // the window (the CPU side's tail, in PlaceDelayed's order).
+  double AutoDelayedBudget(const StepPlan& plan, double window_us) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A delayed plan's prediction (plan.predicted_us: the update the trainer
   // waits for; plan.predicted_iter_us: with its window).
   void PredictDelayed(StepPlan& plan, uint64_t max_streamed) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -326,6 +326,7 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
     if (plan.wait_ready) return absl::InternalError("fake: a delayed plan that waits per subgroup");
     absl::Status st = cpu::CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true);
     if (!st.ok()) return st;
+    if (sync.delayed_captured) sync.delayed_captured();
     for (uint32_t sg : plan.delayed) {
       measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
       if (sync.subgroup_done) sync.subgroup_done(sg);
