@@ -295,11 +295,19 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
   if (session == 0) return StepPlanner::ResidentCount(policy, layout, planner_.budgets());
   uint32_t target = planner_.ResidentTarget(policy, layout, session);
   if (kind.delays_host() && delayed != nullptr) {
-    // The host takes the tail the window covers, resident or not; the cap
-    // moves by more than a twentieth of the subgroups (at least 2) only, so
-    // that a window's jitter does not move state in and out of the GPU.
-    const uint32_t cap = planner_.DelayedResidentCap(policy, layout, delayed->window_us);
-    const int64_t jitter = std::max<int64_t>(2, static_cast<int64_t>(layout.subgroup_numel.size()) / 20);
+    // The host may take the tail the window covers, resident or not, when
+    // the model predicts a shorter update for it (the delayed subgroups'
+    // copies cross PCIe where resident ones only cost GPU kernel time); the
+    // cap moves by more than a twentieth of the subgroups (at least 2) only,
+    // so that a window's jitter does not move state in and out of the GPU.
+    uint32_t cap = planner_.DelayedResidentCap(policy, layout, delayed->window_us);
+    if (cap < target &&
+        planner_.Plan(policy, layout, cap, kind, delayed->window_us).predicted_us >=
+            planner_.Plan(policy, layout, target, kind, delayed->window_us).predicted_us) {
+      cap = target;
+    }
+    const int64_t jitter =
+        std::max<int64_t>(2, static_cast<int64_t>(layout.subgroup_numel.size()) / 20);
     if (delayed->resident_cap < 0 ||
         std::abs(static_cast<int64_t>(cap) - delayed->resident_cap) > jitter) {
       delayed->resident_cap = static_cast<int64_t>(cap);
