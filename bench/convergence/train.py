@@ -122,7 +122,8 @@ def train(args):
     res.update({k: v for k, v in kw.items() if k != "delay"})
     opt = dos.torch.AdamW(gpt.param_groups(model, args.weight_decay), lr=args.lr,
                           betas=(0.9, 0.95), socket=args.socket,
-                          client_name=f"convergence-{run}", compact_state=compact, **kw)
+                          client_name=f"convergence-{run}", compact_state=compact, model=model,
+                          **kw)
     opt.set_policy(args.policy)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, args.steps, args.lr_warmup, args.lr_floor))

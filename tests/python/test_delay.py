@@ -21,14 +21,20 @@ from test_equivalence import assert_same, make_data, make_mlp  # noqa: E402
 STEPS = 60
 
 
-def reference(data, warmup, lr=1e-3, device="cpu"):
+def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0):
     """The model's weights after each step of a delayed run (list index t:
-    after step t) and the master weights after the last step."""
+    after step t) and the master weights after the last step. Elements from
+    flat index `delayed_from` on (registration order) are delayed, the ones
+    before it (resident on the GPU) applied at once."""
     model = make_mlp().to(device)
     master = make_mlp().to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=lr)
-    seen, behind = [], None  # behind: the master one step ago
-    seen.append([p.detach().clone() for p in model.parameters()])
+    masks, flat = [], 0
+    for p in model.parameters():
+        idx = torch.arange(flat, flat + p.numel(), device=device).view_as(p)
+        masks.append(idx >= delayed_from)
+        flat += p.numel()
+    seen = [[p.detach().clone() for p in model.parameters()]]
     for t, (x, y) in enumerate(data, 1):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
@@ -36,15 +42,11 @@ def reference(data, warmup, lr=1e-3, device="cpu"):
             p.grad = q.grad.clone()
         before = [p.detach().clone() for p in master.parameters()]
         opt.step()
-        # Step t delayed (t > warmup): the model gets step t-1's weights now
-        # and step t's at the next step; an exact step installs its own.
-        delayed = t > warmup
-        new = before if delayed else [p.detach().clone() for p in master.parameters()]
-        if behind is not None or not delayed:
-            with torch.no_grad():
-                for q, w in zip(model.parameters(), new):
-                    q.copy_(w)
-        behind = before
+        # After a delayed step t the delayed elements hold step t-1's weights
+        # (installed by step t), the others step t's.
+        with torch.no_grad():
+            for q, m, w, mask in zip(model.parameters(), master.parameters(), before, masks):
+                q.copy_(torch.where(mask, w, m) if t > warmup else m)
         seen.append([p.detach().clone() for p in model.parameters()])
     return seen, master
 
@@ -60,21 +62,33 @@ def check(model, weights, step):
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+# (warm-up, subgroup size, CUDA policy): one subgroup or several (tensors
+# crossing their bounds); on CUDA every subgroup on dosd's host path (policy
+# cpu, nothing lent), or half of them resident on the GPU and updated at
+# once beside the delayed ones (static:0.5).
+CASES = [(0, 0, "cpu"), (5, 0, "cpu"), (3, 300, "cpu"), (3, 300, "static:0.5")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("warmup", [0, 5])
-def test_delayed_steps_are_adamw_one_step_late(dos_socket, warmup, device):
-    """On CUDA with policy cpu and nothing lent: every subgroup on dosd's
-    host path (gradients D2H, weights H2D), all of them delayed, the next
-    forward waiting per layer (model=)."""
+@pytest.mark.parametrize("warmup,subgroup_size,policy", CASES)
+def test_delayed_steps_are_adamw_one_step_late(dos_socket, warmup, subgroup_size, policy,
+                                               device):
+    """The next forward waits per layer (model=); on CUDA the gradients go
+    D2H and the weights H2D."""
+    if device == "cpu" and policy != "cpu":
+        pytest.skip("the CPU path has no resident tier")
     data = make_data(n=STEPS)
-    seen, master = reference(data, warmup, device=device)
+    # static:0.5 keeps lround(0.5 x 5) = 3 subgroups of 300 resident.
+    delayed_from = 900 if policy == "static:0.5" else 0
+    seen, master = reference(data, warmup, device=device, delayed_from=delayed_from)
     model = make_mlp().to(device)
     cuda = device == "cuda"
     opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=dos_socket,
                           client_name="pytest-delay", model=model, delay=1,
-                          delay_warmup=warmup, **({"gpu_budget_bytes": 0} if cuda else {}))
+                          delay_warmup=warmup, subgroup_size=subgroup_size,
+                          **({"gpu_budget_bytes": 0} if cuda and policy == "cpu" else {}))
     if cuda:
-        opt.set_policy("cpu")
+        opt.set_policy(policy)
     try:
         for t, (x, y) in enumerate(data, 1):
             opt.zero_grad()
