@@ -6,10 +6,14 @@
 // follows what the engine holds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <vector>
 
+#include "daemon/sched/delayed_host.h"
 #include "daemon/sched/step_executor.h"
+#include "daemon/sched/step_kind.h"
 #include "daemon/sched/step_planner.h"
 #include "daemon/state/shard_state.h"
 #include "tests/unit/sched/fake_engine.h"
@@ -244,6 +248,57 @@ TEST(ResidentTierTest, ALowerLeaseIsGivenBackBeforeTheStepAndTheStateStaysExact)
   const GpuLease zero = Lease(0);
   ASSERT_TRUE(dev_ex.ApplyLease(*dev.shard, ExecutorFixture::Request(&zero), P("auto"), 1).ok());
   EXPECT_EQ(gpu.resident_bytes(), 0u);
+  EXPECT_EQ(dev.State(), ref.State());
+}
+
+// The delayed host path beside resident subgroups (static:0.5 within leases
+// that move the tier): after each step the trainer holds, bit for bit, the
+// all-host reference's weights of that step for the resident subgroups and
+// of the step before for the delayed ones, with gradients computed from the
+// weights it holds (so a wrong install would show in every later step).
+TEST(ResidentTierTest, DelayedSubgroupsBesideResidentOnesAreExactlyOneStepLate) {
+  FakeEngine gpu(FakeEngine::Options{.gpu = true});
+  FakeEngine host(FakeEngine::Options{.gpu = false});
+  StepExecutor dev_ex(&gpu, Gpu());
+  StepExecutor ref_ex(&host, PlannerOptions{});
+  ExecutorFixture dev(6), ref(6);
+  ASSERT_TRUE(dev_ex.ReadWeights(*dev.shard, dev.bindings, 0).ok());
+  ASSERT_TRUE(ref_ex.ReadWeights(*ref.shard, ref.bindings, 0).ok());
+  auto grads_of = [](const std::vector<float>& w, std::vector<float>* g) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      (*g)[i] = 1e-2f * std::sin(7.0f * w[i] + 0.01f * static_cast<float>(i % 97));
+    }
+  };
+  DelayedHost delayed(*dev.shard);
+  const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  std::vector<float> view = ref.params;  // what the trainer should hold
+  const uint64_t leases[] = {6, 6, 2, 2, 6, 0, 3, 3, 1, 6};
+  for (uint64_t subgroups : leases) {
+    grads_of(dev.params, &dev.grads);
+    grads_of(view, &ref.grads);
+    ASSERT_EQ(dev.grads, ref.grads);
+    const GpuLease lease = Lease(kStaging + subgroups * kSgBytes);
+    const StepRequest req = ExecutorFixture::Request(&lease);
+    ASSERT_TRUE(dev_ex.ApplyLease(*dev.shard, req, P("static:0.5"), 1).ok());
+    absl::StatusOr<StepOutcome> a = dev_ex.Run(*dev.shard, dev.bindings, req, kind,
+                                               P("static:0.5"), StepSync{}, 1, {}, &delayed);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(dev_ex.UpdateDelayed(*dev.shard, delayed).ok());  // as the session does
+    const uint64_t resident = a->resident_subgroups;
+    EXPECT_EQ(resident, std::min<uint64_t>(3, subgroups));
+    EXPECT_EQ(a->delayed_subgroups, 6 - resident);
+    const std::vector<float> before = ref.params;
+    ASSERT_TRUE(ref_ex.Run(*ref.shard, ref.bindings, ExecutorFixture::Request(), P("cpu")).ok());
+    for (size_t i = 0; i < view.size(); ++i) {
+      view[i] = i / kSg >= resident ? before[i] : ref.params[i];
+    }
+    EXPECT_EQ(dev.params, view) << "lease of " << subgroups << " subgroups";
+  }
+  // The last step's delayed weights come with an install; the state is the
+  // reference's, bit for bit.
+  ASSERT_TRUE(dev_ex.InstallPending(*dev.shard, dev.bindings, delayed).ok());
+  EXPECT_EQ(dev.params, ref.params);
+  ASSERT_TRUE(gpu.SyncResidentToHost(*dev.shard).ok());
   EXPECT_EQ(dev.State(), ref.State());
 }
 
