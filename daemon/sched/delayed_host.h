@@ -46,6 +46,13 @@ uint64_t MonotonicNs();
 class DelayedHost {
  public:
   explicit DelayedHost(const ShardState& shard);
+  // Waits for an update still running (StepExecutor::UpdateDelayed joins it
+  // first on every path; this only keeps a forgotten one from terminating).
+  ~DelayedHost() {
+    if (worker.joinable()) worker.join();
+  }
+  DelayedHost(const DelayedHost&) = delete;
+  DelayedHost& operator=(const DelayedHost&) = delete;
 
   // Gives each of `subgroups` a region (allocating with `alloc` when the pool
   // has none free), keeping the regions of those whose weights are pending.

@@ -250,7 +250,6 @@ TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
   StepExecutor ex(&f.engine), ex_exact(&exact.engine);
   ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
   const std::vector<std::vector<float>> weights0 = f.params;
-  const std::vector<float> master0 = f.Master(0);
   DelayedHost delayed(*f.shard);
   const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
@@ -259,8 +258,9 @@ TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
   EXPECT_EQ(out->step, 1);
   EXPECT_EQ(out->delayed_subgroups, 5u);
   EXPECT_EQ(out->delayed_params, 4501u);
-  EXPECT_EQ(f.params, weights0);     // nothing applied before the result
-  EXPECT_EQ(f.Master(0), master0);
+  // Nothing in the trainer's memory before the result (the update itself
+  // may be running already, on the executor's worker).
+  EXPECT_EQ(f.params, weights0);
   for (std::vector<float>& g : f.grads) std::fill(g.begin(), g.end(), 1e3f);  // captured already
   ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
   EXPECT_EQ(delayed.pending().size(), 5u);
