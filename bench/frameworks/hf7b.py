@@ -40,13 +40,10 @@ import time
 
 import torch
 
-# dosd's report on a step with delay= (issue 23), read with .get(key, 0): the
-# CPU time of the previous step's host-path update (run during this step's
-# forward and backward), this step's wait for it, the forward and backward
-# window dosd measured between steps, the planner's predicted iteration
-# (window + exposed update) and update, what this step deferred.
-DELAY_KEYS = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_iter_us",
-              "predicted_update_us", "delayed_subgroups", "delayed_params")
+# dosd's report on a step with delay= (issue 23) and its medians: the e2e
+# benchmark's (bench/e2e/run.py), one definition for both.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+from run import DELAY_KEYS, delay_figures  # noqa: E402
 
 SIZES = {  # layers, hidden, intermediate, heads
     "7b": (32, 4096, 11008, 32),
@@ -152,28 +149,6 @@ def peek_report(opt):
         opt = opt.optimizer
     flight = getattr(getattr(opt, "_parts", None), "flight", None)
     return getattr(flight, "last_step", None)
-
-
-def delay_figures(reports):
-    """Medians over dosd's reports (one a step), in seconds: delayed_update_s,
-    delayed_wait_s, window_s, predicted_iter_s, predicted_update_s and
-    delayed_hidden_s (per step the update less the wait); delayed_subgroups,
-    delayed_params; delay_reports (how many), delay_missing_keys."""
-    if not reports:
-        return {}
-
-    def med(f):
-        return statistics.median(f(r) for r in reports)
-
-    out = {k[:-3] + "_s": med(lambda r, k=k: r.get(k, 0) * 1e-6)
-           for k in DELAY_KEYS if k.endswith("_us")}
-    out["delayed_hidden_s"] = med(lambda r: max(0.0, r.get("delayed_update_us", 0) -
-                                                r.get("delayed_wait_us", 0)) * 1e-6)
-    for k in ("delayed_subgroups", "delayed_params"):
-        out[k] = med(lambda r, k=k: r.get(k, 0))
-    out["delay_reports"] = len(reports)
-    out["delay_missing_keys"] = [k for k in DELAY_KEYS if not any(k in r for r in reports)]
-    return out
 
 
 def make_model(size, device, attn=None):
