@@ -93,7 +93,11 @@ def launch_once(args, out_dir, timeout=int(os.environ.get("FSDP_TEST_TIMEOUT", "
 
 
 def load(out_dir):
-    with open(os.path.join(out_dir, os.listdir(out_dir)[0])) as f:
+    """The run's result file (the folder also holds its chart when matplotlib
+    is installed: listdir's order picked the PNG in one CI run)."""
+    names = sorted(n for n in os.listdir(out_dir) if n.endswith(".json"))
+    assert len(names) == 1, f"expected one result JSON in {out_dir}, found {os.listdir(out_dir)}"
+    with open(os.path.join(out_dir, names[0])) as f:
         return json.load(f)
 
 
