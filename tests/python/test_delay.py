@@ -189,3 +189,27 @@ def test_state_dict_with_an_update_pending_is_the_last_step(dos_socket):
         assert_same(model, master, len(data))  # state_dict() installed step 6
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("subgroup_size", [0, 300])
+def test_per_layer_waits_on_the_cpu_path(dos_socket, subgroup_size):
+    """async_step=True with model= on the CPU: step() returns at once, each
+    layer's forward waits on the host for its subgroups (dos/_hooks.py); the
+    delayed run is still torch's AdamW one step late, weight for weight."""
+    data = make_data(n=40)
+    seen, master = reference(data, 3)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=dos_socket,
+                          client_name="pytest-delay-async", model=model, async_step=True,
+                          delay=1, delay_warmup=3, subgroup_size=subgroup_size)
+    try:
+        for t, (x, y) in enumerate(data, 1):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            assert opt.last_step["step"] == t  # collects; a report installs nothing
+            check(model, seen[t], t)
+        opt.synchronize()
+        assert_same(model, master, len(data))
+    finally:
+        opt.close()
