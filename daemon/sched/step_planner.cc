@@ -74,6 +74,26 @@ uint64_t PlaceStreamed(StepPlan& plan, bool gpu) {
   return fixed_gpu_params;
 }
 
+// The largest non-resident subgroup (the pipeline's fill and drain).
+uint64_t MaxStreamedNumel(const StepPlan& plan) {
+  uint64_t m = 0;
+  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) m = std::max(m, plan.numel[i]);
+  return m;
+}
+
+// The CPU path's subgroups in the order it takes them: its own, then the
+// shared ones from the far end (the delayed path takes this order's head).
+std::vector<uint32_t> CpuSideOrder(const StepPlan& plan) {
+  std::vector<uint32_t> order = plan.cpu_only;
+  order.insert(order.end(), plan.shared.rbegin(), plan.shared.rend());
+  return order;
+}
+
+// Seconds the gradients of `params` delayed parameters take D2H.
+double GradCaptureSeconds(const PerfInputs& in, double params) {
+  return in.d2h_bytes_per_s > 0 ? params * in.grad_bytes / in.d2h_bytes_per_s : 0;
+}
+
 }  // namespace
 
 ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
@@ -238,12 +258,12 @@ double StepPlanner::DelayedBudgetParams(const Policy& policy, double window_us) 
   if (!options_.budgets.gpu || policy.kind != Policy::Kind::kAuto) {
     return std::numeric_limits<double>::infinity();
   }
-  double rate = 0;
+  PerfInputs in;
   {
     absl::MutexLock lock(&mu_);
-    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(model_.inputs());
+    in = model_.inputs();
   }
-  return 0.9 * window_us * 1e-6 * rate;
+  return 0.9 * window_us * 1e-6 * DelayedRate(in);
 }
 
 uint32_t StepPlanner::DelayedResidentCap(const Policy& policy, const ShardLayout& layout,
@@ -259,6 +279,11 @@ uint32_t StepPlanner::DelayedResidentCap(const Policy& policy, const ShardLayout
   return cap;
 }
 
+double StepPlanner::DelayedRate(const PerfInputs& in) const {
+  absl::MutexLock lock(&mu_);
+  return delayed_rate_ > 0 ? delayed_rate_ : CpuRate(in);
+}
+
 void StepPlanner::LearnDelayed(uint64_t params, double update_us) {
   if (params == 0 || update_us <= 0) return;
   absl::MutexLock lock(&mu_);
@@ -266,8 +291,7 @@ void StepPlanner::LearnDelayed(uint64_t params, double update_us) {
 }
 
 void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
-  std::vector<uint32_t> cpu_side = plan.cpu_only;  // the CPU's order
-  cpu_side.insert(cpu_side.end(), plan.shared.rbegin(), plan.shared.rend());
+  const std::vector<uint32_t> cpu_side = CpuSideOrder(plan);
   double acc = 0;
   size_t taken = 0;
   while (taken < cpu_side.size() &&
@@ -286,19 +310,11 @@ void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
 }
 
 double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) const {
-  double rate = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(plan.inputs);
-  }
+  const double rate = DelayedRate(plan.inputs);
   if (rate <= 0) return 0;
   const PerfInputs& in = plan.inputs;
-  std::vector<uint32_t> cpu_side = plan.cpu_only;  // PlaceDelayed's order
-  cpu_side.insert(cpu_side.end(), plan.shared.rbegin(), plan.shared.rend());
-  uint64_t max_streamed = 0;
-  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
-    max_streamed = std::max(max_streamed, plan.numel[i]);
-  }
+  const std::vector<uint32_t> cpu_side = CpuSideOrder(plan);
+  const uint64_t max_streamed = MaxStreamedNumel(plan);
   // The update starts once the gradients are captured and may run until the
   // trainer's next gradients: through the rest of the GPU path and the
   // window. The most parameters whose update fits 90% of that.
@@ -308,7 +324,7 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
     const double gpu_s = PerfModel::PhaseSeconds(
         in, 1.0, static_cast<double>(plan.streamed_params) - h,
         static_cast<double>(plan.resident_params), static_cast<double>(max_streamed));
-    const double capture_s = in.d2h_bytes_per_s > 0 ? h * in.grad_bytes / in.d2h_bytes_per_s : 0;
+    const double capture_s = GradCaptureSeconds(in, h);
     if (h / rate > 0.9 * (window_us * 1e-6 + std::max(0.0, gpu_s - capture_s))) break;
     best = h;
   }
@@ -322,13 +338,10 @@ void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
                                                static_cast<double>(plan.resident_params),
                                                static_cast<double>(max_streamed));
   const double h = static_cast<double>(plan.delayed_params);
-  const double capture_s = std::max(in.d2h_bytes_per_s > 0 ? h * in.grad_bytes / in.d2h_bytes_per_s : 0,
-                                    in.h2d_bytes_per_s > 0 ? h * in.weight_bytes / in.h2d_bytes_per_s : 0);
-  double rate = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    rate = delayed_rate_ > 0 ? delayed_rate_ : CpuRate(in);
-  }
+  const double capture_s =
+      std::max(GradCaptureSeconds(in, h),
+               in.h2d_bytes_per_s > 0 ? h * in.weight_bytes / in.h2d_bytes_per_s : 0);
+  const double rate = DelayedRate(in);
   const double window_s = plan.window_us * 1e-6;
   // The update starts once the gradients are captured: it overlaps the rest
   // of the GPU path, then the window.
@@ -396,10 +409,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
                            : DelayedBudgetParams(policy, window_us));
   }
   OrderFor(kind, plan);
-  uint64_t max_streamed = 0;
-  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
-    max_streamed = std::max(max_streamed, plan.numel[i]);
-  }
+  const uint64_t max_streamed = MaxStreamedNumel(plan);
   if (delayed && budgets.gpu) {
     PredictDelayed(plan, max_streamed);
   } else {
@@ -448,10 +458,7 @@ NodeResources::StepEnd StepPlanner::NodeStepEnd(const StepPlan& plan, const Step
   // What the prediction holds apart from host traffic (PhaseSeconds): the
   // pipeline's fill and drain and the resident kernels. The node divides
   // the host bytes by the rest of the update time.
-  uint64_t max_streamed = 0;
-  for (uint32_t i = plan.resident; i < plan.num_subgroups; ++i) {
-    max_streamed = std::max(max_streamed, plan.numel[i]);
-  }
+  const uint64_t max_streamed = MaxStreamedNumel(plan);
   end.other_s = PerfModel::PipelineLatencySeconds(plan.inputs, plan.gpu_share,
                                                   static_cast<double>(max_streamed)) +
                 (plan.inputs.gpu_params_per_s > 0

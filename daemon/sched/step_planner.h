@@ -189,6 +189,9 @@ class StepPlanner {
   // the window (the CPU side's tail, in PlaceDelayed's order).
   double AutoDelayedBudget(const StepPlan& plan, double window_us) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The delayed update's rate, params/s: learned (LearnDelayed), else the
+  // CPU kernel's rate for `in`.
+  double DelayedRate(const PerfInputs& in) const ABSL_LOCKS_EXCLUDED(mu_);
   // A delayed plan's prediction (plan.predicted_us: the update the trainer
   // waits for; plan.predicted_iter_us: with its window).
   void PredictDelayed(StepPlan& plan, uint64_t max_streamed) const ABSL_LOCKS_EXCLUDED(mu_);
