@@ -17,6 +17,12 @@ PAIRS = [
      "compact vs fp32 state, both exact"),
     ("convergence_noise_loss_rel_diff", "fp32_exact", "fp32_exact_repeat",
      "fp32 exact run twice (kernel noise)"),
+    ("convergence_torch_delay_loss_rel_diff", "torch_exact", "torch_delay",
+     "no DOS: torch's AdamW, the delay's staleness simulated (reference.py)"),
+    ("convergence_dos_vs_torch_loss_rel_diff", "torch_exact", "fp32_exact",
+     "DOS exact vs torch's AdamW"),
+    ("convergence_dos_vs_torch_delay_loss_rel_diff", "torch_delay", "fp32_delay",
+     "DOS delay=1 vs torch's AdamW with the same staleness"),
 ]
 TARGET_REL_DIFF = 0.01  # the bound on |delayed - exact| / exact
 

@@ -15,6 +15,10 @@ RUNS = {
     "compact_exact": (True, 0),
     "compact_delay": (True, 1),
     "fp32_exact_repeat": (False, 0),  # fp32_exact again: the GPU kernels' run-to-run noise
+    # No DOS (reference.py): torch's AdamW on fp32 masters, the delay's
+    # staleness simulated on the tail of the parameters.
+    "torch_exact": (False, 0),
+    "torch_delay": (False, 1),
 }
 VAL_FRACTION = 0.05  # the corpus's tail held out for validation
 VOCAB = 256          # byte tokens
@@ -38,6 +42,14 @@ def model_config(args):
         layers = 28
     return dict(size=args.size, layers=layers, d_model=args.d_model, heads=args.heads,
                 seq=args.seq, vocab=VOCAB)
+
+
+def sim_fraction(args):
+    """The share of the parameters the torch_delay run delays: static:<f>'s
+    host path (1 - f of the subgroups, the tail), else a quarter."""
+    if args.policy.startswith("static:"):
+        return 1.0 - float(args.policy.split(":", 1)[1])
+    return 0.25
 
 
 def split_corpus(data):
@@ -118,15 +130,24 @@ def train(args):
         train_text, val_text = split_corpus(f.read())
     data = Batches(torch, train_text, val_text, args.steps, args.batch, model.cfg["seq"],
                    args.seed + 1, args.val_batches, device)
-    kw = optimizer_kwargs(args, torch, delay, device)
-    res.update({k: v for k, v in kw.items() if k != "delay"})
-    opt = dos.torch.AdamW(gpt.param_groups(model, args.weight_decay), lr=args.lr,
-                          betas=(0.9, 0.95), socket=args.socket,
-                          client_name=f"convergence-{run}", compact_state=compact, model=model,
-                          **kw)
-    opt.set_policy(args.policy)
+    if run.startswith("torch_"):
+        from reference import TorchReference
+        opt = TorchReference(torch, gpt.param_groups(model, args.weight_decay), args.lr,
+                             (0.9, 0.95), delay, args.delay_warmup, sim_fraction(args))
+        res.update(delay_warmup=args.delay_warmup, sim_fraction=sim_fraction(args))
+        scheduled = opt.inner
+    else:
+        kw = optimizer_kwargs(args, torch, delay, device)
+        res.update({k: v for k, v in kw.items() if k != "delay"})
+        opt = dos.torch.AdamW(gpt.param_groups(model, args.weight_decay), lr=args.lr,
+                              betas=(0.9, 0.95), socket=args.socket,
+                              client_name=f"convergence-{run}", compact_state=compact,
+                              model=model, **kw)
+        opt.set_policy(args.policy)
+        scheduled = opt
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.steps, args.lr_warmup, args.lr_floor))
+        scheduled, lambda s: lr_factor(s, args.steps, args.lr_warmup, args.lr_floor))
+    delayed_params = []  # per logged step: how many parameters were delayed
     print(f"[{run}] GPT {model.cfg}: {nparams / 1e6:.1f}M parameters, batch {args.batch}, "
           f"{device}, policy {args.policy}, compact_state={compact}, delay={delay}", flush=True)
 
@@ -154,6 +175,7 @@ def train(args):
         losses[i] = loss.detach()
         norms[i] = norm.detach()
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+            delayed_params.append((opt.last_step or {}).get("delayed_params", 0))
             done = i + 1 - skip
             rate = f"{(time.perf_counter() - t_skip) / done:.3f} s/step" if done > 0 else \
                 f"timed from step {skip}"
@@ -171,7 +193,7 @@ def train(args):
         last_mean=sum(losses.tolist()[-window:]) / window, window=window,
         val_loss=val.mean().item(), val_tokens=val.numel() * args.batch * model.cfg["seq"],
         step_s=(t_end - t_skip) / max(1, args.steps - skip), train_s=t_end - t0,
-        first_loss=loss_list[0], last_loss=loss_list[-1])
+        first_loss=loss_list[0], last_loss=loss_list[-1], delayed_params=delayed_params)
     if cuda:
         res["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     print(f"[{run}] mean loss over the last {window} steps {res['last_mean']:.4f}, "
