@@ -1,5 +1,6 @@
 #include "daemon/engines.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,13 +11,29 @@
 
 namespace dos {
 
-Engines::Engines(const cpu::CpuUpdaterOptions& cpu)
-    : cpu_updater_(cpu), host_engine_(&cpu_updater_), executors_(&host_engine_) {}
+namespace {
+
+// The delayed update's updater: the step's options with its thread count
+// (EnginesConfig::delayed_cpu_threads) from the step updater's `threads`.
+cpu::CpuUpdaterOptions DelayedUpdaterOptions(const EnginesConfig& config, int threads) {
+  cpu::CpuUpdaterOptions delayed = config.cpu;
+  const int n = config.delayed_cpu_threads;
+  delayed.threads = n > 0 ? n : std::max(1, threads + std::min(n, 0));
+  return delayed;
+}
+
+}  // namespace
+
+Engines::Engines(const EnginesConfig& config)
+    : cpu_updater_(config.cpu),
+      delayed_updater_(DelayedUpdaterOptions(config, cpu_updater_.threads())),
+      host_engine_(&cpu_updater_, &delayed_updater_),
+      executors_(&host_engine_) {}
 
 Engines::~Engines() = default;
 
 absl::StatusOr<std::unique_ptr<Engines>> Engines::Create(const EnginesConfig& config) {
-  std::unique_ptr<Engines> engines(new Engines(config.cpu));
+  std::unique_ptr<Engines> engines(new Engines(config));
   if (absl::Status st = engines->AddGpuEngines(config); !st.ok()) return st;
   return engines;
 }
@@ -50,7 +67,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
                                 ? config.gpu_timeline
                                 : absl::StrCat(config.gpu_timeline, ".cuda", ordinal);
     absl::StatusOr<std::unique_ptr<gpu::GpuEngine>> engine =
-        gpu::GpuEngine::Create(gopt, &cpu_updater_);
+        gpu::GpuEngine::Create(gopt, &cpu_updater_, &delayed_updater_);
     if (engine.ok()) {
       executors_.AddGpu(GpuDeviceInfo{ordinal, (*engine)->device_uuid(), (*engine)->device_name()},
                         engine->get(), planner);

@@ -1,9 +1,9 @@
 // Engines: the engines of one dosd and the executors over them. Part of the
 // composition root (main.cc builds one; its own file so that main.cc stays
-// within the structure test's file size): one CPU updater (the thread pool)
-// that every engine shares, the host engine of shared-memory sessions, and
-// one GPU engine (streams, staging, performance model) per device that
-// --gpu_devices names, each injected into the ExecutorSet (sched/ depends on
+// within the structure test's file size): two CPU updaters (thread pools)
+// that every engine shares, the step's and the delayed update's, the host
+// engine of shared-memory sessions, and one GPU engine (streams, staging,
+// performance model) per device that --gpu_devices names, each injected into the ExecutorSet (sched/ depends on
 // no engine implementation).
 //
 // Ownership: Engines owns all of them; it outlives the SessionManager that
@@ -32,6 +32,10 @@ class GpuEngine;
 // The engines' part of dosd's configuration, one field per flag.
 struct EnginesConfig {
   cpu::CpuUpdaterOptions cpu;        // update threads, tile, ISA
+  // The delayed update's threads (delay=1: it runs beside the trainers'
+  // forward and backward, whose launch threads need cores): > 0 that many;
+  // 0 as `cpu`; -K `cpu`'s count less K (at least 1).
+  int delayed_cpu_threads = -2;
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 2;         // GPU-path subgroups in flight
@@ -53,14 +57,16 @@ class Engines {
   Engines& operator=(const Engines&) = delete;
 
   const cpu::CpuUpdater& cpu_updater() const { return cpu_updater_; }
+  const cpu::CpuUpdater& delayed_updater() const { return delayed_updater_; }
   ExecutorSet* executors() { return &executors_; }
   const ExecutorSet& executors() const { return executors_; }
 
  private:
-  explicit Engines(const cpu::CpuUpdaterOptions& cpu);
+  explicit Engines(const EnginesConfig& config);
   absl::Status AddGpuEngines(const EnginesConfig& config);
 
   cpu::CpuUpdater cpu_updater_;
+  cpu::CpuUpdater delayed_updater_;
   cpu::HostEngine host_engine_;
   ExecutorSet executors_;
 #ifdef DOS_WITH_CUDA  // dosd's compile definition

@@ -52,6 +52,10 @@ ABSL_FLAG(std::string, host_memory_limit, "0",
 ABSL_FLAG(uint64_t, subgroup_size, 100'000'000,
           "Default subgroup size in elements, for clients that do not choose one.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU update threads; 0 = every core.");
+ABSL_FLAG(int, delayed_cpu_threads, -2,
+          "Threads of the delayed update (clients with delay=1), which runs beside the "
+          "trainers' forward and backward: N > 0 threads; 0 = as --cpu_threads; -K = "
+          "--cpu_threads' count less K, leaving K cores to the trainers' launch threads.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -264,6 +268,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   }
   c.engines.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
   c.engines.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
+  c.engines.delayed_cpu_threads = absl::GetFlag(FLAGS_delayed_cpu_threads);
   if (c.engines.cpu.threads < 0 || c.engines.cpu.tile_elems == 0) {
     return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
   }
@@ -449,7 +454,8 @@ absl::Status AnnounceReady(UnixListener* listener, grpc::Server* server) {
 
 void LogStart(const DaemonConfig& config, const Engines& engines) {
   DOS_LOG_INFO("daemon.start", "version", kVersion, "pid", getpid(), "socket",
-               config.socket_path, "cpu_threads", engines.cpu_updater().threads(), "cpu_isa",
+               config.socket_path, "cpu_threads", engines.cpu_updater().threads(),
+               "delayed_cpu_threads", engines.delayed_updater().threads(), "cpu_isa",
                cpu::IsaName(engines.cpu_updater().isa()), "policy",
                FormatPolicy(config.default_policy), "host_memory_limit",
                config.host_memory_limit, "gpu_engines",

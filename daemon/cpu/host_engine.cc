@@ -132,7 +132,7 @@ absl::Status HostEngine::InstallDelayed(const ShardState& shard,
 
 absl::Status HostEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                                        double* kernel_us) {
-  return cpu::UpdateDelayed(cpu_, shard, delayed, kernel_us);
+  return cpu::UpdateDelayed(delayed_cpu_, shard, delayed, kernel_us);
 }
 
 }  // namespace dos::cpu

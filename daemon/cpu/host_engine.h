@@ -2,8 +2,9 @@
 // (CPU mode, what CI runs end to end): every subgroup on the CPU updater,
 // the trainer's weights written in place in its dtype.
 //
-// Ownership: owns nothing but a pointer to the daemon's CPU updater, which
-// outlives it. Thread-safety: thread-safe (the updater is).
+// Ownership: owns nothing but pointers to the daemon's CPU updaters (the
+// step's, and the delayed update's: fewer threads, as it runs beside the
+// trainers' forward and backward), which outlive it. Thread-safety: thread-safe (the updater is).
 #pragma once
 
 #include <memory>
@@ -17,7 +18,9 @@ namespace dos::cpu {
 
 class HostEngine final : public Engine {
  public:
-  explicit HostEngine(CpuUpdater* cpu) : cpu_(cpu) {}
+  // `delayed`: the delayed update's updater; null: `cpu`.
+  explicit HostEngine(CpuUpdater* cpu, CpuUpdater* delayed = nullptr)
+      : cpu_(cpu), delayed_cpu_(delayed != nullptr ? delayed : cpu) {}
 
   bool has_gpu() const override { return false; }
   bool host_addressable() const override { return true; }
@@ -52,6 +55,7 @@ class HostEngine final : public Engine {
 
  private:
   CpuUpdater* const cpu_;
+  CpuUpdater* const delayed_cpu_;
 };
 
 }  // namespace dos::cpu

@@ -77,7 +77,7 @@ absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& dela
                                       double* kernel_us) {
   // The CPU kernel alone: no GPU work, so no engine lock (another session's
   // step may run on the GPU meanwhile; the CPU updater is thread-safe).
-  DOS_RETURN_IF_ERROR(cpu::UpdateDelayed(cpu_, shard, delayed, kernel_us));
+  DOS_RETURN_IF_ERROR(cpu::UpdateDelayed(delayed_cpu_, shard, delayed, kernel_us));
   auto* gs = static_cast<Shard*>(shard.attachment());
   if (gs == nullptr) return absl::OkStatus();
   absl::MutexLock lock(&step_mu_);

@@ -24,8 +24,9 @@
 
 namespace dos::gpu {
 
-GpuEngine::GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu)
-    : options_(options), cpu_(cpu) {}
+GpuEngine::GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu,
+                     cpu::CpuUpdater* delayed_cpu)
+    : options_(options), cpu_(cpu), delayed_cpu_(delayed_cpu != nullptr ? delayed_cpu : cpu) {}
 
 int GpuEngine::VisibleDevices() {
   int count = 0;
@@ -37,7 +38,8 @@ int GpuEngine::VisibleDevices() {
 }
 
 absl::StatusOr<std::unique_ptr<GpuEngine>> GpuEngine::Create(const GpuEngineOptions& options,
-                                                             cpu::CpuUpdater* cpu) {
+                                                             cpu::CpuUpdater* cpu,
+                                                             cpu::CpuUpdater* delayed_cpu) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -51,7 +53,7 @@ absl::StatusOr<std::unique_ptr<GpuEngine>> GpuEngine::Create(const GpuEngineOpti
   if (options.staging_slots < 1) {
     return absl::InvalidArgumentError("--gpu_staging_slots must be >= 1");
   }
-  std::unique_ptr<GpuEngine> e(new GpuEngine(options, cpu));
+  std::unique_ptr<GpuEngine> e(new GpuEngine(options, cpu, delayed_cpu));
   DOS_RETURN_IF_ERROR(e->Init());
   return e;
 }

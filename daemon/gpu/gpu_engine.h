@@ -72,8 +72,10 @@ struct GpuEngineOptions {
 class GpuEngine final : public Engine {
  public:
   // UNAVAILABLE when there is no such device (the daemon then runs CPU only).
+  // `delayed_cpu`: the delayed update's updater (null: `cpu`).
   static absl::StatusOr<std::unique_ptr<GpuEngine>> Create(const GpuEngineOptions& options,
-                                                           cpu::CpuUpdater* cpu);
+                                                           cpu::CpuUpdater* cpu,
+                                                           cpu::CpuUpdater* delayed_cpu = nullptr);
   ~GpuEngine() override;
   // CUDA devices this process sees (0 without a driver or device).
   static int VisibleDevices();
@@ -121,7 +123,7 @@ class GpuEngine final : public Engine {
   struct StepRun;  // one step's working state (gpu_engine.cc)
 
  private:
-  GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu);
+  GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu, cpu::CpuUpdater* delayed_cpu);
   absl::Status Init();
   absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // SetResident's work, on the current device.
@@ -142,6 +144,7 @@ class GpuEngine final : public Engine {
 
   const GpuEngineOptions options_;
   cpu::CpuUpdater* const cpu_;
+  cpu::CpuUpdater* const delayed_cpu_;  // the delayed update's (fewer threads)
   std::string uuid_;
   std::string name_;
 
