@@ -9,6 +9,7 @@
 # MODES picks the runs at the first size (all_gpu dos dos_compact by default;
 # dos_delay and dos_compact_delay are dos and dos_compact with --delay 1
 # --delay-warmup ${DELAY_WARMUP:-2}, issue 23's one-step delayed update);
+# DOSD_ARGS: more dosd flags (e.g. --delayed_cpu_threads=0 for an A/B);
 # RT_ARGS=--deterministic makes the round trip deterministic on CUDA (hf7b.py:
 # the losses of a resumed run can otherwise differ through CUDA's atomics, not
 # the optimizer); RESULT names
@@ -23,7 +24,7 @@ export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=
 machine=${DOS_MACHINE:-nvidia-h200}
 mkdir -p "$O"
 sock=/tmp/dos-hf7b.sock; rm -f $sock
-"$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt > "$O/dosd.log" 2>&1 &
+"$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt ${DOSD_ARGS:-} > "$O/dosd.log" 2>&1 &
 dpid=$!
 export DOS_DOSD_PID=$dpid
 for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
