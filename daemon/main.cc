@@ -48,7 +48,8 @@ ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
 ABSL_FLAG(std::string, socket_mode, "0660", "Permissions of the socket (octal).");
 ABSL_FLAG(std::string, host_memory_limit, "0",
-          "Cap on host memory held as optimizer state, e.g. 64G, 512M; 0 = no cap.");
+          "Cap on host memory held as optimizer state and the delayed update's buffers "
+          "(clients with delay=1), e.g. 64G, 512M; 0 = no cap.");
 ABSL_FLAG(uint64_t, subgroup_size, 100'000'000,
           "Default subgroup size in elements, for clients that do not choose one.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU update threads; 0 = every core.");
@@ -149,7 +150,7 @@ constexpr char kVersion[] = DOS_VERSION_STRING;
 struct DaemonConfig {
   std::string socket_path;           // where clients and dosctl connect
   mode_t socket_mode = 0660;         // permissions of that socket
-  uint64_t host_memory_limit = 0;    // bytes of optimizer state; 0 = unlimited
+  uint64_t host_memory_limit = 0;    // bytes of optimizer state and delayed buffers; 0 = unlimited
   SessionOptions session;            // control blocks, subgroup size default
   EnginesConfig engines;             // CPU updater (threads, tile, ISA), GPU engines
   Policy default_policy;             // policy of new sessions

@@ -40,7 +40,10 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
                         return static_cast<double>(sessions->ListOrphans().size());
                       })
       .IgnoreError();
-  m->AddCallbackGauge("dos_host_state_bytes", "Host memory held as optimizer state (page-locked in GPU mode).", {},
+  m->AddCallbackGauge("dos_host_state_bytes",
+                      "Host memory held as optimizer state and delayed-update buffers, "
+                      "counted against --host_memory_limit (page-locked in GPU mode).",
+                      {},
                       [budget] { return static_cast<double>(budget->used()); })
       .IgnoreError();
   m->AddCallbackGauge("dos_host_state_limit_bytes", "--host_memory_limit (0: none).", {},

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 
@@ -15,7 +16,7 @@ uint64_t MonotonicNs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-DelayedHost::DelayedHost(const ShardState& shard) {
+DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget) : budget_(budget) {
   for (const TensorDesc& t : shard.tensors()) {
     grad_elem_ = std::max<uint64_t>(grad_elem_, DTypeSize(t.grad_dtype));
     weight_elem_ = std::max<uint64_t>(weight_elem_, DTypeSize(t.param_dtype));
@@ -37,24 +38,53 @@ absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
       region_of_[sg] = -1;
     }
   }
+  uint64_t homeless = 0;
+  for (uint32_t sg : subgroups) homeless += region_of_[sg] < 0 ? 1 : 0;
+  if (homeless > free_.size()) DOS_RETURN_IF_ERROR(Grow(homeless - free_.size(), alloc));
   for (uint32_t sg : subgroups) {
     if (region_of_[sg] >= 0) continue;
-    if (free_.empty()) {
-      absl::StatusOr<HostBuffer> buf = alloc(region_bytes_);
-      if (!buf.ok()) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "step: the delayed host path needs ", region_bytes_, " more bytes of host memory ",
-            "for subgroup ", sg, "'s gradients and weights (", regions_.size(),
-            " regions held): ", buf.status().message(),
-            "; run without delay (dos.torch: delay=0) or free host memory"));
-      }
-      free_.push_back(static_cast<uint32_t>(regions_.size()));
-      regions_.push_back(std::move(*buf));
-    }
     region_of_[sg] = static_cast<int32_t>(free_.back());
     free_.pop_back();
   }
   return absl::OkStatus();
+}
+
+absl::Status DelayedHost::Grow(uint64_t count, const AllocHostBuffer& alloc) {
+  // Charged at once: a step refused here holds no more than before it.
+  const uint64_t n = region_bytes_;
+  if (budget_ != nullptr) {
+    DOS_RETURN_IF_ERROR(budget_->Reserve(
+        count * n, "step: this delayed step",
+        absl::StrCat("host memory for the delayed update's capture buffers (", count,
+                     " more, ", FormatBytes(n), " each, one per delayed subgroup for its "
+                     "gradients and new weights; ", regions_.size(), " held already)"),
+        "raise dosd --host_memory_limit, or run without delay (dos.torch: delay=0), which "
+        "needs no such buffers; this step applied nothing"));
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    absl::StatusOr<HostBuffer> buf = alloc(n);
+    if (!buf.ok()) {
+      if (budget_ != nullptr) budget_->Release((count - i) * n);  // the regions not made
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "step: the delayed host path needs ", n, " more bytes of host memory for a "
+          "subgroup's gradients and weights (", regions_.size(), " regions held): ",
+          buf.status().message(), "; run without delay (dos.torch: delay=0) or free host memory"));
+    }
+    free_.push_back(static_cast<uint32_t>(regions_.size()));
+    regions_.push_back(budget_ != nullptr ? Charged(*std::move(buf)) : *std::move(buf));
+  }
+  return absl::OkStatus();
+}
+
+HostBuffer DelayedHost::Charged(HostBuffer buf) const {
+  // The region's charge goes back with its memory, whoever frees it.
+  auto engine_free = std::move(buf.get_deleter());
+  char* const region = buf.release();
+  return HostBuffer(region, [engine_free = std::move(engine_free), budget = budget_,
+                             n = region_bytes_](char* p) {
+    engine_free(p);
+    budget->Release(n);
+  });
 }
 
 char* DelayedHost::grad(uint32_t sg, const SubgroupSegment& seg) const {

@@ -19,7 +19,10 @@
 //
 // Ownership: the session owns one per registered shard, next to it; the
 // buffers come from the shard's engine (Engine::AllocStaging: page-locked
-// for a GPU engine). Thread-safety: none; the session's step lock guards it.
+// for a GPU engine) and are charged to the HostMemoryBudget the shard's
+// state is (--host_memory_limit) from their allocation until this object is
+// destroyed (a new shard, a checkpoint load, a resume, the session's end).
+// Thread-safety: none; the session's step lock guards it.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "daemon/state/host_memory_budget.h"
 #include "daemon/state/shard_state.h"
 
 namespace dos {
@@ -45,7 +49,9 @@ uint64_t MonotonicNs();
 
 class DelayedHost {
  public:
-  explicit DelayedHost(const ShardState& shard);
+  // `budget` (which must outlive this object): where the buffers are
+  // charged, the shard's state's budget; null: nowhere (tests).
+  DelayedHost(const ShardState& shard, HostMemoryBudget* budget);
   // Waits for an update still running (StepExecutor::UpdateDelayed joins it
   // first on every path; this only keeps a forgotten one from terminating).
   ~DelayedHost() {
@@ -56,7 +62,11 @@ class DelayedHost {
 
   // Gives each of `subgroups` a region (allocating with `alloc` when the pool
   // has none free), keeping the regions of those whose weights are pending.
-  // RESOURCE_EXHAUSTED from `alloc` (host memory) names the size and the fix.
+  // The regions it allocates are charged to the budget all at once:
+  // RESOURCE_EXHAUSTED, naming the bytes, the limit and the fix, when they
+  // would pass its limit (nothing allocated then) or `alloc` fails (host
+  // memory). No subgroup changes stage on failure: the step refused here
+  // applied nothing, and a later one places again.
   absl::Status Place(std::span<const uint32_t> subgroups, const AllocHostBuffer& alloc);
 
   // Where segment `seg` of subgroup `sg` (placed) keeps its gradients and
@@ -113,6 +123,13 @@ class DelayedHost {
 
  private:
   enum Stage : uint8_t { kNone, kCaptured, kPending };
+  // Adds `count` regions from `alloc` to the free pool, charged to budget_
+  // (all or none) until each is freed.
+  absl::Status Grow(uint64_t count, const AllocHostBuffer& alloc);
+  // `buf` whose deleter also gives its charge back to budget_.
+  HostBuffer Charged(HostBuffer buf) const;
+
+  HostMemoryBudget* const budget_;
   uint64_t grad_elem_ = 2, weight_elem_ = 2, max_numel_ = 0, region_bytes_ = 0;
   std::vector<HostBuffer> regions_;
   std::vector<uint32_t> free_;            // region indices not in use

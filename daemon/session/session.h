@@ -332,7 +332,7 @@ class Session {
   std::shared_ptr<UidLedger::Account> account_;
   // The registered tensors' bookkeeping, charged to the uid (tensors,
   // bytes) at Register for the session's life. Not to `budget_`: that is
-  // the optimizer state's (host_state_bytes).
+  // the optimizer state's and its delayed buffers' (host_state_bytes).
   LedgerCharge tensors_charge_ ABSL_GUARDED_BY(mu_);
   LedgerCharge bookkeeping_charge_ ABSL_GUARDED_BY(mu_);
 
@@ -354,7 +354,9 @@ class Session {
   int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<DelayedHost> delayed_ ABSL_GUARDED_BY(mu_);  // for shard_; null: none yet
+  // For shard_ (null: none yet); its buffers are charged to budget_ until
+  // it is reset (a new shard, a checkpoint load, TakeShard) or destroyed.
+  std::unique_ptr<DelayedHost> delayed_ ABSL_GUARDED_BY(mu_);
   uint64_t last_post_ns_ ABSL_GUARDED_BY(mu_) = 0;  // MonotonicNs when the last result was posted
   // GPU mode: the trainer's IPC event, opened at Register; null otherwise.
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -12,7 +12,8 @@ namespace dos {
 
 DelayedHost* Session::DelayedFor(StepKind kind) {
   if (delayed_ == nullptr && (kind.delays_host() || kind.finishes_delayed())) {
-    delayed_ = std::make_unique<DelayedHost>(*shard_);
+    // Its buffers count against --host_memory_limit with the shard's state.
+    delayed_ = std::make_unique<DelayedHost>(*shard_, budget_);
   }
   return delayed_.get();
 }

@@ -9,14 +9,19 @@
 namespace dos {
 
 absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
+  return Reserve(bytes, what, "host optimizer state",
+                 "raise dosd --host_memory_limit, detach other sessions, or register a smaller "
+                 "shard");
+}
+
+absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
+                                       absl::string_view held_as, absl::string_view fix) {
   absl::MutexLock lock(&mu_);
   if (limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of host optimizer state, but ",
-        FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
-        " limit is in use (", FormatBytes(limit_ - used_),
-        " free); raise dosd --host_memory_limit, detach other sessions, or register a "
-        "smaller shard"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as,
+                     ", but ", FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
+                     " limit is in use (", FormatBytes(limit_ - used_), " free); ", fix));
   }
   used_ += bytes;
   return absl::OkStatus();

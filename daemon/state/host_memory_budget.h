@@ -1,16 +1,20 @@
 // HostMemoryBudget: the daemon-wide cap on host memory held as optimizer
-// state. Every ShardState reserves its bytes here before allocating, so an
-// oversized registration fails with RESOURCE_EXHAUSTED (naming the numbers)
-// instead of being killed by the OOM killer halfway through a step.
+// state (--host_memory_limit). Every ShardState reserves its bytes here
+// before allocating, so an oversized registration fails with
+// RESOURCE_EXHAUSTED (naming the numbers) instead of being killed by the OOM
+// killer halfway through a step. A shard's delayed host path buffers
+// (DelayedHost, daemon/sched/delayed_host.h) are charged to the budget of
+// its state too: a delayed step that would pass the cap fails the same way.
 //
 // Thread-safe.
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
 namespace dos {
@@ -20,8 +24,13 @@ class HostMemoryBudget {
   // limit_bytes == 0 means no cap.
   explicit HostMemoryBudget(uint64_t limit_bytes) : limit_(limit_bytes) {}
 
-  // Reserves `bytes` for `what` (used in the error message).
+  // Reserves `bytes` of optimizer state for `what` (used in the error
+  // message, which suggests a registration's fixes).
   absl::Status Reserve(uint64_t bytes, absl::string_view what);
+  // The same for other host memory: `held_as` says what the bytes are in
+  // the message ("host memory for ..."), `fix` what the caller can do.
+  absl::Status Reserve(uint64_t bytes, absl::string_view what, absl::string_view held_as,
+                       absl::string_view fix);
   void Release(uint64_t bytes);
 
   uint64_t used() const;

@@ -269,7 +269,7 @@ TEST(ResidentTierTest, DelayedSubgroupsBesideResidentOnesAreExactlyOneStepLate) 
       (*g)[i] = 1e-2f * std::sin(7.0f * w[i] + 0.01f * static_cast<float>(i % 97));
     }
   };
-  DelayedHost delayed(*dev.shard);
+  DelayedHost delayed(*dev.shard, &dev.budget);
   const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
   std::vector<float> view = ref.params;  // what the trainer should hold
   const uint64_t leases[] = {6, 6, 2, 2, 6, 0, 3, 3, 1, 6};

@@ -250,7 +250,7 @@ TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
   StepExecutor ex(&f.engine), ex_exact(&exact.engine);
   ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
   const std::vector<std::vector<float>> weights0 = f.params;
-  DelayedHost delayed(*f.shard);
+  DelayedHost delayed(*f.shard, &f.budget);
   const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
   absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
                                            Policy{}, StepSync{}, 0, {}, &delayed);
@@ -274,7 +274,7 @@ TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
 TEST(StepExecutorTest, AFinishRequestInstallsAndAppliesNothing) {
   Fixture f;
   StepExecutor ex(&f.engine);
-  DelayedHost delayed(*f.shard);
+  DelayedHost delayed(*f.shard, &f.budget);
   const StepKind host(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
   const StepKind finish(StepKind::Gradients::kFinal, false, StepKind::Delay::kFinish);
   ASSERT_TRUE(

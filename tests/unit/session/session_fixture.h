@@ -37,9 +37,12 @@ inline PlannerOptions OneResidentSubgroup() {
 
 class SessionFixture : public testing::Test {
  protected:
+  // `host_memory_limit`: budget_'s (dosd's --host_memory_limit; 0: none).
   explicit SessionFixture(PlannerOptions planner = OneResidentSubgroup(),
-                          FakeEngine::Options gpu = FakeEngine::Options{.gpu = true})
-      : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), host_engine_(&cpu_), gpu_(gpu), executors_(&host_engine_) {
+                          FakeEngine::Options gpu = FakeEngine::Options{.gpu = true},
+                          uint64_t host_memory_limit = 0)
+      : cpu_(cpu::CpuUpdaterOptions{.threads = 1}), host_engine_(&cpu_), gpu_(gpu), executors_(&host_engine_),
+        budget_(host_memory_limit) {
     executors_.AddGpu({0, kUuid, "fake"}, &gpu_, planner);
     for (uint64_t i = 0; i < kTotal; ++i) {
       params_[i] = 0.25f + 1e-3f * static_cast<float>(i % 101);
@@ -136,7 +139,7 @@ class SessionFixture : public testing::Test {
   cpu::HostEngine host_engine_;
   FakeEngine gpu_;
   ExecutorSet executors_;
-  HostMemoryBudget budget_{0};
+  HostMemoryBudget budget_;
   std::vector<float> params_ = std::vector<float>(kTotal);
   std::vector<float> grads_ = std::vector<float>(kTotal);
   std::unique_ptr<ShmSegment> shm_;

@@ -1,0 +1,103 @@
+// DelayedHost's buffers against the HostMemoryBudget of its shard's state:
+// each region is charged from its allocation until it is freed; Place
+// charges the regions it needs all at once, so a placement past the limit
+// allocates nothing, and one whose allocation fails gives back the charge
+// of the regions it did not make.
+#include "daemon/sched/delayed_host.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace dos {
+namespace {
+
+constexpr uint64_t kSubgroup = 1000;
+constexpr uint64_t kRegionBytes = kSubgroup * (4 + 4);  // fp32 gradients and weights
+
+// An engine's AllocStaging: plain host memory; fails from call `fail_at` on.
+struct CountingAlloc {
+  int calls = 0;
+  int fail_at = 1 << 30;
+  AllocHostBuffer Fn() {
+    return [this](uint64_t bytes) -> absl::StatusOr<HostBuffer> {
+      if (calls++ >= fail_at) return absl::ResourceExhaustedError("fake: no host memory");
+      return HostBuffer(new char[bytes], [](char* p) { delete[] p; });
+    };
+  }
+};
+
+std::unique_ptr<ShardState> FourSubgroups(HostMemoryBudget* budget) {
+  std::vector<TensorDesc> tensors(1);
+  tensors[0].numel = 4 * kSubgroup;
+  return *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, budget, "test");
+}
+
+TEST(DelayedHostTest, RegionsAreChargedUntilFreed) {
+  HostMemoryBudget budget{0};
+  auto shard = FourSubgroups(&budget);
+  const uint64_t state = budget.used();
+  CountingAlloc alloc;
+  {
+    DelayedHost delayed(*shard, &budget);
+    const std::vector<uint32_t> first = {3, 2}, second = {3, 2, 1};
+    ASSERT_TRUE(delayed.Place(first, alloc.Fn()).ok());
+    EXPECT_EQ(budget.used(), state + 2 * kRegionBytes);
+    EXPECT_EQ(delayed.bytes(), 2 * kRegionBytes);
+    ASSERT_TRUE(delayed.Place(second, alloc.Fn()).ok());  // one more
+    ASSERT_TRUE(delayed.Place(first, alloc.Fn()).ok());   // reused
+    EXPECT_EQ(alloc.calls, 3);
+    EXPECT_EQ(budget.used(), state + 3 * kRegionBytes);
+  }
+  EXPECT_EQ(budget.used(), state);
+}
+
+TEST(DelayedHostTest, APlacementPastTheLimitAllocatesNothing) {
+  HostMemoryBudget budget{4 * 12288 + kRegionBytes + kRegionBytes / 2};  // state + 1.5 regions
+  auto shard = FourSubgroups(&budget);
+  const uint64_t state = budget.used();
+  ASSERT_EQ(state, 4u * 12288);
+  CountingAlloc alloc;
+  DelayedHost delayed(*shard, &budget);
+  const std::vector<uint32_t> two = {3, 2}, one = {3};
+  absl::Status st = delayed.Place(two, alloc.Fn());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  const std::string msg(st.message());
+  EXPECT_NE(msg.find("needs 15.62 KiB (16000 bytes) of host memory for the delayed update's "
+                     "capture buffers (2 more"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("raise dosd --host_memory_limit"), std::string::npos) << msg;
+  EXPECT_EQ(alloc.calls, 0);
+  EXPECT_EQ(budget.used(), state);
+  EXPECT_EQ(delayed.bytes(), 0u);
+  // Within the limit it places.
+  ASSERT_TRUE(delayed.Place(one, alloc.Fn()).ok());
+  EXPECT_EQ(budget.used(), state + kRegionBytes);
+}
+
+TEST(DelayedHostTest, AFailedAllocationGivesBackTheRegionsNotMade) {
+  HostMemoryBudget budget{0};
+  auto shard = FourSubgroups(&budget);
+  const uint64_t state = budget.used();
+  CountingAlloc alloc{.fail_at = 1};
+  DelayedHost delayed(*shard, &budget);
+  const std::vector<uint32_t> three = {3, 2, 1};
+  absl::Status st = delayed.Place(three, alloc.Fn());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("fake: no host memory"), absl::string_view::npos) << st;
+  // The one region made stays in the pool, charged; the two others are not.
+  EXPECT_EQ(delayed.bytes(), kRegionBytes);
+  EXPECT_EQ(budget.used(), state + kRegionBytes);
+  alloc.fail_at = 1 << 30;
+  ASSERT_TRUE(delayed.Place(three, alloc.Fn()).ok());
+  EXPECT_EQ(budget.used(), state + 3 * kRegionBytes);
+}
+
+}  // namespace
+}  // namespace dos

@@ -1,0 +1,127 @@
+// The delayed host path's buffers (DelayedHost) against --host_memory_limit:
+// a session's delayed steps charge them to the HostMemoryBudget its
+// optimizer state is charged to, and the session gives them back with its
+// DelayedHost (TakeShard, the session's end); a delayed step they would take
+// past the limit fails with RESOURCE_EXHAUSTED naming the bytes, the limit
+// and the fix, allocates and applies nothing, and the exact step after it
+// gives what it gives on a session that never tried.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "daemon/session/session.h"
+#include "tests/unit/session/session_fixture.h"
+
+namespace dos {
+namespace {
+
+// One region per delayed subgroup, sized for the largest subgroup (1000
+// elements): fp32 gradients and fp32 weights.
+constexpr uint64_t kRegionBytes = 1000 * (4 + 4);
+// Host sessions (HostSpec) put all four subgroups on the delayed path.
+constexpr uint32_t kSubgroups = 4;
+
+uint64_t StateBytes() { return ShardState::AllocatedBytes(kTotal, 1000, StateFormat::kFp32); }
+
+std::vector<float> StateOf(ShardState& shard) {
+  std::vector<float> all;
+  for (uint32_t t = 0; t < shard.tensors().size(); ++t) {
+    for (int which = 0; which < 3; ++which) {  // master, exp_avg, exp_avg_sq
+      std::vector<float> v(shard.tensors()[t].numel);
+      shard.ReadTensor(t, which, v.data());
+      all.insert(all.end(), v.begin(), v.end());
+    }
+  }
+  return all;
+}
+
+class SessionDelayedTest : public SessionFixture {};
+
+TEST_F(SessionDelayedTest, TheBuffersAreChargedWithTheStateAndGivenBackWithTheDelayedPath) {
+  auto s = NewSession("cpu");
+  ASSERT_TRUE(s->Register(HostSpec(*s)).ok());
+  const uint64_t state = budget_.used();
+  EXPECT_EQ(state, StateBytes());
+  StepResult r = Step(*s, 1e-8, kStepDelayHost);
+  ASSERT_EQ(r.status_code, 0) << r.message;
+  EXPECT_EQ(r.delayed_subgroups, kSubgroups);
+  EXPECT_EQ(budget_.used(), state + kSubgroups * kRegionBytes);
+  // Later steps reuse the buffers, exact ones keep them for the next delay.
+  for (uint32_t flags : std::vector<uint32_t>{kStepDelayHost, 0, kStepDelayHost}) {
+    r = Step(*s, 1e-8, flags);
+    ASSERT_EQ(r.status_code, 0) << r.message;
+    EXPECT_EQ(budget_.used(), state + kSubgroups * kRegionBytes) << flags;
+  }
+  // A second session's buffers are its own, given back when it ends.
+  auto other = NewSession("cpu");
+  ASSERT_TRUE(other->Register(HostSpec(*other)).ok());
+  ASSERT_EQ(Step(*other, 1e-8, kStepDelayHost).status_code, 0);
+  EXPECT_EQ(budget_.used(), 2 * (state + kSubgroups * kRegionBytes));
+  other.reset();
+  EXPECT_EQ(budget_.used(), state + kSubgroups * kRegionBytes);
+  // The state leaves without its buffers (a resume adopts the shard alone),
+  // and takes its own charge along.
+  s->Stop();
+  std::unique_ptr<ShardState> shard = s->TakeShard();
+  EXPECT_EQ(budget_.used(), state);
+  shard.reset();
+  EXPECT_EQ(budget_.used(), 0u);
+}
+
+// Room for two sessions' state and two and a half buffers: a delayed step
+// of one session needs four.
+class SessionDelayedLimitTest : public SessionFixture {
+ protected:
+  static constexpr uint64_t kLimit = 2 * 12288 * 4 + 5 * kRegionBytes / 2;
+  SessionDelayedLimitTest()
+      : SessionFixture(OneResidentSubgroup(), FakeEngine::Options{.gpu = true}, kLimit) {}
+};
+
+TEST_F(SessionDelayedLimitTest, ADelayedStepPastTheLimitFailsCleanlyAndTheExactStepRuns) {
+  ASSERT_EQ(kLimit, 2 * StateBytes() + 5 * kRegionBytes / 2);
+  // The reference: a session of the same tensors that only steps exactly.
+  auto ref = NewSession("cpu");
+  ASSERT_TRUE(ref->Register(HostSpec(*ref)).ok());
+  const std::unique_ptr<ShmSegment> ref_memory = std::move(shm_);
+  auto s = NewSession("cpu");
+  ASSERT_TRUE(s->Register(HostSpec(*s)).ok());
+  const uint64_t states = budget_.used();
+  ASSERT_EQ(states, 2 * StateBytes());
+
+  StepResult r = Step(*s, 1e-8, kStepDelayHost);
+  EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kResourceExhausted)) << r.message;
+  const std::string msg = r.message;
+  for (const std::string& part :
+       {std::string("this delayed step needs 31.25 KiB (32000 bytes) of host memory for the "
+                    "delayed update's capture buffers (4 more, 7.81 KiB each"),
+        std::string("of the daemon's 115.53 KiB limit is in use"),
+        std::string("raise dosd --host_memory_limit"), std::string("delay=0"),
+        std::string("this step applied nothing")}) {
+    EXPECT_NE(msg.find(part), std::string::npos) << part << " not in: " << msg;
+  }
+  // Nothing allocated or charged, nothing written, no step counted.
+  EXPECT_EQ(budget_.used(), states);
+  EXPECT_EQ(s->stats().failed_steps, 1u);
+  EXPECT_EQ(std::memcmp(shm_->data(), params_.data(), 4 * kTotal), 0);
+
+  // The exact step after it is the reference's first, bit for bit.
+  r = Step(*s);
+  ASSERT_EQ(r.status_code, 0) << r.message;
+  EXPECT_EQ(r.step, 1);
+  r = Step(*ref);
+  ASSERT_EQ(r.status_code, 0) << r.message;
+  EXPECT_NE(std::memcmp(shm_->data(), params_.data(), 4 * kTotal), 0);  // it did step
+  EXPECT_EQ(std::memcmp(shm_->data(), ref_memory->data(), 4 * kTotal), 0);
+  EXPECT_EQ(budget_.used(), states);  // an exact step needs no buffers
+  s->Stop();
+  ref->Stop();
+  std::unique_ptr<ShardState> got = s->TakeShard(), want = ref->TakeShard();
+  EXPECT_EQ(got->tensors()[0].step, 1);
+  EXPECT_EQ(StateOf(*got), StateOf(*want));
+}
+
+}  // namespace
+}  // namespace dos
