@@ -220,7 +220,7 @@ def main():
     ap.add_argument("--gpu-budget-gb", type=float, default=0,
                     help="--policy auto: each run lends dosd this much GPU memory (0: 90%% of "
                          "the GPU, shared evenly by the runs on it at once)")
-    ap.add_argument("--delay-warmup", type=int, default=20,
+    ap.add_argument("--delay-warmup", type=int, default=1000,
                     help="delayed runs: the first steps without the delay")
     ap.add_argument("--window", type=int, default=200, help="last steps whose mean is judged")
     ap.add_argument("--val-batches", type=int, default=25)

@@ -108,7 +108,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                  resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
                  gpu_budget_bytes=None, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
-                 differentiable: bool = False, delay: int = 0, delay_warmup: int = 20):
+                 differentiable: bool = False, delay: int = 0, delay_warmup: int = 1000):
         _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
         self._parts = None
