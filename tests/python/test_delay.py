@@ -21,14 +21,19 @@ from test_equivalence import assert_same, make_data, make_mlp  # noqa: E402
 STEPS = 60
 
 
-def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0):
+def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None):
     """The model's weights after each step of a delayed run (list index t:
     after step t) and the master weights after the last step. Elements from
     flat index `delayed_from` on (registration order) are delayed, the ones
-    before it (resident on the GPU) applied at once."""
+    before it (resident on the GPU) applied at once. `start`: (the model's
+    state_dict, torch AdamW's state_dict) to go on from, whole (a resume)."""
     model = make_mlp().to(device)
     master = make_mlp().to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=lr)
+    if start is not None:
+        model.load_state_dict(start[0])
+        master.load_state_dict(start[0])
+        opt.load_state_dict(start[1])
     masks, flat = [], 0
     for p in model.parameters():
         idx = torch.arange(flat, flat + p.numel(), device=device).view_as(p)
@@ -211,5 +216,63 @@ def test_per_layer_waits_on_the_cpu_path(dos_socket, subgroup_size):
             check(model, seen[t], t)
         opt.synchronize()
         assert_same(model, master, len(data))
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_framework_save_with_an_update_pending_resumes_whole(dos_socket, tmp_path, device):
+    """What a framework does at a checkpoint (the model's state_dict() and the
+    optimizer's, torch.save, then in a new optimizer load_state_dict of both)
+    with a delayed update pending: the saved weights and state are one whole
+    step, and the resumed run goes on as torch's AdamW one step late from
+    there. On CUDA half the subgroups are resident beside the delayed ones."""
+    data = make_data(n=12)
+    cuda = device == "cuda"
+    delayed_from = 900 if cuda else 0
+    seen, master = reference(data[:6], 0, device=device, delayed_from=delayed_from)
+    kw = dict(lr=1e-3, weight_decay=1e-2, socket=dos_socket, delay=1, delay_warmup=0,
+              subgroup_size=300)
+
+    def make(name):
+        model = make_mlp().to(device)
+        opt = dos.torch.AdamW(model.parameters(), client_name=name, model=model, **kw)
+        if cuda:
+            opt.set_policy("static:0.5")
+        return model, opt
+
+    def train(model, opt, batch):
+        for x, y in batch:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+
+    model, opt = make("pytest-delay-save")
+    try:
+        train(model, opt, data[:6])
+        assert opt.last_step["delayed_subgroups"] > 0
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    finally:
+        opt.close()
+    saved = torch.load(tmp_path / "ckpt.pt")
+    assert all(s["step"] == 6 for s in saved["opt"]["state"].values())
+    check_state = make_mlp().to(device)
+    check_state.load_state_dict(saved["model"])
+    assert_same(check_state, master, 6)  # whole: every weight is step 6's
+    # Resume in a new optimizer; the delay goes on from step 7.
+    seen, master = reference(data[6:], 0, device=device, delayed_from=delayed_from,
+                             start=(saved["model"], saved["opt"]))
+    model, opt = make("pytest-delay-resume")
+    try:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        for t, batch in enumerate(data[6:], 1):
+            train(model, opt, [batch])
+            assert opt.last_step["step"] == 6 + t
+            check(model, seen[t], 6 + t)
+        opt.synchronize()
+        assert_same(model, master, 12)
     finally:
         opt.close()
