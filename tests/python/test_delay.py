@@ -12,6 +12,8 @@ tolerance test_equivalence.py explains. Readers that must see whole steps
 the pending weights first; reports (last_step, found_inf) do not.
 """
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,7 +35,9 @@ def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None):
     if start is not None:
         model.load_state_dict(start[0])
         master.load_state_dict(start[0])
-        opt.load_state_dict(start[1])
+        # A copy: torch's AdamW keeps the loaded step tensors and counts them
+        # up in place (torch 2), which would change the caller's dict.
+        opt.load_state_dict(copy.deepcopy(start[1]))
     masks, flat = [], 0
     for p in model.parameters():
         idx = torch.arange(flat, flat + p.numel(), device=device).view_as(p)
