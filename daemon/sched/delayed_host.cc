@@ -54,7 +54,7 @@ absl::Status DelayedHost::Grow(uint64_t count, const AllocHostBuffer& alloc) {
   const uint64_t n = region_bytes_;
   if (budget_ != nullptr) {
     DOS_RETURN_IF_ERROR(budget_->Reserve(
-        count * n, "step: this delayed step",
+        count * n, "this delayed step",
         absl::StrCat("host memory for the delayed update's capture buffers (", count,
                      " more, ", FormatBytes(n), " each, one per delayed subgroup for its "
                      "gradients and new weights; ", regions_.size(), " held already)"),
@@ -66,7 +66,7 @@ absl::Status DelayedHost::Grow(uint64_t count, const AllocHostBuffer& alloc) {
     if (!buf.ok()) {
       if (budget_ != nullptr) budget_->Release((count - i) * n);  // the regions not made
       return absl::ResourceExhaustedError(absl::StrCat(
-          "step: the delayed host path needs ", n, " more bytes of host memory for a "
+          "the delayed host path needs ", n, " more bytes of host memory for a "
           "subgroup's gradients and weights (", regions_.size(), " regions held): ",
           buf.status().message(), "; run without delay (dos.torch: delay=0) or free host memory"));
     }

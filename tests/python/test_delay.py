@@ -280,3 +280,47 @@ def test_a_framework_save_with_an_update_pending_resumes_whole(dos_socket, tmp_p
         assert_same(model, master, 12)
     finally:
         opt.close()
+
+
+def test_a_delay_past_the_host_memory_limit_fails_cleanly():
+    """A dosd whose --host_memory_limit holds the state but not the delayed
+    update's capture buffers: the first delayed step raises
+    RESOURCE_EXHAUSTED naming the flag and delay=0, applies nothing (the
+    state and the weights stay the last exact step's), and the state moves
+    to an optimizer without the delay, which goes on."""
+    from conftest import running_dosd
+    from dos import DosError
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 65792 parameters: 0.79 MB of state
+    x, y = torch.randn(8, 256), torch.randn(8, 256)
+
+    def one_step(opt):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    with running_dosd("--host_memory_limit=1M") as (sock, _):
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=sock, model=model,
+                              client_name="pytest-delay-limit", delay=1, delay_warmup=1)
+        try:
+            one_step(opt)  # exact (the warm-up)
+            exact = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(DosError) as err:
+                one_step(opt)
+            text = str(err.value)
+            assert "RESOURCE_EXHAUSTED" in text or err.value.code.name == "RESOURCE_EXHAUSTED"
+            assert "--host_memory_limit" in text and "delay=0" in text, text
+            sd = opt.state_dict()
+            assert all(int(float(s["step"])) == 1 for s in sd["state"].values())
+            for p, q in zip(model.parameters(), exact):
+                assert torch.equal(p.detach(), q)
+        finally:
+            opt.close()
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=sock,
+                              client_name="pytest-delay-limit-exact")
+        try:
+            opt.load_state_dict(sd)
+            one_step(opt)
+            assert opt.last_step["step"] == 2
+        finally:
+            opt.close()
