@@ -3,8 +3,8 @@
 // within the structure test's file size): two CPU updaters (thread pools)
 // that every engine shares, the step's and the delayed update's, the host
 // engine of shared-memory sessions, and one GPU engine (streams, staging,
-// performance model) per device that --gpu_devices names, each injected into the ExecutorSet (sched/ depends on
-// no engine implementation).
+// performance model) per device that --gpu_devices names, each injected
+// into the ExecutorSet (sched/ depends on no engine implementation).
 //
 // Ownership: Engines owns all of them; it outlives the SessionManager that
 // uses executors(). Members are built in declaration order and destroyed in

@@ -4,7 +4,8 @@
 //
 // Ownership: owns nothing but pointers to the daemon's CPU updaters (the
 // step's, and the delayed update's: fewer threads, as it runs beside the
-// trainers' forward and backward), which outlive it. Thread-safety: thread-safe (the updater is).
+// trainers' forward and backward), which outlive it. Thread-safety:
+// thread-safe (the updaters are).
 #pragma once
 
 #include <memory>
