@@ -36,6 +36,9 @@ struct EnginesConfig {
   // forward and backward, whose launch threads need cores): > 0 that many;
   // 0 as `cpu`; -K `cpu`'s count less K (at least 1).
   int delayed_cpu_threads = -2;
+  // The delayed update starts after the step's result, not at its capture
+  // (PlannerOptions::delayed_start_at_result).
+  bool delayed_start_at_result = false;
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 2;         // GPU-path subgroups in flight

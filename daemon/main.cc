@@ -57,6 +57,11 @@ ABSL_FLAG(int, delayed_cpu_threads, -2,
           "Threads of the delayed update (clients with delay=1), which runs beside the "
           "trainers' forward and backward: N > 0 threads; 0 = as --cpu_threads; -K = "
           "--cpu_threads' count less K, leaving K cores to the trainers' launch threads.");
+ABSL_FLAG(std::string, delayed_update_start, "captured",
+          "When the delayed update (clients with delay=1) starts: captured = as soon as the "
+          "step has copied the gradients, beside the rest of its GPU path; result = once the "
+          "step's result is posted, so that the step's PCIe copies have host memory to "
+          "themselves.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -270,6 +275,12 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engines.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
   c.engines.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
   c.engines.delayed_cpu_threads = absl::GetFlag(FLAGS_delayed_cpu_threads);
+  const std::string start = absl::GetFlag(FLAGS_delayed_update_start);
+  if (start != "captured" && start != "result") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--delayed_update_start=", start, " is unknown; use captured or result"));
+  }
+  c.engines.delayed_start_at_result = start == "result";
   if (c.engines.cpu.threads < 0 || c.engines.cpu.tile_elems == 0) {
     return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
   }

@@ -27,6 +27,9 @@ bf16, activation checkpointing, random tokens) trained with
                       forward and backward (the GPU path's at once); delay_warmup=
                       --delay-warmup (2) undelayed steps first, which --warmup must exceed
   dos_auto_compact_delay  (optional) dos_auto_compact with delay=1
+  dos_auto_overlap_delay  (optional) dos_auto_overlap with delay=1: the step begins during
+                      backward, so that dosd plans it (and, with dosd --gpu_prefetch, loads
+                      the first streamed subgroups' state) before step()
   dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
   inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
   all_gpu             fp32 masters + torch.optim.AdamW(fused=True) on the GPU, clip 1.0
@@ -201,8 +204,8 @@ def child(args):
     if mode.startswith("dos"):
         import dos.torch
         hooks = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-        overlap = {"dos_auto_noclip": "update", "dos_auto_overlap": True}.get(mode, False) \
-            if hooks else False
+        overlap = {"dos_auto_noclip": "update", "dos_auto_overlap": True,
+                   "dos_auto_overlap_delay": True}.get(mode, False) if hooks else False
         # How the next forward waits for the update: per layer (model=, the
         # default here), behind the whole step on the stream ("wholestep"), or
         # on the host before step() returns ("sync": the pre-async behaviour).
@@ -220,7 +223,7 @@ def child(args):
                               # delay has no such arguments (main() checks).
                               **(dict(delay=delay, delay_warmup=args.delay_warmup)
                                  if delay else {}))
-        policy = "cpu" if mode.startswith("dos_cpu") else "auto"
+        policy = "cpu" if mode.startswith("dos_cpu") else args.dos_policy
         opt.set_policy(policy)
         res["note"] = f"dosd policy {policy}, next forward waits: {wait}" + \
             (", compact state" if compact else "") + \
@@ -228,7 +231,7 @@ def child(args):
              "still costs)" if delay else "") + \
             (f", overlap={overlap!r}" if overlap else "") + \
             (", no clipping" if clip == 0 else
-             ", clip via opt.clip_grad_norm_" if mode == "dos_auto_overlap" else "")
+             ", clip via opt.clip_grad_norm_" if overlap is True else "")
     elif mode == "inprocess_offload":
         from baselines import HybridOffloadAdamW
         opt = HybridOffloadAdamW(groups, **kw)
@@ -264,7 +267,7 @@ def child(args):
     def clip_grads():
         if clip <= 0:
             return
-        if mode == "dos_auto_overlap":
+        if mode in ("dos_auto_overlap", "dos_auto_overlap_delay"):
             opt.clip_grad_norm_(clip)  # the coefficient goes with step()
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -790,7 +793,10 @@ def main():
     ap.add_argument("--modes", default=",".join(ALL_MODES),
                     help="comma list of: " + ", ".join(ALL_MODES + [
                         "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync",
-                        "dos_auto_flag", "dos_auto_delay", "dos_auto_compact_delay"]))
+                        "dos_auto_flag", "dos_auto_delay", "dos_auto_compact_delay",
+                        "dos_auto_overlap_delay"]))
+    ap.add_argument("--dos-policy", default="auto",
+                    help="dosd policy of the dos_auto* modes (auto, static:<f>, ...)")
     ap.add_argument("--delay-warmup", type=int, default=2,
                     help="the delay modes' delay_warmup= (undelayed steps first); --warmup "
                          "must exceed it, so that every timed iteration waits for a delayed "

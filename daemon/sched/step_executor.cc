@@ -416,12 +416,15 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
     delayed->BeginCapture(plan.delayed, scalars);
     engine_sync.delayed = delayed;
     // Their update starts as soon as the engine captured the gradients,
-    // beside the rest of the step; the session joins it after the result.
-    engine_sync.delayed_captured = [this, &shard, delayed] {
-      delayed->worker = std::thread([this, &shard, delayed] {
-        delayed->worker_run = RunDelayedKernel(shard, *delayed);
-      });
-    };
+    // beside the rest of the step (the session joins it after the result),
+    // or, started at the result, when the session runs it.
+    if (!planner_.delayed_start_at_result()) {
+      engine_sync.delayed_captured = [this, &shard, delayed] {
+        delayed->worker = std::thread([this, &shard, delayed] {
+          delayed->worker_run = RunDelayedKernel(shard, *delayed);
+        });
+      };
+    }
   }
   absl::Status executed = engine_->Execute(plan, shard, bindings, scalars, engine_sync, &measured);
   if (!executed.ok()) {

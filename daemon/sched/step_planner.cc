@@ -325,7 +325,8 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
         in, 1.0, static_cast<double>(plan.streamed_params) - h,
         static_cast<double>(plan.resident_params), static_cast<double>(max_streamed));
     const double capture_s = GradCaptureSeconds(in, h);
-    if (h / rate > 0.9 * (window_us * 1e-6 + std::max(0.0, gpu_s - capture_s))) break;
+    const double beside_s = options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
+    if (h / rate > 0.9 * (window_us * 1e-6 + beside_s)) break;
     best = h;
   }
   return best + 0.5;
@@ -344,9 +345,9 @@ void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
   const double rate = DelayedRate(in);
   const double window_s = plan.window_us * 1e-6;
   // The update starts once the gradients are captured: it overlaps the rest
-  // of the GPU path, then the window.
-  const double overrun_s =
-      rate > 0 ? std::max(0.0, h / rate - window_s - std::max(0.0, gpu_s - capture_s)) : 0;
+  // of the GPU path, then the window (started at the result: the window).
+  const double beside_s = options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
+  const double overrun_s = rate > 0 ? std::max(0.0, h / rate - window_s - beside_s) : 0;
   plan.predicted_us = (std::max(gpu_s, capture_s) + overrun_s) * 1e6;
   plan.predicted_iter_us = plan.window_us + plan.predicted_us;
 }

@@ -81,6 +81,11 @@ struct PlannerOptions {
   // The engine casts CPU-path gradients to fp32 on the GPU before D2H
   // (--gpu_cpu_grad_fp32): 4 bytes per parameter cross PCIe, not 2.
   bool grad_fp32 = false;
+  // A delayed step's update starts once its result is posted (the session
+  // runs it then), not as soon as the gradients are captured: the step's
+  // GPU path then has host memory to itself, and the update has only the
+  // trainer's window (--delayed_update_start).
+  bool delayed_start_at_result = false;
   // The node's shared resources (host memory bandwidth, CPU cores) and this
   // engine's id there; null: the engine has the host to itself (the model's
   // own rates, as before).
@@ -154,6 +159,7 @@ class StepPlanner {
   void Learn(const StepPlan& plan, const StepMeasurements& measured) ABSL_LOCKS_EXCLUDED(mu_);
 
   const PlanBudgets& budgets() const { return options_.budgets; }
+  bool delayed_start_at_result() const { return options_.delayed_start_at_result; }
   NodeResources* node() const { return options_.node; }
   int node_engine() const { return options_.node_engine; }
   // The model's rates (with a node view, R_cpu and M_host are the node's).
