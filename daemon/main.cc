@@ -117,7 +117,8 @@ ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");
 ABSL_FLAG(std::string, session_memory_limit, "0",
-          "Cap on one session's optimizer state (12 bytes per parameter), e.g. 16G; 0 = none.");
+          "Cap on one session's optimizer state (12 bytes per parameter) and, with delay=1, "
+          "its delayed update's capture buffers, e.g. 16G; 0 = none.");
 ABSL_FLAG(std::string, group, "",
           "Group given the socket and the descriptor socket <socket>.fd beside it (with "
           "--socket_mode 0660: the trainers' group); empty: the daemon's own group.");

@@ -30,6 +30,7 @@ bf16, activation checkpointing, random tokens) trained with
   dos_auto_overlap_delay  (optional) dos_auto_overlap with delay=1: the step begins during
                       backward, so that dosd plans it (and, with dosd --gpu_prefetch, loads
                       the first streamed subgroups' state) before step()
+  dos_auto_compact_overlap_delay  (optional) the same with compact state
   dos_cpu             dos.torch.AdamW, dosd policy cpu, clip 1.0
   inprocess_offload   HybridDeviceOptimizer-style in-process CPU offload (baselines.py), clip 1.0
   all_gpu             fp32 masters + torch.optim.AdamW(fused=True) on the GPU, clip 1.0
@@ -204,8 +205,8 @@ def child(args):
     if mode.startswith("dos"):
         import dos.torch
         hooks = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-        overlap = {"dos_auto_noclip": "update", "dos_auto_overlap": True,
-                   "dos_auto_overlap_delay": True}.get(mode, False) if hooks else False
+        overlap = ("update" if mode == "dos_auto_noclip" else "_overlap" in mode) \
+            if hooks else False
         # How the next forward waits for the update: per layer (model=, the
         # default here), behind the whole step on the stream ("wholestep"), or
         # on the host before step() returns ("sync": the pre-async behaviour).
@@ -267,7 +268,7 @@ def child(args):
     def clip_grads():
         if clip <= 0:
             return
-        if mode in ("dos_auto_overlap", "dos_auto_overlap_delay"):
+        if "_overlap" in mode:
             opt.clip_grad_norm_(clip)  # the coefficient goes with step()
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -794,7 +795,7 @@ def main():
                     help="comma list of: " + ", ".join(ALL_MODES + [
                         "dos_auto_noclip_nooverlap", "dos_auto_wholestep", "dos_auto_sync",
                         "dos_auto_flag", "dos_auto_delay", "dos_auto_compact_delay",
-                        "dos_auto_overlap_delay"]))
+                        "dos_auto_overlap_delay", "dos_auto_compact_overlap_delay"]))
     ap.add_argument("--dos-policy", default="auto",
                     help="dosd policy of the dos_auto* modes (auto, static:<f>, ...)")
     ap.add_argument("--delay-warmup", type=int, default=2,

@@ -16,7 +16,12 @@ uint64_t MonotonicNs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget) : budget_(budget) {
+DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget,
+                         uint64_t session_limit)
+    : budget_(budget),
+      session_limit_(session_limit),
+      state_bytes_(ShardState::AllocatedBytes(shard.total_params(), shard.subgroup_size(),
+                                              shard.format())) {
   for (const TensorDesc& t : shard.tensors()) {
     grad_elem_ = std::max<uint64_t>(grad_elem_, DTypeSize(t.grad_dtype));
     weight_elem_ = std::max<uint64_t>(weight_elem_, DTypeSize(t.param_dtype));
@@ -52,6 +57,17 @@ absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
 absl::Status DelayedHost::Grow(uint64_t count, const AllocHostBuffer& alloc) {
   // Charged at once: a step refused here holds no more than before it.
   const uint64_t n = region_bytes_;
+  const uint64_t after = state_bytes_ + (regions_.size() + count) * n;
+  if (session_limit_ != 0 && after > session_limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this delayed step needs ", FormatBytes(count * n), " more host memory for the delayed "
+        "update's capture buffers (", count, " more, one per delayed subgroup, ",
+        regions_.size(), " held already); with the session's optimizer state (",
+        FormatBytes(state_bytes_), ") that is ", FormatBytes(after), ", past dosd's "
+        "--session_memory_limit of ", FormatBytes(session_limit_), ". Raise the limit, or run "
+        "without delay (dos.torch: delay=0), which needs no such buffers; this step applied "
+        "nothing"));
+  }
   if (budget_ != nullptr) {
     DOS_RETURN_IF_ERROR(budget_->Reserve(
         count * n, "this delayed step",

@@ -51,7 +51,9 @@ class DelayedHost {
  public:
   // `budget` (which must outlive this object): where the buffers are
   // charged, the shard's state's budget; null: nowhere (tests).
-  DelayedHost(const ShardState& shard, HostMemoryBudget* budget);
+  // `session_limit` (--session_memory_limit; 0: none): the session's cap on
+  // its state and these buffers together.
+  DelayedHost(const ShardState& shard, HostMemoryBudget* budget, uint64_t session_limit = 0);
   // Waits for an update still running (StepExecutor::UpdateDelayed joins it
   // first on every path; this only keeps a forgotten one from terminating).
   ~DelayedHost() {
@@ -64,8 +66,8 @@ class DelayedHost {
   // has none free), keeping the regions of those whose weights are pending.
   // The regions it allocates are charged to the budget all at once:
   // RESOURCE_EXHAUSTED, naming the bytes, the limit and the fix, when they
-  // would pass its limit (nothing allocated then) or `alloc` fails (host
-  // memory). No subgroup changes stage on failure: the step refused here
+  // would pass its limit or, with the shard's state, the session's limit
+  // (nothing allocated then), or `alloc` fails (host memory). No subgroup changes stage on failure: the step refused here
   // applied nothing, and a later one places again.
   absl::Status Place(std::span<const uint32_t> subgroups, const AllocHostBuffer& alloc);
 
@@ -130,6 +132,8 @@ class DelayedHost {
   HostBuffer Charged(HostBuffer buf) const;
 
   HostMemoryBudget* const budget_;
+  const uint64_t session_limit_;
+  uint64_t state_bytes_ = 0;  // the shard's state as charged (AllocatedBytes)
   uint64_t grad_elem_ = 2, weight_elem_ = 2, max_numel_ = 0, region_bytes_ = 0;
   std::vector<HostBuffer> regions_;
   std::vector<uint32_t> free_;            // region indices not in use

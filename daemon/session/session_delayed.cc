@@ -12,8 +12,9 @@ namespace dos {
 
 DelayedHost* Session::DelayedFor(StepKind kind) {
   if (delayed_ == nullptr && (kind.delays_host() || kind.finishes_delayed())) {
-    // Its buffers count against --host_memory_limit with the shard's state.
-    delayed_ = std::make_unique<DelayedHost>(*shard_, budget_);
+    // Its buffers count against --host_memory_limit and the session's
+    // --session_memory_limit with the shard's state.
+    delayed_ = std::make_unique<DelayedHost>(*shard_, budget_, options_.memory_limit);
   }
   return delayed_.get();
 }

@@ -99,5 +99,25 @@ TEST(DelayedHostTest, AFailedAllocationGivesBackTheRegionsNotMade) {
   EXPECT_EQ(budget.used(), state + 3 * kRegionBytes);
 }
 
+
+// --session_memory_limit covers the session's state and its buffers
+// together: a placement past it allocates nothing and says so.
+TEST(DelayedHostTest, APlacementPastTheSessionLimitAllocatesNothing) {
+  HostMemoryBudget budget{0};
+  auto shard = FourSubgroups(&budget);
+  const uint64_t state = budget.used();
+  CountingAlloc alloc;
+  DelayedHost delayed(*shard, &budget, state + kRegionBytes + kRegionBytes / 2);
+  const std::vector<uint32_t> two = {3, 2}, one = {3};
+  absl::Status st = delayed.Place(two, alloc.Fn());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("--session_memory_limit"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("delay=0"), absl::string_view::npos) << st;
+  EXPECT_EQ(alloc.calls, 0);
+  EXPECT_EQ(budget.used(), state);
+  ASSERT_TRUE(delayed.Place(one, alloc.Fn()).ok());
+  EXPECT_EQ(budget.used(), state + kRegionBytes);
+}
+
 }  // namespace
 }  // namespace dos

@@ -271,6 +271,29 @@ TEST(StepExecutorTest, ADelayedStepIsTheExactStepAppliedLate) {
   EXPECT_TRUE(delayed.pending().empty());
 }
 
+// --delayed_update_start=result: the step only captures; the update runs
+// when the session asks for it after the result, with the same outcome.
+TEST(StepExecutorTest, ADelayedUpdateStartedAtTheResultWaitsForTheSession) {
+  Fixture f, exact;
+  PlannerOptions at_result;
+  at_result.delayed_start_at_result = true;
+  StepExecutor ex(&f.engine, at_result), ex_exact(&exact.engine);
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  const std::vector<float> master0 = f.Master(1);
+  DelayedHost delayed(*f.shard, &f.budget);
+  const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, StepSync{}, 0, {},
+                     &delayed)
+                  .ok());
+  EXPECT_FALSE(delayed.worker.joinable());  // nothing started beside the step
+  EXPECT_EQ(f.Master(1), master0);
+  EXPECT_EQ(delayed.captured().size(), 5u);
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+}
+
 TEST(StepExecutorTest, AFinishRequestInstallsAndAppliesNothing) {
   Fixture f;
   StepExecutor ex(&f.engine);

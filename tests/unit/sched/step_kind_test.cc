@@ -137,6 +137,27 @@ TEST(StepKindTest, ADelayedPlanDelaysTheCpuSideWithinTheBudget) {
   EXPECT_TRUE(all.gpu_only.empty());
 }
 
+// --delayed_update_start=result: the update has only the window (not the
+// rest of the step's GPU path beside it), so the planner gives the host
+// path no more than when it starts at the capture, and all of it when the
+// window is long.
+TEST(StepKindTest, AnUpdateStartedAtTheResultHasOnlyTheWindow) {
+  PlannerOptions at_result = Gpu();
+  at_result.delayed_start_at_result = true;
+  StepPlanner captured(Gpu()), result(at_result);
+  const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
+  for (double window_us : {1.0, 10.0, 100.0, 1e3}) {
+    const StepPlan a = captured.Plan(P("auto"), Uniform(20), 0, delay, window_us);
+    const StepPlan b = result.Plan(P("auto"), Uniform(20), 0, delay, window_us);
+    EXPECT_LE(b.delayed_params, a.delayed_params) << window_us;
+    EXPECT_GE(b.predicted_iter_us, window_us) << window_us;
+  }
+  const StepPlan a = captured.Plan(P("auto"), Uniform(20), 0, delay, 1e9);
+  const StepPlan b = result.Plan(P("auto"), Uniform(20), 0, delay, 1e9);
+  EXPECT_EQ(b.delayed, a.delayed);
+  EXPECT_GT(b.delayed_params, 0u);
+}
+
 TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
   StepPlanner planner(Gpu());
   for (StepKind kind : {kSync, kVerdict}) {
