@@ -282,12 +282,14 @@ def test_a_framework_save_with_an_update_pending_resumes_whole(dos_socket, tmp_p
         opt.close()
 
 
-def test_a_delay_past_the_host_memory_limit_fails_cleanly():
-    """A dosd whose --host_memory_limit holds the state but not the delayed
-    update's capture buffers: the first delayed step raises
-    RESOURCE_EXHAUSTED naming the flag and delay=0, applies nothing (the
-    state and the weights stay the last exact step's), and the state moves
-    to an optimizer without the delay, which goes on."""
+@pytest.mark.parametrize("flag", ["--host_memory_limit", "--session_memory_limit"])
+def test_a_delay_past_the_host_memory_limit_fails_cleanly(flag):
+    """A dosd whose --host_memory_limit (or the session's
+    --session_memory_limit) holds the state but not the delayed update's
+    capture buffers: the first delayed step raises RESOURCE_EXHAUSTED
+    naming the flag and delay=0, applies nothing (the state and the weights
+    stay the last exact step's), and the state moves to an optimizer
+    without the delay, which goes on."""
     from conftest import running_dosd
     from dos import DosError
     torch.manual_seed(0)
@@ -299,7 +301,7 @@ def test_a_delay_past_the_host_memory_limit_fails_cleanly():
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    with running_dosd("--host_memory_limit=1M") as (sock, _):
+    with running_dosd(f"{flag}=1M") as (sock, _):
         opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=sock, model=model,
                               client_name="pytest-delay-limit", delay=1, delay_warmup=1)
         try:
@@ -309,7 +311,7 @@ def test_a_delay_past_the_host_memory_limit_fails_cleanly():
                 one_step(opt)
             text = str(err.value)
             assert "RESOURCE_EXHAUSTED" in text or err.value.code.name == "RESOURCE_EXHAUSTED"
-            assert "--host_memory_limit" in text and "delay=0" in text, text
+            assert flag in text and "delay=0" in text, text
             sd = opt.state_dict()
             assert all(int(float(s["step"])) == 1 for s in sd["state"].values())
             for p, q in zip(model.parameters(), exact):
