@@ -347,6 +347,13 @@ dos_status dos_set_step_delay(dos_session* session, uint32_t delay) {
   });
 }
 
+dos_status dos_step_gradients_rewritten(dos_session* session) {
+  return Guard("step_gradients_rewritten", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_gradients_rewritten"); !st.ok()) return st;
+    return session->impl->GradientsRewritten();
+  });
+}
+
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms) {
   return Guard("step_finish_delayed", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "step_finish_delayed"); !st.ok()) return st;

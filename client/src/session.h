@@ -134,6 +134,8 @@ class ClientSession {
            predicted_iter_us = 0;
   };
   absl::Status SetStepDelay(uint32_t delay);
+  // The verdict of the early step in flight carries kStepGradientsRewritten.
+  absl::Status GradientsRewritten();
   absl::Status FinishDelayed(void* stream, absl::Duration timeout);
   const DelayFigures& last_delay() const { return last_delay_; }
 
@@ -232,6 +234,7 @@ class ClientSession {
   double last_after_verdict_us_ = 0;
   uint64_t last_prefetched_bytes_ = 0;
   uint32_t delay_ = 0;          // SetStepDelay
+  bool rewritten_ = false;      // GradientsRewritten, for the next verdict
   bool finishing_ = false;      // the request in flight is a FinishDelayed
   DelayFigures last_delay_;
   // Marks subgroup `i` of the early step ready (on `stream` with stream sync).

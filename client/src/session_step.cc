@@ -87,6 +87,16 @@ absl::Status ClientSession::SetStepDelay(uint32_t delay) {
   return absl::OkStatus();
 }
 
+absl::Status ClientSession::GradientsRewritten() {
+  if (!step_.awaiting_gradients()) {
+    return absl::FailedPreconditionError(
+        "step_gradients_rewritten: no early step awaits its verdict; begin one with "
+        "dos_step_begin_early");
+  }
+  rewritten_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status ClientSession::FinishDelayed(void* stream, absl::Duration timeout) {
   DOS_RETURN_IF_ERROR(CheckBegin());
   if (control_->closed.load(std::memory_order_acquire) != 0) {
@@ -255,6 +265,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
       v.flags = kStepAbandon;
     } else {
       DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, tensors_.size(), &v));
+      if (rewritten_) v.flags |= kStepGradientsRewritten;
       if (device_sync_ != nullptr) {
         // Whatever the trainer did to the gradients after backward (an
         // in-place clip, a copy into the registered buffer) comes before
@@ -266,6 +277,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
     v.seq = seq_;
     step_channel_->PublishVerdict(seq_);
   }
+  rewritten_ = false;
   return step_.Go(args == nullptr ? StepEvent::kAbandon : StepEvent::kVerdict);
 }
 

@@ -51,13 +51,14 @@ absl::Status CopyDelayedHost(const ShardState& shard, std::span<const TensorBind
     const uint32_t sg = subgroups[i];
     const Subgroup& g = shard.subgroups()[sg];
     const bool install = !capture || delayed.installs(sg);
+    const bool grads = capture && !delayed.captured_early(sg);
     for (const SubgroupSegment& seg : g.segments) {
       const TensorDesc& t = tensors[seg.tensor];
       if (install) {
         std::memcpy(ElementAt(bindings[seg.tensor].param, t.param_dtype, seg.tensor_offset),
                     delayed.weight(sg, seg), seg.count * DTypeSize(t.param_dtype));
       }
-      if (capture) {
+      if (grads) {
         std::memcpy(delayed.grad(sg, seg),
                     ElementAt(bindings[seg.tensor].grad, t.grad_dtype, seg.tensor_offset),
                     seg.count * DTypeSize(t.grad_dtype));

@@ -23,8 +23,9 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
 // Copies between the trainer's memory (host-addressable: shared memory) and
 // `delayed`'s buffers: without `capture`, the pending weights of
 // `subgroups` into the trainer's parameters; with it, their gradients into
-// the buffers, after the weights of those the step installs
-// (DelayedHost::installs).
+// the buffers (but for those captured during backward already:
+// DelayedHost::captured_early), after the weights of those the step
+// installs (DelayedHost::installs).
 absl::Status CopyDelayedHost(const ShardState& shard, std::span<const TensorBinding> bindings,
                              const DelayedHost& delayed, std::span<const uint32_t> subgroups,
                              bool capture);

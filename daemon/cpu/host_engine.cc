@@ -130,6 +130,13 @@ absl::Status HostEngine::InstallDelayed(const ShardState& shard,
   return CopyDelayedHost(shard, bindings, delayed, subgroups, false);
 }
 
+absl::Status HostEngine::CaptureDelayed(const ShardState& shard,
+                                        std::span<const TensorBinding> bindings,
+                                        const DelayedHost& delayed,
+                                        std::span<const uint32_t> subgroups) {
+  return CopyDelayedHost(shard, bindings, delayed, subgroups, true);
+}
+
 absl::Status HostEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                                        double* kernel_us) {
   return cpu::UpdateDelayed(delayed_cpu_, shard, delayed, kernel_us);

@@ -3,6 +3,9 @@
 // outside a step, the CPU update after the result, and the window between
 // steps measured on the GPU.
 //
+// Captures of an early step during backward (CaptureDelayed) are the same
+// copies per subgroup, done before the verdict; the step's capture then
+// only marks those subgroups done.
 // A captured subgroup's copies: its pending weights H2D (when it has any)
 // and its gradients D2H, on the CPU path's two streams (both wait for the
 // trainer's event: WaitTrainerEvent), then "done" on the H2D stream once the
@@ -43,6 +46,22 @@ absl::Status QueueInstall(const ShardState& shard,
   return absl::OkStatus();
 }
 
+// The gradients of subgroup `sg` into `delayed`'s buffers.
+absl::Status QueueCapture(const ShardState& shard, std::span<const TensorBinding> bindings,
+                          const DelayedHost& delayed, uint32_t sg, cudaStream_t stream,
+                          uint64_t* bytes) {
+  for (const SubgroupSegment& seg : shard.subgroups()[sg].segments) {
+    const TensorDesc& t = shard.tensors()[seg.tensor];
+    const uint64_t n = seg.count * DTypeSize(t.grad_dtype);
+    DOS_RETURN_IF_ERROR(
+        CopyOn(delayed.grad(sg, seg),
+               cpu::ElementAt(bindings[seg.tensor].grad, t.grad_dtype, seg.tensor_offset), n,
+               cudaMemcpyDeviceToHost, stream));
+    *bytes += n;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<HostBuffer> GpuEngine::AllocStaging(uint64_t bytes) {
@@ -73,6 +92,27 @@ absl::Status GpuEngine::InstallDelayed(const ShardState& shard,
   return DOS_CUDA_STATUS(cudaStreamSynchronize(cpu_h2d_));
 }
 
+absl::Status GpuEngine::CaptureDelayed(const ShardState& shard,
+                                       std::span<const TensorBinding> bindings,
+                                       const DelayedHost& delayed,
+                                       std::span<const uint32_t> subgroups) {
+  // Backward still runs on the trainer's stream: the ready words it wrote
+  // after the gradients' kernels are what orders these copies after them.
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  uint64_t bytes = 0;
+  for (uint32_t sg : subgroups) {
+    if (delayed.installs(sg)) {
+      DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, cpu_h2d_, &bytes));
+    }
+    DOS_RETURN_IF_ERROR(QueueCapture(shard, bindings, delayed, sg, cpu_d2h_, &bytes));
+  }
+  for (cudaStream_t s : {cpu_h2d_, cpu_d2h_}) {
+    DOS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                                       double* kernel_us) {
   // The CPU kernel alone: no GPU work, so no engine lock (another session's
@@ -99,22 +139,15 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_in, cudaEventDisableTiming));
   absl::Status status;
   for (uint32_t sg : run.plan->delayed) {
-    const Subgroup& g = run.shard->subgroups()[sg];
     if (delayed.installs(sg)) {
       status = QueueInstall(*run.shard, run.bindings, delayed, sg, cpu_h2d_, &run.cpu_h2d);
       if (!status.ok()) break;
     }
-    for (const SubgroupSegment& seg : g.segments) {
-      const TensorDesc& t = run.shard->tensors()[seg.tensor];
-      const uint64_t n = seg.count * DTypeSize(t.grad_dtype);
-      status = CopyOn(delayed.grad(sg, seg),
-                      cpu::ElementAt(run.bindings[seg.tensor].grad, t.grad_dtype,
-                                     seg.tensor_offset),
-                      n, cudaMemcpyDeviceToHost, cpu_d2h_);
+    // Captured during backward already (an early step: EarlyCapture).
+    if (!delayed.captured_early(sg)) {
+      status = QueueCapture(*run.shard, run.bindings, delayed, sg, cpu_d2h_, &run.cpu_d2h);
       if (!status.ok()) break;
-      run.cpu_d2h += n;
     }
-    if (!status.ok()) break;
     status = DOS_CUDA_STATUS(cudaEventRecord(grads_in, cpu_d2h_));
     if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, grads_in, 0));
     if (status.ok()) status = EnqueueDone(run, &run.cpu_done_calls, sg, cpu_h2d_);

@@ -30,6 +30,7 @@ DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget,
   region_bytes_ = max_numel_ * (grad_elem_ + weight_elem_);
   region_of_.assign(shard.subgroups().size(), -1);
   state_.assign(shard.subgroups().size(), kNone);
+  early_.assign(shard.subgroups().size(), false);
 }
 
 absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
@@ -122,7 +123,19 @@ void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
   scalars_ = std::move(scalars);
 }
 
+void DelayedHost::BeginEarly(std::span<const uint32_t> subgroups) {
+  installs_.assign(state_.size(), false);
+  for (uint32_t sg : subgroups) installs_[sg] = state_[sg] == kPending;
+}
+
+void DelayedHost::EarlyCaptured(std::span<const uint32_t> subgroups) {
+  Installed(subgroups);
+  for (uint32_t sg : subgroups) early_[sg] = true;
+  installs_.clear();
+}
+
 void DelayedHost::Updated() {
+  DropEarly();
   for (uint32_t sg : captured_) state_[sg] = kPending;
   pending_.insert(pending_.end(), captured_.begin(), captured_.end());
   captured_.clear();

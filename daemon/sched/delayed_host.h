@@ -100,6 +100,18 @@ class DelayedHost {
   // After the weights of `subgroups` were installed.
   void Installed(std::span<const uint32_t> subgroups);
 
+  // An early delayed step's captures during backward (EarlyCapture):
+  // before the engine copies `subgroups` (Engine::CaptureDelayed), those
+  // whose weights are pending are marked to be installed (installs());
+  // after, they are installed and their gradients are in the buffers
+  // (captured_early()), which the step's own capture then skips. DropEarly
+  // forgets the gradients (a verdict that rewrote them, a step given up or
+  // skipped); Updated() forgets them too.
+  void BeginEarly(std::span<const uint32_t> subgroups);
+  void EarlyCaptured(std::span<const uint32_t> subgroups);
+  bool captured_early(uint32_t sg) const { return sg < early_.size() && early_[sg]; }
+  void DropEarly() { early_.assign(early_.size(), false); }
+
   // Bytes of host memory the regions hold.
   uint64_t bytes() const { return static_cast<uint64_t>(regions_.size()) * region_bytes_; }
 
@@ -111,6 +123,9 @@ class DelayedHost {
   double update_us = 0;
   double window_us = 0;
   int64_t resident_cap = -1;
+  // When the last early delayed step's verdict came (CLOCK_MONOTONIC; 0:
+  // none): that step's window ends there, not at its begin.
+  uint64_t verdict_ns = 0;
   // The update of the captured subgroups, when it started as soon as they
   // were captured (StepExecutor: while the step's GPU path still runs), and
   // what it reports (read after the join; update_us and update_end_ns keep
@@ -141,6 +156,7 @@ class DelayedHost {
   std::vector<Stage> state_;              // per subgroup
   std::vector<uint32_t> captured_, pending_;
   std::vector<bool> installs_;
+  std::vector<bool> early_;  // per subgroup: captured during backward
   std::vector<cpu::AdamScalars> scalars_;
 };
 

@@ -156,6 +156,15 @@ class Engine {
                                       std::span<const TensorBinding> bindings,
                                       const DelayedHost& delayed,
                                       std::span<const uint32_t> subgroups) = 0;
+  // An early delayed step's captures during backward (early_capture.h):
+  // for each of `subgroups`, whose ready words say backward is done with
+  // them, the pending weights into the trainer's memory when
+  // delayed.installs(sg) (DelayedHost::BeginEarly), then its gradients into
+  // `delayed`'s buffers; returns once they are in.
+  virtual absl::Status CaptureDelayed(const ShardState& shard,
+                                      std::span<const TensorBinding> bindings,
+                                      const DelayedHost& delayed,
+                                      std::span<const uint32_t> subgroups) = 0;
   // The CPU kernel over the captured subgroups of `delayed` with its
   // scalars: the shard's state of those subgroups becomes the step's and
   // their new weights go into `delayed`'s buffers. Adds the kernel's time

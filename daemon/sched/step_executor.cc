@@ -12,12 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "oneapi/tbb/blocked_range.h"
-#include "oneapi/tbb/parallel_for.h"
 #include "daemon/common/log.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "daemon/sched/early_capture.h"
 #include "dos/wire/hparams.h"
 #include "dos/wire/status_macros.h"
+#include "oneapi/tbb/blocked_range.h"
+#include "oneapi/tbb/parallel_for.h"
 
 namespace dos {
 namespace {
@@ -264,7 +265,8 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   StepRequest request = begun;
   absl::Time verdict_at = start;
   if (kind.awaits_verdict()) {
-    DOS_ASSIGN_OR_RETURN(request, AwaitFinalRequest(shard, await_verdict));
+    DOS_ASSIGN_OR_RETURN(
+        request, AwaitVerdictCapturing(plan, shard, bindings, kind, sync, await_verdict, delayed));
     verdict_at = absl::Now();
   }
   DOS_RETURN_IF_ERROR(WaitForTrainerEvent(request, sync));
@@ -279,7 +281,10 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     AddLease(session, &out);
   } else {
     out.found_inf = true;
-    if (delayed != nullptr) DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
+    if (delayed != nullptr) {
+      delayed->DropEarly();  // gradients of a step that applies nothing
+      DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
+    }
   }
   out.window_us = plan.window_us;
   out.predicted_iter_us = plan.predicted_iter_us;
@@ -356,6 +361,32 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
   // now; a failed kernel (none can fail but a bad plan) is the step's error.
   delayed.Updated();
   return st;
+}
+
+absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
+    const StepPlan& plan, const ShardState& shard, std::span<const TensorBinding> bindings,
+    StepKind kind, const StepSync& sync, const AwaitVerdict& await_verdict, DelayedHost* delayed) {
+  // A delayed step copies its delayed subgroups as backward finishes each
+  // (early_capture.h). Buffers it cannot place now are placed (or refused,
+  // with the step's error) after the verdict, as for any delayed step.
+  std::optional<EarlyCapture> early;
+  if (kind.delays_host() && delayed != nullptr && !plan.delayed.empty() &&
+      delayed->Place(plan.delayed, [this](uint64_t bytes) { return engine_->AllocStaging(bytes); })
+          .ok()) {
+    early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed);
+  }
+  absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
+  if (delayed != nullptr) delayed->verdict_ns = MonotonicNs();
+  if (!early.has_value()) return request;
+  const absl::Status copied = early->Stop();
+  if (!copied.ok()) {
+    DOS_LOG_WARNING("step.early_capture_failed", "error", copied.message(), "then",
+                    "the step copies the gradients after its verdict");
+  }
+  // Gradients written after their ready marks are copied again; those of a
+  // step given up are never read.
+  if (!request.ok() || (request->flags & kStepGradientsRewritten)) delayed->DropEarly();
+  return request;
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,

@@ -172,6 +172,13 @@ class StepExecutor {
                                        DelayedHost* delayed);
   absl::StatusOr<StepRequest> AwaitFinalRequest(const ShardState& shard,
                                                 const AwaitVerdict& await_verdict);
+  // AwaitFinalRequest for an early step; a delayed one captures its delayed
+  // subgroups meanwhile (EarlyCapture).
+  absl::StatusOr<StepRequest> AwaitVerdictCapturing(const StepPlan& plan, const ShardState& shard,
+                                                    std::span<const TensorBinding> bindings,
+                                                    StepKind kind, const StepSync& sync,
+                                                    const AwaitVerdict& await_verdict,
+                                                    DelayedHost* delayed);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,

@@ -10,7 +10,7 @@ namespace {
 constexpr uint32_t kKnownStepFlags = kStepGradientsChecked | kStepTrainerEventRecorded |
                                      kStepGpuLease | kStepGradientsPending | kStepNoVerdict |
                                      kStepAbandon | kStepSkipTensors | kStepDelayHost |
-                                     kStepFinishDelayed;
+                                     kStepFinishDelayed | kStepGradientsRewritten;
 
 // The delay of a request with `flags` whose gradients are `gradients`.
 absl::StatusOr<StepKind::Delay> DecodeDelay(uint32_t flags, StepKind::Gradients gradients) {
@@ -54,6 +54,11 @@ absl::StatusOr<StepKind> StepKind::Decode(uint32_t flags, bool stream_ordered) {
     return absl::InvalidArgumentError(
         "step: request flags carry kStepAbandon, which only a verdict may carry (an early "
         "step's verdict gives the step up); clear it");
+  }
+  if (flags & kStepGradientsRewritten) {
+    return absl::InvalidArgumentError(
+        "step: request flags carry kStepGradientsRewritten, which only a verdict may carry "
+        "(gradients written after their ready marks); clear it");
   }
   const bool pending = (flags & kStepGradientsPending) != 0;
   const bool no_verdict = (flags & kStepNoVerdict) != 0;

@@ -21,6 +21,9 @@ DelayedHost* Session::DelayedFor(StepKind kind) {
 
 void Session::NoteWindow(const StepRequest& request) {
   if (delayed_ == nullptr || request.ring_ns <= last_post_ns_ || last_post_ns_ == 0) return;
+  // An early step rings during backward: its window ends at its verdict
+  // (AddDelayFigures).
+  if (request.flags & kStepGradientsPending) return;
   // The host's view (the trainer rang after its forward and backward): what
   // engines that measure on the GPU replace (AddDelayFigures).
   const double sample = static_cast<double>(request.ring_ns - last_post_ns_) * 1e-3;
@@ -29,6 +32,11 @@ void Session::NoteWindow(const StepRequest& request) {
 
 void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
   if (delayed_ == nullptr) return;
+  if (out->early && last_post_ns_ != 0 && delayed_->verdict_ns > last_post_ns_) {
+    // An early step's window: from the last result to its verdict (the GPU
+    // and the ring see only its begin, during backward).
+    out->measured_window_us = static_cast<double>(delayed_->verdict_ns - last_post_ns_) * 1e-3;
+  }
   if (out->measured_window_us > 0) {  // the GPU's view, for the next plan
     delayed_->window_us = delayed_->window_us > 0
                               ? 0.5 * delayed_->window_us + 0.5 * out->measured_window_us

@@ -23,12 +23,13 @@ from test_equivalence import assert_same, make_data, make_mlp  # noqa: E402
 STEPS = 60
 
 
-def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None):
+def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None, grad_mul=1.0):
     """The model's weights after each step of a delayed run (list index t:
     after step t) and the master weights after the last step. Elements from
     flat index `delayed_from` on (registration order) are delayed, the ones
     before it (resident on the GPU) applied at once. `start`: (the model's
-    state_dict, torch AdamW's state_dict) to go on from, whole (a resume)."""
+    state_dict, torch AdamW's state_dict) to go on from, whole (a resume).
+    `grad_mul`: the gradients are multiplied by it after backward."""
     model = make_mlp().to(device)
     master = make_mlp().to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=lr)
@@ -48,7 +49,7 @@ def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         for p, q in zip(master.parameters(), model.parameters()):
-            p.grad = q.grad.clone()
+            p.grad = q.grad.clone() * grad_mul if grad_mul != 1.0 else q.grad.clone()
         before = [p.detach().clone() for p in master.parameters()]
         opt.step()
         # After a delayed step t the delayed elements hold step t-1's weights
@@ -116,6 +117,52 @@ def test_delayed_steps_are_adamw_one_step_late(dos_socket, warmup, subgroup_size
     finally:
         opt.close()
     assert_same(model, master, STEPS)
+
+
+HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+@pytest.mark.skipif(not HOOKS, reason="overlap=True needs torch >= 2.1 "
+                    "(register_post_accumulate_grad_hook)")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_mul", [1.0, 0.5])
+def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, device,
+                                                                    grad_mul):
+    """overlap=True with delay=1 (protocol 8): dosd copies each delayed
+    subgroup's gradients once backward marks it ready; gradients written in
+    place after that (halved here, as an in-place clip or unscale would) are
+    copied again at the verdict. Either way the run is torch's AdamW one step
+    late on the gradients step() saw."""
+    steps = 20
+    data = make_data(n=steps)
+    seen, master = reference(data, 2, device=device, grad_mul=grad_mul)
+    model = make_mlp().to(device)
+    cuda = device == "cuda"
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=dos_socket,
+                          client_name="pytest-delay-early", model=model, delay=1,
+                          delay_warmup=2, overlap=True, subgroup_size=300,
+                          **({"gpu_budget_bytes": 0} if cuda else {}))
+    if cuda:
+        opt.set_policy("cpu")
+    try:
+        for t, (x, y) in enumerate(data, 1):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            if grad_mul != 1.0:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.grad.mul_(grad_mul)
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            last = opt.last_step
+            assert last["step"] == t
+            assert (last["delayed_subgroups"] > 0) == (t > 2), (t, last)
+            check(model, seen[t], t)
+        opt.synchronize()
+        assert_same(model, master, steps)
+    finally:
+        opt.close()
 
 
 def test_readers_see_whole_steps(dos_socket, tmp_path):

@@ -16,6 +16,7 @@ namespace {
 
 constexpr int kInvalidArgument = 3;
 constexpr int kDeadlineExceeded = 4;
+constexpr int kResourceExhausted = 8;
 
 std::vector<std::string> MemArgv(const std::string& socket, std::vector<std::string> ops) {
   return ClientArgv(DOS_MEM_CLIENT_PATH, socket, std::move(ops));
@@ -107,6 +108,46 @@ TEST(Hostile, AnEarlyStepWithoutItsVerdictNeitherHangsDosdNorHoldsUpAnotherUser)
                       30000))
       << d->log().substr(0, 4000);
   EXPECT_NE(d->log().find("is gone while dosd waited for the step's verdict"), std::string::npos)
+      << d->log().substr(0, 4000);
+  a.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
+// The delayed host path (kStepDelayHost) under several accounts: a user
+// whose capture buffers would pass --session_memory_limit is refused naming
+// the flag and applies nothing (its next exact step is its first), a user
+// killed with a delayed update pending is reaped, and a third user's plain
+// steps run beside what is left; dosd then stops cleanly.
+TEST(Hostile, DelayedStepsUnderSeveralAccountsAreIsolated) {
+  DOS_SECURITY_REQUIRE();
+  // 4M bf16 parameters: 48 MB of state plus 16 MB of capture buffers.
+  auto d = SecureDaemon({"--session_memory_limit=60M"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::string delayed = "raw_step:field=flags,value=128";  // kStepDelayHost
+  UserProcess a(User("dos-sec-a"),
+                MemArgv(d->socket(), {"attach", "register:numel=4000000", delayed, "raw_step"}));
+  UserProcess b(User("dos-sec-b"), MemArgv(d->socket(), {"attach", "register:numel=4096", delayed,
+                                                         delayed, delayed, "wait"}));
+  const std::string refused = a.Await("raw_step", 60000);
+  EXPECT_EQ(Code(refused), kResourceExhausted) << refused << a.output();
+  EXPECT_NE(refused.find("--session_memory_limit"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("delay=0"), std::string::npos) << refused;
+  const std::string exact = a.Await("raw_step", 60000);
+  EXPECT_EQ(Code(exact), 0) << exact;
+  EXPECT_EQ(Field(exact, "step"), "1") << exact;  // the refused step applied nothing
+  for (int i = 1; i <= 3; ++i) {
+    const std::string line = b.Await("raw_step", 60000);
+    EXPECT_EQ(Code(line), 0) << line << b.output();
+    EXPECT_EQ(Field(line, "step"), std::to_string(i)) << line;
+  }
+  ASSERT_EQ(Code(b.Await("wait")), 0) << b.output();
+  b.Kill();  // its last step's update ran after the result; nothing installed it
+  UserProcess e(User("dos-sec-e"),
+                MemArgv(d->socket(), {"attach", "register:numel=4096", "step:n=20"}));
+  const std::string other = e.Finish(60000);
+  EXPECT_NE(other.find("OK step step=20"), std::string::npos) << other;
+  EXPECT_TRUE(
+      WaitFor([&] { return d->log().find("session.client_gone") != std::string::npos; }, 30000))
       << d->log().substr(0, 4000);
   a.Finish();
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);

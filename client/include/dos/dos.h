@@ -334,6 +334,13 @@ dos_status dos_last_step_early(const dos_session* session, int32_t* early,
  * Added within API version 1 (look them up with dlsym to run with an older
  * libdos_client). */
 dos_status dos_set_step_delay(dos_session* session, uint32_t delay);
+/* An early step of a delayed session (protocol 8) has dosd copy each
+ * delayed subgroup's gradients once it is marked ready, during backward.
+ * Call this before dos_step_verdict when a gradient was written after its
+ * subgroup was marked ready (an in-place clip or unscale, DDP's average):
+ * the verdict then has dosd copy them again. Only for the early step in
+ * flight; the next verdict goes without it. */
+dos_status dos_step_gradients_rewritten(dos_session* session);
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms);
 dos_status dos_last_step_delay(const dos_session* session, uint32_t* delayed_subgroups,
                                uint64_t* delayed_params, double* delayed_update_us,

@@ -194,6 +194,9 @@ class EarlyDriver:
         self.ready.add(e.index)
         self.ready_log.append((e.index, now - self._ready_t0))
         if self._take_gradient(e):
+            # What dosd may copy from now on (a delayed step copies it during
+            # backward): a later write shows in the version (the verdict).
+            e.ready_version = e.grad_shm._version
             self._mark(e)
 
     def _take_gradient(self, e) -> bool:
@@ -264,8 +267,16 @@ class VerdictDriver(EarlyDriver):
         except BaseException:
             self._give_up()
             raise
-        self._flight.verdict(args, self.inner.stream())
+        self._flight.verdict(args, self.inner.stream(), rewritten=self._rewritten())
         return True
+
+    def _rewritten(self) -> bool:
+        """A gradient written since its subgroup was marked ready (an
+        in-place clip or unscale, DDP's average, a replaced gradient copied
+        in by bind()): dosd must not keep what it copied during backward."""
+        return any(e.index in self.ready and
+                   e.grad_shm._version != e.ready_version
+                   for e in self._reg.entries)
 
     def _second_backward(self, e) -> None:
         # Gradient accumulation with a verdict: dosd reads the gradients only

@@ -103,9 +103,13 @@ class Flight:
     def claim(self) -> None:
         self.machine.claim()
 
-    def verdict(self, args, stream) -> None:
+    def verdict(self, args, stream, rewritten: bool = False) -> None:
         """The verdict on the claimed early step (None: its begin-time
-        hyperparameters, overlap="update")."""
+        hyperparameters, overlap="update"); `rewritten`: a gradient was
+        written after its subgroup was marked ready (dosd copies the delayed
+        subgroups' gradients again)."""
+        if rewritten:
+            call("dos_step_gradients_rewritten", self._session)
         call("dos_step_verdict", self._session, None if args is None else ctypes.byref(args),
              stream)
 

@@ -180,6 +180,7 @@ SIGNATURES = {
                                  ctypes.POINTER(ctypes.c_uint64)]),
     "dos_set_step_delay": (_S, [_P, ctypes.c_uint32]),
     "dos_step_finish_delayed": (_S, [_P, _P, ctypes.c_int64]),
+    "dos_step_gradients_rewritten": (_S, [_P]),
     "dos_last_step_delay": (_S, [_P, ctypes.POINTER(ctypes.c_uint32),
                                  ctypes.POINTER(ctypes.c_uint64)] +
                             [ctypes.POINTER(ctypes.c_double)] * 5),

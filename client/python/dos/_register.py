@@ -55,7 +55,8 @@ class Entry:
     # gradient since (zero_version: grad_shm's version counter when zeroed;
     # DDP writes the averaged gradient of a parameter this rank did not use).
     __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
-                 "copy_out", "copy_grad", "grad_none", "zero_version", "__weakref__")
+                 "copy_out", "copy_grad", "grad_none", "zero_version", "ready_version",
+                 "__weakref__")
 
     def __init__(self, param, name, index, group):
         self.param = param
@@ -69,6 +70,9 @@ class Entry:
         self.copy_grad = False
         self.grad_none = param.grad is None
         self.zero_version = -1
+        # grad_shm's version when its subgroup was last marked ready (an
+        # early step: dos/_early.py); -1: not since registration.
+        self.ready_version = -1
 
 
 def _state_what(entries, compact=False) -> str:

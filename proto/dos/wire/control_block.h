@@ -96,8 +96,9 @@ namespace dos {
 
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
 // 4: the GPU lease; 5: early steps; 6: tensors without a gradient (skip mask);
-// 7: the delayed host path (kStepDelayHost, kStepFinishDelayed, ring_ns)
-inline constexpr uint32_t kProtocolVersion = 7;
+// 7: the delayed host path (kStepDelayHost, kStepFinishDelayed, ring_ns);
+// 8: delayed captures during backward (kStepGradientsRewritten)
+inline constexpr uint32_t kProtocolVersion = 8;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -132,6 +133,11 @@ enum StepFlags : uint32_t {
   // (below), then posts the result. Only with kStepTrainerEventRecorded and
   // kStepGpuLease beside it.
   kStepFinishDelayed = 1u << 8,
+  // In a verdict of an early delayed step (protocol 8, below): a gradient
+  // was written after its subgroup was marked ready (an in-place clip, an
+  // unscale, DDP's average); the daemon copies the delayed subgroups'
+  // gradients again after the verdict.
+  kStepGradientsRewritten = 1u << 9,
 };
 
 // The delayed host path (kStepDelayHost): in such a step the daemon updates
@@ -146,7 +152,15 @@ enum StepFlags : uint32_t {
 // anything else touches them, so a forward after step t sees the weights of
 // step t-1 for the subgroups step t delayed and of step t for the others.
 // kStepFinishDelayed installs them without a step (for readers that must see
-// whole steps). The daemon's own state (state reads, checkpoints, crash
+// whole steps).
+// An early delayed step (kStepGradientsPending with kStepDelayHost, protocol
+// 8) copies each delayed subgroup's gradients into host memory as soon as
+// its ready word says they are final, installing its pending weights first
+// (backward no longer reads them), while backward still runs: only what
+// does not depend on the verdict, and nothing a trainer reads before its
+// next forward. A verdict with kStepGradientsRewritten has them copied
+// again; an abandoned step drops them (the weights installed stay: they are
+// the last step's). The daemon's own state (state reads, checkpoints, crash
 // survival) is never half a step: nothing reads it before the delayed update
 // is complete.
 

@@ -349,6 +349,13 @@ absl::Status FakeEngine::InstallDelayed(const ShardState& shard,
   return cpu::CopyDelayedHost(shard, bindings, delayed, subgroups, false);
 }
 
+absl::Status FakeEngine::CaptureDelayed(const ShardState& shard,
+                                        std::span<const TensorBinding> bindings,
+                                        const DelayedHost& delayed,
+                                        std::span<const uint32_t> subgroups) {
+  return cpu::CopyDelayedHost(shard, bindings, delayed, subgroups, true);
+}
+
 absl::Status FakeEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                                        double* kernel_us) {
   return cpu::UpdateDelayed(&cpu_, shard, delayed, kernel_us);

@@ -93,6 +93,9 @@ class FakeEngine final : public Engine {
   absl::Status InstallDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
                               const DelayedHost& delayed,
                               std::span<const uint32_t> subgroups) override;
+  absl::Status CaptureDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
+                              const DelayedHost& delayed,
+                              std::span<const uint32_t> subgroups) override;
   absl::Status UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                              double* kernel_us) override;
   // Resident copies held now, all shards (bytes).

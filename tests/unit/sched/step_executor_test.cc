@@ -11,8 +11,9 @@
 #include <memory>
 #include <vector>
 
-#include "daemon/cpu/adam_reference.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/cpu/adam_reference.h"
 #include "daemon/cpu/host_engine.h"
 
 namespace dos {
@@ -292,6 +293,87 @@ TEST(StepExecutorTest, ADelayedUpdateStartedAtTheResultWaitsForTheSession) {
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
   ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
   EXPECT_EQ(f.params, exact.params);
+}
+
+// An early delayed step (protocol 8): the executor copies the delayed
+// subgroups' gradients as their ready words come, before the verdict; a
+// write to the gradients after that is not seen unless the verdict says
+// so (kStepGradientsRewritten), and then the step copies them again.
+void EarlyDelayedStep(bool rewritten) {
+  Fixture f, exact;
+  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  const float scale = rewritten ? 0.5f : 1.0f;
+  for (std::vector<float>& g : exact.grads) {
+    for (float& x : g) x *= scale;
+  }
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  DelayedHost delayed(*f.shard, &f.budget);
+  StepSync sync;
+  sync.is_ready = [](uint32_t) { return true; };
+  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    // Backward is over (every ready word stored): wait for the captures,
+    // then write the gradients as an in-place clip would.
+    for (int i = 0; i < 5000; ++i) {
+      bool all = true;
+      for (uint32_t sg = 0; sg < 5; ++sg) all = all && delayed.captured_early(sg);
+      if (all) break;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    for (uint32_t sg = 0; sg < 5; ++sg) EXPECT_TRUE(delayed.captured_early(sg)) << sg;
+    for (std::vector<float>& g : f.grads) {
+      for (float& x : g) x *= scale;
+    }
+    if (!rewritten) {
+      for (std::vector<float>& g : f.grads) std::fill(g.begin(), g.end(), 1e3f);
+    }
+    StepRequest r = Fixture::Request();
+    if (rewritten) r.flags |= kStepGradientsRewritten;
+    return r;
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, &delayed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->delayed_subgroups, 5u);
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+  EXPECT_GT(delayed.verdict_ns, 0u);
+}
+
+TEST(StepExecutorTest, AnEarlyDelayedStepCopiesTheGradientsBeforeItsVerdict) {
+  EarlyDelayedStep(false);
+}
+
+TEST(StepExecutorTest, AVerdictThatRewroteTheGradientsHasThemCopiedAgain) {
+  EarlyDelayedStep(true);
+}
+
+// A step given up at its verdict drops what it copied: the next step reads
+// its own gradients.
+TEST(StepExecutorTest, AnAbandonedEarlyDelayedStepKeepsNoCapture) {
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  DelayedHost delayed(*f.shard, &f.budget);
+  StepSync sync;
+  sync.is_ready = [](uint32_t) { return true; };
+  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  const AwaitVerdict abandon = [&]() -> absl::StatusOr<StepRequest> {
+    for (int i = 0; i < 5000 && !delayed.captured_early(4); ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    StepRequest r{};
+    r.flags = kStepAbandon;
+    return r;
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, abandon, &delayed);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kAborted) << out.status();
+  for (uint32_t sg = 0; sg < 5; ++sg) EXPECT_FALSE(delayed.captured_early(sg)) << sg;
+  EXPECT_TRUE(delayed.captured().empty());
 }
 
 TEST(StepExecutorTest, AFinishRequestInstallsAndAppliesNothing) {
