@@ -30,7 +30,8 @@ DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget,
   region_bytes_ = max_numel_ * (grad_elem_ + weight_elem_);
   region_of_.assign(shard.subgroups().size(), -1);
   state_.assign(shard.subgroups().size(), kNone);
-  early_.assign(shard.subgroups().size(), false);
+  early_ = std::make_unique<std::atomic<bool>[]>(shard.subgroups().size());
+  DropEarly();
 }
 
 absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
@@ -130,8 +131,12 @@ void DelayedHost::BeginEarly(std::span<const uint32_t> subgroups) {
 
 void DelayedHost::EarlyCaptured(std::span<const uint32_t> subgroups) {
   Installed(subgroups);
-  for (uint32_t sg : subgroups) early_[sg] = true;
+  for (uint32_t sg : subgroups) early_[sg].store(true, std::memory_order_release);
   installs_.clear();
+}
+
+void DelayedHost::DropEarly() {
+  for (size_t sg = 0; sg < state_.size(); ++sg) early_[sg].store(false, std::memory_order_relaxed);
 }
 
 void DelayedHost::Updated() {

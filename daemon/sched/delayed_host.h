@@ -25,6 +25,7 @@
 // Thread-safety: none; the session's step lock guards it.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -109,8 +110,11 @@ class DelayedHost {
   // skipped); Updated() forgets them too.
   void BeginEarly(std::span<const uint32_t> subgroups);
   void EarlyCaptured(std::span<const uint32_t> subgroups);
-  bool captured_early(uint32_t sg) const { return sg < early_.size() && early_[sg]; }
-  void DropEarly() { early_.assign(early_.size(), false); }
+  // (Atomic: a thread may ask while EarlyCapture's marks them.)
+  bool captured_early(uint32_t sg) const {
+    return sg < state_.size() && early_[sg].load(std::memory_order_acquire);
+  }
+  void DropEarly();
 
   // Bytes of host memory the regions hold.
   uint64_t bytes() const { return static_cast<uint64_t>(regions_.size()) * region_bytes_; }
@@ -156,7 +160,7 @@ class DelayedHost {
   std::vector<Stage> state_;              // per subgroup
   std::vector<uint32_t> captured_, pending_;
   std::vector<bool> installs_;
-  std::vector<bool> early_;  // per subgroup: captured during backward
+  std::unique_ptr<std::atomic<bool>[]> early_;  // per subgroup: captured during backward
   std::vector<cpu::AdamScalars> scalars_;
 };
 

@@ -103,6 +103,11 @@ TEST(StepKindTest, DecodesTheDelay) {
   ASSERT_TRUE(k.ok()) << k.status();
   EXPECT_TRUE(k->finishes_delayed());
   EXPECT_FALSE(StepKind::Decode(0, false)->delays_host());
+  // Only a verdict says its gradients were rewritten (protocol 8).
+  EXPECT_TRUE(CheckStepFlags(kStepGradientsRewritten | kStepDelayHost, "verdict").ok());
+  k = StepKind::Decode(kStepDelayHost | kStepGradientsRewritten, true);
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(k.status().message().find("only a verdict"), std::string::npos) << k.status();
   // An early step without a verdict updates during backward already.
   k = StepKind::Decode(kStepDelayHost | kStepGradientsPending | kStepNoVerdict |
                            kStepGradientsChecked, true);
