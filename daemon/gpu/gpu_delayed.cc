@@ -79,17 +79,32 @@ absl::StatusOr<HostBuffer> GpuEngine::AllocStaging(uint64_t bytes) {
   });
 }
 
-absl::Status GpuEngine::InstallDelayed(const ShardState& shard,
-                                       std::span<const TensorBinding> bindings,
-                                       const DelayedHost& delayed,
-                                       std::span<const uint32_t> subgroups) {
+absl::Status GpuEngine::CopyDelayed(const ShardState& shard,
+                                    std::span<const TensorBinding> bindings,
+                                    const DelayedHost& delayed, std::span<const uint32_t> subgroups,
+                                    bool capture) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   uint64_t bytes = 0;
   for (uint32_t sg : subgroups) {
-    DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, cpu_h2d_, &bytes));
+    if (!capture || delayed.installs(sg)) {
+      DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, cpu_h2d_, &bytes));
+    }
+    if (capture) {
+      DOS_RETURN_IF_ERROR(QueueCapture(shard, bindings, delayed, sg, cpu_d2h_, &bytes));
+    }
   }
-  return DOS_CUDA_STATUS(cudaStreamSynchronize(cpu_h2d_));
+  for (cudaStream_t s : {cpu_h2d_, cpu_d2h_}) {
+    DOS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuEngine::InstallDelayed(const ShardState& shard,
+                                       std::span<const TensorBinding> bindings,
+                                       const DelayedHost& delayed,
+                                       std::span<const uint32_t> subgroups) {
+  return CopyDelayed(shard, bindings, delayed, subgroups, false);
 }
 
 absl::Status GpuEngine::CaptureDelayed(const ShardState& shard,
@@ -98,19 +113,7 @@ absl::Status GpuEngine::CaptureDelayed(const ShardState& shard,
                                        std::span<const uint32_t> subgroups) {
   // Backward still runs on the trainer's stream: the ready words it wrote
   // after the gradients' kernels are what orders these copies after them.
-  absl::MutexLock lock(&step_mu_);
-  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  uint64_t bytes = 0;
-  for (uint32_t sg : subgroups) {
-    if (delayed.installs(sg)) {
-      DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, cpu_h2d_, &bytes));
-    }
-    DOS_RETURN_IF_ERROR(QueueCapture(shard, bindings, delayed, sg, cpu_d2h_, &bytes));
-  }
-  for (cudaStream_t s : {cpu_h2d_, cpu_d2h_}) {
-    DOS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
-  }
-  return absl::OkStatus();
+  return CopyDelayed(shard, bindings, delayed, subgroups, true);
 }
 
 absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,

@@ -136,6 +136,12 @@ class GpuEngine final : public Engine {
   absl::Status GpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status StreamSubgroups(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   absl::Status CpuLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // InstallDelayed (`capture` false: the pending weights of `subgroups`)
+  // and CaptureDelayed (true: those delayed.installs() names, then every
+  // one's gradients), on the CPU path's streams; returns once they are in.
+  absl::Status CopyDelayed(const ShardState& shard, std::span<const TensorBinding> bindings,
+                           const DelayedHost& delayed, std::span<const uint32_t> subgroups,
+                           bool capture) ABSL_LOCKS_EXCLUDED(step_mu_);
   // A delayed step's CPU side: the delayed subgroups' pending weights H2D
   // and their gradients D2H, each marked done after both (gpu_delayed.cc).
   absl::Status CaptureLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);

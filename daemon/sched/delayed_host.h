@@ -68,8 +68,9 @@ class DelayedHost {
   // The regions it allocates are charged to the budget all at once:
   // RESOURCE_EXHAUSTED, naming the bytes, the limit and the fix, when they
   // would pass its limit or, with the shard's state, the session's limit
-  // (nothing allocated then), or `alloc` fails (host memory). No subgroup changes stage on failure: the step refused here
-  // applied nothing, and a later one places again.
+  // (nothing allocated then), or `alloc` fails (host memory). No subgroup
+  // changes stage on failure: the step refused here applied nothing, and a
+  // later one places again.
   absl::Status Place(std::span<const uint32_t> subgroups, const AllocHostBuffer& alloc);
 
   // Where segment `seg` of subgroup `sg` (placed) keeps its gradients and
@@ -152,7 +153,7 @@ class DelayedHost {
 
   HostMemoryBudget* const budget_;
   const uint64_t session_limit_;
-  uint64_t state_bytes_ = 0;  // the shard's state as charged (AllocatedBytes)
+  const uint64_t state_bytes_;  // the shard's state as charged (AllocatedBytes)
   uint64_t grad_elem_ = 2, weight_elem_ = 2, max_numel_ = 0, region_bytes_ = 0;
   std::vector<HostBuffer> regions_;
   std::vector<uint32_t> free_;            // region indices not in use

@@ -38,7 +38,6 @@ void EarlyCapture::Loop() {
       status_ = engine_->CaptureDelayed(shard_, bindings_, *delayed_, run);
       if (!status_.ok()) return;
       delayed_->EarlyCaptured(run);
-      captured_.fetch_add(static_cast<uint32_t>(run.size()), std::memory_order_release);
       next = end;
       nap = std::chrono::microseconds(50);
       continue;

@@ -48,8 +48,6 @@ class EarlyCapture {
   // lets the copies in progress finish and joins; the first copy error, if
   // any (then nothing it copied counts: the step's capture copies all).
   absl::Status Stop();
-  // Subgroups captured so far (after Stop: all it captured).
-  uint32_t captured() const { return captured_.load(std::memory_order_acquire); }
 
  private:
   void Loop();
@@ -61,7 +59,6 @@ class EarlyCapture {
   const StepSync& sync_;
   DelayedHost* const delayed_;
   std::atomic<bool> stop_{false};
-  std::atomic<uint32_t> captured_{0};
   absl::Status status_;  // the thread's; read after the join
   std::thread thread_;
   bool joined_ = false;

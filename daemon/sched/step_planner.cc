@@ -309,6 +309,10 @@ void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
   plan.shared.clear();
 }
 
+double StepPlanner::BesideGpuPath(double gpu_s, double capture_s) const {
+  return options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
+}
+
 double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) const {
   const double rate = DelayedRate(plan.inputs);
   if (rate <= 0) return 0;
@@ -325,8 +329,7 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
         in, 1.0, static_cast<double>(plan.streamed_params) - h,
         static_cast<double>(plan.resident_params), static_cast<double>(max_streamed));
     const double capture_s = GradCaptureSeconds(in, h);
-    const double beside_s = options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
-    if (h / rate > 0.9 * (window_us * 1e-6 + beside_s)) break;
+    if (h / rate > 0.9 * (window_us * 1e-6 + BesideGpuPath(gpu_s, capture_s))) break;
     best = h;
   }
   return best + 0.5;
@@ -346,8 +349,8 @@ void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
   const double window_s = plan.window_us * 1e-6;
   // The update starts once the gradients are captured: it overlaps the rest
   // of the GPU path, then the window (started at the result: the window).
-  const double beside_s = options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
-  const double overrun_s = rate > 0 ? std::max(0.0, h / rate - window_s - beside_s) : 0;
+  const double overrun_s =
+      rate > 0 ? std::max(0.0, h / rate - window_s - BesideGpuPath(gpu_s, capture_s)) : 0;
   plan.predicted_us = (std::max(gpu_s, capture_s) + overrun_s) * 1e6;
   plan.predicted_iter_us = plan.window_us + plan.predicted_us;
 }

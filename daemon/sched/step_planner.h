@@ -195,6 +195,10 @@ class StepPlanner {
   // the window (the CPU side's tail, in PlaceDelayed's order).
   double AutoDelayedBudget(const StepPlan& plan, double window_us) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Seconds of a delayed step's GPU path (`gpu_s`, its captures `capture_s`)
+  // its update runs beside: what follows the captures, none when it starts
+  // at the result (PlannerOptions::delayed_start_at_result).
+  double BesideGpuPath(double gpu_s, double capture_s) const;
   // The delayed update's rate, params/s: learned (LearnDelayed), else the
   // CPU kernel's rate for `in`.
   double DelayedRate(const PerfInputs& in) const ABSL_LOCKS_EXCLUDED(mu_);
