@@ -205,8 +205,10 @@ def child(args):
     if mode.startswith("dos"):
         import dos.torch
         hooks = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-        overlap = ("update" if mode == "dos_auto_noclip" else "_overlap" in mode) \
-            if hooks else False
+        # overlap= as the mode asks; otherwise left to dos.torch's default
+        # (None: on with delay=1 on CUDA, off otherwise).
+        overlap = ("update" if mode == "dos_auto_noclip" else
+                   True if "_overlap" in mode else None) if hooks else False
         # How the next forward waits for the update: per layer (model=, the
         # default here), behind the whole step on the stream ("wholestep"), or
         # on the host before step() returns ("sync": the pre-async behaviour).
@@ -216,7 +218,8 @@ def child(args):
         wait_kw = {"sync": dict(async_step=False), "wholestep": dict(),
                    "layers": dict(model=model)}[wait]
         opt = dos.torch.AdamW(groups, socket=args.socket, client_name=f"e2e-{mode}",
-                              overlap=overlap, subgroup_size=args.subgroup_size,
+                              **({} if overlap is None else dict(overlap=overlap)),
+                              subgroup_size=args.subgroup_size,
                               compact_state=compact,
                               gpu_budget_bytes=0 if mode == "dos_auto_flag" else lend_from,
                               **wait_kw, **kw,
@@ -230,7 +233,8 @@ def child(args):
             (", compact state" if compact else "") + \
             (f", delay={delay} after {args.delay_warmup} steps (update phase: what step() "
              "still costs)" if delay else "") + \
-            (f", overlap={overlap!r}" if overlap else "") + \
+            (f", overlap={overlap!r}" if overlap else
+             f", overlap={opt.overlap!r} (the default)" if overlap is None else "") + \
             (", no clipping" if clip == 0 else
              ", clip via opt.clip_grad_norm_" if overlap is True else "")
     elif mode == "inprocess_offload":

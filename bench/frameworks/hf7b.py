@@ -232,6 +232,10 @@ def main():
     ap.add_argument("--delay-warmup", type=int, default=2,
                     help="with --delay: AdamW(delay_warmup=), undelayed steps first (they and "
                          "the first delayed step are left out of iter_s)")
+    ap.add_argument("--overlap", choices=["on", "off"],
+                    help="DOS modes: dos.torch.AdamW(overlap=True or False), steps begun during "
+                         "backward (with --delay: the delayed gradients copied as backward marks "
+                         "them ready); left out: dos.torch's default")
     ap.add_argument("--no-placement", action="store_true",
                     help="switch accelerate's optimizer placement off (the workaround the issue's "
                          "baseline was measured with: a build without lazy state copies the whole "
@@ -239,8 +243,8 @@ def main():
     args = ap.parse_args()
     if args.roundtrip and args.framework != "hf":
         ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
-    if args.delay and args.mode == "all_gpu":
-        ap.error("--delay is dos.torch.AdamW's: --mode dos or dos_compact")
+    if (args.delay or args.overlap) and args.mode == "all_gpu":
+        ap.error("--delay and --overlap are dos.torch.AdamW's: --mode dos or dos_compact")
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -259,7 +263,7 @@ def main():
     sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
     res = {"mode": args.mode, "framework": args.framework, "size": args.size, "steps": args.steps, "seq": args.seq,
            "torch": torch.__version__, "optimizer_placement": not args.no_placement,
-           "delay": args.delay}
+           "delay": args.delay, "overlap": args.overlap or "default"}
     t0 = time.time()
     model = make_model(args.size, device, "eager" if args.deterministic else None)
     res["params"] = sum(p.numel() for p in model.parameters())
@@ -272,6 +276,7 @@ def main():
         t = time.time()
         opt = dos.torch.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, model=model,
                               compact_state=args.mode == "dos_compact",
+                              **(dict(overlap=args.overlap == "on") if args.overlap else {}),
                               # only where asked: a dos.torch without the delay lacks them
                               **(dict(delay=args.delay, delay_warmup=args.delay_warmup)
                                  if args.delay else {}))

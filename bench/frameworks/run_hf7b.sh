@@ -8,7 +8,10 @@
 #   bash bench/frameworks/run_hf7b.sh OUT [7b|tiny|none] [2b|tiny|none]
 # MODES picks the runs at the first size (all_gpu dos dos_compact by default;
 # dos_delay and dos_compact_delay are dos and dos_compact with --delay 1
-# --delay-warmup ${DELAY_WARMUP:-2}, issue 23's one-step delayed update);
+# --delay-warmup ${DELAY_WARMUP:-2}, issue 23's one-step delayed update; a
+# mode's _overlap or _nooverlap before _delay asks for overlap=True or False
+# (dos_compact_overlap_delay; otherwise dos.torch's default);
+# SINK= (empty) skips streaming the state to /dev/null after the steps;
 # DOSD_ARGS: more dosd flags (e.g. --delayed_cpu_threads=0 for an A/B);
 # RT_ARGS=--deterministic makes the round trip deterministic on CUDA (hf7b.py:
 # the losses of a resumed run can otherwise differ through CUDA's atomics, not
@@ -37,10 +40,14 @@ for run in $modes; do
   # A run is a mode, or a DOS mode with _delay: the file name report.py reads.
   mode=${run%_delay}; delay=()
   [ "$mode" != "$run" ] && delay=(--delay 1 --delay-warmup "${DELAY_WARMUP:-2}")
+  case $mode in
+    *_nooverlap) mode=${mode%_nooverlap}; delay+=(--overlap off) ;;
+    *_overlap) mode=${mode%_overlap}; delay+=(--overlap on) ;;
+  esac
   echo "== $run $SIZE" >> "$O/hf7b.log"
   timeout 300 python3 bench/frameworks/hf7b.py --mode $mode "${delay[@]}" \
     --framework ${FRAMEWORK:-hf} --size $SIZE --steps ${STEPS:-12} \
-    --sink --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
+    ${SINK---sink} --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 done
 if [ "$RT" != none ]; then

@@ -391,11 +391,17 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
                              : kCpuPathShareOfKernel * CpuRate(plan.inputs);
     plan.gpu_path_rate = gpu_path_rate_;
   }
+  // Under auto the budget is the measured window (none yet: this step runs
+  // exact); other policies put their CPU subgroups on the host path by rule.
+  const bool delayed =
+      kind.delays_host() && (window_us > 0 || !budgets.gpu || policy.kind != Policy::Kind::kAuto);
   if (budgets.gpu && policy.kind == Policy::Kind::kAuto) {
     PerfPrediction p = PerfModel::Solve(plan.inputs);
     plan.gpu_share = p.gpu_share;
     plan.binding = p.binding;
-    if (plan.shared.size() > 2) PinHalfOfEachShare(plan);
+    // A delayed step may take any streamed subgroup off the GPU path (what
+    // its window has CPU time for): none is pinned to the GPU first.
+    if (plan.shared.size() > 2 && !delayed) PinHalfOfEachShare(plan);
   } else {
     plan.gpu_share = plan.streamed_params > 0
                          ? static_cast<double>(fixed_gpu_params) / plan.streamed_params
@@ -403,10 +409,6 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
     plan.binding = PerfModel::Bound(plan.inputs, plan.gpu_share).binding;
   }
   plan.window_us = window_us;
-  // Under auto the budget is the measured window (none yet: this step runs
-  // exact); other policies put their CPU subgroups on the host path by rule.
-  const bool delayed = kind.delays_host() && (window_us > 0 || !budgets.gpu ||
-                                              policy.kind != Policy::Kind::kAuto);
   if (delayed) {
     PlaceDelayed(plan, budgets.gpu && policy.kind == Policy::Kind::kAuto
                            ? AutoDelayedBudget(plan, window_us)

@@ -59,40 +59,63 @@ std::string Mismatches(const float* a, const float* b, size_t n) {
                          a[first], b[first]);
 }
 
+// Where a run's arrays start in one state block: packed as in a subgroup
+// (an odd n leaves the moments unaligned: the kernel's element-at-a-time
+// path), or each 256-byte aligned (four elements a thread, n % 4 left over).
+size_t ArrayOffset(size_t before, bool packed) {
+  return packed ? before : (before + 255) / 256 * 256;
+}
+
 TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
   SKIP_WITHOUT_GPU();
   auto [gd, pd, decoupled] = GetParam();
-  for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
-    cpu::testing::AdamBuffers host(n, gd, pd, 0, 1234 + n);
-    GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
-    cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 7, 1024.0, 0.5);
-    // GPU copy of the inputs.
-    void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
-    float* st = nullptr;
-    ASSERT_EQ(cudaMalloc(&st, 12 * n), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st + n, host.exp_avg.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st + 2 * n, host.exp_avg_sq.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    void* out = nullptr;
-    ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
-    DeviceAdamSpan dsp{g, gd, st, st + n, st + 2 * n, out, pd, n};
-    ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    // CPU scalar kernel on the host copy.
-    cpu::AdamSpan csp{host.grad.data(), gd, host.master.data(), host.exp_avg.data(),
-                      host.exp_avg_sq.data(), host.out.data(), pd, n};
-    cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
-    std::vector<float> gs(3 * n);
-    std::vector<char> gout(n * DTypeSize(pd));
-    ASSERT_EQ(cudaMemcpy(gs.data(), st, 12 * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(Mismatches(gs.data(), host.master.data(), n), "") << "master n=" << n;
-    EXPECT_EQ(Mismatches(gs.data() + n, host.exp_avg.data(), n), "") << "exp_avg n=" << n;
-    EXPECT_EQ(Mismatches(gs.data() + 2 * n, host.exp_avg_sq.data(), n), "")
-        << "exp_avg_sq n=" << n;
-    EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
-    cudaFree(g); cudaFree(st); cudaFree(out);
-  }
+  for (bool packed : {true, false})
+    for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
+      SCOPED_TRACE(packed ? "packed" : "aligned");
+      cpu::testing::AdamBuffers host(n, gd, pd, 0, 1234 + n);
+      GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
+      cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 7, 1024.0, 0.5);
+      // GPU copy of the inputs.
+      void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
+      float* st = nullptr;
+      const size_t m_at = ArrayOffset(n, packed), v_at = m_at + ArrayOffset(n, packed);
+      ASSERT_EQ(cudaMalloc(&st, 4 * (v_at + n)), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st + m_at, host.exp_avg.data(), 4 * n, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st + v_at, host.exp_avg_sq.data(), 4 * n, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      void* out = nullptr;
+      ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
+      DeviceAdamSpan dsp{g, gd, st, st + m_at, st + v_at, out, pd, n};
+      ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      // CPU scalar kernel on the host copy.
+      cpu::AdamSpan csp{host.grad.data(),
+                        gd,
+                        host.master.data(),
+                        host.exp_avg.data(),
+                        host.exp_avg_sq.data(),
+                        host.out.data(),
+                        pd,
+                        n};
+      cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
+      std::vector<float> gs(3 * n);
+      std::vector<char> gout(n * DTypeSize(pd));
+      ASSERT_EQ(cudaMemcpy(gs.data(), st, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gs.data() + n, st + m_at, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gs.data() + 2 * n, st + v_at, 4 * n, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(Mismatches(gs.data(), host.master.data(), n), "") << "master n=" << n;
+      EXPECT_EQ(Mismatches(gs.data() + n, host.exp_avg.data(), n), "") << "exp_avg n=" << n;
+      EXPECT_EQ(Mismatches(gs.data() + 2 * n, host.exp_avg_sq.data(), n), "")
+          << "exp_avg_sq n=" << n;
+      EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
+      cudaFree(g);
+      cudaFree(st);
+      cudaFree(out);
+    }
 }
 
 // Compact state: bf16 moments, m rounded to nearest even and v stochastically
@@ -101,49 +124,70 @@ TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
 TEST_P(KernelTest, CompactStateBitwiseEqualToCpuKernel) {
   SKIP_WITHOUT_GPU();
   auto [gd, pd, decoupled] = GetParam();
-  for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
-    cpu::testing::AdamBuffers host(n, gd, pd, 0, 4321 + n);
-    std::vector<uint16_t> m16(n), v16(n);
-    for (size_t i = 0; i < n; ++i) {
-      m16[i] = FloatToBF16(host.exp_avg[i]);
-      v16[i] = FloatToBF16(host.exp_avg_sq[i]);
+  for (bool packed : {true, false})
+    for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
+      SCOPED_TRACE(packed ? "packed" : "aligned");
+      cpu::testing::AdamBuffers host(n, gd, pd, 0, 4321 + n);
+      std::vector<uint16_t> m16(n), v16(n);
+      for (size_t i = 0; i < n; ++i) {
+        m16[i] = FloatToBF16(host.exp_avg[i]);
+        v16[i] = FloatToBF16(host.exp_avg_sq[i]);
+      }
+      GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
+      cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 9, 1024.0, 0.5);
+      const uint64_t element_offset = 1000003 * n + 17;
+      void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
+      // One [master | m16 | v16] block, as a compact subgroup's state.
+      char* st = nullptr;
+      const size_t m_at = ArrayOffset(4 * n, packed), v_at = m_at + ArrayOffset(2 * n, packed);
+      ASSERT_EQ(cudaMalloc(&st, v_at + 2 * n), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st + m_at, m16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st + v_at, v16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
+      void* out = nullptr;
+      ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
+      DeviceAdamSpan dsp{.grad = g,
+                         .grad_dtype = gd,
+                         .master = reinterpret_cast<float*>(st),
+                         .exp_avg = nullptr,
+                         .exp_avg_sq = nullptr,
+                         .param_out = out,
+                         .param_dtype = pd,
+                         .n = n,
+                         .exp_avg_bf16 = reinterpret_cast<uint16_t*>(st + m_at),
+                         .exp_avg_sq_bf16 = reinterpret_cast<uint16_t*>(st + v_at),
+                         .element_offset = element_offset};
+      ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      cpu::AdamSpan csp{.grad = host.grad.data(),
+                        .grad_dtype = gd,
+                        .master = host.master.data(),
+                        .exp_avg = nullptr,
+                        .exp_avg_sq = nullptr,
+                        .param_out = host.out.data(),
+                        .param_dtype = pd,
+                        .n = n,
+                        .exp_avg_bf16 = m16.data(),
+                        .exp_avg_sq_bf16 = v16.data(),
+                        .element_offset = element_offset};
+      cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
+      std::vector<char> gs(8 * n);
+      std::vector<char> gout(n * DTypeSize(pd));
+      ASSERT_EQ(cudaMemcpy(gs.data(), st, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gs.data() + 4 * n, st + m_at, 2 * n, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gs.data() + 6 * n, st + v_at, 2 * n, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(Mismatches(reinterpret_cast<float*>(gs.data()), host.master.data(), n), "")
+          << "master n=" << n;
+      EXPECT_EQ(std::memcmp(gs.data() + 4 * n, m16.data(), 2 * n), 0) << "exp_avg bf16 n=" << n;
+      EXPECT_EQ(std::memcmp(gs.data() + 6 * n, v16.data(), 2 * n), 0) << "exp_avg_sq bf16 n=" << n;
+      EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
+      cudaFree(g);
+      cudaFree(st);
+      cudaFree(out);
     }
-    GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
-    cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 9, 1024.0, 0.5);
-    const uint64_t element_offset = 1000003 * n + 17;
-    void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
-    // One [master | m16 | v16] block, as a compact subgroup's state.
-    char* st = nullptr;
-    ASSERT_EQ(cudaMalloc(&st, 8 * n), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st + 4 * n, m16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(st + 6 * n, v16.data(), 2 * n, cudaMemcpyHostToDevice), cudaSuccess);
-    void* out = nullptr;
-    ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
-    DeviceAdamSpan dsp{.grad = g, .grad_dtype = gd, .master = reinterpret_cast<float*>(st),
-                       .exp_avg = nullptr, .exp_avg_sq = nullptr, .param_out = out,
-                       .param_dtype = pd, .n = n,
-                       .exp_avg_bf16 = reinterpret_cast<uint16_t*>(st + 4 * n),
-                       .exp_avg_sq_bf16 = reinterpret_cast<uint16_t*>(st + 6 * n),
-                       .element_offset = element_offset};
-    ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    cpu::AdamSpan csp{.grad = host.grad.data(), .grad_dtype = gd, .master = host.master.data(),
-                      .exp_avg = nullptr, .exp_avg_sq = nullptr, .param_out = host.out.data(),
-                      .param_dtype = pd, .n = n, .exp_avg_bf16 = m16.data(),
-                      .exp_avg_sq_bf16 = v16.data(), .element_offset = element_offset};
-    cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
-    std::vector<char> gs(8 * n);
-    std::vector<char> gout(n * DTypeSize(pd));
-    ASSERT_EQ(cudaMemcpy(gs.data(), st, 8 * n, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(Mismatches(reinterpret_cast<float*>(gs.data()), host.master.data(), n), "")
-        << "master n=" << n;
-    EXPECT_EQ(std::memcmp(gs.data() + 4 * n, m16.data(), 2 * n), 0) << "exp_avg bf16 n=" << n;
-    EXPECT_EQ(std::memcmp(gs.data() + 6 * n, v16.data(), 2 * n), 0) << "exp_avg_sq bf16 n=" << n;
-    EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
-    cudaFree(g); cudaFree(st); cudaFree(out);
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

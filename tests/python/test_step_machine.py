@@ -74,6 +74,18 @@ _BASE = dict(gpu=False, dtensor=False, stream_supported=False, model=False, asyn
     ({"gpu": True, "overlap": True}, False, Complete.WAIT, Early.NONE),  # no stream to mark on
     ({"gpu": True, "stream_supported": True, "overlap": "update"}, True, Complete.STREAM,
      Early.UPDATE),
+    # overlap left out (None): early steps for the delayed update on CUDA only
+    ({"gpu": True, "stream_supported": True, "model": True, "overlap": None, "delay": 1}, True,
+     Complete.LAYERS, Early.VERDICT),
+    ({"gpu": True, "stream_supported": True, "model": True, "overlap": None}, True,
+     Complete.LAYERS, Early.NONE),
+    ({"gpu": True, "stream_supported": True, "model": True, "overlap": None, "delay": 1,
+      "hooks": False}, True, Complete.LAYERS, Early.NONE),  # torch < 2.1
+    ({"gpu": True, "stream_supported": True, "model": True, "overlap": False, "delay": 1},
+     True, Complete.LAYERS, Early.NONE),  # asked off
+    ({"model": True, "overlap": None, "delay": 1}, False, Complete.WAIT, Early.NONE),  # CPU
+    ({"gpu": True, "model": True, "overlap": None, "delay": 1}, False, Complete.LAYERS,
+     Early.NONE),  # no stream to mark on
 ])
 def test_decide_mode(given, stream, complete, early):
     mode = decide_mode(**{**_BASE, **given})

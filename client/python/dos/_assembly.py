@@ -24,11 +24,14 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+import torch
+
 from dos import _grads
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
 from dos._flight import Flight
+from dos._hooks import weak_hook
 from dos._lease import GpuLease
 from dos._register import Registration
 from dos._state import StateIO
@@ -64,6 +67,7 @@ class Assembly:
         self.reg: Optional[Registration] = None
         self.state_io: Optional[StateIO] = None
         self.driver = None
+        self.mode = _NO_STEPS
         self.armed = True
         self._seen_hooks = []
         self._on_attach = None
@@ -79,9 +83,18 @@ class Assembly:
             self._on_attach()
         self.reg.register(self._groups(), self._options.subgroup_size,
                           self._options.decoupled, self._options.compact)
-        self._seen_hooks = _grads.install_seen_hooks(self.reg.entries)
+        self._seen_hooks = _grads.install_seen_hooks(self.reg.entries) + \
+            _grads.install_take_hooks(self.reg.entries, weak_hook(self, Assembly._collect_before))
         self.state_io = StateIO(self.reg, self._finish, self._options.compact)
         self.flight.bind(self.reg.ptr)
+
+    def _collect_before(self) -> None:
+        """Before a gradient goes into its registered buffer during backward:
+        the step still in flight from before (not one this backward's overlap
+        hooks began) is collected, as it may read the buffer; a delayed
+        update stays pending."""
+        if self.flight.in_flight and not self.flight.hook_begun and self.driver is not None:
+            self.driver.report()
 
     def lend(self, gpu_budget_bytes) -> None:
         """GPU mode: the memory this trainer lends dosd's resident tier
@@ -101,7 +114,8 @@ class Assembly:
             mode = decide_mode(gpu=reg.device is not None, dtensor=reg.dtensor,
                                stream_supported=reg.stream_supported(),
                                model=model is not None, async_step=self._options.async_step,
-                               overlap=self._options.overlap)
+                               overlap=self._options.overlap, delay=self._options.delay,
+                               hooks=hasattr(torch.Tensor, "register_post_accumulate_grad_hook"))
         driver = make_driver(mode, reg, self.flight, self.lease, self._groups, model,
                              self._finish)
         if mode.early is not Early.NONE:
@@ -111,6 +125,14 @@ class Assembly:
             driver = DelayedDriver(driver, reg, self.flight, self._options.delay_warmup, model,
                                    self._finish)
         self.driver = driver
+        self.mode = mode
+
+    @property
+    def overlap(self):
+        """The overlap= in effect: False, True or "update" (the default,
+        None, is True for delay=1 on CUDA: dos/_step.py)."""
+        early = self.mode.early
+        return {Early.VERDICT: True, Early.UPDATE: "update"}.get(early, False)
 
     def set_armed(self, value) -> None:
         self.armed = value

@@ -139,9 +139,12 @@ class DelayedDriver:
     def _plan_next(self) -> None:
         """Whether the next step is delayed: after the warm-up (a step the
         overlap hooks begin during backward goes by what the previous
-        step() set)."""
+        step() set, so the count includes the step it left in flight)."""
         last = self._flight.last_step
-        steps = last["step"] if last else 0
+        # A step in flight (an asynchronous one, not collected yet) counts:
+        # the next step is the one after it, whose begin the overlap hooks
+        # may make during the coming backward.
+        steps = (last["step"] if last else 0) + (1 if self._flight.in_flight else 0)
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
 
     def _install(self, timeout_ms: int = -1) -> None:

@@ -44,10 +44,14 @@ _TOO_LATE = ("with overlap=\"update\" dosd updates each subgroup during backward
 
 
 def check_overlap(overlap):
-    """overlap= checked: False, True or "update" (False on a torch without
-    post-accumulate-grad hooks, with a warning)."""
+    """overlap= checked: None (the default: dos/_step.py decides), False,
+    True or "update" (False on a torch without post-accumulate-grad hooks,
+    with a warning)."""
+    if overlap is None:
+        return None
     if overlap not in (False, True, "update"):
-        raise ValueError(f"overlap={overlap!r}: use False, True or \"update\"")
+        raise ValueError(f"overlap={overlap!r}: use False, True or \"update\" (or leave it "
+                         "out: on with delay=1 on CUDA)")
     if overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
         warnings.warn(f"dos.torch: overlap=True needs torch >= 2.1 "
                       f"(register_post_accumulate_grad_hook); torch {torch.__version__} "
@@ -201,19 +205,15 @@ class EarlyDriver:
 
     def _take_gradient(self, e) -> bool:
         """autograd made a new gradient (grads were set to None): it goes
-        into the registered buffer before the subgroup is announced."""
-        g = e.param.grad
-        if g is None or g.data_ptr() == e.grad_shm.data_ptr():
+        into the registered buffer before the subgroup is announced
+        (dos/_grads.py's hooks took it already where torch has them)."""
+        if _grads.take(e):
             return True
-        if g.dtype != e.grad_shm.dtype or g.shape != e.grad_shm.shape:
-            self._error = (f"{e.name}'s gradient is {g.dtype} {tuple(g.shape)}; the "
-                           f"registered one is {e.grad_shm.dtype} "
-                           f"{tuple(e.grad_shm.shape)}")
-            return False
-        with torch.no_grad():
-            e.grad_shm.copy_(g)
-            e.param.grad = e.grad_shm
-        return True
+        g = e.param.grad
+        self._error = (f"{e.name}'s gradient is {g.dtype} {tuple(g.shape)}; the "
+                       f"registered one is {e.grad_shm.dtype} "
+                       f"{tuple(e.grad_shm.shape)}")
+        return False
 
     def _mark(self, e) -> None:
         """Marks the subgroups whose last tensor e is ready, in runs."""

@@ -67,12 +67,14 @@ class StepMode:
 
 
 def decide_mode(*, gpu: bool, dtensor: bool, stream_supported: bool, model: bool,
-                async_step, overlap) -> StepMode:
+                async_step, overlap, delay: int = 0, hooks: bool = True) -> StepMode:
     """The step's mode for a registration: `gpu` (CUDA parameters), `dtensor`
     (FSDP2 shards copied at step()), `stream_supported` (the session can order
     steps on a CUDA stream), `model` (model= given), `async_step` (None: the
-    default) and `overlap` (False, True or "update"). Raises for an
-    async_step=True that nothing could order."""
+    default), `overlap` (False, True, "update" or None: the default) and
+    `delay` (the delayed update), `hooks` (torch has post-accumulate-grad
+    hooks, which early steps need). Raises for an async_step=True that nothing
+    could order."""
     stream = gpu and not dtensor and stream_supported
     possible = (stream or model) and not dtensor
     if async_step is None:
@@ -92,6 +94,12 @@ def decide_mode(*, gpu: bool, dtensor: bool, stream_supported: bool, model: bool
                 Complete.LAYERS if model else Complete.STREAM)
     # Early steps need the parameters registered in place and, on CUDA, a
     # stream to order the ready marks on.
+    if overlap is None:
+        # By default only the delayed update begins its steps during
+        # backward on CUDA: it then copies the delayed subgroups' gradients
+        # as backward finishes them, off the step's critical path (measured:
+        # 7B HF Trainer, compact state, 2.12x all-GPU without, 1.20x with).
+        overlap = bool(delay) and stream and hooks
     early = Early.NONE
     if overlap and not dtensor and (stream or not gpu):
         early = Early.UPDATE if overlap == "update" else Early.VERDICT

@@ -103,7 +103,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                  amsgrad=False, *, socket: Optional[str] = None, subgroup_size: int = 0,
                  client_name: Optional[str] = None, maximize: bool = False,
                  rank: Optional[int] = None, local_rank: Optional[int] = None,
-                 world_size: Optional[int] = None, overlap: bool = False,
+                 world_size: Optional[int] = None, overlap=None,
                  model: Optional[torch.nn.Module] = None, async_step: Optional[bool] = None,
                  resume: Optional[Dict[str, Any]] = None, compact_state: bool = False,
                  gpu_budget_bytes=None, foreach: Optional[bool] = None,
@@ -120,7 +120,6 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._amp_found_inf = None
         self._clip_coef = None  # from clip_grad_norm_(), for the next step()
         overlap = check_overlap(overlap)
-        self.overlap = bool(overlap)
         # delay=1: dosd's CPU path one step late (dos/_delay.py, docs/python.md).
         delay, delay_warmup = check_delay(delay, delay_warmup, overlap, model)
         # The model only weakly: it holds this optimizer's hooks (no cycle).
@@ -140,6 +139,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             raise
         self._parts.lend(gpu_budget_bytes)
         self._parts.configure()
+        self.overlap = self._parts.overlap  # the default (None) decided
 
     # ---- the daemon's report and the session ----
 

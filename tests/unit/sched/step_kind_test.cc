@@ -163,6 +163,23 @@ TEST(StepKindTest, AnUpdateStartedAtTheResultHasOnlyTheWindow) {
   EXPECT_GT(b.delayed_params, 0u);
 }
 
+// Under auto a delayed step pins no streamed subgroup to the GPU path: with
+// a window long enough for the CPU, every subgroup that is not resident is
+// delayed (on nvidia-h200 three streamed subgroups of a 7B compact job kept
+// 48 ms of PCIe in the step while the CPU had time for them).
+TEST(StepKindTest, ALongWindowDelaysEveryStreamedSubgroup) {
+  StepPlanner planner(Gpu());
+  const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
+  const StepPlan exact = planner.Plan(P("auto"), Uniform(20), 2, kSync);
+  ASSERT_FALSE(exact.gpu_only.empty());  // the exact step pins a share to the GPU
+  const StepPlan plan = planner.Plan(P("auto"), Uniform(20), 2, delay, 1e12);
+  EXPECT_EQ(plan.delayed.size(), 18u);
+  EXPECT_TRUE(plan.gpu_only.empty());
+  EXPECT_EQ(plan.resident, 2u);
+  const StepPlan none = planner.Plan(P("auto"), Uniform(20), 2, delay, 1e-3);
+  EXPECT_EQ(none.delayed.size() + none.gpu_only.size(), 18u);  // what is not delayed streams
+}
+
 TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
   StepPlanner planner(Gpu());
   for (StepKind kind : {kSync, kVerdict}) {
