@@ -106,12 +106,13 @@ struct GpuEngine::StepRun {
   std::vector<TimelineEntry> cpu_entries;
   uint64_t cpu_params = 0, cpu_h2d = 0, cpu_d2h = 0;
   double cpu_kernel_us = 0, cpu_loop_us = 0;
-  // Progress: one DoneCall per subgroup, passed to cudaLaunchHostFunc (so
-  // its address must stay put: deques, one per loop thread).
+  // Progress: one DoneCall per subgroup or run of subgroups first..last,
+  // passed to cudaLaunchHostFunc (so its address must stay put: deques, one
+  // per loop thread).
   const StepSync* sync = nullptr;
   struct DoneCall {
     const StepSync* sync;
-    uint32_t subgroup;
+    uint32_t first, last;
   };
   std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
   // Recorded on the compute stream when the step starts there, after the
@@ -130,9 +131,16 @@ inline absl::Status WaitReady(const GpuEngine::StepRun& run, uint32_t sg, double
   return st;
 }
 
-// Enqueues "subgroup `sg` is done" (StepSync::subgroup_done) on `stream`
-// after the work queued there.
+// Enqueues "subgroups first..last are done" (StepSync::subgroup_done for
+// each) on `stream` after the work queued there. A host function holds its
+// stream until CUDA's callback thread ran it (~0.1 ms on nvidia-h200): runs
+// of short kernels share one.
 absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun::DoneCall>* calls,
-                         uint32_t sg, cudaStream_t stream);
+                         uint32_t first, uint32_t last, cudaStream_t stream);
+inline absl::Status EnqueueDone(GpuEngine::StepRun& run,
+                                std::deque<GpuEngine::StepRun::DoneCall>* calls, uint32_t sg,
+                                cudaStream_t stream) {
+  return EnqueueDone(run, calls, sg, sg, stream);
+}
 
 }  // namespace dos::gpu

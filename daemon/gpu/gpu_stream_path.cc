@@ -1,6 +1,7 @@
 // GpuEngine's GPU path: the resident subgroups' kernels, then the streamed
 // subgroups through the staging slots (H2D, kernel, D2H on three streams),
 // claimed from the plan's queue. Runs on the engine's worker thread.
+#include <algorithm>
 #include <iterator>
 #include <optional>
 
@@ -158,14 +159,14 @@ class StreamPipeline {
 }  // namespace
 
 absl::Status EnqueueDone(GpuEngine::StepRun& run, std::deque<GpuEngine::StepRun::DoneCall>* calls,
-                         uint32_t sg, cudaStream_t stream) {
+                         uint32_t first, uint32_t last, cudaStream_t stream) {
   if (run.sync == nullptr || !run.sync->subgroup_done) return absl::OkStatus();
-  calls->push_back({run.sync, sg});
+  calls->push_back({run.sync, std::min(first, last), std::max(first, last)});
   DOS_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
       stream,
       [](void* arg) {
         const auto* call = static_cast<const GpuEngine::StepRun::DoneCall*>(arg);
-        call->sync->subgroup_done(call->subgroup);
+        for (uint32_t sg = call->first; sg <= call->last; ++sg) call->sync->subgroup_done(sg);
       },
       &calls->back()));
   return absl::OkStatus();
@@ -204,6 +205,11 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
   std::vector<cudaEvent_t> res_events(2 * run.gs->resident_count);
   absl::Status status = NewEvents(res_events.data(), static_cast<int>(res_events.size()));
   if (!plan.resident_first && status.ok()) status = StreamSubgroups(run);
+  // Their progress in runs of kResidentDoneRun subgroups (one host function
+  // each; the order runs up or down, so a run is a range), or one at a time
+  // where the plan waits for each subgroup's gradients.
+  constexpr size_t kResidentDoneRun = 4;
+  const size_t run_of = plan.wait_ready ? 1 : kResidentDoneRun;
   for (size_t k = 0; k < plan.resident_order.size() && status.ok(); ++k) {
     const uint32_t i = plan.resident_order[k];
     status = [&]() -> absl::Status {
@@ -211,7 +217,9 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], resident_));
       DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], resident_));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], resident_));
-      return EnqueueDone(run, &run.gpu_done_calls, i, resident_);
+      if ((k + 1) % run_of != 0 && k + 1 != plan.resident_order.size()) return absl::OkStatus();
+      return EnqueueDone(run, &run.gpu_done_calls, plan.resident_order[k - k % run_of], i,
+                         resident_);
     }();
     run.gpu_params += sgs[i].numel;
   }
