@@ -266,6 +266,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
     } else {
       DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, tensors_.size(), &v));
       if (rewritten_) v.flags |= kStepGradientsRewritten;
+      v.ring_ns = MonotonicNs();  // the end of this forward and backward (a delay's window)
       if (device_sync_ != nullptr) {
         // Whatever the trainer did to the gradients after backward (an
         // in-place clip, a copy into the registered buffer) comes before

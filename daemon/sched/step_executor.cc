@@ -376,7 +376,15 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed);
   }
   absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
-  if (delayed != nullptr) delayed->verdict_ns = MonotonicNs();
+  if (delayed != nullptr) {
+    // When the trainer gave the verdict (its ring, protocol 8's clients;
+    // else now): the window must not grow by the time this thread came late
+    // to it (it may have been finishing the previous delayed update, which
+    // would feed the update's own length back into its budget).
+    const uint64_t now = MonotonicNs();
+    const uint64_t rung = request.ok() ? request->ring_ns : 0;
+    delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
+  }
   if (!early.has_value()) return request;
   const absl::Status copied = early->Stop();
   if (!copied.ok()) {

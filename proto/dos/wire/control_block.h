@@ -176,8 +176,10 @@ struct StepRequest {
   uint64_t gpu_peak_bytes;    // the trainer's measured peak (stats)
   GroupStepParams groups[kMaxGroups];
   uint64_t skip[kMaxSkipTensors / 64];  // kStepSkipTensors: tensors without a gradient
-  // CLOCK_MONOTONIC nanoseconds when the client published the request (0:
-  // unknown): the daemon's measure of the trainer's time between steps.
+  // CLOCK_MONOTONIC nanoseconds when the client published the request, or
+  // for a verdict when it gave the verdict (0: unknown; a time the daemon
+  // has not reached is ignored): the daemon's measure of the trainer's time
+  // between steps.
   uint64_t ring_ns;
 };
 

@@ -376,6 +376,38 @@ TEST(StepExecutorTest, AnAbandonedEarlyDelayedStepKeepsNoCapture) {
   EXPECT_TRUE(delayed.captured().empty());
 }
 
+// An early delayed step's window ends when the trainer gave its verdict
+// (the verdict's ring_ns), not when dosd got to it; a time dosd has not
+// reached yet is not believed.
+TEST(StepExecutorTest, AnEarlyDelayedStepsWindowEndsAtTheTrainersVerdict) {
+  for (bool future : {false, true}) {
+    Fixture f;
+    StepExecutor ex(&f.engine);
+    DelayedHost delayed(*f.shard, &f.budget);
+    StepSync sync;
+    sync.is_ready = [](uint32_t) { return true; };
+    sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+    const uint64_t given = future ? MonotonicNs() + 3'600'000'000'000 : MonotonicNs() - 5'000'000;
+    const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+      StepRequest r = Fixture::Request();
+      r.ring_ns = given;
+      return r;
+    };
+    const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+    const uint64_t before = MonotonicNs();
+    ASSERT_TRUE(
+        ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, &delayed)
+            .ok());
+    if (future) {
+      EXPECT_GE(delayed.verdict_ns, before);
+      EXPECT_LE(delayed.verdict_ns, MonotonicNs());
+    } else {
+      EXPECT_EQ(delayed.verdict_ns, given);
+    }
+    ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  }
+}
+
 TEST(StepExecutorTest, AFinishRequestInstallsAndAppliesNothing) {
   Fixture f;
   StepExecutor ex(&f.engine);
