@@ -295,6 +295,14 @@ TEST(StepExecutorTest, ADelayedUpdateStartedAtTheResultWaitsForTheSession) {
   EXPECT_EQ(f.params, exact.params);
 }
 
+// A step's sync whose every subgroup is ready (backward is over).
+StepSync AllReady() {
+  StepSync sync;
+  sync.is_ready = [](uint32_t) { return true; };
+  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  return sync;
+}
+
 // An early delayed step (protocol 8): the executor copies the delayed
 // subgroups' gradients as their ready words come, before the verdict; a
 // write to the gradients after that is not seen unless the verdict says
@@ -308,9 +316,7 @@ void EarlyDelayedStep(bool rewritten) {
   }
   ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
   DelayedHost delayed(*f.shard, &f.budget);
-  StepSync sync;
-  sync.is_ready = [](uint32_t) { return true; };
-  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  const StepSync sync = AllReady();
   const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
     // Backward is over (every ready word stored): wait for the captures,
     // then write the gradients as an in-place clip would.
@@ -357,9 +363,7 @@ TEST(StepExecutorTest, AnAbandonedEarlyDelayedStepKeepsNoCapture) {
   Fixture f;
   StepExecutor ex(&f.engine);
   DelayedHost delayed(*f.shard, &f.budget);
-  StepSync sync;
-  sync.is_ready = [](uint32_t) { return true; };
-  sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+  const StepSync sync = AllReady();
   const AwaitVerdict abandon = [&]() -> absl::StatusOr<StepRequest> {
     for (int i = 0; i < 5000 && !delayed.captured_early(4); ++i) {
       absl::SleepFor(absl::Milliseconds(1));
@@ -384,9 +388,7 @@ TEST(StepExecutorTest, AnEarlyDelayedStepsWindowEndsAtTheTrainersVerdict) {
     Fixture f;
     StepExecutor ex(&f.engine);
     DelayedHost delayed(*f.shard, &f.budget);
-    StepSync sync;
-    sync.is_ready = [](uint32_t) { return true; };
-    sync.wait_ready = [](uint32_t) { return absl::OkStatus(); };
+    const StepSync sync = AllReady();
     const uint64_t given = future ? MonotonicNs() + 3'600'000'000'000 : MonotonicNs() - 5'000'000;
     const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
       StepRequest r = Fixture::Request();
