@@ -25,7 +25,10 @@ bf16, activation checkpointing, random tokens) trained with
   dos_auto_delay      (optional) dos_auto with delay=1 (issue 23): the subgroups dosd
                       updates on the host CPU are updated one step late, during the next
                       forward and backward (the GPU path's at once); delay_warmup=
-                      --delay-warmup (2) undelayed steps first, which --warmup must exceed
+                      --delay-warmup (2) undelayed steps first, which --warmup must exceed;
+                      overlap left at dos.torch's default (on for CUDA with the delay) and
+                      torch's clip_grad_norm_ in place, so the gradients copied during
+                      backward are copied again at the verdict
   dos_auto_compact_delay  (optional) dos_auto_compact with delay=1
   dos_auto_overlap_delay  (optional) dos_auto_overlap with delay=1: the step begins during
                       backward, so that dosd plans it (and, with dosd --gpu_prefetch, loads
