@@ -40,10 +40,15 @@ def test_take_leaves_what_it_must_not_move():
     # Another dtype (torch refuses to assign one; a stand-in parameter holds
     # it): left for step(), which names it.
     wrong = torch.randn(4, dtype=torch.float64)
-    odd = types.SimpleNamespace(param=types.SimpleNamespace(grad=wrong), grad_shm=e.grad_shm,
-                                copy_grad=False, name="w")
+    odd = types.SimpleNamespace(param=types.SimpleNamespace(grad=wrong, dtype=p.dtype),
+                                grad_shm=e.grad_shm, copy_grad=False, name="w")
     assert not _grads.take(odd)
     assert odd.param.grad is wrong and torch.count_nonzero(e.grad_shm) == 0
+    assert "gradients must have the parameter's dtype and shape" in _grads.unusable(odd, wrong)
+    sparse = torch.randn(4).to_sparse()  # a sparse one too: copy_ would fail in backward
+    odd.param.grad = sparse
+    assert not _grads.take(odd) and odd.param.grad is sparse
+    assert _grads.unusable(odd, sparse) == "w has a sparse gradient"
     d = entry(p, copy_grad=True)  # an FSDP2 shard's gradient is FSDP's
     p.grad = torch.randn(4)
     assert _grads.take(d) and p.grad is not d.grad_shm
@@ -73,5 +78,22 @@ def test_model_zero_grad_gradients_land_in_the_registered_buffer(dos_socket):
         opt.synchronize()
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+
+
+def test_a_sparse_gradient_is_refused_at_step_naming_it(dos_socket):
+    # An embedding with sparse gradients, its gradient set to None: autograd
+    # makes a sparse one, which cannot go into the registered buffer.
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket)
+    try:
+        model.zero_grad(set_to_none=True)
+        model(torch.tensor([1, 2])).sum().backward()
+        assert model.weight.grad.is_sparse
+        with pytest.raises(dos.DosError) as e:
+            opt.step()
+        assert e.value.code_name == "INVALID_ARGUMENT"
+        assert "has a sparse gradient" in e.value.message
     finally:
         opt.close()

@@ -209,10 +209,7 @@ class EarlyDriver:
         (dos/_grads.py's hooks took it already where torch has them)."""
         if _grads.take(e):
             return True
-        g = e.param.grad
-        self._error = (f"{e.name}'s gradient is {g.dtype} {tuple(g.shape)}; the "
-                       f"registered one is {e.grad_shm.dtype} "
-                       f"{tuple(e.grad_shm.shape)}")
+        self._error = _grads.unusable(e, e.param.grad)
         return False
 
     def _mark(self, e) -> None:

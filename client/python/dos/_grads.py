@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from dos._errors import DosError
 from dos._native import Status
 from dos._register import Entry, local_of
 
-__all__ = ["no_gradient", "zero_entry", "bind", "take", "thawed", "install_seen_hooks",
+__all__ = ["no_gradient", "zero_entry", "unusable", "bind", "take", "thawed", "install_seen_hooks",
            "install_take_hooks", "zero_unregistered", "clip_coefficient"]
 
 
@@ -64,6 +64,18 @@ def _skipped(e: Entry, bound: bool) -> None:
         e.grad_shm.zero_()
 
 
+def unusable(e: Entry, g: torch.Tensor) -> Optional[str]:
+    """Why gradient `g` (local) cannot be copied into e's registered buffer,
+    or None: another dtype or shape, or sparse."""
+    if g.dtype != e.grad_shm.dtype or g.shape != e.grad_shm.shape:
+        return (f"{e.name} is {e.param.dtype} {tuple(e.grad_shm.shape)} but its grad is "
+                f"{g.dtype} {tuple(g.shape)}; gradients must have the parameter's dtype and "
+                "shape")
+    if g.is_sparse:
+        return f"{e.name} has a sparse gradient"
+    return None
+
+
 def bind(entries: List[Entry]) -> List[int]:
     """Brings every gradient into its registered buffer; returns the
     indices of the tensors without a gradient (skipped by this step)."""
@@ -72,23 +84,19 @@ def bind(entries: List[Entry]) -> List[int]:
         for e in entries:
             p = e.param
             g = p.grad
-            bound = g is not None and local_of(g).data_ptr() == e.grad_shm.data_ptr()
+            bound = g is not None and not local_of(g).is_sparse and \
+                local_of(g).data_ptr() == e.grad_shm.data_ptr()
             if no_gradient(e):
                 _skipped(e, bound)
                 skip.append(e.index)
                 continue
             e.grad_none = False
             g = local_of(g)
-            if g.data_ptr() == e.grad_shm.data_ptr() and g.dtype == e.local.dtype:
+            why = unusable(e, g)  # first: a sparse tensor has no data pointer
+            if why:
+                raise DosError(Status.INVALID_ARGUMENT, f"step: {why}")
+            if g.data_ptr() == e.grad_shm.data_ptr():
                 continue
-            if g.dtype != e.local.dtype or g.shape != e.local.shape:
-                raise DosError(
-                    Status.INVALID_ARGUMENT,
-                    f"step: {e.name} is {p.dtype} {tuple(e.local.shape)} but its grad is "
-                    f"{g.dtype} {tuple(g.shape)}; gradients must have the parameter's "
-                    "dtype and shape")
-            if g.is_sparse:
-                raise DosError(Status.INVALID_ARGUMENT, f"step: {e.name} has a sparse gradient")
             e.grad_shm.copy_(g)
             if not e.copy_grad:
                 p.grad = e.grad_shm
@@ -99,13 +107,15 @@ def take(e: Entry) -> bool:
     """A gradient autograd made anew (p.grad was None: a model's
     zero_grad(), a framework's `p.grad = None`) goes into e's registered
     buffer and p.grad becomes that buffer again. False, and nothing done,
-    when its dtype or shape is not the registered one (bind() at step()
-    names it)."""
+    for a gradient that cannot go there (`unusable`; bind() at step() raises
+    naming it)."""
     g = e.param.grad
-    if g is None or e.copy_grad or g.data_ptr() == e.grad_shm.data_ptr():
+    if g is None or e.copy_grad:
         return True
-    if g.dtype != e.grad_shm.dtype or g.shape != e.grad_shm.shape:
+    if unusable(e, g):  # first: a sparse tensor has no data pointer
         return False
+    if g.data_ptr() == e.grad_shm.data_ptr():
+        return True
     with torch.no_grad():
         e.grad_shm.copy_(g)
         e.param.grad = e.grad_shm
@@ -131,7 +141,8 @@ def install_take_hooks(entries: List[Entry], before: Callable[[], None]) -> list
         def hook(param, ref=weakref.ref(e)):
             entry = ref()
             g = param.grad
-            if entry is None or g is None or g.data_ptr() == entry.grad_shm.data_ptr():
+            if entry is None or g is None or (not g.is_sparse and
+                                              g.data_ptr() == entry.grad_shm.data_ptr()):
                 return
             before()
             take(entry)

@@ -444,6 +444,7 @@ def _unbind(e: Entry, gpu: bool) -> None:
         return
     if p.data_ptr() == e.param_shm.data_ptr():
         p.data = e.param_shm.clone()
-    if p.grad is not None and p.grad.data_ptr() == e.grad_shm.data_ptr():
+    g = p.grad  # a sparse one (no data pointer) is never the arena's
+    if g is not None and not g.is_sparse and g.data_ptr() == e.grad_shm.data_ptr():
         p.grad = e.grad_shm.clone()
     e.param_shm = e.grad_shm = e.local = None
