@@ -236,6 +236,11 @@ def main():
                     help="DOS modes: dos.torch.AdamW(overlap=True or False), steps begun during "
                          "backward (with --delay: the delayed gradients copied as backward marks "
                          "them ready); left out: dos.torch's default")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="the Trainer's max_grad_norm (0: no clipping)")
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="torch.profiler around this step: a summary of where the trainer's GPU "
+                         "time went (bench/frameworks/gpu_profile.py) in the result's 'profile'")
     ap.add_argument("--no-placement", action="store_true",
                     help="switch accelerate's optimizer placement off (the workaround the issue's "
                          "baseline was measured with: a build without lazy state copies the whole "
@@ -263,7 +268,8 @@ def main():
     sampler = Sampler(dosd_pid_of(socket) if args.mode != "all_gpu" else 0)
     res = {"mode": args.mode, "framework": args.framework, "size": args.size, "steps": args.steps, "seq": args.seq,
            "torch": torch.__version__, "optimizer_placement": not args.no_placement,
-           "delay": args.delay, "overlap": args.overlap or "default"}
+           "delay": args.delay, "overlap": args.overlap or "default",
+           "max_grad_norm": args.max_grad_norm}
     t0 = time.time()
     model = make_model(args.size, device, "eager" if args.deterministic else None)
     res["params"] = sum(p.numel() for p in model.parameters())
@@ -303,11 +309,17 @@ def main():
             if state.global_step >= args.steps and args.steps % args.save_at:
                 control.should_save = False
 
+    from gpu_profile import StepProfiler
+    profiler = StepProfiler(args.out + ".trace.json.gz") if args.profile_step else None
+
     class Clock(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
             marks["train_begin"] = time.perf_counter()
 
         def on_step_begin(self, a, state, control, **kw):
+            if profiler and state.global_step + 1 == args.profile_step:
+                torch.cuda.synchronize()
+                profiler.start()
             self.t = time.perf_counter()
             begins.append(self.t)
             marks.setdefault("first_step", self.t)
@@ -317,6 +329,9 @@ def main():
                 torch.cuda.synchronize()
             self.end = time.perf_counter()
             times.append(self.end - self.t)
+            if profiler and state.global_step == args.profile_step:
+                res["profile"] = profiler.stop()
+                res["profile"]["step_s"] = self.end - self.t
             # The optimizer the Trainer steps is accelerate's wrapper of
             # `opt`; the report is read off `opt` itself, without waiting.
             keep_report(opt)
@@ -335,7 +350,7 @@ def main():
     else:
         out_dir = os.path.join(args.workdir, "out")
         targs = dict(output_dir=out_dir, per_device_train_batch_size=1, max_steps=args.steps,
-                     max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
+                     max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[], save_strategy="no",
                      dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-5,
                      lr_scheduler_type="constant", seed=0, data_seed=0)
         if args.roundtrip:

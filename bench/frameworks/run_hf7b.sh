@@ -12,6 +12,8 @@
 # mode's _overlap or _nooverlap before _delay asks for overlap=True or False
 # (dos_compact_overlap_delay; otherwise dos.torch's default);
 # SINK= (empty) skips streaming the state to /dev/null after the steps;
+# HF_ARGS: more hf7b.py flags for the first size's runs (e.g. --max-grad-norm 0
+# or --profile-step 13 --steps 13);
 # DOSD_ARGS: more dosd flags (e.g. --delayed_cpu_threads=0 for an A/B);
 # RT_ARGS=--deterministic makes the round trip deterministic on CUDA (hf7b.py:
 # the losses of a resumed run can otherwise differ through CUDA's atomics, not
@@ -47,7 +49,7 @@ for run in $modes; do
   echo "== $run $SIZE" >> "$O/hf7b.log"
   timeout 300 python3 bench/frameworks/hf7b.py --mode $mode "${delay[@]}" \
     --framework ${FRAMEWORK:-hf} --size $SIZE --steps ${STEPS:-12} \
-    ${SINK---sink} --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
+    ${SINK---sink} ${HF_ARGS:-} --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"
 done
 if [ "$RT" != none ]; then
@@ -66,4 +68,5 @@ result=${RESULT:-bench/results/hf7b_${machine}_$(date +%F).json}
 python3 bench/frameworks/report.py $W "$machine" "$result" >> "$O/hf7b.log" 2>&1
 cp "$result" "$O/" 2>/dev/null
 tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"; rm -f "$O/dosd.log"
+cp $W/*.trace.json.gz "$O/" 2>/dev/null  # --profile-step's traces
 rm -rf $W /tmp/dos-hf7b-ckpt

@@ -1,0 +1,102 @@
+"""Where one training step's time goes on the trainer's GPU: torch.profiler
+around one step, summarised (the chrome trace of a 7B step is large):
+
+  busy_ms     the union of the trainer's kernels, copies and memsets
+  idle_ms     the step's span minus busy: the GPU waited (for the CPU to
+              launch, for a sync, for another process's work)
+  gaps        the longest idle gaps, each with the kernel before and after
+              it and how late the next one's launch call was (launch_lag_ms:
+              the CPU issued it only then, so the CPU was the bound)
+  kernels     total time by kernel name (the 15 longest)
+  runtime     CUDA runtime calls by total time on the CPU (a long
+              cudaStreamSynchronize or cudaMemcpy is a stall)
+
+Used by bench/frameworks/hf7b.py --profile-step N.
+"""
+import collections
+import gzip
+import json
+import os
+import tempfile
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _union(intervals):
+    total, end, merged = 0.0, None, []
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            merged.append([s, e])
+            end = e
+        elif e > end:
+            merged[-1][1] = e
+            end = e
+    for s, e in merged:
+        total += e - s
+    return total, merged
+
+
+def summarise(events, top=10):
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and "dur" in e]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    gpu.sort(key=lambda e: e["ts"])
+    t0 = gpu[0]["ts"]
+    t1 = max(e["ts"] + e["dur"] for e in gpu)
+    busy, merged = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    starts = {e["ts"]: e for e in gpu}
+    ends = {}
+    for e in gpu:
+        ends[e["ts"] + e["dur"]] = e
+    gaps = []
+    for (s0, e0), (s1, _) in zip(merged, merged[1:]):
+        nxt = starts.get(s1)
+        prev = ends.get(e0)
+        launch = launches.get(nxt.get("args", {}).get("correlation")) if nxt else None
+        gaps.append({"ms": (s1 - e0) / 1e3, "at_ms": (e0 - t0) / 1e3,
+                     "before": prev["name"][:80] if prev else "",
+                     "after": nxt["name"][:80] if nxt else "",
+                     "launch_lag_ms": ((launch["ts"] + launch["dur"] - e0) / 1e3
+                                       if launch else None)})
+    gaps.sort(key=lambda g: -g["ms"])
+    by_kernel = collections.Counter()
+    for e in gpu:
+        by_kernel[e["name"][:80]] += e["dur"] / 1e3
+    runtime = collections.Counter()
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "dur" in e:
+            runtime[e["name"]] += e["dur"] / 1e3
+    return {"span_ms": (t1 - t0) / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": (t1 - t0 - busy) / 1e3,
+            "idle_gaps_over_50us_ms": sum(g["ms"] for g in gaps if g["ms"] > 0.05),
+            "gaps": gaps[:top],
+            "kernels": {k: round(v, 3) for k, v in by_kernel.most_common(15)},
+            "runtime": {k: round(v, 3) for k, v in runtime.most_common(10)}}
+
+
+class StepProfiler:
+    """start() before the step, stop() after it (the device synchronised):
+    the summary, and the trace gzipped to `trace_path` if given."""
+
+    def __init__(self, trace_path=None):
+        self.trace_path = trace_path
+        self.prof = None
+
+    def start(self):
+        import torch.profiler as tp
+        self.prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+        self.prof.__enter__()
+
+    def stop(self):
+        self.prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            self.prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+            if self.trace_path:
+                with open(path, "rb") as f, gzip.open(self.trace_path, "wb") as g:
+                    g.write(f.read())
+        return summarise(trace.get("traceEvents", []))
