@@ -10,6 +10,11 @@ around one step, summarised (the chrome trace of a 7B step is large):
   kernels     total time by kernel name (the 15 longest)
   runtime     CUDA runtime calls by total time on the CPU (a long
               cudaStreamSynchronize or cudaMemcpy is a stall)
+  cheap_op_us the median CPU cost of the cheapest ops (view, t, transpose,
+              reshape, as_strided, empty: dispatcher work, no kernel) in each
+              50 ms from the step's first op, keyed by the bin's start in ms:
+              how fast the launch thread ran then (what host work beside
+              the trainer, such as dosd's delayed update, takes from it)
 
 Used by bench/frameworks/hf7b.py --profile-step N.
 """
@@ -17,9 +22,13 @@ import collections
 import gzip
 import json
 import os
+import statistics
 import tempfile
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+CHEAP_OPS = ("aten::view", "aten::t", "aten::transpose", "aten::reshape", "aten::as_strided",
+             "aten::empty")
+BIN_US = 50_000
 
 
 def _union(intervals):
@@ -68,12 +77,20 @@ def summarise(events, top=10):
     for e in events:
         if e.get("cat") == "cuda_runtime" and "dur" in e:
             runtime[e["name"]] += e["dur"] / 1e3
+    cheap = collections.defaultdict(list)
+    ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    c0 = min((e["ts"] for e in ops), default=0)  # the step's first op
+    for e in ops:
+        if e["name"] in CHEAP_OPS:
+            cheap[int((e["ts"] - c0) // BIN_US) * BIN_US // 1000].append(e["dur"])
     return {"span_ms": (t1 - t0) / 1e3, "busy_ms": busy / 1e3,
             "idle_ms": (t1 - t0 - busy) / 1e3,
             "idle_gaps_over_50us_ms": sum(g["ms"] for g in gaps if g["ms"] > 0.05),
             "gaps": gaps[:top],
             "kernels": {k: round(v, 3) for k, v in by_kernel.most_common(15)},
-            "runtime": {k: round(v, 3) for k, v in runtime.most_common(10)}}
+            "runtime": {k: round(v, 3) for k, v in runtime.most_common(10)},
+            "cheap_op_us": {str(b): round(statistics.median(v), 2)
+                            for b, v in sorted(cheap.items()) if len(v) >= 5}}
 
 
 class StepProfiler:

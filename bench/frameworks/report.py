@@ -63,6 +63,20 @@ def delay_lines(runs):
     return out
 
 
+def profile_lines(runs):
+    """hf7b.py --profile-step's summary of each run (bench/frameworks/gpu_profile.py)."""
+    out = []
+    for key, r in runs.items():
+        p = (r or {}).get("profile")
+        if not p or "busy_ms" not in p:
+            continue
+        cheap = " ".join(f"{b}:{v:g}" for b, v in p.get("cheap_op_us", {}).items())
+        out.append(f"hf7b_profile_{key}: span {p['span_ms']:.1f} ms, GPU busy {p['busy_ms']:.1f}, "
+                   f"idle {p['idle_ms']:.1f}; the launch thread's cheap-op cost (us) by 50 ms: "
+                   f"{cheap or 'none recorded'}")
+    return out
+
+
 def main():
     w, machine, out = sys.argv[1:4]
     runs = {m: load(w, m) for m in ("all_gpu",) + DOS_RUNS + ("rt_save", "rt_resume")}
@@ -128,7 +142,7 @@ def main():
         print(f"limit: trainer RssAnon <= all-GPU's + 4 GiB = "
               f"{f['hf7b_host_peak_gib_trainer_all_gpu'] + 4:.1f} GiB; dosd <= state x 1.1 = "
               f"{f['hf7b_state_gib'] * 1.1:.1f} GiB")
-    for line in delay_lines(runs):
+    for line in delay_lines(runs) + profile_lines(runs):
         print(line.replace("hf7b_", prefix + "_", 1))
 
 

@@ -37,5 +37,16 @@ def test_busy_idle_and_a_gap_the_cpu_caused():
     assert s["kernels"]["gemm"] == 0.1 and s["runtime"]["cudaLaunchKernel"] == 0.02
 
 
+def test_cheap_ops_by_50_ms_say_how_fast_the_launch_thread_ran():
+    events = [kernel("gemm", 0, 10, 1)]
+    events += [{"cat": "cpu_op", "name": "aten::view", "ts": 1000 + i, "dur": 2} for i in range(5)]
+    events += [{"cat": "cpu_op", "name": "aten::t", "ts": 60_000 + i, "dur": d}
+               for i, d in enumerate([4, 5, 6, 7, 8])]
+    events += [{"cat": "cpu_op", "name": "aten::mm", "ts": 60_000, "dur": 90}]  # not cheap
+    events += [{"cat": "cpu_op", "name": "aten::view", "ts": 120_000, "dur": 1}]  # too few
+    s = gpu_profile.summarise(events)
+    assert s["cheap_op_us"] == {"0": 2, "50": 6}
+
+
 def test_a_trace_without_gpu_work_says_so():
     assert "error" in gpu_profile.summarise([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
