@@ -32,17 +32,14 @@ BIN_US = 50_000
 
 
 def _union(intervals):
-    total, end, merged = 0.0, None, []
+    """(covered length, the merged intervals) of (start, end) pairs."""
+    merged = []
     for s, e in sorted(intervals):
-        if end is None or s > end:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
             merged.append([s, e])
-            end = e
-        elif e > end:
-            merged[-1][1] = e
-            end = e
-    for s, e in merged:
-        total += e - s
-    return total, merged
+    return sum(e - s for s, e in merged), merged
 
 
 def summarise(events, top=10):
@@ -51,10 +48,8 @@ def summarise(events, top=10):
         return {"error": "no GPU events in the trace"}
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    gpu.sort(key=lambda e: e["ts"])
-    t0 = gpu[0]["ts"]
-    t1 = max(e["ts"] + e["dur"] for e in gpu)
     busy, merged = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    t0, t1 = merged[0][0], merged[-1][1]
     starts = {e["ts"]: e for e in gpu}
     ends = {}
     for e in gpu:
@@ -111,9 +106,9 @@ class StepProfiler:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "trace.json")
             self.prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
-            if self.trace_path:
-                with open(path, "rb") as f, gzip.open(self.trace_path, "wb") as g:
-                    g.write(f.read())
-        return summarise(trace.get("traceEvents", []))
+            with open(path, "rb") as f:
+                raw = f.read()
+        if self.trace_path:
+            with gzip.open(self.trace_path, "wb") as g:
+                g.write(raw)
+        return summarise(json.loads(raw).get("traceEvents", []))

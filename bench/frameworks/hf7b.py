@@ -318,7 +318,8 @@ def main():
 
         def on_step_begin(self, a, state, control, **kw):
             if profiler and state.global_step + 1 == args.profile_step:
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 profiler.start()
             self.t = time.perf_counter()
             begins.append(self.t)
@@ -370,7 +371,9 @@ def main():
     # Steady steps: from the third on; with --delay from the first that
     # waits for a delayed update (step delay_warmup + 2).
     skip = max(2, args.delay_warmup + 1) if args.delay else 2
-    steady = sorted(times[skip:]) if len(times) > skip + 2 else sorted(times)
+    # The profiled step (--profile-step) runs slower under the profiler.
+    timed = [s for i, s in enumerate(times) if i + 1 != args.profile_step]
+    steady = sorted(timed[skip:]) if len(timed) > skip + 2 else sorted(timed)
     res["iter_s"] = steady[len(steady) // 2]
     periods = [b - a for a, b in zip(begins, begins[1:])][skip:]
     if periods:
