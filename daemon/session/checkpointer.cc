@@ -52,6 +52,9 @@ struct Candidate {
 // descend), and the longest path accepted.
 constexpr int kMaxDepth = 16;
 constexpr size_t kMaxPathBytes = 1024;
+// Saving every session: how often a snapshot that an early step beat to the
+// session is tried again before the session is left out of this save.
+constexpr int kSnapshotRetries = 3;
 
 // Files under `dir` (recursively, through the store's descriptors, never a
 // link) that are DOS checkpoints, added to `found` under (`uid`, name, rank).
@@ -396,7 +399,16 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
                    .string();
       }
     }
-    absl::StatusOr<CheckpointRecord> rec = SaveOne(s, path, job.autosave);
+    absl::StatusOr<CheckpointRecord> rec = every_session
+                                               ? SaveUnlessAwaiting(s, path, job.autosave)
+                                               : SaveOne(s, path, job.autosave, false);
+    if (every_session && absl::IsAborted(rec.status())) {
+      if (!job.autosave) {
+        stalled.push_back(
+            absl::StrCat("session ", s->identity().id, " (pid ", s->identity().pid, ")"));
+      }
+      continue;
+    }
     if (!rec.ok()) {
       DOS_LOG_WARNING("checkpoint.failed", "session", id, "autosave", job.autosave, "error",
                       rec.status().message());
@@ -438,11 +450,24 @@ bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s, bool autosave) 
   return true;
 }
 
+absl::StatusOr<CheckpointRecord> Checkpointer::SaveUnlessAwaiting(
+    const std::shared_ptr<Session>& s, const std::string& path, bool autosave) {
+  // An early step that began after the caller's wait makes Snapshot give up
+  // instead of waiting for it: wait again, a few times.
+  absl::StatusOr<CheckpointRecord> rec = SaveOne(s, path, autosave, true);
+  for (int retry = 0; absl::IsAborted(rec.status()); ++retry) {
+    if (retry == kSnapshotRetries || !WaitUntilNotAwaitingTrainer(*s, autosave)) break;
+    rec = SaveOne(s, path, autosave, true);
+  }
+  return rec;
+}
+
 absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Session>& s,
                                                        const std::string& resolved_path,
-                                                       bool autosave) {
+                                                       bool autosave, bool skip_if_awaiting) {
   const uint64_t id = s->identity().id;
-  DOS_ASSIGN_OR_RETURN(SnapshotInfo snap, s->Snapshot(&staging_[id], &staging_budget_));
+  DOS_ASSIGN_OR_RETURN(SnapshotInfo snap,
+                       s->Snapshot(&staging_[id], &staging_budget_, skip_if_awaiting));
   CheckpointRecord rec;
   rec.session_id = id;
   rec.step = snap.step;

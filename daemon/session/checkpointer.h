@@ -159,8 +159,16 @@ class Checkpointer {
   // (for an autosave: at once if it did at the last autosave too).
   bool WaitUntilNotAwaitingTrainer(const Session& s, bool autosave);
   // `resolved_path` empty (or `autosave`): the default name.
+  // `skip_if_awaiting`: ABORTED instead of waiting for an early step
+  // (Session::Snapshot).
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
-                                           const std::string& resolved_path, bool autosave);
+                                           const std::string& resolved_path, bool autosave,
+                                           bool skip_if_awaiting);
+  // Saving every session: SaveOne that does not queue behind an early step;
+  // ABORTED when the session still waits for its trainer after
+  // WaitUntilNotAwaitingTrainer.
+  absl::StatusOr<CheckpointRecord> SaveUnlessAwaiting(const std::shared_ptr<Session>& session,
+                                                      const std::string& path, bool autosave);
   std::string DefaultPath(const Session& session, absl::string_view kind, int64_t step) const;
   void PruneAutosaves(const std::string& subdir);
 

@@ -182,6 +182,18 @@ void Session::StepLoop() {
 
 namespace {
 
+// Releases a mutex its owner locked already (Session::LockForSnapshot).
+class HeldLock {
+ public:
+  explicit HeldLock(absl::Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) : mu_(mu) {}
+  ~HeldLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+  HeldLock(const HeldLock&) = delete;
+  HeldLock& operator=(const HeldLock&) = delete;
+
+ private:
+  absl::Mutex* const mu_;
+};
+
 // The daemon-wide totals (metrics) after one step; `params`: the session's
 // parameters when the step applied an update.
 void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome,
@@ -217,12 +229,18 @@ void Session::HandleRequest(uint32_t seq) {
   // any time, and what was validated must be what is applied.
   const StepRequest request = block->request;  // published by request_bell (acquire)
   StepRecord record;
+  // An early step waits for its trainer while it holds mu_: counted in the
+  // gate before it locks (a snapshot queued first goes first), until it ends.
+  const absl::StatusOr<StepKind> decoded = StepKind::Decode(request.flags, /*stream_ordered=*/false);
+  const bool early = decoded.ok() && decoded->early();
+  if (early) trainer_gate_.BeginEarlyStep();
   // Held from the step to the end of its delayed update (if any), which runs
   // after the result is posted: nothing reads or writes the state between
   // the two (state reads, checkpoints and resumes see whole steps).
   absl::MutexLock lock(&mu_);
   record.lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   RunStep(seq, request, start, &record);
+  if (early) trainer_gate_.EndEarlyStep();
   if (record.outcome.ok()) AddDelayFigures(request, &*record.outcome);
   // Done, skipped or failed: no waiter on any subgroup (or on the lease) may
   // be left behind.
@@ -405,14 +423,27 @@ Policy Session::policy() const {
   return policy_;
 }
 
+bool Session::LockForSnapshot(bool skip_if_awaiting) {
+  if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return false;
+  mu_.Lock();
+  trainer_gate_.SnapshotLocked();
+  return true;
+}
+
 absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
-                                               HostMemoryBudget* staging_budget) {
+                                               HostMemoryBudget* staging_budget,
+                                               bool skip_if_awaiting) {
+  const auto awaiting = [this] {
+    return absl::AbortedError(absl::StrCat("checkpoint: session ", identity_.id,
+                                           " waits for its trainer (an early step)"));
+  };
   std::vector<TensorDesc> infos;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;
   StateFormat format = StateFormat::kFp32;
   {
-    absl::MutexLock lock(&mu_);
+    if (!LockForSnapshot(skip_if_awaiting)) return awaiting();
+    HeldLock lock(&mu_);
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
@@ -440,7 +471,8 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   SnapshotInfo info;
   ShardState* shard = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    if (!LockForSnapshot(skip_if_awaiting)) return awaiting();
+    HeldLock lock(&mu_);
     const absl::Time start = absl::Now();
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -44,7 +44,7 @@
 #include "daemon/sched/step_executor.h"
 #include "daemon/sched/step_kind.h"
 #include "daemon/state/register_progress.h"
-#include "daemon/session/waitable_count.h"
+#include "daemon/session/trainer_gate.h"
 #include "daemon/state/shard_state.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
@@ -157,17 +157,20 @@ class Session {
   // only marks the boundary; it copies subgroup by subgroup off the lock
   // while steps go on, each step copying a subgroup itself first if it is
   // about to write one not yet copied (ShardState's copy-on-write).
+  // `skip_if_awaiting` (autosaves): ABORTED instead of waiting when an early
+  // step holds the session waiting for its trainer (TrainerGate).
   absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
-                                        HostMemoryBudget* staging_budget);
+                                        HostMemoryBudget* staging_budget,
+                                        bool skip_if_awaiting = false);
   // True while a step holds the session waiting for its trainer (an early
   // step's ready words or verdict, up to --early_step_ready_timeout): a
   // Snapshot now would wait that long, so autosaves take the other sessions
   // first (Checkpointer).
-  bool AwaitingTrainer() const { return awaiting_trainer_.nonzero(); }
+  bool AwaitingTrainer() const { return trainer_gate_.waiting(); }
   // True once no step waits for the trainer, false if one still does at
   // `deadline` (woken when the wait ends, not polled).
   bool WaitUntilNotAwaitingTrainer(absl::Time deadline) const {
-    return awaiting_trainer_.WaitForZero(deadline);
+    return trainer_gate_.WaitUntilNone(deadline);
   }
   // Loads a checkpoint file into the state and rewrites the trainer's
   // weights; the state is untouched if the file is corrupt or of another
@@ -378,9 +381,11 @@ class Session {
   std::thread step_thread_ ABSL_GUARDED_BY(thread_mu_);
   std::atomic<bool> thread_started_{false};
   std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
-  // Waits for the trainer in progress (WaitReady, AwaitVerdict).
-  mutable WaitableCount awaiting_trainer_;
-  class AwaitingTrainerScope;
+  // Takes mu_ through trainer_gate_; false (mu_ not held) when
+  // `skip_if_awaiting` and an early step holds or is about to hold it.
+  bool LockForSnapshot(bool skip_if_awaiting) ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_);
+  // Early steps (HandleRequest) against snapshots queued for mu_.
+  mutable TrainerGate trainer_gate_;
 };
 
 }  // namespace dos

@@ -11,18 +11,6 @@
 
 namespace dos {
 
-// Counts a wait for the trainer in Session::awaiting_trainer_ while alive.
-class Session::AwaitingTrainerScope {
- public:
-  explicit AwaitingTrainerScope(const Session& s) : n_(s.awaiting_trainer_) { n_.Add(); }
-  ~AwaitingTrainerScope() { n_.Remove(); }
-  AwaitingTrainerScope(const AwaitingTrainerScope&) = delete;
-  AwaitingTrainerScope& operator=(const AwaitingTrainerScope&) = delete;
-
- private:
-  WaitableCount& n_;
-};
-
 StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) const {
   StepSync sync;
   sync.trainer_event = trainer_event_;
@@ -68,7 +56,6 @@ absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begu
   // once it has waited a second (a stalled trainer then costs 100 wake-ups a
   // second, not a core). Liveness and the deadline are checked per slice.
   if (channel_->SubgroupReady(subgroup, seq)) return absl::OkStatus();
-  AwaitingTrainerScope awaiting(*this);
   const absl::Time wait_start = absl::Now();
   absl::Duration nap =
       stream_written ? absl::Microseconds(50) : ControlBlockChannel::kLivenessSlice;
@@ -98,7 +85,6 @@ absl::Status Session::WaitReady(uint32_t subgroup, uint32_t seq, absl::Time begu
 
 absl::StatusOr<StepRequest> Session::AwaitVerdict(uint32_t seq, absl::Time begun) const {
   auto* block = static_cast<ControlBlock*>(control_->data());
-  AwaitingTrainerScope awaiting(*this);
   while (!channel_->WaitVerdict(seq, ControlBlockChannel::kLivenessSlice)) {
     // The bell only moves forward to seq (cyclically): past it, no verdict
     // for this step will ever come.
