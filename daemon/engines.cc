@@ -19,6 +19,7 @@ cpu::CpuUpdaterOptions DelayedUpdaterOptions(const EnginesConfig& config, int th
   cpu::CpuUpdaterOptions delayed = config.cpu;
   const int n = config.delayed_cpu_threads;
   delayed.threads = n > 0 ? n : std::max(1, threads + std::min(n, 0));
+  delayed.worker_nice = config.delayed_cpu_nice;
   return delayed;
 }
 

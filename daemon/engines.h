@@ -36,6 +36,8 @@ struct EnginesConfig {
   // forward and backward, whose launch threads need cores): > 0 that many;
   // 0 as `cpu`; -K `cpu`'s count less K (at least 1).
   int delayed_cpu_threads = -2;
+  // Their workers' nice value (CpuUpdaterOptions::worker_nice).
+  int delayed_cpu_nice = 0;
   // The delayed update starts after the step's result, not at its capture
   // (PlannerOptions::delayed_start_at_result).
   bool delayed_start_at_result = false;

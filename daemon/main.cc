@@ -57,6 +57,9 @@ ABSL_FLAG(int, delayed_cpu_threads, -2,
           "Threads of the delayed update (clients with delay=1), which runs beside the "
           "trainers' forward and backward: N > 0 threads; 0 = as --cpu_threads; -K = "
           "--cpu_threads' count less K, leaving K cores to the trainers' launch threads.");
+ABSL_FLAG(int, delayed_cpu_nice, 0,
+          "Nice value (0-19) of the delayed update's threads, so that the trainers' launch "
+          "threads run first when both want a core; 0 leaves them as dosd's other threads.");
 ABSL_FLAG(std::string, delayed_update_start, "captured",
           "When the delayed update (clients with delay=1) starts: captured = as soon as the "
           "step has copied the gradients, beside the rest of its GPU path; result = once the "
@@ -276,12 +279,17 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engines.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
   c.engines.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
   c.engines.delayed_cpu_threads = absl::GetFlag(FLAGS_delayed_cpu_threads);
+  c.engines.delayed_cpu_nice = absl::GetFlag(FLAGS_delayed_cpu_nice);
   const std::string start = absl::GetFlag(FLAGS_delayed_update_start);
   if (start != "captured" && start != "result") {
     return absl::InvalidArgumentError(
         absl::StrCat("--delayed_update_start=", start, " is unknown; use captured or result"));
   }
   c.engines.delayed_start_at_result = start == "result";
+  if (c.engines.delayed_cpu_nice < 0 || c.engines.delayed_cpu_nice > 19) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--delayed_cpu_nice=", c.engines.delayed_cpu_nice, " is out of range; use 0 to 19"));
+  }
   if (c.engines.cpu.threads < 0 || c.engines.cpu.tile_elems == 0) {
     return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
   }

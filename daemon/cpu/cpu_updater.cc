@@ -2,6 +2,9 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/info.h>
@@ -11,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -107,6 +111,40 @@ class CpuUpdater::Pinner : public tbb::task_scheduler_observer {
   static thread_local bool saved_valid_;
 };
 
+// Sets the nice value of a TBB worker while it works in the arena and gives
+// it its own back when it leaves. The caller of Run (a session's step
+// thread) is left as it is. A failed call leaves the thread as it was.
+class CpuUpdater::Nicer : public tbb::task_scheduler_observer {
+ public:
+  Nicer(tbb::task_arena& arena, int nice) : tbb::task_scheduler_observer(arena), nice_(nice) {
+    observe(true);
+  }
+  ~Nicer() override { observe(false); }
+
+  void on_scheduler_entry(bool is_worker) override {
+    if (!is_worker) return;
+    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
+    errno = 0;
+    const int before = getpriority(PRIO_PROCESS, tid);
+    if (errno != 0) return;
+    saved_ = before;
+    saved_valid_ = setpriority(PRIO_PROCESS, tid, nice_) == 0;
+  }
+  void on_scheduler_exit(bool is_worker) override {
+    if (!is_worker || !saved_valid_) return;
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), saved_);
+    saved_valid_ = false;
+  }
+
+ private:
+  const int nice_;
+  static thread_local int saved_;
+  static thread_local bool saved_valid_;
+};
+
+thread_local int CpuUpdater::Nicer::saved_ = 0;
+thread_local bool CpuUpdater::Nicer::saved_valid_ = false;
+
 thread_local cpu_set_t CpuUpdater::Pinner::saved_;
 thread_local bool CpuUpdater::Pinner::saved_valid_ = false;
 
@@ -121,6 +159,7 @@ CpuUpdater::CpuUpdater(const CpuUpdaterOptions& options)
   CallNoThrow("arena.initialize", [&] {
     arena_.initialize();
     if (options.pin_threads) pinner_ = std::make_unique<Pinner>(arena_);
+    if (options.worker_nice != 0) nicer_ = std::make_unique<Nicer>(arena_, options.worker_nice);
   });
 }
 

@@ -45,6 +45,12 @@ struct CpuUpdaterOptions {
   // Pin arena slot i to the i-th allowed CPU while it works in the arena
   // (a calling thread gets its own affinity back when it leaves).
   bool pin_threads = false;
+  // Nice value (1-19) of the arena's TBB workers while they work in it (0:
+  // left as they are). The delayed update's arena runs beside the trainers'
+  // launch threads: niced, the kernel scheduler runs a trainer's thread
+  // first whenever both want a core. A worker gets its own value back when
+  // it leaves (TBB's workers move between arenas).
+  int worker_nice = 0;
 };
 
 class CpuUpdater {
@@ -109,6 +115,8 @@ class CpuUpdater {
   tbb::task_arena arena_;
   class Pinner;
   std::unique_ptr<Pinner> pinner_;  // set when pin_threads
+  class Nicer;
+  std::unique_ptr<Nicer> nicer_;  // set when worker_nice
 };
 
 }  // namespace dos::cpu

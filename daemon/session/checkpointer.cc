@@ -357,21 +357,14 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     for (auto& s : sessions_->ListOrphans()) targets.push_back(s);
   }
   const bool every_session = job.session_id == 0;
+  std::vector<std::string> stalled;  // not autosaves: left out, then named in the error
   if (every_session) {
     // Sessions waiting for their trainer last (stable: otherwise in order).
     std::stable_partition(targets.begin(), targets.end(),
                           [](const std::shared_ptr<Session>& s) { return !s->AwaitingTrainer(); });
   }
   std::vector<CheckpointRecord> out;
-  std::vector<std::string> stalled;  // an explicit save of every session: left out
   for (const auto& s : targets) {
-    if (every_session && !WaitUntilNotAwaitingTrainer(*s, job.autosave)) {
-      if (!job.autosave) {
-        stalled.push_back(
-            absl::StrCat("session ", s->identity().id, " (pid ", s->identity().pid, ")"));
-      }
-      continue;
-    }
     if (!s->registered()) {
       if (job.session_id != 0) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -399,14 +392,14 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
                    .string();
       }
     }
-    absl::StatusOr<CheckpointRecord> rec = every_session
-                                               ? SaveUnlessAwaiting(s, path, job.autosave)
-                                               : SaveOne(s, path, job.autosave, false);
-    if (every_session && absl::IsAborted(rec.status())) {
-      if (!job.autosave) {
-        stalled.push_back(
-            absl::StrCat("session ", s->identity().id, " (pid ", s->identity().pid, ")"));
-      }
+    // A session whose step waits for its trainer is left out after a bounded
+    // wait, not waited for up to --early_step_ready_timeout: the checkpointer
+    // serves every user of the node, one save at a time.
+    absl::StatusOr<CheckpointRecord> rec = SaveUnlessAwaiting(s, path, job.autosave);
+    if (absl::IsAborted(rec.status())) {
+      if (!job.autosave) stalled.push_back(absl::StrCat("session ", id, " (pid ",
+                                                        s->identity().pid, ")"));
+      if (!every_session) break;
       continue;
     }
     if (!rec.ok()) {
@@ -426,14 +419,14 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
         absl::StrJoin(stalled, ", "), ": its step waits for its trainer's gradients or verdict "
         "(an early step before step()) and still did after ",
         absl::FormatDuration(options_.stalled_trainer_wait),
-        "; save it with --session once its trainer reaches step() (that save waits for the "
-        "step), or close the trainer"));
+        "; save it with --session once its trainer reaches step(), or close the trainer"));
   }
   return out;
 }
 
 bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s, bool autosave) {
   const uint64_t id = s.identity().id;
+  // An explicit save always waits: the trainer may be in an ordinary backward.
   const absl::Time deadline =
       absl::Now() + (autosave && autosave_skipped_.count(id) ? absl::ZeroDuration()
                                                              : options_.stalled_trainer_wait);
@@ -452,22 +445,23 @@ bool Checkpointer::WaitUntilNotAwaitingTrainer(const Session& s, bool autosave) 
 
 absl::StatusOr<CheckpointRecord> Checkpointer::SaveUnlessAwaiting(
     const std::shared_ptr<Session>& s, const std::string& path, bool autosave) {
-  // An early step that began after the caller's wait makes Snapshot give up
-  // instead of waiting for it: wait again, a few times.
-  absl::StatusOr<CheckpointRecord> rec = SaveOne(s, path, autosave, true);
-  for (int retry = 0; absl::IsAborted(rec.status()); ++retry) {
-    if (retry == kSnapshotRetries || !WaitUntilNotAwaitingTrainer(*s, autosave)) break;
-    rec = SaveOne(s, path, autosave, true);
+  // An early step that began after the wait makes Snapshot give up instead
+  // of queueing behind it: wait again, a few times.
+  for (int attempt = 0; attempt <= kSnapshotRetries; ++attempt) {
+    if (!WaitUntilNotAwaitingTrainer(*s, autosave)) break;
+    absl::StatusOr<CheckpointRecord> rec = SaveOne(s, path, autosave);
+    if (!absl::IsAborted(rec.status())) return rec;
   }
-  return rec;
+  return absl::AbortedError(absl::StrCat("checkpoint: session ", s->identity().id,
+                                         " waits for its trainer"));
 }
 
 absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Session>& s,
                                                        const std::string& resolved_path,
-                                                       bool autosave, bool skip_if_awaiting) {
+                                                       bool autosave) {
   const uint64_t id = s->identity().id;
   DOS_ASSIGN_OR_RETURN(SnapshotInfo snap,
-                       s->Snapshot(&staging_[id], &staging_budget_, skip_if_awaiting));
+                       s->Snapshot(&staging_[id], &staging_budget_, /*skip_if_awaiting=*/true));
   CheckpointRecord rec;
   rec.session_id = id;
   rec.step = snap.step;

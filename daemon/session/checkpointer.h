@@ -105,9 +105,11 @@ class Checkpointer {
   // until written; training continues meanwhile. How long: the jobs queued
   // before it (one writer thread, in order), then per session the copy of
   // its state and the file write (its state's bytes at the copy and disk
-  // speeds), plus, for every session, up to stalled_trainer_wait per session
-  // that waits for its trainer. One session's `path` is resolved under its
-  // owner's folder before queueing (INVALID_ARGUMENT at once, field "path").
+  // speeds), plus up to stalled_trainer_wait per session that waits for its
+  // trainer (an early step before its verdict); such a session is left out
+  // and named in a FAILED_PRECONDITION after the others are saved. One
+  // session's `path` is resolved under its owner's folder before queueing
+  // (INVALID_ARGUMENT at once, field "path").
   absl::StatusOr<std::vector<CheckpointRecord>> Save(uint64_t session_id,
                                                      const std::string& path);
   // Deletes `path` (resolved under uid `owner`'s folder: a file, or every
@@ -158,15 +160,14 @@ class Checkpointer {
   // False when `s` still waits for its trainer after stalled_trainer_wait
   // (for an autosave: at once if it did at the last autosave too).
   bool WaitUntilNotAwaitingTrainer(const Session& s, bool autosave);
-  // `resolved_path` empty (or `autosave`): the default name.
-  // `skip_if_awaiting`: ABORTED instead of waiting for an early step
-  // (Session::Snapshot).
+  // `resolved_path` empty (or `autosave`): the default name. ABORTED
+  // instead of queueing behind an early step that holds the session waiting
+  // for its trainer (Session::Snapshot's skip_if_awaiting).
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
-                                           const std::string& resolved_path, bool autosave,
-                                           bool skip_if_awaiting);
-  // Saving every session: SaveOne that does not queue behind an early step;
-  // ABORTED when the session still waits for its trainer after
-  // WaitUntilNotAwaitingTrainer.
+                                           const std::string& resolved_path, bool autosave);
+  // SaveOne once WaitUntilNotAwaitingTrainer says no early step holds the
+  // session (again, a few times, when one begins in between); ABORTED when
+  // one still does.
   absl::StatusOr<CheckpointRecord> SaveUnlessAwaiting(const std::shared_ptr<Session>& session,
                                                       const std::string& path, bool autosave);
   std::string DefaultPath(const Session& session, absl::string_view kind, int64_t step) const;

@@ -372,6 +372,51 @@ TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
   EXPECT_EQ(d.Stop(), 0) << d.log();
 }
 
+// An explicit save of the stalled session alone (`dosctl checkpoint save
+// --session N`) waits a few seconds for its step, not up to
+// --early_step_ready_timeout: one user's stalled trainer cannot hold the
+// node's checkpointer (one save at a time for every user). The busy
+// session's save right after it goes through; once the verdict comes, the
+// stalled session saves too.
+TEST(OpsTest, AnExplicitSaveOfAStalledSessionFailsWithinSecondsAndFreesTheCheckpointer) {
+  const TempDir ckpt_dir("dos-ckpt");
+  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
+  ASSERT_TRUE(d.Start());
+  Trainer stalled, busy;
+  dos_step_args a;
+  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
+  ASSERT_EQ(busy.Step(), DOS_OK);
+  auto stub = DosStub(d.socket());
+  ASSERT_TRUE(WaitForEarlyStep(*stub)) << d.log();
+  auto save = [&](uint64_t session, double* seconds) {
+    v1::SaveCheckpointRequest req;
+    req.set_session_id(session);
+    v1::SaveCheckpointResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
+  double s = 0;
+  grpc::Status st = save(dos_session_id(stalled.s), &s);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_LT(s, 30.0) << "waited for the stalled trainer";
+  EXPECT_NE(st.error_message().find("session " + std::to_string(dos_session_id(stalled.s))),
+            std::string::npos)
+      << st.error_message();
+  EXPECT_NE(st.error_message().find("reaches step()"), std::string::npos) << st.error_message();
+  st = save(dos_session_id(busy.s), &s);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_LT(s, 30.0);
+  ASSERT_EQ(dos_step_verdict(stalled.s, &a, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_step_wait(stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
+  st = save(dos_session_id(stalled.s), &s);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(d.Stop(), 0) << d.log();
+}
+
 TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
   const int port = FreeLoopbackPort();
   DaemonProcess d({"--tcp_listen=127.0.0.1:" + std::to_string(port)});

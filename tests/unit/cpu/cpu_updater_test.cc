@@ -3,7 +3,11 @@
 // with concurrent callers; AllFinite over many runs; FirstTouch.
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -128,6 +132,23 @@ TEST(CpuUpdaterTest, CompactStateTiledEqualsSerial) {
     ASSERT_EQ(av, bv);
     ASSERT_EQ(a.out, b.out);
   }
+}
+
+// The delayed update's workers run niced (CpuUpdaterOptions::worker_nice):
+// the same bits, and the calling thread (a session's step thread) keeps its
+// own nice value.
+TEST(CpuUpdaterTest, NicedWorkersKeepResultsAndTheCallersNice) {
+  errno = 0;
+  const int before = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  ASSERT_EQ(errno, 0);
+  CpuUpdater updater({.threads = 3, .tile_elems = 4096, .worker_nice = 19});
+  Workload parallel = MakeWorkload(3), serial = MakeWorkload(3);
+  for (int step = 0; step < 2; ++step) {
+    updater.Run(parallel.items);
+    RunSerially(serial, updater.isa());
+  }
+  ExpectSameState(parallel, serial);
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), before);
 }
 
 TEST(CpuUpdaterTest, PinningLeavesTheCallersAffinityAlone) {
