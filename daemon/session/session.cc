@@ -182,18 +182,6 @@ void Session::StepLoop() {
 
 namespace {
 
-// Releases a mutex its owner locked already (Session::LockForSnapshot).
-class HeldLock {
- public:
-  explicit HeldLock(absl::Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) : mu_(mu) {}
-  ~HeldLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
-  HeldLock(const HeldLock&) = delete;
-  HeldLock& operator=(const HeldLock&) = delete;
-
- private:
-  absl::Mutex* const mu_;
-};
-
 // The daemon-wide totals (metrics) after one step; `params`: the session's
 // parameters when the step applied an update.
 void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome,
@@ -423,13 +411,6 @@ Policy Session::policy() const {
   return policy_;
 }
 
-bool Session::LockForSnapshot(bool skip_if_awaiting) {
-  if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return false;
-  mu_.Lock();
-  trainer_gate_.SnapshotLocked();
-  return true;
-}
-
 absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
                                                HostMemoryBudget* staging_budget,
                                                bool skip_if_awaiting) {
@@ -442,8 +423,11 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   uint64_t subgroup_size = 0;
   StateFormat format = StateFormat::kFp32;
   {
-    if (!LockForSnapshot(skip_if_awaiting)) return awaiting();
-    HeldLock lock(&mu_);
+    // Through the gate (TrainerGate): not behind an early step that counted
+    // itself first when `skip_if_awaiting`.
+    if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return awaiting();
+    absl::MutexLock lock(&mu_);
+    trainer_gate_.SnapshotLocked();
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
@@ -471,8 +455,11 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   SnapshotInfo info;
   ShardState* shard = nullptr;
   {
-    if (!LockForSnapshot(skip_if_awaiting)) return awaiting();
-    HeldLock lock(&mu_);
+    // Through the gate (TrainerGate): not behind an early step that counted
+    // itself first when `skip_if_awaiting`.
+    if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return awaiting();
+    absl::MutexLock lock(&mu_);
+    trainer_gate_.SnapshotLocked();
     const absl::Time start = absl::Now();
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -381,9 +381,6 @@ class Session {
   std::thread step_thread_ ABSL_GUARDED_BY(thread_mu_);
   std::atomic<bool> thread_started_{false};
   std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
-  // Takes mu_ through trainer_gate_; false (mu_ not held) when
-  // `skip_if_awaiting` and an early step holds or is about to hold it.
-  bool LockForSnapshot(bool skip_if_awaiting) ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_);
   // Early steps (HandleRequest) against snapshots queued for mu_.
   mutable TrainerGate trainer_gate_;
 };
