@@ -334,42 +334,63 @@ bool WaitForEarlyStep(v1::Dos::Stub& stub) {
   return false;
 }
 
-// The same for an explicit save of every session (`dosctl checkpoint save`
-// without --session): the other sessions are saved at once, and the call
-// fails within seconds naming the stalled session and what to do, instead of
-// waiting for it up to --early_step_ready_timeout.
-TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
-  const TempDir ckpt_dir("dos-ckpt");
-  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
-  ASSERT_TRUE(d.Start());
-  Trainer stalled, busy;
-  dos_step_args a;
-  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
-  ASSERT_EQ(busy.Step(), DOS_OK);
-  auto stub = DosStub(d.socket());
-  // dos_step_begin_early returns once the request is sent: wait until dosd
-  // holds the early step (the uid's count of early steps waiting for their
-  // trainer), else the save could run before the step and find nothing stalled.
-  ASSERT_TRUE(WaitForEarlyStep(*stub)) << d.log();
-  v1::SaveCheckpointRequest req;  // session 0: every session
+// SaveCheckpoint of `session` (0: every session) with a 60 s deadline; the
+// call's duration in `*seconds`.
+grpc::Status TimedSave(v1::Dos::Stub& stub, uint64_t session, double* seconds) {
+  v1::SaveCheckpointRequest req;
+  req.set_session_id(session);
   v1::SaveCheckpointResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   const auto t0 = std::chrono::steady_clock::now();
-  grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  grpc::Status st = stub.SaveCheckpoint(&ctx, req, &resp);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+// A dosd with checkpoints, a stalled and a busy trainer on it
+// (StartStalledAndBusy).
+struct StalledNode {
+  TempDir ckpt_dir{"dos-ckpt"};
+  DaemonProcess d{{"--checkpoint_dir=" + ckpt_dir.path()}};
+  Trainer stalled, busy;
+  dos_step_args a;
+};
+
+// Starts `n`: the busy trainer stepped once, and dosd holding the stalled
+// one's early step.
+void StartWithAStalledStep(StalledNode& n) {
+  ASSERT_TRUE(n.d.Start());
+  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(n.d, n.stalled, n.busy, &n.a));
+  ASSERT_EQ(n.busy.Step(), DOS_OK);
+  // dos_step_begin_early returns once the request is sent: wait until dosd
+  // holds the early step (the uid's count of early steps waiting for their
+  // trainer), else the save could run before the step and find nothing stalled.
+  ASSERT_TRUE(WaitForEarlyStep(*DosStub(n.d.socket()))) << n.d.log();
+}
+
+// As for autosaves (above), an explicit save of every session (`dosctl checkpoint save`
+// without --session): the other sessions are saved at once, and the call
+// fails within seconds naming the stalled session and what to do, instead of
+// waiting for it up to --early_step_ready_timeout.
+TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
+  StalledNode n;
+  ASSERT_NO_FATAL_FAILURE(StartWithAStalledStep(n));
+  auto stub = DosStub(n.d.socket());
+  double s = 0;
+  grpc::Status st = TimedSave(*stub, 0, &s);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
   EXPECT_LT(s, 30.0) << "waited for the stalled trainer";
   const std::string msg = st.error_message();
   EXPECT_NE(msg.find("saved 1 session(s)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("ops_busy"), std::string::npos) << msg;  // the file saved
-  EXPECT_NE(msg.find("session " + std::to_string(dos_session_id(stalled.s))), std::string::npos)
+  EXPECT_NE(msg.find("session " + std::to_string(dos_session_id(n.stalled.s))), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("--session"), std::string::npos) << msg;
   // The stalled step, once its verdict comes, completes as usual.
-  ASSERT_EQ(dos_step_verdict(stalled.s, &a, nullptr), DOS_OK) << dos_last_error();
-  ASSERT_EQ(dos_step_wait(stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
-  EXPECT_EQ(d.Stop(), 0) << d.log();
+  ASSERT_EQ(dos_step_verdict(n.stalled.s, &n.a, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_step_wait(n.stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
+  EXPECT_EQ(n.d.Stop(), 0) << n.d.log();
 }
 
 // An explicit save of the stalled session alone (`dosctl checkpoint save
@@ -379,42 +400,25 @@ TEST(OpsTest, AnExplicitSaveOfEverySessionSavesTheOthersAndNamesTheStalledOne) {
 // session's save right after it goes through; once the verdict comes, the
 // stalled session saves too.
 TEST(OpsTest, AnExplicitSaveOfAStalledSessionFailsWithinSecondsAndFreesTheCheckpointer) {
-  const TempDir ckpt_dir("dos-ckpt");
-  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
-  ASSERT_TRUE(d.Start());
-  Trainer stalled, busy;
-  dos_step_args a;
-  ASSERT_NO_FATAL_FAILURE(StartStalledAndBusy(d, stalled, busy, &a));
-  ASSERT_EQ(busy.Step(), DOS_OK);
-  auto stub = DosStub(d.socket());
-  ASSERT_TRUE(WaitForEarlyStep(*stub)) << d.log();
-  auto save = [&](uint64_t session, double* seconds) {
-    v1::SaveCheckpointRequest req;
-    req.set_session_id(session);
-    v1::SaveCheckpointResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    const auto t0 = std::chrono::steady_clock::now();
-    grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
-    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return st;
-  };
+  StalledNode n;
+  ASSERT_NO_FATAL_FAILURE(StartWithAStalledStep(n));
+  auto stub = DosStub(n.d.socket());
   double s = 0;
-  grpc::Status st = save(dos_session_id(stalled.s), &s);
+  grpc::Status st = TimedSave(*stub, dos_session_id(n.stalled.s), &s);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
   EXPECT_LT(s, 30.0) << "waited for the stalled trainer";
-  EXPECT_NE(st.error_message().find("session " + std::to_string(dos_session_id(stalled.s))),
+  EXPECT_NE(st.error_message().find("session " + std::to_string(dos_session_id(n.stalled.s))),
             std::string::npos)
       << st.error_message();
   EXPECT_NE(st.error_message().find("reaches step()"), std::string::npos) << st.error_message();
-  st = save(dos_session_id(busy.s), &s);
+  st = TimedSave(*stub, dos_session_id(n.busy.s), &s);
   EXPECT_TRUE(st.ok()) << st.error_message();
   EXPECT_LT(s, 30.0);
-  ASSERT_EQ(dos_step_verdict(stalled.s, &a, nullptr), DOS_OK) << dos_last_error();
-  ASSERT_EQ(dos_step_wait(stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
-  st = save(dos_session_id(stalled.s), &s);
+  ASSERT_EQ(dos_step_verdict(n.stalled.s, &n.a, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_step_wait(n.stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
+  st = TimedSave(*stub, dos_session_id(n.stalled.s), &s);
   EXPECT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(d.Stop(), 0) << d.log();
+  EXPECT_EQ(n.d.Stop(), 0) << n.d.log();
 }
 
 TEST(OpsTest, TcpListenerServesLoopbackAndRefusesRemoteUnlessAllowed) {
