@@ -52,8 +52,8 @@ struct Candidate {
 // descend), and the longest path accepted.
 constexpr int kMaxDepth = 16;
 constexpr size_t kMaxPathBytes = 1024;
-// Saving every session: how often a snapshot that an early step beat to the
-// session is tried again before the session is left out of this save.
+// How often a snapshot that an early step beat to the session is tried
+// again before the session is left out of this save.
 constexpr int kSnapshotRetries = 3;
 
 // Files under `dir` (recursively, through the store's descriptors, never a

@@ -261,8 +261,9 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
   const Policy step_policy = policy();
   const absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
   channel_->PostLeaseApplied(seq);
-  // The step's kind, decided here once; everything after runs by it. With
-  // the trainer's event its GPU stream orders the step.
+  // The step's kind, decided here (HandleRequest read only whether it is
+  // early, for the gate); everything after runs by it. With the trainer's
+  // event its GPU stream orders the step.
   const absl::StatusOr<StepKind> kind =
       StepKind::Decode(request.flags, trainer_event_ != nullptr);
   // An early step waits for its trainer: counted against its uid's

@@ -157,15 +157,15 @@ class Session {
   // only marks the boundary; it copies subgroup by subgroup off the lock
   // while steps go on, each step copying a subgroup itself first if it is
   // about to write one not yet copied (ShardState's copy-on-write).
-  // `skip_if_awaiting` (autosaves): ABORTED instead of waiting when an early
-  // step holds the session waiting for its trainer (TrainerGate).
+  // `skip_if_awaiting` (every checkpointer save): ABORTED instead of waiting
+  // when an early step holds the session (TrainerGate).
   absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
                                         HostMemoryBudget* staging_budget,
                                         bool skip_if_awaiting = false);
-  // True while a step holds the session waiting for its trainer (an early
-  // step's ready words or verdict, up to --early_step_ready_timeout): a
-  // Snapshot now would wait that long, so autosaves take the other sessions
-  // first (Checkpointer).
+  // True from before an early step takes the session's lock until it ends
+  // (it may wait for its trainer's ready words or verdict, up to
+  // --early_step_ready_timeout): a Snapshot now would wait that long, so
+  // saves take the other sessions first (Checkpointer).
   bool AwaitingTrainer() const { return trainer_gate_.waiting(); }
   // True once no step waits for the trainer, false if one still does at
   // `deadline` (woken when the wait ends, not polled).

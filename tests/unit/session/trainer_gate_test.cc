@@ -52,8 +52,8 @@ TEST(TrainerGateTest, WaiterWakesWhenTheLastEarlyStepEnds) {
   EXPECT_LT(returned - ended, absl::Seconds(30));
 }
 
-// A step counted first: an autosave's snapshot gives up; an explicit save
-// (skip_if_waiting false) queues and waits for the step, as designed.
+// A step counted first: a skipping snapshot (every checkpointer save) gives
+// up; one with skip_if_waiting false queues and waits for the step.
 TEST(TrainerGateTest, ASnapshotSkipsAStepCountedFirst) {
   TrainerGate g;
   g.BeginEarlyStep();
