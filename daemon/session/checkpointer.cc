@@ -461,7 +461,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
                                                        bool autosave) {
   const uint64_t id = s->identity().id;
   DOS_ASSIGN_OR_RETURN(SnapshotInfo snap,
-                       s->Snapshot(&staging_[id], &staging_budget_, /*skip_if_awaiting=*/true));
+                       s->Snapshot(&staging_[id], &staging_budget_));
   CheckpointRecord rec;
   rec.session_id = id;
   rec.step = snap.step;

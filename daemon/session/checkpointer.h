@@ -162,7 +162,7 @@ class Checkpointer {
   bool WaitUntilNotAwaitingTrainer(const Session& s, bool autosave);
   // `resolved_path` empty (or `autosave`): the default name. ABORTED
   // instead of queueing behind an early step that holds the session waiting
-  // for its trainer (Session::Snapshot's skip_if_awaiting).
+  // for its trainer (Session::Snapshot).
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
                                            const std::string& resolved_path, bool autosave);
   // SaveOne once WaitUntilNotAwaitingTrainer says no early step holds the

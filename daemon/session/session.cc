@@ -412,23 +412,26 @@ Policy Session::policy() const {
   return policy_;
 }
 
-absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
-                                               HostMemoryBudget* staging_budget,
-                                               bool skip_if_awaiting) {
-  const auto awaiting = [this] {
+template <typename Locked>
+absl::Status Session::UnderSnapshotLock(Locked locked) {
+  // Through the gate (TrainerGate): not behind an early step that counted
+  // itself first.
+  if (!trainer_gate_.QueueSnapshot()) {
     return absl::AbortedError(absl::StrCat("checkpoint: session ", identity_.id,
                                            " waits for its trainer (an early step)"));
-  };
+  }
+  absl::MutexLock lock(&mu_);
+  trainer_gate_.SnapshotLocked();
+  return locked();
+}
+
+absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
+                                               HostMemoryBudget* staging_budget) {
   std::vector<TensorDesc> infos;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;
   StateFormat format = StateFormat::kFp32;
-  {
-    // Through the gate (TrainerGate): not behind an early step that counted
-    // itself first when `skip_if_awaiting`.
-    if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return awaiting();
-    absl::MutexLock lock(&mu_);
-    trainer_gate_.SnapshotLocked();
+  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
@@ -437,7 +440,8 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
     groups.assign(shard_->groups().begin(), shard_->groups().end());
     subgroup_size = shard_->subgroup_size();
     format = shard_->format();
-  }
+    return absl::OkStatus();
+  }));
   // The layout never changes after registration, so a staging copy made for
   // an earlier snapshot is reused; a new one is allocated (and its pages
   // touched) here, off the lock.
@@ -455,12 +459,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   }
   SnapshotInfo info;
   ShardState* shard = nullptr;
-  {
-    // Through the gate (TrainerGate): not behind an early step that counted
-    // itself first when `skip_if_awaiting`.
-    if (!trainer_gate_.QueueSnapshot(skip_if_awaiting)) return awaiting();
-    absl::MutexLock lock(&mu_);
-    trainer_gate_.SnapshotLocked();
+  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time start = absl::Now();
     if (shard_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -479,7 +478,8 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
       ++snapshot_copiers_;  // TakeShard waits for us to let go of `shard`
     }
     info.locked_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  }
+    return absl::OkStatus();
+  }));
   // Off the lock: steps go on meanwhile. `shard` stays alive until the copier
   // count drops (TakeShard waits for it; the caller's reference keeps the
   // Session, which owns it otherwise).

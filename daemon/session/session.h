@@ -157,11 +157,10 @@ class Session {
   // only marks the boundary; it copies subgroup by subgroup off the lock
   // while steps go on, each step copying a subgroup itself first if it is
   // about to write one not yet copied (ShardState's copy-on-write).
-  // `skip_if_awaiting` (every checkpointer save): ABORTED instead of waiting
-  // when an early step holds the session (TrainerGate).
+  // ABORTED instead of waiting when an early step holds the session
+  // (TrainerGate): the checkpointer saves the other sessions meanwhile.
   absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
-                                        HostMemoryBudget* staging_budget,
-                                        bool skip_if_awaiting = false);
+                                        HostMemoryBudget* staging_budget);
   // True from before an early step takes the session's lock until it ends
   // (it may wait for its trainer's ready words or verdict, up to
   // --early_step_ready_timeout): a Snapshot now would wait that long, so
@@ -246,6 +245,11 @@ class Session {
           const ExecutorSet* executors, HostMemoryBudget* budget,
           std::function<void(uint64_t)> on_client_gone);
   void StepLoop();
+  // Runs `locked` (an absl::Status() callable) under mu_, reached through the
+  // trainer gate (Snapshot's two locked parts); ABORTED without waiting when
+  // an early step holds the session.
+  template <typename Locked>
+  absl::Status UnderSnapshotLock(Locked locked) ABSL_LOCKS_EXCLUDED(mu_);
   // Starts the step thread (once; not after Stop()).
   void StartStepThread();
   // One step request (`seq`), in parts: HandleRequest reads the request

@@ -9,7 +9,7 @@
 // snapshot queues through it (QueueSnapshot) before it locks mu_, an early
 // step counts itself through it (BeginEarlyStep) before it locks mu_, and
 // the two exclude each other there. Either the step counted first (the
-// snapshot sees it and may give up), or the snapshot queued first (the step
+// snapshot sees it and gives up), or the snapshot queued first (the step
 // waits at the gate until the snapshot holds mu_: under it a snapshot only
 // marks a step boundary, so the step waits briefly).
 //
@@ -43,12 +43,12 @@ class TrainerGate {
     absl::MutexLock lock(&mu_);
     --steps_;
   }
-  // Snapshot side, before it locks mu_: false (nothing queued) when
-  // `skip_if_waiting` and an early step is counted; otherwise queues the
-  // snapshot, which calls SnapshotLocked() once it holds mu_.
-  bool QueueSnapshot(bool skip_if_waiting) {
+  // Snapshot side, before it locks mu_: false (nothing queued) when an
+  // early step is counted; otherwise queues the snapshot, which calls
+  // SnapshotLocked() once it holds mu_.
+  bool QueueSnapshot() {
     absl::MutexLock lock(&mu_);
-    if (skip_if_waiting && steps_ > 0) return false;
+    if (steps_ > 0) return false;
     ++queued_;
     return true;
   }

@@ -52,16 +52,15 @@ TEST(TrainerGateTest, WaiterWakesWhenTheLastEarlyStepEnds) {
   EXPECT_LT(returned - ended, absl::Seconds(30));
 }
 
-// A step counted first: a skipping snapshot (every checkpointer save) gives
-// up; one with skip_if_waiting false queues and waits for the step.
+// A step counted first: a snapshot gives up (the checkpointer saves the
+// other sessions meanwhile); once the step ended, one queues.
 TEST(TrainerGateTest, ASnapshotSkipsAStepCountedFirst) {
   TrainerGate g;
   g.BeginEarlyStep();
-  EXPECT_FALSE(g.QueueSnapshot(/*skip_if_waiting=*/true));
-  EXPECT_TRUE(g.QueueSnapshot(/*skip_if_waiting=*/false));
-  g.SnapshotLocked();
+  EXPECT_FALSE(g.QueueSnapshot());
+  EXPECT_TRUE(g.waiting());
   g.EndEarlyStep();
-  EXPECT_TRUE(g.QueueSnapshot(/*skip_if_waiting=*/true));
+  EXPECT_TRUE(g.QueueSnapshot());
   g.SnapshotLocked();
 }
 
@@ -70,7 +69,7 @@ TEST(TrainerGateTest, ASnapshotSkipsAStepCountedFirst) {
 // its trainer with the snapshot behind it.
 TEST(TrainerGateTest, AStepWaitsForASnapshotQueuedFirst) {
   TrainerGate g;
-  ASSERT_TRUE(g.QueueSnapshot(/*skip_if_waiting=*/true));
+  ASSERT_TRUE(g.QueueSnapshot());
   absl::Notification started, counted;
   std::thread step([&] {
     started.Notify();
