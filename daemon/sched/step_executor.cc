@@ -270,11 +270,13 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     verdict_at = absl::Now();
   }
   DOS_RETURN_IF_ERROR(WaitForTrainerEvent(request, sync));
+  const absl::Time event_at = absl::Now();
   StepOutcome out;
   bool finite = true;
   if (!(request.flags & kStepGradientsChecked)) {
     DOS_ASSIGN_OR_RETURN(finite, engine_->AllFinite(shard, bindings));
   }
+  const absl::Time checked_at = absl::Now();
   if (finite) {
     DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step,
                                     delayed));
@@ -291,6 +293,12 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   out.step = StepCount(shard.tensors());
   out.update_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   TimeEarly(kind, start, verdict_at, &out);
+  // Where a step's time went, for an operator chasing a slow step.
+  DOS_LOG_DEBUG("step.phases", "to_verdict_us", absl::ToDoubleMicroseconds(verdict_at - start),
+                "trainer_event_us", absl::ToDoubleMicroseconds(event_at - verdict_at),
+                "finite_scan_us", absl::ToDoubleMicroseconds(checked_at - event_at),
+                "apply_us", absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
+                plan.delayed.size());
   return out;
 }
 
@@ -386,7 +394,11 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
   }
   if (!early.has_value()) return request;
+  const absl::Time stop_start = absl::Now();
   const absl::Status copied = early->Stop();
+  DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us",
+                static_cast<double>(MonotonicNs() - delayed->verdict_ns) * 1e-3, "join_us",
+                absl::ToDoubleMicroseconds(absl::Now() - stop_start));
   if (!copied.ok()) {
     DOS_LOG_WARNING("step.early_capture_failed", "error", copied.message(), "then",
                     "the step copies the gradients after its verdict");

@@ -507,7 +507,8 @@ void StepPlanner::Learn(const StepPlan& plan, const StepMeasurements& m) {
   DOS_LOG_DEBUG("gpu.step", "policy", FormatPolicy(plan.policy), "measured_us", m.wall_us,
                 "predicted_us", plan.predicted_us, "node_share", plan.node_share, "x_model",
                 plan.gpu_share, "gpu_subgroups", streamed, "resident", resident, "cpu_subgroups",
-                cpu, "binding", plan.binding);
+                cpu, "binding", plan.binding, "gpu_loop_us", m.gpu_loop_us, "cpu_loop_us",
+                m.cpu_loop_us);
   if (!options_.timeline_path.empty()) {
     AppendTimeline(options_.timeline_path,
                    TimelineLine(steps_, plan.policy, m.wall_us, plan.predicted_us, m.entries));
