@@ -67,86 +67,76 @@ void CallNoThrow(const char* what, const Fn& fn) {
 
 }  // namespace
 
-// Pins arena slot i to cpus_[i % size] on entry. A thread that is not one of
-// TBB's workers (the caller of Run) gets its previous mask back on exit, so
-// pinning never leaks into the daemon's other threads. Affinity calls that
-// fail (a restricted container) leave the thread where it was: pinning is a
-// placement hint, not a correctness condition.
-class CpuUpdater::Pinner : public tbb::task_scheduler_observer {
+// How the arena's threads run while they work in it, set on entry and
+// undone on exit (TBB workers move between arenas):
+//   pin   arena slot i on cpus_[i % size]; a thread that is not one of TBB's
+//         workers (the caller of Run) gets its own mask back on exit, so
+//         pinning never leaks into the daemon's other threads;
+//   nice  TBB workers at this nice value, their own given back on exit; the
+//         caller of Run (a session's step thread) is left as it is.
+// A failed affinity or priority call (a restricted container) leaves the
+// thread as it was: both are hints, not correctness conditions.
+class CpuUpdater::WorkerSetup : public tbb::task_scheduler_observer {
  public:
-  explicit Pinner(tbb::task_arena& arena) : tbb::task_scheduler_observer(arena) {
+  WorkerSetup(tbb::task_arena& arena, bool pin, int nice)
+      : tbb::task_scheduler_observer(arena), nice_(nice) {
     cpu_set_t mask;
     CPU_ZERO(&mask);
-    if (sched_getaffinity(0, sizeof mask, &mask) == 0) {
+    if (pin && sched_getaffinity(0, sizeof mask, &mask) == 0) {
       for (int c = 0; c < CPU_SETSIZE; ++c) {
         if (CPU_ISSET(c, &mask)) cpus_.push_back(c);
       }
     }
     observe(true);
   }
-  ~Pinner() override { observe(false); }
+  ~WorkerSetup() override { observe(false); }
 
   void on_scheduler_entry(bool is_worker) override {
     const int slot = tbb::this_task_arena::current_thread_index();
-    if (cpus_.empty() || slot < 0) return;
-    if (!is_worker) {
-      saved_valid_ = pthread_getaffinity_np(pthread_self(), sizeof saved_, &saved_) == 0;
+    if (!cpus_.empty() && slot >= 0) {
+      if (!is_worker) {
+        mask_saved_ = pthread_getaffinity_np(pthread_self(), sizeof mask_, &mask_) == 0;
+      }
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpus_[static_cast<size_t>(slot) % cpus_.size()], &one);
+      pthread_setaffinity_np(pthread_self(), sizeof one, &one);
     }
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpus_[static_cast<size_t>(slot) % cpus_.size()], &one);
-    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    if (nice_ != 0 && is_worker) {
+      const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
+      errno = 0;
+      const int before = getpriority(PRIO_PROCESS, tid);
+      if (errno == 0) {
+        nice_saved_ = setpriority(PRIO_PROCESS, tid, nice_) == 0;
+        nice_before_ = before;
+      }
+    }
   }
   void on_scheduler_exit(bool is_worker) override {
-    if (!is_worker && saved_valid_) {
-      pthread_setaffinity_np(pthread_self(), sizeof saved_, &saved_);
-      saved_valid_ = false;
+    if (!is_worker && mask_saved_) {
+      pthread_setaffinity_np(pthread_self(), sizeof mask_, &mask_);
+      mask_saved_ = false;
+    }
+    if (is_worker && nice_saved_) {
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice_before_);
+      nice_saved_ = false;
     }
   }
 
  private:
-  std::vector<int> cpus_;
-  // The calling thread's own mask while it is inside the arena.
-  static thread_local cpu_set_t saved_;
-  static thread_local bool saved_valid_;
+  std::vector<int> cpus_;  // empty: no pinning
+  const int nice_;         // 0: nice values left alone
+  // The thread's own mask and nice value while it is inside the arena.
+  static thread_local cpu_set_t mask_;
+  static thread_local bool mask_saved_;
+  static thread_local int nice_before_;
+  static thread_local bool nice_saved_;
 };
 
-// Sets the nice value of a TBB worker while it works in the arena and gives
-// it its own back when it leaves. The caller of Run (a session's step
-// thread) is left as it is. A failed call leaves the thread as it was.
-class CpuUpdater::Nicer : public tbb::task_scheduler_observer {
- public:
-  Nicer(tbb::task_arena& arena, int nice) : tbb::task_scheduler_observer(arena), nice_(nice) {
-    observe(true);
-  }
-  ~Nicer() override { observe(false); }
-
-  void on_scheduler_entry(bool is_worker) override {
-    if (!is_worker) return;
-    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
-    errno = 0;
-    const int before = getpriority(PRIO_PROCESS, tid);
-    if (errno != 0) return;
-    saved_ = before;
-    saved_valid_ = setpriority(PRIO_PROCESS, tid, nice_) == 0;
-  }
-  void on_scheduler_exit(bool is_worker) override {
-    if (!is_worker || !saved_valid_) return;
-    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), saved_);
-    saved_valid_ = false;
-  }
-
- private:
-  const int nice_;
-  static thread_local int saved_;
-  static thread_local bool saved_valid_;
-};
-
-thread_local int CpuUpdater::Nicer::saved_ = 0;
-thread_local bool CpuUpdater::Nicer::saved_valid_ = false;
-
-thread_local cpu_set_t CpuUpdater::Pinner::saved_;
-thread_local bool CpuUpdater::Pinner::saved_valid_ = false;
+thread_local cpu_set_t CpuUpdater::WorkerSetup::mask_;
+thread_local bool CpuUpdater::WorkerSetup::mask_saved_ = false;
+thread_local int CpuUpdater::WorkerSetup::nice_before_ = 0;
+thread_local bool CpuUpdater::WorkerSetup::nice_saved_ = false;
 
 CpuUpdater::CpuUpdater(const CpuUpdaterOptions& options)
     : threads_(ResolveThreads(options.threads)),
@@ -158,8 +148,9 @@ CpuUpdater::CpuUpdater(const CpuUpdaterOptions& options)
       arena_(threads_, /*reserved_for_masters=*/1) {
   CallNoThrow("arena.initialize", [&] {
     arena_.initialize();
-    if (options.pin_threads) pinner_ = std::make_unique<Pinner>(arena_);
-    if (options.worker_nice != 0) nicer_ = std::make_unique<Nicer>(arena_, options.worker_nice);
+    if (options.pin_threads || options.worker_nice != 0) {
+      setup_ = std::make_unique<WorkerSetup>(arena_, options.pin_threads, options.worker_nice);
+    }
   });
 }
 

@@ -113,10 +113,8 @@ class CpuUpdater {
   const AdamKernelFn kernel_;
   const AllFiniteFn all_finite_;
   tbb::task_arena arena_;
-  class Pinner;
-  std::unique_ptr<Pinner> pinner_;  // set when pin_threads
-  class Nicer;
-  std::unique_ptr<Nicer> nicer_;  // set when worker_nice
+  class WorkerSetup;
+  std::unique_ptr<WorkerSetup> setup_;  // set when pin_threads or worker_nice
 };
 
 }  // namespace dos::cpu
