@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -291,6 +292,49 @@ TEST_F(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
       RunAs(User("dos-sec-a"), daemon_->socket(), {"attach", "register:numel=256"});
   EXPECT_NE(e.find("OK register step=5"), std::string::npos) << e << daemon_->log();
   EXPECT_NE(a.find("OK register step=3"), std::string::npos) << a << daemon_->log();
+}
+
+// One user's trainer that begins an early step and never gives its verdict
+// (stalled, or hostile) holds only its own session. dosd saves one session at
+// a time for every user: another user's save goes through at once, and the
+// stalled user's save of its own session fails within seconds
+// (FAILED_PRECONDITION, naming the session) instead of holding that single
+// checkpointer up to --early_step_ready_timeout. Once the verdict comes, it
+// saves.
+TEST_F(CheckpointStore, AStalledTrainerOfOneUserHoldsUpNoOtherUsersSave) {
+  DOS_SECURITY_REQUIRE();
+  const std::string ck = DaemonOwnedDir("ck");
+  StartDaemon({"--checkpoint_dir=" + ck, "--early_step_ready_timeout=120s"});
+  UserProcess a(User("dos-sec-a"), daemon_->socket(),
+                {"attach:name=stalled", "register:numel=256", "stall", "wait", "rpc_save:id=self",
+                 "wait", "verdict", "rpc_save:id=self"});
+  const std::string stall = a.Await("stall");
+  ASSERT_EQ(Code(stall), 0) << a.output() << daemon_->log();
+  ASSERT_NE(stall.find("held=1"), std::string::npos) << stall << daemon_->log();
+  ASSERT_EQ(Code(a.Await("wait")), 0) << a.output();
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  Clock::time_point t0 = Clock::now();
+  const std::string e = RunAs(User("dos-sec-e"), daemon_->socket(),
+                              {"attach:name=busy", "register:numel=256", "step:n=2",
+                               "rpc_save:id=self"});
+  EXPECT_NE(e.find("OK rpc_save"), std::string::npos) << e << daemon_->log();
+  EXPECT_NE(e.find(UserDir(ck, "dos-sec-e")), std::string::npos) << e;
+  EXPECT_LT(seconds_since(t0), 30.0) << "another user's save waited for the stalled trainer";
+  a.Continue();
+  t0 = Clock::now();
+  const std::string own = a.Await("rpc_save", 60000);
+  EXPECT_LT(seconds_since(t0), 30.0) << "the save waited for its stalled trainer";
+  EXPECT_EQ(Code(own), 9) << own << daemon_->log();  // FAILED_PRECONDITION
+  EXPECT_NE(own.find("session "), std::string::npos) << own;
+  ASSERT_EQ(Code(a.Await("wait")), 0) << a.output();
+  a.Continue();
+  EXPECT_EQ(Code(a.Await("verdict")), 0) << a.output() << daemon_->log();
+  const std::string after = a.Await("rpc_save");
+  EXPECT_EQ(Code(after), 0) << after << daemon_->log();
+  EXPECT_NE(after.find(UserDir(ck, "dos-sec-a")), std::string::npos) << after;
 }
 
 // A session's checkpoint folder swapped for a link to a folder outside the

@@ -11,6 +11,11 @@
 //   step[:n=K,bad=1]              K steps with gradients of 0.5 (default 1); bad=1: with
 //                                 grad_scale -1, which dosd refuses (every step fails)
 //   many:n=N[,numel=K]            N more sessions, each attached and registered
+//   stall                         one step, then an early step (dos_step_begin_early) whose
+//                                 verdict does not come until `verdict`: dosd holds the
+//                                 session waiting for it; prints held=1 once this uid's
+//                                 early-step count says so (GetStats; held=0 after 10 s)
+//   verdict                       the stalled step's verdict, and its result
 //   state_write:step=S            dos_state_write of tensor 0 (ImportState) claiming step S
 //   wait                          print "OK wait" and block until a line or the end of stdin
 //   detach                        dos_detach the attached session
@@ -145,6 +150,8 @@ int main(int argc, char** argv) {
   dos_session* session = nullptr;
   dos_hparams h;
   dos_hparams_init_adamw(&h);
+  dos_step_args stalled;  // `stall`'s early step, for `verdict`
+  dos_step_args_init(&stalled);
   for (int i = 2; i < argc; ++i) {
     const Op op = ParseOp(argv[i]);
     const Args& a = op.args;
@@ -196,6 +203,26 @@ int main(int argc, char** argv) {
       }
       for (uint64_t k = 0; k < n && st == DOS_OK; ++k) st = dos_step(session, &sa, &r);
       PrintDos("step", st, st == DOS_OK ? absl::StrCat("step=", r.step) : "");
+    } else if (op.name == "stall") {
+      stalled.groups = &h;
+      stalled.num_groups = 1;
+      dos_step_result r{};
+      dos_status st = dos_step(session, &stalled, &r);
+      if (st == DOS_OK) st = dos_step_begin_early(session, &stalled, 0, nullptr);
+      bool held = false;
+      for (int k = 0; st == DOS_OK && !held && k < 1000; ++k) {
+        dos::v1::GetStatsResponse resp;
+        if (stub->GetStats(Context().get(), dos::v1::GetStatsRequest(), &resp).ok()) {
+          for (const auto& u : resp.uids()) held |= u.uid() == ::getuid() && u.early_steps() > 0;
+        }
+        if (!held) ::usleep(10'000);
+      }
+      PrintDos("stall", st, absl::StrCat("held=", held ? 1 : 0));
+    } else if (op.name == "verdict") {
+      dos_status st = dos_step_verdict(session, &stalled, nullptr);
+      dos_step_result r{};
+      if (st == DOS_OK) st = dos_step_wait(session, 30000, &r);
+      PrintDos("verdict", st, st == DOS_OK ? absl::StrCat("step=", r.step) : "");
     } else if (op.name == "many") {
       const uint64_t n = U64(a, "n", 1);
       const uint64_t numel = U64(a, "numel", 256);
