@@ -24,8 +24,27 @@ def loss_of(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def test_clip_grad_norm(dos_socket):
-    data = make_data(n=50)
+def _recording_checked(monkeypatch):
+    """The gradients_checked flag of every step request dos.torch builds."""
+    import dos._drivers as drivers
+    seen, real = [], drivers.step_args
+
+    def record(groups, grad_scale, clip_coef, gradients_checked=False, skip=()):
+        seen.append(bool(gradients_checked))
+        return real(groups, grad_scale, clip_coef, gradients_checked, skip)
+    monkeypatch.setattr(drivers, "step_args", record)
+    return seen
+
+
+@pytest.mark.parametrize("clip", ["torch", "dos"])
+def test_clip_grad_norm(dos_socket, monkeypatch, clip):
+    """torch's clip_grad_norm_ in place, or opt.clip_grad_norm_ (the
+    coefficient goes to dosd with the step): torch's clipped AdamW step.
+    opt.clip_grad_norm_'s finite norm also proves every gradient finite: the
+    step tells dosd so (kStepGradientsChecked, no second pass over the
+    gradients); after an in-place clip dosd scans them itself."""
+    seen = _recording_checked(monkeypatch)
+    data = make_data(n=30)
     ref, mine = make_mlp(), make_mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
     with dos.torch.AdamW(mine.parameters(), socket=dos_socket, **LR) as opt:
@@ -33,10 +52,39 @@ def test_clip_grad_norm(dos_socket):
             for model, o in ((ref, ref_opt), (mine, opt)):
                 o.zero_grad()
                 (loss_of(model, x, y) * 10).backward()
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                if o is opt and clip == "dos":
+                    norm = opt.clip_grad_norm_(0.1)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
                 assert norm > 0.1  # clipping is active
                 o.step()
+            assert not opt.found_inf
             assert_same(mine, ref, step)
+    assert len(seen) == len(data) and set(seen) == {clip == "dos"}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 0.0])
+def test_a_gradient_written_after_the_clip_is_scanned_again(dos_socket, monkeypatch, norm_type):
+    """A NaN written in place after the clip (a version counter moved), or a
+    norm that proves nothing (order 0 counts non-zeros): dosd scans the
+    gradients itself and skips the step."""
+    seen = _recording_checked(monkeypatch)
+    model = make_mlp()
+    x, y = make_data(n=1)[0]
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_of(model, x, y).backward()
+        opt.clip_grad_norm_(1.0, norm_type=norm_type)
+        if norm_type == 2.0:
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        else:
+            assert not opt._clip.checked(opt.param_groups)
+            next(model.parameters()).grad.data.view(-1)[0] = float("nan")  # no version moves
+        opt.step()
+        assert opt.found_inf
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)
+    assert seen == [False]
 
 
 def test_grad_scale_argument(dos_socket):

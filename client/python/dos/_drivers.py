@@ -54,6 +54,7 @@ class StepRequest:
     thawed parameters and returns the driver in charge afterwards."""
     grad_scale: float
     clip_coef: float
+    checked: bool     # clip_grad_norm_'s finite norm covers these gradients (_grads.Clip)
     scaler_arg: bool  # a torch 1.x GradScaler passed itself: step() waits
     scaled: bool      # any GradScaler drives this step
     amp: Callable[[], Tuple[float, bool]]
@@ -136,7 +137,7 @@ class SyncDriver:
 
     def begin_step(self, req: StepRequest, amp_scale: float) -> None:
         skip = _grads.bind(self.reg.entries)
-        self.begin(self.args(req.grad_scale * amp_scale, req.clip_coef, skip=skip))
+        self.begin(self.args(req.grad_scale * amp_scale, req.clip_coef, req.checked, skip=skip))
         self.complete(req)
 
     def complete(self, req: StepRequest) -> None:

@@ -260,7 +260,8 @@ class VerdictDriver(EarlyDriver):
         try:
             req.reregister()
             skip = _grads.bind(self._reg.entries)
-            args = self.inner.args(req.grad_scale * amp_scale, req.clip_coef, skip=skip)
+            args = self.inner.args(req.grad_scale * amp_scale, req.clip_coef, req.checked,
+                                   skip=skip)
         except BaseException:
             self._give_up()
             raise

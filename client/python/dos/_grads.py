@@ -25,7 +25,7 @@ from dos._native import Status
 from dos._register import Entry, local_of
 
 __all__ = ["no_gradient", "zero_entry", "unusable", "bind", "take", "thawed", "install_seen_hooks",
-           "install_take_hooks", "zero_unregistered", "clip_coefficient"]
+           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads"]
 
 
 def zero_entry(e: Entry) -> None:
@@ -189,11 +189,41 @@ def zero_unregistered(param_groups, entries: List[Entry], set_to_none: bool) -> 
                 p.grad.zero_()
 
 
+def clip_grads(param_groups) -> List[torch.Tensor]:
+    """The gradients clip_grad_norm_ covers: every parameter's that has one
+    (a DTensor's local shard)."""
+    return [local_of(p.grad) for g in param_groups for p in g["params"] if p.grad is not None]
+
+
+def _versions(grads: List[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
+    return tuple((g.data_ptr(), g._version) for g in grads)
+
+
+class Clip:
+    """What clip_grad_norm_ leaves for the next step(): the coefficient, and
+    whether its norm proved every gradient finite. A finite norm of order > 0
+    (a NaN or inf anywhere makes it NaN or inf; order 0 counts non-zeros) over
+    the gradients that step() finds unchanged (the same tensors, none written
+    in place since: torch's version counters) lets dosd skip its own scan for
+    non-finite gradients (kStepGradientsChecked), a pass over every gradient
+    on the step's critical path. A gradient written behind autograd's back
+    (through .data or a raw pointer) after the clip is not seen: dosd then
+    applies it as torch's AdamW would."""
+
+    def __init__(self, coef: float, grads: List[torch.Tensor], finite: bool):
+        self.coef = coef
+        self._versions = _versions(grads) if finite else None
+
+    def checked(self, param_groups) -> bool:
+        """Whether the gradients are those whose norm was finite."""
+        return self._versions is not None and _versions(clip_grads(param_groups)) == self._versions
+
+
 def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: float,
-                     error_if_nonfinite: bool) -> Tuple[torch.Tensor, float]:
-    """(total norm, coefficient) of torch.nn.utils.clip_grad_norm_ over
-    `grads`, without touching them: the coefficient min(1, max_norm / (norm
-    + 1e-6)) goes to dosd with the next step. Reads the norm on the host."""
+                     error_if_nonfinite: bool) -> Tuple[torch.Tensor, Clip]:
+    """(total norm, Clip) of torch.nn.utils.clip_grad_norm_ over `grads`,
+    without touching them: the coefficient min(1, max_norm / (norm + 1e-6))
+    goes to dosd with the next step. Reads the norm on the host."""
     norm_type = float(norm_type)
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     dev = norms[0].device
@@ -208,4 +238,5 @@ def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: floa
     # dosd's non-finite scan skips such a step (torch would apply NaN updates).
     coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) /
                        (torch.tensor(value, dtype=torch.float32) + 1e-6), max=1.0)
-    return total, float(coef) if math.isfinite(value) else 1.0
+    finite = math.isfinite(value)
+    return total, Clip(float(coef) if finite else 1.0, grads, finite and norm_type > 0)

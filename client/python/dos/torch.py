@@ -42,7 +42,6 @@ from dos._early import check_overlap
 from dos._errors import DosError, call
 from dos._hooks import weak_hook
 from dos._native import Status
-from dos._register import local_of
 from dos._session import track, untrack
 from dos._state import DaemonState, group_defaults
 
@@ -118,7 +117,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._torch_state = DaemonState(weak_hook(self, lambda opt, p: opt._state_of_param(p)))
         self._registering = False
         self._amp_found_inf = None
-        self._clip_coef = None  # from clip_grad_norm_(), for the next step()
+        self._clip = None  # from clip_grad_norm_(), for the next step() (_grads.Clip)
         overlap = check_overlap(overlap)
         # delay=1: dosd's CPU path one step late (dos/_delay.py, docs/python.md).
         delay, delay_warmup = check_delay(delay, delay_warmup, overlap, model)
@@ -379,12 +378,10 @@ class _DosAdamBase(torch.optim.Optimizer):
         bitwise that of step(clip_coef=c), and it works with overlap=True,
         where dosd may read gradients before step(). Reads the norm on the host
         (one device synchronisation)."""
-        grads = [local_of(p.grad) for g in self.param_groups for p in g["params"]
-                 if p.grad is not None]
+        grads = _grads.clip_grads(self.param_groups)
         if not grads:
             return torch.tensor(0.0)
-        total, self._clip_coef = _grads.clip_coefficient(grads, max_norm, norm_type,
-                                                         error_if_nonfinite)
+        total, self._clip = _grads.clip_coefficient(grads, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
@@ -433,13 +430,13 @@ class _DosAdamBase(torch.optim.Optimizer):
             return loss
         driver = self._parts.driver
         driver.settle(lambda: _grads.thawed(self.param_groups, self._entries))
-        clip = self._clip_coef
-        self._clip_coef = None
+        clip, self._clip = self._clip, None
         if clip is not None:
-            clip_coef = float(clip_coef) * clip
+            clip_coef = float(clip_coef) * clip.coef
         scaled = grad_scaler is not None or getattr(self, "grad_scale", None) is not None
         driver.step(StepRequest(
             grad_scale=float(grad_scale), clip_coef=float(clip_coef),
+            checked=clip is not None and clip.checked(self.param_groups),
             scaler_arg=grad_scaler is not None, scaled=scaled,
             amp=lambda: _amp.amp_args(id(self), grad_scaler, getattr(self, "grad_scale", None),
                                       self._amp_found_inf),
