@@ -120,8 +120,9 @@ class GpuSampler:
 # long this step waited for it (the part not hidden); the forward and backward
 # window dosd measured between steps; the planner's predicted iteration
 # (window + exposed update) and update; what this step deferred; dosd's
-# time for the step (wall: from the request it read; an early step's from its
-# verdict, after_verdict: what the trainer waits for after backward).
+# time for the step (wall: from the request it read, an early step's begin
+# during backward included; after_verdict: from an early step's verdict, what
+# the trainer waits for after backward).
 DELAY_KEYS = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_iter_us",
               "predicted_update_us", "delayed_subgroups", "delayed_params", "wall_us",
               "after_verdict_us")

@@ -394,10 +394,12 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
   }
   if (!early.has_value()) return request;
+  // How late this thread read the verdict, then how long the captures still
+  // running took to join (measured apart: the join must not count as late).
+  const double read_late_us = static_cast<double>(MonotonicNs() - delayed->verdict_ns) * 1e-3;
   const absl::Time stop_start = absl::Now();
   const absl::Status copied = early->Stop();
-  DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us",
-                static_cast<double>(MonotonicNs() - delayed->verdict_ns) * 1e-3, "join_us",
+  DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us", read_late_us, "join_us",
                 absl::ToDoubleMicroseconds(absl::Now() - stop_start));
   if (!copied.ok()) {
     DOS_LOG_WARNING("step.early_capture_failed", "error", copied.message(), "then",
