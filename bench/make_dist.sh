@@ -9,7 +9,7 @@ b=${DOS_BUILD_DIR:-build}
 rm -rf .dist; mkdir -p .dist/bin .dist/lib
 for p in daemon/dosd client/dosctl/dosctl; do cp "$b/$p" .dist/bin/; done
 for t in gpu_adam_test gpu_lease_test gpu_ipc_test multi_gpu_test gpu_doomed_trainer \
-         gpu_rank_trainer dos_bench_update_probe dos_bench_update_trainer; do
+         gpu_rank_trainer dos_bench_update_probe dos_bench_update_trainer dos_bench_finite_scan; do
   f=$(find "$b" -type f -name "$t" | head -1); [ -n "$f" ] && cp "$f" .dist/bin/
 done
 cp -L "$b/client/src/libdos_client.so" .dist/lib/libdos_client.so

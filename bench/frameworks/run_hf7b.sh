@@ -67,6 +67,9 @@ kill $dpid; wait $dpid; echo "dosd exit=$?" >> "$O/hf7b.log"
 result=${RESULT:-bench/results/hf7b_${machine}_$(date +%F).json}
 python3 bench/frameworks/report.py $W "$machine" "$result" >> "$O/hf7b.log" 2>&1
 cp "$result" "$O/" 2>/dev/null
-tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"; rm -f "$O/dosd.log"
+tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"
+# dosd's per-step debug lines (DOSD_ARGS=--log_level=debug), the last 60.
+grep -E 'step\.(phases|early_capture)|gpu\.step' "$O/dosd.log" | tail -60 > "$O/dosd_phases.log"
+rm -f "$O/dosd.log"
 cp $W/*.trace.json.gz "$O/" 2>/dev/null  # --profile-step's traces
 rm -rf $W /tmp/dos-hf7b-ckpt

@@ -286,22 +286,6 @@ void LaunchParam(const cpu::AdamScalars& s, const DeviceAdamSpan& sp, cudaStream
 }
 
 template <DType G>
-__global__ void NonFiniteKernel(const void* __restrict__ grad, size_t n, int* flag) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  bool bad = false;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    if constexpr (G == DType::kF32) {
-      bad |= (static_cast<const uint32_t*>(grad)[i] & 0x7f800000u) == 0x7f800000u;
-    } else {
-      constexpr uint16_t kExp = G == DType::kBF16 ? 0x7f80u : 0x7c00u;
-      bad |= (static_cast<const uint16_t*>(grad)[i] & kExp) == kExp;
-    }
-  }
-  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, 1);
-}
-
-template <DType G>
 __global__ void CastKernel(const void* __restrict__ in, size_t n, float* __restrict__ out) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -319,17 +303,6 @@ absl::Status LaunchAdam(const cpu::AdamScalars& s, const DeviceAdamSpan& span,
     case DType::kF32: LaunchParam<DType::kF32>(s, span, stream); break;
     case DType::kBF16: LaunchParam<DType::kBF16>(s, span, stream); break;
     case DType::kF16: LaunchParam<DType::kF16>(s, span, stream); break;
-  }
-  return DOS_CUDA_STATUS(cudaGetLastError());
-}
-
-absl::Status LaunchNonFiniteScan(const void* grad, DType dtype, size_t n, int* flag,
-                                 cudaStream_t stream) {
-  if (n == 0) return absl::OkStatus();
-  switch (dtype) {
-    case DType::kF32: NonFiniteKernel<DType::kF32><<<Blocks(n), kThreads, 0, stream>>>(grad, n, flag); break;
-    case DType::kBF16: NonFiniteKernel<DType::kBF16><<<Blocks(n), kThreads, 0, stream>>>(grad, n, flag); break;
-    case DType::kF16: NonFiniteKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(grad, n, flag); break;
   }
   return DOS_CUDA_STATUS(cudaGetLastError());
 }

@@ -52,10 +52,6 @@ struct DeviceAdamSpan {
 absl::Status LaunchAdam(const cpu::AdamScalars& s, const DeviceAdamSpan& span,
                         cudaStream_t stream);
 
-// ORs 1 into *flag (device memory, int) if any of the n gradients is inf or NaN.
-absl::Status LaunchNonFiniteScan(const void* grad, DType dtype, size_t n, int* flag,
-                                 cudaStream_t stream);
-
 // out[i] = float(in[i]) for a 16-bit gradient (the fp32-cast CPU-path variant).
 absl::Status LaunchCastToFloat(const void* in, DType dtype, size_t n, float* out,
                                cudaStream_t stream);

@@ -19,6 +19,7 @@
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/cuda_ipc_transport.h"
+#include "daemon/gpu/finite_scan.h"
 #include "daemon/gpu/gpu_step.h"
 #include "daemon/sched/device_selection.h"
 
@@ -129,11 +130,13 @@ absl::StatusOr<bool> GpuEngine::AllFinite(const ShardState& shard,
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   DOS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag_dev_, 0, sizeof(int), compute_));
+  std::vector<ScanTensor> tensors;
+  tensors.reserve(shard.tensors().size());
   for (size_t t = 0; t < shard.tensors().size(); ++t) {
     const TensorDesc& info = shard.tensors()[t];
-    DOS_RETURN_IF_ERROR(
-        LaunchNonFiniteScan(bindings[t].grad, info.grad_dtype, info.numel, flag_dev_, compute_));
+    tensors.push_back({bindings[t].grad, info.grad_dtype, info.numel});
   }
+  DOS_RETURN_IF_ERROR(LaunchNonFiniteScan(tensors.data(), tensors.size(), flag_dev_, compute_));
   DOS_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, compute_));
   DOS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));

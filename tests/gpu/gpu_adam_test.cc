@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "daemon/cpu/cpu_updater.h"
 #include "daemon/cpu/host_engine.h"
 #include "daemon/gpu/adam_kernel.h"
+#include "daemon/gpu/finite_scan.h"
 #include "tests/support/dtype_print.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/gpu/pcie_copy.h"
@@ -431,6 +433,108 @@ TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   EXPECT_FALSE(*finite);
   cudaFree(dg);
   cudaFree(dw);
+}
+
+// The scan's bit patterns per dtype: inf of both signs, a quiet NaN and a
+// NaN whose payload is 1; the largest finite value of each sign must pass.
+struct ScanBits {
+  DType dtype;
+  size_t elem;
+  std::vector<uint32_t> bad;
+  std::vector<uint32_t> finite;
+};
+
+std::vector<ScanBits> AllScanBits() {
+  return {{DType::kF32, 4, {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u},
+           {0x7f7fffffu, 0xff7fffffu, 0x3f800000u, 0x00000001u}},
+          {DType::kBF16, 2, {0x7f80u, 0xff80u, 0x7fc0u, 0x7f81u}, {0x7f7fu, 0xff7fu, 0x3f80u, 1u}},
+          {DType::kF16, 2, {0x7c00u, 0xfc00u, 0x7e00u, 0x7c01u}, {0x7bffu, 0xfbffu, 0x3c00u, 1u}}};
+}
+
+void PutBits(std::vector<uint8_t>& buf, size_t byte, size_t elem, uint32_t bits) {
+  std::memcpy(buf.data() + byte, &bits, elem);  // little endian: the low bytes
+}
+
+// Scans `tensors` (pointers into dev) and returns whether the flag was set.
+bool ScanFlags(const std::vector<ScanTensor>& tensors) {
+  int* flag = nullptr;
+  EXPECT_EQ(cudaMalloc(&flag, sizeof(int)), cudaSuccess);
+  EXPECT_EQ(cudaMemset(flag, 0, sizeof(int)), cudaSuccess);
+  EXPECT_TRUE(LaunchNonFiniteScan(tensors.data(), tensors.size(), flag, nullptr).ok());
+  int host = -1;
+  EXPECT_EQ(cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(flag);
+  return host != 0;
+}
+
+TEST(FiniteScanTest, FindsEachNonFiniteValueAtEveryAlignmentAndLength) {
+  SKIP_WITHOUT_GPU();
+  constexpr size_t kMax = 300001;
+  std::mt19937 rng(7);
+  for (const ScanBits& b : AllScanBits()) {
+    std::vector<uint8_t> host((kMax + 16) * b.elem);
+    for (size_t i = 0; i + b.elem <= host.size(); i += b.elem) {
+      PutBits(host, i, b.elem, b.finite[rng() % b.finite.size()]);
+    }
+    auto* dev = DeviceCopy<uint8_t>(host.data(), host.size());
+    for (size_t offset = 0; offset < 16 / b.elem; ++offset) {
+      for (size_t n : {size_t{1}, size_t{2}, size_t{7}, size_t{8}, size_t{9}, size_t{65},
+                       size_t{1000}, kMax}) {
+        const std::vector<ScanTensor> one = {{dev + offset * b.elem, b.dtype, n}};
+        EXPECT_FALSE(ScanFlags(one)) << DTypeName(b.dtype) << " offset " << offset << " n " << n;
+        for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+          const uint32_t bad = b.bad[(offset + pos) % b.bad.size()];
+          const size_t byte = (offset + pos) * b.elem;
+          uint32_t keep = 0;
+          std::memcpy(&keep, host.data() + byte, b.elem);
+          ASSERT_EQ(cudaMemcpy(dev + byte, &bad, b.elem, cudaMemcpyHostToDevice), cudaSuccess);
+          EXPECT_TRUE(ScanFlags(one)) << DTypeName(b.dtype) << " offset " << offset << " n " << n
+                                      << " bad 0x" << std::hex << bad << " at " << std::dec << pos;
+          ASSERT_EQ(cudaMemcpy(dev + byte, &keep, b.elem, cudaMemcpyHostToDevice), cudaSuccess);
+        }
+      }
+    }
+    cudaFree(dev);
+  }
+}
+
+TEST(FiniteScanTest, ManyTensorsOfMixedDtypesAreAllScannedInOneCall) {
+  SKIP_WITHOUT_GPU();
+  // 300 tensors (more than one launch's batch), the first large, the rest
+  // small, at odd offsets: a bad element in any one of them sets the flag.
+  const std::vector<ScanBits> bits = AllScanBits();
+  struct Placed { size_t byte; size_t n; const ScanBits* b; };
+  std::vector<Placed> placed;
+  size_t bytes = 0;
+  for (size_t k = 0; k < 300; ++k) {
+    const ScanBits* b = &bits[k % bits.size()];
+    const size_t n = k == 0 ? (size_t{1} << 22) + 3 : 1 + (k * 37) % 5000;
+    bytes = (bytes + 15) / 16 * 16 + (k % 8) * 2 * b->elem % 16;
+    bytes = (bytes + b->elem - 1) / b->elem * b->elem;
+    placed.push_back({bytes, n, b});
+    bytes += n * b->elem;
+  }
+  std::vector<uint8_t> host(bytes + 16);
+  for (const Placed& p : placed) {
+    for (size_t i = 0; i < p.n; ++i) PutBits(host, p.byte + i * p.b->elem, p.b->elem, p.b->finite[i % 4]);
+  }
+  auto* dev = DeviceCopy<uint8_t>(host.data(), host.size());
+  std::vector<ScanTensor> tensors;
+  for (const Placed& p : placed) tensors.push_back({dev + p.byte, p.b->dtype, p.n});
+  EXPECT_FALSE(ScanFlags(tensors));
+  for (size_t k : {size_t{0}, size_t{1}, size_t{127}, size_t{128}, size_t{299}}) {
+    const Placed& p = placed[k];
+    for (size_t pos : {size_t{0}, p.n - 1}) {
+      const size_t byte = p.byte + pos * p.b->elem;
+      const uint32_t bad = p.b->bad[k % 4];
+      ASSERT_EQ(cudaMemcpy(dev + byte, &bad, p.b->elem, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_TRUE(ScanFlags(tensors)) << "tensor " << k << " element " << pos;
+      ASSERT_EQ(cudaMemcpy(dev + byte, host.data() + byte, p.b->elem, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  }
+  EXPECT_FALSE(ScanFlags(tensors));
+  cudaFree(dev);
 }
 
 }  // namespace
