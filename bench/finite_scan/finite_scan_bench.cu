@@ -19,13 +19,13 @@
 #include "daemon/gpu/finite_scan.h"
 
 namespace {
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                \
-      std::exit(2);                                                                \
-    }                                                                              \
+#define CK(x)                                                       \
+  do {                                                              \
+    cudaError_t e_ = (x);                                           \
+    if (e_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                 \
+    }                                                               \
   } while (0)
 
 __global__ void PerTensorKernel(const uint16_t* __restrict__ grad, size_t n, int* flag) {
@@ -42,7 +42,9 @@ __global__ void FillKernel(uint16_t* p, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31; x *= 0xBF58476D1CE4E5B9ull; x ^= x >> 29;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
     const uint16_t exp = static_cast<uint16_t>(0x30 + (x >> 8) % 0x4f);  // 2^-79 .. 2^-1
     p[i] = static_cast<uint16_t>((x & 0x8000u) | (exp << 7) | (x & 0x7fu));
   }
@@ -113,7 +115,8 @@ int main() {
           static_cast<const uint16_t*>(t.grad), t.n, flag);
     }
   });
-  const double copy_ms = time([&] { CK(cudaMemcpyAsync(copy, grads, total * 2, cudaMemcpyDeviceToDevice)); });
+  const double copy_ms =
+      time([&] { CK(cudaMemcpyAsync(copy, grads, total * 2, cudaMemcpyDeviceToDevice)); });
   const double bytes = total * 2.0;
   const double bound_ms = copy_ms / 2;  // reads the bytes once, without the copy's writes
   cudaDeviceProp prop;

@@ -1,11 +1,10 @@
-#include "daemon/gpu/finite_scan.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "daemon/gpu/cuda_check.h"
+#include "daemon/gpu/finite_scan.h"
 #include "dos/wire/status_macros.h"
 
 namespace dos::gpu {
@@ -86,9 +85,12 @@ __global__ void NonFiniteBatchKernel(const ScanBatch batch, int* flag) {
 
 ScanEntry EntryOf(const ScanTensor& t) {
   switch (t.dtype) {
-    case DType::kF32: return {static_cast<const char*>(t.grad), t.n * 4, 0x7f800000u, 4};
-    case DType::kBF16: return {static_cast<const char*>(t.grad), t.n * 2, 0x7f807f80u, 2};
-    case DType::kF16: return {static_cast<const char*>(t.grad), t.n * 2, 0x7c007c00u, 2};
+    case DType::kF32:
+      return {static_cast<const char*>(t.grad), t.n * 4, 0x7f800000u, 4};
+    case DType::kBF16:
+      return {static_cast<const char*>(t.grad), t.n * 2, 0x7f807f80u, 2};
+    case DType::kF16:
+      return {static_cast<const char*>(t.grad), t.n * 2, 0x7c007c00u, 2};
   }
   return {static_cast<const char*>(t.grad), t.n * 4, 0x7f800000u, 4};
 }
@@ -102,8 +104,8 @@ absl::Status LaunchNonFiniteScan(const ScanTensor* tensors, size_t count, int* f
   uint64_t blocks = 1;
   auto launch = [&]() -> absl::Status {
     if (used == 0) return absl::OkStatus();
-    NonFiniteBatchKernel<<<dim3(static_cast<unsigned>(blocks), used), kThreads, 0, stream>>>(
-        batch, flag);
+    NonFiniteBatchKernel<<<dim3(static_cast<unsigned>(blocks), used), kThreads, 0, stream>>>(batch,
+                                                                                             flag);
     used = 0;
     blocks = 1;
     return DOS_CUDA_STATUS(cudaGetLastError());

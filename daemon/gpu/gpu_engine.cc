@@ -15,13 +15,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
-#include "dos/wire/status_macros.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/cuda_ipc_transport.h"
 #include "daemon/gpu/finite_scan.h"
 #include "daemon/gpu/gpu_step.h"
 #include "daemon/sched/device_selection.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos::gpu {
 

@@ -17,11 +17,11 @@
 #include "daemon/cpu/host_engine.h"
 #include "daemon/gpu/adam_kernel.h"
 #include "daemon/gpu/finite_scan.h"
-#include "tests/support/dtype_print.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/gpu/pcie_copy.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/host_memory_budget.h"
+#include "tests/support/dtype_print.h"
 #include "tests/unit/cpu/adam_test_data.h"
 
 namespace dos::gpu {
@@ -445,7 +445,9 @@ struct ScanBits {
 };
 
 std::vector<ScanBits> AllScanBits() {
-  return {{DType::kF32, 4, {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u},
+  return {{DType::kF32,
+           4,
+           {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u},
            {0x7f7fffffu, 0xff7fffffu, 0x3f800000u, 0x00000001u}},
           {DType::kBF16, 2, {0x7f80u, 0xff80u, 0x7fc0u, 0x7f81u}, {0x7f7fu, 0xff7fu, 0x3f80u, 1u}},
           {DType::kF16, 2, {0x7c00u, 0xfc00u, 0x7e00u, 0x7c01u}, {0x7bffu, 0xfbffu, 0x3c00u, 1u}}};
@@ -503,7 +505,11 @@ TEST(FiniteScanTest, ManyTensorsOfMixedDtypesAreAllScannedInOneCall) {
   // 300 tensors (more than one launch's batch), the first large, the rest
   // small, at odd offsets: a bad element in any one of them sets the flag.
   const std::vector<ScanBits> bits = AllScanBits();
-  struct Placed { size_t byte; size_t n; const ScanBits* b; };
+  struct Placed {
+    size_t byte;
+    size_t n;
+    const ScanBits* b;
+  };
   std::vector<Placed> placed;
   size_t bytes = 0;
   for (size_t k = 0; k < 300; ++k) {
@@ -516,7 +522,8 @@ TEST(FiniteScanTest, ManyTensorsOfMixedDtypesAreAllScannedInOneCall) {
   }
   std::vector<uint8_t> host(bytes + 16);
   for (const Placed& p : placed) {
-    for (size_t i = 0; i < p.n; ++i) PutBits(host, p.byte + i * p.b->elem, p.b->elem, p.b->finite[i % 4]);
+    for (size_t i = 0; i < p.n; ++i)
+      PutBits(host, p.byte + i * p.b->elem, p.b->elem, p.b->finite[i % 4]);
   }
   auto* dev = DeviceCopy<uint8_t>(host.data(), host.size());
   std::vector<ScanTensor> tensors;
