@@ -131,6 +131,12 @@ class DelayedHost {
   // When the last early delayed step's verdict came (CLOCK_MONOTONIC; 0:
   // none): that step's window ends there, not at its begin.
   uint64_t verdict_ns = 0;
+  // Whether the last verdict said the trainer wrote its gradients after
+  // their ready marks (kStepGradientsRewritten: an in-place clip, as the
+  // Hugging Face Trainer's through torch's clip_grad_norm_): then the next
+  // early step copies only the pending weights during backward, not
+  // gradients its verdict would most likely drop again.
+  bool gradients_rewritten = false;
   // The update of the captured subgroups, when it started as soon as they
   // were captured (StepExecutor: while the step's GPU path still runs), and
   // what it reports (read after the join; update_us and update_end_ns keep

@@ -3,18 +3,21 @@
 #include <algorithm>
 #include <chrono>
 
+#include "dos/wire/status_macros.h"
+
 namespace dos {
 
 EarlyCapture::EarlyCapture(Engine* engine, const ShardState& shard,
                            std::span<const TensorBinding> bindings,
                            std::span<const uint32_t> subgroups, const StepSync& sync,
-                           DelayedHost* delayed)
+                           DelayedHost* delayed, bool gradients)
     : engine_(engine),
       shard_(shard),
       bindings_(bindings),
       subgroups_(subgroups.begin(), subgroups.end()),
       sync_(sync),
-      delayed_(delayed) {
+      delayed_(delayed),
+      gradients_(gradients) {
   delayed_->DropEarly();
   if (subgroups_.empty() || !sync_.is_ready) {
     joined_ = true;
@@ -33,11 +36,8 @@ void EarlyCapture::Loop() {
     size_t end = next;
     while (end < subgroups_.size() && sync_.is_ready(subgroups_[end])) ++end;
     if (end > next) {
-      const std::span<const uint32_t> run(subgroups_.data() + next, end - next);
-      delayed_->BeginEarly(run);
-      status_ = engine_->CaptureDelayed(shard_, bindings_, *delayed_, run);
+      status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, end - next));
       if (!status_.ok()) return;
-      delayed_->EarlyCaptured(run);
       next = end;
       nap = std::chrono::microseconds(50);
       continue;
@@ -46,6 +46,25 @@ void EarlyCapture::Loop() {
     std::this_thread::sleep_for(nap);
     nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::milliseconds(1));
   }
+}
+
+absl::Status EarlyCapture::CopyRun(std::span<const uint32_t> run) {
+  if (gradients_) {
+    delayed_->BeginEarly(run);
+    DOS_RETURN_IF_ERROR(engine_->CaptureDelayed(shard_, bindings_, *delayed_, run));
+    delayed_->EarlyCaptured(run);
+    return absl::OkStatus();
+  }
+  // The weights alone: the step's capture after the verdict copies the
+  // gradients and installs nothing twice (DelayedHost::Installed).
+  std::vector<uint32_t> pending;
+  for (uint32_t sg : run) {
+    if (delayed_->is_pending(sg)) pending.push_back(sg);
+  }
+  if (pending.empty()) return absl::OkStatus();
+  DOS_RETURN_IF_ERROR(engine_->InstallDelayed(shard_, bindings_, *delayed_, pending));
+  delayed_->Installed(pending);
+  return absl::OkStatus();
 }
 
 absl::Status EarlyCapture::Stop() {

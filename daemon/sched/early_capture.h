@@ -13,7 +13,11 @@
 // those the next request would install anyway, and the gradients are only
 // read by the update the verdict allows (a verdict that says they were
 // written after their ready marks, kStepGradientsRewritten, has the step
-// copy them again: DelayedHost::DropEarly).
+// copy them again: DelayedHost::DropEarly). Without `gradients` (the last
+// verdict said so: DelayedHost::gradients_rewritten) only the pending
+// weights are copied: copies a rewrite drops cost PCIe and host memory
+// while backward and the delayed update run, and the verdict waits for
+// the last of them.
 //
 // Ownership: the executor's, for one step; it borrows everything. The
 // thread it starts only touches the DelayedHost (whose owner, the session,
@@ -37,9 +41,11 @@ namespace dos {
 class EarlyCapture {
  public:
   // Starts copying `subgroups` (the plan's delayed list, placed in
-  // `delayed`) as `sync.is_ready` finds them ready.
+  // `delayed`) as `sync.is_ready` finds them ready: their pending weights,
+  // and their gradients when `gradients`.
   EarlyCapture(Engine* engine, const ShardState& shard, std::span<const TensorBinding> bindings,
-               std::span<const uint32_t> subgroups, const StepSync& sync, DelayedHost* delayed);
+               std::span<const uint32_t> subgroups, const StepSync& sync, DelayedHost* delayed,
+               bool gradients = true);
   ~EarlyCapture() { (void)Stop(); }
   EarlyCapture(const EarlyCapture&) = delete;
   EarlyCapture& operator=(const EarlyCapture&) = delete;
@@ -51,6 +57,8 @@ class EarlyCapture {
 
  private:
   void Loop();
+  // One run of ready subgroups: copied as the constructor says.
+  absl::Status CopyRun(std::span<const uint32_t> run);
 
   Engine* const engine_;
   const ShardState& shard_;
@@ -58,6 +66,7 @@ class EarlyCapture {
   const std::vector<uint32_t> subgroups_;
   const StepSync& sync_;
   DelayedHost* const delayed_;
+  const bool gradients_;
   std::atomic<bool> stop_{false};
   absl::Status status_;  // the thread's; read after the join
   std::thread thread_;

@@ -377,13 +377,18 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
   // A delayed step copies its delayed subgroups as backward finishes each
   // (early_capture.h). Buffers it cannot place now are placed (or refused,
   // with the step's error) after the verdict, as for any delayed step.
+  // After a verdict that rewrote the gradients, only the weights.
+  const bool copy_gradients = delayed != nullptr && !delayed->gradients_rewritten;
   std::optional<EarlyCapture> early;
   if (kind.delays_host() && delayed != nullptr && !plan.delayed.empty() &&
       delayed->Place(plan.delayed, [this](uint64_t bytes) { return engine_->AllocStaging(bytes); })
           .ok()) {
-    early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed);
+    early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed, copy_gradients);
   }
   absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
+  if (delayed != nullptr && request.ok()) {
+    delayed->gradients_rewritten = (request->flags & kStepGradientsRewritten) != 0;
+  }
   if (delayed != nullptr) {
     // When the trainer gave the verdict (its ring, protocol 8's clients;
     // else now): the window must not grow by the time this thread came late
@@ -400,7 +405,8 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
   const absl::Time stop_start = absl::Now();
   const absl::Status copied = early->Stop();
   DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us", read_late_us, "join_us",
-                absl::ToDoubleMicroseconds(absl::Now() - stop_start));
+                absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_gradients",
+                copy_gradients, "rewritten", delayed->gradients_rewritten);
   if (!copied.ok()) {
     DOS_LOG_WARNING("step.early_capture_failed", "error", copied.message(), "then",
                     "the step copies the gradients after its verdict");

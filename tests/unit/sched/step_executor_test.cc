@@ -357,6 +357,55 @@ TEST(StepExecutorTest, AVerdictThatRewroteTheGradientsHasThemCopiedAgain) {
   EarlyDelayedStep(true);
 }
 
+// After a verdict that rewrote the gradients (an in-place clip), the next
+// early step copies only the pending weights during backward: a write to
+// its gradients before its verdict is seen without the flag. A verdict
+// without it turns the gradients' early copies back on. Every step equals
+// the exact one, applied a step late.
+TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) {
+  Fixture f, exact;
+  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  DelayedHost delayed(*f.shard, &f.budget);
+  const StepSync sync = AllReady();
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  auto step = [&](float scale, bool rewritten, bool early) {
+    const std::vector<std::vector<float>> installed = exact.params;  // the last step's weights
+    for (std::vector<float>& g : exact.grads) {
+      for (float& x : g) x *= scale;
+    }
+    ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+    const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+      bool all = false;
+      for (int i = 0; i < (early ? 5000 : 20) && !all; ++i) {
+        absl::SleepFor(absl::Milliseconds(1));
+        all = true;
+        for (uint32_t sg = 0; sg < 5; ++sg) all = all && delayed.captured_early(sg);
+      }
+      for (uint32_t sg = 0; sg < 5; ++sg) EXPECT_EQ(delayed.captured_early(sg), early) << sg;
+      for (std::vector<float>& g : f.grads) {
+        for (float& x : g) x *= scale;
+      }
+      StepRequest r = Fixture::Request();
+      if (rewritten) r.flags |= kStepGradientsRewritten;
+      return r;
+    };
+    absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
+                                             Policy{}, sync, 0, verdict, &delayed);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(f.params, installed);
+    EXPECT_EQ(delayed.gradients_rewritten, rewritten);
+    ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+    for (uint32_t t = 0; t < 2; ++t) {
+      EXPECT_EQ(f.Master(t), exact.Master(t)) << "tensor " << t << " scale " << scale;
+    }
+  };
+  step(0.5f, true, true);    // copied during backward, dropped, copied again
+  step(2.0f, false, false);  // the weights alone during backward
+  step(1.0f, false, true);   // the gradients too, once more (and nothing written after)
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+}
+
 // A step given up at its verdict drops what it copied: the next step reads
 // its own gradients.
 TEST(StepExecutorTest, AnAbandonedEarlyDelayedStepKeepsNoCapture) {
