@@ -386,9 +386,6 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed, copy_gradients);
   }
   absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
-  if (delayed != nullptr && request.ok()) {
-    delayed->gradients_rewritten = (request->flags & kStepGradientsRewritten) != 0;
-  }
   if (delayed != nullptr) {
     // When the trainer gave the verdict (its ring, protocol 8's clients;
     // else now): the window must not grow by the time this thread came late
@@ -397,6 +394,9 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     const uint64_t now = MonotonicNs();
     const uint64_t rung = request.ok() ? request->ring_ns : 0;
     delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
+    if (request.ok()) {
+      delayed->gradients_rewritten = (request->flags & kStepGradientsRewritten) != 0;
+    }
   }
   if (!early.has_value()) return request;
   // How late this thread read the verdict, then how long the captures still
