@@ -15,6 +15,8 @@
 # HF_ARGS: more hf7b.py flags for the first size's runs (e.g. --max-grad-norm 0
 # or --profile-step 13 --steps 13);
 # DOSD_ARGS: more dosd flags (e.g. --delayed_cpu_threads=0 for an A/B);
+# DOSD_WRAP / TRAINER_WRAP: a command each runs under (e.g. "taskset -c 2-15"
+# and "taskset -c 0-1" to keep dosd's update off the trainer's CPUs);
 # RT_ARGS=--deterministic makes the round trip deterministic on CUDA (hf7b.py:
 # the losses of a resumed run can otherwise differ through CUDA's atomics, not
 # the optimizer); RESULT names
@@ -29,7 +31,7 @@ export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=
 machine=${DOS_MACHINE:-nvidia-h200}
 mkdir -p "$O"
 sock=/tmp/dos-hf7b.sock; rm -f $sock
-"$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt ${DOSD_ARGS:-} > "$O/dosd.log" 2>&1 &
+${DOSD_WRAP:-} "$B/dosd" --socket=$sock --checkpoint_dir=/tmp/dos-hf7b-ckpt ${DOSD_ARGS:-} > "$O/dosd.log" 2>&1 &
 dpid=$!
 export DOS_DOSD_PID=$dpid
 for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
@@ -47,7 +49,7 @@ for run in $modes; do
     *_overlap) mode=${mode%_overlap}; delay+=(--overlap on) ;;
   esac
   echo "== $run $SIZE" >> "$O/hf7b.log"
-  timeout 300 python3 bench/frameworks/hf7b.py --mode $mode "${delay[@]}" \
+  timeout 300 ${TRAINER_WRAP:-} python3 bench/frameworks/hf7b.py --mode $mode "${delay[@]}" \
     --framework ${FRAMEWORK:-hf} --size $SIZE --steps ${STEPS:-12} \
     ${SINK---sink} ${HF_ARGS:-} --workdir $W/$run --out $W/$run.json >> "$O/hf7b.log" 2>&1
   echo "exit=$?" >> "$O/hf7b.log"

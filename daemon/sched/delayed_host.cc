@@ -165,4 +165,12 @@ void DelayedHost::Installed(std::span<const uint32_t> subgroups) {
   std::erase_if(pending_, [&](uint32_t sg) { return state_[sg] != kPending; });
 }
 
+void DelayedHost::NoteWindowSample(double sample_us) {
+  if (sample_us <= 0) return;
+  window_us = window_us > 0 ? 0.5 * window_us + 0.5 * sample_us : sample_us;
+  if (!window_loaded) {
+    clean_window_us = clean_window_us > 0 ? 0.5 * clean_window_us + 0.5 * sample_us : sample_us;
+  }
+}
+
 }  // namespace dos

@@ -66,6 +66,33 @@ double PerfModel::PhaseSeconds(const PerfInputs& in, double x, double streamed,
   return t;
 }
 
+DelayedStepTimes PerfModel::DelayedStep(const PerfInputs& in, const DelayedStepShape& shape) {
+  DelayedStepTimes t;
+  const double gpu_alone_s = PhaseSeconds(in, 1.0, shape.streamed, shape.resident, shape.subgroup);
+  const double capture_s =
+      in.d2h_bytes_per_s > 0 ? shape.delayed * in.grad_bytes / in.d2h_bytes_per_s : 0;
+  // The previous update's weights go back H2D during the step.
+  const double install_s =
+      in.h2d_bytes_per_s > 0 ? shape.delayed * in.weight_bytes / in.h2d_bytes_per_s : 0;
+  const double update_s = shape.delayed_rate > 0 ? shape.delayed / shape.delayed_rate : 0;
+  t.update_s = update_s;
+  double stretch_s = 0;
+  if (!shape.start_at_result && shape.streamed > 0 && update_s > 0 && in.host_bytes_per_s > 0) {
+    const double path_rate = Bound(in, 1.0).params_per_s;
+    const double demand =
+        path_rate * 2 * in.state_bytes + shape.delayed_rate * CpuKernelBytes(in, in.state_bytes);
+    t.slowdown = std::max(1.0, demand / in.host_bytes_per_s);
+    const double overlap_s =
+        std::min({update_s, shape.streamed / path_rate, std::max(0.0, gpu_alone_s - capture_s)});
+    stretch_s = overlap_s * (t.slowdown - 1);
+  }
+  t.step_s = std::max({gpu_alone_s + stretch_s, capture_s, install_s});
+  const double start_s = shape.start_at_result ? t.step_s : capture_s;
+  t.beside_s = t.step_s - start_s;
+  t.overrun_s = std::max(0.0, update_s - t.beside_s - shape.window_s);
+  return t;
+}
+
 void PerfModel::Ewma(double* value, double sample) {
   *value = (1 - kAlpha) * *value + kAlpha * sample;
 }

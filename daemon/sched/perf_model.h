@@ -58,6 +58,28 @@ inline double CpuRate(const PerfInputs& in) {
   return in.cpu_params_per_s * CpuKernelBytes(in, 12) / CpuKernelBytes(in, in.state_bytes);
 }
 
+// A delayed step (issue 23) after its verdict: `streamed` parameters cross
+// PCIe on the GPU path, `resident` are updated in GPU memory, and `delayed`
+// parameters' gradients are captured (D2H) for an update on the CPU at
+// `delayed_rate` params/s that may run until the next step's verdict, which
+// comes `window_s` after this step's result.
+struct DelayedStepShape {
+  double streamed = 0;
+  double resident = 0;
+  double delayed = 0;
+  double subgroup = 0;  // the largest streamed subgroup (fill and drain)
+  double delayed_rate = 0;
+  double window_s = 0;
+  bool start_at_result = false;  // the update starts at the result, not after the capture
+};
+struct DelayedStepTimes {
+  double step_s = 0;     // verdict to result: the GPU path, the captures and installs
+  double overrun_s = 0;  // the delayed update's time past the next verdict (the trainer waits)
+  double update_s = 0;   // the update's own time (delayed / delayed_rate)
+  double beside_s = 0;   // of step_s, the time the update runs beside the step
+  double slowdown = 1;   // f: both host-memory users' stretch while they overlap
+};
+
 struct PerfPrediction {
   double gpu_share = 0;      // x
   double params_per_s = 0;   // r over the non-resident parameters
@@ -83,6 +105,17 @@ class PerfModel {
   // gradient D2H and the last weight H2D.
   static double PhaseSeconds(const PerfInputs& in, double x, double streamed, double resident,
                              double subgroup = 0);
+  // A delayed step's times. The update starts once its gradients are
+  // captured (or at the result) and runs beside the rest of the GPU path,
+  // then the window. While it runs beside the streamed transfers the two
+  // share host memory: the DMA engines want 2s bytes per streamed parameter
+  // at the path's rate, the cores k(s) per delayed parameter at
+  // delayed_rate, and when that is more than M_host both slow by
+  // f = demand / M_host (DESIGN.md section 7: 104 + 92 GB/s alone, 145
+  // together; f 1.35). The streamed part is stretched by f - 1 for as long as
+  // they overlap; the update's own stretch is already in delayed_rate, which
+  // is measured in such steps.
+  static DelayedStepTimes DelayedStep(const PerfInputs& in, const DelayedStepShape& shape);
   // The fill/drain term of PhaseSeconds alone.
   static double PipelineLatencySeconds(const PerfInputs& in, double x, double subgroup);
 

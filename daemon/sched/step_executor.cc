@@ -259,7 +259,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   // The node counts this engine as stepping (its share of the host) from
   // here until the step ends, failed or skipped included.
   NodeResources::Step node_step = planner_.BeginStep(layout, resident);
-  const double window_us = delayed != nullptr ? delayed->window_us : 0;
+  const double window_us = delayed != nullptr ? delayed->PlanWindowUs() : 0;
   const StepPlan plan = planner_.Plan(policy, layout, resident, kind, window_us);
   DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
@@ -296,9 +296,11 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   // Where a step's time went, for an operator chasing a slow step.
   DOS_LOG_DEBUG("step.phases", "to_verdict_us", absl::ToDoubleMicroseconds(verdict_at - start),
                 "trainer_event_us", absl::ToDoubleMicroseconds(event_at - verdict_at),
-                "finite_scan_us", absl::ToDoubleMicroseconds(checked_at - event_at),
-                "apply_us", absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
-                plan.delayed.size());
+                "finite_scan_us", absl::ToDoubleMicroseconds(checked_at - event_at), "apply_us",
+                absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
+                plan.delayed.size(), "window_us", plan.window_us, "predicted_us", plan.predicted_us,
+                "host_slowdown", plan.host_slowdown, "m_host_gbps",
+                plan.inputs.host_bytes_per_s * 1e-9);
   return out;
 }
 
@@ -313,10 +315,10 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
     // copies cross PCIe where resident ones only cost GPU kernel time); the
     // cap moves by more than a twentieth of the subgroups (at least 2) only,
     // so that a window's jitter does not move state in and out of the GPU.
-    uint32_t cap = planner_.DelayedResidentCap(policy, layout, delayed->window_us);
-    if (cap < target &&
-        planner_.Plan(policy, layout, cap, kind, delayed->window_us).predicted_us >=
-            planner_.Plan(policy, layout, target, kind, delayed->window_us).predicted_us) {
+    const double window_us = delayed->PlanWindowUs();
+    uint32_t cap = planner_.DelayedResidentCap(policy, layout, window_us);
+    if (cap < target && planner_.Plan(policy, layout, cap, kind, window_us).predicted_us >=
+                            planner_.Plan(policy, layout, target, kind, window_us).predicted_us) {
       cap = target;
     }
     const int64_t jitter =

@@ -113,6 +113,9 @@ struct StepPlan {
   uint64_t delayed_params = 0;
   double window_us = 0;
   double predicted_iter_us = 0;
+  // f of PerfModel::DelayedStep: the streamed path's stretch while the
+  // delayed update shares host memory with it (1: no overlap or room).
+  double host_slowdown = 1;
   std::vector<uint64_t> numel;     // per subgroup
   uint64_t max_numel = 0;          // largest subgroup (the staging buffers' size)
   uint64_t resident_params = 0;

@@ -89,11 +89,6 @@ std::vector<uint32_t> CpuSideOrder(const StepPlan& plan) {
   return order;
 }
 
-// Seconds the gradients of `params` delayed parameters take D2H.
-double GradCaptureSeconds(const PerfInputs& in, double params) {
-  return in.d2h_bytes_per_s > 0 ? params * in.grad_bytes / in.d2h_bytes_per_s : 0;
-}
-
 }  // namespace
 
 ShardLayout ShardLayout::Of(const ShardState& shard, bool grad_fp32) {
@@ -309,50 +304,45 @@ void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
   plan.shared.clear();
 }
 
-double StepPlanner::BesideGpuPath(double gpu_s, double capture_s) const {
-  return options_.delayed_start_at_result ? 0 : std::max(0.0, gpu_s - capture_s);
+DelayedStepTimes StepPlanner::TimeDelayed(const StepPlan& plan, double streamed, double delayed,
+                                          uint64_t max_streamed, double window_s) const {
+  DelayedStepShape shape;
+  shape.streamed = streamed;
+  shape.resident = static_cast<double>(plan.resident_params);
+  shape.delayed = delayed;
+  shape.subgroup = static_cast<double>(max_streamed);
+  shape.delayed_rate = DelayedRate(plan.inputs);
+  shape.window_s = window_s;
+  shape.start_at_result = options_.delayed_start_at_result;
+  return PerfModel::DelayedStep(plan.inputs, shape);
 }
 
 double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) const {
-  const double rate = DelayedRate(plan.inputs);
-  if (rate <= 0) return 0;
-  const PerfInputs& in = plan.inputs;
+  if (DelayedRate(plan.inputs) <= 0) return 0;
   const std::vector<uint32_t> cpu_side = CpuSideOrder(plan);
   const uint64_t max_streamed = MaxStreamedNumel(plan);
   // The update starts once the gradients are captured and may run until the
-  // trainer's next gradients: through the rest of the GPU path and the
-  // window. The most parameters whose update fits 90% of that.
+  // trainer's next gradients: through the rest of the GPU path (slowed where
+  // the two share host memory) and the window. The most parameters whose
+  // update fits 90% of that.
   double best = 0, h = 0;
   for (uint32_t sg : cpu_side) {
     h += static_cast<double>(plan.numel[sg]);
-    const double gpu_s = PerfModel::PhaseSeconds(
-        in, 1.0, static_cast<double>(plan.streamed_params) - h,
-        static_cast<double>(plan.resident_params), static_cast<double>(max_streamed));
-    const double capture_s = GradCaptureSeconds(in, h);
-    if (h / rate > 0.9 * (window_us * 1e-6 + BesideGpuPath(gpu_s, capture_s))) break;
+    const DelayedStepTimes t = TimeDelayed(plan, static_cast<double>(plan.streamed_params) - h, h,
+                                           max_streamed, window_us * 1e-6);
+    if (t.update_s > 0.9 * (window_us * 1e-6 + t.beside_s)) break;
     best = h;
   }
   return best + 0.5;
 }
 
 void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
-  const PerfInputs& in = plan.inputs;
-  const double streamed = static_cast<double>(plan.streamed_params - plan.delayed_params);
-  const double gpu_s = PerfModel::PhaseSeconds(in, 1.0, streamed,
-                                               static_cast<double>(plan.resident_params),
-                                               static_cast<double>(max_streamed));
-  const double h = static_cast<double>(plan.delayed_params);
-  const double capture_s =
-      std::max(GradCaptureSeconds(in, h),
-               in.h2d_bytes_per_s > 0 ? h * in.weight_bytes / in.h2d_bytes_per_s : 0);
-  const double rate = DelayedRate(in);
-  const double window_s = plan.window_us * 1e-6;
-  // The update starts once the gradients are captured: it overlaps the rest
-  // of the GPU path, then the window (started at the result: the window).
-  const double overrun_s =
-      rate > 0 ? std::max(0.0, h / rate - window_s - BesideGpuPath(gpu_s, capture_s)) : 0;
-  plan.predicted_us = (std::max(gpu_s, capture_s) + overrun_s) * 1e6;
+  const DelayedStepTimes t =
+      TimeDelayed(plan, static_cast<double>(plan.streamed_params - plan.delayed_params),
+                  static_cast<double>(plan.delayed_params), max_streamed, plan.window_us * 1e-6);
+  plan.predicted_us = (t.step_s + t.overrun_s) * 1e6;
   plan.predicted_iter_us = plan.window_us + plan.predicted_us;
+  plan.host_slowdown = t.slowdown;
 }
 
 void StepPlanner::OrderFor(StepKind kind, StepPlan& plan) {

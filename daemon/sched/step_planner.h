@@ -195,10 +195,11 @@ class StepPlanner {
   // the window (the CPU side's tail, in PlaceDelayed's order).
   double AutoDelayedBudget(const StepPlan& plan, double window_us) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Seconds of a delayed step's GPU path (`gpu_s`, its captures `capture_s`)
-  // its update runs beside: what follows the captures, none when it starts
-  // at the result (PlannerOptions::delayed_start_at_result).
-  double BesideGpuPath(double gpu_s, double capture_s) const;
+  // PerfModel::DelayedStep for `plan` with `streamed` parameters on the GPU
+  // path and `delayed` on the host path.
+  DelayedStepTimes TimeDelayed(const StepPlan& plan, double streamed, double delayed,
+                               uint64_t max_streamed, double window_s) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The delayed update's rate, params/s: learned (LearnDelayed), else the
   // CPU kernel's rate for `in`.
   double DelayedRate(const PerfInputs& in) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -26,8 +26,7 @@ void Session::NoteWindow(const StepRequest& request) {
   if (request.flags & kStepGradientsPending) return;
   // The host's view (the trainer rang after its forward and backward): what
   // engines that measure on the GPU replace (AddDelayFigures).
-  const double sample = static_cast<double>(request.ring_ns - last_post_ns_) * 1e-3;
-  delayed_->window_us = delayed_->window_us > 0 ? 0.5 * delayed_->window_us + 0.5 * sample : sample;
+  delayed_->NoteWindowSample(static_cast<double>(request.ring_ns - last_post_ns_) * 1e-3);
 }
 
 void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
@@ -37,11 +36,10 @@ void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
     // and the ring see only its begin, during backward).
     out->measured_window_us = static_cast<double>(delayed_->verdict_ns - last_post_ns_) * 1e-3;
   }
-  if (out->measured_window_us > 0) {  // the GPU's view, for the next plan
-    delayed_->window_us = delayed_->window_us > 0
-                              ? 0.5 * delayed_->window_us + 0.5 * out->measured_window_us
-                              : out->measured_window_us;
-  }
+  // The GPU's view, for the next plan.
+  if (out->measured_window_us > 0) delayed_->NoteWindowSample(out->measured_window_us);
+  // The update of this step's captures runs beside the next window.
+  delayed_->window_loaded = out->delayed_subgroups > 0;
   out->delayed_update_us = delayed_->update_us;
   if (out->measured_window_us > 0) {
     out->delayed_wait_us = std::max(0.0, -out->delayed_slack_us);

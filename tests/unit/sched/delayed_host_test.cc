@@ -119,5 +119,34 @@ TEST(DelayedHostTest, APlacementPastTheSessionLimitAllocatesNothing) {
   EXPECT_EQ(budget.used(), state + kRegionBytes);
 }
 
+// The window a plan budgets is the trainer's own (measured with no delayed
+// update beside it), not one the update stretched: on nvidia-h200 the HF
+// Trainer's 7B fp32 window grew from 0.25 to 0.6 s beside a 0.68 s update,
+// and a budget taken from it delayed more (26 subgroups, 0.93 s/iter).
+TEST(DelayedHostTest, PlansBudgetTheWindowNoUpdateStretched) {
+  HostMemoryBudget budget{0};
+  auto shard = FourSubgroups(&budget);
+  DelayedHost delayed(*shard, &budget);
+  EXPECT_DOUBLE_EQ(delayed.PlanWindowUs(), 0);
+  delayed.NoteWindowSample(250);  // after an exact step: clean
+  EXPECT_DOUBLE_EQ(delayed.clean_window_us, 250);
+  delayed.window_loaded = true;  // a delayed update runs beside the next ones
+  delayed.NoteWindowSample(600);
+  delayed.NoteWindowSample(600);
+  EXPECT_DOUBLE_EQ(delayed.window_us, 512.5);
+  EXPECT_DOUBLE_EQ(delayed.clean_window_us, 250);
+  EXPECT_DOUBLE_EQ(delayed.PlanWindowUs(), 250);
+  // A trainer that got faster is believed at once; a clean window of a
+  // slower trainer is taken too.
+  delayed.NoteWindowSample(100);
+  delayed.NoteWindowSample(100);
+  delayed.NoteWindowSample(0);  // no sample
+  EXPECT_DOUBLE_EQ(delayed.PlanWindowUs(), delayed.window_us);
+  EXPECT_LT(delayed.window_us, 250);
+  delayed.window_loaded = false;
+  delayed.NoteWindowSample(400);
+  EXPECT_DOUBLE_EQ(delayed.clean_window_us, 325);
+}
+
 }  // namespace
 }  // namespace dos

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "tests/unit/sched/planner_test_util.h"
 
 namespace dos {
@@ -74,6 +76,52 @@ TEST(PerfModelTest, CompactCpuMeasurementsAreKeptAsTheFp32Rate) {
   for (int i = 0; i < 50; ++i) m.ObserveCpu(3.7e9 * 28 / 20, 1.0);
   EXPECT_NEAR(m.inputs().cpu_params_per_s, 3.7e9, 1e6);
   EXPECT_NEAR(CpuRate(m.inputs()), 3.7e9 * 28 / 20, 1e6);
+}
+
+// A delayed step whose update runs beside the streamed transfers: the DMA
+// engines (97 GB/s of PCIe, 24 B per parameter) and the cores (3.7 Gparam/s at
+// 28 B) want 200 GB/s of 145, so the streamed part is stretched by f - 1 for
+// as long as both run; the section 7 run of both at once saw 1.3-1.4.
+TEST(PerfModelTest, ADelayedUpdateBesideTheStreamedPathSharesHostMemory) {
+  const PerfInputs in = H200();
+  const double path_rate = PerfModel::Bound(in, 1.0).params_per_s;
+  DelayedStepShape shape;
+  shape.streamed = 1e9;  // 0.25 s alone
+  shape.resident = 2e9;
+  shape.delayed = 0.37e9;  // 0.1 s of update, all beside the streamed part
+  shape.delayed_rate = 3.7e9;
+  shape.window_s = 0.3;
+  const double f = (97e9 + 3.7e9 * 28) / 145e9;
+  const double alone_s = PerfModel::PhaseSeconds(in, 1.0, 1e9, 2e9);
+  DelayedStepTimes t = PerfModel::DelayedStep(in, shape);
+  EXPECT_NEAR(t.slowdown, f, 1e-9);
+  EXPECT_NEAR(t.slowdown, 1.38, 0.01);
+  EXPECT_NEAR(t.step_s, alone_s + 0.1 * (f - 1), 1e-9);
+  EXPECT_DOUBLE_EQ(t.overrun_s, 0);
+  // A longer update starts after its longer capture and overlaps the rest of
+  // the path, then runs into the window: what the window does not hold is
+  // the overrun.
+  shape.delayed = 3.7e9;  // 1 s
+  t = PerfModel::DelayedStep(in, shape);
+  const double capture_s = 3.7e9 * 2 / 55e9;
+  ASSERT_LT(alone_s - capture_s, 1e9 / path_rate);
+  const double step_s = alone_s + (alone_s - capture_s) * (f - 1);
+  EXPECT_NEAR(t.step_s, step_s, 1e-9);
+  EXPECT_NEAR(t.overrun_s, capture_s + 1.0 - step_s - 0.3, 1e-9);
+  // Started at the result the update overlaps no transfer, and has only the window.
+  shape.start_at_result = true;
+  t = PerfModel::DelayedStep(in, shape);
+  EXPECT_DOUBLE_EQ(t.slowdown, 1);
+  EXPECT_NEAR(t.step_s, std::max(alone_s, capture_s), 1e-9);
+  EXPECT_NEAR(t.overrun_s, 1.0 - 0.3, 1e-9);
+  // Nothing streamed (compact state held resident) or room in host memory: no stretch.
+  shape.start_at_result = false;
+  shape.streamed = 0;
+  EXPECT_DOUBLE_EQ(PerfModel::DelayedStep(in, shape).slowdown, 1);
+  shape.streamed = 1e9;
+  PerfInputs roomy = in;
+  roomy.host_bytes_per_s = 400e9;
+  EXPECT_DOUBLE_EQ(PerfModel::DelayedStep(roomy, shape).slowdown, 1);
 }
 
 }  // namespace
