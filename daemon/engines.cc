@@ -58,7 +58,10 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
     gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
     PlannerOptions planner;
-    if (config.model_host_gbps > 0) planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+    if (config.model_host_gbps > 0) {
+      planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
+      planner.initial.host_shared_bytes_per_s = config.model_host_gbps * 1e9;
+    }
     planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
     planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
     planner.grad_fp32 = config.gpu_cpu_grad_fp32;

@@ -75,6 +75,7 @@ PerfInputs NodeResources::Apply(const PerfInputs& in, double share) const {
   absl::MutexLock lock(&mu_);
   out.cpu_params_per_s = model_.inputs().cpu_params_per_s * share;
   out.host_bytes_per_s = model_.inputs().host_bytes_per_s * share;
+  out.host_shared_bytes_per_s = in.host_shared_bytes_per_s * share;
   return out;
 }
 
@@ -84,6 +85,7 @@ PerfInputs NodeResources::Apply(int id, const PerfInputs& in, double share) cons
   out.cpu_params_per_s = model_.inputs().cpu_params_per_s * share;
   out.host_bytes_per_s =
       std::min(engines_[id].host_alone, model_.inputs().host_bytes_per_s * share);
+  out.host_shared_bytes_per_s = in.host_shared_bytes_per_s * share;
   return out;
 }
 

@@ -77,11 +77,12 @@ DelayedStepTimes PerfModel::DelayedStep(const PerfInputs& in, const DelayedStepS
   const double update_s = shape.delayed_rate > 0 ? shape.delayed / shape.delayed_rate : 0;
   t.update_s = update_s;
   double stretch_s = 0;
-  if (!shape.start_at_result && shape.streamed > 0 && update_s > 0 && in.host_bytes_per_s > 0) {
+  if (!shape.start_at_result && shape.streamed > 0 && update_s > 0 &&
+      in.host_shared_bytes_per_s > 0) {
     const double path_rate = Bound(in, 1.0).params_per_s;
     const double demand =
         path_rate * 2 * in.state_bytes + shape.delayed_rate * CpuKernelBytes(in, in.state_bytes);
-    t.slowdown = std::max(1.0, demand / in.host_bytes_per_s);
+    t.slowdown = std::max(1.0, demand / in.host_shared_bytes_per_s);
     const double overlap_s =
         std::min({update_s, shape.streamed / path_rate, std::max(0.0, gpu_alone_s - capture_s)});
     stretch_s = overlap_s * (t.slowdown - 1);

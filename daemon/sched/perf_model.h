@@ -44,6 +44,12 @@ struct PerfInputs {
   double d2h_bytes_per_s = 50e9;     // B_d2h, pinned
   double pcie_both_bytes_per_s = 95e9;  // B_both: both directions at once, in total
   double host_bytes_per_s = 145e9;   // M_host: cores and DMA engines together
+  // M_host as seeded (the probe's figure, --model_host_gbps), never learned:
+  // what the delayed update and the streamed path share (DelayedStep). The
+  // learned M_host above is the model's effective figure: it divides a
+  // step's bytes by its time less the resident kernels, which the host's
+  // traffic overlaps, and rose to 200-273 GB/s on nvidia-h200 (probe: 168).
+  double host_shared_bytes_per_s = 145e9;
   double grad_bytes = 2;             // g
   double weight_bytes = 2;           // w
   double state_bytes = 12;           // s: 12 fp32 state, 8 compact
@@ -110,7 +116,8 @@ class PerfModel {
   // then the window. While it runs beside the streamed transfers the two
   // share host memory: the DMA engines want 2s bytes per streamed parameter
   // at the path's rate, the cores k(s) per delayed parameter at
-  // delayed_rate, and when that is more than M_host both slow by
+  // delayed_rate, and when that is more than M_host (host_shared_bytes_per_s)
+  // both slow by
   // f = demand / M_host (DESIGN.md section 7: 104 + 92 GB/s alone, 145
   // together; f 1.35). The streamed part is stretched by f - 1 for as long as
   // they overlap; the update's own stretch is already in delayed_rate, which

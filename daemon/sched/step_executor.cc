@@ -300,7 +300,8 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                 absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
                 plan.delayed.size(), "window_us", plan.window_us, "predicted_us", plan.predicted_us,
                 "host_slowdown", plan.host_slowdown, "m_host_gbps",
-                plan.inputs.host_bytes_per_s * 1e-9);
+                plan.inputs.host_bytes_per_s * 1e-9, "m_host_shared_gbps",
+                plan.inputs.host_shared_bytes_per_s * 1e-9);
   return out;
 }
 

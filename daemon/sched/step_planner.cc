@@ -155,6 +155,7 @@ PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets)
   out.d2h_bytes_per_s = CapAt(in.d2h_bytes_per_s, budgets.pcie_bytes_per_s);
   out.pcie_both_bytes_per_s = CapAt(in.pcie_both_bytes_per_s, 2 * budgets.pcie_bytes_per_s);
   out.host_bytes_per_s = CapAt(in.host_bytes_per_s, budgets.host_bytes_per_s);
+  out.host_shared_bytes_per_s = CapAt(in.host_shared_bytes_per_s, budgets.host_bytes_per_s);
   return out;
 }
 
