@@ -411,8 +411,11 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
                 absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_gradients",
                 copy_gradients, "rewritten", delayed->gradients_rewritten);
   if (!copied.ok()) {
-    DOS_LOG_WARNING("step.early_capture_failed", "error", copied.message(), "then",
-                    "the step copies the gradients after its verdict");
+    DOS_LOG_WARNING(
+        "step.early_capture_failed", "error", copied.message(), "then",
+        copy_gradients
+            ? "the step copies the gradients after its verdict"
+            : "the step installs the pending weights with the gradients after its verdict");
   }
   // Gradients written after their ready marks are copied again; those of a
   // step given up are never read.
