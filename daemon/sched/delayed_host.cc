@@ -167,10 +167,12 @@ void DelayedHost::Installed(std::span<const uint32_t> subgroups) {
 
 void DelayedHost::NoteWindowSample(double sample_us) {
   if (sample_us <= 0) return;
-  window_us = window_us > 0 ? 0.5 * window_us + 0.5 * sample_us : sample_us;
-  if (!window_loaded) {
-    clean_window_us = clean_window_us > 0 ? 0.5 * clean_window_us + 0.5 * sample_us : sample_us;
-  }
+  // Each figure is half its last value, half the sample (the sample alone at first).
+  auto smooth = [sample_us](double& figure) {
+    figure = figure > 0 ? 0.5 * figure + 0.5 * sample_us : sample_us;
+  };
+  smooth(window_us);
+  if (!window_loaded) smooth(clean_window_us);
 }
 
 }  // namespace dos

@@ -117,9 +117,8 @@ class PerfModel {
   // share host memory: the DMA engines want 2s bytes per streamed parameter
   // at the path's rate, the cores k(s) per delayed parameter at
   // delayed_rate, and when that is more than M_host (host_shared_bytes_per_s)
-  // both slow by
-  // f = demand / M_host (DESIGN.md section 7: 104 + 92 GB/s alone, 145
-  // together; f 1.35). The streamed part is stretched by f - 1 for as long as
+  // both slow by f = demand / M_host (DESIGN.md section 7: 104 + 92 GB/s
+  // alone, 145 together; f 1.35). The streamed part is stretched by f - 1 for as long as
   // they overlap; the update's own stretch is already in delayed_rate, which
   // is measured in such steps.
   static DelayedStepTimes DelayedStep(const PerfInputs& in, const DelayedStepShape& shape);
