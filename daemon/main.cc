@@ -65,6 +65,11 @@ ABSL_FLAG(std::string, delayed_update_start, "captured",
           "step has copied the gradients, beside the rest of its GPU path; result = once the "
           "step's result is posted, so that the step's PCIe copies have host memory to "
           "themselves.");
+ABSL_FLAG(bool, delayed_gpu_path, false,
+          "With delay=1 clients: delay the streamed subgroups too. Their gradients are "
+          "captured with the host path's and their update crosses PCIe during the next "
+          "forward and backward (under policy auto as many as the window's PCIe time holds), "
+          "so the step keeps only the resident kernels and the copies.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -286,6 +291,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
         absl::StrCat("--delayed_update_start=", start, " is unknown; use captured or result"));
   }
   c.engines.delayed_start_at_result = start == "result";
+  c.engines.delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
   if (c.engines.delayed_cpu_nice < 0 || c.engines.delayed_cpu_nice > 19) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--delayed_cpu_nice=", c.engines.delayed_cpu_nice, " is out of range; use 0 to 19"));

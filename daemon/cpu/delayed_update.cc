@@ -23,6 +23,7 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
       return absl::InternalError(absl::StrCat("delayed update: subgroup ", sg, " of ",
                                               shard.subgroups().size()));
     }
+    if (delayed.updates_on_gpu(sg)) continue;  // the GPU engine's (GpuEngine::UpdateDelayed)
     const Subgroup& g = shard.subgroups()[sg];
     shard.BeforeWrite(sg);  // checkpoint copy-on-write: the kernel writes it
     absl::Status st = ForEachSegmentSpan(

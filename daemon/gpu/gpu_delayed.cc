@@ -17,6 +17,10 @@
 // rates say 65 ms for these copies).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <thread>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/cpu/delayed_update.h"
@@ -116,11 +120,55 @@ absl::Status GpuEngine::CaptureDelayed(const ShardState& shard,
   return CopyDelayed(shard, bindings, delayed, subgroups, true);
 }
 
+absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost& delayed) {
+  std::vector<uint32_t> subgroups;
+  uint64_t max_numel = 0;
+  for (uint32_t sg : delayed.captured()) {
+    if (!delayed.updates_on_gpu(sg)) continue;
+    subgroups.push_back(sg);
+    max_numel = std::max(max_numel, shard.subgroups()[sg].numel);
+  }
+  if (subgroups.empty()) return absl::OkStatus();
+  // The staging slots are the steps' too: held for the whole update (a step
+  // of another session waits; this session's next step joins it first).
+  absl::MutexLock lock(&step_mu_);
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  DOS_RETURN_IF_ERROR(EnsureBuffers(max_numel));
+  // What Prefetch put in the slots is overwritten here.
+  for (SlotPrefetch& p : prefetch_) p = SlotPrefetch{};
+  StepPlan plan;  // no waits for gradients: all are in the buffers
+  StepRun run;
+  run.shard = &shard;
+  run.scalars = delayed.scalars();
+  run.gs = static_cast<Shard*>(shard.attachment());
+  run.plan = &plan;
+  run.delayed_io = &delayed;
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
+  absl::Status status = DOS_CUDA_STATUS(cudaEventRecord(run.start, h2d_));
+  if (status.ok()) status = StreamDelayed(run, subgroups);
+  // The weights the kernels wrote over PCIe are in host memory once their
+  // stream is done (StreamDelayed).
+  absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
+  if (status.ok()) status = st;
+  cudaEventDestroy(run.start);
+  return status;
+}
+
 absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,
                                       double* kernel_us) {
-  // The CPU kernel alone: no GPU work, so no engine lock (another session's
-  // step may run on the GPU meanwhile; the CPU updater is thread-safe).
-  DOS_RETURN_IF_ERROR(cpu::UpdateDelayed(delayed_cpu_, shard, delayed, kernel_us));
+  // The subgroups the plan streams in the window go to the GPU on a thread
+  // of their own, beside the CPU kernel's.
+  absl::Status gpu_status;
+  std::thread gpu;
+  if (delayed.any_on_gpu()) {
+    gpu = std::thread([&] { gpu_status = UpdateDelayedOnGpu(shard, delayed); });
+  }
+  // The CPU kernel holds no engine lock (another session's step may run on
+  // the GPU meanwhile; the CPU updater is thread-safe).
+  absl::Status cpu_status = cpu::UpdateDelayed(delayed_cpu_, shard, delayed, kernel_us);
+  if (gpu.joinable()) gpu.join();
+  DOS_RETURN_IF_ERROR(cpu_status);
+  DOS_RETURN_IF_ERROR(gpu_status);
   auto* gs = static_cast<Shard*>(shard.attachment());
   if (gs == nullptr) return absl::OkStatus();
   absl::MutexLock lock(&step_mu_);

@@ -145,6 +145,14 @@ class GpuEngine final : public Engine {
   // A delayed step's CPU side: the delayed subgroups' pending weights H2D
   // and their gradients D2H, each marked done after both (gpu_delayed.cc).
   absl::Status CaptureLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  // The delayed update's subgroups that DelayedHost::updates_on_gpu names,
+  // streamed through the staging slots (their gradients read from, and new
+  // weights written to, the page-locked delayed buffers), beside the CPU
+  // kernel's (gpu_delayed.cc; StreamDelayed in gpu_stream_path.cc).
+  absl::Status UpdateDelayedOnGpu(ShardState& shard, const DelayedHost& delayed)
+      ABSL_LOCKS_EXCLUDED(step_mu_);
+  absl::Status StreamDelayed(StepRun& run, std::span<const uint32_t> subgroups)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // The window (StepMeasurements::window_us) from the shard's events.
   void MeasureWindow(StepRun& run, StepMeasurements* m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // Fills `measured` from a finished run.

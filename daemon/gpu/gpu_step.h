@@ -115,6 +115,9 @@ struct GpuEngine::StepRun {
     uint32_t first, last;
   };
   std::deque<DoneCall> gpu_done_calls, cpu_done_calls;
+  // A delayed update on the GPU (GpuEngine::UpdateDelayedOnGpu): the
+  // gradients and new weights are the delayed buffers', not the trainer's.
+  const DelayedHost* delayed_io = nullptr;
   // Recorded on the compute stream when the step starts there, after the
   // trainer's event (the trainer's gradients are final).
   cudaEvent_t ready = nullptr;

@@ -14,11 +14,20 @@ namespace {
 
 // The fused kernel over every segment of subgroup `g` whose state is at
 // `state` (a staging slot or a resident copy), on `stream`.
-absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, const Subgroup& g, float* state,
+// A delayed update's (run.delayed_io) reads the gradients from and writes
+// the weights to the delayed buffers, page-locked host memory the kernel
+// reaches over PCIe (unified addressing: cudaHostAlloc's pointers are the
+// device's too).
+absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* state,
                             cudaStream_t stream) {
+  const Subgroup& g = run.shard->subgroups()[sg];
   return cpu::ForEachSegmentSpan(
       run.shard->tensors(), g, state,
       [&](const SubgroupSegment& seg, const TensorDesc& t) {
+        if (run.delayed_io != nullptr) {
+          return cpu::SegmentIo{run.delayed_io->grad(sg, seg), t.grad_dtype,
+                                run.delayed_io->weight(sg, seg), t.param_dtype};
+        }
         return cpu::TrainerIo(t, seg, run.bindings[seg.tensor].grad,
                               run.bindings[seg.tensor].param);
       },
@@ -120,7 +129,7 @@ class StreamPipeline {
     DOS_RETURN_IF_ERROR(WaitReady(run_, sg, &run_.gpu_wait_us));
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
-    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, g, state, streams_.compute));
+    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, sg, state, streams_.compute));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[3], streams_.compute));
     // The trainer's weights are final once the kernel ran (the state's way
     // back to the host does not concern it).
@@ -195,6 +204,22 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
   return pipe.Drain(status);
 }
 
+absl::Status GpuEngine::StreamDelayed(StepRun& run, std::span<const uint32_t> subgroups) {
+  // The kernels run beside the trainer's forward and backward, reading the
+  // gradients over PCIe: on the low-priority stream (idle between steps),
+  // not ahead of the trainer's kernels.
+  StreamPipeline pipe(run, {h2d_, resident_, d2h_}, slots_);
+  absl::Status status = pipe.Init();
+  for (size_t k = 0; k < subgroups.size() && status.ok();) {
+    if (pipe.full()) {
+      status = pipe.RetireOldest();
+    } else {
+      status = pipe.Issue(subgroups[k++]);
+    }
+  }
+  return pipe.Drain(status);
+}
+
 absl::Status GpuEngine::GpuLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   std::span<Subgroup> sgs = run.shard->subgroups();
@@ -215,7 +240,7 @@ absl::Status GpuEngine::GpuLoop(StepRun& run) {
     status = [&]() -> absl::Status {
       DOS_RETURN_IF_ERROR(WaitReady(run, i, &run.gpu_wait_us));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i], resident_));
-      DOS_RETURN_IF_ERROR(LaunchSubgroup(run, sgs[i], run.gs->resident[i], resident_));
+      DOS_RETURN_IF_ERROR(LaunchSubgroup(run, i, run.gs->resident[i], resident_));
       DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(res_events[2 * i + 1], resident_));
       if ((k + 1) % run_of != 0 && k + 1 != plan.resident_order.size()) return absl::OkStatus();
       return EnqueueDone(run, &run.gpu_done_calls, plan.resident_order[k - k % run_of], i,

@@ -115,7 +115,10 @@ char* DelayedHost::weight(uint32_t sg, const SubgroupSegment& seg) const {
 }
 
 void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
-                               std::vector<cpu::AdamScalars> scalars) {
+                               std::vector<cpu::AdamScalars> scalars,
+                               std::span<const uint32_t> on_gpu) {
+  on_gpu_.assign(state_.size(), false);
+  for (uint32_t sg : on_gpu) on_gpu_[sg] = true;
   installs_.assign(state_.size(), false);
   for (uint32_t sg : subgroups) installs_[sg] = state_[sg] == kPending;
   Installed(subgroups);  // the step installs the pending ones among them first
@@ -146,6 +149,7 @@ void DelayedHost::Updated() {
   captured_.clear();
   scalars_.clear();
   installs_.clear();
+  on_gpu_.clear();
 }
 
 std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep) const {

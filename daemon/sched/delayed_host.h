@@ -1,8 +1,9 @@
 // DelayedHost: one shard's delayed host path (StepKind::delays_host; the
 // protocol is in dos/wire/control_block.h, "delayed host path").
 //
-// A delayed step's CPU-path subgroups go through three stages, each owned by
-// one party:
+// A delayed step's CPU-path subgroups (and with --delayed_gpu_path its
+// streamed ones, updated on the GPU from the same buffers: updates_on_gpu)
+// go through three stages, each owned by one party:
 //   captured   the engine copied the step's gradients into this object's
 //              host buffers while executing the step (Engine::Execute with
 //              StepSync::delayed), and the step's Adam scalars were kept;
@@ -83,7 +84,14 @@ class DelayedHost {
   // Before the step's Execute captures `subgroups`: those among them whose
   // weights are pending are installed by it (installs()), and their update
   // waits, with `scalars`, from then on.
-  void BeginCapture(std::span<const uint32_t> subgroups, std::vector<cpu::AdamScalars> scalars);
+  // `on_gpu` (some of `subgroups`): those the engine updates on the GPU,
+  // streamed during the window (StepPlan::delayed_gpu), not on the CPU.
+  void BeginCapture(std::span<const uint32_t> subgroups, std::vector<cpu::AdamScalars> scalars,
+                    std::span<const uint32_t> on_gpu = {});
+  bool updates_on_gpu(uint32_t sg) const { return sg < on_gpu_.size() && on_gpu_[sg]; }
+  bool any_on_gpu() const {
+    return std::find(on_gpu_.begin(), on_gpu_.end(), true) != on_gpu_.end();
+  }
   // Whether the step being executed installs subgroup `sg`'s pending
   // weights before it captures its gradients.
   bool installs(uint32_t sg) const { return sg < installs_.size() && installs_[sg]; }
@@ -182,6 +190,7 @@ class DelayedHost {
   std::vector<Stage> state_;              // per subgroup
   std::vector<uint32_t> captured_, pending_;
   std::vector<bool> installs_;
+  std::vector<bool> on_gpu_;                    // per subgroup, while captured
   std::unique_ptr<std::atomic<bool>[]> early_;  // per subgroup: captured during backward
   std::vector<cpu::AdamScalars> scalars_;
 };

@@ -69,12 +69,29 @@ double PerfModel::PhaseSeconds(const PerfInputs& in, double x, double streamed,
 DelayedStepTimes PerfModel::DelayedStep(const PerfInputs& in, const DelayedStepShape& shape) {
   DelayedStepTimes t;
   const double gpu_alone_s = PhaseSeconds(in, 1.0, shape.streamed, shape.resident, shape.subgroup);
+  const double captured = shape.delayed + shape.delayed_gpu;
   const double capture_s =
-      in.d2h_bytes_per_s > 0 ? shape.delayed * in.grad_bytes / in.d2h_bytes_per_s : 0;
+      in.d2h_bytes_per_s > 0 ? captured * in.grad_bytes / in.d2h_bytes_per_s : 0;
   // The previous update's weights go back H2D during the step.
   const double install_s =
-      in.h2d_bytes_per_s > 0 ? shape.delayed * in.weight_bytes / in.h2d_bytes_per_s : 0;
-  const double update_s = shape.delayed_rate > 0 ? shape.delayed / shape.delayed_rate : 0;
+      in.h2d_bytes_per_s > 0 ? captured * in.weight_bytes / in.h2d_bytes_per_s : 0;
+  double update_s = shape.delayed_rate > 0 ? shape.delayed / shape.delayed_rate : 0;
+  // The GPU's delayed subgroups: state and gradients in, state and weights
+  // out, in the window. Beside the CPU update both share host memory (the
+  // same f as below, over their overlap).
+  if (shape.delayed_gpu > 0 && in.h2d_bytes_per_s > 0 && in.d2h_bytes_per_s > 0) {
+    const double per_param_s = std::max((in.state_bytes + in.grad_bytes) / in.h2d_bytes_per_s,
+                                        (in.state_bytes + in.weight_bytes) / in.d2h_bytes_per_s);
+    t.gpu_update_s = shape.delayed_gpu * per_param_s;
+    if (update_s > 0 && in.host_shared_bytes_per_s > 0) {
+      const double demand = (2 * in.state_bytes + in.grad_bytes + in.weight_bytes) / per_param_s +
+                            shape.delayed_rate * CpuKernelBytes(in, in.state_bytes);
+      const double extra = std::min(update_s, t.gpu_update_s) *
+                           (std::max(1.0, demand / in.host_shared_bytes_per_s) - 1);
+      update_s += extra;
+      t.gpu_update_s += extra;
+    }
+  }
   t.update_s = update_s;
   double stretch_s = 0;
   if (!shape.start_at_result && shape.streamed > 0 && update_s > 0 &&
@@ -90,7 +107,9 @@ DelayedStepTimes PerfModel::DelayedStep(const PerfInputs& in, const DelayedStepS
   t.step_s = std::max({gpu_alone_s + stretch_s, capture_s, install_s});
   const double start_s = shape.start_at_result ? t.step_s : capture_s;
   t.beside_s = t.step_s - start_s;
-  t.overrun_s = std::max(0.0, update_s - t.beside_s - shape.window_s);
+  // The GPU's part starts at the result (the step holds the staging slots).
+  t.overrun_s =
+      std::max({0.0, update_s - t.beside_s - shape.window_s, t.gpu_update_s - shape.window_s});
   return t;
 }
 

@@ -73,6 +73,9 @@ struct DelayedStepShape {
   double streamed = 0;
   double resident = 0;
   double delayed = 0;
+  // Captured and installed like `delayed`, updated on the GPU during the
+  // window: their state crosses PCIe both ways then (--delayed_gpu_path).
+  double delayed_gpu = 0;
   double subgroup = 0;  // the largest streamed subgroup (fill and drain)
   double delayed_rate = 0;
   double window_s = 0;
@@ -84,6 +87,7 @@ struct DelayedStepTimes {
   double update_s = 0;   // the update's own time (delayed / delayed_rate)
   double beside_s = 0;   // of step_s, the time the update runs beside the step
   double slowdown = 1;   // f: both host-memory users' stretch while they overlap
+  double gpu_update_s = 0;  // delayed_gpu's transfers in the window (0: none)
 };
 
 struct PerfPrediction {

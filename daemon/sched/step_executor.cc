@@ -298,9 +298,10 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
                 "trainer_event_us", absl::ToDoubleMicroseconds(event_at - verdict_at),
                 "finite_scan_us", absl::ToDoubleMicroseconds(checked_at - event_at), "apply_us",
                 absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
-                plan.delayed.size(), "window_us", plan.window_us, "predicted_us", plan.predicted_us,
-                "host_slowdown", plan.host_slowdown, "m_host_gbps",
-                plan.inputs.host_bytes_per_s * 1e-9, "m_host_shared_gbps",
+                plan.delayed.size(), "delayed_gpu", plan.delayed_gpu.size(), "streamed",
+                plan.gpu_only.size() + plan.shared.size(), "window_us", plan.window_us,
+                "predicted_us", plan.predicted_us, "host_slowdown", plan.host_slowdown,
+                "m_host_gbps", plan.inputs.host_bytes_per_s * 1e-9, "m_host_shared_gbps",
                 plan.inputs.host_shared_bytes_per_s * 1e-9);
   return out;
 }
@@ -345,14 +346,19 @@ absl::Status StepExecutor::InstallPending(const ShardState& shard,
 
 DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const DelayedHost& delayed) {
   const absl::Time start = absl::Now();
+  // The CPU's rate: its own parameters over its wall time, or, with some
+  // updated on the GPU beside it, over its kernel's time.
   uint64_t params = 0;
-  for (uint32_t sg : delayed.captured()) params += shard.subgroups()[sg].numel;
+  for (uint32_t sg : delayed.captured()) {
+    if (!delayed.updates_on_gpu(sg)) params += shard.subgroups()[sg].numel;
+  }
+  const bool on_gpu = delayed.any_on_gpu();
   double kernel_us = 0;
   DelayedHost::Run run;
   run.status = engine_->UpdateDelayed(shard, delayed, &kernel_us);
   run.us = absl::ToDoubleMicroseconds(absl::Now() - start);
   run.end_ns = MonotonicNs();
-  if (run.status.ok()) planner_.LearnDelayed(params, run.us);
+  if (run.status.ok()) planner_.LearnDelayed(params, on_gpu ? kernel_us : run.us);
   return run;
 }
 
@@ -478,7 +484,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
     engine_sync = late.emplace(sync, request->seq, tensors.size(), request, &scalars).EngineSync();
   }
   if (!plan.delayed.empty()) {
-    delayed->BeginCapture(plan.delayed, scalars);
+    delayed->BeginCapture(plan.delayed, scalars, plan.delayed_gpu);
     engine_sync.delayed = delayed;
     // Their update starts as soon as the engine captured the gradients,
     // beside the rest of the step (the session joins it after the result),

@@ -111,6 +111,11 @@ struct StepPlan {
   // the trainer's measured time between steps and the update it waits for.
   std::vector<uint32_t> delayed;
   uint64_t delayed_params = 0;
+  // Of `delayed`, those updated on the GPU during the window (streamed then,
+  // not on the CPU: PlannerOptions::delayed_gpu, dosd --delayed_gpu_path)
+  // and their parameters (counted in delayed_params too).
+  std::vector<uint32_t> delayed_gpu;
+  uint64_t delayed_gpu_params = 0;
   double window_us = 0;
   double predicted_iter_us = 0;
   // f of PerfModel::DelayedStep: the streamed path's stretch while the

@@ -306,11 +306,13 @@ void StepPlanner::PlaceDelayed(StepPlan& plan, double budget_params) {
 }
 
 DelayedStepTimes StepPlanner::TimeDelayed(const StepPlan& plan, double streamed, double delayed,
-                                          uint64_t max_streamed, double window_s) const {
+                                          uint64_t max_streamed, double window_s,
+                                          double delayed_gpu) const {
   DelayedStepShape shape;
   shape.streamed = streamed;
   shape.resident = static_cast<double>(plan.resident_params);
   shape.delayed = delayed;
+  shape.delayed_gpu = delayed_gpu;
   shape.subgroup = static_cast<double>(max_streamed);
   shape.delayed_rate = DelayedRate(plan.inputs);
   shape.window_s = window_s;
@@ -337,10 +339,34 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
   return best + 0.5;
 }
 
+void StepPlanner::PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const {
+  if (!options_.delayed_gpu || !options_.budgets.gpu) return;
+  const uint64_t max_streamed = MaxStreamedNumel(plan);
+  const double cpu = static_cast<double>(plan.delayed_params);
+  const double window_s = window_us * 1e-6;
+  size_t taken = 0;
+  double gpu = 0;
+  for (; taken < plan.gpu_only.size(); ++taken) {
+    const double next = gpu + static_cast<double>(plan.numel[plan.gpu_only[taken]]);
+    if (by_window && TimeDelayed(plan, static_cast<double>(plan.streamed_params) - cpu - next, cpu,
+                                 max_streamed, window_s, next)
+                             .gpu_update_s > 0.9 * window_s) {
+      break;
+    }
+    gpu = next;
+  }
+  plan.delayed_gpu.assign(plan.gpu_only.begin(), plan.gpu_only.begin() + taken);
+  plan.gpu_only.erase(plan.gpu_only.begin(), plan.gpu_only.begin() + taken);
+  plan.delayed.insert(plan.delayed.end(), plan.delayed_gpu.begin(), plan.delayed_gpu.end());
+  plan.delayed_gpu_params = static_cast<uint64_t>(gpu);
+  plan.delayed_params += plan.delayed_gpu_params;
+}
+
 void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {
   const DelayedStepTimes t =
       TimeDelayed(plan, static_cast<double>(plan.streamed_params - plan.delayed_params),
-                  static_cast<double>(plan.delayed_params), max_streamed, plan.window_us * 1e-6);
+                  static_cast<double>(plan.delayed_params - plan.delayed_gpu_params), max_streamed,
+                  plan.window_us * 1e-6, static_cast<double>(plan.delayed_gpu_params));
   plan.predicted_us = (t.step_s + t.overrun_s) * 1e6;
   plan.predicted_iter_us = plan.window_us + plan.predicted_us;
   plan.host_slowdown = t.slowdown;
@@ -401,9 +427,10 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   }
   plan.window_us = window_us;
   if (delayed) {
-    PlaceDelayed(plan, budgets.gpu && policy.kind == Policy::Kind::kAuto
-                           ? AutoDelayedBudget(plan, window_us)
-                           : DelayedBudgetParams(policy, window_us));
+    const bool by_window = budgets.gpu && policy.kind == Policy::Kind::kAuto;
+    PlaceDelayed(plan, by_window ? AutoDelayedBudget(plan, window_us)
+                                 : DelayedBudgetParams(policy, window_us));
+    PlaceDelayedGpu(plan, window_us, by_window);
   }
   OrderFor(kind, plan);
   const uint64_t max_streamed = MaxStreamedNumel(plan);

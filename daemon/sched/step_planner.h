@@ -86,6 +86,12 @@ struct PlannerOptions {
   // GPU path then has host memory to itself, and the update has only the
   // trainer's window (--delayed_update_start).
   bool delayed_start_at_result = false;
+  // A delayed step delays its streamed subgroups too (--delayed_gpu_path):
+  // their gradients are captured with the host path's and their update
+  // streams through the staging slots during the window, on PCIe the
+  // trainer's forward and backward leave idle. Under auto as many as the
+  // window's PCIe time holds (90%); other policies all of them.
+  bool delayed_gpu = false;
   // The node's shared resources (host memory bandwidth, CPU cores) and this
   // engine's id there; null: the engine has the host to itself (the model's
   // own rates, as before).
@@ -198,7 +204,13 @@ class StepPlanner {
   // PerfModel::DelayedStep for `plan` with `streamed` parameters on the GPU
   // path and `delayed` on the host path.
   DelayedStepTimes TimeDelayed(const StepPlan& plan, double streamed, double delayed,
-                               uint64_t max_streamed, double window_s) const
+                               uint64_t max_streamed, double window_s, double delayed_gpu = 0) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // With delayed_gpu: moves the GPU path's subgroups, in its order, to the
+  // delayed ones updated on the GPU in the window (StepPlan::delayed_gpu):
+  // under auto (`by_window`) while their transfers fit 90% of the window,
+  // otherwise all.
+  void PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The delayed update's rate, params/s: learned (LearnDelayed), else the
   // CPU kernel's rate for `in`.

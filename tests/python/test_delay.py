@@ -389,3 +389,37 @@ def test_a_delay_past_the_host_memory_limit_fails_cleanly(flag):
             assert opt.last_step["step"] == 2
         finally:
             opt.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the delayed GPU path streams through a GPU (no CUDA here)")
+def test_the_delayed_gpu_path_is_adamw_one_step_late():
+    """dosd --delayed_gpu_path: the subgroups interleave:2 streams are
+    delayed too, updated on the GPU during the window from the gradients
+    captured at the step; with the host path's, every subgroup is one step
+    late (a streamed one applied at once would not match)."""
+    data = make_data(n=STEPS)
+    seen, master = reference(data, 3, device="cuda", delayed_from=0)
+    from conftest import running_dosd
+    with running_dosd("--delayed_gpu_path", "--log_level=debug") as (sock, _):
+        model = make_mlp().cuda()
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=sock,
+                              client_name="pytest-delay-gpu", model=model, delay=1,
+                              delay_warmup=3, subgroup_size=300, gpu_budget_bytes=0)
+        opt.set_policy("interleave:2")
+        try:
+            for t, (x, y) in enumerate(data, 1):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                opt.step()
+                torch.cuda.synchronize()
+                assert (opt.last_step["delayed_subgroups"] > 0) == (t > 3)
+                check(model, seen[t], t)
+            opt.synchronize()
+            assert_same(model, master, STEPS)
+            # A whole step in a state_dict: the pending GPU update finished.
+            state = opt.state_dict()
+            assert len(state["state"]) > 0
+        finally:
+            opt.close()
+    assert_same(model, master, STEPS)

@@ -119,6 +119,29 @@ TEST(DelayedHostTest, APlacementPastTheSessionLimitAllocatesNothing) {
   EXPECT_EQ(budget.used(), state + kRegionBytes);
 }
 
+// A step's captures name the subgroups the GPU updates in the window
+// (--delayed_gpu_path) until their update is done.
+TEST(DelayedHostTest, CapturesNameTheSubgroupsUpdatedOnTheGpu) {
+  HostMemoryBudget budget{0};
+  auto shard = FourSubgroups(&budget);
+  DelayedHost delayed(*shard, &budget);
+  CountingAlloc alloc;
+  const std::vector<uint32_t> all = {0, 1, 2, 3}, on_gpu = {1, 3};
+  ASSERT_TRUE(delayed.Place(all, alloc.Fn()).ok());
+  delayed.BeginCapture(all, std::vector<cpu::AdamScalars>(1), on_gpu);
+  EXPECT_TRUE(delayed.any_on_gpu());
+  EXPECT_FALSE(delayed.updates_on_gpu(0));
+  EXPECT_TRUE(delayed.updates_on_gpu(1));
+  EXPECT_TRUE(delayed.updates_on_gpu(3));
+  EXPECT_FALSE(delayed.updates_on_gpu(7));  // out of range: no
+  delayed.Updated();
+  EXPECT_FALSE(delayed.any_on_gpu());
+  EXPECT_FALSE(delayed.updates_on_gpu(1));
+  EXPECT_EQ(delayed.pending().size(), 4u);
+  delayed.BeginCapture(all, std::vector<cpu::AdamScalars>(1));  // the CPU's alone
+  EXPECT_FALSE(delayed.any_on_gpu());
+}
+
 // The window a plan budgets is the trainer's own (measured with no delayed
 // update beside it), not one the update stretched: on nvidia-h200 the HF
 // Trainer's 7B fp32 window grew from 0.25 to 0.6 s beside a 0.68 s update,

@@ -82,6 +82,34 @@ TEST(PerfModelTest, CompactCpuMeasurementsAreKeptAsTheFp32Rate) {
 // engines (97 GB/s of PCIe, 24 B per parameter) and the cores (3.7 Gparam/s at
 // 28 B) want 200 GB/s of 145, so the streamed part is stretched by f - 1 for
 // as long as both run; the section 7 run of both at once saw 1.3-1.4.
+// --delayed_gpu_path: the GPU's delayed subgroups are captured and
+// installed with the CPU's in the step, and cross PCIe in the window (14
+// bytes a parameter each way for fp32 state), sharing host memory with the
+// CPU's update while both run.
+TEST(PerfModelTest, TheGpusDelayedSubgroupsCrossPcieInTheWindow) {
+  const PerfInputs in = H200();
+  DelayedStepShape shape;
+  shape.resident = 2e9;
+  shape.delayed_gpu = 0.5e9;
+  shape.window_s = 0.3;
+  DelayedStepTimes t = PerfModel::DelayedStep(in, shape);
+  EXPECT_NEAR(t.gpu_update_s, 0.5e9 * 14 / 55e9, 1e-9);
+  EXPECT_NEAR(t.step_s, std::max(PerfModel::PhaseSeconds(in, 1.0, 0, 2e9), 0.5e9 * 2 / 55e9), 1e-9);
+  EXPECT_DOUBLE_EQ(t.overrun_s, 0);
+  shape.window_s = 0.1;  // 0.127 s of transfers: the trainer waits for the rest
+  t = PerfModel::DelayedStep(in, shape);
+  EXPECT_NEAR(t.overrun_s, 0.5e9 * 14 / 55e9 - 0.1, 1e-9);
+  // Beside a CPU update both stretch by f over their overlap.
+  shape.window_s = 0.3;
+  shape.delayed = 0.37e9;  // 0.1 s alone
+  shape.delayed_rate = 3.7e9;
+  t = PerfModel::DelayedStep(in, shape);
+  const double f = (28 * 55e9 / 14 + 3.7e9 * 28) / 145e9;
+  EXPECT_GT(f, 1);
+  EXPECT_NEAR(t.update_s, 0.1 * f, 1e-9);
+  EXPECT_NEAR(t.gpu_update_s, 0.5e9 * 14 / 55e9 + 0.1 * (f - 1), 1e-9);
+}
+
 TEST(PerfModelTest, ADelayedUpdateBesideTheStreamedPathSharesHostMemory) {
   const PerfInputs in = H200();
   const double path_rate = PerfModel::Bound(in, 1.0).params_per_s;

@@ -180,6 +180,48 @@ TEST(StepKindTest, ALongWindowDelaysEveryStreamedSubgroup) {
   EXPECT_EQ(none.delayed.size() + none.gpu_only.size(), 18u);  // what is not delayed streams
 }
 
+// --delayed_gpu_path: what the CPU's window cannot hold is delayed too and
+// streamed during the window, as much as its PCIe time holds (on
+// nvidia-h200 at 6B about 0.5B parameters crossed PCIe in the step after
+// backward with only the host path delayed); other policies delay every
+// streamed subgroup.
+TEST(StepKindTest, TheDelayedGpuPathTakesWhatTheWindowsPcieHolds) {
+  PlannerOptions on = Gpu();
+  on.delayed_gpu = true;
+  StepPlanner cpu_only(Gpu()), both(on);
+  const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
+  const ShardLayout layout = dos::testing::UniformLayout(20, 100'000'000);
+  const double window_us = 100'000;  // 0.1 s
+  const StepPlan a = cpu_only.Plan(P("auto"), layout, 2, delay, window_us);
+  const StepPlan b = both.Plan(P("auto"), layout, 2, delay, window_us);
+  EXPECT_TRUE(a.delayed_gpu.empty());
+  ASSERT_FALSE(a.gpu_only.empty());
+  ASSERT_FALSE(b.delayed_gpu.empty());
+  ASSERT_FALSE(b.gpu_only.empty());  // 1.6B parameters: more than 0.1 s of PCIe
+  EXPECT_EQ(b.delayed.size() - b.delayed_gpu.size(), a.delayed.size());  // the CPU's share
+  EXPECT_EQ(b.delayed.size() + b.gpu_only.size(), 18u);
+  for (uint32_t sg : b.delayed_gpu) {
+    EXPECT_NE(std::find(b.delayed.begin(), b.delayed.end(), sg), b.delayed.end()) << sg;
+    EXPECT_EQ(std::find(b.gpu_only.begin(), b.gpu_only.end(), sg), b.gpu_only.end()) << sg;
+  }
+  EXPECT_EQ(b.delayed_gpu_params, b.delayed_gpu.size() * 100'000'000u);
+  EXPECT_EQ(b.delayed_params, b.delayed.size() * 100'000'000u);
+  // Their state and gradients in, state and weights out: 14 bytes a
+  // parameter each way at 55 GB/s within 90% of the window (less where the
+  // CPU's update shares host memory with them); a longer window holds more.
+  EXPECT_LE(b.delayed_gpu_params * 14 / 55e9, 0.9 * window_us * 1e-6);
+  EXPECT_GT(both.Plan(P("auto"), layout, 2, delay, 2 * window_us).delayed_gpu_params,
+            b.delayed_gpu_params);
+  EXPECT_LT(b.predicted_us, a.predicted_us);
+  // Without a window (the first delayed plans) nothing is delayed on the GPU.
+  EXPECT_TRUE(both.Plan(P("auto"), layout, 2, delay, 1e-3).delayed_gpu.empty());
+  // By rule: every streamed subgroup, after the CPU's.
+  const StepPlan rule = both.Plan(P("interleave:2"), Uniform(7), 2, delay);
+  EXPECT_EQ(rule.delayed, (std::vector<uint32_t>{3, 5, 2, 4, 6}));
+  EXPECT_EQ(rule.delayed_gpu, (std::vector<uint32_t>{2, 4, 6}));
+  EXPECT_TRUE(rule.gpu_only.empty());
+}
+
 TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
   StepPlanner planner(Gpu());
   for (StepKind kind : {kSync, kVerdict}) {
