@@ -66,7 +66,8 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
     planner.grad_fp32 = config.gpu_cpu_grad_fp32;
     planner.delayed_start_at_result = config.delayed_start_at_result;
-    planner.delayed_gpu = config.delayed_gpu;
+    planner.delayed_gpu = config.delayed_gpu || config.delayed_gpu_first;
+    planner.delayed_gpu_first = config.delayed_gpu_first;
     // Several engines write a file each (a step's line is too long to append
     // atomically beside another engine's).
     planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1

@@ -43,6 +43,8 @@ struct EnginesConfig {
   bool delayed_start_at_result = false;
   // --delayed_gpu_path (PlannerOptions::delayed_gpu).
   bool delayed_gpu = false;
+  // --delayed_gpu_first (PlannerOptions::delayed_gpu_first; implies delayed_gpu).
+  bool delayed_gpu_first = false;
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 2;         // GPU-path subgroups in flight

@@ -70,6 +70,11 @@ ABSL_FLAG(bool, delayed_gpu_path, false,
           "captured with the host path's and their update crosses PCIe during the next "
           "forward and backward (under policy auto as many as the window's PCIe time holds), "
           "so the step keeps only the resident kernels and the copies.");
+ABSL_FLAG(bool, delayed_gpu_first, false,
+          "With delay=1 clients (implies --delayed_gpu_path): the GPU also takes the "
+          "subgroups the CPU would update late, first, as many as the window's PCIe time "
+          "holds, and the CPU updates only the rest: the copy engines' traffic instead of the "
+          "host cores' beside the trainer's forward and backward.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -292,6 +297,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   }
   c.engines.delayed_start_at_result = start == "result";
   c.engines.delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
+  c.engines.delayed_gpu_first = absl::GetFlag(FLAGS_delayed_gpu_first);
   if (c.engines.delayed_cpu_nice < 0 || c.engines.delayed_cpu_nice > 19) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--delayed_cpu_nice=", c.engines.delayed_cpu_nice, " is out of range; use 0 to 19"));

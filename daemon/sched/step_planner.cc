@@ -342,24 +342,39 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
 void StepPlanner::PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const {
   if (!options_.delayed_gpu || !options_.budgets.gpu) return;
   const uint64_t max_streamed = MaxStreamedNumel(plan);
-  const double cpu = static_cast<double>(plan.delayed_params);
   const double window_s = window_us * 1e-6;
-  size_t taken = 0;
+  // The candidates: the GPU path's own, in its order; with delayed_gpu_first
+  // then the CPU's delayed ones, the last it would update first.
+  std::vector<uint32_t> candidates(plan.gpu_only);
+  const size_t own = candidates.size();
+  if (options_.delayed_gpu_first) {
+    candidates.insert(candidates.end(), plan.delayed.rbegin(), plan.delayed.rend());
+  }
+  double cpu = static_cast<double>(plan.delayed_params);
+  double streamed = static_cast<double>(plan.streamed_params) - cpu;
   double gpu = 0;
-  for (; taken < plan.gpu_only.size(); ++taken) {
-    const double next = gpu + static_cast<double>(plan.numel[plan.gpu_only[taken]]);
-    if (by_window && TimeDelayed(plan, static_cast<double>(plan.streamed_params) - cpu - next, cpu,
-                                 max_streamed, window_s, next)
-                             .gpu_update_s > 0.9 * window_s) {
+  size_t taken = 0;
+  for (; taken < candidates.size(); ++taken) {
+    const double n = static_cast<double>(plan.numel[candidates[taken]]);
+    const double next_cpu = taken < own ? cpu : cpu - n;
+    const double next_streamed = taken < own ? streamed - n : streamed;
+    if (by_window &&
+        TimeDelayed(plan, next_streamed, next_cpu, max_streamed, window_s, gpu + n).gpu_update_s >
+            0.9 * window_s) {
       break;
     }
-    gpu = next;
+    gpu += n;
+    cpu = next_cpu;
+    streamed = next_streamed;
   }
-  plan.delayed_gpu.assign(plan.gpu_only.begin(), plan.gpu_only.begin() + taken);
-  plan.gpu_only.erase(plan.gpu_only.begin(), plan.gpu_only.begin() + taken);
+  plan.delayed_gpu.assign(candidates.begin(), candidates.begin() + taken);
+  const size_t from_gpu_path = std::min(taken, own);
+  plan.gpu_only.erase(plan.gpu_only.begin(), plan.gpu_only.begin() + from_gpu_path);
+  // The CPU keeps the front of its list (taken from the back).
+  plan.delayed.resize(plan.delayed.size() - (taken - from_gpu_path));
   plan.delayed.insert(plan.delayed.end(), plan.delayed_gpu.begin(), plan.delayed_gpu.end());
   plan.delayed_gpu_params = static_cast<uint64_t>(gpu);
-  plan.delayed_params += plan.delayed_gpu_params;
+  plan.delayed_params = static_cast<uint64_t>(cpu) + plan.delayed_gpu_params;
 }
 
 void StepPlanner::PredictDelayed(StepPlan& plan, uint64_t max_streamed) const {

@@ -92,6 +92,12 @@ struct PlannerOptions {
   // trainer's forward and backward leave idle. Under auto as many as the
   // window's PCIe time holds (90%); other policies all of them.
   bool delayed_gpu = false;
+  // With delayed_gpu: the GPU also takes the host path's delayed subgroups
+  // first, as many as the window's PCIe time holds beside the streamed ones,
+  // and the CPU updates only the rest (--delayed_gpu_first): the copy
+  // engines' traffic instead of the host cores' beside a trainer whose
+  // launch thread the CPU update slows.
+  bool delayed_gpu_first = false;
   // The node's shared resources (host memory bandwidth, CPU cores) and this
   // engine's id there; null: the engine has the host to itself (the model's
   // own rates, as before).
@@ -207,8 +213,9 @@ class StepPlanner {
                                uint64_t max_streamed, double window_s, double delayed_gpu = 0) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // With delayed_gpu: moves the GPU path's subgroups, in its order, to the
-  // delayed ones updated on the GPU in the window (StepPlan::delayed_gpu):
-  // under auto (`by_window`) while their transfers fit 90% of the window,
+  // delayed ones updated on the GPU in the window (StepPlan::delayed_gpu),
+  // then with delayed_gpu_first the CPU's delayed ones, last first: under
+  // auto (`by_window`) while their transfers fit 90% of the window,
   // otherwise all.
   void PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -393,15 +393,17 @@ def test_a_delay_past_the_host_memory_limit_fails_cleanly(flag):
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the delayed GPU path streams through a GPU (no CUDA here)")
-def test_the_delayed_gpu_path_is_adamw_one_step_late():
+@pytest.mark.parametrize("flag", ["--delayed_gpu_path", "--delayed_gpu_first"])
+def test_the_delayed_gpu_path_is_adamw_one_step_late(flag):
     """dosd --delayed_gpu_path: the subgroups interleave:2 streams are
     delayed too, updated on the GPU during the window from the gradients
     captured at the step; with the host path's, every subgroup is one step
-    late (a streamed one applied at once would not match)."""
+    late (a streamed one applied at once would not match).
+    --delayed_gpu_first: the GPU updates the host path's too (by rule all)."""
     data = make_data(n=STEPS)
     seen, master = reference(data, 3, device="cuda", delayed_from=0)
     from conftest import running_dosd
-    with running_dosd("--delayed_gpu_path", "--log_level=debug") as (sock, _):
+    with running_dosd(flag, "--log_level=debug") as (sock, _):
         model = make_mlp().cuda()
         opt = dos.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, socket=sock,
                               client_name="pytest-delay-gpu", model=model, delay=1,

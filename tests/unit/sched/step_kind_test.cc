@@ -222,6 +222,45 @@ TEST(StepKindTest, TheDelayedGpuPathTakesWhatTheWindowsPcieHolds) {
   EXPECT_TRUE(rule.gpu_only.empty());
 }
 
+// --delayed_gpu_first: the GPU takes the CPU's delayed subgroups too, last
+// first, while the window's PCIe holds them; the CPU keeps the rest. With a
+// window long enough for its PCIe nothing is left on the CPU.
+TEST(StepKindTest, TheDelayedGpuFirstTakesTheCpusSubgroupsWhileThePcieHolds) {
+  PlannerOptions on = Gpu(), first = Gpu();
+  on.delayed_gpu = true;
+  first.delayed_gpu = first.delayed_gpu_first = true;
+  StepPlanner streamed_only(on), gpu_first(first);
+  const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
+  const ShardLayout layout = dos::testing::UniformLayout(20, 100'000'000);
+  for (double window_us : {100'000.0, 300'000.0}) {
+    const StepPlan a = streamed_only.Plan(P("auto"), layout, 2, delay, window_us);
+    const StepPlan b = gpu_first.Plan(P("auto"), layout, 2, delay, window_us);
+    EXPECT_GE(b.delayed_gpu_params, a.delayed_gpu_params) << window_us;
+    EXPECT_LE(b.delayed_params - b.delayed_gpu_params, a.delayed_params - a.delayed_gpu_params)
+        << window_us;
+    EXPECT_LE(b.delayed_gpu_params * 14 / 55e9, 0.9 * window_us * 1e-6) << window_us;
+    uint64_t params = 0;
+    for (uint32_t sg : b.delayed) params += b.numel[sg];
+    EXPECT_EQ(params, b.delayed_params) << window_us;
+    EXPECT_EQ(b.delayed.size() + b.gpu_only.size(), 18u) << window_us;
+    for (uint32_t sg : b.delayed_gpu) {
+      EXPECT_EQ(std::count(b.delayed.begin(), b.delayed.end(), sg), 1) << sg;
+    }
+  }
+  // A window whose PCIe holds every streamed subgroup: the GPU takes the
+  // CPU's too, from the back of its list.
+  const StepPlan a = streamed_only.Plan(P("auto"), layout, 2, delay, 1e7);
+  const StepPlan b = gpu_first.Plan(P("auto"), layout, 2, delay, 1e7);
+  ASSERT_FALSE(a.delayed.empty());
+  EXPECT_EQ(b.delayed_gpu.size(), 18u);
+  EXPECT_EQ(b.delayed_gpu_params, b.delayed_params);
+  // By rule: all of them on the GPU.
+  const StepPlan rule = gpu_first.Plan(P("interleave:2"), Uniform(7), 2, delay);
+  EXPECT_EQ(rule.delayed, (std::vector<uint32_t>{2, 4, 6, 5, 3}));
+  EXPECT_EQ(rule.delayed_gpu, rule.delayed);
+  EXPECT_TRUE(rule.gpu_only.empty());
+}
+
 TEST(StepKindTest, ThePlannerOrdersAPerSubgroupStepByReadiness) {
   StepPlanner planner(Gpu());
   for (StepKind kind : {kSync, kVerdict}) {
