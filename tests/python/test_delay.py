@@ -294,6 +294,20 @@ def test_a_framework_save_with_an_update_pending_resumes_whole(dos_socket, tmp_p
     with a delayed update pending: the saved weights and state are one whole
     step, and the resumed run goes on as torch's AdamW one step late from
     there. On CUDA half the subgroups are resident beside the delayed ones."""
+    save_and_resume(dos_socket, tmp_path, device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the delayed GPU path streams through a GPU (no CUDA here)")
+def test_a_save_with_a_gpu_update_pending_resumes_whole(tmp_path):
+    """The same with dosd --delayed_gpu_first: the pending update the save
+    waits for runs on the GPU (every delayed subgroup under static:0.5)."""
+    from conftest import running_dosd
+    with running_dosd("--delayed_gpu_first") as (sock, _):
+        save_and_resume(sock, tmp_path, "cuda")
+
+
+def save_and_resume(dos_socket, tmp_path, device):
     data = make_data(n=12)
     cuda = device == "cuda"
     delayed_from = 900 if cuda else 0
