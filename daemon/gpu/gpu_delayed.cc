@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/cpu/delayed_update.h"
 #include "daemon/cpu/subgroup_spans.h"
 #include "daemon/gpu/gpu_step.h"
@@ -145,14 +146,21 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   run.plan = &plan;
   run.delayed_io = &delayed;
   run.delayed_dev = delayed_dev_;
+  const absl::Time start = absl::Now();
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   absl::Status status = DOS_CUDA_STATUS(cudaEventRecord(run.start, h2d_));
   if (status.ok()) status = StreamDelayed(run, subgroups);
-  // The weights the kernels wrote over PCIe are in host memory once their
-  // stream is done (StreamDelayed).
+  // Every slot was retired (its weights' copy out included): the kernels'
+  // stream is idle too.
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
   if (status.ok()) status = st;
   cudaEventDestroy(run.start);
+  // The GPU's share of the delayed update, for an operator comparing it
+  // with the window (its copy engines' and kernels' busy time).
+  DOS_LOG_DEBUG("delayed.gpu", "subgroups", subgroups.size(), "params", run.gpu_params, "wall_us",
+                absl::ToDoubleMicroseconds(absl::Now() - start), "h2d_us", run.h2d_us, "kernel_us",
+                run.kernel_us, "d2h_us", run.d2h_us, "h2d_bytes", run.gpu_h2d, "d2h_bytes",
+                run.gpu_d2h);
   return status;
 }
 
