@@ -358,6 +358,19 @@ def child(args):
             print(f"  [{mode}] no report could be read without waiting (dos.torch's "
                   "Flight moved?): no delay figures", flush=True)
     losses += [float(v) for v in pl]
+    if args.profile_iters and cuda:
+        # After the timing: the last batches again, back to back under
+        # torch.profiler (where the trainer's GPU idled, and on what).
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "frameworks"))
+        from gpu_profile import StepProfiler
+        profiler = StepProfiler(os.path.join(args.out, f"trace_{mode}.json.gz"))
+        profiler.start()
+        for x, y in data[-args.profile_iters:]:
+            train_step(x, y)
+        sync()
+        res["profile"] = profiler.stop()
+        res["profile"]["iterations"] = args.profile_iters
     print(f"  [{mode}] pipelined: {len(pl)} iterations in {piped_total:.3f} s "
           f"({piped_total / len(pl):.3f} s/iter)", flush=True)
     if sampler:
@@ -798,6 +811,11 @@ def main():
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile-iters", type=int, default=0,
+                    help="after the timing, this many more iterations back to back under "
+                         "torch.profiler: a summary of where the trainer's GPU idled "
+                         "(bench/frameworks/gpu_profile.py) in the run's 'profile', the trace "
+                         "in --out")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=1.0)
