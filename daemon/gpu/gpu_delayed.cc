@@ -135,7 +135,6 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   DOS_RETURN_IF_ERROR(EnsureBuffers(max_numel));
-  DOS_RETURN_IF_ERROR(EnsureDelayedDev());
   // What Prefetch put in the slots is overwritten here.
   for (SlotPrefetch& p : prefetch_) p = SlotPrefetch{};
   StepPlan plan;  // no waits for gradients: all are in the buffers
@@ -145,13 +144,12 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   run.gs = static_cast<Shard*>(shard.attachment());
   run.plan = &plan;
   run.delayed_io = &delayed;
-  run.delayed_dev = delayed_dev_;
   const absl::Time start = absl::Now();
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   absl::Status status = DOS_CUDA_STATUS(cudaEventRecord(run.start, h2d_));
   if (status.ok()) status = StreamDelayed(run, subgroups);
-  // Every slot was retired (its weights' copy out included): the kernels'
-  // stream is idle too.
+  // The weights the kernels wrote over PCIe are in host memory once their
+  // stream is done (StreamDelayed).
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
   if (status.ok()) status = st;
   cudaEventDestroy(run.start);

@@ -98,7 +98,6 @@ GpuEngine::~GpuEngine() {
   if (cudaSetDevice(options_.device) != cudaSuccess) return;
   for (float* p : slots_) cudaFree(p);
   for (float* p : cast_dev_) cudaFree(p);
-  for (char* p : delayed_dev_) cudaFree(p);
   for (char* p : grad_host_) cudaFreeHost(p);
   for (char* p : weight_host_) cudaFreeHost(p);
   if (flag_dev_ != nullptr) cudaFree(flag_dev_);
@@ -148,8 +147,6 @@ absl::Status GpuEngine::EnsureBuffers(uint64_t max_numel) {
   if (max_numel <= buffer_numel_) return absl::OkStatus();
   for (float* p : slots_) DOS_CUDA_RETURN_IF_ERROR(cudaFree(p));
   for (float* p : cast_dev_) DOS_CUDA_RETURN_IF_ERROR(cudaFree(p));
-  for (char* p : delayed_dev_) DOS_CUDA_RETURN_IF_ERROR(cudaFree(p));
-  delayed_dev_.clear();
   for (char* p : grad_host_) DOS_CUDA_RETURN_IF_ERROR(cudaFreeHost(p));
   for (char* p : weight_host_) DOS_CUDA_RETURN_IF_ERROR(cudaFreeHost(p));
   slots_.clear();
@@ -183,24 +180,6 @@ absl::Status GpuEngine::EnsureBuffers(uint64_t max_numel) {
     }
   }
   buffer_numel_ = max_numel;
-  return absl::OkStatus();
-}
-
-absl::Status GpuEngine::EnsureDelayedDev() {
-  while (delayed_dev_.size() < slots_.size()) {
-    char* p = nullptr;
-    const uint64_t bytes = buffer_numel_ * kDelayedIoBytesPerParam;
-    absl::Status st = DOS_CUDA_STATUS(cudaMalloc(&p, bytes));
-    if (!st.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "gpu: cannot allocate the delayed update's gradient and weight area ",
-          delayed_dev_.size(), " of ", FormatBytes(bytes),
-          " on the GPU; lower --gpu_staging_slots or the subgroup size, or run without "
-          "--delayed_gpu_path: ",
-          st.message()));
-    }
-    delayed_dev_.push_back(p);
-  }
   return absl::OkStatus();
 }
 
@@ -384,9 +363,7 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->gpu_loop_us = run.gpu_loop_us - run.gpu_wait_us;
   m->wall_us = wall_us - std::max(run.cpu_wait_us, run.gpu_wait_us);
   m->gpu_memory_bytes = slots_.size() * buffer_numel_ * ShardState::kStateBytesPerParam +
-                        cast_dev_.size() * buffer_numel_ * sizeof(float) +
-                        delayed_dev_.size() * buffer_numel_ * kDelayedIoBytesPerParam +
-                        resident_bytes_.load();
+                        cast_dev_.size() * buffer_numel_ * sizeof(float) + resident_bytes_.load();
   m->entries = std::move(run.gpu_entries);
   m->entries.insert(m->entries.end(), run.cpu_entries.begin(), run.cpu_entries.end());
 }

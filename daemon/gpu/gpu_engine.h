@@ -129,8 +129,6 @@ class GpuEngine final : public Engine {
   GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu, cpu::CpuUpdater* delayed_cpu);
   absl::Status Init();
   absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
-  // delayed_dev_ for the current slots (after EnsureBuffers).
-  absl::Status EnsureDelayedDev() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // SetResident's work, on the current device.
   absl::StatusOr<uint32_t> ResizeResident(ShardState& shard, uint32_t count, bool grow)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
@@ -148,10 +146,9 @@ class GpuEngine final : public Engine {
   // and their gradients D2H, each marked done after both (gpu_delayed.cc).
   absl::Status CaptureLoop(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // The delayed update's subgroups that DelayedHost::updates_on_gpu names,
-  // streamed through the staging slots (their gradients copied from, and
-  // new weights to, the page-locked delayed buffers through delayed_dev_),
-  // beside the CPU kernel's (gpu_delayed.cc; StreamDelayed in
-  // gpu_stream_path.cc).
+  // streamed through the staging slots (their gradients read from, and new
+  // weights written to, the page-locked delayed buffers), beside the CPU
+  // kernel's (gpu_delayed.cc; StreamDelayed in gpu_stream_path.cc).
   absl::Status UpdateDelayedOnGpu(ShardState& shard, const DelayedHost& delayed)
       ABSL_LOCKS_EXCLUDED(step_mu_);
   absl::Status StreamDelayed(StepRun& run, std::span<const uint32_t> subgroups)
@@ -178,9 +175,6 @@ class GpuEngine final : public Engine {
   std::vector<char*> grad_host_ ABSL_GUARDED_BY(step_mu_);   // pinned, 4 * buffer_numel (x2)
   std::vector<char*> weight_host_ ABSL_GUARDED_BY(step_mu_); // pinned, 4 * buffer_numel (x2)
   std::vector<float*> cast_dev_ ABSL_GUARDED_BY(step_mu_);   // device, cpu_grad_fp32 only (x2)
-  // Device, per slot, kDelayedIoBytesPerParam * buffer_numel: the delayed
-  // update's gradients and weights (allocated by its first GPU update).
-  std::vector<char*> delayed_dev_ ABSL_GUARDED_BY(step_mu_);
   int* flag_dev_ = nullptr;   // non-finite flag
   // Resident state on this engine's device, all shards (shards hold a
   // pointer: they may outlive a step, never the engine).

@@ -118,11 +118,6 @@ struct GpuEngine::StepRun {
   // A delayed update on the GPU (GpuEngine::UpdateDelayedOnGpu): the
   // gradients and new weights are the delayed buffers', not the trainer's.
   const DelayedHost* delayed_io = nullptr;
-  // Its device areas, one per staging slot (kDelayedIoBytesPerParam a
-  // parameter: the gradients, then the weights), into which the gradients
-  // are copied before the kernel and from which the weights are copied
-  // after it: the kernel reads no host memory over PCIe.
-  std::span<char* const> delayed_dev;
   // Recorded on the compute stream when the step starts there, after the
   // trainer's event (the trainer's gradients are final).
   cudaEvent_t ready = nullptr;

@@ -12,27 +12,18 @@
 namespace dos::gpu {
 namespace {
 
-// A delayed update's elements in its device area (StepRun::delayed_dev):
-// 4 bytes each whatever the dtype, the gradients first, then the weights.
-constexpr uint64_t kIoElemBytes = kDelayedIoBytesPerParam / 2;
-
 // The fused kernel over every segment of subgroup `g` whose state is at
 // `state` (a staging slot or a resident copy), on `stream`.
 // A delayed update's (run.delayed_io) reads the gradients from and writes
-// the weights to `io`, the slot's device area (CopyDelayedIo), or without
-// one the delayed buffers themselves, page-locked host memory the kernel
+// the weights to the delayed buffers, page-locked host memory the kernel
 // reaches over PCIe (unified addressing: cudaHostAlloc's pointers are the
 // device's too).
 absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* state,
-                            cudaStream_t stream, char* io = nullptr) {
+                            cudaStream_t stream) {
   const Subgroup& g = run.shard->subgroups()[sg];
   return cpu::ForEachSegmentSpan(
       run.shard->tensors(), g, state,
       [&](const SubgroupSegment& seg, const TensorDesc& t) {
-        if (run.delayed_io != nullptr && io != nullptr) {
-          char* grad = io + seg.subgroup_offset * kIoElemBytes;
-          return cpu::SegmentIo{grad, t.grad_dtype, grad + g.numel * kIoElemBytes, t.param_dtype};
-        }
         if (run.delayed_io != nullptr) {
           return cpu::SegmentIo{run.delayed_io->grad(sg, seg), t.grad_dtype,
                                 run.delayed_io->weight(sg, seg), t.param_dtype};
@@ -50,25 +41,6 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* s
                                   .element_offset = s.element_offset};
         return LaunchAdam(run.scalars[seg.tensor], span, stream);
       });
-}
-
-// A delayed update's copies of subgroup `sg` through device area `io`: its
-// gradients in (`in`, on the H2D stream) or its new weights out (on the D2H
-// stream); the bytes copied are added to `bytes`.
-absl::Status CopyDelayedIo(const GpuEngine::StepRun& run, uint32_t sg, char* io, bool in,
-                           cudaStream_t stream, uint64_t* bytes) {
-  const Subgroup& g = run.shard->subgroups()[sg];
-  for (const SubgroupSegment& seg : g.segments) {
-    const TensorDesc& t = run.shard->tensors()[seg.tensor];
-    char* grad = io + seg.subgroup_offset * kIoElemBytes;
-    const uint64_t n = seg.count * DTypeSize(in ? t.grad_dtype : t.param_dtype);
-    DOS_CUDA_RETURN_IF_ERROR(
-        in ? cudaMemcpyAsync(grad, run.delayed_io->grad(sg, seg), n, cudaMemcpyHostToDevice, stream)
-           : cudaMemcpyAsync(run.delayed_io->weight(sg, seg), grad + g.numel * kIoElemBytes, n,
-                             cudaMemcpyDeviceToHost, stream));
-    *bytes += n;
-  }
-  return absl::OkStatus();
 }
 
 // The staging-slot pipeline of one step: slots in flight oldest first, each
@@ -151,19 +123,13 @@ class StreamPipeline {
       DOS_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
     }
-    char* const io = run_.delayed_io != nullptr && si < static_cast<int>(run_.delayed_dev.size())
-                         ? run_.delayed_dev[si]
-                         : nullptr;
-    if (io != nullptr) {
-      DOS_RETURN_IF_ERROR(CopyDelayedIo(run_, sg, io, true, streams_.h2d, &run_.gpu_h2d));
-    }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[1], streams_.h2d));
     // Early step: the state is on its way; the kernel waits for the
     // subgroup's gradients.
     DOS_RETURN_IF_ERROR(WaitReady(run_, sg, &run_.gpu_wait_us));
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
-    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, sg, state, streams_.compute, io));
+    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, sg, state, streams_.compute));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[3], streams_.compute));
     // The trainer's weights are final once the kernel ran (the state's way
     // back to the host does not concern it).
@@ -172,9 +138,6 @@ class StreamPipeline {
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[4], streams_.d2h));
     DOS_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(g.master, state, bytes, cudaMemcpyDeviceToHost, streams_.d2h));
-    if (io != nullptr) {
-      DOS_RETURN_IF_ERROR(CopyDelayedIo(run_, sg, io, false, streams_.d2h, &run_.gpu_d2h));
-    }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[5], streams_.d2h));
     return absl::OkStatus();
   }
@@ -242,11 +205,9 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
 }
 
 absl::Status GpuEngine::StreamDelayed(StepRun& run, std::span<const uint32_t> subgroups) {
-  // The kernels run beside the trainer's forward and backward: on the
-  // low-priority stream (idle between steps), not ahead of the trainer's
-  // kernels, and on device memory only (the gradients and weights cross
-  // PCIe by the copy engines: a kernel reading host memory would hold the
-  // SMs for its PCIe time).
+  // The kernels run beside the trainer's forward and backward, reading the
+  // gradients over PCIe: on the low-priority stream (idle between steps),
+  // not ahead of the trainer's kernels.
   StreamPipeline pipe(run, {h2d_, resident_, d2h_}, slots_);
   absl::Status status = pipe.Init();
   for (size_t k = 0; k < subgroups.size() && status.ok();) {

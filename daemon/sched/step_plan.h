@@ -38,12 +38,6 @@ class ShardState;
 
 // What the planner needs to know about a shard: its subgroups' sizes and the
 // bytes per parameter its CPU path moves over PCIe.
-// A delayed update on the GPU (--delayed_gpu_path) copies each subgroup's
-// gradients into device memory beside its staging slot and its new weights
-// out of it, 4-byte elements either way whatever the dtypes: per slot this
-// many bytes a parameter more.
-inline constexpr uint64_t kDelayedIoBytesPerParam = 8;
-
 struct ShardLayout {
   std::vector<uint64_t> subgroup_numel;
   double grad_bytes = 2;    // gradient bytes D2H per CPU-path parameter

@@ -165,9 +165,6 @@ uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
   uint64_t bytes = uint64_t{options_.budgets.staging_slots} * max_numel *
                    ShardState::kStateBytesPerParam;
   if (options_.grad_fp32) bytes += 2 * max_numel * sizeof(float);
-  if (options_.delayed_gpu) {
-    bytes += uint64_t{options_.budgets.staging_slots} * max_numel * kDelayedIoBytesPerParam;
-  }
   return bytes;
 }
 

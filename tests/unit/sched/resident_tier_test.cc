@@ -64,20 +64,6 @@ TEST(ResidentTierTest, ALeaseLessTheStagingSizesTheTier) {
   EXPECT_EQ(planner.LeaseOf(7).budget_bytes, 80u);
 }
 
-// --delayed_gpu_path: each slot's device area for the delayed update's
-// gradients and weights is charged to the lease with the slots, so the
-// tier leaves the trainer's memory alone.
-TEST(ResidentTierTest, TheDelayedGpuPathsDeviceAreasAreChargedWithTheSlots) {
-  PlannerOptions on = Gpu();
-  on.delayed_gpu = true;
-  StepPlanner planner(on);
-  const ShardLayout layout = Uniform(10);
-  const uint64_t staging = kStaging + 2 * kSg * kDelayedIoBytesPerParam;
-  EXPECT_EQ(planner.StagingBytes(layout), staging);
-  planner.SetLease(7, Lease(staging + 3 * kSgBytes), layout);
-  EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 3u);
-}
-
 TEST(ResidentTierTest, TheTierGrowsAndShrinksWithTheLeaseAndKeepsItBetweenReports) {
   StepPlanner planner(Gpu());
   const ShardLayout layout = Uniform(8);
