@@ -896,7 +896,8 @@ def main():
             "--dosd-gpu-reserve-gb", str(args.dosd_gpu_reserve_gb),
             "--dosd-context-gb", str(args.dosd_context_gb),
             "--flag-budget-gb", str(args.flag_budget_gb),
-            "--delay-warmup", str(args.delay_warmup)]
+            "--delay-warmup", str(args.delay_warmup),
+            "--profile-iters", str(args.profile_iters), "--out", args.out]
     for k in ("layers", "d_model", "heads", "seq", "vocab"):
         if getattr(args, k) is not None:
             keep += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
