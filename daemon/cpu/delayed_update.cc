@@ -5,8 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "oneapi/tbb/parallel_for.h"
 #include "daemon/cpu/subgroup_spans.h"
+#include "dos/wire/status_macros.h"
+#include "oneapi/tbb/parallel_for.h"
 
 namespace dos::cpu {
 
@@ -17,6 +18,9 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
     return absl::InternalError(absl::StrCat("delayed update: ", delayed.scalars().size(),
                                             " scalars for ", tensors.size(), " tensors"));
   }
+  // Subgroup by subgroup, in capture order: each waits for its own
+  // gradients only (DelayedHost::await_capture), so that the update runs
+  // beside the copies of the later ones.
   std::vector<CpuUpdater::Item> items;
   for (uint32_t sg : delayed.captured()) {
     if (sg >= shard.subgroups().size()) {
@@ -25,7 +29,7 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
     }
     if (delayed.updates_on_gpu(sg)) continue;  // the GPU engine's (GpuEngine::UpdateDelayed)
     const Subgroup& g = shard.subgroups()[sg];
-    shard.BeforeWrite(sg);  // checkpoint copy-on-write: the kernel writes it
+    items.clear();
     absl::Status st = ForEachSegmentSpan(
         tensors, g, g.master,
         [&](const SubgroupSegment& seg, const TensorDesc& t) {
@@ -37,10 +41,12 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
           return absl::OkStatus();
         });
     if (!st.ok()) return st;
+    if (delayed.await_capture) DOS_RETURN_IF_ERROR(delayed.await_capture(sg));
+    shard.BeforeWrite(sg);  // checkpoint copy-on-write: the kernel writes it
+    const absl::Time t0 = absl::Now();
+    cpu->Run(items);
+    *kernel_us += absl::ToDoubleMicroseconds(absl::Now() - t0);
   }
-  const absl::Time t0 = absl::Now();
-  cpu->Run(items);
-  *kernel_us += absl::ToDoubleMicroseconds(absl::Now() - t0);
   return absl::OkStatus();
 }
 

@@ -192,10 +192,16 @@ absl::Status GpuEngine::UpdateDelayed(ShardState& shard, const DelayedHost& dela
 
 absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  const DelayedHost& delayed = *run.sync->delayed;
+  DelayedHost& delayed = *run.sync->delayed;
   const absl::Time loop_start = absl::Now();
-  cudaEvent_t grads_in = nullptr;
-  DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&grads_in, cudaEventDisableTiming));
+  // One event a subgroup, recorded after its gradients' copy: its "done"
+  // waits for it, and so does its part of the delayed update.
+  std::vector<cudaEvent_t>& grads_in = run.gs->grads_in;
+  while (grads_in.size() < run.shard->subgroups().size()) {
+    cudaEvent_t ev = nullptr;
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    grads_in.push_back(ev);
+  }
   absl::Status status;
   for (uint32_t sg : run.plan->delayed) {
     if (delayed.installs(sg)) {
@@ -207,20 +213,28 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
       status = QueueCapture(*run.shard, run.bindings, delayed, sg, cpu_d2h_, &run.cpu_d2h);
       if (!status.ok()) break;
     }
-    status = DOS_CUDA_STATUS(cudaEventRecord(grads_in, cpu_d2h_));
-    if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, grads_in, 0));
+    status = DOS_CUDA_STATUS(cudaEventRecord(grads_in[sg], cpu_d2h_));
+    if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, grads_in[sg], 0));
     if (status.ok()) status = EnqueueDone(run, &run.cpu_done_calls, sg, cpu_h2d_);
     if (!status.ok()) break;
     run.cpu_entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
+  }
+  // Every copy is queued: the update may start (its CPU is idle in a delayed
+  // step), each subgroup once its gradients are in, beside the copies of the
+  // rest and the GPU path (measured on nvidia-h200 at 6B, 1.9B parameters
+  // delayed: the update waited 72 ms for the last copy when it started after
+  // all of them).
+  if (status.ok() && run.sync->delayed_captured) {
+    delayed.await_capture = [events = &grads_in, device = options_.device](uint32_t sg) {
+      DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+      return DOS_CUDA_STATUS(cudaEventSynchronize((*events)[sg]));
+    };
+    run.sync->delayed_captured();
   }
   for (cudaStream_t s : {cpu_d2h_, cpu_h2d_}) {
     absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(s));
     if (status.ok()) status = st;
   }
-  cudaEventDestroy(grads_in);
-  // Every gradient is in host memory: their update may start while the GPU
-  // path still runs (its CPU is idle in a delayed step).
-  if (status.ok() && run.sync->delayed_captured) run.sync->delayed_captured();
   run.cpu_loop_us = absl::ToDoubleMicroseconds(absl::Now() - loop_start);
   return status;
 }

@@ -117,6 +117,7 @@ char* DelayedHost::weight(uint32_t sg, const SubgroupSegment& seg) const {
 void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
                                std::vector<cpu::AdamScalars> scalars,
                                std::span<const uint32_t> on_gpu) {
+  await_capture = nullptr;
   on_gpu_.assign(state_.size(), false);
   for (uint32_t sg : on_gpu) on_gpu_[sg] = true;
   installs_.assign(state_.size(), false);
@@ -144,6 +145,7 @@ void DelayedHost::DropEarly() {
 
 void DelayedHost::Updated() {
   DropEarly();
+  await_capture = nullptr;
   for (uint32_t sg : captured_) state_[sg] = kPending;
   pending_.insert(pending_.end(), captured_.begin(), captured_.end());
   captured_.clear();

@@ -171,6 +171,11 @@ class DelayedHost {
   };
   std::thread worker;
   Run worker_run;
+  // Set by an engine whose captures may still be copying when the update
+  // starts (GpuEngine::CaptureLoop starts it once they are queued): waits
+  // until subgroup `sg`'s gradients are in the buffers. None: all are.
+  // Cleared by BeginCapture and Updated.
+  std::function<absl::Status(uint32_t sg)> await_capture;
 
  private:
   enum Stage : uint8_t { kNone, kCaptured, kPending };

@@ -30,19 +30,21 @@ void EarlyCapture::Loop() {
   // Backward makes a subgroup's gradients in milliseconds: polls from 50 us,
   // backing off to 1 ms while nothing is ready (the ready words of a GPU
   // trainer are written by its stream, which wakes no one).
+  // One subgroup a copy, and none once the verdict came: what is left goes
+  // with the step's own copies after it, which install on one copy engine
+  // while they capture on the other (measured on nvidia-h200 at 6B, 1.9B
+  // parameters delayed: a step that came late to its verdict spent 70 ms
+  // installing here, then 72 ms capturing after it).
   auto nap = std::chrono::microseconds(50);
   size_t next = 0;
-  while (next < subgroups_.size()) {
-    size_t end = next;
-    while (end < subgroups_.size() && sync_.is_ready(subgroups_[end])) ++end;
-    if (end > next) {
-      status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, end - next));
+  while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire)) {
+    if (sync_.is_ready(subgroups_[next])) {
+      status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, 1));
       if (!status_.ok()) return;
-      next = end;
+      ++next;
       nap = std::chrono::microseconds(50);
       continue;
     }
-    if (stop_.load(std::memory_order_acquire)) return;
     std::this_thread::sleep_for(nap);
     nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::milliseconds(1));
   }

@@ -6,8 +6,8 @@
 // this copies each delayed subgroup whose ready word says backward is done
 // with it: its pending weights (the last delayed update's) into the
 // trainer's memory, then its gradients into the DelayedHost's buffers
-// (Engine::CaptureDelayed), in plan order, each run of ready subgroups at
-// once. The step's own capture after the verdict then skips them
+// (Engine::CaptureDelayed), in plan order, one subgroup at a time, until
+// the verdict. The step's own capture after the verdict then skips them
 // (DelayedHost::captured_early), so the copies leave the time the trainer
 // waits for the step. Nothing here depends on the verdict: the weights are
 // those the next request would install anyway, and the gradients are only
@@ -50,8 +50,8 @@ class EarlyCapture {
   EarlyCapture(const EarlyCapture&) = delete;
   EarlyCapture& operator=(const EarlyCapture&) = delete;
 
-  // Stops waiting for ready words (the verdict came, or the step ended),
-  // lets the copies in progress finish and joins; the first copy error, if
+  // Stops copying (the verdict came, or the step ended): lets the
+  // subgroup in progress finish and joins; the step copies the rest; the first copy error, if
   // any (then nothing it copied counts: the step's capture copies all).
   absl::Status Stop();
 

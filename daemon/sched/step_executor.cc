@@ -346,19 +346,19 @@ absl::Status StepExecutor::InstallPending(const ShardState& shard,
 
 DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const DelayedHost& delayed) {
   const absl::Time start = absl::Now();
-  // The CPU's rate: its own parameters over its wall time, or, with some
-  // updated on the GPU beside it, over its kernel's time.
+  // The CPU's rate: its own parameters over its kernel's time (not the
+  // wall time: the update may wait for the step's last captures, and the
+  // GPU's share runs beside it).
   uint64_t params = 0;
   for (uint32_t sg : delayed.captured()) {
     if (!delayed.updates_on_gpu(sg)) params += shard.subgroups()[sg].numel;
   }
-  const bool on_gpu = delayed.any_on_gpu();
   double kernel_us = 0;
   DelayedHost::Run run;
   run.status = engine_->UpdateDelayed(shard, delayed, &kernel_us);
   run.us = absl::ToDoubleMicroseconds(absl::Now() - start);
   run.end_ns = MonotonicNs();
-  if (run.status.ok()) planner_.LearnDelayed(params, on_gpu ? kernel_us : run.us);
+  if (run.status.ok()) planner_.LearnDelayed(params, kernel_us);
   return run;
 }
 
