@@ -194,13 +194,14 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   DelayedHost& delayed = *run.sync->delayed;
   const absl::Time loop_start = absl::Now();
-  // One event a subgroup, recorded after its gradients' copy: its "done"
-  // waits for it, and so does its part of the delayed update.
-  std::vector<cudaEvent_t>& grads_in = run.gs->grads_in;
-  while (grads_in.size() < run.shard->subgroups().size()) {
+  // One event a subgroup, recorded after its gradients' copy (its "done"
+  // waits for that), then after its install: its part of the delayed update
+  // waits for both.
+  std::vector<cudaEvent_t>& copied = run.gs->delayed_copied;
+  while (copied.size() < run.shard->subgroups().size()) {
     cudaEvent_t ev = nullptr;
     DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    grads_in.push_back(ev);
+    copied.push_back(ev);
   }
   absl::Status status;
   for (uint32_t sg : run.plan->delayed) {
@@ -213,9 +214,13 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
       status = QueueCapture(*run.shard, run.bindings, delayed, sg, cpu_d2h_, &run.cpu_d2h);
       if (!status.ok()) break;
     }
-    status = DOS_CUDA_STATUS(cudaEventRecord(grads_in[sg], cpu_d2h_));
-    if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, grads_in[sg], 0));
+    status = DOS_CUDA_STATUS(cudaEventRecord(copied[sg], cpu_d2h_));
+    if (status.ok()) status = DOS_CUDA_STATUS(cudaStreamWaitEvent(cpu_h2d_, copied[sg], 0));
     if (status.ok()) status = EnqueueDone(run, &run.cpu_done_calls, sg, cpu_h2d_);
+    // Recorded again behind the install too (the wait above took the first
+    // record): the update writes the new weights where the install reads
+    // the pending ones.
+    if (status.ok()) status = DOS_CUDA_STATUS(cudaEventRecord(copied[sg], cpu_h2d_));
     if (!status.ok()) break;
     run.cpu_entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
   }
@@ -225,7 +230,7 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   // delayed: the update waited 72 ms for the last copy when it started after
   // all of them).
   if (status.ok() && run.sync->delayed_captured) {
-    delayed.await_capture = [events = &grads_in, device = options_.device](uint32_t sg) {
+    delayed.await_capture = [events = &copied, device = options_.device](uint32_t sg) {
       DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
       return DOS_CUDA_STATUS(cudaEventSynchronize((*events)[sg]));
     };

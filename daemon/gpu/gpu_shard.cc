@@ -25,7 +25,7 @@ GpuEngine::Shard::~Shard() {
   for (cudaEvent_t ev : {last_end, delayed_end}) {
     if (ev != nullptr) cudaEventDestroy(ev);
   }
-  for (cudaEvent_t ev : grads_in) cudaEventDestroy(ev);
+  for (cudaEvent_t ev : delayed_copied) cudaEventDestroy(ev);
 }
 
 void GpuEngine::Shard::FreeResident(size_t i) {

@@ -74,10 +74,10 @@ class GpuEngine::Shard final : public ShardAttachment {
   // recorded).
   cudaEvent_t last_end = nullptr, delayed_end = nullptr;
   bool last_end_valid = false, delayed_end_valid = false;
-  // Per subgroup: its delayed gradients' copy is in (GpuEngine::CaptureLoop;
-  // waited on by the step's "done" and by the delayed update, which the
-  // session joins before the next step records them again).
-  std::vector<cudaEvent_t> grads_in;
+  // Per subgroup: its delayed copies are in (GpuEngine::CaptureLoop; waited
+  // on by the step's "done" and by the delayed update, which the session
+  // joins before the next step records them again).
+  std::vector<cudaEvent_t> delayed_copied;
 
  private:
   const int device_;

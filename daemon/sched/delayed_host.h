@@ -173,7 +173,8 @@ class DelayedHost {
   Run worker_run;
   // Set by an engine whose captures may still be copying when the update
   // starts (GpuEngine::CaptureLoop starts it once they are queued): waits
-  // until subgroup `sg`'s gradients are in the buffers. None: all are.
+  // until subgroup `sg`'s gradients are in the buffers and its pending
+  // weights (which the update overwrites) are installed. None: all are.
   // Cleared by BeginCapture and Updated.
   std::function<absl::Status(uint32_t sg)> await_capture;
 
