@@ -72,9 +72,10 @@ struct StepSync {
   // done once both are complete. Null for any other step.
   DelayedHost* delayed = nullptr;
   // Called once every delayed subgroup's gradients are in `delayed`'s
-  // buffers (host-visible), from the thread that executes the step, while
-  // the rest of the step may still run: the executor starts their update
-  // then. May be empty.
+  // buffers (host-visible), or once their copies are queued where the
+  // engine set DelayedHost::await_capture for the update to wait on, from
+  // the thread that executes the step, while the rest of the step may still
+  // run: the executor starts their update then. May be empty.
   std::function<void()> delayed_captured;
 };
 

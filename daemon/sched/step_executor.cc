@@ -486,8 +486,9 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
   if (!plan.delayed.empty()) {
     delayed->BeginCapture(plan.delayed, scalars, plan.delayed_gpu);
     engine_sync.delayed = delayed;
-    // Their update starts as soon as the engine captured the gradients,
-    // beside the rest of the step (the session joins it after the result),
+    // Their update starts as soon as the engine queued the captures (each
+    // subgroup then waits for its own: DelayedHost::await_capture), beside
+    // the rest of the step (the session joins it after the result),
     // or, started at the result, when the session runs it.
     if (!planner_.delayed_start_at_result()) {
       engine_sync.delayed_captured = [this, &shard, delayed] {
