@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "daemon/cpu/delayed_update.h"
 #include "daemon/cpu/subgroup_spans.h"
 #include "daemon/transport/shm_transport.h"
@@ -156,6 +159,11 @@ int FakeEngine::open_events() const {
   absl::MutexLock lock(&mu_);
   return open_events_;
 }
+std::vector<uint32_t> FakeEngine::awaited_captures() const {
+  absl::MutexLock lock(&mu_);
+  return awaited_;
+}
+
 std::vector<uint32_t> FakeEngine::done_subgroups() const {
   absl::MutexLock lock(&mu_);
   return done_;
@@ -324,9 +332,12 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
   if (!plan.delayed.empty()) {
     if (sync.delayed == nullptr) return absl::InternalError("fake: a delayed plan without buffers");
     if (plan.wait_ready) return absl::InternalError("fake: a delayed plan that waits per subgroup");
-    absl::Status st = cpu::CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true);
+    absl::Status st =
+        options_.pipelined_captures
+            ? PipelinedCaptures(plan, shard, bindings, sync)
+            : cpu::CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true);
     if (!st.ok()) return st;
-    if (sync.delayed_captured) sync.delayed_captured();
+    if (sync.delayed_captured && !options_.pipelined_captures) sync.delayed_captured();
     for (uint32_t sg : plan.delayed) {
       measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});
       if (sync.subgroup_done) sync.subgroup_done(sg);
@@ -354,6 +365,42 @@ absl::Status FakeEngine::CaptureDelayed(const ShardState& shard,
                                         const DelayedHost& delayed,
                                         std::span<const uint32_t> subgroups) {
   return cpu::CopyDelayedHost(shard, bindings, delayed, subgroups, true);
+}
+
+absl::Status FakeEngine::PipelinedCaptures(const StepPlan& plan, const ShardState& shard,
+                                           std::span<const TensorBinding> bindings,
+                                           const StepSync& sync) {
+  struct Marks {
+    absl::Mutex mu;
+    std::vector<char> in ABSL_GUARDED_BY(mu);
+  };
+  auto marks = std::make_shared<Marks>();
+  {
+    absl::MutexLock lock(&marks->mu);
+    marks->in.assign(shard.subgroups().size(), 0);
+  }
+  sync.delayed->await_capture = [this, marks](uint32_t sg) {
+    {
+      absl::MutexLock lock(&mu_);
+      awaited_.push_back(sg);
+    }
+    absl::MutexLock lock(&marks->mu);
+    auto in = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return marks->in[sg] != 0; };
+    marks->mu.Await(absl::Condition(&in));
+    return absl::OkStatus();
+  };
+  if (sync.delayed_captured) sync.delayed_captured();
+  absl::Status status;
+  for (uint32_t sg : plan.delayed) {
+    absl::SleepFor(absl::Milliseconds(1));
+    if (status.ok()) {
+      status = cpu::CopyDelayedHost(shard, bindings, *sync.delayed,
+                                    std::span<const uint32_t>(&sg, 1), true);
+    }
+    absl::MutexLock lock(&marks->mu);
+    marks->in[sg] = 1;  // also after a failure: the update must not wait forever
+  }
+  return status;
 }
 
 absl::Status FakeEngine::UpdateDelayed(ShardState& shard, const DelayedHost& delayed,

@@ -46,6 +46,11 @@ struct FakeEngineOptions {
   double gpu_params_per_s = 100e9;
   double copy_bytes_per_s = 50e9;
   uint64_t device_bytes = 0;           // resident copies held at most; 0: no limit
+  // A delayed step starts the update before its copies, as GpuEngine's
+  // CaptureLoop does (DelayedHost::await_capture), then copies subgroup by
+  // subgroup a millisecond apart: an update that did not wait for each
+  // subgroup's copies would run ahead of them.
+  bool pipelined_captures = false;
 };
 
 class FakeEngine final : public Engine {
@@ -68,6 +73,8 @@ class FakeEngine final : public Engine {
   int attached() const;
   int open_events() const;  // opened and not closed
   std::vector<uint32_t> done_subgroups() const;  // subgroup_done calls of the last step
+  // With pipelined_captures: the subgroups the delayed update waited for, in order.
+  std::vector<uint32_t> awaited_captures() const;
 
   bool has_gpu() const override { return options_.gpu; }
   bool host_addressable() const override { return true; }
@@ -108,6 +115,9 @@ class FakeEngine final : public Engine {
  private:
   // The order the plan's subgroups are updated in, with each one's path.
   static std::vector<std::pair<uint32_t, char>> Order(const StepPlan& plan);
+  // A delayed step's copies with pipelined_captures (above).
+  absl::Status PipelinedCaptures(const StepPlan& plan, const ShardState& shard,
+                                 std::span<const TensorBinding> bindings, const StepSync& sync);
   void Measure(uint32_t sg, char path, uint64_t numel, StepMeasurements* m) const;
 
   class Resident;  // a shard's copies (its attachment)
@@ -128,6 +138,7 @@ class FakeEngine final : public Engine {
   int attached_ ABSL_GUARDED_BY(mu_) = 0;
   int open_events_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint32_t> done_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> awaited_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace dos

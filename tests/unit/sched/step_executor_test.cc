@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "daemon/cpu/adam_reference.h"
 #include "daemon/cpu/host_engine.h"
+#include "tests/unit/sched/fake_engine.h"
 
 namespace dos {
 namespace {
@@ -293,6 +294,39 @@ TEST(StepExecutorTest, ADelayedUpdateStartedAtTheResultWaitsForTheSession) {
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
   ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
   EXPECT_EQ(f.params, exact.params);
+}
+
+// An engine that starts the delayed update before its copies are in
+// (GpuEngine::CaptureLoop; the FakeEngine's pipelined_captures, which copies
+// a millisecond a subgroup): each subgroup of the update waits for its own
+// capture and install, so that two delayed steps in a row install the first
+// step's weights (not the second's the update writes into the same buffers)
+// and leave the exact steps' state.
+TEST(StepExecutorTest, AnUpdateStartedBeforeItsCopiesWaitsForEachSubgroups) {
+  Fixture f, exact;
+  FakeEngine engine(FakeEngine::Options{.pipelined_captures = true});
+  StepExecutor ex(&engine), ex_exact(&exact.engine);
+  DelayedHost delayed(*f.shard, &f.budget);
+  const StepKind kind(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  std::vector<std::vector<float>> exact_before = exact.params;
+  for (int step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+    absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
+                                             Policy{}, StepSync{}, 0, {}, &delayed);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->delayed_subgroups, 5u);
+    EXPECT_EQ(f.params, exact_before) << step;  // the step before's weights, installed
+    ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+    for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << step << " " << t;
+    exact_before = exact.params;
+  }
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+  const std::vector<uint32_t> awaited = engine.awaited_captures();
+  EXPECT_EQ(awaited.size(), 10u);  // every subgroup of both steps, each once
+  const std::vector<StepPlan> plans = engine.plans();
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(std::vector<uint32_t>(awaited.begin(), awaited.begin() + 5), plans[0].delayed);
 }
 
 // A step's sync whose every subgroup is ready (backward is over).
