@@ -50,9 +50,10 @@ class EarlyCapture {
   EarlyCapture(const EarlyCapture&) = delete;
   EarlyCapture& operator=(const EarlyCapture&) = delete;
 
-  // Stops copying (the verdict came, or the step ended): lets the
-  // subgroup in progress finish and joins; the step copies the rest; the first copy error, if
-  // any (then nothing it copied counts: the step's capture copies all).
+  // Stops copying (the verdict came, or the step ended): lets the subgroup
+  // in progress finish and joins (the step copies the rest); the first copy
+  // error, if any (then nothing it copied counts: the step's capture copies
+  // all).
   absl::Status Stop();
 
  private:
