@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "daemon/cpu/delayed_update.h"
 #include "daemon/cpu/subgroup_spans.h"
@@ -370,23 +371,14 @@ absl::Status FakeEngine::CaptureDelayed(const ShardState& shard,
 absl::Status FakeEngine::PipelinedCaptures(const StepPlan& plan, const ShardState& shard,
                                            std::span<const TensorBinding> bindings,
                                            const StepSync& sync) {
-  struct Marks {
-    absl::Mutex mu;
-    std::vector<char> in ABSL_GUARDED_BY(mu);
-  };
-  auto marks = std::make_shared<Marks>();
-  {
-    absl::MutexLock lock(&marks->mu);
-    marks->in.assign(shard.subgroups().size(), 0);
-  }
-  sync.delayed->await_capture = [this, marks](uint32_t sg) {
+  // One notification a subgroup: its copies are in.
+  auto copied = std::make_shared<std::vector<absl::Notification>>(shard.subgroups().size());
+  sync.delayed->await_capture = [this, copied](uint32_t sg) {
     {
       absl::MutexLock lock(&mu_);
       awaited_.push_back(sg);
     }
-    absl::MutexLock lock(&marks->mu);
-    auto in = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return marks->in[sg] != 0; };
-    marks->mu.Await(absl::Condition(&in));
+    (*copied)[sg].WaitForNotification();
     return absl::OkStatus();
   };
   if (sync.delayed_captured) sync.delayed_captured();
@@ -397,8 +389,7 @@ absl::Status FakeEngine::PipelinedCaptures(const StepPlan& plan, const ShardStat
       status = cpu::CopyDelayedHost(shard, bindings, *sync.delayed,
                                     std::span<const uint32_t>(&sg, 1), true);
     }
-    absl::MutexLock lock(&marks->mu);
-    marks->in[sg] = 1;  // also after a failure: the update must not wait forever
+    (*copied)[sg].Notify();  // also after a failure: the update must not wait forever
   }
   return status;
 }
