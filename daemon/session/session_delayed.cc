@@ -50,10 +50,23 @@ void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
 
 void Session::RunDelayedUpdate() {
   if (delayed_ == nullptr || delayed_->captured().empty()) return;
+  const uint64_t last_end_ns = delayed_->update_end_ns;
   absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_);
   if (!st.ok()) {
     DOS_LOG_ERROR("step.delayed_update_failed", "session", identity_.id, "error", st.message());
+    return;
   }
+  // When the update ran against the verdict and the last update: the host
+  // path idles from the last update's end to this one's start (a verdict
+  // read late, the step's scan and first copies).
+  const double start_ns = static_cast<double>(delayed_->update_end_ns) - delayed_->update_us * 1e3;
+  DOS_LOG_DEBUG("delayed.update", "session", identity_.id, "update_us", delayed_->update_us,
+                "start_after_verdict_us",
+                delayed_->verdict_ns != 0
+                    ? (start_ns - static_cast<double>(delayed_->verdict_ns)) * 1e-3
+                    : 0.0,
+                "idle_before_us",
+                last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0);
 }
 
 absl::Status Session::InstallPendingWeights() {
