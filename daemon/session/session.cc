@@ -244,7 +244,7 @@ void Session::HandleRequest(uint32_t seq) {
   RecordStats(record, wall_us);
   last_post_ns_ = MonotonicNs();
   channel_->PostResult(seq);
-  RunDelayedUpdate();
+  RunDelayedUpdate(early);
 }
 
 void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start,

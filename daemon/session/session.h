@@ -270,7 +270,10 @@ class Session {
   // memory or state outside a step.
   DelayedHost* DelayedFor(StepKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NoteWindow(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunDelayedUpdate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `early`: the step that captured the update's gradients was an early
+  // one, so DelayedHost::verdict_ns is its verdict (the debug event's
+  // start_after_verdict_us; 0 otherwise).
+  void RunDelayedUpdate(bool early) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InstallPendingWeights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddDelayFigures(const StepRequest& request, StepOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

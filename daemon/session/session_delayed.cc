@@ -48,7 +48,7 @@ void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
   }
 }
 
-void Session::RunDelayedUpdate() {
+void Session::RunDelayedUpdate(bool early) {
   if (delayed_ == nullptr || delayed_->captured().empty()) return;
   const uint64_t last_end_ns = delayed_->update_end_ns;
   absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_);
@@ -62,7 +62,7 @@ void Session::RunDelayedUpdate() {
   const double start_ns = static_cast<double>(delayed_->update_end_ns) - delayed_->update_us * 1e3;
   DOS_LOG_DEBUG("delayed.update", "session", identity_.id, "update_us", delayed_->update_us,
                 "start_after_verdict_us",
-                delayed_->verdict_ns != 0
+                early && delayed_->verdict_ns != 0
                     ? (start_ns - static_cast<double>(delayed_->verdict_ns)) * 1e-3
                     : 0.0,
                 "idle_before_us",
