@@ -241,11 +241,19 @@ def main():
     ap.add_argument("--profile-step", type=int, default=0,
                     help="torch.profiler around this step: a summary of where the trainer's GPU "
                          "time went (bench/frameworks/gpu_profile.py) in the result's 'profile'")
+    ap.add_argument("--step-sync", choices=["each", "end"], default="each",
+                    help="each: torch.cuda.synchronize() after every step, iter_s the median "
+                         "step; end: no synchronize between steps (as a Trainer runs: only the "
+                         "loss's .item() waits, on the current stream), one after the last, "
+                         "iter_s the mean time of the steps from the steady ones' fourth on "
+                         "(throughput)")
     ap.add_argument("--no-placement", action="store_true",
                     help="switch accelerate's optimizer placement off (the workaround the issue's "
                          "baseline was measured with: a build without lazy state copies the whole "
                          "state into the trainer in accelerator.prepare otherwise)")
     args = ap.parse_args()
+    if args.step_sync == "end" and (args.framework != "hf" or args.profile_step):
+        ap.error("--step-sync end times the HF Trainer's loop without --profile-step")
     if args.roundtrip and args.framework != "hf":
         ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
     if (args.delay or args.overlap) and args.mode == "all_gpu":
@@ -326,9 +334,12 @@ def main():
             marks.setdefault("first_step", self.t)
 
         def on_step_end(self, a, state, control, **kw):
-            if torch.cuda.is_available():
+            if torch.cuda.is_available() and (args.step_sync == "each" or
+                                              state.global_step == args.steps):
                 torch.cuda.synchronize()
             self.end = time.perf_counter()
+            if state.global_step == args.steps:
+                marks["train_end"] = self.end
             times.append(self.end - self.t)
             if profiler and state.global_step == args.profile_step:
                 res["profile"] = profiler.stop()
@@ -375,6 +386,13 @@ def main():
     timed = [s for i, s in enumerate(times) if i + 1 != args.profile_step]
     steady = sorted(timed[skip:]) if len(timed) > skip + 2 else sorted(timed)
     res["iter_s"] = steady[len(steady) // 2]
+    res["step_sync"] = args.step_sync
+    res["begins_s"] = [b - begins[0] for b in begins]
+    first = skip + 3  # past the delay's first steps (its buffers' allocation: seconds)
+    if args.step_sync == "end" and len(begins) > first + 1 and "train_end" in marks:
+        # Unsynchronised steps end on the host before their GPU work: the
+        # steady steps' mean, from the first's begin to the final sync.
+        res["iter_s"] = (marks["train_end"] - begins[first]) / (len(begins) - first)
     periods = [b - a for a, b in zip(begins, begins[1:])][skip:]
     if periods:
         res["period_s"] = statistics.median(periods)

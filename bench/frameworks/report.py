@@ -59,6 +59,8 @@ def delay_lines(runs):
                      f"window {r['window_s']:.3f} s")
         if "period_s" in r:
             line += f"; step to step {r['period_s']:.3f} s"
+        if r.get("step_sync") == "end":
+            line += "; timed without a sync between steps (--step-sync end: throughput)"
         out.append(line)
     return out
 

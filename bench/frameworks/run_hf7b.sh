@@ -12,7 +12,7 @@
 # mode's _overlap or _nooverlap before _delay asks for overlap=True or False
 # (dos_compact_overlap_delay; otherwise dos.torch's default);
 # SINK= (empty) skips streaming the state to /dev/null after the steps;
-# HF_ARGS: more hf7b.py flags for the first size's runs (e.g. --max-grad-norm 0
+# HF_ARGS: more hf7b.py flags for the first size's runs (e.g. --max-grad-norm 0, --step-sync end
 # or --profile-step 13 --steps 13);
 # DOSD_ARGS: more dosd flags (e.g. --delayed_cpu_threads=0 for an A/B);
 # DOSD_WRAP / TRAINER_WRAP: a command each runs under (e.g. "taskset -c 2-15"
@@ -70,8 +70,8 @@ result=${RESULT:-bench/results/hf7b_${machine}_$(date +%F).json}
 python3 bench/frameworks/report.py $W "$machine" "$result" >> "$O/hf7b.log" 2>&1
 cp "$result" "$O/" 2>/dev/null
 tail -c 3000 "$O/dosd.log" > "$O/dosd_tail.log"
-# dosd's per-step debug lines (DOSD_ARGS=--log_level=debug), the last 60.
-grep -E 'step\.(phases|early_capture)|gpu\.step' "$O/dosd.log" | tail -60 > "$O/dosd_phases.log"
+# dosd's per-step debug lines (DOSD_ARGS=--log_level=debug: step.phases, delayed.update), the last 60.
+grep -E 'step\.(phases|early_capture)|gpu\.step|delayed\.update' "$O/dosd.log" | tail -60 > "$O/dosd_phases.log"
 rm -f "$O/dosd.log"
 cp $W/*.trace.json.gz "$O/" 2>/dev/null  # --profile-step's traces
 rm -rf $W /tmp/dos-hf7b-ckpt

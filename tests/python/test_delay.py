@@ -439,3 +439,43 @@ def test_the_delayed_gpu_path_is_adamw_one_step_late(flag):
         finally:
             opt.close()
     assert_same(model, master, STEPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_delayed_update_logs_its_time_and_the_idle_before_it(device):
+    """--log_level=debug: one `delayed.update` line per delayed update (the
+    operator guide's fields): its time, its start after an early step's
+    verdict (0 without one: the CPU path's steps begin at step()), and the
+    host path's idle time since the last update (0 for the first)."""
+    import os
+    import re
+    from conftest import running_dosd
+    data = make_data(n=8)
+    warmup = 2
+    with running_dosd("--log_level=debug") as (sock, _):
+        model = make_mlp().to(device)
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock, model=model,
+                              client_name="pytest-delay-log", delay=1, delay_warmup=warmup,
+                              **({"gpu_budget_bytes": 0} if device == "cuda" else {}))
+        if device == "cuda":
+            opt.set_policy("cpu")  # every subgroup on the host path: all delayed
+        try:
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+                opt.step()
+            opt.synchronize()
+        finally:
+            opt.close()
+        with open(os.path.join(os.path.dirname(sock), "dosd.log")) as f:
+            lines = [ln for ln in f if "event=delayed.update" in ln]
+    # Steps warmup+1 .. 8 are delayed; each one's update runs once.
+    assert len(lines) == len(data) - warmup, lines
+    fields = [dict(re.findall(r"(\w+)=(\S+)", ln)) for ln in lines]
+    for f in fields:
+        assert float(f["update_us"]) > 0, f
+        if device == "cpu":
+            assert float(f["start_after_verdict_us"]) == 0, f
+    # Between two updates the host path idled for the trainer's step.
+    assert float(fields[0]["idle_before_us"]) == 0, fields[0]
+    assert all(float(f["idle_before_us"]) > 0 for f in fields[1:]), fields
