@@ -14,7 +14,6 @@
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
 #include "daemon/cpu/adam_kernel.h"
-#include "daemon/sched/early_capture.h"
 #include "dos/wire/hparams.h"
 #include "dos/wire/status_macros.h"
 #include "oneapi/tbb/blocked_range.h"
@@ -332,113 +331,6 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
     target = std::min<uint32_t>(target, static_cast<uint32_t>(delayed->resident_cap));
   }
   return engine_->SetResident(shard, target, true);
-}
-
-absl::Status StepExecutor::InstallPending(const ShardState& shard,
-                                          std::span<const TensorBinding> bindings,
-                                          DelayedHost& delayed) {
-  if (delayed.pending().empty()) return absl::OkStatus();
-  const std::vector<uint32_t> all = delayed.pending();
-  DOS_RETURN_IF_ERROR(engine_->InstallDelayed(shard, bindings, delayed, all));
-  delayed.Installed(all);
-  return absl::OkStatus();
-}
-
-DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const DelayedHost& delayed) {
-  const absl::Time start = absl::Now();
-  // The CPU's rate: its own parameters over its kernel's time (not the
-  // wall time: the update may wait for the step's last captures, and the
-  // GPU's share runs beside it).
-  uint64_t params = 0;
-  for (uint32_t sg : delayed.captured()) {
-    if (!delayed.updates_on_gpu(sg)) params += shard.subgroups()[sg].numel;
-  }
-  double kernel_us = 0;
-  DelayedHost::Run run;
-  run.status = engine_->UpdateDelayed(shard, delayed, &kernel_us);
-  run.us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  run.end_ns = MonotonicNs();
-  if (run.status.ok()) planner_.LearnDelayed(params, kernel_us);
-  return run;
-}
-
-absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed) {
-  if (delayed.captured().empty()) return absl::OkStatus();
-  DelayedHost::Run run;
-  if (delayed.worker.joinable()) {
-    delayed.worker.join();
-    run = delayed.worker_run;
-  } else {
-    run = RunDelayedKernel(shard, delayed);
-  }
-  delayed.update_us = run.us;
-  delayed.update_end_ns = run.end_ns;
-  const absl::Status st = run.status;
-  // Whatever happened, these subgroups' weights are what the buffers hold
-  // now; a failed kernel (none can fail but a bad plan) is the step's error.
-  delayed.Updated();
-  return st;
-}
-
-absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
-    const StepPlan& plan, const ShardState& shard, std::span<const TensorBinding> bindings,
-    StepKind kind, const StepSync& sync, const AwaitVerdict& await_verdict, DelayedHost* delayed) {
-  // A delayed step copies its delayed subgroups as backward finishes each
-  // (early_capture.h). Buffers it cannot place now are placed (or refused,
-  // with the step's error) after the verdict, as for any delayed step.
-  // After a verdict that rewrote the gradients, only the weights.
-  const bool copy_gradients = delayed != nullptr && !delayed->gradients_rewritten;
-  std::optional<EarlyCapture> early;
-  if (kind.delays_host() && delayed != nullptr && !plan.delayed.empty() &&
-      delayed->Place(plan.delayed, [this](uint64_t bytes) { return engine_->AllocStaging(bytes); })
-          .ok()) {
-    early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed, copy_gradients);
-  }
-  absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
-  if (delayed != nullptr) {
-    // When the trainer gave the verdict (its ring, protocol 8's clients;
-    // else now): the window must not grow by the time this thread came late
-    // to it (it may have been finishing the previous delayed update, which
-    // would feed the update's own length back into its budget).
-    const uint64_t now = MonotonicNs();
-    const uint64_t rung = request.ok() ? request->ring_ns : 0;
-    delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
-    if (request.ok()) {
-      delayed->gradients_rewritten = (request->flags & kStepGradientsRewritten) != 0;
-    }
-  }
-  if (!early.has_value()) return request;
-  // How late this thread read the verdict, then how long the captures still
-  // running took to join (measured apart: the join must not count as late).
-  const double read_late_us = static_cast<double>(MonotonicNs() - delayed->verdict_ns) * 1e-3;
-  const absl::Time stop_start = absl::Now();
-  const absl::Status copied = early->Stop();
-  DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us", read_late_us, "join_us",
-                absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_gradients",
-                copy_gradients, "rewritten", delayed->gradients_rewritten);
-  if (!copied.ok()) {
-    DOS_LOG_WARNING(
-        "step.early_capture_failed", "error", copied.message(), "then",
-        copy_gradients
-            ? "the step copies the gradients after its verdict"
-            : "the step installs the pending weights with the gradients after its verdict");
-  }
-  // Gradients written after their ready marks are copied again; those of a
-  // step given up are never read.
-  if (!request.ok() || (request->flags & kStepGradientsRewritten)) delayed->DropEarly();
-  return request;
-}
-
-absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,
-                                                            const AwaitVerdict& await_verdict) {
-  DOS_ASSIGN_OR_RETURN(StepRequest request, await_verdict());
-  DOS_RETURN_IF_ERROR(CheckStepFlags(request.flags, "verdict"));
-  if (request.flags & kStepAbandon) {
-    return absl::AbortedError(
-        "step: the trainer abandoned the early step before its verdict; nothing was applied");
-  }
-  DOS_RETURN_IF_ERROR(ValidateStepRequest(request, shard.groups().size()));
-  return request;
 }
 
 absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,

@@ -18,6 +18,8 @@
 // planner (its rates are the engine's) and a pointer to the engine, which
 // outlives it. Thread-safety: Run may be called concurrently for different
 // shards; the caller serialises calls for one shard.
+// Files: step_executor.cc (the step), step_executor_delayed.cc (the delayed
+// host path's installs and update, an early step's verdict with its captures).
 #pragma once
 
 #include <cstdint>
