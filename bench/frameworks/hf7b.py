@@ -181,6 +181,13 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def steady_from(args) -> int:
+    """How many steps the timing skips: steady steps from the third on; with
+    --delay from the first that waits for a delayed update (step
+    delay_warmup + 2)."""
+    return max(2, args.delay_warmup + 1) if args.delay else 2
+
+
 def train_accelerate(args, model, opt, times, losses, marks, on_step):
     """The same job through Accelerate's own loop: prepare, backward,
     clip_grad_norm_ and the prepared optimizer's step; returns the prepared
@@ -254,6 +261,9 @@ def main():
     args = ap.parse_args()
     if args.step_sync == "end" and (args.framework != "hf" or args.profile_step):
         ap.error("--step-sync end times the HF Trainer's loop without --profile-step")
+    if args.step_sync == "end" and args.steps < steady_from(args) + 5:
+        ap.error(f"--step-sync end needs --steps {steady_from(args) + 5} or more (its mean starts "
+                 f"at step {steady_from(args) + 4})")
     if args.roundtrip and args.framework != "hf":
         ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
     if (args.delay or args.overlap) and args.mode == "all_gpu":
@@ -379,9 +389,7 @@ def main():
         trainer.train(resume_from_checkpoint=resume)
     res["train_s"] = time.time() - t
     res["step_s"] = times
-    # Steady steps: from the third on; with --delay from the first that
-    # waits for a delayed update (step delay_warmup + 2).
-    skip = max(2, args.delay_warmup + 1) if args.delay else 2
+    skip = steady_from(args)
     # The profiled step (--profile-step) runs slower under the profiler.
     timed = [s for i, s in enumerate(times) if i + 1 != args.profile_step]
     steady = sorted(timed[skip:]) if len(timed) > skip + 2 else sorted(timed)
@@ -389,7 +397,7 @@ def main():
     res["step_sync"] = args.step_sync
     res["begins_s"] = [b - begins[0] for b in begins]
     first = skip + 3  # past the delay's first steps (its buffers' allocation: seconds)
-    if args.step_sync == "end" and len(begins) > first + 1 and "train_end" in marks:
+    if args.step_sync == "end" and "train_end" in marks:
         # Unsynchronised steps end on the host before their GPU work: the
         # steady steps' mean, from the first's begin to the final sync.
         res["iter_s"] = (marks["train_end"] - begins[first]) / (len(begins) - first)
