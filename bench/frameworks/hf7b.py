@@ -188,6 +188,13 @@ def steady_from(args) -> int:
     return max(2, args.delay_warmup + 1) if args.delay else 2
 
 
+def throughput_from(args) -> int:
+    """--step-sync end's mean starts at this step index (0-based), three past
+    the steady ones: past the delay's first steps (its buffers' allocation
+    takes seconds)."""
+    return steady_from(args) + 3
+
+
 def train_accelerate(args, model, opt, times, losses, marks, on_step):
     """The same job through Accelerate's own loop: prepare, backward,
     clip_grad_norm_ and the prepared optimizer's step; returns the prepared
@@ -261,9 +268,9 @@ def main():
     args = ap.parse_args()
     if args.step_sync == "end" and (args.framework != "hf" or args.profile_step):
         ap.error("--step-sync end times the HF Trainer's loop without --profile-step")
-    if args.step_sync == "end" and args.steps < steady_from(args) + 5:
-        ap.error(f"--step-sync end needs --steps {steady_from(args) + 5} or more (its mean starts "
-                 f"at step {steady_from(args) + 4})")
+    if args.step_sync == "end" and args.steps < throughput_from(args) + 2:
+        ap.error(f"--step-sync end needs --steps {throughput_from(args) + 2} or more (its mean "
+                 f"starts at step {throughput_from(args) + 1})")
     if args.roundtrip and args.framework != "hf":
         ap.error("--roundtrip runs the HF Trainer's save_steps/resume_from_checkpoint: --framework hf")
     if (args.delay or args.overlap) and args.mode == "all_gpu":
@@ -396,8 +403,8 @@ def main():
     res["iter_s"] = steady[len(steady) // 2]
     res["step_sync"] = args.step_sync
     res["begins_s"] = [b - begins[0] for b in begins]
-    first = skip + 3  # past the delay's first steps (its buffers' allocation: seconds)
     if args.step_sync == "end" and "train_end" in marks:
+        first = throughput_from(args)
         # Unsynchronised steps end on the host before their GPU work: the
         # steady steps' mean, from the first's begin to the final sync.
         res["iter_s"] = (marks["train_end"] - begins[first]) / (len(begins) - first)
