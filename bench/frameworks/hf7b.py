@@ -11,7 +11,10 @@ reading):
       trainer's own loop, max_grad_norm=1.0, gradient checkpointing, batch
       1 x 2048, bf16 weights), then streams torch.save(opt.state_dict()) into
       /dev/null (the disk cannot hold a 7B checkpoint); samples the trainer's
-      RssAnon, dosd's RSS and the device's used memory throughout.
+      RssAnon, dosd's RSS and the device's used memory throughout; records
+      where the launch thread spent each steady step (phases_s: forward and
+      backward to the Trainer's on_pre_optimizer_step, step(), the rest of
+      the step, the Trainer's work between steps; medians).
   hf7b.py --mode dos --size 2b --roundtrip save|resume --workdir W --out R.json
       the full round trip: save_steps mid-run, then a new process with
       resume_from_checkpoint; the resumed losses must equal the first run's.
@@ -149,6 +152,27 @@ def peek_report(opt):
         opt = opt.optimizer
     flight = getattr(getattr(opt, "_parts", None), "flight", None)
     return getattr(flight, "last_step", None)
+
+
+def step_phases(phase_marks, skip, profile_step=0):
+    """Median seconds of each part of the steady steps (Clock's marks):
+    forward_backward (begin to the Trainer's on_pre_optimizer_step: forward,
+    backward, its loss check and clip), step (optimizer.step()), after (to
+    on_step_end), between (to the next step's begin). Parts a framework
+    without those callbacks lacks are left out."""
+    parts = {"forward_backward": ("begin", "pre_optimizer"), "step": ("pre_optimizer", "optimizer"),
+             "after": ("optimizer", "end")}
+    out = {}
+    steady = [(i, m) for i, m in enumerate(phase_marks) if i >= skip and i + 1 != profile_step]
+    for name, (a, b) in parts.items():
+        xs = [m[b] - m[a] for _, m in steady if a in m and b in m]
+        if xs:
+            out[name] = statistics.median(xs)
+    xs = [phase_marks[i + 1]["begin"] - m["end"] for i, m in steady
+          if i + 1 < len(phase_marks) and "end" in m]
+    if xs:
+        out["between"] = statistics.median(xs)
+    return out
 
 
 def make_model(size, device, attn=None):
@@ -317,6 +341,12 @@ def main():
 
     times, losses = [], {}
     begins = []  # each step's start: begin to begin includes the Trainer's work between steps
+    # The launch thread's time in each part of a step (host clock, no
+    # synchronize added): begin -> pre_optimizer (forward, backward, the
+    # Trainer's NaN check of the loss and clip), -> optimizer (step()),
+    # -> end (scheduler, zero_grad; the per-step synchronize with --step-sync
+    # each), end -> next begin (logging: its loss .item() waits on the GPU).
+    phase_marks = []
     reports = {}  # --delay: dosd's reports by step number
 
     def keep_report(o):
@@ -348,13 +378,21 @@ def main():
                 profiler.start()
             self.t = time.perf_counter()
             begins.append(self.t)
+            phase_marks.append({"begin": self.t})
             marks.setdefault("first_step", self.t)
+
+        def on_pre_optimizer_step(self, a, state, control, **kw):
+            phase_marks[-1]["pre_optimizer"] = time.perf_counter()
+
+        def on_optimizer_step(self, a, state, control, **kw):
+            phase_marks[-1]["optimizer"] = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             if torch.cuda.is_available() and (args.step_sync == "each" or
                                               state.global_step == args.steps):
                 torch.cuda.synchronize()
             self.end = time.perf_counter()
+            phase_marks[-1]["end"] = self.end
             if state.global_step == args.steps:
                 marks["train_end"] = self.end
             times.append(self.end - self.t)
@@ -409,6 +447,7 @@ def main():
         # steady steps' mean, from the first's begin to the final sync.
         res["iter_s"] = (marks["train_end"] - begins[first]) / (len(begins) - first)
     periods = [b - a for a, b in zip(begins, begins[1:])][skip:]
+    res["phases_s"] = step_phases(phase_marks, skip, args.profile_step)
     if periods:
         res["period_s"] = statistics.median(periods)
     if args.delay:

@@ -65,6 +65,17 @@ def delay_lines(runs):
     return out
 
 
+def phase_lines(runs):
+    """Where each run's launch thread spent a steady step (hf7b.py's phases_s, medians)."""
+    out = []
+    for key, r in runs.items():
+        ph = (r or {}).get("phases_s")
+        if ph:
+            parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items())
+            out.append(f"hf7b_phases_ms_{key}: {parts}")
+    return out
+
+
 def profile_lines(runs):
     """hf7b.py --profile-step's summary of each run (bench/frameworks/gpu_profile.py)."""
     out = []
@@ -144,7 +155,7 @@ def main():
         print(f"limit: trainer RssAnon <= all-GPU's + 4 GiB = "
               f"{f['hf7b_host_peak_gib_trainer_all_gpu'] + 4:.1f} GiB; dosd <= state x 1.1 = "
               f"{f['hf7b_state_gib'] * 1.1:.1f} GiB")
-    for line in delay_lines(runs) + profile_lines(runs):
+    for line in delay_lines(runs) + phase_lines(runs) + profile_lines(runs):
         print(line.replace("hf7b_", prefix + "_", 1))
 
 
