@@ -530,7 +530,9 @@ def run_mode(args, mode, tmp, dosd_extra=(), child_extra=(), timeout=None, tag=N
     if dosd_died is not None:
         r["dosd_died"] = dosd_died
     if proc:
-        r["dosd_log"] = os.path.join(tmp, f"dosd-{tag}.log")
+        # The file's name only: results name no path outside the repository
+        # (parent() prints the run's folder).
+        r["dosd_log"] = f"dosd-{tag}.log"
     if "error" in r:
         print(f"{tag}: failed ({r['error'].splitlines()[0][:300]})", flush=True)
     return r
@@ -676,6 +678,7 @@ def parent(args):
     machine = args.machine or ("vm-cpu" if args.device == "cpu" else "nvidia-h200")
     date = datetime.date.today().isoformat()
     tmp = tempfile.mkdtemp(prefix="dos-e2e-")
+    print(f"dosd's logs: {tmp}", flush=True)
     results = []
     for mode in modes:
         results.append(run_mode(args, mode, tmp))
