@@ -2,15 +2,18 @@
 torch.multiprocessing.spawn (kept out of test_*.py so the children import
 nothing pytest collects). Each worker writes a JSON report for the parent."""
 
+import contextlib
 import json
 import os
 import subprocess
+import traceback
 
 import torch
 import torch.distributed as dist
 
 STEPS = 30
 LR = dict(lr=2e-3, weight_decay=0.05)
+CLIP = 0.5  # the max_norm the clipping workers use
 
 
 def make_model(seed=0):
@@ -29,7 +32,7 @@ def train(model, opt, data, clip):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         snaps.append([p.detach().clone() for p in model.parameters()])
     return snaps
@@ -38,6 +41,22 @@ def train(model, opt, data, clip):
 def init(rank, world, rendezvous):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)
+
+
+@contextlib.contextmanager
+def rank_report(rank, out_dir, **fields):
+    """The worker's report for the parent (a dict): an exception goes into
+    it as "error", which fails the test; on the way out it is written to
+    rank<rank>.json and the process group destroyed."""
+    report = {"rank": rank, **fields}
+    try:
+        yield report
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
 
 
 def ranks_equal(model):
@@ -52,8 +71,7 @@ def ddp_worker(rank, world, rendezvous, socket, dosctl, out_dir):
     import dos.torch
     from test_equivalence import ATOL_SCALE, RTOL
     init(rank, world, rendezvous)
-    report = {"rank": rank}
-    try:
+    with rank_report(rank, out_dir) as report:
         data = rank_data(rank)
         ref = torch.nn.parallel.DistributedDataParallel(make_model())
         ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
@@ -86,12 +104,6 @@ def ddp_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         # The two ranks' weights stay identical (DDP averages the gradients).
         report["ranks_equal"] = ranks_equal(mine)
         opt.close()
-    except Exception as e:  # reported to the parent, which fails the test
-        report["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        dist.destroy_process_group()
 
 
 def fully_shard_fn():
@@ -113,8 +125,7 @@ def fsdp2_worker(rank, world, rendezvous, socket, dosctl, out_dir):
     import dos.torch
     from torch.distributed.device_mesh import init_device_mesh
     init(rank, world, rendezvous)
-    report = {"rank": rank}
-    try:
+    with rank_report(rank, out_dir) as report:
         fully_shard = fully_shard_fn()
         mesh = init_device_mesh("cpu", (world,))
         data = rank_data(rank)
@@ -142,24 +153,25 @@ def fsdp2_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         report["local_numel"] = sum(e.local.numel() for e in opt._entries)
         report["global_numel"] = sum(p.numel() for p in mine.parameters())
         worst = 0.0
+        norms = []  # (torch's total norm, opt.clip_grad_norm_'s): over every rank's shards
         for x, y in data:
             for model, o in ((ref, ref_opt), (mine, opt)):
                 o.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
+                if o is ref_opt:
+                    total = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+                    norms.append([float(total.full_tensor() if hasattr(total, "full_tensor")
+                                        else total)])
+                else:
+                    norms[-1].append(float(opt.clip_grad_norm_(CLIP)))
                 o.step()
             for a, b in zip(mine.parameters(), ref.parameters()):
                 a, b = a.to_local(), b.to_local()
                 worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
         report["max_rel_weight_diff"] = worst
+        report["clip_norms"] = norms
         report["steps"] = opt.last_step["step"]
         opt.close()
-    except Exception as e:
-        import traceback
-        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        dist.destroy_process_group()
 
 
 class Branchy(torch.nn.Module):
@@ -188,8 +200,7 @@ def branch_of(rank, step):
 def ddp_unused_worker(rank, world, rendezvous, socket, dosctl, out_dir):
     import dos.torch
     init(rank, world, rendezvous)
-    report = {"rank": rank}
-    try:
+    with rank_report(rank, out_dir) as report:
         data = rank_data(rank, 12)
 
         def run(opt_factory):
@@ -218,9 +229,29 @@ def ddp_unused_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         report["max_weight_diff"] = worst
         report["ranks_equal"] = ranks_equal(model)
         opt.close()
-    except Exception as e:  # reported to the parent, which fails the test
-        report["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        dist.destroy_process_group()
+
+
+def sharded_norm_worker(rank, world, rendezvous, socket, dosctl, out_dir):
+    """opt.clip_grad_norm_'s reduction of sharded gradients' norms (what FSDP2
+    needs) without DTensor: each rank holds its shard of two "sharded"
+    gradients and the whole of a "replicated" one; the total over every norm
+    type must be the norm of the whole, as one process would compute it."""
+    import math
+
+    from dos import _grads
+    init(rank, world, rendezvous)
+    with rank_report(rank, out_dir, mismatch=[]) as report:
+        g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
+        whole = [torch.randn(40, generator=g), torch.randn(7, 3, generator=g)]
+        replicated = torch.randn(5, generator=g)
+        whole[0][3] = 0.0  # norm 0 counts non-zeros
+        shards = [w.reshape(-1).tensor_split(world)[rank] for w in whole]
+        spec = ("mesh", "(Shard(dim=0),)", (dist.group.WORLD,))
+        for p in (2.0, 1.0, 3.5, 0.0, math.inf, -math.inf):
+            norms = [torch.linalg.vector_norm(t, p, dtype=torch.float32)
+                     for t in shards + [replicated]]
+            got = float(_grads._sharded_total(norms, [spec, spec, None], p))
+            want = float(torch.linalg.vector_norm(
+                torch.cat([w.reshape(-1) for w in whole] + [replicated]), p))
+            if not math.isclose(got, want, rel_tol=1e-5):
+                report["mismatch"].append([p, got, want])

@@ -96,11 +96,24 @@ def test_fsdp2_two_ranks_register_local_shards(dos_socket):
     total = sum(r["local_numel"] for r in reports.values())
     for rank, r in reports.items():
         assert r["local_numel"] < r["global_numel"], "each rank must register only its shard"
+        # opt.clip_grad_norm_ adds the other ranks' shards, as torch's does
+        for ref_norm, dos_norm in r["clip_norms"]:
+            assert dos_norm == pytest.approx(ref_norm, rel=1e-5), r["clip_norms"]
         assert r["steps"] == ddp_workers.STEPS
         # fully_shard on CPU computes the same math on a different layout
         # (gradients reduce-scattered as averages); 1e-5 relative per tensor.
         assert r["max_rel_weight_diff"] < 1e-5, r
     assert total == reports[0]["global_numel"]
+
+
+def test_clip_norm_of_sharded_gradients_adds_every_ranks_shards(dos_socket):
+    """opt.clip_grad_norm_ over FSDP2's sharded gradients: the total norm
+    covers every rank's shards (p-th powers summed, max for inf, min for -inf,
+    counts for 0) and the gradients whole on every rank once, for every norm
+    type; checked with plain shards and a gloo group, which any torch runs."""
+    reports = run_workers(ddp_workers.sharded_norm_worker, dos_socket, None)
+    for r in reports.values():
+        assert r["mismatch"] == [], f"rank {r['rank']}: (norm type, got, want) {r['mismatch']}"
 
 
 def test_ddp_parameters_unused_on_one_rank(dos_socket):

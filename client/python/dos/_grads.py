@@ -22,10 +22,10 @@ import torch
 from dos import _native
 from dos._errors import DosError
 from dos._native import Status
-from dos._register import Entry, local_of
+from dos._register import Entry, is_dtensor, local_of
 
 __all__ = ["no_gradient", "zero_entry", "unusable", "bind", "take", "thawed", "install_seen_hooks",
-           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads"]
+           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads", "clip_shardings"]
 
 
 def zero_entry(e: Entry) -> None:
@@ -195,6 +195,57 @@ def clip_grads(param_groups) -> List[torch.Tensor]:
     return [local_of(p.grad) for g in param_groups for p in g["params"] if p.grad is not None]
 
 
+def clip_shardings(param_groups) -> List[Optional[tuple]]:
+    """For each of clip_grads' gradients, the mesh a DTensor gradient (FSDP2)
+    is sharded over and the process groups of the mesh dimensions it is not
+    replicated on (the other ranks' shards to add), else None."""
+    out = []
+    for g in param_groups:
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            if not is_dtensor(p.grad):
+                out.append(None)
+                continue
+            mesh, placements = p.grad.device_mesh, tuple(p.grad.placements)
+            dims = tuple(i for i, pl in enumerate(placements)
+                         if not getattr(pl, "is_replicate", lambda: False)())
+            out.append((id(mesh), placements, tuple(mesh.get_group(i) for i in dims)))
+    return out
+
+
+def _sharded_total(norms: List[torch.Tensor], shardings: List[Optional[tuple]],
+                   norm_type: float) -> torch.Tensor:
+    """The total norm over every rank's shards of each DTensor gradient and
+    this rank's other gradients (whole on every rank, as DDP's), from this
+    rank's per-tensor norms: the shards' p-th powers summed (their maximum for
+    inf, minimum for -inf, their counts for 0) over the process groups of the
+    dimensions each is sharded on, as torch's clip_grad_norm_ reduces a
+    DTensor total norm (full_tensor())."""
+    import torch.distributed as dist
+    if norm_type == math.inf:
+        op, combine, powered = dist.ReduceOp.MAX, torch.max, False
+    elif norm_type == -math.inf:
+        op, combine, powered = dist.ReduceOp.MIN, torch.min, False
+    else:
+        op, combine, powered = dist.ReduceOp.SUM, torch.sum, norm_type != 0
+    dev = norms[0].device
+    parts, groups = [], {}
+    for n, spec in zip(norms, shardings):
+        v = (n ** norm_type if powered else n).reshape(1)
+        if spec is None:
+            parts.append(v.to(dev))
+        else:
+            groups.setdefault((spec[0], repr(spec[1])), (spec[2], []))[1].append(v)
+    for pgs, vs in groups.values():
+        part = combine(torch.cat(vs)).reshape(1)
+        for pg in pgs:
+            dist.all_reduce(part, op=op, group=pg)
+        parts.append(part.to(dev))
+    total = combine(torch.cat(parts))
+    return total ** (1.0 / norm_type) if powered else total
+
+
 def _versions(grads: List[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
     return tuple((g.data_ptr(), g._version) for g in grads)
 
@@ -220,14 +271,20 @@ class Clip:
 
 
 def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: float,
-                     error_if_nonfinite: bool) -> Tuple[torch.Tensor, Clip]:
+                     error_if_nonfinite: bool,
+                     shardings: Optional[List[Optional[tuple]]] = None) -> Tuple[torch.Tensor, Clip]:
     """(total norm, Clip) of torch.nn.utils.clip_grad_norm_ over `grads`,
     without touching them: the coefficient min(1, max_norm / (norm + 1e-6))
-    goes to dosd with the next step. Reads the norm on the host."""
+    goes to dosd with the next step. Reads the norm on the host. With
+    `shardings` (clip_shardings) naming a DTensor's shard, the norm covers
+    every rank's shards (one collective per mesh group, on every rank)."""
     norm_type = float(norm_type)
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     dev = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
+    if shardings and any(s is not None for s in shardings):
+        total = _sharded_total(norms, shardings, norm_type)
+    else:
+        total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
     value = float(total)
     if error_if_nonfinite and not math.isfinite(value):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from "

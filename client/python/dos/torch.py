@@ -377,11 +377,13 @@ class _DosAdamBase(torch.optim.Optimizer):
         which multiplies each gradient by it as it reads it. The result is
         bitwise that of step(clip_coef=c), and it works with overlap=True,
         where dosd may read gradients before step(). Reads the norm on the host
-        (one device synchronisation)."""
+        (one device synchronisation); FSDP2's sharded gradients add the other
+        ranks' shards, as torch's (a collective: call it on every rank)."""
         grads = _grads.clip_grads(self.param_groups)
         if not grads:
             return torch.tensor(0.0)
-        total, self._clip = _grads.clip_coefficient(grads, max_norm, norm_type, error_if_nonfinite)
+        total, self._clip = _grads.clip_coefficient(grads, max_norm, norm_type, error_if_nonfinite,
+                                                    _grads.clip_shardings(self.param_groups))
         return total
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
