@@ -25,7 +25,8 @@ from dos._native import Status
 from dos._register import Entry, is_dtensor, local_of
 
 __all__ = ["no_gradient", "zero_entry", "unusable", "bind", "take", "thawed", "install_seen_hooks",
-           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads", "clip_shardings"]
+           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads",
+           "clip_shardings"]
 
 
 def zero_entry(e: Entry) -> None:
@@ -272,7 +273,8 @@ class Clip:
 
 def clip_coefficient(grads: List[torch.Tensor], max_norm: float, norm_type: float,
                      error_if_nonfinite: bool,
-                     shardings: Optional[List[Optional[tuple]]] = None) -> Tuple[torch.Tensor, Clip]:
+                     shardings: Optional[List[Optional[tuple]]] = None
+                     ) -> Tuple[torch.Tensor, Clip]:
     """(total norm, Clip) of torch.nn.utils.clip_grad_norm_ over `grads`,
     without touching them: the coefficient min(1, max_norm / (norm + 1e-6))
     goes to dosd with the next step. Reads the norm on the host. With
