@@ -231,6 +231,44 @@ def ddp_unused_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         opt.close()
 
 
+class _FakePlacement:
+    """A DTensor placement's surface clip_shardings reads."""
+
+    def __init__(self, replicate):
+        self._replicate = replicate
+
+    def is_replicate(self):
+        return self._replicate
+
+    def __repr__(self):
+        return "Replicate()" if self._replicate else "Shard(dim=0)"
+
+
+class _FakeMesh:
+    """A DeviceMesh's surface: the process group of each mesh dimension."""
+
+    def __init__(self, groups):
+        self._groups = groups
+
+    def get_group(self, mesh_dim):
+        return self._groups[mesh_dim]
+
+
+class _FakeDTensor:
+    """What dos reads of a DTensor gradient: its local shard and layout."""
+
+    def __init__(self, local, mesh, placements):
+        self._local_tensor, self.device_mesh, self.placements = local, mesh, placements
+
+    def to_local(self):
+        return self._local_tensor
+
+
+class _FakeParam:
+    def __init__(self, grad):
+        self.grad = grad
+
+
 def sharded_norm_worker(rank, world, rendezvous, socket, dosctl, out_dir):
     """opt.clip_grad_norm_'s reduction of sharded gradients' norms (what FSDP2
     needs) without DTensor: each rank holds its shard of two "sharded"
@@ -255,3 +293,16 @@ def sharded_norm_worker(rank, world, rendezvous, socket, dosctl, out_dir):
                 torch.cat([w.reshape(-1) for w in whole] + [replicated]), p))
             if not math.isclose(got, want, rel_tol=1e-5):
                 report["mismatch"].append([p, got, want])
+        # Through opt.clip_grad_norm_'s own path (clip_grads, clip_shardings)
+        # with gradients shaped as FSDP2's DTensors on a 2-D mesh whose first
+        # dimension replicates (HSDP): only the second is reduced over.
+        mesh = _FakeMesh({1: dist.group.WORLD})
+        placements = (_FakePlacement(True), _FakePlacement(False))
+        groups = [{"params": [_FakeParam(_FakeDTensor(t, mesh, placements)) for t in shards] +
+                   [_FakeParam(replicated), _FakeParam(None)]}]
+        grads = _grads.clip_grads(groups)
+        total, clip = _grads.clip_coefficient(grads, 0.5, 2.0, False,
+                                              _grads.clip_shardings(groups))
+        want = float(torch.linalg.vector_norm(
+            torch.cat([w.reshape(-1) for w in whole] + [replicated])))
+        report["hsdp"] = [float(total), want, clip.coef, min(1.0, 0.5 / (want + 1e-6))]

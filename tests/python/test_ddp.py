@@ -110,10 +110,15 @@ def test_clip_norm_of_sharded_gradients_adds_every_ranks_shards(dos_socket):
     """opt.clip_grad_norm_ over FSDP2's sharded gradients: the total norm
     covers every rank's shards (p-th powers summed, max for inf, min for -inf,
     counts for 0) and the gradients whole on every rank once, for every norm
-    type; checked with plain shards and a gloo group, which any torch runs."""
+    type; checked with plain shards and a gloo group, which any torch runs,
+    then through opt.clip_grad_norm_'s own functions with gradients shaped as
+    HSDP's DTensors (a replicated mesh dimension is not reduced over)."""
     reports = run_workers(ddp_workers.sharded_norm_worker, dos_socket, None)
     for r in reports.values():
         assert r["mismatch"] == [], f"rank {r['rank']}: (norm type, got, want) {r['mismatch']}"
+        total, want, coef, want_coef = r["hsdp"]
+        assert total == pytest.approx(want, rel=1e-5), f"rank {r['rank']}: HSDP-shaped total"
+        assert coef == pytest.approx(want_coef, rel=1e-5), f"rank {r['rank']}: coefficient"
 
 
 def test_ddp_parameters_unused_on_one_rank(dos_socket):
