@@ -340,12 +340,12 @@ def main():
     res["peaks_after_setup"] = sampler.mark()
 
     times, losses = [], {}
-    begins = []  # each step's start: begin to begin includes the Trainer's work between steps
-    # The launch thread's time in each part of a step (host clock, no
-    # synchronize added): begin -> pre_optimizer (forward, backward, the
-    # Trainer's NaN check of the loss and clip), -> optimizer (step()),
-    # -> end (scheduler, zero_grad; the per-step synchronize with --step-sync
-    # each), end -> next begin (logging: its loss .item() waits on the GPU).
+    # Each step's marks on the launch thread's clock (no synchronize added):
+    # begin (begin to begin includes the Trainer's work between steps) ->
+    # pre_optimizer (forward, backward, the Trainer's NaN check of the loss
+    # and clip), -> optimizer (step()), -> end (scheduler, zero_grad; the
+    # per-step synchronize with --step-sync each), end -> next begin
+    # (logging: its loss .item() waits on the GPU).
     phase_marks = []
     reports = {}  # --delay: dosd's reports by step number
 
@@ -377,7 +377,6 @@ def main():
                     torch.cuda.synchronize()
                 profiler.start()
             self.t = time.perf_counter()
-            begins.append(self.t)
             phase_marks.append({"begin": self.t})
             marks.setdefault("first_step", self.t)
 
@@ -440,6 +439,7 @@ def main():
     steady = sorted(timed[skip:]) if len(timed) > skip + 2 else sorted(timed)
     res["iter_s"] = steady[len(steady) // 2]
     res["step_sync"] = args.step_sync
+    begins = [m["begin"] for m in phase_marks]
     res["begins_s"] = [b - begins[0] for b in begins]
     if args.step_sync == "end" and "train_end" in marks:
         first = throughput_from(args)
