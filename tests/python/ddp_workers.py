@@ -240,9 +240,6 @@ class _FakePlacement:
     def is_replicate(self):
         return self._replicate
 
-    def __repr__(self):
-        return "Replicate()" if self._replicate else "Shard(dim=0)"
-
 
 class _FakeMesh:
     """A DeviceMesh's surface: the process group of each mesh dimension."""
@@ -284,7 +281,7 @@ def sharded_norm_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         replicated = torch.randn(5, generator=g)
         whole[0][3] = 0.0  # norm 0 counts non-zeros
         shards = [w.reshape(-1).tensor_split(world)[rank] for w in whole]
-        spec = ("mesh", "(Shard(dim=0),)", (dist.group.WORLD,))
+        spec = (dist.group.WORLD,)
         for p in (2.0, 1.0, 3.5, 0.0, math.inf, -math.inf):
             norms = [torch.linalg.vector_norm(t, p, dtype=torch.float32)
                      for t in shards + [replicated]]

@@ -190,28 +190,28 @@ def zero_unregistered(param_groups, entries: List[Entry], set_to_none: bool) -> 
                 p.grad.zero_()
 
 
+def _present_grads(param_groups):
+    """Every parameter's gradient that is not None, in param_groups' order."""
+    return [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
+
+
 def clip_grads(param_groups) -> List[torch.Tensor]:
     """The gradients clip_grad_norm_ covers: every parameter's that has one
     (a DTensor's local shard)."""
-    return [local_of(p.grad) for g in param_groups for p in g["params"] if p.grad is not None]
+    return [local_of(t) for t in _present_grads(param_groups)]
 
 
 def clip_shardings(param_groups) -> List[Optional[tuple]]:
-    """For each of clip_grads' gradients, the mesh a DTensor gradient (FSDP2)
-    is sharded over and the process groups of the mesh dimensions it is not
-    replicated on (the other ranks' shards to add), else None."""
+    """For each of clip_grads' gradients, None, or for a DTensor gradient
+    (FSDP2) the process groups of the mesh dimensions it is not replicated on:
+    those over which the other ranks' shards add to its norm."""
     out = []
-    for g in param_groups:
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            if not is_dtensor(p.grad):
-                out.append(None)
-                continue
-            mesh, placements = p.grad.device_mesh, tuple(p.grad.placements)
-            dims = tuple(i for i, pl in enumerate(placements)
-                         if not getattr(pl, "is_replicate", lambda: False)())
-            out.append((id(mesh), placements, tuple(mesh.get_group(i) for i in dims)))
+    for t in _present_grads(param_groups):
+        if not is_dtensor(t):
+            out.append(None)
+            continue
+        out.append(tuple(t.device_mesh.get_group(i) for i, pl in enumerate(t.placements)
+                         if not getattr(pl, "is_replicate", lambda: False)()))
     return out
 
 
@@ -237,8 +237,8 @@ def _sharded_total(norms: List[torch.Tensor], shardings: List[Optional[tuple]],
         if spec is None:
             parts.append(v.to(dev))
         else:
-            groups.setdefault((spec[0], repr(spec[1])), (spec[2], []))[1].append(v)
-    for pgs, vs in groups.values():
+            groups.setdefault(spec, []).append(v)
+    for pgs, vs in groups.items():
         part = combine(torch.cat(vs)).reshape(1)
         for pg in pgs:
             dist.all_reduce(part, op=op, group=pg)
