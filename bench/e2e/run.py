@@ -27,8 +27,9 @@ bf16, activation checkpointing, random tokens) trained with
                       forward and backward (the GPU path's at once); delay_warmup=
                       --delay-warmup (2) undelayed steps first, which --warmup must exceed;
                       overlap left at dos.torch's default (on for CUDA with the delay) and
-                      torch's clip_grad_norm_ in place, so the gradients copied during
-                      backward are copied again at the verdict
+                      torch's clip_grad_norm_ in place: dosd keeps the fp32 gradients it
+                      copied during backward and scales them by torch's coefficient
+                      (dos/_inplace.py; DOS_TORCH_CLIP_SCALED=0: copied again after it)
   dos_auto_compact_delay  (optional) dos_auto_compact with delay=1
   dos_auto_overlap_delay  (optional) dos_auto_overlap with delay=1: the step begins during
                       backward, so that dosd plans it (and, with dosd --gpu_prefetch, loads

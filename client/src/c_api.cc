@@ -354,6 +354,21 @@ dos_status dos_step_gradients_rewritten(dos_session* session) {
   });
 }
 
+dos_status dos_step_stop_captures(dos_session* session, void* cuda_stream, int64_t timeout_ms) {
+  return Guard("step_stop_captures", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_stop_captures"); !st.ok()) return st;
+    return session->impl->StopCaptures(
+        cuda_stream, timeout_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms));
+  });
+}
+
+dos_status dos_step_gradients_scaled(dos_session* session, float coef) {
+  return Guard("step_gradients_scaled", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_gradients_scaled"); !st.ok()) return st;
+    return session->impl->GradientsScaled(coef);
+  });
+}
+
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms) {
   return Guard("step_finish_delayed", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "step_finish_delayed"); !st.ok()) return st;

@@ -183,7 +183,7 @@ absl::Status FillStepRequest(const dos_step_args& args, size_t registered_groups
   out->flags = args.gradients_checked ? kStepGradientsChecked : 0u;
   DOS_RETURN_IF_ERROR(FillSkipMask(args, registered_tensors, out));
   out->num_groups = static_cast<uint32_t>(args.num_groups);
-  out->reserved = 0;
+  out->gradient_coef = 1.0f;
   out->grad_scale = args.grad_scale;
   out->clip_coef = args.clip_coef;
   return absl::OkStatus();

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,18 +30,18 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "dos/dos.h"
 #include "buffer_table.h"
 #include "device_memory.h"
 #include "device_sync.h"
+#include "dos/dos.h"
+#include "dos/wire/control_block.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
+#include "dos/wire/tensor_desc.h"
+#include "dos/wire/unique_fd.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
 #include "state_view.h"
 #include "step_machine.h"
-#include "dos/wire/control_channel.h"
-#include "dos/wire/unique_fd.h"
-#include "dos/wire/shm_segment.h"
-#include "dos/wire/control_block.h"
-#include "dos/wire/tensor_desc.h"
-#include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace dos::client {
 
@@ -136,6 +137,13 @@ class ClientSession {
   absl::Status SetStepDelay(uint32_t delay);
   // The verdict of the early step in flight carries kStepGradientsRewritten.
   absl::Status GradientsRewritten();
+  // Protocol 9 (control_block.h): stops dosd's captures of the early delayed
+  // step in flight before the trainer scales its gradients in place; with
+  // `stream` (GPU mode) the stream waits for them, otherwise this thread,
+  // up to `timeout`. Then GradientsScaled(coef) has the verdict carry
+  // kStepGradientsScaled with the coefficient.
+  absl::Status StopCaptures(void* stream, absl::Duration timeout);
+  absl::Status GradientsScaled(float coef);
   absl::Status FinishDelayed(void* stream, absl::Duration timeout);
   const DelayFigures& last_delay() const { return last_delay_; }
 
@@ -235,6 +243,8 @@ class ClientSession {
   uint64_t last_prefetched_bytes_ = 0;
   uint32_t delay_ = 0;          // SetStepDelay
   bool rewritten_ = false;      // GradientsRewritten, for the next verdict
+  bool stopped_ = false;        // StopCaptures, for the early step in flight
+  std::optional<float> scaled_;  // GradientsScaled, for the next verdict
   bool finishing_ = false;      // the request in flight is a FinishDelayed
   DelayFigures last_delay_;
   // Marks subgroup `i` of the early step ready (on `stream` with stream sync).

@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -94,6 +95,40 @@ absl::Status ClientSession::GradientsRewritten() {
         "dos_step_begin_early");
   }
   rewritten_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ClientSession::StopCaptures(void* stream, absl::Duration timeout) {
+  // (The request the step was published with: delayed as it began.)
+  if (!step_.awaiting_gradients() || step_.without_verdict() ||
+      !(control_->request.flags & kStepDelayHost)) {
+    return absl::FailedPreconditionError(
+        "step_stop_captures: no early step of a delayed session awaits its verdict; begin one "
+        "with dos_step_begin_early after dos_set_step_delay(1)");
+  }
+  step_channel_->StopCaptures(seq_);
+  stopped_ = true;
+  // dosd stores capture_done once its copies are complete: the trainer's
+  // stream waits for it (its CPU thread goes on); on the CPU path this does.
+  if (device_sync_ != nullptr && stream != nullptr) {
+    return device_sync_->StreamWait(stream, step_channel_->CaptureDoneWord(), seq_);
+  }
+  return step_channel_->WaitCapturesDone(seq_, timeout);
+}
+
+absl::Status ClientSession::GradientsScaled(float coef) {
+  if (!stopped_) {
+    return absl::FailedPreconditionError(
+        "step_gradients_scaled: the captures of the early step in flight were not stopped; "
+        "call dos_step_stop_captures before scaling the gradients in place");
+  }
+  if (!std::isfinite(coef) || coef < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_gradients_scaled: coefficient ", coef,
+        " is invalid; it must be finite and >= 0 (use dos_step_gradients_rewritten for any "
+        "other write)"));
+  }
+  scaled_ = coef;
   return absl::OkStatus();
 }
 
@@ -266,6 +301,10 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
     } else {
       DOS_RETURN_IF_ERROR(FillStepRequest(*args, num_groups_, tensors_.size(), &v));
       if (rewritten_) v.flags |= kStepGradientsRewritten;
+      if (scaled_.has_value() && !rewritten_) {
+        v.flags |= kStepGradientsScaled;
+        v.gradient_coef = *scaled_;
+      }
       v.ring_ns = MonotonicNs();  // the end of this forward and backward (a delay's window)
       if (device_sync_ != nullptr) {
         // Whatever the trainer did to the gradients after backward (an
@@ -279,6 +318,8 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
     step_channel_->PublishVerdict(seq_);
   }
   rewritten_ = false;
+  stopped_ = false;
+  scaled_.reset();
   return step_.Go(args == nullptr ? StepEvent::kAbandon : StepEvent::kVerdict);
 }
 

@@ -14,7 +14,7 @@ namespace dos::cpu {
 absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost& delayed,
                            double* kernel_us) {
   std::span<const TensorDesc> tensors = shard.tensors();
-  if (delayed.scalars().size() != tensors.size()) {
+  if (delayed.scalars().size() != tensors.size()) {  // (scalars_for's are the same size)
     return absl::InternalError(absl::StrCat("delayed update: ", delayed.scalars().size(),
                                             " scalars for ", tensors.size(), " tensors"));
   }
@@ -37,7 +37,7 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
                            t.param_dtype};
         },
         [&](const SubgroupSegment& seg, const AdamSpan& span) {
-          items.push_back({delayed.scalars()[seg.tensor], span});
+          items.push_back({delayed.scalars_for(sg)[seg.tensor], span});
           return absl::OkStatus();
         });
     if (!st.ok()) return st;

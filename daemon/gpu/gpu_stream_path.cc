@@ -39,7 +39,9 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* s
                                   .exp_avg_bf16 = s.exp_avg_bf16,
                                   .exp_avg_sq_bf16 = s.exp_avg_sq_bf16,
                                   .element_offset = s.element_offset};
-        return LaunchAdam(run.scalars[seg.tensor], span, stream);
+        const std::span<const cpu::AdamScalars> scalars =
+            run.delayed_io != nullptr ? run.delayed_io->scalars_for(sg) : run.scalars;
+        return LaunchAdam(scalars[seg.tensor], span, stream);
       });
 }
 

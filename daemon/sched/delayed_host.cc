@@ -126,6 +126,12 @@ void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
   captured_.assign(subgroups.begin(), subgroups.end());
   for (uint32_t sg : captured_) state_[sg] = kCaptured;
   scalars_ = std::move(scalars);
+  scaled_scalars_.clear();
+  if (early_coef_ != 1.0f) {
+    // fl(float(g) * 1 * c): the trainer's fp32 multiply by c, bit for bit.
+    scaled_scalars_ = scalars_;
+    for (cpu::AdamScalars& s : scaled_scalars_) s.clip_coef = early_coef_;
+  }
 }
 
 void DelayedHost::BeginEarly(std::span<const uint32_t> subgroups) {
@@ -141,6 +147,8 @@ void DelayedHost::EarlyCaptured(std::span<const uint32_t> subgroups) {
 
 void DelayedHost::DropEarly() {
   for (size_t sg = 0; sg < state_.size(); ++sg) early_[sg].store(false, std::memory_order_relaxed);
+  early_coef_ = 1.0f;
+  scaled_scalars_.clear();
 }
 
 void DelayedHost::Updated() {

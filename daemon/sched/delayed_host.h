@@ -98,6 +98,18 @@ class DelayedHost {
   // Subgroups captured and not yet updated, and their step's scalars.
   const std::vector<uint32_t>& captured() const { return captured_; }
   const std::vector<cpu::AdamScalars>& scalars() const { return scalars_; }
+  // The scalars subgroup `sg`'s update runs with, per tensor: the step's,
+  // with the clip coefficient SetEarlyCoef gave where `sg` was captured
+  // early (before the trainer scaled its gradients in place).
+  std::span<const cpu::AdamScalars> scalars_for(uint32_t sg) const {
+    return early_coef_ != 1.0f && captured_early(sg) ? scaled_scalars_ : scalars_;
+  }
+  // The verdict's kStepGradientsScaled coefficient for the subgroups
+  // captured early (StepExecutor::ScaledCoef: the step's grad_scale and
+  // clip_coef are 1, its gradients fp32); 1: none. Before BeginCapture;
+  // DropEarly and Updated forget it.
+  void SetEarlyCoef(float coef) { early_coef_ = coef; }
+  float early_coef() const { return early_coef_; }
   // After Engine::UpdateDelayed: their weights are pending; the installs
   // are done.
   void Updated();
@@ -198,6 +210,8 @@ class DelayedHost {
   std::vector<bool> installs_;
   std::vector<bool> on_gpu_;                    // per subgroup, while captured
   std::unique_ptr<std::atomic<bool>[]> early_;  // per subgroup: captured during backward
+  float early_coef_ = 1.0f;
+  std::vector<cpu::AdamScalars> scaled_scalars_;  // scalars_ with clip_coef early_coef_
   std::vector<cpu::AdamScalars> scalars_;
 };
 

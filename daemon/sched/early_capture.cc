@@ -21,9 +21,15 @@ EarlyCapture::EarlyCapture(Engine* engine, const ShardState& shard,
   delayed_->DropEarly();
   if (subgroups_.empty() || !sync_.is_ready) {
     joined_ = true;
+    if (sync_.captures_done) sync_.captures_done();
     return;
   }
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    Loop();
+    // No more copies before the verdict: a trainer waiting to scale its
+    // gradients in place may go on.
+    if (sync_.captures_done) sync_.captures_done();
+  });
 }
 
 void EarlyCapture::Loop() {
@@ -37,7 +43,8 @@ void EarlyCapture::Loop() {
   // installing here, then 72 ms capturing after it).
   auto nap = std::chrono::microseconds(50);
   size_t next = 0;
-  while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire)) {
+  while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire) &&
+         !(sync_.capture_stopped && sync_.capture_stopped())) {
     if (sync_.is_ready(subgroups_[next])) {
       status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, 1));
       if (!status_.ok()) return;

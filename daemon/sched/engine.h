@@ -77,6 +77,13 @@ struct StepSync {
   // the thread that executes the step, while the rest of the step may still
   // run: the executor starts their update then. May be empty.
   std::function<void()> delayed_captured;
+  // Early delayed steps (EarlyCapture; control_block.h, protocol 9):
+  // whether the trainer asked the captures before the verdict to stop (it
+  // is about to scale its gradients in place), and the store that tells it
+  // they have (no more gradients are read before the verdict). May be
+  // empty (none asks).
+  std::function<bool()> capture_stopped;
+  std::function<void()> captures_done;
 };
 
 class Engine {

@@ -179,6 +179,14 @@ absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
     return absl::InvalidArgumentError(absl::StrCat(
         "step: clip_coef = ", r.clip_coef, " is invalid; it must be finite and >= 0 (1 = none)"));
   }
+  if ((r.flags & kStepGradientsScaled) &&
+      (!std::isfinite(r.gradient_coef) || r.gradient_coef < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: the verdict says the gradients were scaled in place by gradient_coef = ",
+        r.gradient_coef,
+        ", which is invalid; it must be finite and >= 0 (send "
+        "kStepGradientsRewritten instead for anything else)"));
+  }
   for (size_t i = 0; i < num_groups; ++i) {
     absl::Status st = ValidateGroupStepParams(r.groups[i], i, "step");
     if (!st.ok()) return st;

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -181,6 +182,12 @@ class StepExecutor {
                                                     StepKind kind, const StepSync& sync,
                                                     const AwaitVerdict& await_verdict,
                                                     DelayedHost* delayed);
+  // What the update multiplies the gradients captured before `verdict` by
+  // (kStepGradientsScaled: the trainer's in-place multiply after the
+  // captures stopped, `stopped`), or nullopt where they must be copied again
+  // (no such flag, or a multiply the update cannot repeat bit for bit).
+  static std::optional<float> ScaledCoef(const StepRequest& verdict, const ShardState& shard,
+                                         bool stopped);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,

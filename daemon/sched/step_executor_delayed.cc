@@ -74,8 +74,11 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
       delayed->Place(plan.delayed, [this](uint64_t bytes) { return engine_->AllocStaging(bytes); })
           .ok()) {
     early.emplace(engine_, shard, bindings, plan.delayed, sync, delayed, copy_gradients);
+  } else if (sync.captures_done) {
+    sync.captures_done();  // nothing is copied before this verdict
   }
   absl::StatusOr<StepRequest> request = AwaitFinalRequest(shard, await_verdict);
+  std::optional<float> scaled;
   if (delayed != nullptr) {
     // When the trainer gave the verdict (its ring, protocol 8's clients;
     // else now): the window must not grow by the time this thread came late
@@ -86,6 +89,8 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
     delayed->verdict_ns = rung != 0 && rung <= now ? rung : now;
     if (request.ok()) {
       delayed->gradients_rewritten = (request->flags & kStepGradientsRewritten) != 0;
+      scaled = ScaledCoef(*request, shard, sync.capture_stopped && sync.capture_stopped());
+      delayed->SetEarlyCoef(scaled.value_or(1.0f));
     }
   }
   if (!early.has_value()) return request;
@@ -96,7 +101,8 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
   const absl::Status copied = early->Stop();
   DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us", read_late_us, "join_us",
                 absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_gradients",
-                copy_gradients, "rewritten", delayed->gradients_rewritten);
+                copy_gradients, "rewritten", delayed->gradients_rewritten, "scaled_by",
+                delayed->early_coef());
   if (!copied.ok()) {
     DOS_LOG_WARNING(
         "step.early_capture_failed", "error", copied.message(), "then",
@@ -104,10 +110,33 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
             ? "the step copies the gradients after its verdict"
             : "the step installs the pending weights with the gradients after its verdict");
   }
-  // Gradients written after their ready marks are copied again; those of a
-  // step given up are never read.
-  if (!request.ok() || (request->flags & kStepGradientsRewritten)) delayed->DropEarly();
+  // Gradients written after their ready marks are copied again (scaled
+  // ones only where ScaledCoef cannot keep them); those of a step given up
+  // are never read.
+  if (!request.ok() || (request->flags & kStepGradientsRewritten) ||
+      ((request->flags & kStepGradientsScaled) && !scaled.has_value())) {
+    delayed->DropEarly();
+  }
   return request;
+}
+
+std::optional<float> StepExecutor::ScaledCoef(const StepRequest& verdict, const ShardState& shard,
+                                              bool stopped) {
+  // A trainer that did not stop the captures may have scaled some while
+  // they were being copied.
+  if (!(verdict.flags & kStepGradientsScaled) || (verdict.flags & kStepGradientsRewritten) ||
+      !stopped) {
+    return std::nullopt;
+  }
+  // The update computes float(g) * inv_grad_scale * clip_coef; with both 1
+  // and the coefficient as clip_coef that is fl(g * c), bit for bit the
+  // trainer's fp32 multiply. A wider multiply, or a half-precision gradient
+  // (rounded again after the trainer's multiply), is copied again instead.
+  if (verdict.grad_scale != 1.0 || verdict.clip_coef != 1.0) return std::nullopt;
+  for (const TensorDesc& t : shard.tensors()) {
+    if (t.grad_dtype != DType::kF32) return std::nullopt;
+  }
+  return verdict.gradient_coef;
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,

@@ -23,6 +23,8 @@ StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) co
   sync.is_ready = [this, seq](uint32_t subgroup) {
     return channel_->SubgroupReady(subgroup, seq);
   };
+  sync.capture_stopped = [this, seq] { return channel_->CaptureStopped(seq); };
+  sync.captures_done = [this, seq] { channel_->MarkCapturesDone(seq); };
   sync.late_skip = [this, seq](StepRequest* late) {
     if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;
     const auto* block = static_cast<const ControlBlock*>(control_->data());

@@ -3,24 +3,25 @@
 // and the errors a new operator meets (a refused registration, checkpoints
 // off or unwritable, a socket folder that refuses the user), each naming the
 // real cause and the fix.
+#include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
-#include <sys/un.h>
+#include <vector>
 
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
-#include "proto/dos/v1/dos.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "proto/dos/v1/dos.grpc.pb.h"
 #include "tests/support/daemon_fixture.h"
 #include "tests/support/loopback.h"
 
@@ -37,6 +38,15 @@ std::string Shell(const std::string& cmd) {
   return out;
 }
 
+// Step arguments for one group, `h`.
+dos_step_args OneGroup(dos_hparams* h) {
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = h;
+  a.num_groups = 1;
+  return a;
+}
+
 struct Trainer {
   dos_session* s = nullptr;
   dos_hparams h;
@@ -51,10 +61,7 @@ struct Trainer {
     return dos_register(s, &t, 1, &h, 1, nullptr);
   }
   dos_status Step() {
-    dos_step_args a;
-    dos_step_args_init(&a);
-    a.groups = &h;
-    a.num_groups = 1;
+    const dos_step_args a = OneGroup(&h);
     dos_step_result r;
     return dos_step(s, &a, &r);
   }
@@ -484,6 +491,82 @@ TEST(OpsTest, PeerCredentialsAreCheckedAgainstTheAllowList) {
   // <socket>.auth).
   EXPECT_NE(::access((d.socket() + ".auth").c_str(), F_OK), 0);
   EXPECT_EQ(d.Stop(), 0);
+}
+
+// A delayed trainer whose parameter and gradient it keeps (CPU mode).
+struct DelayedTrainer {
+  dos_session* s = nullptr;
+  dos_hparams h;
+  float* param = nullptr;
+  float* grad = nullptr;
+  uint64_t n = 0;
+  dos_status Start(const std::string& socket, uint64_t numel, const char* name) {
+    n = numel;
+    if (dos_status st = AttachClient(socket, name, &s); st != DOS_OK) return st;
+    void* p = nullptr;
+    void* g = nullptr;
+    if (dos_status st = dos_buffer_alloc(s, n * 4, &p); st != DOS_OK) return st;
+    if (dos_status st = dos_buffer_alloc(s, n * 4, &g); st != DOS_OK) return st;
+    param = static_cast<float*>(p);
+    grad = static_cast<float*>(g);
+    for (uint64_t i = 0; i < n; ++i) param[i] = 0.01f * static_cast<float>(i % 97) - 0.4f;
+    dos_tensor t{"w", DOS_DTYPE_F32, p, DOS_DTYPE_F32, g, n, 0};
+    dos_hparams_init_adamw(&h);
+    if (dos_status st = dos_register(s, &t, 1, &h, 1, nullptr); st != DOS_OK) return st;
+    return dos_set_step_delay(s, 1);
+  }
+  ~DelayedTrainer() { dos_detach(s); }
+};
+
+// torch's in-place clip beside a delayed step's captures (protocol 9): an
+// early delayed step stops dosd's captures (dos_step_stop_captures waits
+// until they are done), scales its gradients in place by c and says so
+// (dos_step_gradients_scaled). dosd updates its copies times c: the state
+// and weights are bit for bit those of a trainer that steps on the scaled
+// gradients. The calls are refused out of order.
+TEST(OpsTest, GradientsScaledAfterTheCapturesStopAreTheScaledGradientsStep) {
+  DaemonProcess d({"--log_level=debug"});
+  ASSERT_TRUE(d.Start());
+  {
+    DelayedTrainer scaled, plain;
+    ASSERT_EQ(scaled.Start(d.socket(), 5000, "ops_scaled"), DOS_OK) << dos_last_error();
+    ASSERT_EQ(plain.Start(d.socket(), 5000, "ops_plain"), DOS_OK) << dos_last_error();
+    const dos_step_args a = OneGroup(&scaled.h), b = OneGroup(&plain.h);
+    EXPECT_EQ(dos_step_gradients_scaled(scaled.s, 0.5f), DOS_FAILED_PRECONDITION);
+    EXPECT_EQ(dos_step_stop_captures(scaled.s, nullptr, 1000), DOS_FAILED_PRECONDITION);
+    const float c = 0.3719f;
+    for (int step = 1; step <= 4; ++step) {
+      for (uint64_t i = 0; i < scaled.n; ++i) {
+        const float g = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(step));
+        scaled.grad[i] = g;
+        plain.grad[i] = g * c;
+      }
+      ASSERT_EQ(dos_step_begin_early(scaled.s, &a, 0, nullptr), DOS_OK) << dos_last_error();
+      ASSERT_EQ(dos_mark_ready(scaled.s, 0, 0, nullptr), DOS_OK) << dos_last_error();
+      EXPECT_EQ(dos_step_gradients_scaled(scaled.s, c), DOS_FAILED_PRECONDITION);
+      ASSERT_EQ(dos_step_stop_captures(scaled.s, nullptr, 10000), DOS_OK) << dos_last_error();
+      EXPECT_EQ(dos_step_gradients_scaled(scaled.s, -1.0f), DOS_INVALID_ARGUMENT);
+      for (uint64_t i = 0; i < scaled.n; ++i) scaled.grad[i] *= c;
+      ASSERT_EQ(dos_step_gradients_scaled(scaled.s, c), DOS_OK) << dos_last_error();
+      ASSERT_EQ(dos_step_verdict(scaled.s, &a, nullptr), DOS_OK) << dos_last_error();
+      dos_step_result r;
+      ASSERT_EQ(dos_step_wait(scaled.s, 10000, &r), DOS_OK) << dos_last_error();
+      ASSERT_EQ(dos_step(plain.s, &b, &r), DOS_OK) << dos_last_error();
+    }
+    ASSERT_EQ(dos_step_finish_delayed(scaled.s, nullptr, 10000), DOS_OK) << dos_last_error();
+    ASSERT_EQ(dos_step_finish_delayed(plain.s, nullptr, 10000), DOS_OK) << dos_last_error();
+    std::vector<float> m1(scaled.n), v1(scaled.n), m2(scaled.n), v2(scaled.n), w1(scaled.n),
+        w2(scaled.n);
+    ASSERT_EQ(dos_state_read(scaled.s, 0, w1.data(), m1.data(), v1.data(), nullptr), DOS_OK);
+    ASSERT_EQ(dos_state_read(plain.s, 0, w2.data(), m2.data(), v2.data(), nullptr), DOS_OK);
+    EXPECT_EQ(0, std::memcmp(m1.data(), m2.data(), m1.size() * 4));
+    EXPECT_EQ(0, std::memcmp(v1.data(), v2.data(), v1.size() * 4));
+    EXPECT_EQ(0, std::memcmp(w1.data(), w2.data(), w1.size() * 4));
+    EXPECT_EQ(0, std::memcmp(scaled.param, plain.param, scaled.n * 4));
+  }
+  EXPECT_EQ(d.Stop(), 0);
+  // The copies were kept and scaled, not copied again.
+  EXPECT_NE(d.log().find("rewritten=0 scaled_by=0.3719"), std::string::npos) << d.log();
 }
 
 }  // namespace

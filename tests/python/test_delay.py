@@ -23,13 +23,16 @@ from test_equivalence import assert_same, make_data, make_mlp  # noqa: E402
 STEPS = 60
 
 
-def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None, grad_mul=1.0):
+def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None, grad_mul=1.0,
+              clip=None, opts=None):
     """The model's weights after each step of a delayed run (list index t:
     after step t) and the master weights after the last step. Elements from
     flat index `delayed_from` on (registration order) are delayed, the ones
     before it (resident on the GPU) applied at once. `start`: (the model's
     state_dict, torch AdamW's state_dict) to go on from, whole (a resume).
-    `grad_mul`: the gradients are multiplied by it after backward."""
+    `grad_mul`: the gradients are multiplied by it after backward, then
+    clipped in place to norm `clip` (None: not). `opts`: a list that gets
+    torch's AdamW."""
     model = make_mlp().to(device)
     master = make_mlp().to(device)
     opt = torch.optim.AdamW(master.parameters(), lr=lr)
@@ -50,6 +53,8 @@ def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None, g
         torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         for p, q in zip(master.parameters(), model.parameters()):
             p.grad = q.grad.clone() * grad_mul if grad_mul != 1.0 else q.grad.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         before = [p.detach().clone() for p in master.parameters()]
         opt.step()
         # After a delayed step t the delayed elements hold step t-1's weights
@@ -58,6 +63,8 @@ def reference(data, warmup, lr=1e-3, device="cpu", delayed_from=0, start=None, g
             for q, m, w, mask in zip(model.parameters(), master.parameters(), before, masks):
                 q.copy_(torch.where(mask, w, m) if t > warmup else m)
         seen.append([p.detach().clone() for p in model.parameters()])
+    if opts is not None:
+        opts.append(opt)
     return seen, master
 
 
@@ -122,6 +129,17 @@ def test_delayed_steps_are_adamw_one_step_late(dos_socket, warmup, subgroup_size
 HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
+def backward(opt, model, x, y, device, grad_mul=1.0):
+    """zero_grad, forward and backward; the gradients then multiplied in
+    place by `grad_mul` (as an unscale would) unless it is 1."""
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+    if grad_mul != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(grad_mul)
+
+
 @pytest.mark.skipif(not HOOKS, reason="overlap=True needs torch >= 2.1 "
                     "(register_post_accumulate_grad_hook)")
 @pytest.mark.parametrize("device", DEVICES)
@@ -148,12 +166,7 @@ def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, 
     weights, delayed = [], []
     try:
         for t, (x, y) in enumerate(data, 1):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
-            if grad_mul != 1.0:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.grad.mul_(grad_mul)
+            backward(opt, model, x, y, device, grad_mul)
             opt.step()
             if cuda:
                 torch.cuda.synchronize()
@@ -171,6 +184,71 @@ def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, 
     for t in range(1, steps + 1):
         check(model_of(weights[t - 1], device), seen[t], t)
     assert_same(model_of(final, device), master, steps)
+
+
+@pytest.mark.skipif(not HOOKS, reason="overlap=True needs torch >= 2.1 "
+                    "(register_post_accumulate_grad_hook)")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_norm,grad_mul", [(0.05, 1.0), (1e6, 1.0), (0.05, 0.5)])
+def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device, max_norm,
+                                                                         grad_mul):
+    """torch.nn.utils.clip_grad_norm_ in place (the Hugging Face Trainer's,
+    Lightning's) beside a delayed step's captures (dos/_inplace.py, protocol
+    9): dosd keeps the gradients it copied during backward and multiplies
+    them by torch's coefficient (dosd's debug line: rewritten=0, scaled_by
+    the coefficient), whether it clips (0.05) or not (1e6: c = 1). Written
+    before the clip too (halved: grad_mul 0.5) they are copied again
+    (rewritten=1). Either way the run is torch's AdamW one step late on the
+    clipped gradients, its moments included (a coefficient applied twice or
+    not at all would scale exp_avg)."""
+    import os
+    import re
+    from conftest import running_dosd
+    steps = 12
+    data = make_data(n=steps)
+    cuda = device == "cuda"
+    norms, delayed = [], []
+    with running_dosd("--log_level=debug") as (sock, _):
+        model = make_mlp().to(device)
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock, model=model,
+                              client_name="pytest-delay-clip", delay=1, delay_warmup=2,
+                              overlap=True, subgroup_size=300,
+                              **({"gpu_budget_bytes": 0} if cuda else {}))
+        if cuda:
+            opt.set_policy("cpu")
+        try:
+            for x, y in data:
+                backward(opt, model, x, y, device, grad_mul)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                  max_norm)))
+                opt.step()
+                delayed.append(opt.last_step["delayed_subgroups"] > 0)
+            opt.synchronize()
+            final = [p.detach().clone() for p in model.parameters()]
+            moments = [s["exp_avg"].clone() for s in opt.state_dict()["state"].values()]
+        finally:
+            opt.close()
+        with open(os.path.join(os.path.dirname(sock), "dosd.log")) as f:
+            lines = [dict(re.findall(r"(\w+)=(\S+)", ln)) for ln in f
+                     if "event=step.early_capture" in ln]
+    exact = delayed.index(True)
+    torch_opt = []
+    _, master = reference(data, exact, device=device, grad_mul=grad_mul, clip=max_norm,
+                          opts=torch_opt)
+    assert_same(model_of(final, device), master, steps)
+    ref_moments = [torch_opt[0].state[p]["exp_avg"] for p in master.parameters()]
+    for m, r in zip(moments, ref_moments):
+        assert torch.allclose(m.to(r.device), r, rtol=1e-5, atol=1e-9), (m, r)
+    assert len(lines) == steps - exact, lines
+    # Line k is step exact + 1 + k's; the first follows an exact step, whose
+    # clip was a rewrite, so it copied only weights during backward.
+    for k, f in enumerate(lines[1:], 1):
+        if grad_mul != 1.0:
+            assert f["rewritten"] == "1", f
+        else:
+            assert f["rewritten"] == "0" and f["copied_gradients"] == "1", f
+            clipped = norms[exact + k] + 1e-6 > max_norm
+            assert (float(f["scaled_by"]) < 1) == clipped, (f, norms)
 
 
 def model_of(weights, device):

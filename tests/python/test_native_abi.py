@@ -65,7 +65,8 @@ def _norm(ctype):
 
 _SCALARS = {
     "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32,
-    "uint64_t": ctypes.c_uint64, "double": ctypes.c_double, "size_t": ctypes.c_size_t,
+    "uint64_t": ctypes.c_uint64, "double": ctypes.c_double, "float": ctypes.c_float,
+    "size_t": ctypes.c_size_t,
     "dos_dtype": ctypes.c_int, "dos_status": ctypes.c_int, "const char*": ctypes.c_char_p,
     "dos_state_format": ctypes.c_int,
     "void*": ctypes.c_void_p, "float*": ctypes.c_void_p, "const float*": ctypes.c_void_p,

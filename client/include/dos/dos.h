@@ -341,6 +341,20 @@ dos_status dos_set_step_delay(dos_session* session, uint32_t delay);
  * the verdict then has dosd copy them again. Only for the early step in
  * flight; the next verdict goes without it. */
 dos_status dos_step_gradients_rewritten(dos_session* session);
+/* Protocol 9: a trainer about to multiply every gradient it marked ready by
+ * one coefficient, in place, before the verdict (torch's clip_grad_norm_)
+ * first calls dos_step_stop_captures: dosd copies no more gradients before
+ * the verdict, and the multiply must wait until the copies it began are
+ * complete. With `cuda_stream` (GPU mode) the stream waits for that (the
+ * CPU thread goes on: queue the multiply on that stream); without one this
+ * call waits, up to `timeout_ms` (< 0: no limit). After the multiply
+ * (every gradient marked ready scaled exactly once, nothing else written),
+ * dos_step_gradients_scaled(coef) has the verdict say so: dosd keeps what
+ * it copied and scales it as the trainer did (fp32 gradients; otherwise it
+ * copies them again, as after dos_step_gradients_rewritten, which wins over
+ * it). Only for the early step in flight; the next verdict goes without. */
+dos_status dos_step_stop_captures(dos_session* session, void* cuda_stream, int64_t timeout_ms);
+dos_status dos_step_gradients_scaled(dos_session* session, float coef);
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms);
 dos_status dos_last_step_delay(const dos_session* session, uint32_t* delayed_subgroups,
                                uint64_t* delayed_params, double* delayed_update_us,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dos import _views
+from dos import _inplace, _views
 from dos._hooks import reader_hooks
 from dos._errors import DosError
 from dos._native import Status
@@ -80,6 +80,8 @@ class DelayedDriver:
         # for the others the model's modules get the same reader hooks.
         self._handles = [] if hasattr(inner, "hooks") or model is None else \
             owner_reader_hooks(model, reg.entries, finish)
+        if hasattr(inner, "scalable"):
+            _inplace.watch(inner)  # torch's in-place clip beside the captures
         self._plan_next()
 
     def __getattr__(self, name):

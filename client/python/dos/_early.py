@@ -29,7 +29,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from dos import _grads, _native
+from dos import _grads, _inplace, _native
 from dos._errors import DosError
 from dos._hooks import weak_hook
 from dos._native import Status
@@ -234,6 +234,31 @@ class EarlyDriver:
 class VerdictDriver(EarlyDriver):
     """overlap=True: nothing is applied before step()'s verdict."""
 
+    _scaled: Optional[_inplace.Scaled] = None  # torch's in-place clip, for the verdict
+
+    # -- torch's in-place clip (dos/_inplace.py) --
+
+    def scalable(self, params):
+        """The ready entries when a clip of `params` now may be reported to
+        dosd as a scale (an early step in flight, unclaimed), else None."""
+        if not self._flight.hook_begun or self._error:
+            return None
+        return _inplace.scalable_entries(self, params)
+
+    def stop_captures(self) -> bool:
+        """Stops dosd's captures before an in-place clip (False: this step
+        is not delayed, e.g. in the delay's warm-up; nothing was done)."""
+        try:
+            self._flight.stop_captures(self.inner.stream() and _current_stream())
+        except DosError as e:
+            if e.code != Status.FAILED_PRECONDITION:
+                raise
+            return False
+        return True
+
+    def note_scaled(self, scaled) -> None:
+        self._scaled = scaled
+
     def settle(self, thawed) -> None:
         super().settle(thawed)
         if self._flight.hook_begun and thawed():
@@ -265,16 +290,29 @@ class VerdictDriver(EarlyDriver):
         except BaseException:
             self._give_up()
             raise
-        self._flight.verdict(args, self.inner.stream(), rewritten=self._rewritten())
+        rewritten, coef = self._writes(args)
+        self._flight.verdict(args, self.inner.stream(), rewritten=rewritten, scaled=coef)
         return True
 
-    def _rewritten(self) -> bool:
-        """A gradient written since its subgroup was marked ready (an
-        in-place clip or unscale, DDP's average, a replaced gradient copied
-        in by bind()): dosd must not keep what it copied during backward."""
-        return any(e.index in self.ready and
-                   e.grad_shm._version != e.ready_version
-                   for e in self._reg.entries)
+    def _writes(self, args):
+        """(rewritten, scaled coefficient or None): whether a gradient was
+        written since its subgroup was marked ready (an in-place clip or
+        unscale, DDP's average, a replaced gradient copied in by bind()), so
+        that dosd must not keep what it copied during backward, unless the
+        only write was torch's in-place clip of them all (dos/_inplace.py)
+        and the step scales nothing else."""
+        scaled, self._scaled = self._scaled, None
+        ready = [e for e in self._reg.entries if e.index in self.ready]
+        if all(e.grad_shm._version == e.ready_version for e in ready):
+            return False, None
+        if (scaled is not None and args.grad_scale == 1.0 and args.clip_coef == 1.0 and
+                all(e.grad_shm._version == scaled.versions.get(e.index) for e in ready)):
+            return False, scaled.coef
+        return True, None
+
+    def _begin(self, now) -> None:
+        self._scaled = None
+        super()._begin(now)
 
     def _second_backward(self, e) -> None:
         # Gradient accumulation with a verdict: dosd reads the gradients only
@@ -319,6 +357,10 @@ class UpdateDriver(EarlyDriver):
                        "step() with overlap=\"update\", so dosd may have applied "
                        "the first backward's gradients; set opt.overlap_armed = "
                        "False during gradient-accumulation micro-steps")
+
+
+def _current_stream():
+    return torch.cuda.current_stream().cuda_stream
 
 
 def early_driver(inner, early: Early, reg, flight) -> EarlyDriver:

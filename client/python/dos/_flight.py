@@ -103,15 +103,25 @@ class Flight:
     def claim(self) -> None:
         self.machine.claim()
 
-    def verdict(self, args, stream, rewritten: bool = False) -> None:
+    def verdict(self, args, stream, rewritten: bool = False, scaled=None) -> None:
         """The verdict on the claimed early step (None: its begin-time
         hyperparameters, overlap="update"); `rewritten`: a gradient was
         written after its subgroup was marked ready (dosd copies the delayed
-        subgroups' gradients again)."""
+        subgroups' gradients again); `scaled`: they were all multiplied by
+        this after stop_captures, and nothing else wrote them."""
         if rewritten:
             call("dos_step_gradients_rewritten", self._session)
+        elif scaled is not None:
+            call("dos_step_gradients_scaled", self._session, ctypes.c_float(scaled))
         call("dos_step_verdict", self._session, None if args is None else ctypes.byref(args),
              stream)
+
+    def stop_captures(self, stream) -> None:
+        """Before the gradients of the early step in flight are scaled in
+        place: dosd stops copying them, and `stream` (None: this thread)
+        waits until its copies are complete. FAILED_PRECONDITION when the
+        step is not a delayed one."""
+        call("dos_step_stop_captures", self._session, stream, ctypes.c_int64(-1))
 
     def abandon(self) -> None:
         """Asks dosd to give the claimed early step up (before its verdict)."""

@@ -97,8 +97,10 @@ namespace dos {
 inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
 // 4: the GPU lease; 5: early steps; 6: tensors without a gradient (skip mask);
 // 7: the delayed host path (kStepDelayHost, kStepFinishDelayed, ring_ns);
-// 8: delayed captures during backward (kStepGradientsRewritten)
-inline constexpr uint32_t kProtocolVersion = 8;
+// 8: delayed captures during backward (kStepGradientsRewritten); 9: a verdict's
+// coefficient for gradients scaled in place after the captures
+// (kStepGradientsScaled, capture_stop, capture_done)
+inline constexpr uint32_t kProtocolVersion = 9;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -138,6 +140,12 @@ enum StepFlags : uint32_t {
   // unscale, DDP's average); the daemon copies the delayed subgroups'
   // gradients again after the verdict.
   kStepGradientsRewritten = 1u << 9,
+  // In a verdict of an early delayed step (protocol 9, below): after the
+  // daemon's captures stopped (capture_done), the trainer multiplied every
+  // gradient it had marked ready by `gradient_coef`, once, in place (torch's
+  // clip_grad_norm_), and wrote them no other way: the daemon keeps what it
+  // captured and multiplies it by the coefficient when it updates.
+  kStepGradientsScaled = 1u << 10,
 };
 
 // The delayed host path (kStepDelayHost): in such a step the daemon updates
@@ -163,12 +171,24 @@ enum StepFlags : uint32_t {
 // the last step's). The daemon's own state (state reads, checkpoints, crash
 // survival) is never half a step: nothing reads it before the delayed update
 // is complete.
+// Gradients scaled in place (protocol 9): a trainer about to multiply its
+// gradients in place before the verdict (an in-place clip) stores the step's
+// seq in `capture_stop` and makes the multiply wait until `capture_done`
+// reaches seq (on CUDA its stream waits, cuStreamWaitValue32). The daemon
+// then copies no more gradients before the verdict, and stores seq in
+// capture_done once the copies it began are complete (also when it copies
+// none, and at the step's end, as every progress word). The verdict then
+// carries kStepGradientsScaled with the coefficient: a subgroup captured
+// before is updated with its captured gradients times the coefficient,
+// rounded as the trainer's multiply rounded them (only fp32 gradients, with
+// grad_scale and clip_coef 1, are kept so; others are copied again); one
+// captured after the verdict is copied as the multiply left it.
 
 struct StepRequest {
   uint32_t seq;
   uint32_t flags;          // StepFlags
   uint32_t num_groups;     // must equal the number registered
-  uint32_t reserved;
+  float gradient_coef;     // kStepGradientsScaled: what the trainer multiplied them by
   double grad_scale;       // gradients are divided by this first (AMP loss scale); 1 = none
   double clip_coef;        // then multiplied by this (clip_grad_norm_); 1 = none
   uint64_t gpu_lease_bytes;   // kStepGpuLease: GPU memory dosd may hold for the session
@@ -269,6 +289,13 @@ struct ControlBlock {
   // Client -> daemon: seq of the early step whose verdict is in `verdict`.
   alignas(64) std::atomic<uint32_t> verdict_bell;
   std::atomic<uint32_t> verdict_daemon_sleeping;
+
+  // Gradients scaled in place (protocol 9, above). Client -> daemon: seq of
+  // the early delayed step whose captures before the verdict must stop.
+  // Daemon -> client: seq of the last step that copies no more gradients
+  // before its verdict (polled, no doorbell).
+  alignas(64) std::atomic<uint32_t> capture_stop;
+  std::atomic<uint32_t> capture_done;
 
   alignas(64) StepRequest request;
   alignas(64) StepRequest verdict;

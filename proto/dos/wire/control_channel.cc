@@ -134,16 +134,38 @@ absl::Status ControlBlockChannel::WaitBell(Doorbell& bell, uint32_t seq, absl::D
 
 absl::Status ControlBlockChannel::WaitSubgroups(uint32_t first, uint32_t last, uint32_t seq,
                                                 absl::Duration timeout) {
+  // Words only grow (mod 2^32) while one step is in flight.
+  uint32_t i = first;
+  return PollWords(
+      seq, timeout,
+      [&] {
+        while (i <= last &&
+               static_cast<int32_t>(DoneWord(i)->load(std::memory_order_acquire) - seq) >= 0) {
+          ++i;
+        }
+        return i > last;
+      },
+      [&] { return absl::StrCat("subgroup ", i); }, "updated");
+}
+
+absl::Status ControlBlockChannel::WaitCapturesDone(uint32_t seq, absl::Duration timeout) {
+  return PollWords(
+      seq, timeout,
+      [&] {
+        return static_cast<int32_t>(block_->capture_done.load(std::memory_order_acquire) - seq) >=
+               0;
+      },
+      [] { return std::string("the gradient captures"); }, "stopped");
+}
+
+absl::Status ControlBlockChannel::PollWords(uint32_t seq, absl::Duration timeout,
+                                            absl::FunctionRef<bool()> reached,
+                                            absl::FunctionRef<std::string()> pending,
+                                            const char* verb) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
-  // Words only grow (mod 2^32) while one step is in flight.
-  auto reached = [&](uint32_t i) {
-    return static_cast<int32_t>(DoneWord(i)->load(std::memory_order_acquire) - seq) >= 0;
-  };
-  uint32_t i = first;
   for (uint64_t spins = 0;; ++spins) {
-    while (i <= last && reached(i)) ++i;
-    if (i > last) return absl::OkStatus();
+    if (reached()) return absl::OkStatus();
     if (done_.Load() == seq) {
       // The step is over: every word was stored before the bell rang.
       std::atomic_thread_fence(std::memory_order_acquire);
@@ -152,9 +174,9 @@ absl::Status ControlBlockChannel::WaitSubgroups(uint32_t first, uint32_t last, u
     if (spins < 2000) continue;
     if (spins % 1024 == 0) {
       if (block_->closed.load(std::memory_order_acquire) != 0) {
-        return absl::UnavailableError(
-            absl::StrCat("step ", seq, ": dosd closed session ", block_->session_id,
-                         " while subgroup ", i, " was in flight; attach again to continue"));
+        return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd closed session ",
+                                                   block_->session_id, " while ", pending(),
+                                                   " was in flight; attach again to continue"));
       }
       if (!DaemonAlive()) {
         return absl::UnavailableError(absl::StrCat("step ", seq, ": dosd (pid ",
@@ -163,8 +185,8 @@ absl::Status ControlBlockChannel::WaitSubgroups(uint32_t first, uint32_t last, u
       }
       if (absl::FromChrono(Clock::now() - start) >= timeout) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "step ", seq, ": subgroup ", i, " not updated within ",
-            absl::FormatDuration(timeout), "; dosd is alive but slow or stuck, see its log"));
+            "step ", seq, ": ", pending(), " not ", verb, " within ", absl::FormatDuration(timeout),
+            "; dosd is alive but slow or stuck, see its log"));
       }
     }
     // Sub-millisecond granularity: a subgroup takes milliseconds.

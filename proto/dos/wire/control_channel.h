@@ -27,11 +27,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "dos/wire/doorbell.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/doorbell.h"
 
 namespace dos {
 
@@ -95,6 +97,15 @@ class ControlBlockChannel {
     const uint32_t n = std::min(num_subgroups, kMaxTrackedSubgroups - 1);
     for (uint32_t i = 0; i < n; ++i) block_->subgroup_done[i].store(seq, std::memory_order_release);
     block_->subgroup_done[kMaxTrackedSubgroups - 1].store(seq, std::memory_order_release);
+    block_->capture_done.store(seq, std::memory_order_release);
+  }
+  // Gradients scaled in place (control_block.h, protocol 9): whether the
+  // trainer asked step `seq`'s captures to stop, and that they have.
+  bool CaptureStopped(uint32_t seq) const {
+    return static_cast<int32_t>(block_->capture_stop.load(std::memory_order_acquire) - seq) >= 0;
+  }
+  void MarkCapturesDone(uint32_t seq) {
+    block_->capture_done.store(seq, std::memory_order_release);
   }
 
   // Early steps (control_block.h): whether subgroup `i`'s gradients of step
@@ -132,6 +143,12 @@ class ControlBlockChannel {
   std::atomic<uint32_t>* ReadyWord(uint32_t i) const {
     return &block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)];
   }
+  // Asks step `seq`'s captures before the verdict to stop (protocol 9).
+  void StopCaptures(uint32_t seq) { block_->capture_stop.store(seq, std::memory_order_release); }
+  std::atomic<uint32_t>* CaptureDoneWord() const { return &block_->capture_done; }
+  // Waits until step `seq`'s captures are done (MarkCapturesDone or the
+  // step's end). UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.
+  absl::Status WaitCapturesDone(uint32_t seq, absl::Duration timeout);
   // Publishes block()->verdict for early step `seq`.
   void PublishVerdict(uint32_t seq) { verdict_.Ring(seq); }
   // Publishes block()->request as the next step; returns its seq.
@@ -162,6 +179,11 @@ class ControlBlockChannel {
   Doorbell done_;     // daemon rings, client waits
   Doorbell lease_;    // daemon rings, client waits (after lowering its lease)
   Doorbell verdict_;  // client rings, daemon waits (early steps)
+  // WaitSubgroups' and WaitCapturesDone's loop: polls `reached` until true,
+  // the session's end or `timeout`; `pending` and `verb` name what is
+  // waited for in errors.
+  absl::Status PollWords(uint32_t seq, absl::Duration timeout, absl::FunctionRef<bool()> reached,
+                         absl::FunctionRef<std::string()> pending, const char* verb);
   // WaitResult's loop for `bell` reaching `seq`; `what` names it in errors.
   absl::Status WaitBell(Doorbell& bell, uint32_t seq, absl::Duration timeout, const char* what);
 };

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -438,6 +439,92 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
   step(1.0f, false, true);   // the gradients too, once more (and nothing written after)
   ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
   EXPECT_EQ(f.params, exact.params);
+}
+
+// Gradients scaled in place after the captures (protocol 9): the trainer
+// stops dosd's captures (capture_stopped), waits until they are done
+// (captures_done), multiplies every gradient by c (an in-place clip) and
+// says so in its verdict (kStepGradientsScaled). The subgroups captured
+// before are updated with their copies times c, bit for bit the exact step
+// on the scaled gradients; those not captured before (a stop before any
+// copy) are copied after the verdict as the multiply left them. A verdict
+// whose captures were not stopped has them copied again.
+enum class Stop { kAfterCaptures, kBeforeAny, kNever };
+
+void EarlyScaledStep(Stop stop_when) {
+  Fixture f, exact;
+  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  const float c = 0.3719f;  // not a power of two: fl(g * c) rounds
+  for (std::vector<float>& g : exact.grads) {
+    for (float& x : g) x *= c;
+  }
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  DelayedHost delayed(*f.shard, &f.budget);
+  std::atomic<bool> stop{stop_when == Stop::kBeforeAny}, done{false};
+  StepSync sync = AllReady();
+  sync.capture_stopped = [&] { return stop.load(); };
+  sync.captures_done = [&] { done.store(true); };
+  const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    if (stop_when != Stop::kBeforeAny) {
+      for (int i = 0; i < 5000 && !delayed.captured_early(4); ++i) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
+    if (stop_when != Stop::kNever) stop.store(true);
+    for (int i = 0; i < 5000 && !done.load(); ++i) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_TRUE(done.load());
+    for (uint32_t sg = 0; sg < 5; ++sg) {
+      EXPECT_EQ(delayed.captured_early(sg), stop_when != Stop::kBeforeAny) << sg;
+    }
+    for (std::vector<float>& g : f.grads) {
+      for (float& x : g) x *= c;
+    }
+    StepRequest r = Fixture::Request();
+    r.flags |= kStepGradientsScaled;
+    r.gradient_coef = c;
+    return r;
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, &delayed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(delayed.early_coef(), stop_when == Stop::kNever ? 1.0f : c);
+  EXPECT_FALSE(delayed.gradients_rewritten);
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+}
+
+TEST(StepExecutorTest, AScaledVerdictUpdatesTheEarlyCopiesTimesItsCoefficient) {
+  EarlyScaledStep(Stop::kAfterCaptures);
+}
+
+TEST(StepExecutorTest, AScaledVerdictBeforeAnyCaptureCopiesTheScaledGradients) {
+  EarlyScaledStep(Stop::kBeforeAny);
+}
+
+TEST(StepExecutorTest, AScaledVerdictWhoseCapturesWereNotStoppedCopiesThemAgain) {
+  EarlyScaledStep(Stop::kNever);
+}
+
+// A non-delayed early step (nothing to capture) tells a trainer waiting to
+// scale its gradients at once.
+TEST(StepExecutorTest, AnEarlyStepWithoutCapturesSaysSoAtOnce) {
+  Fixture f;
+  StepExecutor ex(&f.engine);
+  bool done = false;
+  StepSync sync = AllReady();
+  sync.captures_done = [&] { done = true; };
+  const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    EXPECT_TRUE(done);
+    return Fixture::Request();
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kNone);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(done);
 }
 
 // A step given up at its verdict drops what it copied: the next step reads

@@ -1,0 +1,130 @@
+"""torch's in-place clip beside a delayed step's captures (protocol 9).
+
+With delay=1 and early steps (overlap=True), dosd copies each delayed
+subgroup's gradients into host memory during backward, as soon as they are
+final. torch.nn.utils.clip_grad_norm_ (what the Hugging Face Trainer, through
+accelerate, and Lightning call) then multiplies them in place before step(),
+and dosd had to copy them all again after the verdict: at 6B about 7 GB over
+PCIe on the step's critical path.
+
+While an optimizer here has such a step in flight, torch's function is
+wrapped (`install`; anything else goes straight to torch's own):
+
+  1. dosd's captures stop, and the multiply waits until the copies dosd
+     began are complete (on CUDA the current stream waits; the CPU thread
+     goes on);
+  2. torch's own clip_grad_norm_ runs, unchanged;
+  3. when it multiplied every gradient the step marked ready exactly once
+     (their version counters say so; nothing else wrote them), in fp32, by
+     torch's coefficient min(1, max_norm / (norm + 1e-6)) (recomputed the
+     same way, and checked on samples of the first and last gradient), the
+     verdict tells dosd that coefficient (`Scaled`): dosd multiplies what it
+     copied by it when it updates, fl(g * c), the same bits as the trainer's.
+
+Anything else (a clip over some of the parameters, a second write, bf16
+gradients, a coefficient the samples disagree with) is a rewrite as before:
+the verdict has dosd copy the gradients again. The result is exact either
+way; only where the copies happen changes. DOS_TORCH_CLIP_SCALED=0 in the
+environment leaves torch's function alone (every in-place clip a rewrite).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["install", "watch", "Scaled"]
+
+_SAMPLES = 64  # elements of the first and last gradient checked against c
+_drivers: "weakref.WeakSet" = weakref.WeakSet()
+_torch_clip = None  # torch's own clip_grad_norm_, once wrapped
+
+
+class Scaled:
+    """A clip the verdict may report as a scale: the coefficient, and each
+    ready entry's gradient version right after it."""
+
+    def __init__(self, coef: float, versions: Dict[int, int]):
+        self.coef = coef
+        self.versions = versions
+
+
+def watch(driver) -> None:
+    """Routes torch.nn.utils.clip_grad_norm_ calls through `driver`
+    (dos/_early.py's VerdictDriver of a delayed optimizer) while it lives."""
+    if os.environ.get("DOS_TORCH_CLIP_SCALED", "1") == "0":
+        return
+    install()
+    _drivers.add(driver)
+
+
+def install() -> None:
+    """Wraps torch.nn.utils.clip_grad_norm_ (once per process)."""
+    global _torch_clip
+    if _torch_clip is not None:
+        return
+    import torch.nn.utils.clip_grad as clip_grad
+    _torch_clip = clip_grad.clip_grad_norm_
+
+    @functools.wraps(_torch_clip)
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for driver in list(_drivers):
+            entries = driver.scalable(params)
+            if entries is not None:
+                return _clip_scaled(driver, entries, params, max_norm, args, kwargs)
+        return _torch_clip(params, max_norm, *args, **kwargs)
+
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+    if torch.nn.utils.clip_grad_norm_ is _torch_clip:
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _clip_scaled(driver, entries: List, params, max_norm, args, kwargs):
+    """torch's clip over `params` after dosd's captures stopped; leaves the
+    driver a Scaled when the multiply is one dosd can repeat."""
+    grads = [e.grad_shm for e in entries]
+    before = _samples(grads)
+    versions = [g._version for g in grads]
+    if not driver.stop_captures():
+        return _torch_clip(params, max_norm, *args, **kwargs)
+    total = _torch_clip(params, max_norm, *args, **kwargs)
+    if any(g._version != v + 1 for g, v in zip(grads, versions)):
+        return total  # not one multiply each: the verdict says rewritten
+    with torch.no_grad():
+        coef_t = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        coef = float(coef_t)  # waits for the clip (as opt.clip_grad_norm_ does)
+        if not math.isfinite(coef) or coef_t.dtype != torch.float32:
+            return total
+        after = _samples(grads)
+        for b, a in zip(before, after):
+            if not torch.equal(b * coef_t.to(b.device), a):
+                return total
+    driver.note_scaled(Scaled(coef, {e.index: g._version for e, g in zip(entries, grads)}))
+    return total
+
+
+def _samples(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    picked = [grads[0]] if len(grads) == 1 else [grads[0], grads[-1]]
+    return [g.detach().reshape(-1)[:_SAMPLES].clone() for g in picked]
+
+
+def scalable_entries(driver, params) -> Optional[List]:
+    """The ready entries of `driver` when a clip of `params` may be reported
+    as a scale: each ready gradient is in its registered buffer, fp32, among
+    `params`, and unwritten since its ready mark; else None."""
+    if not driver.ready:
+        return None
+    ids = {id(p) for p in params}
+    entries = [e for e in driver._reg.entries if e.index in driver.ready]
+    for e in entries:
+        g = e.param.grad
+        if (id(e.param) not in ids or e.copy_grad or g is not e.grad_shm
+                or g.dtype != torch.float32 or g._version != e.ready_version):
+            return None
+    return entries
