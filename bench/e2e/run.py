@@ -196,7 +196,7 @@ def child(args):
             if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
                 # torch < 2.9 cannot tell dos.torch its fraction: say it.
                 lend_from = int(frac * total)
-    dtype = torch.bfloat16
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     t0 = time.perf_counter()
     model = gpt.build(args.size, args.layers, args.d_model, args.heads, args.seq, args.vocab,
                       dtype=dtype, device=args.device, checkpoint=True, seed=0,
@@ -814,6 +814,9 @@ def main():
     for k in ("layers", "d-model", "heads", "seq", "vocab"):
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="the model's parameters and gradients (fp32: torch's in-place clip "
+                         "keeps dosd's early copies, dos/_inplace.py)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile-iters", type=int, default=0,
                     help="after the timing, this many more iterations back to back under "
