@@ -914,6 +914,7 @@ def main():
         keep.append("--no-phases")
     if args.init_bf16:
         keep.append("--init-bf16")
+    keep += ["--dtype", args.dtype]
     args.passthrough = keep
     return parent(args)
 
