@@ -27,9 +27,9 @@ bf16, activation checkpointing, random tokens) trained with
                       forward and backward (the GPU path's at once); delay_warmup=
                       --delay-warmup (2) undelayed steps first, which --warmup must exceed;
                       overlap left at dos.torch's default (on for CUDA with the delay) and
-                      torch's clip_grad_norm_ in place: dosd keeps the fp32 gradients it
-                      copied during backward and scales them by torch's coefficient
-                      (dos/_inplace.py; DOS_TORCH_CLIP_SCALED=0: copied again after it)
+                      torch's clip_grad_norm_ in place: the gradients copied during
+                      backward are copied again at the verdict (DOS_TORCH_CLIP_SCALED=1:
+                      kept and scaled by torch's coefficient, dos/_inplace.py)
   dos_auto_compact_delay  (optional) dos_auto_compact with delay=1
   dos_auto_overlap_delay  (optional) dos_auto_overlap with delay=1: the step begins during
                       backward, so that dosd plans it (and, with dosd --gpu_prefetch, loads
@@ -815,8 +815,7 @@ def main():
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="the model's parameters and gradients (fp32: torch's in-place clip "
-                         "keeps dosd's early copies, dos/_inplace.py)")
+                    help="the model's parameters and gradients")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile-iters", type=int, default=0,
                     help="after the timing, this many more iterations back to back under "

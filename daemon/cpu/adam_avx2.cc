@@ -115,9 +115,17 @@ void Loop(const AdamScalars& sc, const AdamSpan& span) {
   const __m256 bc2 = _mm256_set1_ps(sc.bias_correction2_sqrt);
   const __m256 inv_scale = _mm256_set1_ps(sc.inv_grad_scale);
   const __m256 clip = _mm256_set1_ps(sc.clip_coef);
+  const __m256 grad_coef = _mm256_set1_ps(sc.grad_coef);
+  const bool scales_grad = sc.grad_coef != 1.0f;
   const size_t n_vec = span.n - span.n % kLanes;
   for (size_t i = 0; i < n_vec; i += kLanes) {
     __m256 g = LoadGrad<G>(span.grad, i);
+    if (scales_grad) {
+      g = _mm256_mul_ps(g, grad_coef);
+      if constexpr (G == DType::kBF16) {
+        g = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(RoundToBF16(g)), 16));
+      }
+    }
     __m256 p = _mm256_loadu_ps(span.master + i);
     __m256 m, v;
     if constexpr (kCompact) {

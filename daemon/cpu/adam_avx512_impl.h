@@ -141,10 +141,13 @@ struct VecScalars {
         bias_correction2_sqrt(_mm512_set1_ps(s.bias_correction2_sqrt)),
         inv_grad_scale(_mm512_set1_ps(s.inv_grad_scale)),
         clip_coef(_mm512_set1_ps(s.clip_coef)),
-        rounding_seed(s.rounding_seed) {}
+        grad_coef(_mm512_set1_ps(s.grad_coef)),
+        rounding_seed(s.rounding_seed),
+        scales_grad(s.grad_coef != 1.0f) {}
   __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2_weight_decay, decay_factor,
-      neg_step_size, bias_correction2_sqrt, inv_grad_scale, clip_coef;
+      neg_step_size, bias_correction2_sqrt, inv_grad_scale, clip_coef, grad_coef;
   uint32_t rounding_seed;
+  bool scales_grad;
 };
 
 // kStream selects non-temporal stores for the weight out and, with
@@ -180,6 +183,10 @@ template <DType G, DType P, bool kWriteOut, bool kL2, bool kNativeBf16, bool kMa
           bool kStream = false, bool kStreamState = false, bool kCompact = false>
 inline void Step16(const VecScalars& s, const AdamSpan& span, size_t i, __mmask16 k) {
   __m512 g = LoadGrad<G, kMasked>(span.grad, i, k);
+  if (s.scales_grad) {
+    g = _mm512_mul_ps(g, s.grad_coef);
+    if constexpr (G == DType::kBF16) g = WidenBF16(RoundToBF16<kNativeBf16>(g));
+  }
   __m512 p = LoadF32<kMasked>(span.master + i, k);
   __m512 m, v;
   if constexpr (kCompact) {

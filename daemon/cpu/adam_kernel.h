@@ -9,7 +9,8 @@
 //
 // Numerics follow torch.optim.Adam/AdamW (single-tensor path), in fp32 with
 // the per-step scalars computed in double and rounded once to float:
-//   g  = float(grad) * inv_grad_scale * clip_coef
+//   g  = round_to(grad_dtype, float(grad) * grad_coef)   (only when grad_coef != 1)
+//   g  = g * inv_grad_scale * clip_coef
 //   g += weight_decay * p                       (Adam, L2 mode)
 //   p *= decay_factor  (= 1 - lr * wd)          (AdamW, decoupled mode)
 //   m  = beta1 * m + (1 - beta1) * g
@@ -63,6 +64,11 @@ struct AdamScalars {
   float inv_grad_scale;         // float(1 / grad_scale), as AMP computes it
   float clip_coef;
   uint32_t rounding_seed;       // compact state: the step's stochastic-rounding seed
+  // The gradient as the trainer's in-place multiply by this left it, fp32 or
+  // rounded to nearest even into bf16 (torch's clip_grad_norm_ after dosd
+  // copied the gradients: DelayedHost::scalars_for); 1: none. Never set for
+  // fp16 gradients (StepExecutor::ScaledCoef), which are not rounded here.
+  float grad_coef = 1.0f;
 };
 
 // `step` is the 1-based step being applied (after increment).

@@ -46,6 +46,10 @@ void Loop(const AdamScalars& s, const AdamSpan& span) {
   for (size_t i = 0; i < span.n; ++i) {
     float g = LoadGrad<G>(span.grad, i);
     float p = master[i];
+    if (s.grad_coef != 1.0f) {
+      g = g * s.grad_coef;
+      if constexpr (G == DType::kBF16) g = BF16ToFloat(FloatToBF16(g));
+    }
     g = g * s.inv_grad_scale * s.clip_coef;
     if constexpr (kL2) g = g + s.l2_weight_decay * p;
     p = p * s.decay_factor;

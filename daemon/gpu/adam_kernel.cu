@@ -74,6 +74,16 @@ __device__ __forceinline__ float LoadGrad(const void* grad, size_t i) {
   }
 }
 
+// The gradient as the trainer's in-place multiply by s.grad_coef left it
+// (adam_kernel.h: fp32, or rounded to nearest even into bf16).
+template <DType G>
+__device__ __forceinline__ float ScaledGrad(const cpu::AdamScalars& s, float g) {
+  if (s.grad_coef == 1.0f) return g;
+  g = __fmul_rn(g, s.grad_coef);
+  if constexpr (G == DType::kBF16) g = Bf16ToFloat(FloatToBf16(g));
+  return g;
+}
+
 template <DType P>
 __device__ __forceinline__ void StoreParam(void* out, size_t i, float p) {
   if constexpr (P == DType::kF32) {
@@ -117,7 +127,7 @@ __device__ __forceinline__ void AdamElement(const cpu::AdamScalars& s, const voi
     m = mo.m[i];
     v = mo.v[i];
   }
-  AdamMath<kL2>(s, LoadGrad<G>(grad, i), p, m, v);
+  AdamMath<kL2>(s, ScaledGrad<G>(s, LoadGrad<G>(grad, i)), p, m, v);
   master[i] = p;
   if constexpr (kCompact) {
     // The step used the unrounded m and v; only the stored copies narrow.
@@ -204,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
       Load4(mo.m, j, m);
       Load4(mo.v, j, v);
     }
-    for (int k = 0; k < 4; ++k) AdamMath<kL2>(s, g[k], p[k], m[k], v[k]);
+    for (int k = 0; k < 4; ++k) AdamMath<kL2>(s, ScaledGrad<G>(s, g[k]), p[k], m[k], v[k]);
     Store4(master, j, p);
     if constexpr (kCompact) {
       uint16_t m16[4], v16[4];

@@ -128,9 +128,9 @@ void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
   scalars_ = std::move(scalars);
   scaled_scalars_.clear();
   if (early_coef_ != 1.0f) {
-    // fl(float(g) * 1 * c): the trainer's fp32 multiply by c, bit for bit.
+    // round_to(grad dtype, float(g) * c): the trainer's multiply, bit for bit.
     scaled_scalars_ = scalars_;
-    for (cpu::AdamScalars& s : scaled_scalars_) s.clip_coef = early_coef_;
+    for (cpu::AdamScalars& s : scaled_scalars_) s.grad_coef = early_coef_;
   }
 }
 

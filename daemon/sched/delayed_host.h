@@ -99,14 +99,14 @@ class DelayedHost {
   const std::vector<uint32_t>& captured() const { return captured_; }
   const std::vector<cpu::AdamScalars>& scalars() const { return scalars_; }
   // The scalars subgroup `sg`'s update runs with, per tensor: the step's,
-  // with the clip coefficient SetEarlyCoef gave where `sg` was captured
-  // early (before the trainer scaled its gradients in place).
+  // with grad_coef SetEarlyCoef's coefficient where `sg` was captured early
+  // (before the trainer scaled its gradients in place).
   std::span<const cpu::AdamScalars> scalars_for(uint32_t sg) const {
     return early_coef_ != 1.0f && captured_early(sg) ? scaled_scalars_ : scalars_;
   }
   // The verdict's kStepGradientsScaled coefficient for the subgroups
   // captured early (StepExecutor::ScaledCoef: the step's grad_scale and
-  // clip_coef are 1, its gradients fp32); 1: none. Before BeginCapture;
+  // clip_coef are 1, its gradients fp32 or bf16); 1: none. Before BeginCapture;
   // DropEarly and Updated forget it.
   void SetEarlyCoef(float coef) { early_coef_ = coef; }
   float early_coef() const { return early_coef_; }
@@ -211,7 +211,7 @@ class DelayedHost {
   std::vector<bool> on_gpu_;                    // per subgroup, while captured
   std::unique_ptr<std::atomic<bool>[]> early_;  // per subgroup: captured during backward
   float early_coef_ = 1.0f;
-  std::vector<cpu::AdamScalars> scaled_scalars_;  // scalars_ with clip_coef early_coef_
+  std::vector<cpu::AdamScalars> scaled_scalars_;  // scalars_ with grad_coef early_coef_
   std::vector<cpu::AdamScalars> scalars_;
 };
 

@@ -128,13 +128,14 @@ std::optional<float> StepExecutor::ScaledCoef(const StepRequest& verdict, const 
       !stopped) {
     return std::nullopt;
   }
-  // The update computes float(g) * inv_grad_scale * clip_coef; with both 1
-  // and the coefficient as clip_coef that is fl(g * c), bit for bit the
-  // trainer's fp32 multiply. A wider multiply, or a half-precision gradient
-  // (rounded again after the trainer's multiply), is copied again instead.
+  // The update first computes round_to(grad dtype, float(g) * c) (the
+  // kernels' grad_coef), bit for bit the trainer's multiply of fp32 or bf16
+  // gradients by the coefficient (torch computes it in fp32 and rounds to
+  // nearest even). fp16 gradients, or a step that also unscales or clips
+  // (torch's GradScaler would have written them again), are copied again.
   if (verdict.grad_scale != 1.0 || verdict.clip_coef != 1.0) return std::nullopt;
   for (const TensorDesc& t : shard.tensors()) {
-    if (t.grad_dtype != DType::kF32) return std::nullopt;
+    if (t.grad_dtype != DType::kF32 && t.grad_dtype != DType::kBF16) return std::nullopt;
   }
   return verdict.gradient_coef;
 }

@@ -191,7 +191,7 @@ def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_norm,grad_mul", [(0.05, 1.0), (1e6, 1.0), (0.05, 0.5)])
 def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device, max_norm,
-                                                                         grad_mul):
+                                                                         grad_mul, monkeypatch):
     """torch.nn.utils.clip_grad_norm_ in place (the Hugging Face Trainer's,
     Lightning's) beside a delayed step's captures (dos/_inplace.py, protocol
     9): dosd keeps the gradients it copied during backward and multiplies
@@ -200,7 +200,7 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     before the clip too (halved: grad_mul 0.5) they are copied again
     (rewritten=1). Either way the run is torch's AdamW one step late on the
     clipped gradients, its moments included (a coefficient applied twice or
-    not at all would scale exp_avg)."""
+    not at all would scale exp_avg). Opt-in: DOS_TORCH_CLIP_SCALED=1."""
     import os
     import re
     from conftest import running_dosd
@@ -208,6 +208,7 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     data = make_data(n=steps)
     cuda = device == "cuda"
     norms, delayed = [], []
+    monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", "1")
     with running_dosd("--log_level=debug") as (sock, _):
         model = make_mlp().to(device)
         opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock, model=model,

@@ -350,9 +350,11 @@ dos_status dos_step_gradients_rewritten(dos_session* session);
  * call waits, up to `timeout_ms` (< 0: no limit). After the multiply
  * (every gradient marked ready scaled exactly once, nothing else written),
  * dos_step_gradients_scaled(coef) has the verdict say so: dosd keeps what
- * it copied and scales it as the trainer did (fp32 gradients; otherwise it
- * copies them again, as after dos_step_gradients_rewritten, which wins over
- * it). Only for the early step in flight; the next verdict goes without. */
+ * it copied and scales it as the trainer did (fp32 math, rounded to nearest
+ * even for bf16 gradients; fp16 ones, or a step with a grad_scale or
+ * clip_coef other than 1, are copied again, as after
+ * dos_step_gradients_rewritten, which wins over it). Only for the early step in flight; the next
+ * verdict goes without. */
 dos_status dos_step_stop_captures(dos_session* session, void* cuda_stream, int64_t timeout_ms);
 dos_status dos_step_gradients_scaled(dos_session* session, float coef);
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms);

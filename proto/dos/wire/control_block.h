@@ -180,8 +180,8 @@ enum StepFlags : uint32_t {
 // none, and at the step's end, as every progress word). The verdict then
 // carries kStepGradientsScaled with the coefficient: a subgroup captured
 // before is updated with its captured gradients times the coefficient,
-// rounded as the trainer's multiply rounded them (only fp32 gradients, with
-// grad_scale and clip_coef 1, are kept so; others are copied again); one
+// rounded as the trainer's multiply rounded them (fp32 and bf16 gradients,
+// with grad_scale and clip_coef 1, are kept so; others are copied again); one
 // captured after the verdict is copied as the multiply left it.
 
 struct StepRequest {

@@ -316,6 +316,48 @@ std::string Name(const ::testing::TestParamInfo<AdamKernelTest::ParamType>& info
          std::string(DTypeName(std::get<2>(info.param)));
 }
 
+// grad_coef (protocol 9: torch's in-place clip after dosd copied the
+// gradients): the step on gradients g equals, bit for bit, the scalar
+// kernel's step on round_to(grad dtype, float(g) * c) with no coefficient,
+// the trainer's multiply first (fp32 math, bf16 rounded to nearest even).
+TEST_P(AdamKernelTest, GradCoefIsTheTrainersRoundedMultiplyFirst) {
+  const DType grad_dtype = std::get<1>(GetParam());
+  const DType param_dtype = std::get<2>(GetParam());
+  if (grad_dtype == DType::kF16) {
+    GTEST_SKIP() << "fp16 gradients are never scaled (StepExecutor::ScaledCoef)";
+  }
+  const size_t n = 4096 + 37;  // a masked / scalar tail too
+  const float c = 0.3719f;     // not a power of two: the multiply rounds
+  AdamBuffers got(n, grad_dtype, param_dtype, 0, /*seed=*/23);
+  got.SetGrad(0, 0.0f);
+  got.SetGrad(1, -0.0f);
+  got.SetGrad(2, 1e-30f);
+  got.SetGrad(3, -3e38f);
+  AdamBuffers want = got;
+  for (size_t i = 0; i < n; ++i) {
+    float g;
+    if (grad_dtype == DType::kF32) {
+      std::memcpy(&g, &got.grad[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &got.grad[i * 2], 2);
+      g = BF16ToFloat(h);
+    }
+    want.SetGrad(i, g * c);  // SetGrad rounds to nearest even into bf16
+  }
+  const AdamScalars s = MakeAdamScalars(Group(), true, 7, 1.0, 1.0);
+  internal::AdamScalarKernel(s, want.Span());
+  AdamScalars scaled = s;
+  scaled.grad_coef = c;
+  variant_.adam(scaled, got.Span());
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(SameBits(got.master[i], want.master[i])) << i;
+    ASSERT_TRUE(SameBits(got.exp_avg[i], want.exp_avg[i])) << i;
+    ASSERT_TRUE(SameBits(got.exp_avg_sq[i], want.exp_avg_sq[i])) << i;
+  }
+  EXPECT_EQ(got.out, want.out);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllVariants, AdamKernelTest,
     ::testing::Combine(::testing::Values("scalar", "avx2", "avx512", "avx512bf16", "avx512_ntout",
