@@ -14,7 +14,7 @@ namespace dos::cpu {
 absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost& delayed,
                            double* kernel_us) {
   std::span<const TensorDesc> tensors = shard.tensors();
-  if (delayed.scalars().size() != tensors.size()) {  // (scalars_for's are the same size)
+  if (delayed.scalars().size() != tensors.size()) {
     return absl::InternalError(absl::StrCat("delayed update: ", delayed.scalars().size(),
                                             " scalars for ", tensors.size(), " tensors"));
   }

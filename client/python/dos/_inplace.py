@@ -128,8 +128,8 @@ def _samples(grads: List[torch.Tensor]) -> List[torch.Tensor]:
 
 def scalable_entries(driver, params) -> Optional[List]:
     """The ready entries of `driver` when a clip of `params` may be reported
-    as a scale: each ready gradient is in its registered buffer, fp32, among
-    `params`, and unwritten since its ready mark; else None."""
+    as a scale: each ready gradient is in its registered buffer, fp32 or
+    bf16, among `params`, and unwritten since its ready mark; else None."""
     if not driver.ready:
         return None
     ids = {id(p) for p in params}
