@@ -417,24 +417,28 @@ TEST_F(DaemonTest, ClientThatExitsMidSessionIsReapedOthersKeepWorking) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 
+  // The reaper takes the session out of the list first and frees its state
+  // after (joining its step thread, unmapping its memory): wait for both.
   auto stub = Stub();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   int sessions = -1;
+  uint64_t state_bytes = 0;
   while (std::chrono::steady_clock::now() < deadline) {
     grpc::ClientContext ctx;
     v1::ListSessionsRequest req;
     v1::ListSessionsResponse resp;
     ASSERT_TRUE(stub->ListSessions(&ctx, req, &resp).ok());
     sessions = resp.sessions_size();
-    if (sessions == 1) break;
+    grpc::ClientContext stats_ctx;
+    v1::GetStatsResponse stats;
+    ASSERT_TRUE(stub->GetStats(&stats_ctx, v1::GetStatsRequest(), &stats).ok());
+    state_bytes = stats.host_state_bytes();
+    // 100 parameters: one page-aligned subgroup.
+    if (sessions == 1 && state_bytes == 4096u) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_EQ(sessions, 1) << daemon_.log();
-  grpc::ClientContext ctx;
-  v1::GetStatsResponse stats;
-  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
-  // 100 parameters: one page-aligned subgroup.
-  EXPECT_EQ(stats.host_state_bytes(), 4096u) << "the exited client's state was not freed";
+  EXPECT_EQ(state_bytes, 4096u) << "the exited client's state was not freed";
 
   for (int i = 0; i < 3; ++i) {
     survivor.FillGradients();
