@@ -108,8 +108,12 @@ absl::Status ClientSession::StopCaptures(void* stream, absl::Duration timeout) {
   }
   step_channel_->StopCaptures(seq_);
   stopped_ = true;
-  // dosd stores capture_done once its copies are complete: the trainer's
-  // stream waits for it (its CPU thread goes on); on the CPU path this does.
+  // No copy of this step begun: dosd sees the stop before it begins one
+  // (control_block.h, protocol 10), also while it still updates the step
+  // before. Otherwise it stores capture_done once the copy in flight is
+  // complete: the trainer's stream waits for that (its CPU thread goes on);
+  // on the CPU path this does.
+  if (!step_channel_->CaptureInFlight(seq_)) return absl::OkStatus();
   if (device_sync_ != nullptr && stream != nullptr) {
     return device_sync_->StreamWait(stream, step_channel_->CaptureDoneWord(), seq_);
   }

@@ -46,7 +46,12 @@ void EarlyCapture::Loop() {
   while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire) &&
          !(sync_.capture_stopped && sync_.capture_stopped())) {
     if (sync_.is_ready(subgroups_[next])) {
+      // The trainer may have stopped the captures since the check above and
+      // gone on without waiting for us: asked again after saying a copy
+      // begins (sync.capture_begins).
+      if (sync_.capture_begins && !sync_.capture_begins()) return;
       status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, 1));
+      if (sync_.capture_ended) sync_.capture_ended();
       if (!status_.ok()) return;
       ++next;
       nap = std::chrono::microseconds(50);

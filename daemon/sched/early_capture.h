@@ -8,9 +8,11 @@
 // trainer's memory, then its gradients into the DelayedHost's buffers
 // (Engine::CaptureDelayed), in plan order, one subgroup at a time, until
 // the verdict or until the trainer asks them to stop (sync.capture_stopped:
-// it is about to scale its gradients in place, kStepGradientsScaled), and
-// then tells it none is copying any more (sync.captures_done, also when
-// there was nothing to copy). The step's own capture after the verdict then skips them
+// it is about to scale its gradients in place, kStepGradientsScaled; asked
+// again after each copy says it begins, sync.capture_begins, since that
+// trainer waits only for a copy it saw begun), and then tells it none is
+// copying any more (sync.captures_done, also when there was nothing to
+// copy). The step's own capture after the verdict then skips them
 // (DelayedHost::captured_early), so the copies leave the time the trainer
 // waits for the step. Nothing here depends on the verdict: the weights are
 // those the next request would install anyway, and the gradients are only

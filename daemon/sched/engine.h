@@ -77,12 +77,17 @@ struct StepSync {
   // the thread that executes the step, while the rest of the step may still
   // run: the executor starts their update then. May be empty.
   std::function<void()> delayed_captured;
-  // Early delayed steps (EarlyCapture; control_block.h, protocol 9):
-  // whether the trainer asked the captures before the verdict to stop (it
-  // is about to scale its gradients in place), and the store that tells it
-  // they have (no more gradients are read before the verdict). May be
-  // empty (none asks).
+  // Early delayed steps (EarlyCapture; control_block.h, protocols 9 and
+  // 10): whether the trainer asked the captures before the verdict to stop
+  // (it is about to scale its gradients in place); before each capture, the
+  // store that says a copy begins, then whether it may (false: stopped; the
+  // trainer, which stores its stop and then reads that store, either waits
+  // for this copy or is seen here); after it, the store that says it ended;
+  // and the store that tells the trainer no more gradients are read before
+  // the verdict. Each may be empty (none asks).
   std::function<bool()> capture_stopped;
+  std::function<bool()> capture_begins;
+  std::function<void()> capture_ended;
   std::function<void()> captures_done;
 };
 

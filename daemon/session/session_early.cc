@@ -24,6 +24,8 @@ StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) co
     return channel_->SubgroupReady(subgroup, seq);
   };
   sync.capture_stopped = [this, seq] { return channel_->CaptureStopped(seq); };
+  sync.capture_begins = [this, seq] { return channel_->BeginCapture(seq); };
+  sync.capture_ended = [this] { channel_->EndCapture(); };
   sync.captures_done = [this, seq] { channel_->MarkCapturesDone(seq); };
   sync.late_skip = [this, seq](StepRequest* late) {
     if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;

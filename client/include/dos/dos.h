@@ -344,10 +344,11 @@ dos_status dos_step_gradients_rewritten(dos_session* session);
 /* Protocol 9: a trainer about to multiply every gradient it marked ready by
  * one coefficient, in place, before the verdict (torch's clip_grad_norm_)
  * first calls dos_step_stop_captures: dosd copies no more gradients before
- * the verdict, and the multiply must wait until the copies it began are
- * complete. With `cuda_stream` (GPU mode) the stream waits for that (the
- * CPU thread goes on: queue the multiply on that stream); without one this
- * call waits, up to `timeout_ms` (< 0: no limit). After the multiply
+ * the verdict, and the multiply must wait until the copy it had begun, if
+ * any, is complete (protocol 10: never for dosd to reach the step). With
+ * `cuda_stream` (GPU mode) the stream waits for that (the CPU thread goes
+ * on: queue the multiply on that stream); without one this call waits, up
+ * to `timeout_ms` (< 0: no limit). After the multiply
  * (every gradient marked ready scaled exactly once, nothing else written),
  * dos_step_gradients_scaled(coef) has the verdict say so: dosd keeps what
  * it copied and scales it as the trainer did (fp32 math, rounded to nearest

@@ -119,7 +119,7 @@ class Flight:
     def stop_captures(self, stream) -> None:
         """Before the gradients of the early step in flight are scaled in
         place: dosd stops copying them, and `stream` (None: this thread)
-        waits until its copies are complete. FAILED_PRECONDITION when the
+        waits until the copy dosd had begun, if any, is complete. FAILED_PRECONDITION when the
         step is not a delayed one."""
         call("dos_step_stop_captures", self._session, stream, ctypes.c_int64(-1))
 

@@ -1,4 +1,4 @@
-"""torch's in-place clip beside a delayed step's captures (protocol 9).
+"""torch's in-place clip beside a delayed step's captures (protocols 9, 10).
 
 With delay=1 and early steps (overlap=True), dosd copies each delayed
 subgroup's gradients into host memory during backward, as soon as they are
@@ -11,9 +11,9 @@ Opt-in (DOS_TORCH_CLIP_SCALED=1 in the trainer's environment): while an
 optimizer here has such a step in flight, torch's function is wrapped
 (`install`; anything else goes straight to torch's own):
 
-  1. dosd's captures stop, and the multiply waits until the copies dosd
-     began are complete (on CUDA the current stream waits; the CPU thread
-     goes on);
+  1. dosd's captures stop, and the multiply waits until the copy dosd had
+     begun, if any, is complete (on CUDA the current stream waits; the CPU
+     thread goes on); never for dosd to reach the step (protocol 10);
   2. torch's own clip_grad_norm_ runs, unchanged;
   3. when it multiplied every gradient the step marked ready exactly once
      (their version counters say so; nothing else wrote them), fp32 or
@@ -28,13 +28,13 @@ gradients, a coefficient the samples disagree with) is a rewrite as before:
 the verdict has dosd copy the gradients again. The result is exact either
 way; only where the copies happen changes.
 
-Why opt-in: step 1's wait is for dosd to reach this step's captures, and
-dosd gets there only once the last step's delayed update is over. At 6B
-(nvidia-h200, 2026-12-04) the kept copies shortened dosd's apply from
-132-167 to 122-131 ms, but the clip then waited for the whole delayed
-update: 0.725 s/iter against 0.379 all-GPU (the copied-again path ran 0.47-
-0.50 s/iter in the same session). Stopping without that wait (a handshake
-on a copy in flight only) is the next step.
+Why opt-in: on 2026-12-04 step 1's wait was for dosd to reach this step's
+captures, which dosd does only once the last step's delayed update is over.
+At 6B (nvidia-h200) the kept copies shortened dosd's apply from 132-167 to
+122-131 ms, but the clip then waited for the whole delayed update: 0.725
+s/iter against 0.379 all-GPU (the copied-again path ran 0.47-0.50 s/iter in
+the same session). Protocol 10's handshake waits only for a copy in flight;
+it stays opt-in until that is measured faster than copying again.
 """
 
 from __future__ import annotations

@@ -99,8 +99,9 @@ inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
 // 7: the delayed host path (kStepDelayHost, kStepFinishDelayed, ring_ns);
 // 8: delayed captures during backward (kStepGradientsRewritten); 9: a verdict's
 // coefficient for gradients scaled in place after the captures
-// (kStepGradientsScaled, capture_stop, capture_done)
-inline constexpr uint32_t kProtocolVersion = 9;
+// (kStepGradientsScaled, capture_stop, capture_done); 10: the stop waits only
+// for a copy in flight (capture_busy)
+inline constexpr uint32_t kProtocolVersion = 10;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -173,16 +174,23 @@ enum StepFlags : uint32_t {
 // is complete.
 // Gradients scaled in place (protocol 9): a trainer about to multiply its
 // gradients in place before the verdict (an in-place clip) stores the step's
-// seq in `capture_stop` and makes the multiply wait until `capture_done`
-// reaches seq (on CUDA its stream waits, cuStreamWaitValue32). The daemon
-// then copies no more gradients before the verdict, and stores seq in
-// capture_done once the copies it began are complete (also when it copies
-// none, and at the step's end, as every progress word). The verdict then
-// carries kStepGradientsScaled with the coefficient: a subgroup captured
-// before is updated with its captured gradients times the coefficient,
-// rounded as the trainer's multiply rounded them (fp32 and bf16 gradients,
-// with grad_scale and clip_coef 1, are kept so; others are copied again); one
-// captured after the verdict is copied as the multiply left it.
+// seq in `capture_stop`; the daemon then copies no more gradients before the
+// verdict. The multiply waits only for a copy in flight (protocol 10): the
+// daemon stores seq in `capture_busy` before each copy and then reads
+// `capture_stop` again, the trainer stores `capture_stop` and then reads
+// `capture_busy` (both sequentially consistent, so at least one of them sees
+// the other's store). A trainer that finds no copy of its step begun goes on
+// at once: the daemon, when it comes to the step (it may still be updating
+// the step before), sees the stop and copies nothing. One that finds a copy
+// begun makes the multiply wait until `capture_done` reaches seq (on CUDA its
+// stream waits, cuStreamWaitValue32), which the daemon stores once the copies
+// it began are complete (also when it copies none, and at the step's end, as
+// every progress word). The verdict then carries kStepGradientsScaled with
+// the coefficient: a subgroup captured before is updated with its captured
+// gradients times the coefficient, rounded as the trainer's multiply rounded
+// them (fp32 and bf16 gradients, with grad_scale and clip_coef 1, are kept so;
+// others are copied again); one captured after the verdict is copied as the
+// multiply left it.
 
 struct StepRequest {
   uint32_t seq;
@@ -293,9 +301,11 @@ struct ControlBlock {
   // Gradients scaled in place (protocol 9, above). Client -> daemon: seq of
   // the early delayed step whose captures before the verdict must stop.
   // Daemon -> client: seq of the last step that copies no more gradients
-  // before its verdict (polled, no doorbell).
+  // before its verdict (polled, no doorbell), and seq of the step whose
+  // capture is being copied (0 between copies; protocol 10).
   alignas(64) std::atomic<uint32_t> capture_stop;
   std::atomic<uint32_t> capture_done;
+  std::atomic<uint32_t> capture_busy;
 
   alignas(64) StepRequest request;
   alignas(64) StepRequest verdict;

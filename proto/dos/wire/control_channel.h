@@ -104,6 +104,16 @@ class ControlBlockChannel {
   bool CaptureStopped(uint32_t seq) const {
     return static_cast<int32_t>(block_->capture_stop.load(std::memory_order_acquire) - seq) >= 0;
   }
+  // Before each capture of step `seq` (protocol 10): says a copy begins,
+  // then whether it may (false: the trainer stopped the captures and may
+  // already be writing them). Sequentially consistent against StopCaptures
+  // and CaptureInFlight: either this sees the stop or the trainer sees the
+  // copy and waits for capture_done.
+  bool BeginCapture(uint32_t seq) {
+    block_->capture_busy.store(seq, std::memory_order_seq_cst);
+    return static_cast<int32_t>(block_->capture_stop.load(std::memory_order_seq_cst) - seq) < 0;
+  }
+  void EndCapture() { block_->capture_busy.store(0, std::memory_order_release); }
   void MarkCapturesDone(uint32_t seq) {
     block_->capture_done.store(seq, std::memory_order_release);
   }
@@ -143,8 +153,13 @@ class ControlBlockChannel {
   std::atomic<uint32_t>* ReadyWord(uint32_t i) const {
     return &block_->subgroup_ready[std::min(i, kMaxTrackedSubgroups - 1)];
   }
-  // Asks step `seq`'s captures before the verdict to stop (protocol 9).
-  void StopCaptures(uint32_t seq) { block_->capture_stop.store(seq, std::memory_order_release); }
+  // Asks step `seq`'s captures before the verdict to stop (protocol 9);
+  // then whether a copy of them had begun (protocol 10): only then must the
+  // trainer wait for capture_done before it writes the gradients.
+  void StopCaptures(uint32_t seq) { block_->capture_stop.store(seq, std::memory_order_seq_cst); }
+  bool CaptureInFlight(uint32_t seq) const {
+    return block_->capture_busy.load(std::memory_order_seq_cst) == seq;
+  }
   std::atomic<uint32_t>* CaptureDoneWord() const { return &block_->capture_done; }
   // Waits until step `seq`'s captures are done (MarkCapturesDone or the
   // step's end). UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.

@@ -448,8 +448,11 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
 // before are updated with their copies times c, bit for bit the exact step
 // on the scaled gradients; those not captured before (a stop before any
 // copy) are copied after the verdict as the multiply left them. A verdict
-// whose captures were not stopped has them copied again.
-enum class Stop { kAfterCaptures, kBeforeAny, kNever };
+// whose captures were not stopped has them copied again. A stop that comes
+// between the capture loop's check and a copy (protocol 10: the trainer did
+// not see that copy begin, so it does not wait for it) is seen when the copy
+// says it begins (capture_begins): no subgroup is copied after it.
+enum class Stop { kAfterCaptures, kBeforeAny, kNever, kAsACopyBegins };
 
 void EarlyScaledStep(Stop stop_when) {
   Fixture f, exact;
@@ -461,21 +464,34 @@ void EarlyScaledStep(Stop stop_when) {
   ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
   DelayedHost delayed(*f.shard, &f.budget);
   std::atomic<bool> stop{stop_when == Stop::kBeforeAny}, done{false};
+  std::atomic<int> begun{0};
+  constexpr uint32_t kCopiedBeforeTheStop = 2;
   StepSync sync = AllReady();
   sync.capture_stopped = [&] { return stop.load(); };
+  sync.capture_begins = [&] {
+    if (stop_when == Stop::kAsACopyBegins && begun.fetch_add(1) == kCopiedBeforeTheStop) {
+      stop.store(true);
+    }
+    return !stop.load();
+  };
   sync.captures_done = [&] { done.store(true); };
+  // How many of the 5 subgroups are captured before the verdict (in the
+  // plan's order).
+  const uint32_t captured_before = stop_when == Stop::kBeforeAny       ? 0
+                                   : stop_when == Stop::kAsACopyBegins ? kCopiedBeforeTheStop
+                                                                       : 5;
   const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
-    if (stop_when != Stop::kBeforeAny) {
+    if (stop_when == Stop::kAfterCaptures || stop_when == Stop::kNever) {
       for (int i = 0; i < 5000 && !delayed.captured_early(4); ++i) {
         absl::SleepFor(absl::Milliseconds(1));
       }
     }
-    if (stop_when != Stop::kNever) stop.store(true);
+    if (stop_when == Stop::kAfterCaptures) stop.store(true);  // kAsACopyBegins: by itself
     for (int i = 0; i < 5000 && !done.load(); ++i) absl::SleepFor(absl::Milliseconds(1));
     EXPECT_TRUE(done.load());
-    for (uint32_t sg = 0; sg < 5; ++sg) {
-      EXPECT_EQ(delayed.captured_early(sg), stop_when != Stop::kBeforeAny) << sg;
-    }
+    uint32_t captured = 0;
+    for (uint32_t sg = 0; sg < 5; ++sg) captured += delayed.captured_early(sg) ? 1 : 0;
+    EXPECT_EQ(captured, captured_before);
     for (std::vector<float>& g : f.grads) {
       for (float& x : g) x *= c;
     }
@@ -506,6 +522,10 @@ TEST(StepExecutorTest, AScaledVerdictBeforeAnyCaptureCopiesTheScaledGradients) {
 
 TEST(StepExecutorTest, AScaledVerdictWhoseCapturesWereNotStoppedCopiesThemAgain) {
   EarlyScaledStep(Stop::kNever);
+}
+
+TEST(StepExecutorTest, AStopSeenAsACopyBeginsCopiesNothingMoreBeforeTheVerdict) {
+  EarlyScaledStep(Stop::kAsACopyBegins);
 }
 
 // A non-delayed early step (nothing to capture) tells a trainer waiting to

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "dos/wire/shm_segment.h"
@@ -219,6 +221,51 @@ TEST_F(ControlChannelTest, SubgroupWaitReportsAClosedSession) {
   absl::Status st = client.WaitSubgroups(0, 0, seq, kLong);
   EXPECT_TRUE(absl::IsUnavailable(st)) << st;
   EXPECT_THAT(st.message(), HasSubstr("closed"));
+}
+
+// Gradients scaled in place (protocol 10): the trainer stores its stop and
+// then reads whether a copy began; dosd stores that a copy begins and then
+// reads the stop. Whatever the interleaving, dosd never copies a gradient
+// the trainer goes on to write without waiting (Dekker's condition: at least
+// one of the two sees the other's store).
+TEST_F(ControlChannelTest, AStoppedCaptureIsNeverCopiedUnseenByTheTrainer) {
+  ControlBlockChannel trainer(block_), daemon(block_);
+  // In order: a copy begun first is seen; a stop first is seen.
+  EXPECT_TRUE(daemon.BeginCapture(1));
+  trainer.StopCaptures(1);
+  EXPECT_TRUE(trainer.CaptureInFlight(1));
+  daemon.EndCapture();
+  EXPECT_FALSE(trainer.CaptureInFlight(1));
+  EXPECT_FALSE(daemon.BeginCapture(1));
+  EXPECT_FALSE(trainer.CaptureInFlight(2));  // another step's copy is not this one's
+  EXPECT_TRUE(daemon.BeginCapture(2));
+  daemon.EndCapture();
+
+  // Raced: each round both sides start together, and the copy lasts until
+  // the trainer has looked (one that ended before needs no wait).
+  constexpr uint32_t kRounds = 20000;
+  std::atomic<uint32_t> go{0}, ready{0}, looked{0};
+  std::vector<uint8_t> copied(kRounds + 3), waited(kRounds + 3);
+  std::thread dosd([&] {
+    for (uint32_t seq = 3; seq < kRounds + 3; ++seq) {
+      ready.fetch_add(1);
+      while (go.load() != seq) std::this_thread::yield();
+      copied[seq] = daemon.BeginCapture(seq) ? 1 : 0;
+      while (looked.load() != seq) std::this_thread::yield();
+      daemon.EndCapture();
+    }
+  });
+  for (uint32_t seq = 3; seq < kRounds + 3; ++seq) {
+    while (ready.load() != seq - 2) std::this_thread::yield();
+    go.store(seq);
+    trainer.StopCaptures(seq);
+    waited[seq] = trainer.CaptureInFlight(seq) ? 1 : 0;
+    looked.store(seq);
+  }
+  dosd.join();
+  uint32_t unseen = 0;
+  for (uint32_t seq = 3; seq < kRounds + 3; ++seq) unseen += copied[seq] && !waited[seq] ? 1 : 0;
+  EXPECT_EQ(unseen, 0u);
 }
 
 }  // namespace
