@@ -241,9 +241,10 @@ class VerdictDriver(EarlyDriver):
     def scalable(self, params):
         """The ready entries when a clip of `params` now may be reported to
         dosd as a scale (an early step in flight, unclaimed), else None."""
-        if not self._flight.hook_begun or self._error:
+        if not self._flight.hook_begun or self._error or not self.ready:
             return None
-        return _inplace.scalable_entries(self, params)
+        entries = [e for e in self._reg.entries if e.index in self.ready]
+        return entries if _inplace.scalable(entries, params) else None
 
     def stop_captures(self) -> bool:
         """Stops dosd's captures before an in-place clip (False: this step

@@ -43,7 +43,7 @@ import functools
 import math
 import os
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -126,17 +126,15 @@ def _samples(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     return [g.detach().reshape(-1)[:_SAMPLES].clone() for g in picked]
 
 
-def scalable_entries(driver, params) -> Optional[List]:
-    """The ready entries of `driver` when a clip of `params` may be reported
-    as a scale: each ready gradient is in its registered buffer, fp32 or
-    bf16, among `params`, and unwritten since its ready mark; else None."""
-    if not driver.ready:
-        return None
+def scalable(entries: List, params) -> bool:
+    """Whether a clip of `params` may be reported as a scale of `entries`
+    (a driver's ready entries): each one's gradient is in its registered
+    buffer, fp32 or bf16, among `params`, and unwritten since its ready
+    mark."""
     ids = {id(p) for p in params}
-    entries = [e for e in driver._reg.entries if e.index in driver.ready]
     for e in entries:
         g = e.param.grad
         if (id(e.param) not in ids or e.copy_grad or g is not e.grad_shm
                 or g.dtype not in _DTYPES or g._version != e.ready_version):
-            return None
-    return entries
+            return False
+    return bool(entries)
