@@ -65,11 +65,12 @@ ABSL_FLAG(std::string, delayed_update_start, "captured",
           "step has copied the gradients, beside the rest of its GPU path; result = once the "
           "step's result is posted, so that the step's PCIe copies have host memory to "
           "themselves.");
-ABSL_FLAG(bool, delayed_gpu_path, false,
+ABSL_FLAG(bool, delayed_gpu_path, true,
           "With delay=1 clients: delay the streamed subgroups too. Their gradients are "
           "captured with the host path's and their update crosses PCIe during the next "
           "forward and backward (under policy auto as many as the window's PCIe time holds), "
-          "so the step keeps only the resident kernels and the copies.");
+          "so the step keeps only the resident kernels and the copies. Only while one "
+          "session steps on the GPU (the update holds its staging slots through the window).");
 ABSL_FLAG(bool, delayed_gpu_first, false,
           "With delay=1 clients (implies --delayed_gpu_path): the GPU also takes the "
           "subgroups the CPU would update late, first, as many as the window's PCIe time "

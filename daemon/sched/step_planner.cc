@@ -339,8 +339,12 @@ double StepPlanner::AutoDelayedBudget(const StepPlan& plan, double window_us) co
   return best + 0.5;
 }
 
-void StepPlanner::PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const {
-  if (!options_.delayed_gpu || !options_.budgets.gpu) return;
+void StepPlanner::PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window,
+                                  bool alone) const {
+  // The GPU's delayed update holds the engine's staging slots through the
+  // window: only for a session that has the engine to itself (another's
+  // step would wait for them).
+  if (!options_.delayed_gpu || !options_.budgets.gpu || !alone) return;
   const uint64_t max_streamed = MaxStreamedNumel(plan);
   const double window_s = window_us * 1e-6;
   // The candidates: the GPU path's own, in its order; with delayed_gpu_first
@@ -411,8 +415,10 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
   NodeResources* const node = options_.node;
   plan.node_share = node != nullptr ? node->Share(options_.node_engine) : 1.0;
+  bool alone = true;  // no other session steps on this engine
   {
     absl::MutexLock lock(&mu_);
+    alone = sessions_.size() <= 1;
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs =
         Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)
@@ -445,7 +451,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
     const bool by_window = budgets.gpu && policy.kind == Policy::Kind::kAuto;
     PlaceDelayed(plan, by_window ? AutoDelayedBudget(plan, window_us)
                                  : DelayedBudgetParams(policy, window_us));
-    PlaceDelayedGpu(plan, window_us, by_window);
+    PlaceDelayedGpu(plan, window_us, by_window, alone);
   }
   OrderFor(kind, plan);
   const uint64_t max_streamed = MaxStreamedNumel(plan);

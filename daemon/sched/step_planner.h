@@ -86,11 +86,13 @@ struct PlannerOptions {
   // GPU path then has host memory to itself, and the update has only the
   // trainer's window (--delayed_update_start).
   bool delayed_start_at_result = false;
-  // A delayed step delays its streamed subgroups too (--delayed_gpu_path):
-  // their gradients are captured with the host path's and their update
-  // streams through the staging slots during the window, on PCIe the
-  // trainer's forward and backward leave idle. Under auto as many as the
-  // window's PCIe time holds (90%); other policies all of them.
+  // A delayed step delays its streamed subgroups too (--delayed_gpu_path,
+  // dosd's default): their gradients are captured with the host path's and
+  // their update streams through the staging slots during the window, on
+  // PCIe the trainer's forward and backward leave idle. Under auto as many
+  // as the window's PCIe time holds (90%); other policies all of them. Only
+  // while one session steps on the engine (SetLease's sessions): the update
+  // holds the staging slots through the window.
   bool delayed_gpu = false;
   // With delayed_gpu: the GPU also takes the host path's delayed subgroups
   // first, as many as the window's PCIe time holds beside the streamed ones,
@@ -216,8 +218,8 @@ class StepPlanner {
   // delayed ones updated on the GPU in the window (StepPlan::delayed_gpu),
   // then with delayed_gpu_first the CPU's delayed ones, last first: under
   // auto (`by_window`) while their transfers fit 90% of the window,
-  // otherwise all.
-  void PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window) const
+  // otherwise all; none unless the plan's session is `alone` on the engine.
+  void PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_window, bool alone) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The delayed update's rate, params/s: learned (LearnDelayed), else the
   // CPU kernel's rate for `in`.

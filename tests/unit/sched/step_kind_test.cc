@@ -222,6 +222,28 @@ TEST(StepKindTest, TheDelayedGpuPathTakesWhatTheWindowsPcieHolds) {
   EXPECT_TRUE(rule.gpu_only.empty());
 }
 
+// The GPU's delayed update holds the engine's staging slots through the
+// window: with a second session stepping on the engine none is placed there
+// (its steps would wait), and once that session is gone they are again.
+TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
+  PlannerOptions on = Gpu();
+  on.delayed_gpu = true;
+  StepPlanner planner(on);
+  const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
+  const ShardLayout layout = dos::testing::UniformLayout(20, 100'000'000);
+  const double window_us = 100'000;
+  planner.SetLease(1, GpuLease{}, layout);
+  const StepPlan alone = planner.Plan(P("auto"), layout, 2, delay, window_us);
+  ASSERT_FALSE(alone.delayed_gpu.empty());
+  planner.SetLease(2, GpuLease{}, layout);
+  const StepPlan shared = planner.Plan(P("auto"), layout, 2, delay, window_us);
+  EXPECT_TRUE(shared.delayed_gpu.empty());
+  EXPECT_EQ(shared.delayed_gpu_params, 0u);
+  EXPECT_EQ(shared.delayed.size() + shared.gpu_only.size(), 18u);  // the rest streams
+  planner.ForgetSession(2);
+  EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
+}
+
 // --delayed_gpu_first: the GPU takes the CPU's delayed subgroups too, last
 // first, while the window's PCIe holds them; the CPU keeps the rest. With a
 // window long enough for its PCIe nothing is left on the CPU.
