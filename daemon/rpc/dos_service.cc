@@ -320,6 +320,7 @@ absl::Status DosService::HandleRegisterShard(const RpcCall& call,
   absl::StatusOr<ShardSpec> spec = ToShardSpec(req);
   absl::Status st = spec.ok() ? s->Register(*spec) : spec.status();
   if (!st.ok()) {
+    st = WithOrphansHolding(*sessions_, s->identity().uid, std::move(st));
     // The trainer gets the reason; the operator reads it here.
     const SessionIdentity& id = s->identity();
     DOS_LOG_WARNING("session.register_refused", "session", id.id, "client", id.client_name,

@@ -25,4 +25,10 @@ absl::StatusOr<std::shared_ptr<Session>> FindSessionOrOperator(const SessionMana
 absl::StatusOr<std::shared_ptr<Session>> FindLiveOrOrphan(const SessionManager& sessions,
                                                           uint64_t id);
 
+// A registration refused for memory (RESOURCE_EXHAUSTED), with what
+// orphaned sessions hold: those of `uid` named (id, pid, bytes, the lease
+// left) with how to get the memory back, other users' as a total. Any
+// other status, or none orphaned, as it is.
+absl::Status WithOrphansHolding(const SessionManager& sessions, uint32_t uid, absl::Status refused);
+
 }  // namespace dos

@@ -176,6 +176,13 @@ void SessionManager::SetRestoreCandidates(
   restore_env_ = env;
 }
 
+absl::Duration SessionManager::OrphanLeaseLeft(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = orphans_.find(id);
+  if (it == orphans_.end()) return absl::ZeroDuration();
+  return std::max(it->second.deadline - absl::Now(), absl::ZeroDuration());
+}
+
 std::vector<std::shared_ptr<Session>> SessionManager::ListOrphans() const {
   absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<Session>> out;

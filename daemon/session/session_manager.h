@@ -65,6 +65,9 @@ class SessionManager {
   std::vector<std::shared_ptr<Session>> List() const;
   // Sessions whose trainer died and whose state waits for a resume.
   std::vector<std::shared_ptr<Session>> ListOrphans() const;
+  // How long orphaned session `id` still waits for a resume (zero: it is
+  // not orphaned, or its lease is over and the reaper frees it).
+  absl::Duration OrphanLeaseLeft(uint64_t id) const;
   // The daemon's executors: its GPU engines' devices, for stats.
   const ExecutorSet* executors() const { return executors_; }
 

@@ -576,6 +576,47 @@ TEST_F(DaemonTest, HostMemoryCapAnswersResourceExhausted) {
   EXPECT_EQ(capped.Stop(), 0);
 }
 
+// A trainer that crashed keeps its state for --session_lease; a new one of
+// the same user refused for memory is told that state holds it, and how to
+// get it back (resume it, or register after the lease).
+TEST_F(DaemonTest, AMemoryRefusalNamesTheOrphanedSessionHoldingIt) {
+  // The doomed trainer's 65536 parameters hold 768 KiB of state.
+  DaemonProcess capped({"--host_memory_limit=1M", "--session_lease=5m", "--cpu_threads=1"});
+  ASSERT_TRUE(capped.Start()) << capped.log();
+  pid_t child = fork();
+  if (child == 0) {
+    execl(DOS_DOOMED_TRAINER_PATH, DOS_DOOMED_TRAINER_PATH, capped.socket().c_str(), nullptr);
+    _exit(127);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  auto stub = v1::Dos::NewStub(
+      grpc::CreateChannel("unix:" + capped.socket(), grpc::InsecureChannelCredentials()));
+  std::string state;
+  for (int i = 0; i < 500 && state != "orphaned"; ++i) {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse resp;
+    ASSERT_TRUE(stub->ListSessions(&ctx, v1::ListSessionsRequest(), &resp).ok());
+    state = resp.sessions_size() == 1 ? resp.sessions(0).state() : "";
+    if (state != "orphaned") std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(state, "orphaned") << capped.log();
+
+  FakeTrainer tr(14);
+  ASSERT_EQ(tr.Attach(capped.socket()), DOS_OK) << dos_last_error();
+  tr.AddTensor(DOS_DTYPE_F32, 65536, 0);
+  EXPECT_EQ(tr.Register({AdamW(1e-3, 0)}, 0), DOS_RESOURCE_EXHAUSTED);
+  const std::string msg = dos_last_error();
+  EXPECT_NE(msg.find("--host_memory_limit"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("exited without detaching hold session"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(absl::StrCat("(pid ", child, ", 768.00 KiB, lease ends in ")),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("resume="), std::string::npos) << msg;
+  EXPECT_EQ(capped.Stop(), 0) << capped.log();
+}
+
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
   // A second daemon pointed at the first one's socket must refuse to start.
   pid_t pid = fork();
