@@ -402,20 +402,27 @@ TEST_F(DaemonTest, RawRpcBadInputGetsClearErrors) {
   }
 }
 
+// Runs doomed_trainer (attach, register, one step, exit without detaching)
+// against `socket` and waits for it; its pid in `pid`.
+void RunDoomedTrainer(const std::string& socket, pid_t* pid = nullptr) {
+  const pid_t child = fork();
+  if (child == 0) {
+    execl(DOS_DOOMED_TRAINER_PATH, DOS_DOOMED_TRAINER_PATH, socket.c_str(), nullptr);
+    _exit(127);
+  }
+  if (pid != nullptr) *pid = child;
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 TEST_F(DaemonTest, ClientThatExitsMidSessionIsReapedOthersKeepWorking) {
   FakeTrainer survivor(11);
   ASSERT_EQ(survivor.Attach(daemon_.socket()), DOS_OK) << dos_last_error();
   survivor.AddTensor(DOS_DTYPE_F32, 100, 0);
   ASSERT_EQ(survivor.Register({AdamW(1e-3, 0.0)}, 0), DOS_OK) << dos_last_error();
 
-  pid_t child = fork();
-  if (child == 0) {
-    execl(DOS_DOOMED_TRAINER_PATH, DOS_DOOMED_TRAINER_PATH, daemon_.socket().c_str(), nullptr);
-    _exit(127);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_NO_FATAL_FAILURE(RunDoomedTrainer(daemon_.socket()));
 
   // The reaper takes the session out of the list first and frees its state
   // after (joining its step thread, unmapping its memory): wait for both.
@@ -583,14 +590,8 @@ TEST_F(DaemonTest, AMemoryRefusalNamesTheOrphanedSessionHoldingIt) {
   // The doomed trainer's 65536 parameters hold 768 KiB of state.
   DaemonProcess capped({"--host_memory_limit=1M", "--session_lease=5m", "--cpu_threads=1"});
   ASSERT_TRUE(capped.Start()) << capped.log();
-  pid_t child = fork();
-  if (child == 0) {
-    execl(DOS_DOOMED_TRAINER_PATH, DOS_DOOMED_TRAINER_PATH, capped.socket().c_str(), nullptr);
-    _exit(127);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  pid_t child = 0;
+  ASSERT_NO_FATAL_FAILURE(RunDoomedTrainer(capped.socket(), &child));
   auto stub = v1::Dos::NewStub(
       grpc::CreateChannel("unix:" + capped.socket(), grpc::InsecureChannelCredentials()));
   std::string state;
