@@ -119,8 +119,8 @@ class Flight:
     def stop_captures(self, stream) -> None:
         """Before the gradients of the early step in flight are scaled in
         place: dosd stops copying them, and `stream` (None: this thread)
-        waits until the copy dosd had begun, if any, is complete. FAILED_PRECONDITION when the
-        step is not a delayed one."""
+        waits until the copy dosd had begun, if any, is complete.
+        FAILED_PRECONDITION when the step is not a delayed one."""
         call("dos_step_stop_captures", self._session, stream, ctypes.c_int64(-1))
 
     def abandon(self) -> None:
