@@ -1,7 +1,8 @@
 // Issue 11, items 7, 9 and 11: honest accounting and bounded resources.
 // Tiny subgroups cannot grow dosd past its accounting; staging copies go with
 // their session; session caps; idle sessions cost no thread; attach floods
-// from several users leave another user stepping; SIGTERM with
+// from several users leave another user stepping; a memory refusal names
+// the caller's own orphaned sessions, not other users'; SIGTERM with
 // hundreds of sessions is quick; repeated failures are logged a few times with
 // a count; metrics scrapes are not held up by idle connections; ImportState
 // checks the step counter; a clean stop leaves no lock file.
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/security/security_env.h"
 #include "tests/support/loopback.h"
@@ -118,6 +120,42 @@ TEST(Resources, SessionCapsAnswerResourceExhaustedNamingTheFlag) {
   EXPECT_NE(line_e.find("--max_sessions=5"), std::string::npos) << line_e;
   a.Finish();
   e.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
+// A registration refused for host memory names the orphaned sessions holding
+// it: the caller's own by session, pid and lease; another user's only as a
+// count and a total (their pids and sessions are theirs).
+TEST(Resources, AMemoryRefusalNamesOnlyTheCallersOwnOrphans) {
+  DOS_SECURITY_REQUIRE();
+  // sec_client's f32 tensor of 65536 parameters holds 768 KiB of state.
+  auto d = SecureDaemon({"--host_memory_limit=1M", "--session_lease=5m"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::vector<std::string> job = {"attach", "register:numel=65536"};
+  UserProcess dead(User("dos-sec-a"), d->socket(), {"attach", "register:numel=65536", "wait"});
+  ASSERT_EQ(Code(dead.Await("register")), 0) << dead.output() << d->log();
+  const pid_t dead_pid = dead.pid();
+  dead.Kill();
+  ASSERT_TRUE(
+      WaitFor([&] { return d->log().find("event=session.orphaned") != std::string::npos; }, 10000))
+      << d->log();
+  const std::string pid_text = absl::StrCat("(pid ", dead_pid, ", 768.00 KiB, lease ends in ");
+
+  const std::string other = RunAs(User("dos-sec-e"), d->socket(), job);
+  const std::string refused = other.substr(other.find("ERR register"));
+  EXPECT_EQ(Code(refused), kResourceExhausted) << other;
+  EXPECT_NE(refused.find("--host_memory_limit"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("1 exited trainer(s) of other users hold 768.00 KiB"), std::string::npos)
+      << refused;
+  EXPECT_EQ(refused.find(absl::StrCat("pid ", dead_pid)), std::string::npos) << refused;
+  EXPECT_EQ(refused.find("trainers of yours"), std::string::npos) << refused;
+
+  const std::string own = RunAs(User("dos-sec-a"), d->socket(), job);
+  const std::string own_refused = own.substr(own.find("ERR register"));
+  EXPECT_EQ(Code(own_refused), kResourceExhausted) << own;
+  EXPECT_NE(own_refused.find(pid_text), std::string::npos) << own_refused;
+  EXPECT_NE(own_refused.find("resume="), std::string::npos) << own_refused;
+  EXPECT_EQ(own_refused.find("other users"), std::string::npos) << own_refused;
   EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
