@@ -369,6 +369,14 @@ dos_status dos_step_gradients_scaled(dos_session* session, float coef) {
   });
 }
 
+dos_status dos_step_gradients_scaled_on_stream(dos_session* session, const void* device_coef,
+                                               void* cuda_stream) {
+  return Guard("step_gradients_scaled_on_stream", [&]() -> absl::Status {
+    if (auto st = NeedSession(session, "step_gradients_scaled_on_stream"); !st.ok()) return st;
+    return session->impl->GradientsScaledOnStream(device_coef, cuda_stream);
+  });
+}
+
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms) {
   return Guard("step_finish_delayed", [&]() -> absl::Status {
     if (auto st = NeedSession(session, "step_finish_delayed"); !st.ok()) return st;

@@ -136,6 +136,14 @@ absl::Status DeviceSync::StreamWrite(void* stream, std::atomic<uint32_t>* word, 
   return absl::OkStatus();
 }
 
+absl::Status DeviceSync::CopyToBlock(void* stream, void* dst, const void* src, uint64_t bytes) {
+  DeviceScope scope(impl_->device);
+  waits_queued_ = true;  // the device must pass it before the block is unregistered
+  DOS_SYNC_CUDA(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
 bool DeviceSync::Drain(absl::Duration timeout) {
   if (!waits_queued_) return true;
   // cudaDeviceSynchronize has no deadline of its own: it runs on a helper
@@ -172,6 +180,9 @@ absl::Status DeviceSync::StreamWait(void*, const std::atomic<uint32_t>*, uint32_
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
 absl::Status DeviceSync::StreamWrite(void*, std::atomic<uint32_t>*, uint32_t) {
+  return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
+}
+absl::Status DeviceSync::CopyToBlock(void*, void*, const void*, uint64_t) {
   return absl::UnimplementedError("stream sync: libdos_client was built without CUDA");
 }
 bool DeviceSync::Drain(absl::Duration) { return true; }

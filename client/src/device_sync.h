@@ -49,6 +49,10 @@ class DeviceSync {
   // memory fence (cuStreamWriteValue32 with default flags), so a reader that
   // sees the value sees every write of that work (early steps' ready words).
   absl::Status StreamWrite(void* stream, std::atomic<uint32_t>* word, uint32_t value);
+  // Enqueues on `stream` a copy of `bytes` from device memory `src` into
+  // `dst`, inside the registered block (asynchronous: the block is
+  // page-locked).
+  absl::Status CopyToBlock(void* stream, void* dst, const void* src, uint64_t bytes);
   // Whether StreamWait ever queued a wait on a trainer stream.
   bool waits_queued() const { return waits_queued_; }
   // Before the block is unregistered and unmapped: a wait that a stream

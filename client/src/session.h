@@ -144,6 +144,9 @@ class ClientSession {
   // kStepGradientsScaled with the coefficient.
   absl::Status StopCaptures(void* stream, absl::Duration timeout);
   absl::Status GradientsScaled(float coef);
+  // Protocol 11: the coefficient is the float at `device_coef` once the
+  // work queued on `stream` is done, copied into the block there.
+  absl::Status GradientsScaledOnStream(const void* device_coef, void* stream);
   absl::Status FinishDelayed(void* stream, absl::Duration timeout);
   const DelayFigures& last_delay() const { return last_delay_; }
 
@@ -245,6 +248,7 @@ class ClientSession {
   bool rewritten_ = false;      // GradientsRewritten, for the next verdict
   bool stopped_ = false;        // StopCaptures, for the early step in flight
   std::optional<float> scaled_;  // GradientsScaled, for the next verdict
+  bool scaled_on_stream_ = false;  // GradientsScaledOnStream, for the next verdict
   bool finishing_ = false;      // the request in flight is a FinishDelayed
   DelayFigures last_delay_;
   // Marks subgroup `i` of the early step ready (on `stream` with stream sync).

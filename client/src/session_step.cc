@@ -136,6 +136,25 @@ absl::Status ClientSession::GradientsScaled(float coef) {
   return absl::OkStatus();
 }
 
+absl::Status ClientSession::GradientsScaledOnStream(const void* device_coef, void* stream) {
+  if (!stopped_) {
+    return absl::FailedPreconditionError(
+        "step_gradients_scaled_on_stream: the captures of the early step in flight were not "
+        "stopped; call dos_step_stop_captures before scaling the gradients in place");
+  }
+  // (A null stream is CUDA's legacy default stream.)
+  if (device_sync_ == nullptr || device_coef == nullptr) {
+    return absl::FailedPreconditionError(
+        "step_gradients_scaled_on_stream: needs GPU mode with stream memory operations and a "
+        "device pointer; use dos_step_gradients_scaled with the coefficient read on the host");
+  }
+  DOS_RETURN_IF_ERROR(device_sync_->CopyToBlock(stream, step_channel_->StreamCoefWord(),
+                                                device_coef, sizeof(float)));
+  scaled_ = 1.0f;  // the verdict's placeholder: dosd reads the block's copy
+  scaled_on_stream_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status ClientSession::FinishDelayed(void* stream, absl::Duration timeout) {
   DOS_RETURN_IF_ERROR(CheckBegin());
   if (control_->closed.load(std::memory_order_acquire) != 0) {
@@ -308,6 +327,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
       if (scaled_.has_value() && !rewritten_) {
         v.flags |= kStepGradientsScaled;
         v.gradient_coef = *scaled_;
+        if (scaled_on_stream_) v.flags |= kStepGradientsScaledOnStream;
       }
       v.ring_ns = MonotonicNs();  // the end of this forward and backward (a delay's window)
       if (device_sync_ != nullptr) {
@@ -324,6 +344,7 @@ absl::Status ClientSession::StepVerdict(const dos_step_args* args, void* stream)
   rewritten_ = false;
   stopped_ = false;
   scaled_.reset();
+  scaled_on_stream_ = false;
   return step_.Go(args == nullptr ? StepEvent::kAbandon : StepEvent::kVerdict);
 }
 

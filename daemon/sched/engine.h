@@ -89,6 +89,10 @@ struct StepSync {
   std::function<bool()> capture_begins;
   std::function<void()> capture_ended;
   std::function<void()> captures_done;
+  // The coefficient of a verdict with kStepGradientsScaledOnStream (protocol
+  // 11), which the trainer's stream copied before its event: read by the
+  // executor once that event has completed. May be empty (none can come).
+  std::function<float()> stream_coef;
 };
 
 class Engine {

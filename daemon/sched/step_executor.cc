@@ -187,6 +187,14 @@ absl::Status ValidateStepRequest(const StepRequest& r, size_t num_groups) {
         ", which is invalid; it must be finite and >= 0 (send "
         "kStepGradientsRewritten instead for anything else)"));
   }
+  constexpr uint32_t kOnStreamNeeds = kStepGradientsScaled | kStepTrainerEventRecorded;
+  if ((r.flags & kStepGradientsScaledOnStream) && (r.flags & kOnStreamNeeds) != kOnStreamNeeds) {
+    return absl::InvalidArgumentError(
+        "step: the verdict says the gradients' coefficient comes through the trainer's stream "
+        "(kStepGradientsScaledOnStream) without kStepGradientsScaled and "
+        "kStepTrainerEventRecorded beside it; set both (the coefficient is read after the "
+        "trainer's event)");
+  }
   for (size_t i = 0; i < num_groups; ++i) {
     absl::Status st = ValidateGroupStepParams(r.groups[i], i, "step");
     if (!st.ok()) return st;
@@ -280,9 +288,13 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   const absl::Time event_at = absl::Now();
   StepOutcome out;
   bool finite = true;
-  if (!(request.flags & kStepGradientsChecked)) {
+  // The scan also waits for the trainer's event on the host, after which a
+  // coefficient its stream copied may be read.
+  const bool on_stream = (request.flags & kStepGradientsScaledOnStream) != 0;
+  if (!(request.flags & kStepGradientsChecked) || on_stream) {
     DOS_ASSIGN_OR_RETURN(finite, engine_->AllFinite(shard, bindings));
   }
+  if (on_stream && delayed != nullptr) ResolveStreamCoef(sync, delayed);
   const absl::Time checked_at = absl::Now();
   if (finite) {
     DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step,

@@ -188,6 +188,11 @@ class StepExecutor {
   // (no such flag, or a multiply the update cannot repeat bit for bit).
   static std::optional<float> ScaledCoef(const StepRequest& verdict, const ShardState& shard,
                                          bool stopped);
+  // A verdict with kStepGradientsScaledOnStream, once the trainer's event
+  // has completed: the coefficient its stream copied replaces the verdict's
+  // placeholder, or, when it is not finite and >= 0, the gradients captured
+  // before the verdict are copied again (as kStepGradientsRewritten).
+  static void ResolveStreamCoef(const StepSync& sync, DelayedHost* delayed);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,

@@ -3,6 +3,7 @@
 // delayed update's run and join, and the wait for a verdict while the
 // delayed subgroups' gradients are captured (early_capture.h). The rest of
 // the step is in step_executor.cc.
+#include <cmath>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -138,6 +139,18 @@ std::optional<float> StepExecutor::ScaledCoef(const StepRequest& verdict, const 
     if (t.grad_dtype != DType::kF32 && t.grad_dtype != DType::kBF16) return std::nullopt;
   }
   return verdict.gradient_coef;
+}
+
+void StepExecutor::ResolveStreamCoef(const StepSync& sync, DelayedHost* delayed) {
+  const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
+  const bool scale = std::isfinite(coef) && coef >= 0;
+  if (scale) {
+    delayed->SetEarlyCoef(coef);  // no effect where the captures were dropped already
+  } else {
+    delayed->DropEarly();
+    delayed->gradients_rewritten = true;
+  }
+  DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept", scale);
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,

@@ -10,7 +10,7 @@ namespace {
 constexpr uint32_t kKnownStepFlags =
     kStepGradientsChecked | kStepTrainerEventRecorded | kStepGpuLease | kStepGradientsPending |
     kStepNoVerdict | kStepAbandon | kStepSkipTensors | kStepDelayHost | kStepFinishDelayed |
-    kStepGradientsRewritten | kStepGradientsScaled;
+    kStepGradientsRewritten | kStepGradientsScaled | kStepGradientsScaledOnStream;
 
 // The delay of a request with `flags` whose gradients are `gradients`.
 absl::StatusOr<StepKind::Delay> DecodeDelay(uint32_t flags, StepKind::Gradients gradients) {
@@ -55,10 +55,11 @@ absl::StatusOr<StepKind> StepKind::Decode(uint32_t flags, bool stream_ordered) {
         "step: request flags carry kStepAbandon, which only a verdict may carry (an early "
         "step's verdict gives the step up); clear it");
   }
-  if (flags & (kStepGradientsRewritten | kStepGradientsScaled)) {
+  if (flags & (kStepGradientsRewritten | kStepGradientsScaled | kStepGradientsScaledOnStream)) {
     return absl::InvalidArgumentError(
-        "step: request flags carry kStepGradientsRewritten or kStepGradientsScaled, which only "
-        "a verdict may carry (gradients written after their ready marks); clear them");
+        "step: request flags carry kStepGradientsRewritten or kStepGradientsScaled(OnStream), "
+        "which only a verdict may carry (gradients written after their ready marks); clear "
+        "them");
   }
   const bool pending = (flags & kStepGradientsPending) != 0;
   const bool no_verdict = (flags & kStepNoVerdict) != 0;

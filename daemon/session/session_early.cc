@@ -27,6 +27,7 @@ StepSync Session::MakeStepSync(uint32_t seq, StepKind kind, absl::Time begun) co
   sync.capture_begins = [this, seq] { return channel_->BeginCapture(seq); };
   sync.capture_ended = [this] { channel_->EndCapture(); };
   sync.captures_done = [this, seq] { channel_->MarkCapturesDone(seq); };
+  sync.stream_coef = [this] { return channel_->StreamCoef(); };
   sync.late_skip = [this, seq](StepRequest* late) {
     if (!channel_->WaitVerdict(seq, absl::ZeroDuration())) return false;
     const auto* block = static_cast<const ControlBlock*>(control_->data());

@@ -358,6 +358,17 @@ dos_status dos_step_gradients_rewritten(dos_session* session);
  * verdict goes without. */
 dos_status dos_step_stop_captures(dos_session* session, void* cuda_stream, int64_t timeout_ms);
 dos_status dos_step_gradients_scaled(dos_session* session, float coef);
+/* Protocol 11: as dos_step_gradients_scaled, but the coefficient is the
+ * float at `device_coef` (device memory of the session's GPU) once the work
+ * queued on `cuda_stream` before this call is done: it is copied into the
+ * control block on that stream, so the trainer never waits for its GPU to
+ * learn it. A value there that is not finite and >= 0 (NaN, say) tells dosd
+ * the multiply was not one it can repeat: it copies the gradients again.
+ * Queue it on the stream dos_step_verdict gets, before that call. GPU mode
+ * with stream memory operations only (FAILED_PRECONDITION otherwise: use
+ * dos_step_gradients_scaled). */
+dos_status dos_step_gradients_scaled_on_stream(dos_session* session, const void* device_coef,
+                                               void* cuda_stream);
 dos_status dos_step_finish_delayed(dos_session* session, void* cuda_stream, int64_t timeout_ms);
 dos_status dos_last_step_delay(const dos_session* session, uint32_t* delayed_subgroups,
                                uint64_t* delayed_params, double* delayed_update_us,

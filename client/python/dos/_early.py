@@ -23,6 +23,7 @@ A driver owns its hooks, the step's ready bookkeeping (`ready`,
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import Any, List, Optional
@@ -259,6 +260,13 @@ class VerdictDriver(EarlyDriver):
 
     def note_scaled(self, scaled) -> None:
         self._scaled = scaled
+
+    def on_stream(self) -> bool:
+        """A clip's coefficient may reach dosd through the stream (protocol
+        11) instead of being read on the host: DOS_TORCH_CLIP_SCALED=stream
+        (experimental, not yet run on a GPU)."""
+        return (os.environ.get("DOS_TORCH_CLIP_SCALED") == "stream"
+                and self.inner.stream() is not None)
 
     def settle(self, thawed) -> None:
         super().settle(thawed)

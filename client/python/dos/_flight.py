@@ -14,7 +14,7 @@ import ctypes
 from typing import Any, Callable, Dict, Optional
 
 from dos import _native
-from dos._errors import call
+from dos._errors import DosError, call
 from dos._step import StepMachine, StepState
 
 __all__ = ["Flight", "step_args"]
@@ -108,9 +108,17 @@ class Flight:
         hyperparameters, overlap="update"); `rewritten`: a gradient was
         written after its subgroup was marked ready (dosd copies the delayed
         subgroups' gradients again); `scaled`: they were all multiplied by
-        this after stop_captures, and nothing else wrote them."""
+        this after stop_captures, and nothing else wrote them (a float, or a
+        one-element fp32 device tensor `stream` computes it into: NaN there
+        has dosd copy them again)."""
         if rewritten:
             call("dos_step_gradients_rewritten", self._session)
+        elif hasattr(scaled, "data_ptr"):  # a device tensor: copied on the stream
+            try:
+                call("dos_step_gradients_scaled_on_stream", self._session,
+                     ctypes.c_void_p(scaled.data_ptr()), stream)
+            except DosError:  # no stream memory operations: dosd copies them again
+                call("dos_step_gradients_rewritten", self._session)
         elif scaled is not None:
             call("dos_step_gradients_scaled", self._session, ctypes.c_float(scaled))
         call("dos_step_verdict", self._session, None if args is None else ctypes.byref(args),

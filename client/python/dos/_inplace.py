@@ -39,6 +39,13 @@ the HF Trainer's 7B compact job 1.17x and 1.26x all-GPU against 1.158x and
 1.18x (dosd's apply shorter, the trainer's backward longer, likely because
 `float(coef_t)` and the sample checks below synchronise with the GPU; not
 measured). Still opt-in.
+
+DOS_TORCH_CLIP_SCALED=stream (experimental, protocol 11; built 2026-12-04
+and not yet run on a GPU): on CUDA the coefficient and the sample checks stay
+on the device (`_coef_on_device`, NaN for "not a scale"), and the verdict has
+the trainer's stream copy it into the control block before its event, which
+dosd reads after the event: the trainer never waits for its GPU here. Where
+the session cannot (no stream memory operations) the verdict says rewritten.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ class Scaled:
 def watch(driver) -> None:
     """Routes torch.nn.utils.clip_grad_norm_ calls through `driver`
     (dos/_early.py's VerdictDriver of a delayed optimizer) while it lives."""
-    if os.environ.get("DOS_TORCH_CLIP_SCALED", "0") != "1":
+    if os.environ.get("DOS_TORCH_CLIP_SCALED", "0") not in ("1", "stream"):
         return
     install()
     _drivers.add(driver)
@@ -114,15 +121,29 @@ def _clip_scaled(driver, entries: List, params, max_norm, args, kwargs):
         return total  # not one multiply each: the verdict says rewritten
     with torch.no_grad():
         coef_t = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        coef = float(coef_t)  # waits for the clip (as opt.clip_grad_norm_ does)
-        if not math.isfinite(coef) or coef_t.dtype not in _DTYPES:
+        if coef_t.dtype not in _DTYPES:
             return total
         after = _samples(grads)
-        for b, a in zip(before, after):
-            if not torch.equal(b * coef_t.to(b.device), a):
+        if coef_t.is_cuda and driver.on_stream():
+            coef = _coef_on_device(coef_t, before, after)
+        else:
+            coef = float(coef_t)  # waits for the clip (as opt.clip_grad_norm_ does)
+            if not math.isfinite(coef) or not all(
+                    torch.equal(b * coef_t.to(b.device), a) for b, a in zip(before, after)):
                 return total
     driver.note_scaled(Scaled(coef, {e.index: g._version for e, g in zip(entries, grads)}))
     return total
+
+
+def _coef_on_device(coef_t, before, after) -> torch.Tensor:
+    """The coefficient as a one-element fp32 tensor on its device, NaN where
+    it is not finite or a sample disagrees: dosd reads it through the stream
+    (protocol 11), and the trainer never waits for its GPU."""
+    ok = torch.isfinite(coef_t)
+    for b, a in zip(before, after):
+        ok = ok & torch.eq(b * coef_t.to(b.device), a).all().to(coef_t.device)
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=coef_t.device)
+    return torch.where(ok, coef_t.float(), nan).reshape(1)
 
 
 def _samples(grads: List[torch.Tensor]) -> List[torch.Tensor]:

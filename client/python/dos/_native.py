@@ -183,6 +183,7 @@ SIGNATURES = {
     "dos_step_gradients_rewritten": (_S, [_P]),
     "dos_step_stop_captures": (_S, [_P, _P, ctypes.c_int64]),
     "dos_step_gradients_scaled": (_S, [_P, ctypes.c_float]),
+    "dos_step_gradients_scaled_on_stream": (_S, [_P, _P, _P]),
     "dos_last_step_delay": (_S, [_P, ctypes.POINTER(ctypes.c_uint32),
                                  ctypes.POINTER(ctypes.c_uint64)] +
                             [ctypes.POINTER(ctypes.c_double)] * 5),

@@ -100,8 +100,9 @@ inline constexpr uint32_t kControlBlockMagic = 0x31534f44;  // "DOS1"
 // 8: delayed captures during backward (kStepGradientsRewritten); 9: a verdict's
 // coefficient for gradients scaled in place after the captures
 // (kStepGradientsScaled, capture_stop, capture_done); 10: the stop waits only
-// for a copy in flight (capture_busy)
-inline constexpr uint32_t kProtocolVersion = 10;
+// for a copy in flight (capture_busy); 11: the coefficient through the
+// trainer's stream (kStepGradientsScaledOnStream, stream_coef)
+inline constexpr uint32_t kProtocolVersion = 11;
 inline constexpr uint32_t kMaxGroups = 64;
 inline constexpr uint32_t kMaxStatusMessage = 512;
 inline constexpr uint32_t kMaxTrackedSubgroups = 4096;
@@ -147,6 +148,13 @@ enum StepFlags : uint32_t {
   // clip_grad_norm_), and wrote them no other way: the daemon keeps what it
   // captured and multiplies it by the coefficient when it updates.
   kStepGradientsScaled = 1u << 10,
+  // With kStepGradientsScaled and kStepTrainerEventRecorded (protocol 11):
+  // the coefficient is not `gradient_coef` but the float the trainer's
+  // stream copied into `stream_coef` before the trainer's event, so that the
+  // trainer never waits for its GPU to learn it; a value there that is not
+  // finite and >= 0 says the multiply was not one the daemon can repeat, and
+  // the daemon copies the gradients again (as kStepGradientsRewritten).
+  kStepGradientsScaledOnStream = 1u << 11,
 };
 
 // The delayed host path (kStepDelayHost): in such a step the daemon updates
@@ -306,6 +314,10 @@ struct ControlBlock {
   alignas(64) std::atomic<uint32_t> capture_stop;
   std::atomic<uint32_t> capture_done;
   std::atomic<uint32_t> capture_busy;
+  // Client's GPU -> daemon (protocol 11): the coefficient of a verdict with
+  // kStepGradientsScaledOnStream, copied by the trainer's stream; the daemon
+  // reads it once the trainer's event has completed. A float's bits.
+  std::atomic<uint32_t> stream_coef;
 
   alignas(64) StepRequest request;
   alignas(64) StepRequest verdict;

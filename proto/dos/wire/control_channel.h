@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "absl/functional/function_ref.h"
@@ -117,6 +118,14 @@ class ControlBlockChannel {
   void MarkCapturesDone(uint32_t seq) {
     block_->capture_done.store(seq, std::memory_order_release);
   }
+  // The coefficient the trainer's stream copied (protocol 11): read only
+  // once the trainer's event after that copy has completed.
+  float StreamCoef() const {
+    const uint32_t bits = block_->stream_coef.load(std::memory_order_acquire);
+    float coef;
+    std::memcpy(&coef, &bits, sizeof(coef));
+    return coef;
+  }
 
   // Early steps (control_block.h): whether subgroup `i`'s gradients of step
   // `seq` are final (acquire: its gradient writes are visible after true).
@@ -161,6 +170,7 @@ class ControlBlockChannel {
     return block_->capture_busy.load(std::memory_order_seq_cst) == seq;
   }
   std::atomic<uint32_t>* CaptureDoneWord() const { return &block_->capture_done; }
+  void* StreamCoefWord() const { return &block_->stream_coef; }
   // Waits until step `seq`'s captures are done (MarkCapturesDone or the
   // step's end). UNAVAILABLE / DEADLINE_EXCEEDED as WaitResult.
   absl::Status WaitCapturesDone(uint32_t seq, absl::Duration timeout);

@@ -444,7 +444,10 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
 // Gradients scaled in place after the captures (protocol 9): the trainer
 // stops dosd's captures (capture_stopped), waits until they are done
 // (captures_done), multiplies every gradient by c (an in-place clip) and
-// says so in its verdict (kStepGradientsScaled). The subgroups captured
+// says so in its verdict (kStepGradientsScaled; with
+// kStepGradientsScaledOnStream, protocol 11, the coefficient is read from
+// the block after the trainer's event, and NaN there has them copied
+// again). The subgroups captured
 // before are updated with their copies times c, bit for bit the exact step
 // on the scaled gradients; those not captured before (a stop before any
 // copy) are copied after the verdict as the multiply left them. A verdict
@@ -453,10 +456,15 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
 // not see that copy begin, so it does not wait for it) is seen when the copy
 // says it begins (capture_begins): no subgroup is copied after it.
 enum class Stop { kAfterCaptures, kBeforeAny, kNever, kAsACopyBegins };
+enum class Coef { kInVerdict, kOnStream, kOnStreamNaN };
 
-void EarlyScaledStep(Stop stop_when) {
+void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
   Fixture f, exact;
-  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  // Takes the trainer's event (the host engine refuses one); policy cpu: no
+  // subgroup on its "GPU".
+  FakeEngine events(FakeEngine::Options{.gpu = true});
+  const bool on_stream = coef_by != Coef::kInVerdict;
+  StepExecutor ex(on_stream ? static_cast<Engine*>(&events) : &f.engine), ex_exact(&exact.engine);
   const float c = 0.3719f;  // not a power of two: fl(g * c) rounds
   for (std::vector<float>& g : exact.grads) {
     for (float& x : g) x *= c;
@@ -475,6 +483,10 @@ void EarlyScaledStep(Stop stop_when) {
     return !stop.load();
   };
   sync.captures_done = [&] { done.store(true); };
+  if (on_stream) {
+    sync.trainer_event = *events.OpenTrainerEvent("trainer");
+    sync.stream_coef = [&] { return coef_by == Coef::kOnStream ? c : std::nanf(""); };
+  }
   // How many of the 5 subgroups are captured before the verdict (in the
   // plan's order).
   const uint32_t captured_before = stop_when == Stop::kBeforeAny       ? 0
@@ -498,14 +510,20 @@ void EarlyScaledStep(Stop stop_when) {
     StepRequest r = Fixture::Request();
     r.flags |= kStepGradientsScaled;
     r.gradient_coef = c;
+    if (on_stream) {
+      r.flags |= kStepGradientsScaledOnStream | kStepTrainerEventRecorded;
+      r.gradient_coef = 1.0f;  // the client's placeholder
+    }
     return r;
   };
   const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
   absl::StatusOr<StepOutcome> out =
-      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, &delayed);
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
+             on_stream ? Policy{.kind = Policy::Kind::kCpu} : Policy{}, sync, 0, verdict, &delayed);
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ(delayed.early_coef(), stop_when == Stop::kNever ? 1.0f : c);
-  EXPECT_FALSE(delayed.gradients_rewritten);
+  const bool kept = stop_when != Stop::kNever && coef_by != Coef::kOnStreamNaN;
+  EXPECT_EQ(delayed.early_coef(), kept ? c : 1.0f);
+  EXPECT_EQ(delayed.gradients_rewritten, coef_by == Coef::kOnStreamNaN);
   ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
   ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
@@ -526,6 +544,22 @@ TEST(StepExecutorTest, AScaledVerdictWhoseCapturesWereNotStoppedCopiesThemAgain)
 
 TEST(StepExecutorTest, AStopSeenAsACopyBeginsCopiesNothingMoreBeforeTheVerdict) {
   EarlyScaledStep(Stop::kAsACopyBegins);
+}
+
+TEST(StepExecutorTest, ACoefficientThroughTheStreamUpdatesTheEarlyCopiesTimesIt) {
+  EarlyScaledStep(Stop::kAfterCaptures, Coef::kOnStream);
+}
+
+TEST(StepExecutorTest, ANaNThroughTheStreamHasTheGradientsCopiedAgain) {
+  EarlyScaledStep(Stop::kAfterCaptures, Coef::kOnStreamNaN);
+}
+
+TEST(StepExecutorTest, AStreamCoefficientWithoutItsEventIsRefused) {
+  StepRequest r = Fixture::Request();
+  r.flags |= kStepGradientsScaled | kStepGradientsScaledOnStream;
+  const absl::Status st = ValidateStepRequest(r, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("kStepTrainerEventRecorded"), absl::string_view::npos) << st;
 }
 
 // A non-delayed early step (nothing to capture) tells a trainer waiting to
