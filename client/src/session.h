@@ -27,6 +27,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -234,6 +235,8 @@ class ClientSession {
   StepMachine step_;
   // Refuses a begin without tensors or with a step in flight.
   absl::Status CheckBegin() const;
+  // FAILED_PRECONDITION naming `call` unless StopCaptures came first.
+  absl::Status CheckStopped(absl::string_view call) const;
   // Publishes step `args` with `extra_flags` and takes transition `begin`.
   absl::Status Publish(const dos_step_args& args, uint32_t extra_flags, StepEvent begin);
   // The early step in flight: which subgroups were marked ready, and how

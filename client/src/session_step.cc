@@ -120,12 +120,16 @@ absl::Status ClientSession::StopCaptures(void* stream, absl::Duration timeout) {
   return step_channel_->WaitCapturesDone(seq_, timeout);
 }
 
+absl::Status ClientSession::CheckStopped(absl::string_view call) const {
+  if (stopped_) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(call,
+                   ": the captures of the early step in flight were not stopped; call "
+                   "dos_step_stop_captures before scaling the gradients in place"));
+}
+
 absl::Status ClientSession::GradientsScaled(float coef) {
-  if (!stopped_) {
-    return absl::FailedPreconditionError(
-        "step_gradients_scaled: the captures of the early step in flight were not stopped; "
-        "call dos_step_stop_captures before scaling the gradients in place");
-  }
+  DOS_RETURN_IF_ERROR(CheckStopped("step_gradients_scaled"));
   if (!std::isfinite(coef) || coef < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "step_gradients_scaled: coefficient ", coef,
@@ -137,11 +141,7 @@ absl::Status ClientSession::GradientsScaled(float coef) {
 }
 
 absl::Status ClientSession::GradientsScaledOnStream(const void* device_coef, void* stream) {
-  if (!stopped_) {
-    return absl::FailedPreconditionError(
-        "step_gradients_scaled_on_stream: the captures of the early step in flight were not "
-        "stopped; call dos_step_stop_captures before scaling the gradients in place");
-  }
+  DOS_RETURN_IF_ERROR(CheckStopped("step_gradients_scaled_on_stream"));
   // (A null stream is CUDA's legacy default stream.)
   if (device_sync_ == nullptr || device_coef == nullptr) {
     return absl::FailedPreconditionError(

@@ -132,7 +132,9 @@ TEST(Resources, AMemoryRefusalNamesOnlyTheCallersOwnOrphans) {
   auto d = SecureDaemon({"--host_memory_limit=1M", "--session_lease=5m"});
   ASSERT_TRUE(d->Start()) << d->log();
   const std::vector<std::string> job = {"attach", "register:numel=65536"};
-  UserProcess dead(User("dos-sec-a"), d->socket(), {"attach", "register:numel=65536", "wait"});
+  std::vector<std::string> held = job;
+  held.push_back("wait");
+  UserProcess dead(User("dos-sec-a"), d->socket(), held);
   ASSERT_EQ(Code(dead.Await("register")), 0) << dead.output() << d->log();
   const pid_t dead_pid = dead.pid();
   dead.Kill();
