@@ -28,6 +28,8 @@ absl::Status HostEngine::WaitTrainerEvent(void*) {
       "memory; clear the flag");
 }
 
+absl::Status HostEngine::SyncTrainerEvent(void* event) { return WaitTrainerEvent(event); }
+
 absl::Status HostEngine::CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) {
   std::memcpy(dst, trainer_src, bytes);
   return absl::OkStatus();

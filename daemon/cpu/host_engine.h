@@ -31,6 +31,7 @@ class HostEngine final : public Engine {
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void*) override {}
   absl::Status WaitTrainerEvent(void* event) override;
+  absl::Status SyncTrainerEvent(void* event) override;
   absl::Status CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) override;
   absl::Status CopyToTrainer(void* trainer_dst, const void* src, uint64_t bytes) override;
   absl::StatusOr<bool> AllFinite(const ShardState& shard,

@@ -228,6 +228,14 @@ absl::Status GpuEngine::WaitTrainerEvent(void* event) {
   return absl::OkStatus();
 }
 
+absl::Status GpuEngine::SyncTrainerEvent(void* event) {
+  // No step_mu_: the wait uses none of the engine's streams or buffers, and
+  // it lasts as long as the trainer's backward.
+  DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return absl::OkStatus();
+}
+
 absl::Status GpuEngine::Prefetch(const StepPlan& plan, ShardState& shard) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));

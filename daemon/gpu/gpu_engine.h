@@ -96,6 +96,7 @@ class GpuEngine final : public Engine {
   absl::StatusOr<void*> OpenTrainerEvent(const std::string& handle) override;
   void CloseTrainerEvent(void* event) override;
   absl::Status WaitTrainerEvent(void* event) override;
+  absl::Status SyncTrainerEvent(void* event) override;
   absl::Status Prefetch(const StepPlan& plan, ShardState& shard) override;
   absl::Status Execute(const StepPlan& plan, ShardState& shard,
                        std::span<const TensorBinding> bindings,

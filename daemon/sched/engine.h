@@ -119,6 +119,10 @@ class Engine {
   virtual void CloseTrainerEvent(void* event) = 0;
   // Makes the engine's work wait (on the GPU) for the event's last record.
   virtual absl::Status WaitTrainerEvent(void* event) = 0;
+  // Returns once the event's last record has completed (a wait on the
+  // host): what the trainer's stream queued before it, a copy into the
+  // control block included, is done.
+  virtual absl::Status SyncTrainerEvent(void* event) = 0;
 
   // Synchronous copies between host memory and trainer memory (registration,
   // state loads). Host engines copy bytes; GPU engines cross PCIe.

@@ -287,14 +287,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   DOS_RETURN_IF_ERROR(WaitForTrainerEvent(request, sync));
   const absl::Time event_at = absl::Now();
   StepOutcome out;
-  bool finite = true;
-  // The scan also waits for the trainer's event on the host, after which a
-  // coefficient its stream copied may be read.
-  const bool on_stream = (request.flags & kStepGradientsScaledOnStream) != 0;
-  if (!(request.flags & kStepGradientsChecked) || on_stream) {
-    DOS_ASSIGN_OR_RETURN(finite, engine_->AllFinite(shard, bindings));
-  }
-  if (on_stream && delayed != nullptr) ResolveStreamCoef(sync, delayed);
+  DOS_ASSIGN_OR_RETURN(const bool finite, GradientsFinite(request, shard, bindings, sync, delayed));
   const absl::Time checked_at = absl::Now();
   if (finite) {
     DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step,
@@ -351,6 +344,28 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
     target = std::min<uint32_t>(target, static_cast<uint32_t>(delayed->resident_cap));
   }
   return engine_->SetResident(shard, target, true);
+}
+
+absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
+                                                   const ShardState& shard,
+                                                   std::span<const TensorBinding> bindings,
+                                                   const StepSync& sync, DelayedHost* delayed) {
+  const bool checked = (request.flags & kStepGradientsChecked) != 0;
+  if (!(request.flags & kStepGradientsScaledOnStream)) {
+    if (checked) return true;
+    return engine_->AllFinite(shard, bindings);
+  }
+  // The coefficient the trainer's stream copied is there once its event
+  // completed (WaitForTrainerEvent checked that one was registered).
+  DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
+  const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
+  const bool scale = std::isfinite(coef) && coef >= 0;
+  if (delayed != nullptr) ResolveStreamCoef(coef, delayed);
+  const bool proven = checked && scale;  // the trainer's finite norm covered them
+  DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept",
+                scale && delayed != nullptr, "scanned", !proven);
+  if (proven) return true;
+  return engine_->AllFinite(shard, bindings);
 }
 
 absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,

@@ -188,11 +188,21 @@ class StepExecutor {
   // (no such flag, or a multiply the update cannot repeat bit for bit).
   static std::optional<float> ScaledCoef(const StepRequest& verdict, const ShardState& shard,
                                          bool stopped);
+  // Whether every gradient the step reads is finite: the trainer's word
+  // (kStepGradientsChecked), else dosd's scan, which also waits for the
+  // trainer's event. With kStepGradientsScaledOnStream the host waits for
+  // that event, then reads the coefficient its stream copied
+  // (ResolveStreamCoef); with kStepGradientsChecked beside it, a coefficient
+  // that is a scale says the trainer's norm over these gradients was finite
+  // and dosd does not scan, anything else is scanned.
+  absl::StatusOr<bool> GradientsFinite(const StepRequest& request, const ShardState& shard,
+                                       std::span<const TensorBinding> bindings,
+                                       const StepSync& sync, DelayedHost* delayed);
   // A verdict with kStepGradientsScaledOnStream, once the trainer's event
-  // has completed: the coefficient its stream copied replaces the verdict's
+  // has completed: `coef`, what its stream copied, replaces the verdict's
   // placeholder, or, when it is not finite and >= 0, the gradients captured
   // before the verdict are copied again (as kStepGradientsRewritten).
-  static void ResolveStreamCoef(const StepSync& sync, DelayedHost* delayed);
+  static void ResolveStreamCoef(float coef, DelayedHost* delayed);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,

@@ -141,8 +141,7 @@ std::optional<float> StepExecutor::ScaledCoef(const StepRequest& verdict, const 
   return verdict.gradient_coef;
 }
 
-void StepExecutor::ResolveStreamCoef(const StepSync& sync, DelayedHost* delayed) {
-  const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
+void StepExecutor::ResolveStreamCoef(float coef, DelayedHost* delayed) {
   const bool scale = std::isfinite(coef) && coef >= 0;
   if (scale) {
     delayed->SetEarlyCoef(coef);  // no effect where the captures were dropped already
@@ -150,7 +149,6 @@ void StepExecutor::ResolveStreamCoef(const StepSync& sync, DelayedHost* delayed)
     delayed->DropEarly();
     delayed->gradients_rewritten = true;
   }
-  DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept", scale);
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,

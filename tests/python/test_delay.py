@@ -188,9 +188,10 @@ def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, 
 
 @pytest.mark.skipif(not HOOKS, reason="overlap=True needs torch >= 2.1 "
                     "(register_post_accumulate_grad_hook)")
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,mode", [(d, m) for d in DEVICES for m in ("1", "stream")
+                                         if d == "cuda" or m == "1"])
 @pytest.mark.parametrize("max_norm,grad_mul", [(0.05, 1.0), (1e6, 1.0), (0.05, 0.5)])
-def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device, max_norm,
+def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device, mode, max_norm,
                                                                          grad_mul, monkeypatch):
     """torch.nn.utils.clip_grad_norm_ in place (the Hugging Face Trainer's,
     Lightning's) beside a delayed step's captures (dos/_inplace.py, protocol
@@ -200,15 +201,27 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     before the clip too (halved: grad_mul 0.5) they are copied again
     (rewritten=1). Either way the run is torch's AdamW one step late on the
     clipped gradients, its moments included (a coefficient applied twice or
-    not at all would scale exp_avg). Opt-in: DOS_TORCH_CLIP_SCALED=1."""
+    not at all would scale exp_avg). Opt-in: DOS_TORCH_CLIP_SCALED=1.
+    With =stream (protocol 11, CUDA) the coefficient reaches dosd through
+    the trainer's stream: dosd's step.stream_coef line has it, and the
+    early_capture line's scaled_by is the placeholder 1. A finite norm of
+    order 2 over every gradient is proof that they are finite: the verdict
+    says kStepGradientsChecked and dosd does not scan (scanned=0)."""
     import os
     import re
     from conftest import running_dosd
     steps = 12
     data = make_data(n=steps)
     cuda = device == "cuda"
-    norms, delayed = [], []
-    monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", "1")
+    import dos._flight
+    norms, delayed, checked = [], [], []
+    monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", mode)
+    verdict = dos._flight.Flight.verdict
+
+    def record(self, args, *a, **kw):
+        checked.append(args is not None and bool(args.gradients_checked))
+        return verdict(self, args, *a, **kw)
+    monkeypatch.setattr(dos._flight.Flight, "verdict", record)
     with running_dosd("--log_level=debug") as (sock, _):
         model = make_mlp().to(device)
         opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock, model=model,
@@ -230,8 +243,9 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
         finally:
             opt.close()
         with open(os.path.join(os.path.dirname(sock), "dosd.log")) as f:
-            lines = [dict(re.findall(r"(\w+)=(\S+)", ln)) for ln in f
-                     if "event=step.early_capture" in ln]
+            log = [ln for ln in f]
+    lines, coefs = ([dict(re.findall(r"(\w+)=(\S+)", ln)) for ln in log
+                     if f"event=step.{e}" in ln] for e in ("early_capture", "stream_coef"))
     exact = delayed.index(True)
     torch_opt = []
     _, master = reference(data, exact, device=device, grad_mul=grad_mul, clip=max_norm,
@@ -243,13 +257,25 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     assert len(lines) == steps - exact, lines
     # Line k is step exact + 1 + k's; the first follows an exact step, whose
     # clip was a rewrite, so it copied only weights during backward.
+    stream = mode == "stream" and grad_mul == 1.0
     for k, f in enumerate(lines[1:], 1):
         if grad_mul != 1.0:
             assert f["rewritten"] == "1", f
         else:
             assert f["rewritten"] == "0" and f["copied_gradients"] == "1", f
             clipped = norms[exact + k] + 1e-6 > max_norm
-            assert (float(f["scaled_by"]) < 1) == clipped, (f, norms)
+            assert (float(f["scaled_by"]) < 1) == (clipped and not stream), (f, norms)
+    # The verdicts that reported a scale said the gradients were checked.
+    tail = checked[-(steps - exact - 1):]
+    assert tail == [grad_mul == 1.0] * len(tail), checked
+    if not stream:
+        assert coefs == [], coefs
+        return
+    # One line a step from the second delayed one on; the last is step `steps`'s.
+    assert len(coefs) >= steps - exact - 1, coefs
+    for f, norm in zip(reversed(coefs), reversed(norms)):
+        assert f["copied_gradients_kept"] == "1" and f["scanned"] == "0", f
+        assert (float(f["coef"]) < 1) == (norm + 1e-6 > max_norm), (f, norm)
 
 
 def model_of(weights, device):

@@ -23,6 +23,7 @@ A driver owns its hooks, the step's ready bookkeeping (`ready`,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -299,12 +300,25 @@ class VerdictDriver(EarlyDriver):
         except BaseException:
             self._give_up()
             raise
-        rewritten, coef = self._writes(args)
-        self._flight.verdict(args, self.inner.stream(), rewritten=rewritten, scaled=coef)
+        rewritten, scaled = self._writes(args)
+        if scaled is not None and scaled.proves_finite and self._all_ready(skip):
+            args.gradients_checked = 1  # the clip's finite norm covered every gradient
+        try:
+            self._flight.verdict(args, self.inner.stream(), rewritten=rewritten,
+                                 scaled=None if scaled is None else scaled.coef)
+        except DosError:
+            with contextlib.suppress(DosError):  # the first error is the one to see
+                self._give_up()
+            raise
         return True
 
+    def _all_ready(self, skip) -> bool:
+        """Every tensor with a gradient this step was marked ready."""
+        missing = {e.index for e in self._reg.entries} - set(self.ready)
+        return missing <= set(skip)
+
     def _writes(self, args):
-        """(rewritten, scaled coefficient or None): whether a gradient was
+        """(rewritten, _inplace.Scaled or None): whether a gradient was
         written since its subgroup was marked ready (an in-place clip or
         unscale, DDP's average, a replaced gradient copied in by bind()), so
         that dosd must not keep what it copied during backward, unless the
@@ -316,7 +330,7 @@ class VerdictDriver(EarlyDriver):
             return False, None
         if (scaled is not None and args.grad_scale == 1.0 and args.clip_coef == 1.0 and
                 all(e.grad_shm._version == scaled.versions.get(e.index) for e in ready)):
-            return False, scaled.coef
+            return False, scaled
         return True, None
 
     def _begin(self, now) -> None:

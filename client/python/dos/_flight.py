@@ -117,7 +117,12 @@ class Flight:
             try:
                 call("dos_step_gradients_scaled_on_stream", self._session,
                      ctypes.c_void_p(scaled.data_ptr()), stream)
-            except DosError:  # no stream memory operations: dosd copies them again
+            except DosError as e:
+                # No GPU mode or no CUDA in the client library: dosd copies
+                # them again. Anything else (a CUDA error) is the trainer's.
+                if e.code not in (_native.Status.FAILED_PRECONDITION,
+                                  _native.Status.UNIMPLEMENTED):
+                    raise
                 call("dos_step_gradients_rewritten", self._session)
         elif scaled is not None:
             call("dos_step_gradients_scaled", self._session, ctypes.c_float(scaled))

@@ -46,6 +46,11 @@ on the device (`_coef_on_device`, NaN for "not a scale"), and the verdict has
 the trainer's stream copy it into the control block before its event, which
 dosd reads after the event: the trainer never waits for its GPU here. Where
 the session cannot (no stream memory operations) the verdict says rewritten.
+
+Either way, a clip whose norm (of order > 0, over every gradient the step
+reads) was finite proves the gradients finite: the verdict says
+kStepGradientsChecked and dosd skips its scan for non-finite ones (on the
+device a norm that was not finite is sent as NaN, and dosd scans).
 """
 
 from __future__ import annotations
@@ -69,12 +74,17 @@ _torch_clip = None  # torch's own clip_grad_norm_, once wrapped
 
 
 class Scaled:
-    """A clip the verdict may report as a scale: the coefficient, and each
-    ready entry's gradient version right after it."""
+    """A clip the verdict may report as a scale: the coefficient, each
+    ready entry's gradient version right after it, and whether a coefficient
+    dosd receives proves every gradient of the norm finite (a norm of order
+    > 0 that was finite: NaN or inf anywhere makes it NaN or inf; on the
+    device a norm that was not is sent as NaN), which spares dosd's scan for
+    non-finite gradients (kStepGradientsChecked)."""
 
-    def __init__(self, coef: float, versions: Dict[int, int]):
+    def __init__(self, coef, versions: Dict[int, int], proves_finite: bool):
         self.coef = coef
         self.versions = versions
+        self.proves_finite = proves_finite
 
 
 def watch(driver) -> None:
@@ -119,27 +129,40 @@ def _clip_scaled(driver, entries: List, params, max_norm, args, kwargs):
     total = _torch_clip(params, max_norm, *args, **kwargs)
     if any(g._version != v + 1 for g, v in zip(grads, versions)):
         return total  # not one multiply each: the verdict says rewritten
+    positive_order = _norm_type(args, kwargs) > 0  # order 0 counts non-zeros
     with torch.no_grad():
         coef_t = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         if coef_t.dtype not in _DTYPES:
             return total
         after = _samples(grads)
         if coef_t.is_cuda and driver.on_stream():
-            coef = _coef_on_device(coef_t, before, after)
+            coef = _coef_on_device(coef_t, total, before, after)
+            proves_finite = positive_order
         else:
             coef = float(coef_t)  # waits for the clip (as opt.clip_grad_norm_ does)
             if not math.isfinite(coef) or not all(
                     torch.equal(b * coef_t.to(b.device), a) for b, a in zip(before, after)):
                 return total
-    driver.note_scaled(Scaled(coef, {e.index: g._version for e, g in zip(entries, grads)}))
+            proves_finite = positive_order and math.isfinite(float(total))
+    versions = {e.index: g._version for e, g in zip(entries, grads)}
+    driver.note_scaled(Scaled(coef, versions, proves_finite))
     return total
 
 
-def _coef_on_device(coef_t, before, after) -> torch.Tensor:
+def _norm_type(args, kwargs) -> float:
+    """clip_grad_norm_'s norm_type (its third argument; 2 by default)."""
+    try:
+        return float(args[0] if args else kwargs.get("norm_type", 2.0))
+    except (TypeError, ValueError):
+        return 0.0  # torch raises for it; no proof of anything
+
+
+def _coef_on_device(coef_t, total, before, after) -> torch.Tensor:
     """The coefficient as a one-element fp32 tensor on its device, NaN where
-    it is not finite or a sample disagrees: dosd reads it through the stream
-    (protocol 11), and the trainer never waits for its GPU."""
-    ok = torch.isfinite(coef_t)
+    it or the norm `total` is not finite (an inf norm makes it 0) or a
+    sample disagrees: dosd reads it through the stream (protocol 11), and
+    the trainer never waits for its GPU."""
+    ok = torch.isfinite(coef_t) & torch.isfinite(total).to(coef_t.device)
     for b, a in zip(before, after):
         ok = ok & torch.eq(b * coef_t.to(b.device), a).all().to(coef_t.device)
     nan = torch.full((), float("nan"), dtype=torch.float32, device=coef_t.device)

@@ -154,6 +154,10 @@ enum StepFlags : uint32_t {
   // trainer never waits for its GPU to learn it; a value there that is not
   // finite and >= 0 says the multiply was not one the daemon can repeat, and
   // the daemon copies the gradients again (as kStepGradientsRewritten).
+  // With kStepGradientsChecked beside it, a coefficient that is finite and
+  // >= 0 also says the norm it came from, over every gradient the step
+  // reads, was finite: the daemon skips its scan then and scans otherwise
+  // (the trainer sends NaN where its norm was not finite).
   kStepGradientsScaledOnStream = 1u << 11,
 };
 

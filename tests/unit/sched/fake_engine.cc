@@ -160,6 +160,14 @@ int FakeEngine::open_events() const {
   absl::MutexLock lock(&mu_);
   return open_events_;
 }
+int FakeEngine::event_syncs() const {
+  absl::MutexLock lock(&mu_);
+  return event_syncs_;
+}
+int FakeEngine::scans() const {
+  absl::MutexLock lock(&mu_);
+  return scans_;
+}
 std::vector<uint32_t> FakeEngine::awaited_captures() const {
   absl::MutexLock lock(&mu_);
   return awaited_;
@@ -211,6 +219,13 @@ absl::Status FakeEngine::WaitTrainerEvent(void* event) {
   return absl::OkStatus();
 }
 
+absl::Status FakeEngine::SyncTrainerEvent(void* event) {
+  if (event != &event_token) return absl::InvalidArgumentError("not a fake event");
+  absl::MutexLock lock(&mu_);
+  ++event_syncs_;
+  return absl::OkStatus();
+}
+
 absl::Status FakeEngine::CopyToHost(void* dst, const void* trainer_src, uint64_t bytes) {
   std::memcpy(dst, trainer_src, bytes);
   return absl::OkStatus();
@@ -226,6 +241,10 @@ absl::StatusOr<bool> FakeEngine::AllFinite(const ShardState& shard,
   {
     absl::MutexLock lock(&mu_);
     if (!all_finite_fault_.ok()) return all_finite_fault_;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++scans_;
   }
   std::vector<cpu::CpuUpdater::GradRun> runs;
   for (size_t t = 0; t < shard.tensors().size(); ++t) {

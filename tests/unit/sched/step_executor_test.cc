@@ -447,7 +447,8 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
 // says so in its verdict (kStepGradientsScaled; with
 // kStepGradientsScaledOnStream, protocol 11, the coefficient is read from
 // the block after the trainer's event, and NaN there has them copied
-// again). The subgroups captured
+// again; with kStepGradientsChecked a coefficient there, proof that the
+// trainer's norm was finite, spares dosd's scan). The subgroups captured
 // before are updated with their copies times c, bit for bit the exact step
 // on the scaled gradients; those not captured before (a stop before any
 // copy) are copied after the verdict as the multiply left them. A verdict
@@ -456,7 +457,7 @@ TEST(StepExecutorTest, AfterARewritingVerdictTheNextEarlyStepCopiesOnlyWeights) 
 // not see that copy begin, so it does not wait for it) is seen when the copy
 // says it begins (capture_begins): no subgroup is copied after it.
 enum class Stop { kAfterCaptures, kBeforeAny, kNever, kAsACopyBegins };
-enum class Coef { kInVerdict, kOnStream, kOnStreamNaN };
+enum class Coef { kInVerdict, kOnStream, kOnStreamNaN, kOnStreamChecked, kOnStreamNaNChecked };
 
 void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
   Fixture f, exact;
@@ -464,6 +465,8 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
   // subgroup on its "GPU".
   FakeEngine events(FakeEngine::Options{.gpu = true});
   const bool on_stream = coef_by != Coef::kInVerdict;
+  const bool nan = coef_by == Coef::kOnStreamNaN || coef_by == Coef::kOnStreamNaNChecked;
+  const bool checked = coef_by == Coef::kOnStreamChecked || coef_by == Coef::kOnStreamNaNChecked;
   StepExecutor ex(on_stream ? static_cast<Engine*>(&events) : &f.engine), ex_exact(&exact.engine);
   const float c = 0.3719f;  // not a power of two: fl(g * c) rounds
   for (std::vector<float>& g : exact.grads) {
@@ -485,7 +488,7 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
   sync.captures_done = [&] { done.store(true); };
   if (on_stream) {
     sync.trainer_event = *events.OpenTrainerEvent("trainer");
-    sync.stream_coef = [&] { return coef_by == Coef::kOnStream ? c : std::nanf(""); };
+    sync.stream_coef = [&] { return nan ? std::nanf("") : c; };
   }
   // How many of the 5 subgroups are captured before the verdict (in the
   // plan's order).
@@ -513,6 +516,7 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
     if (on_stream) {
       r.flags |= kStepGradientsScaledOnStream | kStepTrainerEventRecorded;
       r.gradient_coef = 1.0f;  // the client's placeholder
+      if (checked) r.flags |= kStepGradientsChecked;
     }
     return r;
   };
@@ -521,9 +525,15 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
       ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
              on_stream ? Policy{.kind = Policy::Kind::kCpu} : Policy{}, sync, 0, verdict, &delayed);
   ASSERT_TRUE(out.ok()) << out.status();
-  const bool kept = stop_when != Stop::kNever && coef_by != Coef::kOnStreamNaN;
+  const bool kept = stop_when != Stop::kNever && !nan;
   EXPECT_EQ(delayed.early_coef(), kept ? c : 1.0f);
-  EXPECT_EQ(delayed.gradients_rewritten, coef_by == Coef::kOnStreamNaN);
+  EXPECT_EQ(delayed.gradients_rewritten, nan);
+  if (on_stream) {
+    // The host waited for the trainer's event before it read the block;
+    // only a checked coefficient spares the scan.
+    EXPECT_EQ(events.event_syncs(), 1);
+    EXPECT_EQ(events.scans(), checked && !nan ? 0 : 1);
+  }
   ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
   ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
@@ -552,6 +562,41 @@ TEST(StepExecutorTest, ACoefficientThroughTheStreamUpdatesTheEarlyCopiesTimesIt)
 
 TEST(StepExecutorTest, ANaNThroughTheStreamHasTheGradientsCopiedAgain) {
   EarlyScaledStep(Stop::kAfterCaptures, Coef::kOnStreamNaN);
+}
+
+TEST(StepExecutorTest, ACheckedCoefficientThroughTheStreamSparesTheScan) {
+  EarlyScaledStep(Stop::kAfterCaptures, Coef::kOnStreamChecked);
+}
+
+TEST(StepExecutorTest, ACheckedNaNThroughTheStreamIsScannedAndCopiedAgain) {
+  EarlyScaledStep(Stop::kAfterCaptures, Coef::kOnStreamNaNChecked);
+}
+
+// The trainer sends NaN where its norm was not finite: dosd scans, finds
+// the inf and applies nothing, though the verdict says kStepGradientsChecked.
+TEST(StepExecutorTest, ANaNThroughTheStreamIsNoProofOfFiniteGradients) {
+  Fixture f;
+  FakeEngine events(FakeEngine::Options{.gpu = true});
+  StepExecutor ex(&events);
+  f.grads[1][77] = std::numeric_limits<float>::infinity();
+  StepSync sync = AllReady();
+  sync.trainer_event = *events.OpenTrainerEvent("trainer");
+  sync.stream_coef = [] { return std::nanf(""); };
+  const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    StepRequest r = Fixture::Request();
+    r.flags |= kStepGradientsChecked | kStepGradientsScaled | kStepGradientsScaledOnStream |
+               kStepTrainerEventRecorded;
+    return r;
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kNone);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{.kind = Policy::Kind::kCpu},
+             sync, 0, verdict, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->found_inf);
+  EXPECT_EQ(events.event_syncs(), 1);
+  EXPECT_EQ(events.scans(), 1);
+  EXPECT_EQ(f.shard->tensors()[1].step, 0);
 }
 
 TEST(StepExecutorTest, AStreamCoefficientWithoutItsEventIsRefused) {
