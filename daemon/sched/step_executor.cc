@@ -351,20 +351,24 @@ absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
                                                    std::span<const TensorBinding> bindings,
                                                    const StepSync& sync, DelayedHost* delayed) {
   const bool checked = (request.flags & kStepGradientsChecked) != 0;
-  if (!(request.flags & kStepGradientsScaledOnStream)) {
-    if (checked) return true;
-    return engine_->AllFinite(shard, bindings);
+  const bool on_stream = (request.flags & kStepGradientsScaledOnStream) != 0;
+  if (checked && !on_stream) return true;
+  // The scan and the stream's coefficient wait for the trainer's event
+  // (WaitForTrainerEvent checked that one was registered): on the host,
+  // holding nothing of the engine, so that one trainer's backward does not
+  // hold up another session's step on the same GPU.
+  if (request.flags & kStepTrainerEventRecorded) {
+    DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
   }
-  // The coefficient the trainer's stream copied is there once its event
-  // completed (WaitForTrainerEvent checked that one was registered).
-  DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
-  const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
-  const bool scale = std::isfinite(coef) && coef >= 0;
-  if (delayed != nullptr) ResolveStreamCoef(coef, delayed);
-  const bool proven = checked && scale;  // the trainer's finite norm covered them
-  DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept",
-                scale && delayed != nullptr, "scanned", !proven);
-  if (proven) return true;
+  if (on_stream) {
+    const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
+    const bool scale = std::isfinite(coef) && coef >= 0;
+    if (delayed != nullptr) ResolveStreamCoef(coef, delayed);
+    const bool proven = checked && scale;  // the trainer's finite norm covered them
+    DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept",
+                  scale && delayed != nullptr, "scanned", !proven);
+    if (proven) return true;
+  }
   return engine_->AllFinite(shard, bindings);
 }
 

@@ -189,12 +189,13 @@ class StepExecutor {
   static std::optional<float> ScaledCoef(const StepRequest& verdict, const ShardState& shard,
                                          bool stopped);
   // Whether every gradient the step reads is finite: the trainer's word
-  // (kStepGradientsChecked), else dosd's scan, which also waits for the
-  // trainer's event. With kStepGradientsScaledOnStream the host waits for
-  // that event, then reads the coefficient its stream copied
-  // (ResolveStreamCoef); with kStepGradientsChecked beside it, a coefficient
-  // that is a scale says the trainer's norm over these gradients was finite
-  // and dosd does not scan, anything else is scanned.
+  // (kStepGradientsChecked), else dosd's scan, after a host wait for the
+  // trainer's event where one was recorded. With
+  // kStepGradientsScaledOnStream the coefficient the trainer's stream copied
+  // is read after that wait (ResolveStreamCoef); with kStepGradientsChecked
+  // beside it, a coefficient that is a scale says the trainer's norm over
+  // these gradients was finite and dosd does not scan, anything else is
+  // scanned.
   absl::StatusOr<bool> GradientsFinite(const StepRequest& request, const ShardState& shard,
                                        std::span<const TensorBinding> bindings,
                                        const StepSync& sync, DelayedHost* delayed);

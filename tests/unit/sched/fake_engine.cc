@@ -160,13 +160,9 @@ int FakeEngine::open_events() const {
   absl::MutexLock lock(&mu_);
   return open_events_;
 }
-int FakeEngine::event_syncs() const {
+std::string FakeEngine::waits() const {
   absl::MutexLock lock(&mu_);
-  return event_syncs_;
-}
-int FakeEngine::scans() const {
-  absl::MutexLock lock(&mu_);
-  return scans_;
+  return waits_;
 }
 std::vector<uint32_t> FakeEngine::awaited_captures() const {
   absl::MutexLock lock(&mu_);
@@ -222,7 +218,7 @@ absl::Status FakeEngine::WaitTrainerEvent(void* event) {
 absl::Status FakeEngine::SyncTrainerEvent(void* event) {
   if (event != &event_token) return absl::InvalidArgumentError("not a fake event");
   absl::MutexLock lock(&mu_);
-  ++event_syncs_;
+  waits_ += 'e';
   return absl::OkStatus();
 }
 
@@ -244,7 +240,7 @@ absl::StatusOr<bool> FakeEngine::AllFinite(const ShardState& shard,
   }
   {
     absl::MutexLock lock(&mu_);
-    ++scans_;
+    waits_ += 's';
   }
   std::vector<cpu::CpuUpdater::GradRun> runs;
   for (size_t t = 0; t < shard.tensors().size(); ++t) {

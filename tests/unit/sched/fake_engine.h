@@ -72,8 +72,8 @@ class FakeEngine final : public Engine {
   std::vector<StepPlan> plans() const;
   int attached() const;
   int open_events() const;  // opened and not closed
-  int event_syncs() const;  // SyncTrainerEvent calls
-  int scans() const;        // AllFinite calls
+  // SyncTrainerEvent ('e') and AllFinite ('s') calls, in their order.
+  std::string waits() const;
   std::vector<uint32_t> done_subgroups() const;  // subgroup_done calls of the last step
   // With pipelined_captures: the subgroups the delayed update waited for, in order.
   std::vector<uint32_t> awaited_captures() const;
@@ -140,8 +140,7 @@ class FakeEngine final : public Engine {
   std::vector<StepPlan> plans_ ABSL_GUARDED_BY(mu_);
   int attached_ ABSL_GUARDED_BY(mu_) = 0;
   int open_events_ ABSL_GUARDED_BY(mu_) = 0;
-  int event_syncs_ ABSL_GUARDED_BY(mu_) = 0;
-  int scans_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string waits_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> done_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> awaited_ ABSL_GUARDED_BY(mu_);
 };
