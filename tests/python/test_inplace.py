@@ -92,3 +92,10 @@ def test_norm_type_is_read_as_torch_reads_it():
     assert _inplace._norm_type((1,), {}) == 1.0
     assert _inplace._norm_type((), {"norm_type": "inf"}) == math.inf
     assert _inplace._norm_type(("two",), {}) == 0.0
+
+
+def test_an_unknown_mode_is_named_in_a_warning(monkeypatch):
+    monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", "true")
+    with pytest.warns(RuntimeWarning, match="DOS_TORCH_CLIP_SCALED='true' is not 0, 1 or stream"):
+        _inplace.watch(Driver())
+    assert not list(_inplace._drivers)

@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 import weakref
 from typing import Dict, List
 
@@ -90,7 +91,12 @@ class Scaled:
 def watch(driver) -> None:
     """Routes torch.nn.utils.clip_grad_norm_ calls through `driver`
     (dos/_early.py's VerdictDriver of a delayed optimizer) while it lives."""
-    if os.environ.get("DOS_TORCH_CLIP_SCALED", "0") not in ("1", "stream"):
+    mode = os.environ.get("DOS_TORCH_CLIP_SCALED", "0")
+    if mode not in ("1", "stream"):
+        if mode not in ("", "0"):
+            warnings.warn(f"DOS_TORCH_CLIP_SCALED={mode!r} is not 0, 1 or stream: torch's "
+                          "in-place clip has dosd copy the gradients again (as with 0); set "
+                          "1 or stream to have it scale them", RuntimeWarning, stacklevel=3)
         return
     install()
     _drivers.add(driver)
