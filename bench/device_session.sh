@@ -9,6 +9,10 @@
 #   bash bench/device_session.sh largest OUT [ARGS] # largest GPT under an 80 GiB budget, fp32
 #       and compact state (bench/e2e/largest.py; searches for ~450 s, writes
 #       bench/results/largest_<machine>_<date>.json)
+#   bash bench/device_session.sh delay OUT          # issue 23's speed targets (~5 min): 6B fp32
+#       and compact + delay, then the HF Trainer's 7B compact + delay copying the gradients again
+#       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
+#       lines in OUT (delay_logs.tgz)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -17,7 +21,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -101,6 +105,24 @@ case "$what" in
     python3 bench/e2e/ranks_report.py "$r" "$machine" "$res" "$O/probe.json" "$budget" \
       >> "$O/ranks.log" 2>&1
     cp "$res" "$O/" 2>/dev/null
+    ;;
+  delay)
+    rm -rf /tmp/dos-e2e-*  # run.py's dosd logs (phases.log below)
+    timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
+      --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
+      --out "$O/e2e" --tag delay --dosd-arg=--log_level=debug > "$O/e2e.log" 2>&1
+    echo "exit=$?" >> "$O/e2e.log"
+    cp "$O"/e2e/*.json "$O/" 2>/dev/null
+    for clip in 0 stream; do
+      DOS_TORCH_CLIP_SCALED=$clip STEPS=22 SINK= MODES="all_gpu dos_compact_delay" \
+        DOSD_ARGS=--log_level=debug RESULT="$O/hf7b_clip_$clip.json" \
+        timeout 170 bash bench/frameworks/run_hf7b.sh "$O/hf_$clip" 7b none > "$O/hf_$clip.log" 2>&1
+      echo "exit=$?" >> "$O/hf_$clip.log"
+    done
+    grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.update" \
+      /tmp/dos-e2e-*/dosd-*.log "$O"/hf_*/dosd*.log > "$O/phases.log" 2>/dev/null
+    tar czf "$O/delay_logs.tgz" -C "$O" e2e hf_0 hf_stream e2e.log hf_0.log hf_stream.log \
+      2>/dev/null && rm -rf "$O/e2e" "$O/hf_0" "$O/hf_stream" "$O"/e2e.log "$O"/hf_*.log
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON
