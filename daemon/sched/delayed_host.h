@@ -147,6 +147,10 @@ class DelayedHost {
   // resident cap a delayed `auto` plan keeps (-1: none yet).
   uint64_t update_end_ns = 0;  // CLOCK_MONOTONIC (MonotonicNs)
   double update_us = 0;
+  // Of update_us, the CPU kernel's own time over its `kernel_params` (the
+  // rest: waits for captures and installs, the GPU's share beside it).
+  double kernel_us = 0;
+  uint64_t kernel_params = 0;
   double window_us = 0;
   // The window as measured while no delayed update ran beside it (after an
   // exact step: the warm-up's), and whether the window now running has one
@@ -180,6 +184,8 @@ class DelayedHost {
     absl::Status status;
     double us = 0;
     uint64_t end_ns = 0;
+    double kernel_us = 0;
+    uint64_t kernel_params = 0;
   };
   std::thread worker;
   Run worker_run;

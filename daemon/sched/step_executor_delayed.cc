@@ -35,12 +35,12 @@ DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const Delayed
   for (uint32_t sg : delayed.captured()) {
     if (!delayed.updates_on_gpu(sg)) params += shard.subgroups()[sg].numel;
   }
-  double kernel_us = 0;
   DelayedHost::Run run;
-  run.status = engine_->UpdateDelayed(shard, delayed, &kernel_us);
+  run.status = engine_->UpdateDelayed(shard, delayed, &run.kernel_us);
   run.us = absl::ToDoubleMicroseconds(absl::Now() - start);
   run.end_ns = MonotonicNs();
-  if (run.status.ok()) planner_.LearnDelayed(params, kernel_us);
+  run.kernel_params = params;
+  if (run.status.ok()) planner_.LearnDelayed(params, run.kernel_us);
   return run;
 }
 
@@ -55,6 +55,8 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
   }
   delayed.update_us = run.us;
   delayed.update_end_ns = run.end_ns;
+  delayed.kernel_us = run.kernel_us;
+  delayed.kernel_params = run.kernel_params;
   const absl::Status st = run.status;
   // Whatever happened, these subgroups' weights are what the buffers hold
   // now; a failed kernel (none can fail but a bad plan) is the step's error.

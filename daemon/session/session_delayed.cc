@@ -66,7 +66,8 @@ void Session::RunDelayedUpdate(bool early) {
                     ? (start_ns - static_cast<double>(delayed_->verdict_ns)) * 1e-3
                     : 0.0,
                 "idle_before_us",
-                last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0);
+                last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0,
+                "kernel_us", delayed_->kernel_us, "kernel_params", delayed_->kernel_params);
 }
 
 absl::Status Session::InstallPendingWeights() {

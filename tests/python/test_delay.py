@@ -579,6 +579,9 @@ def test_each_delayed_update_logs_its_time_and_the_idle_before_it(device):
     fields = [dict(re.findall(r"(\w+)=(\S+)", ln)) for ln in lines]
     for f in fields:
         assert float(f["update_us"]) > 0, f
+        # The CPU kernel's own time is part of it, over every delayed parameter here.
+        assert 0 < float(f["kernel_us"]) <= float(f["update_us"]), f
+        assert int(f["kernel_params"]) == sum(p.numel() for p in model.parameters()), f
         if device == "cpu":
             assert float(f["start_after_verdict_us"]) == 0, f
     # Between two updates the host path idled for the trainer's step.
