@@ -362,8 +362,7 @@ absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
   }
   if (on_stream) {
     const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
-    const bool scale = std::isfinite(coef) && coef >= 0;
-    if (delayed != nullptr) ResolveStreamCoef(coef, delayed);
+    const bool scale = ResolveStreamCoef(coef, delayed);
     const bool proven = checked && scale;  // the trainer's finite norm covered them
     DOS_LOG_DEBUG("step.stream_coef", "coef", coef, "copied_gradients_kept",
                   scale && delayed != nullptr, "scanned", !proven);

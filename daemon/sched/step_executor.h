@@ -200,10 +200,12 @@ class StepExecutor {
                                        std::span<const TensorBinding> bindings,
                                        const StepSync& sync, DelayedHost* delayed);
   // A verdict with kStepGradientsScaledOnStream, once the trainer's event
-  // has completed: `coef`, what its stream copied, replaces the verdict's
-  // placeholder, or, when it is not finite and >= 0, the gradients captured
-  // before the verdict are copied again (as kStepGradientsRewritten).
-  static void ResolveStreamCoef(float coef, DelayedHost* delayed);
+  // has completed: whether `coef`, what its stream copied, is a scale
+  // (finite and >= 0). For a delayed step (`delayed` set) it replaces the
+  // verdict's placeholder, or, when it is not a scale, the gradients
+  // captured before the verdict are copied again (as
+  // kStepGradientsRewritten).
+  static bool ResolveStreamCoef(float coef, DelayedHost* delayed);
   absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,

@@ -143,14 +143,16 @@ std::optional<float> StepExecutor::ScaledCoef(const StepRequest& verdict, const 
   return verdict.gradient_coef;
 }
 
-void StepExecutor::ResolveStreamCoef(float coef, DelayedHost* delayed) {
+bool StepExecutor::ResolveStreamCoef(float coef, DelayedHost* delayed) {
   const bool scale = std::isfinite(coef) && coef >= 0;
+  if (delayed == nullptr) return scale;
   if (scale) {
     delayed->SetEarlyCoef(coef);  // no effect where the captures were dropped already
   } else {
     delayed->DropEarly();
     delayed->gradients_rewritten = true;
   }
+  return scale;
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitFinalRequest(const ShardState& shard,
