@@ -353,13 +353,8 @@ absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
   const bool checked = (request.flags & kStepGradientsChecked) != 0;
   const bool on_stream = (request.flags & kStepGradientsScaledOnStream) != 0;
   if (checked && !on_stream) return true;
-  // The scan and the stream's coefficient wait for the trainer's event
-  // (WaitForTrainerEvent checked that one was registered): on the host,
-  // holding nothing of the engine, so that one trainer's backward does not
-  // hold up another session's step on the same GPU.
-  if (request.flags & kStepTrainerEventRecorded) {
-    DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
-  }
+  // The scan and the stream's coefficient come after the trainer's event:
+  // WaitForTrainerEvent waited for it on the host.
   if (on_stream) {
     const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
     const bool scale = ResolveStreamCoef(coef, delayed);
@@ -380,6 +375,12 @@ absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,
         "event (RegisterShard.cuda_ipc_event) or its tensors are not in GPU memory; clear the "
         "flag or register the event");
   }
+  // On the host first, holding nothing of the engine. The engine's streams
+  // serve every session on its GPU: a stream made to wait for this trainer's
+  // event would hold another session's copies and kernels queued behind it
+  // until this trainer's backward ends. Their wait below is then already met;
+  // it stays, so that no engine relies on the host's wait for its order.
+  DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
   return engine_->WaitTrainerEvent(sync.trainer_event);
 }
 

@@ -8,7 +8,9 @@
 //    CPU mode (shared memory, the CPU kernel that the unit tests check
 //    against a double-precision reference), within fp32 rounding (values that
 //    are not bitwise equal are counted on stdout);
-//  - a trainer killed with a step in flight leaves the daemon healthy.
+//  - a trainer killed with a step in flight leaves the daemon healthy;
+//  - one trainer's backward (its event not yet reached) holds up no other
+//    session's step on the same GPU.
 // Skipped, with a message, where no CUDA device is visible.
 #include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
@@ -401,6 +403,69 @@ TEST_F(GpuIpcTest, TrainerKilledMidStepLeavesDaemonHealthy) {
     EXPECT_EQ(r.step, i);
   }
   EXPECT_EQ(dos_detach(s), DOS_OK);
+}
+
+// The GPU engine's streams serve every session on the device. A session whose
+// stream-ordered step waits for its trainer's event (backward still running:
+// here a host function that sleeps on the trainer's stream) must not hold up
+// another session's steps on the same GPU meanwhile.
+void SleepTwoSeconds(void*) { ::usleep(2'000'000); }
+
+TEST_F(GpuIpcTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
+  constexpr uint64_t kN = 1 << 20;
+  const Layout layout{DOS_DTYPE_BF16, kN};
+  dos_hparams h;
+  dos_hparams_init_adamw(&h);
+  dos_register_options ro{.subgroup_size = 1 << 18};
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &h;
+  a.num_groups = 1;
+  std::vector<char> host(kN * 2);
+  dos_session* sessions[2] = {Attach("gpu_ipc_test.slow"), Attach("gpu_ipc_test.other")};
+  for (int k = 0; k < 2; ++k) {
+    void* w = DeviceAlloc(kN * 2);
+    void* g = DeviceAlloc(kN * 2);
+    FillValues(layout, 10 + k, 0.5f, host.data());
+    CK(cudaMemcpy(w, host.data(), kN * 2, cudaMemcpyHostToDevice));
+    FillValues(layout, 20 + k, 0.02f, host.data());
+    CK(cudaMemcpy(g, host.data(), kN * 2, cudaMemcpyHostToDevice));
+    dos_tensor t{"w", DOS_DTYPE_BF16, w, DOS_DTYPE_BF16, g, kN, 0};
+    ASSERT_EQ(dos_register(sessions[k], &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
+  }
+  dos_session* slow = sessions[0];
+  dos_session* other = sessions[1];
+  ASSERT_EQ(dos_stream_sync_supported(slow), 1) << "the GPU session has no interprocess event";
+  dos_step_result r;
+  for (dos_session* s : sessions) ASSERT_EQ(dos_step(s, &a, &r), DOS_OK) << dos_last_error();
+  cudaStream_t stream = nullptr;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CK(cudaLaunchHostFunc(stream, SleepTwoSeconds, nullptr));
+  const auto begun = std::chrono::steady_clock::now();
+  ASSERT_EQ(dos_step_begin_on_stream(slow, &a, stream), DOS_OK) << dos_last_error();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // dosd is in its wait by now
+  double worst_ms = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(dos_step(other, &a, &r), DOS_OK) << dos_last_error();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("the other session's step %d: %.1f ms while the slow trainer's backward runs\n",
+                i + 1, ms);
+    worst_ms = std::max(worst_ms, ms);
+  }
+  ASSERT_EQ(dos_step_wait(slow, 30000, &r), DOS_OK) << dos_last_error();
+  const double slow_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
+  EXPECT_EQ(r.step, 2);
+  // The slow step really waited for its trainer's event...
+  EXPECT_GE(slow_ms, 1500) << "the slow session's step did not wait for its trainer's event";
+  // ...and the other session's steps went on meanwhile (each takes a few ms;
+  // held up, the first would take the rest of the two seconds).
+  EXPECT_LT(worst_ms, 1000) << "another session's step waited for the slow trainer's backward";
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaStreamDestroy(stream));
+  for (dos_session* s : sessions) EXPECT_EQ(dos_detach(s), DOS_OK);
 }
 
 }  // namespace

@@ -212,6 +212,8 @@ void FakeEngine::CloseTrainerEvent(void* event) {
 
 absl::Status FakeEngine::WaitTrainerEvent(void* event) {
   if (event != &event_token) return absl::InvalidArgumentError("not a fake event");
+  absl::MutexLock lock(&mu_);
+  waits_ += 'w';
   return absl::OkStatus();
 }
 

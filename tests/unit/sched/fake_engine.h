@@ -72,7 +72,8 @@ class FakeEngine final : public Engine {
   std::vector<StepPlan> plans() const;
   int attached() const;
   int open_events() const;  // opened and not closed
-  // SyncTrainerEvent ('e') and AllFinite ('s') calls, in their order.
+  // SyncTrainerEvent ('e'), WaitTrainerEvent ('w') and AllFinite ('s') calls,
+  // in their order.
   std::string waits() const;
   std::vector<uint32_t> done_subgroups() const;  // subgroup_done calls of the last step
   // With pipelined_captures: the subgroups the delayed update waited for, in order.

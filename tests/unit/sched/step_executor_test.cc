@@ -164,10 +164,11 @@ TEST(StepExecutorTest, ATrainerEventFlagWithoutAnEventIsRefused) {
   EXPECT_EQ(f.shard->tensors()[0].step, 0);
 }
 
-// The scan waits for the trainer's event on the host first, holding nothing
-// of the engine (another session's step on the same GPU goes on); gradients
-// the trainer checked need neither.
-TEST(StepExecutorTest, TheScanWaitsForTheTrainersEventOnTheHostFirst) {
+// The trainer's event is waited for on the host before any of the engine's
+// streams is made to wait for it (the streams serve every session on the GPU:
+// another session's step goes on meanwhile), and before the scan; gradients
+// the trainer checked need no scan.
+TEST(StepExecutorTest, TheTrainersEventIsWaitedForOnTheHostBeforeTheEnginesStreams) {
   for (const bool checked : {false, true}) {
     Fixture f;
     FakeEngine events(FakeEngine::Options{.gpu = true});
@@ -180,7 +181,7 @@ TEST(StepExecutorTest, TheScanWaitsForTheTrainersEventOnTheHostFirst) {
         ex.Run(*f.shard, f.bindings, r, Policy{.kind = Policy::Kind::kCpu}, sync);
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_EQ(out->step, 1);
-    EXPECT_EQ(events.waits(), checked ? "" : "es") << checked;
+    EXPECT_EQ(events.waits(), checked ? "ew" : "ews") << checked;
   }
 }
 
@@ -551,7 +552,7 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
   if (on_stream) {
     // The host waited for the trainer's event before it read the block;
     // only a checked coefficient spares the scan.
-    EXPECT_EQ(events.waits(), checked && !nan ? "e" : "es");
+    EXPECT_EQ(events.waits(), checked && !nan ? "ew" : "ews");
   }
   ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
   for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
@@ -613,7 +614,7 @@ TEST(StepExecutorTest, ANaNThroughTheStreamIsNoProofOfFiniteGradients) {
              sync, 0, verdict, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(out->found_inf);
-  EXPECT_EQ(events.waits(), "es");
+  EXPECT_EQ(events.waits(), "ews");
   EXPECT_EQ(f.shard->tensors()[1].step, 0);
 }
 
