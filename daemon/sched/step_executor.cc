@@ -210,6 +210,22 @@ PlannerOptions StepExecutor::WithEngine(PlannerOptions options, const Engine& en
 StepExecutor::StepExecutor(Engine* engine, PlannerOptions planner)
     : engine_(engine), planner_(WithEngine(std::move(planner), *engine)) {}
 
+void StepExecutor::BindSession(uint64_t session) {
+  absl::MutexLock lock(&bound_mu_);
+  bound_.insert(session);
+}
+
+void StepExecutor::ForgetSession(uint64_t session) {
+  planner_.ForgetSession(session);
+  absl::MutexLock lock(&bound_mu_);
+  bound_.erase(session);
+}
+
+bool StepExecutor::SharesEngine(uint64_t session) const {
+  absl::MutexLock lock(&bound_mu_);
+  return bound_.size() > (bound_.contains(session) ? 1u : 0u);
+}
+
 StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& m) const {
   StepOutcome out;
   for (const TimelineEntry& e : m.entries) {
@@ -288,6 +304,13 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   const absl::Time event_at = absl::Now();
   StepOutcome out;
   DOS_ASSIGN_OR_RETURN(const bool finite, GradientsFinite(request, shard, bindings, sync, delayed));
+  if (finite && kind.per_subgroup() && engine_->has_gpu() && SharesEngine(session)) {
+    // BindSession: on a shared GPU the gradients are waited for here, not
+    // inside the engine.
+    for (uint32_t sg = 0; sg < shard.subgroups().size(); ++sg) {
+      DOS_RETURN_IF_ERROR(sync.wait_ready(sg));
+    }
+  }
   const absl::Time checked_at = absl::Now();
   if (finite) {
     DOS_ASSIGN_OR_RETURN(out, Apply(plan, shard, bindings, kind, sync, &request, &node_step,

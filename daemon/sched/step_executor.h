@@ -28,7 +28,9 @@
 #include <span>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/sched/engine.h"
 #include "daemon/sched/policy.h"
 #include "daemon/sched/step_kind.h"
@@ -147,8 +149,16 @@ class StepExecutor {
   // memory before this returns. Growing waits for Run.
   absl::Status ApplyLease(ShardState& shard, const StepRequest& request, const Policy& policy,
                           uint64_t session);
-  // The session is gone: its share of the engine's GPU goes to the others.
-  void ForgetSession(uint64_t session) { planner_.ForgetSession(session); }
+  // A session whose shard this executor steps (its register). While another
+  // one is bound too, a per-subgroup step on a GPU engine waits on the host
+  // for all its gradients before it takes the engine: the engine runs one
+  // step at a time, and one that waited for each subgroup's gradients inside
+  // would hold every other session on the GPU until its trainer's backward
+  // ends (a stalled trainer: up to --early_step_ready_timeout).
+  void BindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(bound_mu_);
+  // The session is gone (or moved to another executor): its share of the
+  // engine's GPU goes to the others.
+  void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(bound_mu_);
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.
@@ -216,8 +226,13 @@ class StepExecutor {
   // step starts, or inline), timed for the planner.
   DelayedHost::Run RunDelayedKernel(ShardState& shard, const DelayedHost& delayed);
 
+  // Whether a session other than `session` is bound (BindSession).
+  bool SharesEngine(uint64_t session) const ABSL_LOCKS_EXCLUDED(bound_mu_);
+
   Engine* const engine_;
   StepPlanner planner_;
+  mutable absl::Mutex bound_mu_;
+  absl::flat_hash_set<uint64_t> bound_ ABSL_GUARDED_BY(bound_mu_);
 };
 
 }  // namespace dos

@@ -252,7 +252,9 @@ void Session::Publish(Registration* reg) {
                "state_bytes", shard.state_bytes(), "state_format",
                StateFormatName(shard.format()), "device", reg->executor->engine()->name(),
                "gpu_uuid", reg->device.uuid);
+  if (executor_ != reg->executor) executor_->ForgetSession(identity_.id);
   executor_ = reg->executor;
+  executor_->BindSession(identity_.id);
   tensors_charge_ = std::move(reg->tensors_charge);
   bookkeeping_charge_ = std::move(reg->bookkeeping_charge);
   transport_ = std::move(reg->transport);

@@ -21,18 +21,19 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "dos/wire/dtype.h"
 #include "dos/dos.h"
 #include "dos/wire/control_block.h"
+#include "dos/wire/dtype.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/support/daemon_process.h"
@@ -405,13 +406,23 @@ TEST_F(GpuIpcTest, TrainerKilledMidStepLeavesDaemonHealthy) {
   EXPECT_EQ(dos_detach(s), DOS_OK);
 }
 
-// The GPU engine's streams serve every session on the device. A session whose
-// stream-ordered step waits for its trainer's event (backward still running:
-// here a host function that sleeps on the trainer's stream) must not hold up
-// another session's steps on the same GPU meanwhile.
+// The GPU engine runs one step at a time for every session on the device, on
+// streams they share. A session whose step waits for its trainer's backward
+// must not hold up another session's steps on the same GPU meanwhile: a
+// stream-ordered step waiting for its trainer's event (backward still running:
+// here a host function that sleeps on the trainer's stream), and an early step
+// without a verdict whose subgroups are marked ready only two seconds later.
 void SleepTwoSeconds(void*) { ::usleep(2'000'000); }
 
-TEST_F(GpuIpcTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
+enum class SlowStep { kStreamOrdered, kPerSubgroup };
+const char* SlowStepName(SlowStep s) {
+  return s == SlowStep::kStreamOrdered ? "StreamOrdered" : "PerSubgroup";
+}
+void PrintTo(SlowStep s, std::ostream* os) { *os << SlowStepName(s); }
+
+class GpuSharedTest : public GpuIpcTest, public ::testing::WithParamInterface<SlowStep> {};
+
+TEST_P(GpuSharedTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
   constexpr uint64_t kN = 1 << 20;
   const Layout layout{DOS_DTYPE_BF16, kN};
   dos_hparams h;
@@ -440,9 +451,19 @@ TEST_F(GpuIpcTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
   for (dos_session* s : sessions) ASSERT_EQ(dos_step(s, &a, &r), DOS_OK) << dos_last_error();
   cudaStream_t stream = nullptr;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  CK(cudaLaunchHostFunc(stream, SleepTwoSeconds, nullptr));
   const auto begun = std::chrono::steady_clock::now();
-  ASSERT_EQ(dos_step_begin_on_stream(slow, &a, stream), DOS_OK) << dos_last_error();
+  std::thread finisher;
+  if (GetParam() == SlowStep::kStreamOrdered) {
+    CK(cudaLaunchHostFunc(stream, SleepTwoSeconds, nullptr));
+    ASSERT_EQ(dos_step_begin_on_stream(slow, &a, stream), DOS_OK) << dos_last_error();
+  } else {
+    ASSERT_EQ(dos_step_begin_early(slow, &a, DOS_EARLY_NO_VERDICT, stream), DOS_OK)
+        << dos_last_error();
+    finisher = std::thread([&] {  // backward ends after two seconds
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      EXPECT_EQ(dos_step_verdict(slow, nullptr, stream), DOS_OK) << dos_last_error();
+    });
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // dosd is in its wait by now
   double worst_ms = 0;
   for (int i = 0; i < 3; ++i) {
@@ -454,12 +475,13 @@ TEST_F(GpuIpcTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
                 i + 1, ms);
     worst_ms = std::max(worst_ms, ms);
   }
+  if (finisher.joinable()) finisher.join();
   ASSERT_EQ(dos_step_wait(slow, 30000, &r), DOS_OK) << dos_last_error();
   const double slow_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
   EXPECT_EQ(r.step, 2);
-  // The slow step really waited for its trainer's event...
-  EXPECT_GE(slow_ms, 1500) << "the slow session's step did not wait for its trainer's event";
+  // The slow step really waited for its trainer's backward...
+  EXPECT_GE(slow_ms, 1500) << "the slow session's step did not wait for its trainer";
   // ...and the other session's steps went on meanwhile (each takes a few ms;
   // held up, the first would take the rest of the two seconds).
   EXPECT_LT(worst_ms, 1000) << "another session's step waited for the slow trainer's backward";
@@ -467,6 +489,12 @@ TEST_F(GpuIpcTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
   CK(cudaStreamDestroy(stream));
   for (dos_session* s : sessions) EXPECT_EQ(dos_detach(s), DOS_OK);
 }
+
+INSTANTIATE_TEST_SUITE_P(Slow, GpuSharedTest,
+                         ::testing::Values(SlowStep::kStreamOrdered, SlowStep::kPerSubgroup),
+                         [](const ::testing::TestParamInfo<SlowStep>& p) {
+                           return std::string(SlowStepName(p.param));
+                         });
 
 }  // namespace
 }  // namespace dos

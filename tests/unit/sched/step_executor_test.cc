@@ -359,6 +359,58 @@ StepSync AllReady() {
   return sync;
 }
 
+// A per-subgroup step on a GPU engine that another session is bound to
+// waits on the host for every subgroup's gradients before it takes the engine
+// (which runs one step at a time); alone on it, it waits inside, subgroup by
+// subgroup, updating during backward.
+TEST(StepExecutorTest, APerSubgroupStepOnASharedGpuWaitsForItsGradientsBeforeTheEngine) {
+  for (const bool shared : {false, true}) {
+    Fixture f;
+    FakeEngine gpu(FakeEngine::Options{.gpu = true});
+    StepExecutor ex(&gpu);
+    ex.BindSession(1);
+    if (shared) ex.BindSession(2);
+    std::vector<size_t> plans_seen;  // per ready wait: the engine's plans begun by then
+    StepSync sync = AllReady();
+    sync.wait_ready = [&](uint32_t) {
+      plans_seen.push_back(gpu.plans().size());
+      return absl::OkStatus();
+    };
+    StepRequest r = Fixture::Request();
+    r.flags = kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+    const StepKind kind(StepKind::Gradients::kPerSubgroup, false);
+    absl::StatusOr<StepOutcome> out =
+        ex.Run(*f.shard, f.bindings, r, kind, *ParsePolicy("static:0.5"), sync, 1, nullptr);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->step, 1);
+    const size_t n = f.shard->subgroups().size();
+    ASSERT_EQ(plans_seen.size(), shared ? 2 * n : n) << shared;
+    EXPECT_EQ(plans_seen.front(), shared ? 0u : 1u) << shared;
+    if (shared) {
+      EXPECT_EQ(plans_seen[n - 1], 0u);
+    }
+  }
+  // Once the other session is forgotten, the engine waits again.
+  Fixture f;
+  FakeEngine gpu(FakeEngine::Options{.gpu = true});
+  StepExecutor ex(&gpu);
+  ex.BindSession(1);
+  ex.BindSession(2);
+  ex.ForgetSession(2);
+  size_t waits = 0;
+  StepSync sync = AllReady();
+  sync.wait_ready = [&](uint32_t) {
+    ++waits;
+    return absl::OkStatus();
+  };
+  StepRequest r = Fixture::Request();
+  r.flags = kStepGradientsPending | kStepNoVerdict | kStepGradientsChecked;
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, r, StepKind(StepKind::Gradients::kPerSubgroup, false),
+                     *ParsePolicy("static:0.5"), sync, 1, nullptr)
+                  .ok());
+  EXPECT_EQ(waits, f.shard->subgroups().size());
+}
+
 // An early delayed step (protocol 8): the executor copies the delayed
 // subgroups' gradients as their ready words come, before the verdict; a
 // write to the gradients after that is not seen unless the verdict says
