@@ -213,12 +213,14 @@ StepExecutor::StepExecutor(Engine* engine, PlannerOptions planner)
 void StepExecutor::BindSession(uint64_t session) {
   absl::MutexLock lock(&bound_mu_);
   bound_.insert(session);
+  planner_.SetBoundSessions(bound_.size());
 }
 
 void StepExecutor::ForgetSession(uint64_t session) {
   planner_.ForgetSession(session);
   absl::MutexLock lock(&bound_mu_);
   bound_.erase(session);
+  planner_.SetBoundSessions(bound_.size());
 }
 
 bool StepExecutor::SharesEngine(uint64_t session) const {

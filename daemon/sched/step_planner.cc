@@ -197,6 +197,11 @@ void StepPlanner::ForgetSession(uint64_t session) {
   sessions_.erase(session);
 }
 
+void StepPlanner::SetBoundSessions(size_t n) {
+  absl::MutexLock lock(&mu_);
+  bound_sessions_ = n;
+}
+
 GpuLease StepPlanner::LeaseOf(uint64_t session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
@@ -418,7 +423,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   bool alone = true;  // no other session steps on this engine
   {
     absl::MutexLock lock(&mu_);
-    alone = sessions_.size() <= 1;
+    alone = sessions_.size() <= 1 && bound_sessions_ <= 1;
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs =
         Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)

@@ -143,6 +143,9 @@ class StepPlanner {
   void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
       ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+  // How many sessions the engine steps (StepExecutor::BindSession), leases
+  // reported or not: with more than one, no session steps `alone`.
+  void SetBoundSessions(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of resident state `session` may hold now (0: unknown session).
   uint64_t ResidentBytes(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
   // Subgroups `session` should keep resident under `policy`.
@@ -232,6 +235,7 @@ class StepPlanner {
   const PlannerOptions options_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, SessionShare> sessions_ ABSL_GUARDED_BY(mu_);
+  size_t bound_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   PerfModel model_ ABSL_GUARDED_BY(mu_);
   double cpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
   double gpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;

@@ -223,7 +223,7 @@ TEST(StepKindTest, TheDelayedGpuPathTakesWhatTheWindowsPcieHolds) {
 }
 
 // The GPU's delayed update holds the engine's staging slots through the
-// window: with a second session stepping on the engine none is placed there
+// window: with a second session on the engine none is placed there
 // (its steps would wait), and once that session is gone they are again.
 TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   PlannerOptions on = Gpu();
@@ -241,6 +241,12 @@ TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   EXPECT_EQ(shared.delayed_gpu_params, 0u);
   EXPECT_EQ(shared.delayed.size() + shared.gpu_only.size(), 18u);  // the rest streams
   planner.ForgetSession(2);
+  EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
+  // A second session bound to the engine that reports no lease (a C client)
+  // counts too.
+  planner.SetBoundSessions(2);
+  EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
+  planner.SetBoundSessions(1);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
 }
 
