@@ -12,7 +12,7 @@
 #   bash bench/device_session.sh delay OUT          # issue 23's speed targets (~5 min): 6B fp32
 #       and compact + delay, then the HF Trainer's 7B compact + delay copying the gradients again
 #       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
-#       lines in OUT (delay_logs.tgz)
+#       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -21,7 +21,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|delay|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -106,14 +106,14 @@ case "$what" in
       >> "$O/ranks.log" 2>&1
     cp "$res" "$O/" 2>/dev/null
     ;;
-  delay)
+  delay|delay-6b|delay-hf)
     rm -rf /tmp/dos-e2e-*  # run.py's dosd logs (phases.log below)
-    timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
+    [ "$what" = delay-hf ] || timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
       --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
       --out "$O/e2e" --tag delay --dosd-arg=--log_level=debug > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
     cp "$O"/e2e/*.json "$O/" 2>/dev/null
-    for clip in 0 stream; do
+    [ "$what" = delay-6b ] || for clip in 0 stream; do
       DOS_TORCH_CLIP_SCALED=$clip STEPS=22 SINK= MODES="all_gpu dos_compact_delay" \
         DOSD_ARGS=--log_level=debug RESULT="$O/hf7b_clip_$clip.json" \
         timeout 170 bash bench/frameworks/run_hf7b.sh "$O/hf_$clip" 7b none > "$O/hf_$clip.log" 2>&1
@@ -121,8 +121,9 @@ case "$what" in
     done
     grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.update" \
       /tmp/dos-e2e-*/dosd-*.log "$O"/hf_*/dosd*.log > "$O/phases.log" 2>/dev/null
-    tar czf "$O/delay_logs.tgz" -C "$O" e2e hf_0 hf_stream e2e.log hf_0.log hf_stream.log \
-      2>/dev/null && rm -rf "$O/e2e" "$O/hf_0" "$O/hf_stream" "$O"/e2e.log "$O"/hf_*.log
+    logs=$(cd "$O" && ls -d e2e hf_0 hf_stream e2e.log hf_0.log hf_stream.log 2>/dev/null || true)
+    # shellcheck disable=SC2086  # one word per entry
+    tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON
