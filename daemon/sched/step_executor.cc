@@ -273,7 +273,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
     return absl::InternalError("step: a delayed step needs the session's delayed host path");
   }
   if (kind.finishes_delayed()) {
-    DOS_RETURN_IF_ERROR(WaitForTrainerEvent(begun, sync));
+    DOS_RETURN_IF_ERROR(WaitForTrainerEvent(begun, sync, SharesEngine(session)));
     DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
     StepOutcome out;
     out.step = StepCount(shard.tensors());
@@ -302,7 +302,15 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
         request, AwaitVerdictCapturing(plan, shard, bindings, kind, sync, await_verdict, delayed));
     verdict_at = absl::Now();
   }
-  DOS_RETURN_IF_ERROR(WaitForTrainerEvent(request, sync));
+  // The host waits for the event where dosd reads what the trainer's stream
+  // wrote before it (the scan, the stream's coefficient: GradientsFinite) or
+  // where another session shares the engine; alone and with gradients the
+  // trainer checked, only the engine's streams wait (its work is queued
+  // before the event completes).
+  const bool reads_after_event =
+      !(request.flags & kStepGradientsChecked) || (request.flags & kStepGradientsScaledOnStream);
+  DOS_RETURN_IF_ERROR(
+      WaitForTrainerEvent(request, sync, reads_after_event || SharesEngine(session)));
   const absl::Time event_at = absl::Now();
   StepOutcome out;
   DOS_ASSIGN_OR_RETURN(const bool finite, GradientsFinite(request, shard, bindings, sync, delayed));
@@ -379,7 +387,7 @@ absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
   const bool on_stream = (request.flags & kStepGradientsScaledOnStream) != 0;
   if (checked && !on_stream) return true;
   // The scan and the stream's coefficient come after the trainer's event:
-  // WaitForTrainerEvent waited for it on the host.
+  // WaitForTrainerEvent waited for it on the host (Run asks it to here).
   if (on_stream) {
     const float coef = sync.stream_coef ? sync.stream_coef() : std::nanf("");
     const bool scale = ResolveStreamCoef(coef, delayed);
@@ -391,8 +399,8 @@ absl::StatusOr<bool> StepExecutor::GradientsFinite(const StepRequest& request,
   return engine_->AllFinite(shard, bindings);
 }
 
-absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,
-                                               const StepSync& sync) {
+absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request, const StepSync& sync,
+                                               bool on_host) {
   if (!(request.flags & kStepTrainerEventRecorded)) return absl::OkStatus();
   if (sync.trainer_event == nullptr) {
     return absl::InvalidArgumentError(
@@ -400,12 +408,13 @@ absl::Status StepExecutor::WaitForTrainerEvent(const StepRequest& request,
         "event (RegisterShard.cuda_ipc_event) or its tensors are not in GPU memory; clear the "
         "flag or register the event");
   }
-  // On the host first, holding nothing of the engine. The engine's streams
-  // serve every session on its GPU: a stream made to wait for this trainer's
-  // event would hold another session's copies and kernels queued behind it
-  // until this trainer's backward ends. Their wait below is then already met;
-  // it stays, so that no engine relies on the host's wait for its order.
-  DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
+  // On the host first, holding nothing of the engine, where asked. The
+  // engine's streams serve every session on its GPU: a stream made to wait
+  // for this trainer's event would hold another session's copies and kernels
+  // queued behind it until this trainer's backward ends. Their wait below is
+  // then already met; it stays, so that no engine relies on the host's wait
+  // for its order.
+  if (on_host) DOS_RETURN_IF_ERROR(engine_->SyncTrainerEvent(sync.trainer_event));
   return engine_->WaitTrainerEvent(sync.trainer_event);
 }
 

@@ -216,7 +216,9 @@ class StepExecutor {
   // captured before the verdict are copied again (as
   // kStepGradientsRewritten).
   static bool ResolveStreamCoef(float coef, DelayedHost* delayed);
-  absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync);
+  // Makes the engine's streams wait for the trainer's event, after a wait on
+  // the host when `on_host`.
+  absl::Status WaitForTrainerEvent(const StepRequest& request, const StepSync& sync, bool on_host);
   absl::StatusOr<StepOutcome> Apply(const StepPlan& plan, ShardState& shard,
                                     std::span<const TensorBinding> bindings, StepKind kind,
                                     const StepSync& sync, StepRequest* request,

@@ -164,24 +164,28 @@ TEST(StepExecutorTest, ATrainerEventFlagWithoutAnEventIsRefused) {
   EXPECT_EQ(f.shard->tensors()[0].step, 0);
 }
 
-// The trainer's event is waited for on the host before any of the engine's
-// streams is made to wait for it (the streams serve every session on the GPU:
-// another session's step goes on meanwhile), and before the scan; gradients
-// the trainer checked need no scan.
+// The trainer's event is waited for on the host before the scan, and before
+// any of the engine's streams is made to wait for it: gradients the trainer
+// checked need no scan, and then only a session that shares the engine with
+// another waits on the host (the streams serve every session on the GPU:
+// another session's step goes on meanwhile).
 TEST(StepExecutorTest, TheTrainersEventIsWaitedForOnTheHostBeforeTheEnginesStreams) {
-  for (const bool checked : {false, true}) {
+  for (const auto& [checked, shared] : {std::pair{false, false}, std::pair{true, false},
+                                        std::pair{false, true}, std::pair{true, true}}) {
     Fixture f;
     FakeEngine events(FakeEngine::Options{.gpu = true});
     StepExecutor ex(&events);
+    ex.BindSession(1);
+    if (shared) ex.BindSession(2);
     StepSync sync;
     sync.trainer_event = *events.OpenTrainerEvent("trainer");
     StepRequest r = Fixture::Request();
     r.flags = kStepTrainerEventRecorded | (checked ? kStepGradientsChecked : 0u);
     absl::StatusOr<StepOutcome> out =
-        ex.Run(*f.shard, f.bindings, r, Policy{.kind = Policy::Kind::kCpu}, sync);
+        ex.Run(*f.shard, f.bindings, r, Policy{.kind = Policy::Kind::kCpu}, sync, 1);
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_EQ(out->step, 1);
-    EXPECT_EQ(events.waits(), checked ? "ew" : "ews") << checked;
+    EXPECT_EQ(events.waits(), checked ? (shared ? "ew" : "w") : "ews") << checked << shared;
   }
 }
 
