@@ -13,6 +13,8 @@
 #       and compact + delay, then the HF Trainer's 7B compact + delay copying the gradients again
 #       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
 #       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
+#   bash bench/device_session.sh delay-blocks OUT   # 6B fp32 + delay with the GPU's delayed
+#       update's kernels at every SM, 64 and 24 blocks (--delayed_gpu_kernel_blocks), ~4.5 min
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -21,7 +23,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-blocks|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -119,11 +121,30 @@ case "$what" in
         timeout 170 bash bench/frameworks/run_hf7b.sh "$O/hf_$clip" 7b none > "$O/hf_$clip.log" 2>&1
       echo "exit=$?" >> "$O/hf_$clip.log"
     done
-    grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.update" \
+    grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.\(update\|gpu\)" \
       /tmp/dos-e2e-*/dosd-*.log "$O"/hf_*/dosd*.log > "$O/phases.log" 2>/dev/null
     logs=$(cd "$O" && ls -d e2e hf_0 hf_stream e2e.log hf_0.log hf_stream.log 2>/dev/null || true)
     # shellcheck disable=SC2086  # one word per entry
     tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
+    ;;
+  delay-blocks)
+    # 6B fp32 + delay with the GPU's delayed update capped at N blocks a kernel
+    # (--delayed_gpu_kernel_blocks; 0: every SM), all-GPU in each run (~4.5 min).
+    rm -rf /tmp/dos-e2e-*
+    for n in 0 64 24; do
+      timeout 170 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
+        --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
+        --tag "delay_blocks$n" --dosd-arg=--log_level=debug \
+        --dosd-arg=--delayed_gpu_kernel_blocks=$n > "$O/e2e_$n.log" 2>&1
+      echo "exit=$?" >> "$O/e2e_$n.log"
+      cp "$O/e2e_$n"/*.json "$O/" 2>/dev/null
+      grep -H "event=step\.phases\|event=delayed\.\(update\|gpu\)" /tmp/dos-e2e-*/dosd-*.log \
+        > "$O/phases_$n.log" 2>/dev/null
+      rm -rf /tmp/dos-e2e-*
+    done
+    tar czf "$O/blocks_logs.tgz" -C "$O" e2e_0 e2e_64 e2e_24 e2e_0.log e2e_64.log e2e_24.log \
+      phases_0.log phases_64.log phases_24.log && \
+      (cd "$O" && rm -rf e2e_0 e2e_64 e2e_24 e2e_*.log phases_*.log)
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON

@@ -57,6 +57,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     gopt.prefetch = config.gpu_prefetch;
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
     gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
+    gopt.delayed_kernel_blocks = config.delayed_gpu_kernel_blocks;
     PlannerOptions planner;
     if (config.model_host_gbps > 0) {
       planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;

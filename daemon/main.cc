@@ -76,6 +76,9 @@ ABSL_FLAG(bool, delayed_gpu_first, false,
           "subgroups the CPU would update late, first, as many as the window's PCIe time "
           "holds, and the CPU updates only the rest: the copy engines' traffic instead of the "
           "host cores' beside the trainer's forward and backward.");
+ABSL_FLAG(uint32_t, delayed_gpu_kernel_blocks, 0,
+          "Blocks of each kernel of the GPU's delayed update (it waits on PCIe for the host's "
+          "gradients and weights, beside the trainer's kernels); 0: a grid of every SM.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -299,6 +302,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.engines.delayed_start_at_result = start == "result";
   c.engines.delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
   c.engines.delayed_gpu_first = absl::GetFlag(FLAGS_delayed_gpu_first);
+  c.engines.delayed_gpu_kernel_blocks = absl::GetFlag(FLAGS_delayed_gpu_kernel_blocks);
   if (c.engines.delayed_cpu_nice < 0 || c.engines.delayed_cpu_nice > 19) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--delayed_cpu_nice=", c.engines.delayed_cpu_nice, " is out of range; use 0 to 19"));

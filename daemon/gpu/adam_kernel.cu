@@ -241,11 +241,12 @@ bool Aligned4(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % (4 * bytes) == 0;
 }
 
-unsigned Blocks(size_t n) {
-  // Enough blocks to fill every SM several times over; the grid-stride loop
-  // covers the rest.
-  size_t want = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(want < 132 * 16 ? want : 132 * 16);
+unsigned Blocks(size_t n, unsigned max_blocks) {
+  // Enough blocks to fill every SM several times over, or max_blocks; the
+  // grid-stride loop covers the rest.
+  const size_t cap = max_blocks != 0 ? max_blocks : 132 * 16;
+  const size_t want = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(want < cap ? want : cap);
 }
 
 template <DType G, DType P, bool kWriteOut, bool kL2, bool kCompact>
@@ -257,11 +258,13 @@ void LaunchKernel(const cpu::AdamScalars& s, const DeviceAdamSpan& sp, const Mom
                    Aligned4(kCompact ? static_cast<void*>(mo.v16) : mo.v, moment) &&
                    (!kWriteOut || Aligned4(sp.param_out, DTypeSize(P)));
   if (vec) {
-    AdamKernel4<G, P, kWriteOut, kL2, kCompact><<<Blocks(sp.n / 4 + 1), kThreads, 0, stream>>>(
-        s, sp.grad, sp.master, mo, sp.param_out, sp.n);
+    AdamKernel4<G, P, kWriteOut, kL2, kCompact>
+        <<<Blocks(sp.n / 4 + 1, sp.max_blocks), kThreads, 0, stream>>>(s, sp.grad, sp.master, mo,
+                                                                       sp.param_out, sp.n);
   } else {
     AdamKernel<G, P, kWriteOut, kL2, kCompact>
-        <<<Blocks(sp.n), kThreads, 0, stream>>>(s, sp.grad, sp.master, mo, sp.param_out, sp.n);
+        <<<Blocks(sp.n, sp.max_blocks), kThreads, 0, stream>>>(s, sp.grad, sp.master, mo,
+                                                               sp.param_out, sp.n);
   }
 }
 
@@ -322,8 +325,12 @@ absl::Status LaunchCastToFloat(const void* in, DType dtype, size_t n, float* out
   if (n == 0) return absl::OkStatus();
   switch (dtype) {
     case DType::kF32: return DOS_CUDA_STATUS(cudaMemcpyAsync(out, in, n * 4, cudaMemcpyDeviceToDevice, stream));
-    case DType::kBF16: CastKernel<DType::kBF16><<<Blocks(n), kThreads, 0, stream>>>(in, n, out); break;
-    case DType::kF16: CastKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(in, n, out); break;
+    case DType::kBF16:
+      CastKernel<DType::kBF16><<<Blocks(n, 0), kThreads, 0, stream>>>(in, n, out);
+      break;
+    case DType::kF16:
+      CastKernel<DType::kF16><<<Blocks(n, 0), kThreads, 0, stream>>>(in, n, out);
+      break;
   }
   return DOS_CUDA_STATUS(cudaGetLastError());
 }

@@ -47,6 +47,12 @@ struct DeviceAdamSpan {
   uint16_t* exp_avg_bf16 = nullptr;
   uint16_t* exp_avg_sq_bf16 = nullptr;
   uint64_t element_offset = 0;
+  // At most this many blocks (0: enough to fill every SM several times
+  // over). A kernel whose gradients and weights are in page-locked host
+  // memory waits on PCIe for its whole run: a grid of every SM would keep the
+  // trainer's kernels off the GPU that long (pcie_copy.cu measured that for
+  // its copies). The grid-stride loop makes the result the same bit for bit.
+  unsigned max_blocks = 0;
 };
 
 absl::Status LaunchAdam(const cpu::AdamScalars& s, const DeviceAdamSpan& span,

@@ -144,6 +144,7 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   run.gs = static_cast<Shard*>(shard.attachment());
   run.plan = &plan;
   run.delayed_io = &delayed;
+  run.delayed_kernel_blocks = options_.delayed_kernel_blocks;
   const absl::Time start = absl::Now();
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   absl::Status status = DOS_CUDA_STATUS(cudaEventRecord(run.start, h2d_));
@@ -155,7 +156,8 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   cudaEventDestroy(run.start);
   // The GPU's share of the delayed update, for an operator comparing it
   // with the window (its copy engines' and kernels' busy time).
-  DOS_LOG_DEBUG("delayed.gpu", "subgroups", subgroups.size(), "params", run.gpu_params, "wall_us",
+  DOS_LOG_DEBUG("delayed.gpu", "subgroups", subgroups.size(), "params", run.gpu_params,
+                "kernel_blocks", run.delayed_kernel_blocks, "wall_us",
                 absl::ToDoubleMicroseconds(absl::Now() - start), "h2d_us", run.h2d_us, "kernel_us",
                 run.kernel_us, "d2h_us", run.d2h_us, "h2d_bytes", run.gpu_h2d, "d2h_bytes",
                 run.gpu_d2h);

@@ -67,6 +67,10 @@ struct GpuEngineOptions {
   // subgroup reports progress as it goes.
   bool pin_whole = false;
   int pin_threads = 0;
+  // The delayed update's kernels on the GPU (UpdateDelayedOnGpu) read the
+  // gradients and write the weights in page-locked host memory: at most this
+  // many blocks each (DeviceAdamSpan::max_blocks; 0: every SM).
+  uint32_t delayed_kernel_blocks = 0;
 };
 
 class GpuEngine final : public Engine {

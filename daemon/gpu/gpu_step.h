@@ -122,6 +122,8 @@ struct GpuEngine::StepRun {
   // A delayed update on the GPU (GpuEngine::UpdateDelayedOnGpu): the
   // gradients and new weights are the delayed buffers', not the trainer's.
   const DelayedHost* delayed_io = nullptr;
+  // DeviceAdamSpan::max_blocks of its kernels (GpuEngineOptions::delayed_kernel_blocks).
+  uint32_t delayed_kernel_blocks = 0;
   // Recorded on the compute stream when the step starts there, after the
   // trainer's event (the trainer's gradients are final).
   cudaEvent_t ready = nullptr;

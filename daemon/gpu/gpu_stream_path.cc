@@ -32,13 +32,19 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* s
                               run.bindings[seg.tensor].param);
       },
       [&](const SubgroupSegment& seg, const cpu::AdamSpan& s) {
-        const DeviceAdamSpan span{.grad = s.grad, .grad_dtype = s.grad_dtype,
-                                  .master = s.master, .exp_avg = s.exp_avg,
-                                  .exp_avg_sq = s.exp_avg_sq, .param_out = s.param_out,
-                                  .param_dtype = s.param_dtype, .n = s.n,
-                                  .exp_avg_bf16 = s.exp_avg_bf16,
-                                  .exp_avg_sq_bf16 = s.exp_avg_sq_bf16,
-                                  .element_offset = s.element_offset};
+        const DeviceAdamSpan span{
+            .grad = s.grad,
+            .grad_dtype = s.grad_dtype,
+            .master = s.master,
+            .exp_avg = s.exp_avg,
+            .exp_avg_sq = s.exp_avg_sq,
+            .param_out = s.param_out,
+            .param_dtype = s.param_dtype,
+            .n = s.n,
+            .exp_avg_bf16 = s.exp_avg_bf16,
+            .exp_avg_sq_bf16 = s.exp_avg_sq_bf16,
+            .element_offset = s.element_offset,
+            .max_blocks = run.delayed_io != nullptr ? run.delayed_kernel_blocks : 0u};
         const std::span<const cpu::AdamScalars> scalars =
             run.delayed_io != nullptr ? run.delayed_io->scalars_for(sg) : run.scalars;
         return LaunchAdam(scalars[seg.tensor], span, stream);

@@ -70,61 +70,66 @@ size_t ArrayOffset(size_t before, bool packed) {
 
 // With a grad_coef too (protocol 9: the trainer's in-place multiply, which
 // the CPU kernel's test pins to fp32 math and bf16 rounding), except for
-// fp16 gradients, which are never scaled.
+// fp16 gradients, which are never scaled; and with a grid of 3 blocks (the
+// delayed update's cap, --delayed_gpu_kernel_blocks) as with the full one.
 TEST_P(KernelTest, BitwiseEqualToCpuKernel) {
   SKIP_WITHOUT_GPU();
   auto [gd, pd, decoupled] = GetParam();
-  for (float coef : {1.0f, 0.3719f})
-    for (bool packed : {true, false})
-      for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
-        if (coef != 1.0f && gd == DType::kF16) continue;
-        SCOPED_TRACE(packed ? "packed" : "aligned");
-        SCOPED_TRACE(coef);
-        cpu::testing::AdamBuffers host(n, gd, pd, 0, 1234 + n);
-        GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
-        cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 7, 1024.0, 0.5);
-        s.grad_coef = coef;
-        // GPU copy of the inputs.
-        void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
-        float* st = nullptr;
-        const size_t m_at = ArrayOffset(n, packed), v_at = m_at + ArrayOffset(n, packed);
-        ASSERT_EQ(cudaMalloc(&st, 4 * (v_at + n)), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(st + m_at, host.exp_avg.data(), 4 * n, cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(st + v_at, host.exp_avg_sq.data(), 4 * n, cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        void* out = nullptr;
-        ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
-        DeviceAdamSpan dsp{g, gd, st, st + m_at, st + v_at, out, pd, n};
-        ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        // CPU scalar kernel on the host copy.
-        cpu::AdamSpan csp{host.grad.data(),
-                          gd,
-                          host.master.data(),
-                          host.exp_avg.data(),
-                          host.exp_avg_sq.data(),
-                          host.out.data(),
-                          pd,
-                          n};
-        cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
-        std::vector<float> gs(3 * n);
-        std::vector<char> gout(n * DTypeSize(pd));
-        ASSERT_EQ(cudaMemcpy(gs.data(), st, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(gs.data() + n, st + m_at, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(gs.data() + 2 * n, st + v_at, 4 * n, cudaMemcpyDeviceToHost),
-                  cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-        EXPECT_EQ(Mismatches(gs.data(), host.master.data(), n), "") << "master n=" << n;
-        EXPECT_EQ(Mismatches(gs.data() + n, host.exp_avg.data(), n), "") << "exp_avg n=" << n;
-        EXPECT_EQ(Mismatches(gs.data() + 2 * n, host.exp_avg_sq.data(), n), "")
-            << "exp_avg_sq n=" << n;
-        EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
-        cudaFree(g);
-        cudaFree(st);
-        cudaFree(out);
-      }
+  for (unsigned max_blocks : {0u, 3u})
+    for (float coef : {1.0f, 0.3719f})
+      for (bool packed : {true, false})
+        for (size_t n : {size_t{1}, size_t{7}, size_t{22}, size_t{64}, (size_t{1} << 20) + 3}) {
+          if (coef != 1.0f && gd == DType::kF16) continue;
+          SCOPED_TRACE(packed ? "packed" : "aligned");
+          SCOPED_TRACE(coef);
+          SCOPED_TRACE(max_blocks);
+          cpu::testing::AdamBuffers host(n, gd, pd, 0, 1234 + n);
+          GroupStepParams gp{1e-3, 0.9, 0.999, 1e-8, 0.05};
+          cpu::AdamScalars s = cpu::MakeAdamScalars(gp, decoupled, 7, 1024.0, 0.5);
+          s.grad_coef = coef;
+          // GPU copy of the inputs.
+          void* g = DeviceCopy<void>(host.grad.data(), host.grad.size());
+          float* st = nullptr;
+          const size_t m_at = ArrayOffset(n, packed), v_at = m_at + ArrayOffset(n, packed);
+          ASSERT_EQ(cudaMalloc(&st, 4 * (v_at + n)), cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(st, host.master.data(), 4 * n, cudaMemcpyHostToDevice), cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(st + m_at, host.exp_avg.data(), 4 * n, cudaMemcpyHostToDevice),
+                    cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(st + v_at, host.exp_avg_sq.data(), 4 * n, cudaMemcpyHostToDevice),
+                    cudaSuccess);
+          void* out = nullptr;
+          ASSERT_EQ(cudaMalloc(&out, n * DTypeSize(pd)), cudaSuccess);
+          DeviceAdamSpan dsp{g, gd, st, st + m_at, st + v_at, out, pd, n};
+          dsp.max_blocks = max_blocks;
+          ASSERT_TRUE(LaunchAdam(s, dsp, nullptr).ok());
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          // CPU scalar kernel on the host copy.
+          cpu::AdamSpan csp{host.grad.data(),
+                            gd,
+                            host.master.data(),
+                            host.exp_avg.data(),
+                            host.exp_avg_sq.data(),
+                            host.out.data(),
+                            pd,
+                            n};
+          cpu::AdamKernel(cpu::Isa::kScalar)(s, csp);
+          std::vector<float> gs(3 * n);
+          std::vector<char> gout(n * DTypeSize(pd));
+          ASSERT_EQ(cudaMemcpy(gs.data(), st, 4 * n, cudaMemcpyDeviceToHost), cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(gs.data() + n, st + m_at, 4 * n, cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(gs.data() + 2 * n, st + v_at, 4 * n, cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(gout.data(), out, gout.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+          EXPECT_EQ(Mismatches(gs.data(), host.master.data(), n), "") << "master n=" << n;
+          EXPECT_EQ(Mismatches(gs.data() + n, host.exp_avg.data(), n), "") << "exp_avg n=" << n;
+          EXPECT_EQ(Mismatches(gs.data() + 2 * n, host.exp_avg_sq.data(), n), "")
+              << "exp_avg_sq n=" << n;
+          EXPECT_EQ(std::memcmp(gout.data(), host.out.data(), gout.size()), 0) << "weights n=" << n;
+          cudaFree(g);
+          cudaFree(st);
+          cudaFree(out);
+        }
 }
 
 // Compact state: bf16 moments, m rounded to nearest even and v stochastically
