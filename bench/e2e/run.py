@@ -603,11 +603,13 @@ def chart(results, path, title):
     ax.set_xlabel("seconds per iteration: forward + backward (synchronised medians)\n+ the "
                   "update's exposed rest of the back-to-back iteration")
     ax.set_title(title)
-    # Below the axes: inside, it would cover the bars' text.
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8,
-              frameon=False)
     ax.set_xlim(0, max(left) * 1.7)  # room for the text
     fig.tight_layout()
+    # Below the figure, the axis label included (savefig's tight box takes it
+    # in): inside the axes it would cover the bars' text, and at a fixed
+    # fraction below them the two-line label of a chart with few bars.
+    fig.legend(*ax.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               bbox_transform=fig.transFigure, ncol=4, fontsize=8, frameon=False)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
