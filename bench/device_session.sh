@@ -110,8 +110,8 @@ case "$what" in
     ;;
   delay|delay-6b|delay-hf)
     rm -rf /tmp/dos-e2e-*  # run.py's dosd logs (phases.log below)
-    [ "$what" = delay-hf ] || timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
-      --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
+    [ "$what" = delay-hf ] || timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" \
+      --machine nvidia-h200 --size 6b --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
       --out "$O/e2e" --tag delay --dosd-arg=--log_level=debug > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
     cp "$O"/e2e/*.json "$O/" 2>/dev/null
