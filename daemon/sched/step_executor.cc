@@ -210,24 +210,6 @@ PlannerOptions StepExecutor::WithEngine(PlannerOptions options, const Engine& en
 StepExecutor::StepExecutor(Engine* engine, PlannerOptions planner)
     : engine_(engine), planner_(WithEngine(std::move(planner), *engine)) {}
 
-void StepExecutor::BindSession(uint64_t session) {
-  absl::MutexLock lock(&bound_mu_);
-  bound_.insert(session);
-  planner_.SetBoundSessions(bound_.size());
-}
-
-void StepExecutor::ForgetSession(uint64_t session) {
-  planner_.ForgetSession(session);
-  absl::MutexLock lock(&bound_mu_);
-  bound_.erase(session);
-  planner_.SetBoundSessions(bound_.size());
-}
-
-bool StepExecutor::SharesEngine(uint64_t session) const {
-  absl::MutexLock lock(&bound_mu_);
-  return bound_.size() > (bound_.contains(session) ? 1u : 0u);
-}
-
 StepOutcome StepExecutor::Outcome(const StepPlan& plan, const StepMeasurements& m) const {
   StepOutcome out;
   for (const TimelineEntry& e : m.entries) {

@@ -28,9 +28,7 @@
 #include <span>
 #include <string>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "daemon/sched/engine.h"
 #include "daemon/sched/policy.h"
 #include "daemon/sched/step_kind.h"
@@ -155,10 +153,10 @@ class StepExecutor {
   // step at a time, and one that waited for each subgroup's gradients inside
   // would hold every other session on the GPU until its trainer's backward
   // ends (a stalled trainer: up to --early_step_ready_timeout).
-  void BindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(bound_mu_);
+  void BindSession(uint64_t session) { planner_.BindSession(session); }
   // The session is gone (or moved to another executor): its share of the
-  // engine's GPU goes to the others.
-  void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(bound_mu_);
+  // engine's GPU goes to the others, and it is no longer bound.
+  void ForgetSession(uint64_t session) { planner_.ForgetSession(session); }
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.
@@ -229,12 +227,10 @@ class StepExecutor {
   DelayedHost::Run RunDelayedKernel(ShardState& shard, const DelayedHost& delayed);
 
   // Whether a session other than `session` is bound (BindSession).
-  bool SharesEngine(uint64_t session) const ABSL_LOCKS_EXCLUDED(bound_mu_);
+  bool SharesEngine(uint64_t session) const { return planner_.SharesEngine(session); }
 
   Engine* const engine_;
   StepPlanner planner_;
-  mutable absl::Mutex bound_mu_;
-  absl::flat_hash_set<uint64_t> bound_ ABSL_GUARDED_BY(bound_mu_);
 };
 
 }  // namespace dos

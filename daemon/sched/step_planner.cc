@@ -195,11 +195,17 @@ void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardL
 void StepPlanner::ForgetSession(uint64_t session) {
   absl::MutexLock lock(&mu_);
   sessions_.erase(session);
+  bound_.erase(session);
 }
 
-void StepPlanner::SetBoundSessions(size_t n) {
+void StepPlanner::BindSession(uint64_t session) {
   absl::MutexLock lock(&mu_);
-  bound_sessions_ = n;
+  bound_.insert(session);
+}
+
+bool StepPlanner::SharesEngine(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  return bound_.size() > (bound_.contains(session) ? 1u : 0u);
 }
 
 GpuLease StepPlanner::LeaseOf(uint64_t session) const {
@@ -423,7 +429,7 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   bool alone = true;  // no other session steps on this engine
   {
     absl::MutexLock lock(&mu_);
-    alone = sessions_.size() <= 1 && bound_sessions_ <= 1;
+    alone = sessions_.size() <= 1 && bound_.size() <= 1;
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs =
         Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)

@@ -61,6 +61,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -143,9 +144,12 @@ class StepPlanner {
   void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
       ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
-  // How many sessions the engine steps (StepExecutor::BindSession), leases
-  // reported or not: with more than one, no session steps `alone`.
-  void SetBoundSessions(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // A session whose shard the engine steps (StepExecutor::BindSession),
+  // lease reported or not: with more than one bound, no session steps
+  // `alone`. ForgetSession unbinds it.
+  void BindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a session other than `session` is bound.
+  bool SharesEngine(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of resident state `session` may hold now (0: unknown session).
   uint64_t ResidentBytes(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
   // Subgroups `session` should keep resident under `policy`.
@@ -235,7 +239,7 @@ class StepPlanner {
   const PlannerOptions options_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, SessionShare> sessions_ ABSL_GUARDED_BY(mu_);
-  size_t bound_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<uint64_t> bound_ ABSL_GUARDED_BY(mu_);
   PerfModel model_ ABSL_GUARDED_BY(mu_);
   double cpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
   double gpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;

@@ -244,9 +244,10 @@ TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
   // A second session bound to the engine that reports no lease (a C client)
   // counts too.
-  planner.SetBoundSessions(2);
+  planner.BindSession(1);
+  planner.BindSession(3);
   EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
-  planner.SetBoundSessions(1);
+  planner.ForgetSession(3);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
 }
 
