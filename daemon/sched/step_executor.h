@@ -157,6 +157,10 @@ class StepExecutor {
   // The session is gone (or moved to another executor): its share of the
   // engine's GPU goes to the others, and it is no longer bound.
   void ForgetSession(uint64_t session) { planner_.ForgetSession(session); }
+  // Its trainer died (the session waits for a resume): no step of another
+  // session waits for it any more; its resident state stays until
+  // ForgetSession.
+  void UnbindSession(uint64_t session) { planner_.UnbindSession(session); }
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.

@@ -203,6 +203,12 @@ void StepPlanner::BindSession(uint64_t session) {
   bound_.insert(session);
 }
 
+void StepPlanner::UnbindSession(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  bound_.erase(session);
+  if (auto it = sessions_.find(session); it != sessions_.end()) it->second.steps = false;
+}
+
 bool StepPlanner::SharesEngine(uint64_t session) const {
   absl::MutexLock lock(&mu_);
   return bound_.size() > (bound_.contains(session) ? 1u : 0u);
@@ -429,7 +435,8 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   bool alone = true;  // no other session steps on this engine
   {
     absl::MutexLock lock(&mu_);
-    alone = sessions_.size() <= 1 && bound_.size() <= 1;
+    alone = bound_.size() <= 1 && std::count_if(sessions_.begin(), sessions_.end(),
+                                                [](const auto& s) { return s.second.steps; }) <= 1;
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs =
         Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)

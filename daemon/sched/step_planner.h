@@ -148,6 +148,10 @@ class StepPlanner {
   // lease reported or not: with more than one bound, no session steps
   // `alone`. ForgetSession unbinds it.
   void BindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Its trainer died: it takes no more turns on the engine, but keeps its
+  // share (its resident state stays) until it is resumed or its lease ends
+  // (ForgetSession).
+  void UnbindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a session other than `session` is bound.
   bool SharesEngine(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of resident state `session` may hold now (0: unknown session).
@@ -208,6 +212,7 @@ class StepPlanner {
   struct SessionShare {
     GpuLease lease;
     uint64_t asks = 0;  // resident bytes it asks for (before the cap's share)
+    bool steps = true;  // false once its trainer died (UnbindSession)
   };
   StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident,
                     StepKind kind, double window_us) ABSL_LOCKS_EXCLUDED(mu_);

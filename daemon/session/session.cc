@@ -170,6 +170,12 @@ void Session::StepLoop() {
     if (seq == last) {
       if (!ClientAlive()) {
         DOS_LOG_WARNING("session.client_gone", "session", identity_.id, "pid", identity_.pid);
+        {
+          // Kept for --session_lease, it takes no more turns on its GPU:
+          // other sessions there step as if it were gone.
+          absl::MutexLock lock(&mu_);
+          executor_->UnbindSession(identity_.id);
+        }
         if (on_client_gone_) on_client_gone_(identity_.id);
         return;
       }

@@ -224,7 +224,8 @@ TEST(StepKindTest, TheDelayedGpuPathTakesWhatTheWindowsPcieHolds) {
 
 // The GPU's delayed update holds the engine's staging slots through the
 // window: with a second session on the engine none is placed there
-// (its steps would wait), and once that session is gone they are again.
+// (its steps would wait), and once that session is gone (or its trainer
+// died) they are again.
 TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   PlannerOptions on = Gpu();
   on.delayed_gpu = true;
@@ -248,6 +249,13 @@ TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   planner.BindSession(3);
   EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
   planner.ForgetSession(3);
+  EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
+  // One whose trainer died (kept for a resume, its lease's share included)
+  // takes no turns: the session is alone again.
+  planner.SetLease(2, GpuLease{}, layout);
+  planner.BindSession(2);
+  EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
+  planner.UnbindSession(2);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
 }
 

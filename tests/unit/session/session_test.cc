@@ -3,11 +3,13 @@
 // through the control block to the engine's Execute, faults at the engine
 // and transport seams come back as errors that leave the session usable, the
 // hyperparameter rules hold at registration and at every step (eps = 0
-// included), and a zombie trainer counts as gone.
+// included), a zombie trainer counts as gone, and a dead trainer's
+// session no longer shares its GPU.
 #include "daemon/session/session.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -169,6 +171,34 @@ TEST_F(SessionTest, AZombieTrainerCountsAsGone) {
   EXPECT_TRUE(s->ClientGoneWithoutThread());
   s->Stop();
   waitpid(child, nullptr, 0);
+}
+
+// A session whose trainer died waits --session_lease for a resume, but
+// takes no more turns on its GPU: the live session's steps no longer count
+// it (a per-subgroup step would wait for all its gradients first, and the
+// GPU's delayed update would stay off).
+TEST_F(SessionTest, ADeadTrainersSessionNoLongerSharesItsGpu) {
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  auto live = NewSession("auto");
+  ASSERT_TRUE(live->Register(DeviceSpec()).ok());
+  absl::Notification gone;
+  auto dead = NewSession("auto", child, [&](uint64_t) { gone.Notify(); });
+  ASSERT_TRUE(dead->Register(DeviceSpec()).ok());
+  StepPlanner& planner = executors_.ForDeviceUuid(kUuid, "test")->executor->planner();
+  EXPECT_TRUE(planner.SharesEngine(live->identity().id));
+  EXPECT_TRUE(planner.SharesEngine(dead->identity().id));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  ASSERT_TRUE(gone.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_FALSE(planner.SharesEngine(live->identity().id));
+  EXPECT_EQ(Step(*live).status_code, 0);
+  dead->Stop();
+  EXPECT_FALSE(planner.SharesEngine(live->identity().id));
 }
 
 }  // namespace
