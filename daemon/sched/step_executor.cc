@@ -468,11 +468,11 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
 
 void StepExecutor::AddLease(uint64_t session, StepOutcome* out) const {
   if (session == 0) return;
-  const GpuLease lease = planner_.LeaseOf(session);
+  const GpuLease lease = planner_.sessions().LeaseOf(session);
   out->gpu_lease_bytes = lease.lease_bytes;
   out->trainer_gpu_budget_bytes = lease.budget_bytes;
   out->trainer_gpu_peak_bytes = lease.peak_bytes;
-  out->resident_budget_bytes = planner_.ResidentBytes(session);
+  out->resident_budget_bytes = planner_.sessions().ResidentBytes(session);
 }
 
 absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& request,
@@ -485,7 +485,7 @@ absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& requ
                      .peak_bytes = request.gpu_peak_bytes};
   }
   const ShardLayout layout = planner_.LayoutOf(shard);
-  planner_.SetLease(session, lease, layout);
+  planner_.sessions().SetLease(session, lease, layout);
   if (!engine_->has_gpu()) return absl::OkStatus();
   const uint32_t target = planner_.ResidentTarget(policy, layout, session);
   return engine_->SetResident(shard, target, /*grow=*/false).status();

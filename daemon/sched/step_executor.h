@@ -153,14 +153,14 @@ class StepExecutor {
   // step at a time, and one that waited for each subgroup's gradients inside
   // would hold every other session on the GPU until its trainer's backward
   // ends (a stalled trainer: up to --early_step_ready_timeout).
-  void BindSession(uint64_t session) { planner_.BindSession(session); }
+  void BindSession(uint64_t session) { planner_.sessions().Bind(session); }
   // The session is gone (or moved to another executor): its share of the
   // engine's GPU goes to the others, and it is no longer bound.
-  void ForgetSession(uint64_t session) { planner_.ForgetSession(session); }
+  void ForgetSession(uint64_t session) { planner_.sessions().Forget(session); }
   // Its trainer died (the session waits for a resume): no step of another
   // session waits for it any more; its resident state stays until
   // ForgetSession.
-  void UnbindSession(uint64_t session) { planner_.UnbindSession(session); }
+  void UnbindSession(uint64_t session) { planner_.sessions().Unbind(session); }
 
   // Rewrites every trainer weight from the master weights (after a state
   // import or a checkpoint load), in the parameter's dtype.
@@ -231,7 +231,7 @@ class StepExecutor {
   DelayedHost::Run RunDelayedKernel(ShardState& shard, const DelayedHost& delayed);
 
   // Whether a session other than `session` is bound (BindSession).
-  bool SharesEngine(uint64_t session) const { return planner_.SharesEngine(session); }
+  bool SharesEngine(uint64_t session) const { return planner_.sessions().Shared(session); }
 
   Engine* const engine_;
   StepPlanner planner_;

@@ -131,7 +131,7 @@ bool StepPlan::TakeShared(const SubgroupQueue::SharedClaim& claim, size_t in_fli
 }
 
 StepPlanner::StepPlanner(const PlannerOptions& options)
-    : options_(options), model_(options.initial) {}
+    : options_(options), sessions_(options.budgets, options.grad_fp32), model_(options.initial) {}
 
 uint32_t StepPlanner::ResidentCount(const Policy& policy, const ShardLayout& layout,
                                     const PlanBudgets& budgets) {
@@ -159,94 +159,11 @@ PerfInputs StepPlanner::Capped(const PerfInputs& in, const PlanBudgets& budgets)
   return out;
 }
 
-uint64_t StepPlanner::StagingBytes(const ShardLayout& layout) const {
-  const uint64_t max_numel = layout.max_subgroup_numel();
-  // The engine's slots hold fp32 state whatever the shard's format.
-  uint64_t bytes = uint64_t{options_.budgets.staging_slots} * max_numel *
-                   ShardState::kStateBytesPerParam;
-  if (options_.grad_fp32) bytes += 2 * max_numel * sizeof(float);
-  return bytes;
-}
-
-void StepPlanner::SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout) {
-  const uint64_t staging = StagingBytes(layout);
-  // The most a session can keep resident: every subgroup charged the largest
-  // one's state, as ResidentCount charges them. A lease beyond it (a trainer
-  // reports what it likes) asks for no more, so that under a budget it does
-  // not shrink the other sessions' shares for memory it could never use.
-  const unsigned __int128 whole_state =
-      static_cast<unsigned __int128>(layout.max_subgroup_state_bytes()) *
-      layout.subgroup_numel.size();
-  absl::MutexLock lock(&mu_);
-  SessionShare& share = sessions_[session];
-  if (lease.reported) {
-    share.lease = lease;
-  } else if (!share.lease.reported) {
-    share.lease = GpuLease{};
-  }  // else: a step without the flag keeps the session's last lease
-  share.asks = !share.lease.reported ? options_.budgets.gpu_resident_bytes
-               : share.lease.lease_bytes > staging ? share.lease.lease_bytes - staging
-                                                   : 0;
-  if (share.lease.reported && share.asks > whole_state) {
-    share.asks = static_cast<uint64_t>(whole_state);
-  }
-}
-
-void StepPlanner::ForgetSession(uint64_t session) {
-  absl::MutexLock lock(&mu_);
-  sessions_.erase(session);
-  bound_.erase(session);
-}
-
-void StepPlanner::BindSession(uint64_t session) {
-  absl::MutexLock lock(&mu_);
-  bound_.insert(session);
-}
-
-void StepPlanner::UnbindSession(uint64_t session) {
-  absl::MutexLock lock(&mu_);
-  bound_.erase(session);
-  if (auto it = sessions_.find(session); it != sessions_.end()) it->second.steps = false;
-}
-
-bool StepPlanner::SharesEngine(uint64_t session) const {
-  absl::MutexLock lock(&mu_);
-  return bound_.size() > (bound_.contains(session) ? 1u : 0u);
-}
-
-GpuLease StepPlanner::LeaseOf(uint64_t session) const {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session);
-  return it == sessions_.end() ? GpuLease{} : it->second.lease;
-}
-
-uint64_t StepPlanner::ResidentBytes(uint64_t session) const {
-  absl::MutexLock lock(&mu_);
-  return ResidentBytesLocked(session);
-}
-
-uint64_t StepPlanner::ResidentBytesLocked(uint64_t session) const {
-  auto it = sessions_.find(session);
-  if (it == sessions_.end()) return 0;
-  const uint64_t cap = options_.budgets.gpu_resident_bytes;
-  const uint64_t asks = it->second.asks;
-  if (cap == 0) return asks;
-  unsigned __int128 total = 0;
-  for (const auto& [id, share] : sessions_) total += share.asks;
-  if (total <= cap) return asks;
-  return static_cast<uint64_t>(static_cast<unsigned __int128>(asks) * cap / total);
-}
-
 uint32_t StepPlanner::ResidentTarget(const Policy& policy, const ShardLayout& layout,
                                      uint64_t session) const {
   PlanBudgets budgets = options_.budgets;
-  bool leased = false;
-  {
-    absl::MutexLock lock(&mu_);
-    budgets.gpu_resident_bytes = ResidentBytesLocked(session);
-    auto it = sessions_.find(session);
-    leased = it != sessions_.end() && it->second.lease.reported;
-  }
+  budgets.gpu_resident_bytes = sessions_.ResidentBytes(session);
+  const bool leased = sessions_.LeaseOf(session).reported;
   const uint32_t count = ResidentCount(policy, layout, budgets);
   if (policy.kind != Policy::Kind::kStatic || !leased || layout.subgroup_numel.empty()) {
     return count;
@@ -432,11 +349,9 @@ StepPlan StepPlanner::PlanWith(const Policy& policy, const ShardLayout& layout,
   const uint64_t fixed_gpu_params = PlaceStreamed(plan, budgets.gpu);
   NodeResources* const node = options_.node;
   plan.node_share = node != nullptr ? node->Share(options_.node_engine) : 1.0;
-  bool alone = true;  // no other session steps on this engine
+  const bool alone = sessions_.Alone();  // no other session steps on this engine
   {
     absl::MutexLock lock(&mu_);
-    alone = bound_.size() <= 1 && std::count_if(sessions_.begin(), sessions_.end(),
-                                                [](const auto& s) { return s.second.steps; }) <= 1;
     model_.set_transfer_sizes(layout.grad_bytes, layout.weight_bytes, layout.state_bytes);
     plan.inputs =
         Capped(node != nullptr ? node->Apply(options_.node_engine, model_.inputs(), plan.node_share)

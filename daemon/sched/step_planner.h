@@ -20,17 +20,12 @@
 //                   one is shared).
 // Without a GPU (PlanBudgets::gpu false) every policy runs as `cpu`.
 //
-// Resident tier: each session of the engine gets its own resident budget.
-// A session whose trainer reports a GPU lease (SetLease, every step) asks
-// for its lease less the staging buffers its plans need, and never for more
-// than its whole state (a trainer reports what it likes); one that reports
-// none asks for budgets.gpu_resident_bytes (--gpu_memory_budget, as before
-// leases). When budgets.gpu_resident_bytes is set and the sessions together
-// ask for more, each gets a share of it in proportion to what it asks. A
-// `static:<f>` session with a lease keeps no more than its lease holds. The
-// executor asks ResidentTarget, lets the engine grow or shrink the tier
-// (growing may stop short when the device is full), then plans with what
-// the engine holds.
+// Resident tier: each session of the engine gets its own resident budget,
+// from the GPU lease it reports (EngineSessions, sessions(): which sessions
+// the engine serves and what each asks for). A `static:<f>` session with a
+// lease keeps no more than its lease holds. The executor asks
+// ResidentTarget, lets the engine grow or shrink the tier (growing may stop
+// short when the device is full), then plans with what the engine holds.
 //
 // Shared host: with PlannerOptions::node, R_cpu and M_host are the node's
 // (node_resources.h), and each plan uses this engine's share of them among
@@ -55,17 +50,17 @@
 // memory bandwidth when both paths ran.
 //
 // Ownership: one planner per engine (its rates are that device's); it owns
-// its model and nothing else. Thread-safety: thread-safe (one mutex); Plan
-// and Learn of one engine's steps are expected in step order.
+// its model and the engine's EngineSessions. Thread-safety: thread-safe
+// (one mutex, and the sessions' own); Plan and Learn of one engine's steps
+// are expected in step order.
 #pragma once
 
 #include <cstdint>
-#include <map>
-#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/sched/engine_sessions.h"
 #include "daemon/sched/node_resources.h"
 #include "daemon/sched/perf_model.h"
 #include "daemon/sched/policy.h"
@@ -92,8 +87,8 @@ struct PlannerOptions {
   // their update streams through the staging slots during the window, on
   // PCIe the trainer's forward and backward leave idle. Under auto as many
   // as the window's PCIe time holds (90%); other policies all of them. Only
-  // while one session steps on the engine (SetLease's sessions): the update
-  // holds the staging slots through the window.
+  // while one session steps on the engine (EngineSessions::Alone): the
+  // update holds the staging slots through the window.
   bool delayed_gpu = false;
   // With delayed_gpu: the GPU also takes the host path's delayed subgroups
   // first, as many as the window's PCIe time holds beside the streamed ones,
@@ -140,31 +135,11 @@ class StepPlanner {
   // Learns the delayed update's rate (params per second of its CPU time).
   void LearnDelayed(uint64_t params, double update_us) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Resident tier (above). Sessions are keyed by their id.
-  void SetLease(uint64_t session, const GpuLease& lease, const ShardLayout& layout)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
-  // A session whose shard the engine steps (StepExecutor::BindSession),
-  // lease reported or not: with more than one bound, no session steps
-  // `alone`. ForgetSession unbinds it.
-  void BindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
-  // Its trainer died: it takes no more turns on the engine, but keeps its
-  // share (its resident state stays) until it is resumed or its lease ends
-  // (ForgetSession).
-  void UnbindSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether a session other than `session` is bound.
-  bool SharesEngine(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Bytes of resident state `session` may hold now (0: unknown session).
-  uint64_t ResidentBytes(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Resident tier (above): the sessions the engine serves, keyed by id.
+  EngineSessions& sessions() { return sessions_; }
+  const EngineSessions& sessions() const { return sessions_; }
   // Subgroups `session` should keep resident under `policy`.
-  uint32_t ResidentTarget(const Policy& policy, const ShardLayout& layout, uint64_t session) const
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // The session's last reported lease (reported false: none).
-  GpuLease LeaseOf(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
-  // GPU memory the engine's staging for plans of `layout` takes: the slots
-  // (12 bytes of state per element of the largest subgroup each) and, with
-  // grad_fp32, two fp32 gradient casts.
-  uint64_t StagingBytes(const ShardLayout& layout) const;
+  uint32_t ResidentTarget(const Policy& policy, const ShardLayout& layout, uint64_t session) const;
   // The same for a registered shard (its layout read with the options' grad_fp32).
   StepPlan Plan(const Policy& policy, const ShardState& shard) ABSL_LOCKS_EXCLUDED(mu_);
   ShardLayout LayoutOf(const ShardState& shard) const {
@@ -209,11 +184,6 @@ class StepPlanner {
   static PerfInputs Capped(const PerfInputs& in, const PlanBudgets& budgets);
 
  private:
-  struct SessionShare {
-    GpuLease lease;
-    uint64_t asks = 0;  // resident bytes it asks for (before the cap's share)
-    bool steps = true;  // false once its trainer died (UnbindSession)
-  };
   StepPlan PlanWith(const Policy& policy, const ShardLayout& layout, uint32_t resident,
                     StepKind kind, double window_us) ABSL_LOCKS_EXCLUDED(mu_);
   // Under auto: the delayed parameters whose update, started once their
@@ -239,12 +209,10 @@ class StepPlanner {
   // A delayed plan's prediction (plan.predicted_us: the update the trainer
   // waits for; plan.predicted_iter_us: with its window).
   void PredictDelayed(StepPlan& plan, uint64_t max_streamed) const ABSL_LOCKS_EXCLUDED(mu_);
-  uint64_t ResidentBytesLocked(uint64_t session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PlannerOptions options_;
   mutable absl::Mutex mu_;
-  std::map<uint64_t, SessionShare> sessions_ ABSL_GUARDED_BY(mu_);
-  std::set<uint64_t> bound_ ABSL_GUARDED_BY(mu_);
+  EngineSessions sessions_;
   PerfModel model_ ABSL_GUARDED_BY(mu_);
   double cpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;
   double gpu_path_rate_ ABSL_GUARDED_BY(mu_) = 0;

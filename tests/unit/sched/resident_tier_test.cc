@@ -47,60 +47,60 @@ Policy P(absl::string_view text) { return *ParsePolicy(text); }
 TEST(ResidentTierTest, ALeaseLessTheStagingSizesTheTier) {
   StepPlanner planner(Gpu());
   const ShardLayout layout = Uniform(10);
-  EXPECT_EQ(planner.StagingBytes(layout), kStaging);
-  planner.SetLease(7, Lease(kStaging + 4 * kSgBytes + kSgBytes / 2), layout);
-  EXPECT_EQ(planner.ResidentBytes(7), 4 * kSgBytes + kSgBytes / 2);
+  EXPECT_EQ(planner.sessions().StagingBytes(layout), kStaging);
+  planner.sessions().SetLease(7, Lease(kStaging + 4 * kSgBytes + kSgBytes / 2), layout);
+  EXPECT_EQ(planner.sessions().ResidentBytes(7), 4 * kSgBytes + kSgBytes / 2);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 4u);
   const StepPlan plan = planner.Plan(P("auto"), layout, 4);
   EXPECT_EQ(plan.resident, 4u);
   EXPECT_EQ(plan.resident_params, 4 * kSg);
   EXPECT_EQ(plan.streamed_params, 6 * kSg);
   // A lease that does not even pay for the staging holds nothing resident.
-  planner.SetLease(7, Lease(kStaging - 1), layout);
+  planner.sessions().SetLease(7, Lease(kStaging - 1), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 0u);
   // A lease larger than the shard holds the whole shard.
-  planner.SetLease(7, Lease(uint64_t{1} << 40), layout);
+  planner.sessions().SetLease(7, Lease(uint64_t{1} << 40), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 7), 10u);
-  EXPECT_EQ(planner.LeaseOf(7).budget_bytes, 80u);
+  EXPECT_EQ(planner.sessions().LeaseOf(7).budget_bytes, 80u);
 }
 
 TEST(ResidentTierTest, TheTierGrowsAndShrinksWithTheLeaseAndKeepsItBetweenReports) {
   StepPlanner planner(Gpu());
   const ShardLayout layout = Uniform(8);
-  planner.SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
-  planner.SetLease(1, Lease(kStaging + 6 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 6 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 6u);
-  planner.SetLease(1, GpuLease{}, layout);  // a step without the flag keeps the lease
+  planner.sessions().SetLease(1, GpuLease{}, layout);  // a step without the flag keeps the lease
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 6u);
-  planner.SetLease(1, Lease(kStaging + 1 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 1 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 1u);
   // Other policies: cpu and interleave keep nothing resident; static keeps
   // its fraction but no more than the lease holds.
   EXPECT_EQ(planner.ResidentTarget(P("cpu"), layout, 1), 0u);
   EXPECT_EQ(planner.ResidentTarget(P("interleave:2"), layout, 1), 0u);
   EXPECT_EQ(planner.ResidentTarget(P("static:0.5"), layout, 1), 1u);
-  planner.SetLease(1, Lease(kStaging + 8 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 8 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("static:0.5"), layout, 1), 4u);
 }
 
 TEST(ResidentTierTest, WithoutALeaseTheFlagDecidesAsBefore) {
   const ShardLayout layout = Uniform(8);
   StepPlanner none(Gpu());
-  none.SetLease(1, GpuLease{}, layout);
+  none.sessions().SetLease(1, GpuLease{}, layout);
   EXPECT_EQ(none.ResidentTarget(P("auto"), layout, 1), 0u);
   StepPlanner flag(Gpu(3 * kSgBytes));
-  flag.SetLease(1, GpuLease{}, layout);
+  flag.sessions().SetLease(1, GpuLease{}, layout);
   EXPECT_EQ(flag.ResidentTarget(P("auto"), layout, 1), 3u);
   // An unknown session holds nothing.
-  EXPECT_EQ(flag.ResidentBytes(99), 0u);
+  EXPECT_EQ(flag.sessions().ResidentBytes(99), 0u);
 }
 
 TEST(ResidentTierTest, SessionsOnOneGpuEachHoldTheirOwnLease) {
   StepPlanner planner(Gpu());
   const ShardLayout layout = Uniform(10);
-  planner.SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
-  planner.SetLease(2, Lease(kStaging + 5 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 2 * kSgBytes), layout);
+  planner.sessions().SetLease(2, Lease(kStaging + 5 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 2), 5u);
 }
@@ -112,25 +112,25 @@ TEST(ResidentTierTest, ALeaseBeyondTheSessionsStateAsksForItsStateOnly) {
   StepPlanner planner(Gpu(6 * kSgBytes));
   const ShardLayout small = Uniform(2);
   const ShardLayout large = Uniform(10);
-  planner.SetLease(1, Lease(kStaging + 4 * kSgBytes), large);
+  planner.sessions().SetLease(1, Lease(kStaging + 4 * kSgBytes), large);
   for (uint64_t huge : {uint64_t{1} << 40, ~uint64_t{0}}) {
-    planner.SetLease(2, Lease(huge), small);
-    EXPECT_EQ(planner.ResidentBytes(2), 2 * kSgBytes) << huge;
+    planner.sessions().SetLease(2, Lease(huge), small);
+    EXPECT_EQ(planner.sessions().ResidentBytes(2), 2 * kSgBytes) << huge;
     EXPECT_EQ(planner.ResidentTarget(P("auto"), small, 2), 2u) << huge;
     // 4 + 2 asked, 6 allowed: session 1 keeps all it asked for.
-    EXPECT_EQ(planner.ResidentBytes(1), 4 * kSgBytes) << huge;
+    EXPECT_EQ(planner.sessions().ResidentBytes(1), 4 * kSgBytes) << huge;
     EXPECT_EQ(planner.ResidentTarget(P("auto"), large, 1), 4u) << huge;
-    EXPECT_EQ(planner.LeaseOf(2).lease_bytes, huge);  // reported as given
+    EXPECT_EQ(planner.sessions().LeaseOf(2).lease_bytes, huge);  // reported as given
   }
   // Changing every step: each report replaces the last, nothing accumulates.
   for (int i = 0; i < 100; ++i) {
-    planner.SetLease(2, Lease(i % 2 == 0 ? ~uint64_t{0} : 0), small);
+    planner.sessions().SetLease(2, Lease(i % 2 == 0 ? ~uint64_t{0} : 0), small);
   }
-  EXPECT_EQ(planner.ResidentBytes(2), 0u);
+  EXPECT_EQ(planner.sessions().ResidentBytes(2), 0u);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), large, 1), 4u);
   // No GPU at all (a host engine's planner): nothing resident whatever the lease.
   StepPlanner host{PlannerOptions{}};
-  host.SetLease(3, Lease(~uint64_t{0}), large);
+  host.sessions().SetLease(3, Lease(~uint64_t{0}), large);
   EXPECT_EQ(host.ResidentTarget(P("auto"), large, 3), 0u);
   EXPECT_EQ(host.ResidentTarget(P("static:1"), large, 3), 0u);
 }
@@ -138,22 +138,24 @@ TEST(ResidentTierTest, ALeaseBeyondTheSessionsStateAsksForItsStateOnly) {
 TEST(ResidentTierTest, TheFlagCapsAllSessionsTogetherInProportion) {
   StepPlanner planner(Gpu(6 * kSgBytes));
   const ShardLayout layout = Uniform(10);
-  planner.SetLease(1, Lease(kStaging + 4 * kSgBytes), layout);
+  planner.sessions().SetLease(1, Lease(kStaging + 4 * kSgBytes), layout);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 4u);  // alone: under the cap
-  planner.SetLease(2, Lease(kStaging + 8 * kSgBytes), layout);
+  planner.sessions().SetLease(2, Lease(kStaging + 8 * kSgBytes), layout);
   // 12 asked, 6 allowed: half each asked.
-  EXPECT_EQ(planner.ResidentBytes(1), 2 * kSgBytes);
-  EXPECT_EQ(planner.ResidentBytes(2), 4 * kSgBytes);
+  EXPECT_EQ(planner.sessions().ResidentBytes(1), 2 * kSgBytes);
+  EXPECT_EQ(planner.sessions().ResidentBytes(2), 4 * kSgBytes);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 2u);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 2), 4u);
   // A session without a lease asks for the whole cap.
-  planner.SetLease(3, GpuLease{}, layout);
-  EXPECT_LE(planner.ResidentBytes(1) + planner.ResidentBytes(2) + planner.ResidentBytes(3),
+  planner.sessions().SetLease(3, GpuLease{}, layout);
+  EXPECT_LE(planner.sessions().ResidentBytes(1) + planner.sessions().ResidentBytes(2) +
+                planner.sessions().ResidentBytes(3),
             6 * kSgBytes);
-  EXPECT_EQ(planner.ResidentBytes(3), 2 * kSgBytes);  // 6 of 18 asked: a third of the cap
+  EXPECT_EQ(planner.sessions().ResidentBytes(3),
+            2 * kSgBytes);  // 6 of 18 asked: a third of the cap
   // A session that goes gives its share back.
-  planner.ForgetSession(2);
-  planner.ForgetSession(3);
+  planner.sessions().Forget(2);
+  planner.sessions().Forget(3);
   EXPECT_EQ(planner.ResidentTarget(P("auto"), layout, 1), 4u);
 }
 

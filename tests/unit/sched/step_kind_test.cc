@@ -233,29 +233,29 @@ TEST(StepKindTest, TheDelayedGpuPathIsForASessionAloneOnItsEngine) {
   const StepKind delay(Gradients::kFinal, true, StepKind::Delay::kHost);
   const ShardLayout layout = dos::testing::UniformLayout(20, 100'000'000);
   const double window_us = 100'000;
-  planner.SetLease(1, GpuLease{}, layout);
+  planner.sessions().SetLease(1, GpuLease{}, layout);
   const StepPlan alone = planner.Plan(P("auto"), layout, 2, delay, window_us);
   ASSERT_FALSE(alone.delayed_gpu.empty());
-  planner.SetLease(2, GpuLease{}, layout);
+  planner.sessions().SetLease(2, GpuLease{}, layout);
   const StepPlan shared = planner.Plan(P("auto"), layout, 2, delay, window_us);
   EXPECT_TRUE(shared.delayed_gpu.empty());
   EXPECT_EQ(shared.delayed_gpu_params, 0u);
   EXPECT_EQ(shared.delayed.size() + shared.gpu_only.size(), 18u);  // the rest streams
-  planner.ForgetSession(2);
+  planner.sessions().Forget(2);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
   // A second session bound to the engine that reports no lease (a C client)
   // counts too.
-  planner.BindSession(1);
-  planner.BindSession(3);
+  planner.sessions().Bind(1);
+  planner.sessions().Bind(3);
   EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
-  planner.ForgetSession(3);
+  planner.sessions().Forget(3);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
   // One whose trainer died (kept for a resume, its lease's share included)
   // takes no turns: the session is alone again.
-  planner.SetLease(2, GpuLease{}, layout);
-  planner.BindSession(2);
+  planner.sessions().SetLease(2, GpuLease{}, layout);
+  planner.sessions().Bind(2);
   EXPECT_TRUE(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu.empty());
-  planner.UnbindSession(2);
+  planner.sessions().Unbind(2);
   EXPECT_EQ(planner.Plan(P("auto"), layout, 2, delay, window_us).delayed_gpu, alone.delayed_gpu);
 }
 

@@ -190,15 +190,15 @@ TEST_F(SessionTest, ADeadTrainersSessionNoLongerSharesItsGpu) {
   auto dead = NewSession("auto", child, [&](uint64_t) { gone.Notify(); });
   ASSERT_TRUE(dead->Register(DeviceSpec()).ok());
   StepPlanner& planner = executors_.ForDeviceUuid(kUuid, "test")->executor->planner();
-  EXPECT_TRUE(planner.SharesEngine(live->identity().id));
-  EXPECT_TRUE(planner.SharesEngine(dead->identity().id));
+  EXPECT_TRUE(planner.sessions().Shared(live->identity().id));
+  EXPECT_TRUE(planner.sessions().Shared(dead->identity().id));
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
   ASSERT_TRUE(gone.WaitForNotificationWithTimeout(absl::Seconds(30)));
-  EXPECT_FALSE(planner.SharesEngine(live->identity().id));
+  EXPECT_FALSE(planner.sessions().Shared(live->identity().id));
   EXPECT_EQ(Step(*live).status_code, 0);
   dead->Stop();
-  EXPECT_FALSE(planner.SharesEngine(live->identity().id));
+  EXPECT_FALSE(planner.sessions().Shared(live->identity().id));
 }
 
 }  // namespace
