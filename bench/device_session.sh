@@ -14,7 +14,8 @@
 #       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
 #       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
 #   bash bench/device_session.sh delay-blocks OUT   # 6B fp32 + delay with the GPU's delayed
-#       update's kernels at every SM, 64 and 24 blocks (--delayed_gpu_kernel_blocks), ~4.5 min
+#       update's kernels at every SM, at 24 blocks (--delayed_gpu_kernel_blocks) and staged
+#       (--delayed_gpu_staged), ~4.5 min
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -128,23 +129,26 @@ case "$what" in
     tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
     ;;
   delay-blocks)
-    # 6B fp32 + delay with the GPU's delayed update capped at N blocks a kernel
-    # (--delayed_gpu_kernel_blocks; 0: every SM), all-GPU in each run (~4.5 min).
+    # 6B fp32 + delay with the GPU's delayed update's kernels at every SM
+    # (0), capped at 24 blocks (--delayed_gpu_kernel_blocks), and staged
+    # (--delayed_gpu_staged: gradients and weights by the copy engines),
+    # all-GPU in each run (~4.5 min). VARIANTS="name=flag ..." picks others.
     rm -rf /tmp/dos-e2e-*
-    for n in 0 64 24; do
+    names=""
+    for v in ${VARIANTS:-0=--delayed_gpu_kernel_blocks=0 24=--delayed_gpu_kernel_blocks=24 \
+        staged=--delayed_gpu_staged}; do
+      n=${v%%=*}; flag=${v#*=}; names="$names e2e_$n e2e_$n.log phases_$n.log"
       timeout 170 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
         --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
-        --tag "delay_blocks$n" --dosd-arg=--log_level=debug \
-        --dosd-arg=--delayed_gpu_kernel_blocks=$n > "$O/e2e_$n.log" 2>&1
+        --tag "delay_$n" --dosd-arg=--log_level=debug --dosd-arg="$flag" > "$O/e2e_$n.log" 2>&1
       echo "exit=$?" >> "$O/e2e_$n.log"
       cp "$O/e2e_$n"/*.json "$O/" 2>/dev/null
       grep -H "event=step\.phases\|event=delayed\.\(update\|gpu\)" /tmp/dos-e2e-*/dosd-*.log \
         > "$O/phases_$n.log" 2>/dev/null
       rm -rf /tmp/dos-e2e-*
     done
-    tar czf "$O/blocks_logs.tgz" -C "$O" e2e_0 e2e_64 e2e_24 e2e_0.log e2e_64.log e2e_24.log \
-      phases_0.log phases_64.log phases_24.log && \
-      (cd "$O" && rm -rf e2e_0 e2e_64 e2e_24 e2e_*.log phases_*.log)
+    # shellcheck disable=SC2086  # one word per entry
+    tar czf "$O/blocks_logs.tgz" -C "$O" $names && (cd "$O" && rm -rf $names)
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON

@@ -58,6 +58,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     gopt.cpu_grad_fp32 = config.gpu_cpu_grad_fp32;
     gopt.cpu_copy_kernel = config.gpu_cpu_copy_kernel;
     gopt.delayed_kernel_blocks = config.delayed_gpu_kernel_blocks;
+    gopt.delayed_staged = config.delayed_gpu_staged;
     PlannerOptions planner;
     if (config.model_host_gbps > 0) {
       planner.initial.host_bytes_per_s = config.model_host_gbps * 1e9;
@@ -65,6 +66,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     }
     planner.budgets.gpu_resident_bytes = config.gpu_memory_budget;
     planner.budgets.staging_slots = static_cast<uint32_t>(config.gpu_staging_slots);
+    planner.budgets.staging_io = config.delayed_gpu_staged;
     planner.grad_fp32 = config.gpu_cpu_grad_fp32;
     planner.delayed_start_at_result = config.delayed_start_at_result;
     planner.delayed_gpu = config.delayed_gpu || config.delayed_gpu_first;

@@ -47,6 +47,8 @@ struct EnginesConfig {
   bool delayed_gpu_first = false;
   // --delayed_gpu_kernel_blocks (GpuEngineOptions::delayed_kernel_blocks).
   uint32_t delayed_gpu_kernel_blocks = 0;
+  // --delayed_gpu_staged (GpuEngineOptions::delayed_staged, PlanBudgets::staging_io).
+  bool delayed_gpu_staged = false;
   GpuDeviceSelection gpu_devices;    // devices that get a GPU engine
   uint64_t gpu_memory_budget = 0;    // resident-state bytes `auto` may use on the GPU
   int gpu_staging_slots = 2;         // GPU-path subgroups in flight

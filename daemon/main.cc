@@ -2,22 +2,21 @@
 // flags into a DaemonConfig, builds the components, serves gRPC on a unix
 // socket, and drains on SIGTERM/SIGINT.
 #include <grp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -26,12 +25,12 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/bounds_flags.h"
 #include "daemon/common/log.h"
-#include "daemon/state/host_guard.h"
 #include "daemon/common/sd_notify.h"
 #include "daemon/cpu/cpu_updater.h"
+#include "daemon/delayed_flags.h"
 #include "daemon/engines.h"
-#include "daemon/metrics/metrics_http_server.h"
 #include "daemon/metrics/daemon_metrics.h"
+#include "daemon/metrics/metrics_http_server.h"
 #include "daemon/metrics/metrics_registry.h"
 #include "daemon/rpc/dos_service.h"
 #include "daemon/rpc/session_ports.h"
@@ -40,9 +39,10 @@
 #include "daemon/sched/device_selection.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/session/session_manager.h"
+#include "daemon/state/host_guard.h"
 #include "daemon/state/host_memory_budget.h"
-#include "dos/version.h"
 #include "dos/cli/cli.h"
+#include "dos/version.h"
 
 ABSL_FLAG(std::string, socket, "/run/dos/dosd.sock",
           "Unix socket to serve the gRPC control plane on.");
@@ -53,32 +53,6 @@ ABSL_FLAG(std::string, host_memory_limit, "0",
 ABSL_FLAG(uint64_t, subgroup_size, 100'000'000,
           "Default subgroup size in elements, for clients that do not choose one.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU update threads; 0 = every core.");
-ABSL_FLAG(int, delayed_cpu_threads, -2,
-          "Threads of the delayed update (clients with delay=1), which runs beside the "
-          "trainers' forward and backward: N > 0 threads; 0 = as --cpu_threads; -K = "
-          "--cpu_threads' count less K, leaving K cores to the trainers' launch threads.");
-ABSL_FLAG(int, delayed_cpu_nice, 0,
-          "Nice value (0-19) of the delayed update's threads, so that the trainers' launch "
-          "threads run first when both want a core; 0 leaves them as dosd's other threads.");
-ABSL_FLAG(std::string, delayed_update_start, "captured",
-          "When the delayed update (clients with delay=1) starts: captured = as soon as the "
-          "step has copied the gradients, beside the rest of its GPU path; result = once the "
-          "step's result is posted, so that the step's PCIe copies have host memory to "
-          "themselves.");
-ABSL_FLAG(bool, delayed_gpu_path, true,
-          "With delay=1 clients: delay the streamed subgroups too. Their gradients are "
-          "captured with the host path's and their update crosses PCIe during the next "
-          "forward and backward (under policy auto as many as the window's PCIe time holds), "
-          "so the step keeps only the resident kernels and the copies. Only while one "
-          "session steps on the GPU (the update holds its staging slots through the window).");
-ABSL_FLAG(bool, delayed_gpu_first, false,
-          "With delay=1 clients (implies --delayed_gpu_path): the GPU also takes the "
-          "subgroups the CPU would update late, first, as many as the window's PCIe time "
-          "holds, and the CPU updates only the rest: the copy engines' traffic instead of the "
-          "host cores' beside the trainer's forward and backward.");
-ABSL_FLAG(uint32_t, delayed_gpu_kernel_blocks, 0,
-          "Blocks of each kernel of the GPU's delayed update (it waits on PCIe for the host's "
-          "gradients and weights, beside the trainer's kernels); 0: a grid of every SM.");
 ABSL_FLAG(uint64_t, cpu_tile, 65536, "Elements per CPU update tile.");
 ABSL_FLAG(std::string, cpu_isa, "", "Force a CPU kernel variant: scalar, avx2, avx512.");
 ABSL_FLAG(std::string, policy, "auto",
@@ -292,21 +266,7 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   }
   c.engines.cpu.threads = absl::GetFlag(FLAGS_cpu_threads);
   c.engines.cpu.tile_elems = absl::GetFlag(FLAGS_cpu_tile);
-  c.engines.delayed_cpu_threads = absl::GetFlag(FLAGS_delayed_cpu_threads);
-  c.engines.delayed_cpu_nice = absl::GetFlag(FLAGS_delayed_cpu_nice);
-  const std::string start = absl::GetFlag(FLAGS_delayed_update_start);
-  if (start != "captured" && start != "result") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--delayed_update_start=", start, " is unknown; use captured or result"));
-  }
-  c.engines.delayed_start_at_result = start == "result";
-  c.engines.delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
-  c.engines.delayed_gpu_first = absl::GetFlag(FLAGS_delayed_gpu_first);
-  c.engines.delayed_gpu_kernel_blocks = absl::GetFlag(FLAGS_delayed_gpu_kernel_blocks);
-  if (c.engines.delayed_cpu_nice < 0 || c.engines.delayed_cpu_nice > 19) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--delayed_cpu_nice=", c.engines.delayed_cpu_nice, " is out of range; use 0 to 19"));
-  }
+  if (absl::Status st = DelayedFromFlags(&c.engines); !st.ok()) return st;
   if (c.engines.cpu.threads < 0 || c.engines.cpu.tile_elems == 0) {
     return absl::InvalidArgumentError("--cpu_threads must be >= 0 and --cpu_tile > 0");
   }

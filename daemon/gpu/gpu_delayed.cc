@@ -149,18 +149,18 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&run.start));
   absl::Status status = DOS_CUDA_STATUS(cudaEventRecord(run.start, h2d_));
   if (status.ok()) status = StreamDelayed(run, subgroups);
-  // The weights the kernels wrote over PCIe are in host memory once their
-  // stream is done (StreamDelayed).
+  // The weights the kernels wrote over PCIe (or the slots' copies, staged)
+  // are in host memory once their stream is done (StreamDelayed).
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
   if (status.ok()) status = st;
   cudaEventDestroy(run.start);
   // The GPU's share of the delayed update, for an operator comparing it
   // with the window (its copy engines' and kernels' busy time).
   DOS_LOG_DEBUG("delayed.gpu", "subgroups", subgroups.size(), "params", run.gpu_params,
-                "kernel_blocks", run.delayed_kernel_blocks, "wall_us",
-                absl::ToDoubleMicroseconds(absl::Now() - start), "h2d_us", run.h2d_us, "kernel_us",
-                run.kernel_us, "d2h_us", run.d2h_us, "h2d_bytes", run.gpu_h2d, "d2h_bytes",
-                run.gpu_d2h);
+                "kernel_blocks", run.delayed_kernel_blocks, "staged", options_.delayed_staged,
+                "wall_us", absl::ToDoubleMicroseconds(absl::Now() - start), "h2d_us", run.h2d_us,
+                "kernel_us", run.kernel_us, "d2h_us", run.d2h_us, "h2d_bytes", run.gpu_h2d,
+                "d2h_bytes", run.gpu_d2h);
   return status;
 }
 

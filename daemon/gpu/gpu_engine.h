@@ -71,6 +71,11 @@ struct GpuEngineOptions {
   // gradients and write the weights in page-locked host memory: at most this
   // many blocks each (DeviceAdamSpan::max_blocks; 0: every SM).
   uint32_t delayed_kernel_blocks = 0;
+  // The delayed update's gradients copied into the staging slot and its
+  // weights out by the copy engines, beside the state, so that its kernels
+  // touch GPU memory only (dosd: --delayed_gpu_staged): each slot then
+  // holds kStagedIoBytesPerParam more per element (PlanBudgets::staging_io).
+  bool delayed_staged = false;
 };
 
 class GpuEngine final : public Engine {
@@ -175,7 +180,14 @@ class GpuEngine final : public Engine {
   cudaStream_t resident_ = nullptr;                                  // resident subgroups' kernels
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
-  std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);      // device, 3 * buffer_numel each
+  // device, SlotBytesPerParam() * buffer_numel each: the state (12 bytes
+  // per element), then with delayed_staged a delayed update's gradients and
+  // weights (kStagedIoBytesPerParam: grad_elem then weight_elem strides of
+  // buffer_numel elements each)
+  std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);
+  uint64_t SlotBytesPerParam() const {
+    return ShardState::kStateBytesPerParam + (options_.delayed_staged ? kStagedIoBytesPerParam : 0);
+  }
   std::vector<SlotPrefetch> prefetch_ ABSL_GUARDED_BY(step_mu_);  // per slot
   std::vector<char*> grad_host_ ABSL_GUARDED_BY(step_mu_);   // pinned, 4 * buffer_numel (x2)
   std::vector<char*> weight_host_ ABSL_GUARDED_BY(step_mu_); // pinned, 4 * buffer_numel (x2)

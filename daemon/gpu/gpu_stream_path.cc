@@ -12,21 +12,37 @@
 namespace dos::gpu {
 namespace {
 
+// A delayed update's gradients and weights staged in a slot (`base`, after
+// its state): the delayed buffers' layout, `numel` elements a stride.
+struct StagedIo {
+  char* base = nullptr;  // null: not staged
+  uint64_t numel = 0;
+  char* grad(const DelayedHost& d, uint64_t offset) const { return base + offset * d.grad_elem(); }
+  char* weight(const DelayedHost& d, uint64_t offset) const {
+    return base + numel * d.grad_elem() + offset * d.weight_elem();
+  }
+};
+
 // The fused kernel over every segment of subgroup `g` whose state is at
 // `state` (a staging slot or a resident copy), on `stream`.
 // A delayed update's (run.delayed_io) reads the gradients from and writes
-// the weights to the delayed buffers, page-locked host memory the kernel
-// reaches over PCIe (unified addressing: cudaHostAlloc's pointers are the
-// device's too).
+// the weights to the delayed buffers: staged in the slot (`io`), or in
+// page-locked host memory the kernel reaches over PCIe (unified addressing:
+// cudaHostAlloc's pointers are the device's too), its grid then capped at
+// run.delayed_kernel_blocks.
 absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* state,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, StagedIo io = {}) {
   const Subgroup& g = run.shard->subgroups()[sg];
+  const DelayedHost* const d = run.delayed_io;
   return cpu::ForEachSegmentSpan(
       run.shard->tensors(), g, state,
       [&](const SubgroupSegment& seg, const TensorDesc& t) {
-        if (run.delayed_io != nullptr) {
-          return cpu::SegmentIo{run.delayed_io->grad(sg, seg), t.grad_dtype,
-                                run.delayed_io->weight(sg, seg), t.param_dtype};
+        if (d != nullptr && io.base != nullptr) {
+          return cpu::SegmentIo{io.grad(*d, seg.subgroup_offset), t.grad_dtype,
+                                io.weight(*d, seg.subgroup_offset), t.param_dtype};
+        }
+        if (d != nullptr) {
+          return cpu::SegmentIo{d->grad(sg, seg), t.grad_dtype, d->weight(sg, seg), t.param_dtype};
         }
         return cpu::TrainerIo(t, seg, run.bindings[seg.tensor].grad,
                               run.bindings[seg.tensor].param);
@@ -44,9 +60,9 @@ absl::Status LaunchSubgroup(const GpuEngine::StepRun& run, uint32_t sg, float* s
             .exp_avg_bf16 = s.exp_avg_bf16,
             .exp_avg_sq_bf16 = s.exp_avg_sq_bf16,
             .element_offset = s.element_offset,
-            .max_blocks = run.delayed_io != nullptr ? run.delayed_kernel_blocks : 0u};
+            .max_blocks = d != nullptr && io.base == nullptr ? run.delayed_kernel_blocks : 0u};
         const std::span<const cpu::AdamScalars> scalars =
-            run.delayed_io != nullptr ? run.delayed_io->scalars_for(sg) : run.scalars;
+            d != nullptr ? d->scalars_for(sg) : run.scalars;
         return LaunchAdam(scalars[seg.tensor], span, stream);
       });
 }
@@ -58,8 +74,11 @@ class StreamPipeline {
   struct Streams {
     cudaStream_t h2d, compute, d2h;
   };
-  StreamPipeline(GpuEngine::StepRun& run, Streams streams, std::span<float* const> slots)
-      : run_(run), streams_(streams), buffers_(slots), slots_(slots.size()) {
+  // `io_numel`: a delayed update's gradients and weights are staged in each
+  // slot after its state, `io_numel` elements a stride (0: not staged).
+  StreamPipeline(GpuEngine::StepRun& run, Streams streams, std::span<float* const> slots,
+                 uint64_t io_numel = 0)
+      : run_(run), streams_(streams), buffers_(slots), io_numel_(io_numel), slots_(slots.size()) {
     for (int i = static_cast<int>(slots.size()) - 1; i >= 0; --i) free_.push_back(i);
     for (size_t i = 0; i < slots_.size() && i < run.prefetched.size(); ++i) {
       slots_[i].prefetched = run.prefetched[i];
@@ -131,13 +150,20 @@ class StreamPipeline {
       DOS_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(state, g.master, bytes, cudaMemcpyHostToDevice, streams_.h2d));
     }
+    const StagedIo io = Staged(si);
+    if (io.base != nullptr) {  // the delayed update's gradients, beside the state
+      const uint64_t n = g.numel * run_.delayed_io->grad_elem();
+      run_.gpu_h2d += n;
+      DOS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(io.base, run_.delayed_io->grad_region(sg), n,
+                                               cudaMemcpyHostToDevice, streams_.h2d));
+    }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[1], streams_.h2d));
     // Early step: the state is on its way; the kernel waits for the
     // subgroup's gradients.
     DOS_RETURN_IF_ERROR(WaitReady(run_, sg, &run_.gpu_wait_us));
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_.compute, s.ev[1], 0));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[2], streams_.compute));
-    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, sg, state, streams_.compute));
+    DOS_RETURN_IF_ERROR(LaunchSubgroup(run_, sg, state, streams_.compute, io));
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[3], streams_.compute));
     // The trainer's weights are final once the kernel ran (the state's way
     // back to the host does not concern it).
@@ -146,6 +172,13 @@ class StreamPipeline {
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[4], streams_.d2h));
     DOS_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(g.master, state, bytes, cudaMemcpyDeviceToHost, streams_.d2h));
+    if (io.base != nullptr) {  // the delayed update's new weights
+      const uint64_t n = g.numel * run_.delayed_io->weight_elem();
+      run_.gpu_d2h += n;
+      DOS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run_.delayed_io->weight_region(sg),
+                                               io.weight(*run_.delayed_io, 0), n,
+                                               cudaMemcpyDeviceToHost, streams_.d2h));
+    }
     DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.ev[5], streams_.d2h));
     return absl::OkStatus();
   }
@@ -160,6 +193,12 @@ class StreamPipeline {
   }
 
  private:
+  StagedIo Staged(int si) const {
+    if (io_numel_ == 0 || run_.delayed_io == nullptr) return {};
+    return {reinterpret_cast<char*>(buffers_[si]) + io_numel_ * ShardState::kStateBytesPerParam,
+            io_numel_};
+  }
+
   struct Slot {
     uint32_t subgroup = 0;
     int64_t prefetched = -1;  // subgroup whose state Prefetch put here, unused yet
@@ -168,6 +207,7 @@ class StreamPipeline {
   GpuEngine::StepRun& run_;
   const Streams streams_;
   std::span<float* const> buffers_;
+  const uint64_t io_numel_;
   std::vector<Slot> slots_;
   std::deque<int> busy_;
   std::vector<int> free_;
@@ -214,9 +254,11 @@ absl::Status GpuEngine::StreamSubgroups(StepRun& run) {
 
 absl::Status GpuEngine::StreamDelayed(StepRun& run, std::span<const uint32_t> subgroups) {
   // The kernels run beside the trainer's forward and backward, reading the
-  // gradients over PCIe: on the low-priority stream (idle between steps),
-  // not ahead of the trainer's kernels.
-  StreamPipeline pipe(run, {h2d_, resident_, d2h_}, slots_);
+  // gradients over PCIe (or, delayed_staged, from the slot, copied beside
+  // the state): on the low-priority stream (idle between steps), not ahead
+  // of the trainer's kernels.
+  StreamPipeline pipe(run, {h2d_, resident_, d2h_}, slots_,
+                      options_.delayed_staged ? buffer_numel_ : 0);
   absl::Status status = pipe.Init();
   for (size_t k = 0; k < subgroups.size() && status.ok();) {
     if (pipe.full()) {

@@ -109,6 +109,12 @@ char* DelayedHost::grad(uint32_t sg, const SubgroupSegment& seg) const {
   return regions_[region_of_[sg]].get() + seg.subgroup_offset * grad_elem_;
 }
 
+char* DelayedHost::grad_region(uint32_t sg) const { return regions_[region_of_[sg]].get(); }
+
+char* DelayedHost::weight_region(uint32_t sg) const {
+  return regions_[region_of_[sg]].get() + max_numel_ * grad_elem_;
+}
+
 char* DelayedHost::weight(uint32_t sg, const SubgroupSegment& seg) const {
   return regions_[region_of_[sg]].get() + max_numel_ * grad_elem_ +
          seg.subgroup_offset * weight_elem_;

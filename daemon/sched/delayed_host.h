@@ -79,6 +79,13 @@ class DelayedHost {
   // its new weights, in the tensor's grad and param dtypes.
   char* grad(uint32_t sg, const SubgroupSegment& seg) const;
   char* weight(uint32_t sg, const SubgroupSegment& seg) const;
+  // The same for the whole subgroup: segment `seg`'s are at
+  // seg.subgroup_offset elements of grad_elem() (weight_elem()) bytes each
+  // from there, whatever its tensor's dtype.
+  char* grad_region(uint32_t sg) const;
+  char* weight_region(uint32_t sg) const;
+  uint64_t grad_elem() const { return grad_elem_; }
+  uint64_t weight_elem() const { return weight_elem_; }
 
   // Stage bookkeeping (above).
   // Before the step's Execute captures `subgroups`: those among them whose

@@ -9,7 +9,9 @@ namespace dos {
 uint64_t EngineSessions::StagingBytes(const ShardLayout& layout) const {
   const uint64_t max_numel = layout.max_subgroup_numel();
   // The engine's slots hold fp32 state whatever the shard's format.
-  uint64_t bytes = uint64_t{budgets_.staging_slots} * max_numel * ShardState::kStateBytesPerParam;
+  const uint64_t per_param =
+      ShardState::kStateBytesPerParam + (budgets_.staging_io ? kStagedIoBytesPerParam : 0);
+  uint64_t bytes = uint64_t{budgets_.staging_slots} * max_numel * per_param;
   if (grad_fp32_) bytes += 2 * max_numel * sizeof(float);
   return bytes;
 }

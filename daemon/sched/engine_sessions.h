@@ -59,7 +59,8 @@ class EngineSessions {
   // Bytes of resident state `session` may hold now (0: unknown session).
   uint64_t ResidentBytes(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
   // GPU memory the engine's staging for plans of `layout` takes: the slots
-  // (12 bytes of state per element of the largest subgroup each) and, with
+  // (12 bytes of state per element of the largest subgroup each, and with
+  // staging_io a delayed update's gradients and weights) and, with
   // grad_fp32, two fp32 gradient casts.
   uint64_t StagingBytes(const ShardLayout& layout) const;
 

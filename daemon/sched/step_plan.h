@@ -61,6 +61,11 @@ struct ShardLayout {
   static ShardLayout Of(const ShardState& shard, bool grad_fp32);
 };
 
+// GPU memory a staging slot takes per element, beyond the state, for a
+// delayed update's gradients and weights when they are staged on the GPU
+// (PlanBudgets::staging_io): 4 bytes each at most (fp32).
+inline constexpr uint64_t kStagedIoBytesPerParam = 8;
+
 // The limits a plan must respect beyond the measured rates.
 struct PlanBudgets {
   // Whether a GPU executes the plan; false: every subgroup on the CPU,
@@ -74,6 +79,9 @@ struct PlanBudgets {
   // Staging slots the engine streams through (GpuEngineOptions): a lease
   // pays for them before resident state.
   uint32_t staging_slots = 2;
+  // Each slot also holds a delayed update's gradients and weights
+  // (kStagedIoBytesPerParam per element: --delayed_gpu_staged).
+  bool staging_io = false;
   // Caps on what the step may use, in bytes/s; 0: no cap (the measured rates
   // alone). PCIe per direction (both directions together get twice it), host
   // memory for cores and DMA engines together.

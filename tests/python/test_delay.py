@@ -512,13 +512,17 @@ def test_a_delay_past_the_host_memory_limit_fails_cleanly(flag):
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the delayed GPU path streams through a GPU (no CUDA here)")
-@pytest.mark.parametrize("flag", ["--delayed_gpu_path", "--delayed_gpu_first"])
+@pytest.mark.parametrize("flag", ["--delayed_gpu_path", "--delayed_gpu_first",
+                                  "--delayed_gpu_staged", "--delayed_gpu_kernel_blocks=3"])
 def test_the_delayed_gpu_path_is_adamw_one_step_late(flag):
     """dosd --delayed_gpu_path: the subgroups interleave:2 streams are
     delayed too, updated on the GPU during the window from the gradients
     captured at the step; with the host path's, every subgroup is one step
     late (a streamed one applied at once would not match).
-    --delayed_gpu_first: the GPU updates the host path's too (by rule all)."""
+    --delayed_gpu_first: the GPU updates the host path's too (by rule all).
+    --delayed_gpu_staged: its gradients and weights cross by the copy engines
+    through the staging slots; --delayed_gpu_kernel_blocks: its kernels read
+    them over PCIe on a grid of 3 blocks. The same bits either way."""
     data = make_data(n=STEPS)
     seen, master = reference(data, 3, device="cuda", delayed_from=0)
     from conftest import running_dosd

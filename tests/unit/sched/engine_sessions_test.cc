@@ -73,5 +73,21 @@ TEST(EngineSessionsTest, ADeadTrainersSessionTakesNoTurnsButKeepsItsShare) {
   EXPECT_FALSE(s.LeaseOf(2).reported);
 }
 
+// The staging a lease pays for first: the slots' state, and with staging_io
+// (--delayed_gpu_staged) a delayed update's gradients and weights too.
+TEST(EngineSessionsTest, StagedDelayedIoIsChargedToTheStaging) {
+  PlanBudgets budgets = Gpu();
+  budgets.staging_slots = 3;
+  EXPECT_EQ(EngineSessions(budgets, false).StagingBytes(Uniform(5)), 3u * 1000 * 12);
+  EXPECT_EQ(EngineSessions(budgets, true).StagingBytes(Uniform(5)), 3u * 1000 * 12 + 2 * 1000 * 4);
+  budgets.staging_io = true;
+  EngineSessions staged(budgets, false);
+  EXPECT_EQ(staged.StagingBytes(Uniform(5)), 3u * 1000 * (12 + kStagedIoBytesPerParam));
+  // A lease that covered the slots without it leaves less for resident state.
+  const GpuLease lease{.reported = true, .lease_bytes = 3u * 1000 * 12 + 4 * 12'000};
+  staged.SetLease(1, lease, Uniform(5));
+  EXPECT_EQ(staged.ResidentBytes(1), 4u * 12'000 - 3 * 1000 * kStagedIoBytesPerParam);
+}
+
 }  // namespace
 }  // namespace dos
