@@ -157,11 +157,10 @@ absl::Status GpuEngine::EnsureBuffers(uint64_t max_numel) {
   buffer_numel_ = 0;
   for (int i = 0; i < options_.staging_slots; ++i) {
     float* p = nullptr;
-    absl::Status st = DOS_CUDA_STATUS(cudaMalloc(&p, max_numel * SlotBytesPerParam()));
+    absl::Status st = DOS_CUDA_STATUS(cudaMalloc(&p, SlotBytes(max_numel)));
     if (!st.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "gpu: cannot allocate staging slot ", i, " of ",
-          FormatBytes(max_numel * SlotBytesPerParam()),
+          "gpu: cannot allocate staging slot ", i, " of ", FormatBytes(SlotBytes(max_numel)),
           " on the GPU; lower --gpu_staging_slots or the subgroup size: ", st.message()));
     }
     slots_.push_back(p);
@@ -370,7 +369,7 @@ void GpuEngine::Measure(StepRun& run, double wall_us, StepMeasurements* m) {
   m->cpu_loop_us = run.cpu_loop_us - run.cpu_wait_us;
   m->gpu_loop_us = run.gpu_loop_us - run.gpu_wait_us;
   m->wall_us = wall_us - std::max(run.cpu_wait_us, run.gpu_wait_us);
-  m->gpu_memory_bytes = slots_.size() * buffer_numel_ * SlotBytesPerParam() +
+  m->gpu_memory_bytes = slots_.size() * SlotBytes(buffer_numel_) +
                         cast_dev_.size() * buffer_numel_ * sizeof(float) + resident_bytes_.load();
   m->entries = std::move(run.gpu_entries);
   m->entries.insert(m->entries.end(), run.cpu_entries.begin(), run.cpu_entries.end());

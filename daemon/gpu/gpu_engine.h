@@ -78,6 +78,9 @@ struct GpuEngineOptions {
   bool delayed_staged = false;
 };
 
+// Where a slot's staged gradients and weights start (GpuEngine::SlotBytes).
+inline constexpr uint64_t kStagedIoAlign = 256;
+
 class GpuEngine final : public Engine {
  public:
   // UNAVAILABLE when there is no such device (the daemon then runs CPU only).
@@ -180,13 +183,14 @@ class GpuEngine final : public Engine {
   cudaStream_t resident_ = nullptr;                                  // resident subgroups' kernels
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
-  // device, SlotBytesPerParam() * buffer_numel each: the state (12 bytes
-  // per element), then with delayed_staged a delayed update's gradients and
-  // weights (kStagedIoBytesPerParam: grad_elem then weight_elem strides of
-  // buffer_numel elements each)
+  // device, SlotBytes(buffer_numel) each: the state (12 bytes per element),
+  // then with delayed_staged a delayed update's gradients and weights
+  // (kStagedIoBytesPerParam: grad_elem then weight_elem strides of
+  // buffer_numel elements each, each part on kStagedIoAlign bytes)
   std::vector<float*> slots_ ABSL_GUARDED_BY(step_mu_);
-  uint64_t SlotBytesPerParam() const {
-    return ShardState::kStateBytesPerParam + (options_.delayed_staged ? kStagedIoBytesPerParam : 0);
+  uint64_t SlotBytes(uint64_t numel) const {
+    return numel * ShardState::kStateBytesPerParam +
+           (options_.delayed_staged ? numel * kStagedIoBytesPerParam + 2 * kStagedIoAlign : 0);
   }
   std::vector<SlotPrefetch> prefetch_ ABSL_GUARDED_BY(step_mu_);  // per slot
   std::vector<char*> grad_host_ ABSL_GUARDED_BY(step_mu_);   // pinned, 4 * buffer_numel (x2)

@@ -13,13 +13,17 @@ namespace dos::gpu {
 namespace {
 
 // A delayed update's gradients and weights staged in a slot (`base`, after
-// its state): the delayed buffers' layout, `numel` elements a stride.
+// its state): the delayed buffers' layout, `numel` elements a stride, each
+// part on kStagedIoAlign bytes (the kernel's four-element loads).
 struct StagedIo {
   char* base = nullptr;  // null: not staged
   uint64_t numel = 0;
+  static uint64_t Up(uint64_t bytes) {
+    return (bytes + kStagedIoAlign - 1) / kStagedIoAlign * kStagedIoAlign;
+  }
   char* grad(const DelayedHost& d, uint64_t offset) const { return base + offset * d.grad_elem(); }
   char* weight(const DelayedHost& d, uint64_t offset) const {
-    return base + numel * d.grad_elem() + offset * d.weight_elem();
+    return base + Up(numel * d.grad_elem()) + offset * d.weight_elem();
   }
 };
 
@@ -195,7 +199,8 @@ class StreamPipeline {
  private:
   StagedIo Staged(int si) const {
     if (io_numel_ == 0 || run_.delayed_io == nullptr) return {};
-    return {reinterpret_cast<char*>(buffers_[si]) + io_numel_ * ShardState::kStateBytesPerParam,
+    return {reinterpret_cast<char*>(buffers_[si]) +
+                StagedIo::Up(io_numel_ * ShardState::kStateBytesPerParam),
             io_numel_};
   }
 
