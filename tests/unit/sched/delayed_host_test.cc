@@ -2,11 +2,13 @@
 // each region is charged from its allocation until it is freed; Place
 // charges the regions it needs all at once, so a placement past the limit
 // allocates nothing, and one whose allocation fails gives back the charge
-// of the regions it did not make.
+// of the regions it did not make; a subgroup's region holds each segment at
+// its offset.
 #include "daemon/sched/delayed_host.h"
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,6 +57,38 @@ TEST(DelayedHostTest, RegionsAreChargedUntilFreed) {
     EXPECT_EQ(budget.used(), state + 3 * kRegionBytes);
   }
   EXPECT_EQ(budget.used(), state);
+}
+
+// A subgroup's gradients and weights lie in its region whole, each segment
+// at its subgroup offset of the widest dtype: what one copy of the region
+// moves (the GPU's staged delayed update) is what grad() and weight() name.
+TEST(DelayedHostTest, ASubgroupsRegionHoldsEachSegmentAtItsOffset) {
+  std::vector<TensorDesc> tensors(2);
+  tensors[0].numel = 1500;
+  tensors[0].grad_dtype = DType::kBF16;
+  tensors[0].param_dtype = DType::kBF16;
+  tensors[1].numel = 1300;
+  tensors[1].grad_dtype = DType::kF32;
+  tensors[1].param_dtype = DType::kF16;
+  HostMemoryBudget budget{0};
+  auto shard = *ShardState::Create(tensors, {GroupConfig{}}, kSubgroup, &budget, "test");
+  DelayedHost delayed(*shard, &budget);
+  std::vector<uint32_t> all;
+  for (uint32_t i = 0; i < shard->subgroups().size(); ++i) all.push_back(i);
+  CountingAlloc alloc;
+  ASSERT_TRUE(delayed.Place(all, alloc.Fn()).ok());
+  EXPECT_EQ(delayed.grad_elem(), 4u);
+  EXPECT_EQ(delayed.weight_elem(), 2u);
+  for (uint32_t sg : all) {
+    const Subgroup& g = shard->subgroups()[sg];
+    EXPECT_GE(delayed.weight_region(sg) - delayed.grad_region(sg),
+              static_cast<std::ptrdiff_t>(g.numel * delayed.grad_elem()));
+    for (const SubgroupSegment& seg : g.segments) {
+      EXPECT_EQ(delayed.grad(sg, seg), delayed.grad_region(sg) + seg.subgroup_offset * 4);
+      EXPECT_EQ(delayed.weight(sg, seg), delayed.weight_region(sg) + seg.subgroup_offset * 2);
+      EXPECT_LE(seg.subgroup_offset + seg.count, g.numel);
+    }
+  }
 }
 
 TEST(DelayedHostTest, APlacementPastTheLimitAllocatesNothing) {
