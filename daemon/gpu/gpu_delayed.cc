@@ -202,7 +202,8 @@ absl::Status GpuEngine::CaptureLoop(StepRun& run) {
   std::vector<cudaEvent_t>& copied = run.gs->delayed_copied;
   while (copied.size() < run.shard->subgroups().size()) {
     cudaEvent_t ev = nullptr;
-    DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    DOS_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | kHostWaitedEvent));
     copied.push_back(ev);
   }
   absl::Status status;

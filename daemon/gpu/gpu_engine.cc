@@ -191,8 +191,8 @@ absl::StatusOr<void*> GpuEngine::OpenTrainerEvent(const std::string& handle) {
   }
   std::memcpy(&h, handle.data(), sizeof(h));
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  cudaEvent_t ev = nullptr;
-  cudaError_t err = cudaIpcOpenEventHandle(&ev, h);
+  auto te = std::make_unique<TrainerEvent>();
+  cudaError_t err = cudaIpcOpenEventHandle(&te->ipc, h);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return absl::InvalidArgumentError(absl::StrCat(
@@ -201,20 +201,31 @@ absl::StatusOr<void*> GpuEngine::OpenTrainerEvent(const std::string& handle) {
         "); create it with cudaEventInterprocess | cudaEventDisableTiming on the device of the "
         "tensors"));
   }
-  return static_cast<void*>(ev);
+  absl::Status st = DOS_CUDA_STATUS(cudaStreamCreateWithFlags(&te->wait, cudaStreamNonBlocking));
+  if (st.ok()) {
+    st = DOS_CUDA_STATUS(
+        cudaEventCreateWithFlags(&te->passed, cudaEventDisableTiming | kHostWaitedEvent));
+  }
+  if (!st.ok()) {
+    CloseTrainerEvent(te.release());
+    return st;
+  }
+  return static_cast<void*>(te.release());
 }
 
 void GpuEngine::CloseTrainerEvent(void* event) {
   if (event == nullptr) return;
-  if (cudaSetDevice(options_.device) == cudaSuccess) {
-    cudaEventDestroy(static_cast<cudaEvent_t>(event));
-  }
+  std::unique_ptr<TrainerEvent> te(static_cast<TrainerEvent*>(event));
+  if (cudaSetDevice(options_.device) != cudaSuccess) return;
+  if (te->passed != nullptr) cudaEventDestroy(te->passed);
+  if (te->wait != nullptr) cudaStreamDestroy(te->wait);
+  if (te->ipc != nullptr) cudaEventDestroy(te->ipc);
 }
 
 absl::Status GpuEngine::WaitTrainerEvent(void* event) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  auto ev = static_cast<cudaEvent_t>(event);
+  const cudaEvent_t ev = static_cast<TrainerEvent*>(event)->ipc;
   // The streams that read gradients or write weights: the Adam kernels
   // (streamed and resident) and the CPU path's copies. The state streams
   // (h2d_, d2h_) do not wait: state does not depend on the trainer, and the
@@ -229,9 +240,13 @@ absl::Status GpuEngine::WaitTrainerEvent(void* event) {
 
 absl::Status GpuEngine::SyncTrainerEvent(void* event) {
   // No step_mu_: the wait uses none of the engine's streams or buffers, and
-  // it lasts as long as the trainer's backward.
+  // it lasts as long as the trainer's backward. Through the event's own
+  // stream, so that the host sleeps (TrainerEvent).
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  DOS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  auto* te = static_cast<TrainerEvent*>(event);
+  DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(te->wait, te->ipc, 0));
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(te->passed, te->wait));
+  DOS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(te->passed));
   return absl::OkStatus();
 }
 

@@ -44,8 +44,28 @@ inline double EventUs(cudaEvent_t start, cudaEvent_t ev) {
   return ms * 1e3;
 }
 
+// Events the host may wait for (cudaEventSynchronize) are made with
+// cudaEventBlockingSync: without it the waiting thread busy-waits on a core
+// whatever the device's flags (cudaDeviceScheduleBlockingSync covers stream
+// and device waits only), and dosd's waits last as long as the trainer's
+// forward and backward, whose launch threads need those cores.
+inline constexpr unsigned kHostWaitedEvent = cudaEventBlockingSync;
+
+// A trainer's event as dosd holds it (GpuEngine::OpenTrainerEvent's
+// handle). The interprocess event's flags are the trainer's (without
+// cudaEventBlockingSync a host wait on it would spin), so the host waits
+// for it through a stream of its own: the stream waits for the trainer's
+// event, and the host for `passed`, a blocking event recorded behind.
+struct TrainerEvent {
+  cudaEvent_t ipc = nullptr;
+  cudaStream_t wait = nullptr;
+  cudaEvent_t passed = nullptr;
+};
+
 inline absl::Status NewEvents(cudaEvent_t* evs, int n) {
-  for (int i = 0; i < n; ++i) DOS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&evs[i]));
+  for (int i = 0; i < n; ++i) {
+    DOS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&evs[i], kHostWaitedEvent));
+  }
   return absl::OkStatus();
 }
 

@@ -10,7 +10,7 @@
 //    are not bitwise equal are counted on stdout);
 //  - a trainer killed with a step in flight leaves the daemon healthy;
 //  - one trainer's backward (its event not yet reached) holds up no other
-//    session's step on the same GPU.
+//    session's step on the same GPU, and dosd sleeps while it waits for it.
 // Skipped, with a message, where no CUDA device is visible.
 #include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
@@ -496,5 +496,67 @@ INSTANTIATE_TEST_SUITE_P(Slow, GpuSharedTest,
                            return std::string(SlowStepName(p.param));
                          });
 
+// dosd's CPU time so far, user and system, in seconds (/proc/PID/stat).
+double CpuSeconds(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024] = {};
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  const char* p = std::strrchr(buf, ')');  // the command may hold spaces
+  if (n == 0 || p == nullptr) return -1;
+  unsigned long utime = 0, stime = 0;  // fields 14 and 15, after state (3) and 10 more
+  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &utime, &stime) !=
+      2) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// While dosd waits on the host for a trainer's backward (its event not yet
+// reached), the waiting thread sleeps: cudaEventSynchronize on an event
+// without cudaEventBlockingSync busy-waits whatever the device's flags, and
+// a core spun for as long as backward runs is one the trainer's launch
+// threads lack beside the delayed update's.
+TEST_F(GpuIpcTest, DosdSleepsWhileItWaitsForTheTrainersBackward) {
+  constexpr uint64_t kN = 1 << 20;
+  const Layout layout{DOS_DTYPE_BF16, kN};
+  dos_hparams h;
+  dos_hparams_init_adamw(&h);
+  dos_register_options ro{.subgroup_size = 1 << 18};
+  dos_step_args a;
+  dos_step_args_init(&a);
+  a.groups = &h;
+  a.num_groups = 1;
+  std::vector<char> host(kN * 2);
+  dos_session* s = Attach("gpu_ipc_test.sleeps");
+  void* w = DeviceAlloc(kN * 2);
+  void* g = DeviceAlloc(kN * 2);
+  FillValues(layout, 31, 0.5f, host.data());
+  CK(cudaMemcpy(w, host.data(), kN * 2, cudaMemcpyHostToDevice));
+  FillValues(layout, 32, 0.02f, host.data());
+  CK(cudaMemcpy(g, host.data(), kN * 2, cudaMemcpyHostToDevice));
+  dos_tensor t{"w", DOS_DTYPE_BF16, w, DOS_DTYPE_BF16, g, kN, 0};
+  ASSERT_EQ(dos_register(s, &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_stream_sync_supported(s), 1) << "the GPU session has no interprocess event";
+  dos_step_result r;
+  ASSERT_EQ(dos_step(s, &a, &r), DOS_OK) << dos_last_error();
+  cudaStream_t stream = nullptr;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CK(cudaLaunchHostFunc(stream, SleepTwoSeconds, nullptr));  // "backward": two seconds
+  ASSERT_EQ(dos_step_begin_on_stream(s, &a, stream), DOS_OK) << dos_last_error();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // dosd is in its wait by now
+  const double before = CpuSeconds(daemon_.pid());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const double used = CpuSeconds(daemon_.pid()) - before;
+  std::printf("dosd used %.2f s of CPU in 1.5 s of waiting for the trainer's event\n", used);
+  ASSERT_GE(before, 0) << "cannot read /proc/" << daemon_.pid() << "/stat";
+  EXPECT_LT(used, 0.5) << "dosd spins while it waits for the trainer (a busy-wait takes 1.5 s)";
+  ASSERT_EQ(dos_step_wait(s, 30000, &r), DOS_OK) << dos_last_error();
+  EXPECT_EQ(r.step, 2);
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaStreamDestroy(stream));
+  EXPECT_EQ(dos_detach(s), DOS_OK);
+}
 }  // namespace
 }  // namespace dos
