@@ -13,9 +13,8 @@
 #       and compact + delay, then the HF Trainer's 7B compact + delay copying the gradients again
 #       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
 #       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
-#   bash bench/device_session.sh delay-blocks OUT   # 6B fp32 + delay with the GPU's delayed
-#       update's kernels at every SM, at 24 blocks (--delayed_gpu_kernel_blocks) and staged
-#       (--delayed_gpu_staged), ~4.5 min
+#   bash bench/device_session.sh delay-ab OUT       # 6B fp32 + delay under several dosds or
+#       flags (VARIANTS; by default dosd_base if built, this dosd, and --delayed_gpu_staged)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -24,7 +23,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-blocks|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-ab|frameworks}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -128,27 +127,30 @@ case "$what" in
     # shellcheck disable=SC2086  # one word per entry
     tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
     ;;
-  delay-blocks)
-    # 6B fp32 + delay with the GPU's delayed update's kernels at every SM
-    # (0), capped at 24 blocks (--delayed_gpu_kernel_blocks), and staged
-    # (--delayed_gpu_staged: gradients and weights by the copy engines),
-    # all-GPU in each run (~4.5 min). VARIANTS="name=flag ..." picks others.
+  delay-ab)
+    # 6B fp32 + delay under several dosds or flags, all-GPU in each run (~1.5 min a
+    # variant). VARIANTS="name[@binary]=flag ...": `binary` in .dist/bin (default dosd),
+    # `flag` one dosd flag or none. By default the build before the host waits slept
+    # (dosd_base, when make_dist.sh built it: BASE_REV), this one, and this one staged.
     rm -rf /tmp/dos-e2e-*
     names=""
-    for v in ${VARIANTS:-0=--delayed_gpu_kernel_blocks=0 24=--delayed_gpu_kernel_blocks=24 \
-        staged=--delayed_gpu_staged}; do
-      n=${v%%=*}; flag=${v#*=}; names="$names e2e_$n e2e_$n.log phases_$n.log"
-      timeout 170 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 --size 6b \
+    base=""; [ -x "$B/dosd_base" ] && base="base@dosd_base="
+    for v in ${VARIANTS:-$base now= staged=--delayed_gpu_staged}; do
+      n=${v%%=*}; flag=${v#*=}; bin=dosd
+      case "$n" in *@*) bin=${n#*@}; n=${n%%@*} ;; esac
+      names="$names e2e_$n e2e_$n.log phases_$n.log"
+      timeout 170 python3 bench/e2e/run.py --dosd "$B/$bin" --machine nvidia-h200 --size 6b \
         --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
-        --tag "delay_$n" --dosd-arg=--log_level=debug --dosd-arg="$flag" > "$O/e2e_$n.log" 2>&1
-      echo "exit=$?" >> "$O/e2e_$n.log"
+        --tag "delay_$n" --dosd-arg=--log_level=debug ${flag:+--dosd-arg="$flag"} \
+        > "$O/e2e_$n.log" 2>&1
+      echo "exit=$? dosd=$bin flag=$flag" >> "$O/e2e_$n.log"
       cp "$O/e2e_$n"/*.json "$O/" 2>/dev/null
       grep -H "event=step\.phases\|event=delayed\.\(update\|gpu\)" /tmp/dos-e2e-*/dosd-*.log \
         > "$O/phases_$n.log" 2>/dev/null
       rm -rf /tmp/dos-e2e-*
     done
     # shellcheck disable=SC2086  # one word per entry
-    tar czf "$O/blocks_logs.tgz" -C "$O" $names && (cd "$O" && rm -rf $names)
+    tar czf "$O/ab_logs.tgz" -C "$O" $names && (cd "$O" && rm -rf $names)
     ;;
   frameworks)
     # The framework tests use one GPU: their figures are named for one H200 (the JSON

@@ -3,6 +3,7 @@
 # the GPU test programs and libdos_client.so from ./build, plus the shared
 # libraries the GPU machine's image lacks (../shared/device/bundle-libs).
 # Then: run(carry=[".dist"], command="bash bench/device_session.sh tests $OUT/t").
+# BASE_REV=<rev> also builds that revision's dosd (bin/dosd_base) for a before/after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 b=${DOS_BUILD_DIR:-build}
@@ -12,6 +13,14 @@ for t in gpu_adam_test gpu_lease_test gpu_ipc_test multi_gpu_test gpu_doomed_tra
          gpu_rank_trainer dos_bench_update_probe dos_bench_update_trainer dos_bench_finite_scan; do
   f=$(find "$b" -type f -name "$t" | head -1); [ -n "$f" ] && cp "$f" .dist/bin/
 done
+# BASE_REV=<rev>: that revision's dosd too, as bin/dosd_base, so that one device call
+# measures before and after (bench/device_session.sh delay-ab).
+if [ -n "${BASE_REV:-}" ]; then
+  wt=$(mktemp -d); git worktree add --detach "$wt" "$BASE_REV"
+  DOS_BUILD_DIR=build DOS_BUILD_TARGETS=dosd bash "$wt/deploy/build.sh" -DDOS_WERROR=ON
+  cp "$wt/build/daemon/dosd" .dist/bin/dosd_base
+  git worktree remove --force "$wt"
+fi
 cp -L "$b/client/src/libdos_client.so" .dist/lib/libdos_client.so
 strip --strip-debug .dist/bin/* .dist/lib/libdos_client.so
 bash ../shared/device/bundle-libs .dist
