@@ -61,10 +61,14 @@ absl::StatusOr<std::unique_ptr<GpuEngine>> GpuEngine::Create(const GpuEngineOpti
 
 absl::Status GpuEngine::Init() {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  // Host threads that wait for the GPU sleep instead of spinning: the CPU
-  // pool needs every core during the update phase. (Ignored if the context
-  // already exists.)
+  // Host threads that wait for a stream or the device sleep instead of
+  // spinning: the CPU pool and the trainers' launch threads need the cores.
+  // (Events the host waits for block by their own flag: kHostWaitedEvent.)
   cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+  cudaGetLastError();
+  unsigned flags = 0;
+  const bool blocking = cudaGetDeviceFlags(&flags) == cudaSuccess &&
+                        (flags & cudaDeviceScheduleMask) == cudaDeviceScheduleBlockingSync;
   cudaGetLastError();
   cudaDeviceProp prop;
   DOS_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options_.device));
@@ -89,7 +93,8 @@ absl::Status GpuEngine::Init() {
   worker_ = std::make_unique<GpuWorker>(absl::StrCat("dos-gpu-", options_.device));
   DOS_LOG_INFO("gpu.engine", "device", options_.device, "name", name_, "uuid", uuid_,
                "staging_slots", options_.staging_slots, "cpu_grad_fp32", options_.cpu_grad_fp32,
-               "cpu_path_copy", options_.cpu_copy_kernel ? "kernel" : "dma");
+               "cpu_path_copy", options_.cpu_copy_kernel ? "kernel" : "dma", "stream_waits",
+               blocking ? "sleep" : "spin");
   return absl::OkStatus();
 }
 
