@@ -14,12 +14,17 @@ for t in gpu_adam_test gpu_lease_test gpu_ipc_test multi_gpu_test gpu_doomed_tra
   f=$(find "$b" -type f -name "$t" | head -1); [ -n "$f" ] && cp "$f" .dist/bin/
 done
 # BASE_REV=<rev>: that revision's dosd too, as bin/dosd_base, so that one device call
-# measures before and after (bench/device_session.sh delay-ab).
+# measures before and after (bench/device_session.sh delay-ab); built once into
+# build-base/ (ignored) in a temporary worktree.
 if [ -n "${BASE_REV:-}" ]; then
-  wt=$(mktemp -d); git worktree add --detach "$wt" "$BASE_REV"
-  DOS_BUILD_DIR=build DOS_BUILD_TARGETS=dosd bash "$wt/deploy/build.sh" -DDOS_WERROR=ON
-  cp "$wt/build/daemon/dosd" .dist/bin/dosd_base
-  git worktree remove --force "$wt"
+  rev=$(git rev-parse --short "$BASE_REV"); cached=build-base/dosd-$rev
+  if [ ! -x "$cached" ]; then
+    wt=$(mktemp -d); git worktree add --detach "$wt" "$rev"
+    DOS_BUILD_DIR=build DOS_BUILD_TARGETS=dosd bash "$wt/deploy/build.sh" -DDOS_WERROR=ON
+    mkdir -p build-base; cp "$wt/build/daemon/dosd" "$cached"
+    git worktree remove --force "$wt"
+  fi
+  cp "$cached" .dist/bin/dosd_base
 fi
 cp -L "$b/client/src/libdos_client.so" .dist/lib/libdos_client.so
 strip --strip-debug .dist/bin/* .dist/lib/libdos_client.so
