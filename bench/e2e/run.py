@@ -96,6 +96,17 @@ def vm_hwm_bytes(pid="self"):
     return 0
 
 
+def cpu_seconds(pid="self"):
+    """User and system CPU time of a process so far (all its threads), from
+    /proc/PID/stat; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class GpuSampler:
     """Device-wide GPU memory in use (every process, dosd included), sampled."""
 
@@ -330,6 +341,10 @@ def child(args):
     # step ahead (each step() collects the previous one).
     piped = []
     sync()
+    # Cores each process kept busy while the timed iterations ran: a thread
+    # of dosd's that spins beside the trainer shows as a core more.
+    dosd_pid = os.environ.get("DOS_BENCH_DOSD_PID")
+    cpu0 = (cpu_seconds(), cpu_seconds(dosd_pid) if dosd_pid else None)
     t_prev = time.perf_counter()
     start = t_prev
     pl = []
@@ -342,6 +357,11 @@ def child(args):
             keep_report()  # cheap: an attribute read, no wait
     sync()
     piped_total = time.perf_counter() - start
+    for key, pid, c0 in (("trainer_cpu_cores", "self", cpu0[0]),
+                         ("dosd_cpu_cores", dosd_pid, cpu0[1])):
+        c1 = cpu_seconds(pid) if c0 is not None else None
+        if c1 is not None:
+            res[key] = (c1 - c0) / piped_total
     if delay:
         # After the timing, the last step collected only for its number:
         # steps are numbered one by one, so the back-to-back ones are the
@@ -513,8 +533,9 @@ def run_mode(args, mode, tmp, dosd_extra=(), child_extra=(), timeout=None, tag=N
     print(f"== {tag}", flush=True)
     t = time.perf_counter()
     timed_out = False
+    env = dict(os.environ, DOS_BENCH_DOSD_PID=str(proc.pid)) if proc else None
     try:
-        rc = subprocess.run(cmd, timeout=timeout).returncode
+        rc = subprocess.run(cmd, timeout=timeout, env=env).returncode
     except subprocess.TimeoutExpired:  # subprocess.run killed the child
         rc, timed_out = None, True
     wall = time.perf_counter() - t
@@ -714,6 +735,12 @@ def parent(args):
     for m, r in ok.items():
         if delay_of(m):
             print(delay_line(m, r))
+    for m, r in ok.items():
+        if "trainer_cpu_cores" in r:
+            dosd = r.get("dosd_cpu_cores")
+            print(f"{m}: cores kept busy over the back-to-back iterations: trainer "
+                  f"{r['trainer_cpu_cores']:.2f}" +
+                  (f", dosd {dosd:.2f}" if dosd is not None else ""))
     for m, r in ok.items():
         if "early_verdict_to_end_s" in r:
             print(f"{m}: dosd's early steps: begin (first gradient) to verdict (step()) "

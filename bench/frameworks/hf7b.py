@@ -101,6 +101,16 @@ class Sampler:
         return self.mark()
 
 
+def cpu_seconds(pid):
+    """CPU time (user and system) of a process so far, from /proc/PID/stat; None: unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            u, s = f.read().rsplit(")", 1)[1].split()[11:13]
+        return (int(u) + int(s)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
 def dosd_pid_of(socket):
     if os.environ.get("DOS_DOSD_PID"):
         return int(os.environ["DOS_DOSD_PID"])
@@ -378,6 +388,8 @@ def main():
                 profiler.start()
             self.t = time.perf_counter()
             phase_marks.append({"begin": self.t})
+            if state.global_step == steady_from(args):  # the steady steps' CPU time from here
+                marks["cpu0"] = (self.t, cpu_seconds("self"), cpu_seconds(sampler.dosd_pid))
             marks.setdefault("first_step", self.t)
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
@@ -394,6 +406,7 @@ def main():
             phase_marks[-1]["end"] = self.end
             if state.global_step == args.steps:
                 marks["train_end"] = self.end
+                marks["cpu1"] = (self.end, cpu_seconds("self"), cpu_seconds(sampler.dosd_pid))
             times.append(self.end - self.t)
             if profiler and state.global_step == args.profile_step:
                 res["profile"] = profiler.stop()
@@ -454,6 +467,14 @@ def main():
         # dosd numbers a fresh session's steps 1, 2, ... as the Trainer's
         # global steps: the steady ones are skip + 1 on.
         res.update(delay_figures([r for n, r in sorted(reports.items()) if n > skip]))
+    if "cpu0" in marks and "cpu1" in marks:
+        # Cores each process kept busy over the steady steps: a thread of
+        # dosd's that spins beside the trainer shows as a core more.
+        (t0, *c0), (t1, *c1) = marks["cpu0"], marks["cpu1"]
+        for key, a, b in zip(("trainer_cpu_cores", "dosd_cpu_cores"), c0, c1):
+            if a is not None and b is not None and t1 > t0 and (key == "trainer_cpu_cores"
+                                                                or sampler.dosd_pid):
+                res[key] = (b - a) / (t1 - t0)
     res["losses"] = losses
     res["hf_save_s"] = marks.get("save_s")
     if "first_step" in marks and "train_begin" in marks:

@@ -114,6 +114,9 @@ def main():
         f[f"hf7b_host_peak_gib_trainer{sfx}"] = r["peaks"]["trainer_rss_anon"] / GiB
         f[f"hf7b_host_peak_gib_dosd{sfx}"] = r["peaks"]["dosd_rss"] / GiB
         f[f"hf7b_gpu_device_peak_gib{sfx}"] = r["peaks"]["gpu_used"] / GiB
+        for who in ("trainer", "dosd"):  # cores kept busy over the steady steps
+            if f"{who}_cpu_cores" in r:
+                f[f"hf7b_{who}_cpu_cores{sfx}"] = r[f"{who}_cpu_cores"]
         f[f"hf7b_state_gib{sfx}"] = r["params"] * (8 if "compact" in mode else 12) / GiB
         f[f"hf7b_sink_save_s{sfx}"] = r.get("sink_save_s")
         f[f"hf7b_register_s{sfx}"] = r.get("register_s")

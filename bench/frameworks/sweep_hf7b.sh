@@ -19,7 +19,7 @@ run() {  # label modes dosd_args
   python3 - "$O/$1.json" "$1" <<'PY' | tee -a "$O/summary.txt"
 import json, sys
 f = json.load(open(sys.argv[1]))["figures"]
-keys = ("iter_s", "window_s", "delayed_update_s", "predicted_iter_s")
+keys = ("iter_s", "window_s", "delayed_update_s", "predicted_iter_s", "cpu_cores")
 print(sys.argv[2], {k.replace("hf7b_", ""): round(v, 4) for k, v in f.items()
                     if isinstance(v, float) and any(s in k for s in keys)})
 PY
