@@ -18,6 +18,10 @@ done
 # build-base/ (ignored) in a temporary worktree.
 if [ -n "${BASE_REV:-}" ]; then
   rev=$(git rev-parse --short "$BASE_REV"); cached=build-base/dosd-$rev
+  # It loads this build's libdos_proto.so.1 (.dist/lib): only the same protocol will do.
+  git diff --quiet "$rev" HEAD -- proto || {
+    echo "make_dist.sh: proto/ changed since $rev; dosd_base would load this build's" \
+      "libdos_proto.so.1: pick a BASE_REV with the same proto/" >&2; exit 1; }
   if [ ! -x "$cached" ]; then
     wt=$(mktemp -d); git worktree add --detach "$wt" "$rev"
     DOS_BUILD_DIR=build DOS_BUILD_TARGETS=dosd bash "$wt/deploy/build.sh" -DDOS_WERROR=ON
