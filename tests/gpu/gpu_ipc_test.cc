@@ -93,6 +93,24 @@ class GpuIpcTest : public ::testing::Test {
     return s;
   }
 
+  // Registers with `s` one bf16 tensor of `n` elements in fresh device
+  // memory (weights FillValues(seed_w, 0.5), gradients FillValues(seed_g,
+  // 0.02)) in subgroups of 2^18 under `h`. Call it in ASSERT_NO_FATAL_FAILURE.
+  void RegisterBf16(dos_session* s, uint64_t n, uint32_t seed_w, uint32_t seed_g,
+                    const dos_hparams& h) {
+    const Layout layout{DOS_DTYPE_BF16, n};
+    std::vector<char> host(n * 2);
+    void* w = DeviceAlloc(n * 2);
+    void* g = DeviceAlloc(n * 2);
+    FillValues(layout, seed_w, 0.5f, host.data());
+    CK(cudaMemcpy(w, host.data(), n * 2, cudaMemcpyHostToDevice));
+    FillValues(layout, seed_g, 0.02f, host.data());
+    CK(cudaMemcpy(g, host.data(), n * 2, cudaMemcpyHostToDevice));
+    dos_register_options ro{.subgroup_size = 1 << 18};
+    dos_tensor t{"w", DOS_DTYPE_BF16, w, DOS_DTYPE_BF16, g, n, 0};
+    ASSERT_EQ(dos_register(s, &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
+  }
+
   std::unique_ptr<v1::Dos::Stub> Stub() {
     return v1::Dos::NewStub(grpc::CreateChannel(absl::StrCat("unix:", daemon_.socket()),
                                                 grpc::InsecureChannelCredentials()));
@@ -423,26 +441,15 @@ void PrintTo(SlowStep s, std::ostream* os) { *os << SlowStepName(s); }
 class GpuSharedTest : public GpuIpcTest, public ::testing::WithParamInterface<SlowStep> {};
 
 TEST_P(GpuSharedTest, OneTrainersBackwardHoldsUpNoOtherSessionsStep) {
-  constexpr uint64_t kN = 1 << 20;
-  const Layout layout{DOS_DTYPE_BF16, kN};
   dos_hparams h;
   dos_hparams_init_adamw(&h);
-  dos_register_options ro{.subgroup_size = 1 << 18};
   dos_step_args a;
   dos_step_args_init(&a);
   a.groups = &h;
   a.num_groups = 1;
-  std::vector<char> host(kN * 2);
   dos_session* sessions[2] = {Attach("gpu_ipc_test.slow"), Attach("gpu_ipc_test.other")};
-  for (int k = 0; k < 2; ++k) {
-    void* w = DeviceAlloc(kN * 2);
-    void* g = DeviceAlloc(kN * 2);
-    FillValues(layout, 10 + k, 0.5f, host.data());
-    CK(cudaMemcpy(w, host.data(), kN * 2, cudaMemcpyHostToDevice));
-    FillValues(layout, 20 + k, 0.02f, host.data());
-    CK(cudaMemcpy(g, host.data(), kN * 2, cudaMemcpyHostToDevice));
-    dos_tensor t{"w", DOS_DTYPE_BF16, w, DOS_DTYPE_BF16, g, kN, 0};
-    ASSERT_EQ(dos_register(sessions[k], &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
+  for (uint32_t k = 0; k < 2; ++k) {
+    ASSERT_NO_FATAL_FAILURE(RegisterBf16(sessions[k], 1 << 20, 10 + k, 20 + k, h));
   }
   dos_session* slow = sessions[0];
   dos_session* other = sessions[1];
@@ -519,25 +526,14 @@ double CpuSeconds(pid_t pid) {
 // a core spun for as long as backward runs is one the trainer's launch
 // threads lack beside the delayed update's.
 TEST_F(GpuIpcTest, DosdSleepsWhileItWaitsForTheTrainersBackward) {
-  constexpr uint64_t kN = 1 << 20;
-  const Layout layout{DOS_DTYPE_BF16, kN};
   dos_hparams h;
   dos_hparams_init_adamw(&h);
-  dos_register_options ro{.subgroup_size = 1 << 18};
   dos_step_args a;
   dos_step_args_init(&a);
   a.groups = &h;
   a.num_groups = 1;
-  std::vector<char> host(kN * 2);
   dos_session* s = Attach("gpu_ipc_test.sleeps");
-  void* w = DeviceAlloc(kN * 2);
-  void* g = DeviceAlloc(kN * 2);
-  FillValues(layout, 31, 0.5f, host.data());
-  CK(cudaMemcpy(w, host.data(), kN * 2, cudaMemcpyHostToDevice));
-  FillValues(layout, 32, 0.02f, host.data());
-  CK(cudaMemcpy(g, host.data(), kN * 2, cudaMemcpyHostToDevice));
-  dos_tensor t{"w", DOS_DTYPE_BF16, w, DOS_DTYPE_BF16, g, kN, 0};
-  ASSERT_EQ(dos_register(s, &t, 1, &h, 1, &ro), DOS_OK) << dos_last_error();
+  ASSERT_NO_FATAL_FAILURE(RegisterBf16(s, 1 << 20, 31, 32, h));
   ASSERT_EQ(dos_stream_sync_supported(s), 1) << "the GPU session has no interprocess event";
   dos_step_result r;
   ASSERT_EQ(dos_step(s, &a, &r), DOS_OK) << dos_last_error();
