@@ -45,38 +45,71 @@ struct Trained {
   std::vector<float> state;  // master, exp_avg, exp_avg_sq
 };
 
+// One bf16 tensor of kTotal elements and its fp32 state, its weights read
+// into the state: with `gpu`, the weights and gradients in its memory and
+// the shard attached to it, else on the host.
+struct Rig {
+  Rig(StepExecutor& ex, GpuEngine* engine) : gpu(engine), w(kTotal), g(kTotal) {
+    groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
+    TensorDesc t;
+    t.param_dtype = DType::kBF16;
+    t.grad_dtype = DType::kBF16;
+    t.numel = kTotal;
+    auto created = ShardState::Create({t}, groups, kSg, &budget, "test");
+    EXPECT_TRUE(created.ok()) << created.status();
+    shard = *std::move(created);
+    for (uint64_t i = 0; i < kTotal; ++i) {
+      w[i] = FloatToBF16(static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f);
+      g[i] = FloatToBF16(static_cast<float>((i * 40503u) % 777) * 1e-4f - 0.03f);
+    }
+    b = TensorBinding{w.data(), g.data()};
+    if (gpu != nullptr) {
+      EXPECT_EQ(cudaMalloc(&dw, 2 * kTotal), cudaSuccess);
+      EXPECT_EQ(cudaMalloc(&dg, 2 * kTotal), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dw, w.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(dg, g.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
+      b = TensorBinding{dw, dg};
+    }
+    EXPECT_TRUE(ex.ReadWeights(*shard, {&b, 1}, 0).ok());
+    if (gpu != nullptr) {
+      EXPECT_TRUE(gpu->AttachShard(*shard, nullptr).ok());
+    }
+  }
+  ~Rig() {
+    cudaFree(dw);
+    cudaFree(dg);
+  }
+
+  // The weights (from the GPU's copy where there is one) and the host state.
+  Trained Collect() {
+    if (gpu != nullptr) {
+      EXPECT_EQ(cudaMemcpy(w.data(), dw, 2 * kTotal, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    Trained r;
+    r.weights = w;
+    std::vector<float> part(kTotal);
+    for (int which = 0; which < 3; ++which) {
+      shard->ReadTensor(0, which, part.data());
+      r.state.insert(r.state.end(), part.begin(), part.end());
+    }
+    return r;
+  }
+
+  GpuEngine* gpu;
+  HostMemoryBudget budget{0};
+  std::vector<GroupConfig> groups = std::vector<GroupConfig>(1);
+  std::unique_ptr<ShardState> shard;
+  std::vector<uint16_t> w, g;
+  void* dw = nullptr;
+  void* dg = nullptr;
+  TensorBinding b{};
+};
+
 // 20 steps of one bf16 tensor; with `gpu`, in its memory and under
 // `leases[step]` (in resident subgroups; -1: no lease), else on the host.
 Trained Train(StepExecutor& ex, GpuEngine* gpu, const std::vector<int>& leases,
-          std::vector<uint64_t>* freed_at_shrink) {
-  HostMemoryBudget budget(0);
-  std::vector<GroupConfig> groups(1);
-  groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
-  TensorDesc t;
-  t.param_dtype = DType::kBF16;
-  t.grad_dtype = DType::kBF16;
-  t.numel = kTotal;
-  auto shard = ShardState::Create({t}, groups, kSg, &budget, "test");
-  EXPECT_TRUE(shard.ok());
-  std::vector<uint16_t> w(kTotal), g(kTotal);
-  for (uint64_t i = 0; i < kTotal; ++i) {
-    w[i] = FloatToBF16(static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f);
-    g[i] = FloatToBF16(static_cast<float>((i * 40503u) % 777) * 1e-4f - 0.03f);
-  }
-  void* dw = nullptr;
-  void* dg = nullptr;
-  TensorBinding b{w.data(), g.data()};
-  if (gpu != nullptr) {
-    EXPECT_EQ(cudaMalloc(&dw, 2 * kTotal), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&dg, 2 * kTotal), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dw, w.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dg, g.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
-    b = TensorBinding{dw, dg};
-  }
-  EXPECT_TRUE(ex.ReadWeights(**shard, {&b, 1}, 0).ok());
-  if (gpu != nullptr) {
-    EXPECT_TRUE(gpu->AttachShard(**shard, nullptr).ok());
-  }
+              std::vector<uint64_t>* freed_at_shrink) {
+  Rig rig(ex, gpu);
   const Policy policy = *ParsePolicy("auto");
   int held = 0;
   for (int lease : leases) {
@@ -84,40 +117,30 @@ Trained Train(StepExecutor& ex, GpuEngine* gpu, const std::vector<int>& leases,
     req.num_groups = 1;
     req.grad_scale = 1;
     req.clip_coef = 1;
-    req.groups[0] = groups[0].defaults;
+    req.groups[0] = rig.groups[0].defaults;
     if (gpu != nullptr && lease >= 0) {
       req.flags = kStepGpuLease;
       req.gpu_lease_bytes = kSlots * kSgBytes + static_cast<uint64_t>(lease) * kSgBytes;
     }
     const uint64_t free_before = gpu != nullptr ? FreeDeviceBytes() : 0;
     if (gpu != nullptr) {
-      EXPECT_TRUE(ex.ApplyLease(**shard, req, policy, 1).ok());
+      EXPECT_TRUE(ex.ApplyLease(*rig.shard, req, policy, 1).ok());
       if (lease >= 0 && lease < held) {
         // Given back before the step: the device sees the memory free now.
         freed_at_shrink->push_back(FreeDeviceBytes() - free_before);
       }
     }
-    auto out = ex.Run(**shard, {&b, 1}, req, policy, {}, gpu != nullptr ? 1 : 0);
+    auto out = ex.Run(*rig.shard, {&rig.b, 1}, req, policy, {}, gpu != nullptr ? 1 : 0);
     EXPECT_TRUE(out.ok()) << out.status();
     if (gpu != nullptr && out.ok() && lease >= 0) {
       EXPECT_EQ(out->resident_subgroups, static_cast<uint64_t>(lease));
       held = lease;
     }
   }
-  Trained r;
   if (gpu != nullptr) {
-    EXPECT_TRUE(gpu->SyncResidentToHost(**shard).ok());
-    EXPECT_EQ(cudaMemcpy(w.data(), dw, 2 * kTotal, cudaMemcpyDeviceToHost), cudaSuccess);
-    cudaFree(dw);
-    cudaFree(dg);
+    EXPECT_TRUE(gpu->SyncResidentToHost(*rig.shard).ok());
   }
-  r.weights = w;
-  std::vector<float> part(kTotal);
-  for (int which = 0; which < 3; ++which) {
-    (*shard)->ReadTensor(0, which, part.data());
-    r.state.insert(r.state.end(), part.begin(), part.end());
-  }
-  return r;
+  return rig.Collect();
 }
 
 TEST(GpuLeaseTest, AShrinkMidTrainingReturnsMemoryAndTheStateStaysBitExact) {
@@ -157,82 +180,43 @@ TEST(GpuLeaseTest, AShrinkMidTrainingReturnsMemoryAndTheStateStaysBitExact) {
 // not the stale copy. Every subgroup streamed (interleave:1, nothing
 // resident); bitwise against the same sequence on the CPU path.
 Trained TrainAcrossSkipAndImport(StepExecutor& ex, GpuEngine* gpu) {
-  HostMemoryBudget budget(0);
-  std::vector<GroupConfig> groups(1);
-  groups[0].defaults = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
-  TensorDesc t;
-  t.param_dtype = DType::kBF16;
-  t.grad_dtype = DType::kBF16;
-  t.numel = kTotal;
-  auto shard = ShardState::Create({t}, groups, kSg, &budget, "test");
-  EXPECT_TRUE(shard.ok());
-  std::vector<uint16_t> w(kTotal), g(kTotal);
-  for (uint64_t i = 0; i < kTotal; ++i) {
-    w[i] = FloatToBF16(static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f);
-    g[i] = FloatToBF16(static_cast<float>((i * 40503u) % 777) * 1e-4f - 0.03f);
-  }
-  void* dw = nullptr;
-  void* dg = nullptr;
-  TensorBinding b{w.data(), g.data()};
+  Rig rig(ex, gpu);
   auto set_grad = [&](uint64_t i, uint16_t v) {
-    g[i] = v;
+    rig.g[i] = v;
     if (gpu != nullptr) {
-      EXPECT_EQ(cudaMemcpy(static_cast<char*>(dg) + 2 * i, &v, 2, cudaMemcpyHostToDevice),
+      EXPECT_EQ(cudaMemcpy(static_cast<char*>(rig.dg) + 2 * i, &v, 2, cudaMemcpyHostToDevice),
                 cudaSuccess);
     }
   };
-  if (gpu != nullptr) {
-    EXPECT_EQ(cudaMalloc(&dw, 2 * kTotal), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&dg, 2 * kTotal), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dw, w.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dg, g.data(), 2 * kTotal, cudaMemcpyHostToDevice), cudaSuccess);
-    b = TensorBinding{dw, dg};
-  }
-  EXPECT_TRUE(ex.ReadWeights(**shard, {&b, 1}, 0).ok());
-  if (gpu != nullptr) {
-    EXPECT_TRUE(gpu->AttachShard(**shard, nullptr).ok());
-  }
   const Policy policy = *ParsePolicy(gpu != nullptr ? "interleave:1" : "cpu");
   StepRequest req{};
   req.num_groups = 1;
   req.grad_scale = 1;
   req.clip_coef = 1;
-  req.groups[0] = groups[0].defaults;
+  req.groups[0] = rig.groups[0].defaults;
   auto step = [&](bool expect_inf) {
-    auto out = ex.Run(**shard, {&b, 1}, req, policy);
+    auto out = ex.Run(*rig.shard, {&rig.b, 1}, req, policy);
     EXPECT_TRUE(out.ok()) << out.status();
     if (out.ok()) {
       EXPECT_EQ(out->found_inf, expect_inf);
     }
   };
   for (int i = 0; i < 3; ++i) step(false);
-  const uint16_t saved = g[kSg / 2];
+  const uint16_t saved = rig.g[kSg / 2];
   set_grad(kSg / 2, 0x7fc0);  // bf16 NaN in subgroup 0: the step is skipped
   step(true);
   set_grad(kSg / 2, saved);
   // An import of exp_avg, the way Session's imports do it.
   std::vector<float> m(kTotal);
   if (gpu != nullptr) {
-    EXPECT_TRUE(gpu->SyncResidentToHost(**shard).ok());
+    EXPECT_TRUE(gpu->SyncResidentToHost(*rig.shard).ok());
   }
-  (*shard)->ReadTensor(0, 1, m.data());
+  rig.shard->ReadTensor(0, 1, m.data());
   for (uint64_t i = 0; i < kTotal; ++i) m[i] = 0.5f * m[i] + 1e-4f;
-  (*shard)->WriteTensor(0, 1, m.data());
-  if (gpu != nullptr) gpu->DropResident(**shard);
+  rig.shard->WriteTensor(0, 1, m.data());
+  if (gpu != nullptr) gpu->DropResident(*rig.shard);
   for (int i = 0; i < 3; ++i) step(false);
-  Trained r;
-  if (gpu != nullptr) {
-    EXPECT_EQ(cudaMemcpy(w.data(), dw, 2 * kTotal, cudaMemcpyDeviceToHost), cudaSuccess);
-    cudaFree(dw);
-    cudaFree(dg);
-  }
-  r.weights = w;
-  std::vector<float> part(kTotal);
-  for (int which = 0; which < 3; ++which) {
-    (*shard)->ReadTensor(0, which, part.data());
-    r.state.insert(r.state.end(), part.begin(), part.end());
-  }
-  return r;
+  return rig.Collect();
 }
 
 TEST(GpuPrefetchTest, AStaleSlotAfterASkippedStepAndAnImportIsNotUsed) {
