@@ -81,38 +81,9 @@ std::string UserDir(const std::string& ck, const std::string& user) {
   return ck + "/uid-" + std::to_string(User(user).uid);
 }
 
-// dosd as dos-sec-d (daemon_) and the folders a test makes around it. TearDown
-// stops dosd, expecting a clean exit, after the test's trainers have ended,
-// and removes the folders.
-class CheckpointStore : public ::testing::Test {
+// Victims and saves around SecureDaemonTest's dosd.
+class CheckpointStore : public SecureDaemonTest {
  protected:
-  // Starts dosd with `flags` (a store that outlives one dosd: pass the same
-  // --checkpoint_dir again after StopDaemon()).
-  void StartDaemon(std::vector<std::string> flags = {}) {
-    daemon_ = SecureDaemon(std::move(flags));
-    ASSERT_TRUE(daemon_->Start()) << daemon_->log();
-  }
-  void StopDaemon() {
-    if (daemon_ == nullptr) return;
-    EXPECT_EQ(daemon_->Stop(), 0) << daemon_->log();
-    daemon_.reset();
-  }
-  void TearDown() override {
-    StopDaemon();
-    for (const std::string& dir : dirs_) fs::remove_all(dir);
-  }
-
-  // A directory dosd's user owns (mode 0700), for a checkpoint store that
-  // outlives one daemon or a place outside the store.
-  std::string DaemonOwnedDir(const std::string& what) {
-    std::string tmpl = "/tmp/dos-sec-" + what + "-XXXXXX";
-    std::string dir = ::mkdtemp(tmpl.data());
-    dirs_.push_back(dir);
-    const SecUser d = User("dos-sec-d");
-    ::chown(dir.c_str(), d.uid, d.gid);
-    return dir;
-  }
-
   // A file only dosd's user may write, holding "precious".
   std::string Victim() {
     std::string dir = DaemonOwnedDir("victim");
@@ -137,9 +108,6 @@ class CheckpointStore : public ::testing::Test {
     StopDaemon();
     return at == std::string::npos ? "" : out.substr(at, out.find('\n', at) - at);
   }
-
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::vector<std::string> dirs_;
 };
 
 TEST_F(CheckpointStore, FilesArePrivateToDosd) {

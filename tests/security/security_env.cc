@@ -259,4 +259,29 @@ bool WaitFor(const std::function<bool()>& pred, int timeout_ms) {
   return pred();
 }
 
+void SecureDaemonTest::StartDaemon(std::vector<std::string> flags) {
+  daemon_ = SecureDaemon(std::move(flags));
+  ASSERT_TRUE(daemon_->Start()) << daemon_->log();
+}
+
+void SecureDaemonTest::StopDaemon() {
+  if (daemon_ == nullptr) return;
+  EXPECT_EQ(daemon_->Stop(), 0) << daemon_->log();
+  daemon_.reset();
+}
+
+void SecureDaemonTest::TearDown() {
+  StopDaemon();
+  for (const std::string& dir : dirs_) fs::remove_all(dir);
+}
+
+std::string SecureDaemonTest::DaemonOwnedDir(const std::string& what) {
+  std::string tmpl = "/tmp/dos-sec-" + what + "-XXXXXX";
+  std::string dir = ::mkdtemp(tmpl.data());
+  dirs_.push_back(dir);
+  const SecUser d = User("dos-sec-d");
+  ::chown(dir.c_str(), d.uid, d.gid);
+  return dir;
+}
+
 }  // namespace dos::testing

@@ -51,6 +51,24 @@ gid_t Group(const std::string& name);
 // --socket_mode=0660, plus `flags`; not started.
 std::unique_ptr<DaemonProcess> SecureDaemon(std::vector<std::string> flags = {});
 
+// A test with dosd as dos-sec-d (daemon_) and the folders it makes around it.
+// TearDown stops dosd, expecting a clean exit, after the test's trainers have
+// ended, and removes the folders.
+class SecureDaemonTest : public ::testing::Test {
+ protected:
+  // Starts dosd with `flags` (a store that outlives one dosd: pass the same
+  // --checkpoint_dir again after StopDaemon()).
+  void StartDaemon(std::vector<std::string> flags = {});
+  void StopDaemon();
+  void TearDown() override;
+  // A folder dosd's user owns (mode 0700), for a checkpoint store that
+  // outlives one daemon or a place outside the store; removed at TearDown.
+  std::string DaemonOwnedDir(const std::string& what);
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::vector<std::string> dirs_;
+};
+
 // A sec_client process running as `user` (see sec_client.cc for the ops).
 class UserProcess {
  public:

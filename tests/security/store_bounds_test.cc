@@ -60,34 +60,9 @@ std::vector<std::string> Lines(const std::string& out, const std::string& op) {
   return lines;
 }
 
-class StoreBounds : public ::testing::Test {
+class StoreBounds : public SecureDaemonTest {
  protected:
-  void StartDaemon(std::vector<std::string> flags) {
-    daemon_ = SecureDaemon(std::move(flags));
-    ASSERT_TRUE(daemon_->Start()) << daemon_->log();
-  }
-  void StopDaemon() {
-    if (daemon_ == nullptr) return;
-    EXPECT_EQ(daemon_->Stop(), 0) << daemon_->log();
-    daemon_.reset();
-  }
-  void TearDown() override {
-    StopDaemon();
-    for (const std::string& dir : dirs_) fs::remove_all(dir);
-  }
-  // A folder owned by dosd's user (mode 0700).
-  std::string DaemonOwnedDir(const std::string& what) {
-    std::string tmpl = "/tmp/dos-sec-" + what + "-XXXXXX";
-    std::string dir = ::mkdtemp(tmpl.data());
-    dirs_.push_back(dir);
-    const SecUser d = User("dos-sec-d");
-    ::chown(dir.c_str(), d.uid, d.gid);
-    return dir;
-  }
   std::string Store() const { return daemon_->dir() + "/checkpoints"; }
-
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::vector<std::string> dirs_;
 };
 
 // A 65536-parameter session's checkpoint is 786 KiB: two fit in 2 MiB.
