@@ -196,8 +196,8 @@ absl::StatusOr<void*> GpuEngine::OpenTrainerEvent(const std::string& handle) {
   }
   std::memcpy(&h, handle.data(), sizeof(h));
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  auto te = std::make_unique<TrainerEvent>();
-  cudaError_t err = cudaIpcOpenEventHandle(&te->ipc, h);
+  cudaEvent_t ev = nullptr;
+  cudaError_t err = cudaIpcOpenEventHandle(&ev, h);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return absl::InvalidArgumentError(absl::StrCat(
@@ -206,31 +206,20 @@ absl::StatusOr<void*> GpuEngine::OpenTrainerEvent(const std::string& handle) {
         "); create it with cudaEventInterprocess | cudaEventDisableTiming on the device of the "
         "tensors"));
   }
-  absl::Status st = DOS_CUDA_STATUS(cudaStreamCreateWithFlags(&te->wait, cudaStreamNonBlocking));
-  if (st.ok()) {
-    st = DOS_CUDA_STATUS(
-        cudaEventCreateWithFlags(&te->passed, cudaEventDisableTiming | kHostWaitedEvent));
-  }
-  if (!st.ok()) {
-    CloseTrainerEvent(te.release());
-    return st;
-  }
-  return static_cast<void*>(te.release());
+  return static_cast<void*>(ev);
 }
 
 void GpuEngine::CloseTrainerEvent(void* event) {
   if (event == nullptr) return;
-  std::unique_ptr<TrainerEvent> te(static_cast<TrainerEvent*>(event));
-  if (cudaSetDevice(options_.device) != cudaSuccess) return;
-  if (te->passed != nullptr) cudaEventDestroy(te->passed);
-  if (te->wait != nullptr) cudaStreamDestroy(te->wait);
-  if (te->ipc != nullptr) cudaEventDestroy(te->ipc);
+  if (cudaSetDevice(options_.device) == cudaSuccess) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  }
 }
 
 absl::Status GpuEngine::WaitTrainerEvent(void* event) {
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  const cudaEvent_t ev = static_cast<TrainerEvent*>(event)->ipc;
+  const auto ev = static_cast<cudaEvent_t>(event);
   // The streams that read gradients or write weights: the Adam kernels
   // (streamed and resident) and the CPU path's copies. The state streams
   // (h2d_, d2h_) do not wait: state does not depend on the trainer, and the
@@ -245,14 +234,9 @@ absl::Status GpuEngine::WaitTrainerEvent(void* event) {
 
 absl::Status GpuEngine::SyncTrainerEvent(void* event) {
   // No step_mu_: the wait uses none of the engine's streams or buffers, and
-  // it lasts as long as the trainer's backward. Through the event's own
-  // stream, so that the host sleeps (TrainerEvent).
+  // it lasts as long as the trainer's backward.
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  auto* te = static_cast<TrainerEvent*>(event);
-  DOS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(te->wait, te->ipc, 0));
-  DOS_CUDA_RETURN_IF_ERROR(cudaEventRecord(te->passed, te->wait));
-  DOS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(te->passed));
-  return absl::OkStatus();
+  return PollTrainerEvent(static_cast<cudaEvent_t>(event));
 }
 
 absl::Status GpuEngine::Prefetch(const StepPlan& plan, ShardState& shard) {

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -15,10 +16,10 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "dos/wire/status_macros.h"
 #include "daemon/gpu/cuda_check.h"
 #include "daemon/gpu/gpu_engine.h"
 #include "daemon/sched/subgroup_queue.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos::gpu {
 
@@ -51,16 +52,23 @@ inline double EventUs(cudaEvent_t start, cudaEvent_t ev) {
 // forward and backward, whose launch threads need those cores.
 inline constexpr unsigned kHostWaitedEvent = cudaEventBlockingSync;
 
-// A trainer's event as dosd holds it (GpuEngine::OpenTrainerEvent's
-// handle). The interprocess event's flags are the trainer's (without
-// cudaEventBlockingSync a host wait on it would spin), so the host waits
-// for it through a stream of its own: the stream waits for the trainer's
-// event, and the host for `passed`, a blocking event recorded behind.
-struct TrainerEvent {
-  cudaEvent_t ipc = nullptr;
-  cudaStream_t wait = nullptr;
-  cudaEvent_t passed = nullptr;
-};
+// Waits on the host for a trainer's interprocess event, whose flags are the
+// trainer's: polls it, sleeping 20 us doubling to 200 us between polls.
+// cudaEventSynchronize would spin on a core when the trainer made it without
+// cudaEventBlockingSync, and a stream of dosd's made to wait for it (with a
+// blocking event recorded behind) holds up every device-wide call of dosd's,
+// another session's cudaFree included, until the trainer's backward ends
+// (GpuSharedTest). The last poll comes at most 200 us after the event.
+inline absl::Status PollTrainerEvent(cudaEvent_t ev) {
+  absl::Duration nap = absl::Microseconds(20);
+  for (;;) {
+    const cudaError_t err = cudaEventQuery(ev);
+    if (err == cudaSuccess) return absl::OkStatus();
+    if (err != cudaErrorNotReady) return DOS_CUDA_STATUS(err);
+    absl::SleepFor(nap);
+    nap = std::min(nap * 2, absl::Microseconds(200));
+  }
+}
 
 inline absl::Status NewEvents(cudaEvent_t* evs, int n) {
   for (int i = 0; i < n; ++i) {
