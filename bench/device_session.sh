@@ -130,8 +130,9 @@ case "$what" in
   delay-ab)
     # 6B fp32 + delay under several dosds or flags, all-GPU in each run (~1.5 min a
     # variant). VARIANTS="name[@binary]=flag ...": `binary` in .dist/bin (default dosd),
-    # `flag` one dosd flag or none. By default the build before the host waits slept
-    # (dosd_base, when make_dist.sh built it: BASE_REV), this one, and this one staged.
+    # `flag` dosd flags joined by commas, or none. By default the build before the host
+    # waits slept (dosd_base, when make_dist.sh built it: BASE_REV), this one, and this one
+    # staged.
     rm -rf /tmp/dos-e2e-*
     names=""
     base=""; [ -x "$B/dosd_base" ] && base="base@dosd_base="
@@ -139,9 +140,10 @@ case "$what" in
       n=${v%%=*}; flag=${v#*=}; bin=dosd
       case "$n" in *@*) bin=${n#*@}; n=${n%%@*} ;; esac
       names="$names e2e_$n e2e_$n.log phases_$n.log"
+      args=(); IFS=, read -ra fl <<< "$flag"; for f in "${fl[@]}"; do args+=(--dosd-arg="$f"); done
       timeout 170 python3 bench/e2e/run.py --dosd "$B/$bin" --machine nvidia-h200 --size 6b \
         --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
-        --tag "delay_$n" --dosd-arg=--log_level=debug ${flag:+--dosd-arg="$flag"} \
+        --tag "delay_$n" --dosd-arg=--log_level=debug "${args[@]}" \
         > "$O/e2e_$n.log" 2>&1
       echo "exit=$? dosd=$bin flag=$flag" >> "$O/e2e_$n.log"
       cp "$O/e2e_$n"/*.json "$O/" 2>/dev/null
