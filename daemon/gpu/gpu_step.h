@@ -56,9 +56,10 @@ inline constexpr unsigned kHostWaitedEvent = cudaEventBlockingSync;
 // trainer's: polls it, sleeping 20 us doubling to 200 us between polls.
 // cudaEventSynchronize would spin on a core when the trainer made it without
 // cudaEventBlockingSync, and a stream of dosd's made to wait for it (with a
-// blocking event recorded behind) holds up every device-wide call of dosd's,
-// another session's cudaFree included, until the trainer's backward ends
-// (GpuSharedTest). The last poll comes at most 200 us after the event.
+// blocking event recorded behind) holds up every device-wide wait of dosd's,
+// the cudaDeviceSynchronize that ends another session's step included, until
+// the trainer's backward ends (GpuSharedTest). The last poll comes at most
+// 200 us after the event.
 inline absl::Status PollTrainerEvent(cudaEvent_t ev) {
   absl::Duration nap = absl::Microseconds(20);
   for (;;) {
