@@ -21,11 +21,10 @@ SecUser Root() {
 }
 
 // A trainer of dos-sec-a holding a registered session until the test ends.
-class IdentityTest : public ::testing::Test {
+class IdentityTest : public SecureDaemonTest {
  protected:
   void StartVictim(std::vector<std::string> flags = {}) {
-    daemon_ = SecureDaemon(std::move(flags));
-    ASSERT_TRUE(daemon_->Start()) << daemon_->log();
+    ASSERT_NO_FATAL_FAILURE(StartDaemon(std::move(flags)));
     victim_ = std::make_unique<UserProcess>(
         User("dos-sec-a"), daemon_->socket(),
         std::vector<std::string>{"attach:name=victim", "register:numel=256", "step:n=2", "wait"});
@@ -38,9 +37,7 @@ class IdentityTest : public ::testing::Test {
   }
   void TearDown() override {
     victim_.reset();
-    if (daemon_ != nullptr) {
-      EXPECT_EQ(daemon_->Stop(), 0) << daemon_->log();
-    }
+    SecureDaemonTest::TearDown();
   }
   // The victim's step count as its owner reads it (stats are public).
   std::string Line(const SecUser& u, const std::string& op) {
@@ -48,7 +45,6 @@ class IdentityTest : public ::testing::Test {
     return out.substr(0, out.find('\n'));
   }
 
-  std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<UserProcess> victim_;
   std::string id_;
   std::string token_;
