@@ -69,6 +69,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     planner.budgets.staging_io = config.delayed_gpu_staged;
     planner.grad_fp32 = config.gpu_cpu_grad_fp32;
     planner.delayed_start_at_result = config.delayed_start_at_result;
+    planner.delayed_handoff = config.delayed_handoff;
     planner.delayed_gpu = config.delayed_gpu || config.delayed_gpu_first;
     planner.delayed_gpu_first = config.delayed_gpu_first;
     // Several engines write a file each (a step's line is too long to append

@@ -41,6 +41,8 @@ struct EnginesConfig {
   // The delayed update starts after the step's result, not at its capture
   // (PlannerOptions::delayed_start_at_result).
   bool delayed_start_at_result = false;
+  // --delayed_handoff (PlannerOptions::delayed_handoff).
+  bool delayed_handoff = false;
   // --delayed_gpu_path (PlannerOptions::delayed_gpu).
   bool delayed_gpu = false;
   // --delayed_gpu_first (PlannerOptions::delayed_gpu_first; implies delayed_gpu).

@@ -46,6 +46,7 @@ absl::Status UpdateDelayed(CpuUpdater* cpu, ShardState& shard, const DelayedHost
     const absl::Time t0 = absl::Now();
     cpu->Run(items);
     *kernel_us += absl::ToDoubleMicroseconds(absl::Now() - t0);
+    delayed.MarkUpdated(sg);  // a hand-off's next step may take it now
   }
   return absl::OkStatus();
 }

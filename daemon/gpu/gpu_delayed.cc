@@ -153,6 +153,9 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   // are in host memory once their stream is done (StreamDelayed).
   absl::Status st = DOS_CUDA_STATUS(cudaStreamSynchronize(resident_));
   if (status.ok()) status = st;
+  if (status.ok()) {
+    for (uint32_t sg : subgroups) delayed.MarkUpdated(sg);  // a hand-off's next step may take them
+  }
   cudaEventDestroy(run.start);
   // The GPU's share of the delayed update, for an operator comparing it
   // with the window (its copy engines' and kernels' busy time).

@@ -29,8 +29,13 @@ DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget,
   for (const Subgroup& g : shard.subgroups()) max_numel_ = std::max(max_numel_, g.numel);
   region_bytes_ = max_numel_ * (grad_elem_ + weight_elem_);
   region_of_.assign(shard.subgroups().size(), -1);
+  // At most one region a subgroup: Grow never moves the vector, which an
+  // update in flight reads (a hand-off's Place grows it beside that update).
+  regions_.reserve(shard.subgroups().size());
   state_.assign(shard.subgroups().size(), kNone);
   early_ = std::make_unique<std::atomic<bool>[]>(shard.subgroups().size());
+  updated_ = std::make_unique<std::atomic<bool>[]>(shard.subgroups().size());
+  for (size_t sg = 0; sg < state_.size(); ++sg) updated_[sg].store(false);
   DropEarly();
 }
 
@@ -130,19 +135,25 @@ void DelayedHost::BeginCapture(std::span<const uint32_t> subgroups,
   for (uint32_t sg : subgroups) installs_[sg] = state_[sg] == kPending;
   Installed(subgroups);  // the step installs the pending ones among them first
   captured_.assign(subgroups.begin(), subgroups.end());
-  for (uint32_t sg : captured_) state_[sg] = kCaptured;
+  for (uint32_t sg : captured_) {
+    state_[sg] = kCaptured;
+    updated_[sg].store(false, std::memory_order_relaxed);
+  }
+  finished_.store(false, std::memory_order_relaxed);
   scalars_ = std::move(scalars);
   scaled_scalars_.clear();
+  scaled_.assign(state_.size(), false);
   if (early_coef_ != 1.0f) {
     // round_to(grad dtype, float(g) * c): the trainer's multiply, bit for bit.
     scaled_scalars_ = scalars_;
     for (cpu::AdamScalars& s : scaled_scalars_) s.grad_coef = early_coef_;
+    for (uint32_t sg : captured_) scaled_[sg] = captured_early(sg);
   }
 }
 
 void DelayedHost::BeginEarly(std::span<const uint32_t> subgroups) {
   installs_.assign(state_.size(), false);
-  for (uint32_t sg : subgroups) installs_[sg] = state_[sg] == kPending;
+  for (uint32_t sg : subgroups) installs_[sg] = installable(sg);
 }
 
 void DelayedHost::EarlyCaptured(std::span<const uint32_t> subgroups) {
@@ -152,20 +163,40 @@ void DelayedHost::EarlyCaptured(std::span<const uint32_t> subgroups) {
 }
 
 void DelayedHost::DropEarly() {
+  // Not scaled_scalars_ or scaled_: an update in flight reads them.
   for (size_t sg = 0; sg < state_.size(); ++sg) early_[sg].store(false, std::memory_order_relaxed);
   early_coef_ = 1.0f;
-  scaled_scalars_.clear();
 }
 
-void DelayedHost::Updated() {
-  DropEarly();
+void DelayedHost::Updated(bool keep_early) {
+  if (!keep_early) DropEarly();
   await_capture = nullptr;
-  for (uint32_t sg : captured_) state_[sg] = kPending;
-  pending_.insert(pending_.end(), captured_.begin(), captured_.end());
+  for (uint32_t sg : captured_) {
+    updated_[sg].store(false, std::memory_order_relaxed);
+    if (state_[sg] == kInstalled) {
+      state_[sg] = kNone;  // the next step's early captures installed it
+      continue;
+    }
+    state_[sg] = kPending;
+    pending_.push_back(sg);
+  }
   captured_.clear();
   scalars_.clear();
+  scaled_scalars_.clear();
+  scaled_.clear();
   installs_.clear();
   on_gpu_.clear();
+}
+
+bool DelayedHost::UpdateStaysIn(std::span<const uint32_t> keep) const {
+  std::vector<bool> kept(state_.size(), false);
+  for (uint32_t sg : keep) kept[sg] = true;
+  return std::all_of(captured_.begin(), captured_.end(), [&](uint32_t sg) { return kept[sg]; });
+}
+
+bool DelayedHost::UpdateAbove(uint32_t resident) const {
+  return std::all_of(captured_.begin(), captured_.end(),
+                     [resident](uint32_t sg) { return sg >= resident; });
 }
 
 std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep) const {
@@ -181,6 +212,9 @@ std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep)
 void DelayedHost::Installed(std::span<const uint32_t> subgroups) {
   for (uint32_t sg : subgroups) {
     if (state_[sg] == kPending) state_[sg] = kNone;
+    if (state_[sg] == kCaptured && updated_[sg].load(std::memory_order_acquire)) {
+      state_[sg] = kInstalled;
+    }
   }
   std::erase_if(pending_, [&](uint32_t sg) { return state_[sg] != kPending; });
 }

@@ -108,8 +108,11 @@ class DelayedHost {
   // The scalars subgroup `sg`'s update runs with, per tensor: the step's,
   // with grad_coef SetEarlyCoef's coefficient where `sg` was captured early
   // (before the trainer scaled its gradients in place).
+  // Fixed at BeginCapture (the early captures are final by then), so that
+  // the next step's early captures may change captured_early() while this
+  // update still runs (a hand-off, below).
   std::span<const cpu::AdamScalars> scalars_for(uint32_t sg) const {
-    return early_coef_ != 1.0f && captured_early(sg) ? scaled_scalars_ : scalars_;
+    return sg < scaled_.size() && scaled_[sg] ? scaled_scalars_ : scalars_;
   }
   // The verdict's kStepGradientsScaled coefficient for the subgroups
   // captured early (StepExecutor::ScaledCoef: the step's grad_scale and
@@ -117,13 +120,49 @@ class DelayedHost {
   // DropEarly and Updated forget it.
   void SetEarlyCoef(float coef) { early_coef_ = coef; }
   float early_coef() const { return early_coef_; }
-  // After Engine::UpdateDelayed: their weights are pending; the installs
-  // are done.
-  void Updated();
+  // After Engine::UpdateDelayed: their weights are pending (those the next
+  // step installed during a hand-off, below, are installed); the installs
+  // are done. `keep_early`: the next step's early captures (a hand-off's)
+  // stay; otherwise they are forgotten with the coefficient (DropEarly).
+  void Updated(bool keep_early = false);
   // Subgroups whose new weights wait in the buffers (after Updated), and
   // whether one of them is `sg`.
   const std::vector<uint32_t>& pending() const { return pending_; }
   bool is_pending(uint32_t sg) const { return sg < state_.size() && state_[sg] == kPending; }
+
+  // A hand-off (--delayed_handoff): the next early step begins while this
+  // update still runs, and its captures during backward take each subgroup
+  // as soon as the update is done with it. The update (Engine::UpdateDelayed,
+  // on the worker) marks each subgroup it has written (MarkUpdated: its new
+  // weights are in the buffers, its gradients read); the next step's
+  // EarlyCapture waits for update_done(sg), then installs those weights
+  // (installable) and copies its own gradients over the old. Updated() after
+  // the join then leaves them installed.
+  void MarkUpdated(uint32_t sg) const { updated_[sg].store(true, std::memory_order_release); }
+  bool update_done(uint32_t sg) const {
+    return sg >= state_.size() || state_[sg] != kCaptured ||
+           updated_[sg].load(std::memory_order_acquire);
+  }
+  // Whose weights a copy now would install: pending, or updated by the
+  // update still running.
+  bool installable(uint32_t sg) const {
+    return sg < state_.size() &&
+           (state_[sg] == kPending ||
+            (state_[sg] == kCaptured && updated_[sg].load(std::memory_order_acquire)));
+  }
+  // Whether the worker's update runs (started, not joined), and whether it
+  // has ended (set last by the worker).
+  bool update_in_flight() const { return worker.joinable(); }
+  // Set by the session when it leaves the update running for the next step
+  // (StepExecutor::Run joins it: JoinHandOff); cleared by that join.
+  bool handed_off = false;
+  bool update_finished() const { return finished_.load(std::memory_order_acquire); }
+  void MarkFinished() { finished_.store(true, std::memory_order_release); }
+  // Whether the update in flight writes the state of none of `subgroups`
+  // outside `keep` (and none below `resident`, the GPU's leading ones): what
+  // the next step may plan beside it.
+  bool UpdateStaysIn(std::span<const uint32_t> keep) const;
+  bool UpdateAbove(uint32_t resident) const;
   // The pending subgroups that are not in `keep` (those the next step
   // installs itself): what must be installed before it runs.
   std::vector<uint32_t> PendingExcept(std::span<const uint32_t> keep) const;
@@ -177,6 +216,9 @@ class DelayedHost {
   // When the last early delayed step's verdict came (CLOCK_MONOTONIC; 0:
   // none): that step's window ends there, not at its begin.
   uint64_t verdict_ns = 0;
+  // The verdict of the step whose update runs or ran last (0: that step was
+  // not early): what its start is measured against.
+  uint64_t update_verdict_ns = 0;
   // Whether the last verdict said the trainer wrote its gradients after
   // their ready marks (kStepGradientsRewritten: an in-place clip, as the
   // Hugging Face Trainer's through torch's clip_grad_norm_): then the next
@@ -204,7 +246,9 @@ class DelayedHost {
   std::function<absl::Status(uint32_t sg)> await_capture;
 
  private:
-  enum Stage : uint8_t { kNone, kCaptured, kPending };
+  // kInstalled: captured, updated, and its new weights already installed by
+  // the next step's early captures (a hand-off); none after Updated().
+  enum Stage : uint8_t { kNone, kCaptured, kPending, kInstalled };
   // Adds `count` regions from `alloc` to the free pool, charged to budget_
   // (all or none) until each is freed.
   absl::Status Grow(uint64_t count, const AllocHostBuffer& alloc);
@@ -223,6 +267,9 @@ class DelayedHost {
   std::vector<bool> installs_;
   std::vector<bool> on_gpu_;                    // per subgroup, while captured
   std::unique_ptr<std::atomic<bool>[]> early_;  // per subgroup: captured during backward
+  std::unique_ptr<std::atomic<bool>[]> updated_;  // per subgroup: MarkUpdated
+  std::atomic<bool> finished_{false};
+  std::vector<bool> scaled_;  // per subgroup, from BeginCapture: scalars_for's choice
   float early_coef_ = 1.0f;
   std::vector<cpu::AdamScalars> scaled_scalars_;  // scalars_ with grad_coef early_coef_
   std::vector<cpu::AdamScalars> scalars_;

@@ -45,7 +45,9 @@ void EarlyCapture::Loop() {
   size_t next = 0;
   while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire) &&
          !(sync_.capture_stopped && sync_.capture_stopped())) {
-    if (sync_.is_ready(subgroups_[next])) {
+    // Ready: backward is done with it, and an update handed off to this
+    // step (DelayedHost, "a hand-off") with its buffers.
+    if (sync_.is_ready(subgroups_[next]) && delayed_->update_done(subgroups_[next])) {
       // The trainer may have stopped the captures since the check above and
       // gone on without waiting for us: asked again after saying a copy
       // begins (sync.capture_begins).
@@ -73,7 +75,7 @@ absl::Status EarlyCapture::CopyRun(std::span<const uint32_t> run) {
   // gradients and installs nothing twice (DelayedHost::Installed).
   std::vector<uint32_t> pending;
   for (uint32_t sg : run) {
-    if (delayed_->is_pending(sg)) pending.push_back(sg);
+    if (delayed_->installable(sg)) pending.push_back(sg);
   }
   if (pending.empty()) return absl::OkStatus();
   DOS_RETURN_IF_ERROR(engine_->InstallDelayed(shard_, bindings_, *delayed_, pending));

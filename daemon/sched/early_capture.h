@@ -12,7 +12,10 @@
 // again after each copy says it begins, sync.capture_begins, since that
 // trainer waits only for a copy it saw begun), and then tells it none is
 // copying any more (sync.captures_done, also when there was nothing to
-// copy). The step's own capture after the verdict then skips them
+// copy). Beside an update handed off to this step (DelayedHost, "a
+// hand-off"), a subgroup is also waited for until that update is done with
+// it, and the weights it installs are that update's. The step's own
+// capture after the verdict then skips them
 // (DelayedHost::captured_early), so the copies leave the time the trainer
 // waits for the step. Nothing here depends on the verdict: the weights are
 // those the next request would install anyway, and the gradients are only

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -254,6 +255,11 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   if ((kind.delays_host() || kind.finishes_delayed()) && delayed == nullptr) {
     return absl::InternalError("step: a delayed step needs the session's delayed host path");
   }
+  // A hand-off (the session left the last delayed update running): only an
+  // early delayed step begins beside it, and it joins the update at its
+  // verdict; however this step ends, it is joined before Run returns.
+  absl::Cleanup handed = [&] { JoinHandOff(shard, delayed, session, false); };
+  if (!kind.awaits_verdict() || !kind.delays_host()) JoinHandOff(shard, delayed, session, false);
   if (kind.finishes_delayed()) {
     DOS_RETURN_IF_ERROR(WaitForTrainerEvent(begun, sync, SharesEngine(session)));
     DOS_RETURN_IF_ERROR(InstallPending(shard, bindings, *delayed));
@@ -276,12 +282,16 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   NodeResources::Step node_step = planner_.BeginStep(layout, resident);
   const double window_us = delayed != nullptr ? delayed->PlanWindowUs() : 0;
   const StepPlan plan = planner_.Plan(policy, layout, resident, kind, window_us);
+  // The plan may stream or prefetch only state the update does not write.
+  if (delayed != nullptr && delayed->handed_off && !delayed->UpdateStaysIn(plan.delayed)) {
+    JoinHandOff(shard, delayed, session, false);
+  }
   DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
   StepRequest request = begun;
   absl::Time verdict_at = start;
   if (kind.awaits_verdict()) {
-    DOS_ASSIGN_OR_RETURN(
-        request, AwaitVerdictCapturing(plan, shard, bindings, kind, sync, await_verdict, delayed));
+    DOS_ASSIGN_OR_RETURN(request, AwaitVerdictCapturing(plan, shard, bindings, kind, sync,
+                                                        await_verdict, delayed, session));
     verdict_at = absl::Now();
   }
   // The host waits for the event where dosd reads what the trainer's stream
@@ -358,6 +368,11 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
     }
     target = std::min<uint32_t>(target, static_cast<uint32_t>(delayed->resident_cap));
   }
+  // A handed-off update writes its subgroups' host state: none of them may
+  // become resident beside it.
+  if (delayed != nullptr && delayed->handed_off && !delayed->UpdateAbove(target)) {
+    JoinHandOff(shard, delayed, session, false);
+  }
   return engine_->SetResident(shard, target, true);
 }
 
@@ -432,6 +447,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
   }
   if (!plan.delayed.empty()) {
     delayed->BeginCapture(plan.delayed, scalars, plan.delayed_gpu);
+    delayed->update_verdict_ns = kind.awaits_verdict() ? delayed->verdict_ns : 0;
     engine_sync.delayed = delayed;
     // Their update starts as soon as the engine queued the captures (each
     // subgroup then waits for its own: DelayedHost::await_capture), beside
@@ -441,6 +457,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
       engine_sync.delayed_captured = [this, &shard, delayed] {
         delayed->worker = std::thread([this, &shard, delayed] {
           delayed->worker_run = RunDelayedKernel(shard, *delayed);
+          delayed->MarkFinished();  // a session waiting to hand it off joins it instead
         });
       };
     }

@@ -132,7 +132,18 @@ class StepExecutor {
   // The update starts as soon as the engine has the gradients (on a thread
   // of its own, beside the step's GPU path); UpdateDelayed waits for it.
   // kind.finishes_delayed(): Run installs them and applies nothing.
-  absl::Status UpdateDelayed(ShardState& shard, DelayedHost& delayed);
+  // With --delayed_handoff the session may leave the update running and
+  // pass it to the next early delayed step's Run, which joins it at its
+  // verdict (before, where its plan or resident tier would touch a subgroup
+  // the update writes: DelayedHost, "a hand-off"); `keep_early` there keeps
+  // that step's early captures. Each update logs `delayed.update` (debug)
+  // for `session`.
+  absl::Status UpdateDelayed(ShardState& shard, DelayedHost& delayed, uint64_t session = 0,
+                             bool keep_early = false);
+  // UpdateDelayed for an update the session handed off, once (a failure is
+  // logged: the update's own error, not this step's).
+  void JoinHandOff(ShardState& shard, DelayedHost* delayed, uint64_t session, bool keep_early);
+  bool delayed_handoff() const { return planner_.delayed_handoff(); }
   absl::Status InstallPending(const ShardState& shard, std::span<const TensorBinding> bindings,
                               DelayedHost& delayed);
   // A synchronous step (tests, benchmarks).
@@ -189,11 +200,12 @@ class StepExecutor {
                                                 const AwaitVerdict& await_verdict);
   // AwaitFinalRequest for an early step; a delayed one captures its delayed
   // subgroups meanwhile (EarlyCapture).
-  absl::StatusOr<StepRequest> AwaitVerdictCapturing(const StepPlan& plan, const ShardState& shard,
+  // A hand-off's update is joined once the captures stop (JoinHandOff).
+  absl::StatusOr<StepRequest> AwaitVerdictCapturing(const StepPlan& plan, ShardState& shard,
                                                     std::span<const TensorBinding> bindings,
                                                     StepKind kind, const StepSync& sync,
                                                     const AwaitVerdict& await_verdict,
-                                                    DelayedHost* delayed);
+                                                    DelayedHost* delayed, uint64_t session);
   // What the update multiplies the gradients captured before `verdict` by
   // (kStepGradientsScaled: the trainer's in-place multiply after the
   // captures stopped, `stopped`), or nullopt where they must be copied again

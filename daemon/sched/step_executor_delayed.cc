@@ -44,7 +44,8 @@ DelayedHost::Run StepExecutor::RunDelayedKernel(ShardState& shard, const Delayed
   return run;
 }
 
-absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed) {
+absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed, uint64_t session,
+                                         bool keep_early) {
   if (delayed.captured().empty()) return absl::OkStatus();
   DelayedHost::Run run;
   if (delayed.worker.joinable()) {
@@ -53,6 +54,7 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
   } else {
     run = RunDelayedKernel(shard, delayed);
   }
+  const uint64_t last_end_ns = delayed.update_end_ns;
   delayed.update_us = run.us;
   delayed.update_end_ns = run.end_ns;
   delayed.kernel_us = run.kernel_us;
@@ -60,13 +62,36 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
   const absl::Status st = run.status;
   // Whatever happened, these subgroups' weights are what the buffers hold
   // now; a failed kernel (none can fail but a bad plan) is the step's error.
-  delayed.Updated();
-  return st;
+  delayed.Updated(keep_early);
+  if (!st.ok()) return st;
+  // When the update ran against its step's verdict and the last update: the
+  // host path idles from the last update's end to this one's start (a
+  // verdict read late, the step's scan and first copies).
+  const double start_ns = static_cast<double>(run.end_ns) - run.us * 1e3;
+  const uint64_t verdict_ns = delayed.update_verdict_ns;
+  DOS_LOG_DEBUG("delayed.update", "session", session, "update_us", run.us, "start_after_verdict_us",
+                verdict_ns != 0 ? (start_ns - static_cast<double>(verdict_ns)) * 1e-3 : 0.0,
+                "idle_before_us",
+                last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0,
+                "kernel_us", run.kernel_us, "kernel_params", run.kernel_params, "handed_off",
+                delayed.handed_off ? "true" : "false");
+  return absl::OkStatus();
+}
+
+void StepExecutor::JoinHandOff(ShardState& shard, DelayedHost* delayed, uint64_t session,
+                               bool keep_early) {
+  if (delayed == nullptr || !delayed->handed_off) return;
+  const absl::Status st = UpdateDelayed(shard, *delayed, session, keep_early);
+  delayed->handed_off = false;
+  if (!st.ok()) {
+    DOS_LOG_ERROR("step.delayed_update_failed", "session", session, "error", st.message());
+  }
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
-    const StepPlan& plan, const ShardState& shard, std::span<const TensorBinding> bindings,
-    StepKind kind, const StepSync& sync, const AwaitVerdict& await_verdict, DelayedHost* delayed) {
+    const StepPlan& plan, ShardState& shard, std::span<const TensorBinding> bindings, StepKind kind,
+    const StepSync& sync, const AwaitVerdict& await_verdict, DelayedHost* delayed,
+    uint64_t session) {
   // A delayed step copies its delayed subgroups as backward finishes each
   // (early_capture.h). Buffers it cannot place now are placed (or refused,
   // with the step's error) after the verdict, as for any delayed step.
@@ -96,7 +121,10 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
       delayed->SetEarlyCoef(scaled.value_or(1.0f));
     }
   }
-  if (!early.has_value()) return request;
+  if (!early.has_value()) {
+    JoinHandOff(shard, delayed, session, false);  // nothing was captured beside it
+    return request;
+  }
   // How late this thread read the verdict, then how long the captures still
   // running took to join (measured apart: the join must not count as late).
   const double read_late_us = static_cast<double>(MonotonicNs() - delayed->verdict_ns) * 1e-3;
@@ -116,6 +144,9 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
   // Gradients written after their ready marks are copied again (scaled
   // ones only where ScaledCoef cannot keep them); those of a step given up
   // are never read.
+  // The captures have stopped: a handed-off update is joined, leaving the
+  // subgroups they installed installed and their gradients captured.
+  JoinHandOff(shard, delayed, session, true);
   if (!request.ok() || (request->flags & kStepGradientsRewritten) ||
       ((request->flags & kStepGradientsScaled) && !scaled.has_value())) {
     delayed->DropEarly();

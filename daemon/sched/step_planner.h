@@ -82,6 +82,11 @@ struct PlannerOptions {
   // GPU path then has host memory to itself, and the update has only the
   // trainer's window (--delayed_update_start).
   bool delayed_start_at_result = false;
+  // The session hands a running delayed update to the trainer's next early
+  // step (--delayed_handoff): that step begins beside it, and its captures
+  // during backward take each subgroup as soon as the update is done with
+  // it (DelayedHost, "a hand-off").
+  bool delayed_handoff = false;
   // A delayed step delays its streamed subgroups too (--delayed_gpu_path,
   // dosd's default): their gradients are captured with the host path's and
   // their update streams through the staging slots during the window, on
@@ -160,6 +165,9 @@ class StepPlanner {
 
   const PlanBudgets& budgets() const { return options_.budgets; }
   bool delayed_start_at_result() const { return options_.delayed_start_at_result; }
+  bool delayed_handoff() const {
+    return options_.delayed_handoff && !options_.delayed_start_at_result;
+  }
   NodeResources* node() const { return options_.node; }
   int node_engine() const { return options_.node_engine; }
   // The model's rates (with a node view, R_cpu and M_host are the node's).

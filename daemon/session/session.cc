@@ -61,7 +61,7 @@ Session::Session(SessionIdentity identity, const SessionOptions& options, const 
 
 Session::~Session() {
   Stop();
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   CloseTrainerEvent();
 }
 
@@ -100,7 +100,7 @@ void Session::Stop() {
   }
   if (!first) return;
   {
-    absl::MutexLock lock(&mu_);
+    OthersLock lock(this);
     executor_->ForgetSession(identity_.id);  // its GPU share goes to the others
   }
   if (control_ != nullptr) {
@@ -173,7 +173,7 @@ void Session::StepLoop() {
         {
           // Kept for --session_lease, it takes no more turns on its GPU:
           // other sessions there step as if it were gone.
-          absl::MutexLock lock(&mu_);
+          OthersLock lock(this);
           executor_->UnbindSession(identity_.id);
         }
         if (on_client_gone_) on_client_gone_(identity_.id);
@@ -181,8 +181,7 @@ void Session::StepLoop() {
       }
       continue;
     }
-    last = seq;
-    HandleRequest(seq);
+    last = HandleRequest(seq);
   }
 }
 
@@ -215,14 +214,13 @@ void AddToCounters(DaemonCounters* c, const absl::StatusOr<StepOutcome>& outcome
 
 }  // namespace
 
-void Session::HandleRequest(uint32_t seq) {
+uint32_t Session::HandleRequest(uint32_t seq) {
   auto* block = static_cast<ControlBlock*>(control_->data());
   const absl::Time start = absl::Now();
   ClearResult(&block->result);
   // One copy of the request, read once: the trainer can write its block at
   // any time, and what was validated must be what is applied.
   const StepRequest request = block->request;  // published by request_bell (acquire)
-  StepRecord record;
   // An early step waits for its trainer while it holds mu_: counted in the
   // gate before it locks (a snapshot queued first goes first), until it ends.
   const absl::StatusOr<StepKind> decoded = StepKind::Decode(request.flags, /*stream_ordered=*/false);
@@ -230,9 +228,22 @@ void Session::HandleRequest(uint32_t seq) {
   if (early) trainer_gate_.BeginEarlyStep();
   // Held from the step to the end of its delayed update (if any), which runs
   // after the result is posted: nothing reads or writes the state between
-  // the two (state reads, checkpoints and resumes see whole steps).
+  // the two (state reads, checkpoints and resumes see whole steps). A
+  // hand-off keeps holding it through the next step, which joins the update.
   absl::MutexLock lock(&mu_);
-  record.lock_wait_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  StepLocked(seq, request, start, early, absl::ToDoubleMicroseconds(absl::Now() - start));
+  while (std::optional<NextStep> next = AwaitHandOff(seq)) {
+    seq = next->seq;
+    StepLocked(seq, next->request, absl::Now(), /*early=*/true, 0);
+  }
+  return seq;
+}
+
+void Session::StepLocked(uint32_t seq, const StepRequest& request, absl::Time start, bool early,
+                         double lock_wait_us) {
+  auto* block = static_cast<ControlBlock*>(control_->data());
+  StepRecord record;
+  record.lock_wait_us = lock_wait_us;
   RunStep(seq, request, start, &record);
   if (early) trainer_gate_.EndEarlyStep();
   if (record.outcome.ok()) AddDelayFigures(request, &*record.outcome);
@@ -250,7 +261,6 @@ void Session::HandleRequest(uint32_t seq) {
   RecordStats(record, wall_us);
   last_post_ns_ = MonotonicNs();
   channel_->PostResult(seq);
-  RunDelayedUpdate(early);
 }
 
 void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start,
@@ -289,6 +299,8 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
                                      delayed);
   } else {
     record->outcome = admitted;
+    // A handed-off update ends before the step's result (Run joins it).
+    if (delayed_ != nullptr) executor_->JoinHandOff(*shard_, delayed_.get(), identity_.id, false);
   }
   ++steps_run_;
   record->snapshot_wait_us = shard_->TakeWriteWaitUs();
@@ -354,7 +366,7 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
 
 absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                              const MemoryRef& buf) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
   if (resident_synced_at_ != steps_run_) {
@@ -369,7 +381,7 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, u
 }
 
 absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state memory: session ", identity_.id, " has no registered state yet; register first"));
@@ -384,7 +396,7 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
 
 absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                   const MemoryRef& buf, int64_t step) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("state transfer: step ", step, " is negative"));
@@ -426,7 +438,7 @@ absl::Status Session::UnderSnapshotLock(Locked locked) {
     return absl::AbortedError(absl::StrCat("checkpoint: session ", identity_.id,
                                            " waits for its trainer (an early step)"));
   }
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   trainer_gate_.SnapshotLocked();
   return locked();
 }
@@ -501,7 +513,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
 }
 
 absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* env) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint load: session ", identity_.id,
@@ -520,7 +532,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
 }
 
 std::unique_ptr<ShardState> Session::TakeShard() {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   // A checkpoint's copier reads the state off the lock: finish its copy here
   // and wait until it has let go before the state changes hands.
   if (shard_ != nullptr) shard_->FinishSnapshot();
@@ -548,12 +560,12 @@ std::unique_ptr<ShardState> Session::TakeShard() {
 }
 
 void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   adopted_ = std::move(shard);
 }
 
 void Session::SetRestoreCandidates(std::vector<std::string> paths, Env* env) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   restore_candidates_ = std::move(paths);
   restore_env_ = env;
 }

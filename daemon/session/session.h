@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -37,21 +38,21 @@
 #include "absl/time/time.h"
 #include "daemon/checkpoint/env.h"
 #include "daemon/common/uid_ledger.h"
-#include "daemon/sched/policy.h"
-#include "daemon/session/daemon_counters.h"
-#include "daemon/session/shard_spec.h"
 #include "daemon/sched/executor_set.h"
+#include "daemon/sched/policy.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/sched/step_kind.h"
-#include "daemon/state/register_progress.h"
+#include "daemon/session/daemon_counters.h"
+#include "daemon/session/shard_spec.h"
 #include "daemon/session/trainer_gate.h"
+#include "daemon/state/register_progress.h"
 #include "daemon/state/shard_state.h"
-#include "dos/wire/control_channel.h"
-#include "dos/wire/shm_segment.h"
-#include "dos/wire/unique_fd.h"
 #include "daemon/transport/peer_process.h"
 #include "daemon/transport/segment_inbox.h"
 #include "daemon/transport/transport.h"
+#include "dos/wire/control_channel.h"
+#include "dos/wire/shm_segment.h"
+#include "dos/wire/unique_fd.h"
 
 namespace dos {
 
@@ -262,7 +263,22 @@ class Session {
     double snapshot_wait_us = 0;  // copy-on-write copies for an in-flight checkpoint
     uint32_t num_subgroups = 0;
   };
-  void HandleRequest(uint32_t seq);
+  // Returns the last seq it handled: with a hand-off, the steps after `seq`
+  // it ran under the same lock.
+  uint32_t HandleRequest(uint32_t seq);
+  // Under mu_: the step from its run to its result.
+  void StepLocked(uint32_t seq, const StepRequest& request, absl::Time start, bool early,
+                  double lock_wait_us) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a step's result, with its delayed update running: the trainer's
+  // next step, when it begins early and delays the host path before the
+  // update ends (--delayed_handoff; no snapshot queued, no one else waiting
+  // for mu_), counted in the gate and handed the update (its seq and request,
+  // read once); otherwise the update is joined here (RunDelayedUpdate).
+  struct NextStep {
+    uint32_t seq;
+    StepRequest request;
+  };
+  std::optional<NextStep> AwaitHandOff(uint32_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The delayed host path (daemon/sched/delayed_host.h): the session's
   // DelayedHost for its shard (made at the first step that needs one); the
   // trainer's window before a request; the update after the result; the
@@ -270,10 +286,7 @@ class Session {
   // memory or state outside a step.
   DelayedHost* DelayedFor(StepKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NoteWindow(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `early`: the step that captured the update's gradients was an early
-  // one, so DelayedHost::verdict_ns is its verdict (the debug event's
-  // start_after_verdict_us; 0 otherwise).
-  void RunDelayedUpdate(bool early) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunDelayedUpdate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InstallPendingWeights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddDelayFigures(const StepRequest& request, StepOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -390,6 +403,25 @@ class Session {
   std::atomic<bool> stopped_{false};  // Stop() ran (closes the block once)
   // Early steps (HandleRequest) against snapshots queued for mu_.
   mutable TrainerGate trainer_gate_;
+  // Threads waiting for mu_ other than the step loop's (OthersLock): a
+  // hand-off gives way to them (AwaitHandOff).
+  std::atomic<int> others_waiting_{0};
+  // mu_ for anything but the step loop, counted in others_waiting_ while it
+  // waits.
+  class ABSL_SCOPED_LOCKABLE OthersLock {
+   public:
+    explicit OthersLock(Session* s) ABSL_EXCLUSIVE_LOCK_FUNCTION(s->mu_) : mu_(&s->mu_) {
+      s->others_waiting_.fetch_add(1, std::memory_order_relaxed);
+      mu_->Lock();
+      s->others_waiting_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    ~OthersLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+    OthersLock(const OthersLock&) = delete;
+    OthersLock& operator=(const OthersLock&) = delete;
+
+   private:
+    absl::Mutex* const mu_;
+  };
 };
 
 }  // namespace dos

@@ -1,9 +1,11 @@
 // Session's delayed host path (daemon/sched/delayed_host.h; the protocol in
 // dos/wire/control_block.h): the DelayedHost of the session's shard, the
 // trainer's window between steps, the update that runs after a delayed
-// step's result (HandleRequest, still under the step lock) and the installs
-// of pending weights before anything else writes them.
+// step's result (HandleRequest, still under the step lock, or handed off to
+// the next step: AwaitHandOff) and the installs of pending weights before
+// anything else writes them.
 #include <algorithm>
+#include <optional>
 
 #include "daemon/common/log.h"
 #include "daemon/session/session.h"
@@ -48,26 +50,36 @@ void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
   }
 }
 
-void Session::RunDelayedUpdate(bool early) {
+void Session::RunDelayedUpdate() {
   if (delayed_ == nullptr || delayed_->captured().empty()) return;
-  const uint64_t last_end_ns = delayed_->update_end_ns;
-  absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_);
+  delayed_->handed_off = false;  // a step not run (refused) left it to us
+  // Logs its time (delayed.update, StepExecutor::UpdateDelayed).
+  absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_, identity_.id);
   if (!st.ok()) {
     DOS_LOG_ERROR("step.delayed_update_failed", "session", identity_.id, "error", st.message());
-    return;
   }
-  // When the update ran against the verdict and the last update: the host
-  // path idles from the last update's end to this one's start (a verdict
-  // read late, the step's scan and first copies).
-  const double start_ns = static_cast<double>(delayed_->update_end_ns) - delayed_->update_us * 1e3;
-  DOS_LOG_DEBUG("delayed.update", "session", identity_.id, "update_us", delayed_->update_us,
-                "start_after_verdict_us",
-                early && delayed_->verdict_ns != 0
-                    ? (start_ns - static_cast<double>(delayed_->verdict_ns)) * 1e-3
-                    : 0.0,
-                "idle_before_us",
-                last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0,
-                "kernel_us", delayed_->kernel_us, "kernel_params", delayed_->kernel_params);
+}
+
+std::optional<Session::NextStep> Session::AwaitHandOff(uint32_t seq) {
+  if (delayed_ != nullptr && delayed_->update_in_flight() && executor_->delayed_handoff()) {
+    auto* block = static_cast<ControlBlock*>(control_->data());
+    while (!delayed_->update_finished() && !stop_.load(std::memory_order_acquire) &&
+           others_waiting_.load(std::memory_order_relaxed) == 0) {
+      // The trainer's ring wakes this at once; the update's end within 200 us.
+      const uint32_t next = channel_->WaitRequest(seq, absl::Microseconds(200));
+      if (next == seq) continue;
+      const StepRequest request = block->request;  // published by request_bell (acquire)
+      const absl::StatusOr<StepKind> kind = StepKind::Decode(request.flags, false);
+      if (kind.ok() && kind->early() && kind->delays_host() && trainer_gate_.TryBeginEarlyStep()) {
+        delayed_->handed_off = true;
+        ClearResult(&block->result);
+        return NextStep{next, request};
+      }
+      break;  // the step loop reads it again after the update
+    }
+  }
+  RunDelayedUpdate();
+  return std::nullopt;
 }
 
 absl::Status Session::InstallPendingWeights() {

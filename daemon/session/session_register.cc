@@ -34,7 +34,7 @@ struct Session::Registration {
 };
 
 absl::Status Session::Register(const ShardSpec& given) {
-  absl::MutexLock lock(&mu_);
+  OthersLock lock(this);
   absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
   ShardSpec spec = given;  // its segments resolved below
   if (shard_ != nullptr) {

@@ -37,6 +37,14 @@ class TrainerGate {
     mu_.Await(absl::Condition(&none_queued));
     ++steps_;
   }
+  // The same without waiting (a hand-off, under mu_ already): false, and
+  // nothing counted, when a snapshot is queued.
+  bool TryBeginEarlyStep() {
+    absl::MutexLock lock(&mu_);
+    if (queued_ > 0) return false;
+    ++steps_;
+    return true;
+  }
   // Wakes the waiters whose condition now holds (absl::Mutex re-evaluates
   // them on release).
   void EndEarlyStep() {

@@ -355,6 +355,12 @@ absl::Status FakeEngine::Execute(const StepPlan& plan, ShardState& shard,
             ? PipelinedCaptures(plan, shard, bindings, sync)
             : cpu::CopyDelayedHost(shard, bindings, *sync.delayed, plan.delayed, true);
     if (!st.ok()) return st;
+    if (options_.slow_update_ms > 0 && !options_.pipelined_captures) {
+      sync.delayed->await_capture = [ms = options_.slow_update_ms](uint32_t) {
+        absl::SleepFor(absl::Milliseconds(ms));
+        return absl::OkStatus();
+      };
+    }
     if (sync.delayed_captured && !options_.pipelined_captures) sync.delayed_captured();
     for (uint32_t sg : plan.delayed) {
       measured->entries.push_back(TimelineEntry{.subgroup = sg, .path = 'd'});

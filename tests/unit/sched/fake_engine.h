@@ -51,6 +51,9 @@ struct FakeEngineOptions {
   // subgroup a millisecond apart: an update that did not wait for each
   // subgroup's copies would run ahead of them.
   bool pipelined_captures = false;
+  // The delayed update takes this long a subgroup more (a slow host: the
+  // next step begins beside it, a hand-off).
+  int slow_update_ms = 0;
 };
 
 class FakeEngine final : public Engine {

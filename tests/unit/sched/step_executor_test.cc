@@ -469,6 +469,110 @@ TEST(StepExecutorTest, AVerdictThatRewroteTheGradientsHasThemCopiedAgain) {
   EarlyDelayedStep(true);
 }
 
+// --delayed_handoff: the session leaves a delayed update running and hands
+// it to the trainer's next early delayed step (DelayedHost::handed_off).
+// That step's captures during backward wait for each subgroup's update,
+// install its new weights and copy the step's gradients while the update
+// still runs on the rest; its verdict joins the update. Steps so chained
+// (a rewriting verdict among them) are the exact steps applied one late,
+// and the trainer's weights after each are the exact ones of the step
+// before.
+TEST(StepExecutorTest, AHandedOffUpdateEndsInsideTheNextEarlyStep) {
+  Fixture f, exact;
+  FakeEngine slow(FakeEngine::Options{.slow_update_ms = 20});  // 100 ms an update
+  PlannerOptions handoff;
+  handoff.delayed_handoff = true;
+  StepExecutor ex(&slow, handoff), ex_exact(&exact.engine);
+  ASSERT_TRUE(ex.delayed_handoff());
+  DelayedHost delayed(*f.shard, &f.budget);
+  const StepSync sync = AllReady();
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  bool overlapped = false;
+  auto step = [&](float scale, bool rewritten) {
+    const std::vector<std::vector<float>> installed = exact.params;  // the last step's weights
+    auto scale_grads = [scale](std::vector<std::vector<float>>& grads) {
+      for (std::vector<float>& g : grads) {
+        for (float& x : g) x *= scale;
+      }
+    };
+    scale_grads(exact.grads);
+    if (!rewritten) scale_grads(f.grads);
+    ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+    const bool handed = delayed.update_in_flight();
+    delayed.handed_off = handed;
+    // After a rewriting verdict, the weights alone (the next test).
+    const bool copies = !delayed.gradients_rewritten;
+    const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+      // Backward is over: wait for the captures, which wait for the update.
+      for (int i = 0; i < 5000; ++i) {
+        bool all = copies || delayed.update_finished();
+        for (uint32_t sg = 0; sg < 5 && copies; ++sg) all = all && delayed.captured_early(sg);
+        overlapped =
+            overlapped || (handed && delayed.captured_early(0) && !delayed.update_finished());
+        if (all) break;
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+      for (uint32_t sg = 0; sg < 5; ++sg) EXPECT_EQ(delayed.captured_early(sg), copies) << sg;
+      if (rewritten) scale_grads(f.grads);  // after the copies: the step copies them again
+      StepRequest r = Fixture::Request();
+      if (rewritten) r.flags |= kStepGradientsRewritten;
+      return r;
+    };
+    absl::StatusOr<StepOutcome> out = ex.Run(*f.shard, f.bindings, Fixture::Request(), kind,
+                                             Policy{}, sync, 0, verdict, &delayed);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_FALSE(delayed.handed_off);
+    EXPECT_EQ(f.params, installed);  // installed during backward, beside the update
+    EXPECT_TRUE(delayed.pending().empty());
+    EXPECT_EQ(delayed.captured().size(), 5u);  // this step's update, running
+  };
+  step(1.0f, false);  // nothing handed off yet
+  step(0.5f, false);
+  step(2.0f, true);
+  step(1.0f, false);  // the weights alone during backward
+  step(0.5f, false);
+  EXPECT_TRUE(overlapped) << "no capture ran beside a handed-off update";
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+}
+
+// A handed-off update is joined by any step that cannot begin beside it
+// (here an exact one) before it runs, and by a step that fails.
+TEST(StepExecutorTest, AStepThatCannotTakeAHandOffJoinsItFirst) {
+  Fixture f, exact;
+  FakeEngine slow(FakeEngine::Options{.slow_update_ms = 20});
+  PlannerOptions handoff;
+  handoff.delayed_handoff = true;
+  StepExecutor ex(&slow, handoff), ex_exact(&exact.engine);
+  DelayedHost delayed(*f.shard, &f.budget);
+  const StepKind delays(StepKind::Gradients::kFinal, false, StepKind::Delay::kHost);
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), delays, Policy{}, StepSync{}, 0, {},
+                     &delayed)
+                  .ok());
+  ASSERT_TRUE(delayed.update_in_flight());
+  // A step refused before it runs (a bad hyperparameter) still ends the update.
+  delayed.handed_off = true;
+  StepRequest bad = Fixture::Request();
+  bad.groups[0].lr = -1;
+  EXPECT_FALSE(
+      ex.Run(*f.shard, f.bindings, bad, delays, Policy{}, StepSync{}, 0, {}, &delayed).ok());
+  EXPECT_FALSE(delayed.update_in_flight());
+  EXPECT_FALSE(delayed.handed_off);
+  EXPECT_EQ(delayed.pending().size(), 5u);
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  // The exact step installs the pending weights and applies its own.
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), StepKind(), Policy{}, StepSync{}, 0,
+                     {}, &delayed)
+                  .ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  EXPECT_EQ(f.params, exact.params);
+}
+
 // After a verdict that rewrote the gradients (an in-place clip), the next
 // early step copies only the pending weights during backward: a write to
 // its gradients before its verdict is seen without the flag. A verdict
