@@ -88,18 +88,20 @@ absl::Status GpuEngine::CopyDelayed(const ShardState& shard,
                                     std::span<const TensorBinding> bindings,
                                     const DelayedHost& delayed, std::span<const uint32_t> subgroups,
                                     bool capture) {
-  absl::MutexLock lock(&step_mu_);
+  // Not step_mu_ (copy_mu_): these copies touch no slot, state or stream of
+  // a step, only the trainer's memory and `delayed`'s buffers.
+  absl::MutexLock lock(&copy_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   uint64_t bytes = 0;
   for (uint32_t sg : subgroups) {
     if (!capture || delayed.installs(sg)) {
-      DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, cpu_h2d_, &bytes));
+      DOS_RETURN_IF_ERROR(QueueInstall(shard, bindings, delayed, sg, copy_h2d_, &bytes));
     }
     if (capture) {
-      DOS_RETURN_IF_ERROR(QueueCapture(shard, bindings, delayed, sg, cpu_d2h_, &bytes));
+      DOS_RETURN_IF_ERROR(QueueCapture(shard, bindings, delayed, sg, copy_d2h_, &bytes));
     }
   }
-  for (cudaStream_t s : {cpu_h2d_, cpu_d2h_}) {
+  for (cudaStream_t s : {copy_h2d_, copy_d2h_}) {
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   }
   return absl::OkStatus();

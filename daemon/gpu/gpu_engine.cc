@@ -85,7 +85,7 @@ absl::Status GpuEngine::Init() {
   for (cudaStream_t* s : {&h2d_, &d2h_, &resident_}) {
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(s, cudaStreamNonBlocking, low));
   }
-  for (cudaStream_t* s : {&compute_, &cpu_d2h_, &cpu_h2d_}) {
+  for (cudaStream_t* s : {&compute_, &cpu_d2h_, &cpu_h2d_, &copy_d2h_, &copy_h2d_}) {
     DOS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(s, cudaStreamNonBlocking, high));
   }
   DOS_CUDA_RETURN_IF_ERROR(cudaMalloc(&flag_dev_, sizeof(int)));
@@ -107,7 +107,8 @@ GpuEngine::~GpuEngine() {
   for (char* p : weight_host_) cudaFreeHost(p);
   if (flag_dev_ != nullptr) cudaFree(flag_dev_);
   if (flag_host_ != nullptr) cudaFreeHost(flag_host_);
-  for (cudaStream_t s : {h2d_, compute_, d2h_, resident_, cpu_d2h_, cpu_h2d_}) {
+  for (cudaStream_t s :
+       {h2d_, compute_, d2h_, resident_, cpu_d2h_, cpu_h2d_, copy_d2h_, copy_h2d_}) {
     if (s != nullptr) cudaStreamDestroy(s);
   }
 }

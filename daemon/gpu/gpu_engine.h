@@ -182,6 +182,13 @@ class GpuEngine final : public Engine {
   cudaStream_t h2d_ = nullptr, compute_ = nullptr, d2h_ = nullptr;   // GPU path (streamed)
   cudaStream_t resident_ = nullptr;                                  // resident subgroups' kernels
   cudaStream_t cpu_d2h_ = nullptr, cpu_h2d_ = nullptr;               // CPU path
+  // The delayed path's copies outside a step (CopyDelayed: an early step's
+  // captures during backward, installs), on streams of their own under a
+  // mutex of their own: not behind step_mu_, which the delayed update's GPU
+  // share holds through the trainer's window (a hand-off's captures run
+  // then).
+  absl::Mutex copy_mu_ ABSL_ACQUIRED_AFTER(step_mu_);
+  cudaStream_t copy_d2h_ = nullptr, copy_h2d_ = nullptr;
   uint64_t buffer_numel_ ABSL_GUARDED_BY(step_mu_) = 0;
   // device, SlotBytes(buffer_numel) each: the state (12 bytes per element),
   // then with delayed_staged a delayed update's gradients and weights

@@ -156,6 +156,13 @@ class DelayedHost {
   // Set by the session when it leaves the update running for the next step
   // (StepExecutor::Run joins it: JoinHandOff); cleared by that join.
   bool handed_off = false;
+  // The last hand-off's join: how long the step waited in it, and when it
+  // ended (CLOCK_MONOTONIC; 0: none yet), for the debug lines.
+  double handoff_join_us = 0;
+  uint64_t handoff_joined_ns = 0;
+  // The resident count of the step whose update runs: a hand-off's step that
+  // keeps it (the engine's tier is that step's) asks the engine nothing.
+  uint32_t update_resident = 0;
   bool update_finished() const { return finished_.load(std::memory_order_acquire); }
   void MarkFinished() { finished_.store(true, std::memory_order_release); }
   // Whether the update in flight writes the state of none of `subgroups`

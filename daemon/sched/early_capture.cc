@@ -56,6 +56,7 @@ void EarlyCapture::Loop() {
       if (sync_.capture_ended) sync_.capture_ended();
       if (!status_.ok()) return;
       ++next;
+      copied_.store(static_cast<uint32_t>(next), std::memory_order_release);
       nap = std::chrono::microseconds(50);
       continue;
     }

@@ -63,6 +63,8 @@ class EarlyCapture {
   // error, if any (then nothing it copied counts: the step's capture copies
   // all).
   absl::Status Stop();
+  // Subgroups copied so far (after Stop: in all).
+  uint32_t copied() const { return copied_.load(std::memory_order_acquire); }
 
  private:
   void Loop();
@@ -77,6 +79,7 @@ class EarlyCapture {
   DelayedHost* const delayed_;
   const bool gradients_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint32_t> copied_{0};
   absl::Status status_;  // the thread's; read after the join
   std::thread thread_;
   bool joined_ = false;

@@ -259,6 +259,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   // early delayed step begins beside it, and it joins the update at its
   // verdict; however this step ends, it is joined before Run returns.
   absl::Cleanup handed = [&] { JoinHandOff(shard, delayed, session, false); };
+  if (delayed != nullptr) delayed->handoff_join_us = 0;
   if (!kind.awaits_verdict() || !kind.delays_host()) JoinHandOff(shard, delayed, session, false);
   if (kind.finishes_delayed()) {
     DOS_RETURN_IF_ERROR(WaitForTrainerEvent(begun, sync, SharesEngine(session)));
@@ -282,11 +283,14 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   NodeResources::Step node_step = planner_.BeginStep(layout, resident);
   const double window_us = delayed != nullptr ? delayed->PlanWindowUs() : 0;
   const StepPlan plan = planner_.Plan(policy, layout, resident, kind, window_us);
-  // The plan may stream or prefetch only state the update does not write.
+  // The plan may stream only state the update does not write. A hand-off's
+  // step prefetches nothing: the update's GPU share holds the slots.
   if (delayed != nullptr && delayed->handed_off && !delayed->UpdateStaysIn(plan.delayed)) {
     JoinHandOff(shard, delayed, session, false);
   }
-  DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
+  if (delayed == nullptr || !delayed->handed_off) {
+    DOS_RETURN_IF_ERROR(engine_->Prefetch(plan, shard));
+  }
   StepRequest request = begun;
   absl::Time verdict_at = start;
   if (kind.awaits_verdict()) {
@@ -332,6 +336,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Run(ShardState& shard,
   TimeEarly(kind, start, verdict_at, &out);
   // Where a step's time went, for an operator chasing a slow step.
   DOS_LOG_DEBUG("step.phases", "to_verdict_us", absl::ToDoubleMicroseconds(verdict_at - start),
+                "handoff_join_us", delayed != nullptr ? delayed->handoff_join_us : 0.0,
                 "trainer_event_us", absl::ToDoubleMicroseconds(event_at - verdict_at),
                 "finite_scan_us", absl::ToDoubleMicroseconds(checked_at - event_at), "apply_us",
                 absl::ToDoubleMicroseconds(absl::Now() - checked_at), "delayed",
@@ -370,8 +375,10 @@ absl::StatusOr<uint32_t> StepExecutor::ResidentFor(ShardState& shard, const Shar
   }
   // A handed-off update writes its subgroups' host state: none of them may
   // become resident beside it.
-  if (delayed != nullptr && delayed->handed_off && !delayed->UpdateAbove(target)) {
-    JoinHandOff(shard, delayed, session, false);
+  if (delayed != nullptr && delayed->handed_off) {
+    // The tier as the handed-off update's step left it: nothing to move.
+    if (target == delayed->update_resident) return target;
+    if (!delayed->UpdateAbove(target)) JoinHandOff(shard, delayed, session, false);
   }
   return engine_->SetResident(shard, target, true);
 }
@@ -448,6 +455,7 @@ absl::StatusOr<StepOutcome> StepExecutor::Apply(const StepPlan& plan, ShardState
   if (!plan.delayed.empty()) {
     delayed->BeginCapture(plan.delayed, scalars, plan.delayed_gpu);
     delayed->update_verdict_ns = kind.awaits_verdict() ? delayed->verdict_ns : 0;
+    delayed->update_resident = plan.resident;
     engine_sync.delayed = delayed;
     // Their update starts as soon as the engine queued the captures (each
     // subgroup then waits for its own: DelayedHost::await_capture), beside
@@ -493,7 +501,8 @@ void StepExecutor::AddLease(uint64_t session, StepOutcome* out) const {
 }
 
 absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& request,
-                                      const Policy& policy, uint64_t session) {
+                                      const Policy& policy, uint64_t session,
+                                      const DelayedHost* delayed) {
   GpuLease lease;
   if (request.flags & kStepGpuLease) {
     lease = GpuLease{.reported = true,
@@ -505,6 +514,10 @@ absl::Status StepExecutor::ApplyLease(ShardState& shard, const StepRequest& requ
   planner_.sessions().SetLease(session, lease, layout);
   if (!engine_->has_gpu()) return absl::OkStatus();
   const uint32_t target = planner_.ResidentTarget(policy, layout, session);
+  // Only a shrink: none where the tier is the handed-off update's step's.
+  if (delayed != nullptr && delayed->handed_off && target >= delayed->update_resident) {
+    return absl::OkStatus();
+  }
   return engine_->SetResident(shard, target, /*grow=*/false).status();
 }
 

@@ -156,8 +156,11 @@ class StepExecutor {
   // planner records it, and if the session's resident target fell the engine
   // copies the state it no longer covers back to the host and frees its GPU
   // memory before this returns. Growing waits for Run.
+  // `delayed` (the session's, if any): a hand-off's step whose lease keeps
+  // the resident tier leaves the engine alone (its delayed update's GPU share
+  // holds the engine through the window).
   absl::Status ApplyLease(ShardState& shard, const StepRequest& request, const Policy& policy,
-                          uint64_t session);
+                          uint64_t session, const DelayedHost* delayed = nullptr);
   // A session whose shard this executor steps (its register). While another
   // one is bound too, a per-subgroup step on a GPU engine waits on the host
   // for all its gradients before it takes the engine: the engine runs one

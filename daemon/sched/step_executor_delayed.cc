@@ -74,15 +74,21 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
                 "idle_before_us",
                 last_end_ns != 0 ? (start_ns - static_cast<double>(last_end_ns)) * 1e-3 : 0.0,
                 "kernel_us", run.kernel_us, "kernel_params", run.kernel_params, "handed_off",
-                delayed.handed_off ? "true" : "false");
+                delayed.handed_off ? "true" : "false", "start_after_handoff_join_us",
+                delayed.handoff_joined_ns != 0
+                    ? (start_ns - static_cast<double>(delayed.handoff_joined_ns)) * 1e-3
+                    : 0.0);
   return absl::OkStatus();
 }
 
 void StepExecutor::JoinHandOff(ShardState& shard, DelayedHost* delayed, uint64_t session,
                                bool keep_early) {
   if (delayed == nullptr || !delayed->handed_off) return;
+  const uint64_t begin_ns = MonotonicNs();
   const absl::Status st = UpdateDelayed(shard, *delayed, session, keep_early);
   delayed->handed_off = false;
+  delayed->handoff_joined_ns = MonotonicNs();
+  delayed->handoff_join_us = static_cast<double>(delayed->handoff_joined_ns - begin_ns) * 1e-3;
   if (!st.ok()) {
     DOS_LOG_ERROR("step.delayed_update_failed", "session", session, "error", st.message());
   }
@@ -131,9 +137,9 @@ absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(
   const absl::Time stop_start = absl::Now();
   const absl::Status copied = early->Stop();
   DOS_LOG_DEBUG("step.early_capture", "verdict_read_late_us", read_late_us, "join_us",
-                absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_gradients",
-                copy_gradients, "rewritten", delayed->gradients_rewritten, "scaled_by",
-                delayed->early_coef());
+                absl::ToDoubleMicroseconds(absl::Now() - stop_start), "copied_subgroups",
+                early->copied(), "of", plan.delayed.size(), "copied_gradients", copy_gradients,
+                "rewritten", delayed->gradients_rewritten, "scaled_by", delayed->early_coef());
   if (!copied.ok()) {
     DOS_LOG_WARNING(
         "step.early_capture_failed", "error", copied.message(), "then",

@@ -275,7 +275,8 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
   // back before the client, waiting on the lease bell, lets the trainer
   // allocate again. A failure here fails the step (below).
   const Policy step_policy = policy();
-  const absl::Status leased = executor_->ApplyLease(*shard_, request, step_policy, identity_.id);
+  const absl::Status leased =
+      executor_->ApplyLease(*shard_, request, step_policy, identity_.id, delayed_.get());
   channel_->PostLeaseApplied(seq);
   // The step's kind, decided here (HandleRequest read only whether it is
   // early, for the gate); everything after runs by it. With the trainer's
