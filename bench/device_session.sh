@@ -147,7 +147,7 @@ case "$what" in
         > "$O/e2e_$n.log" 2>&1
       echo "exit=$? dosd=$bin flag=$flag" >> "$O/e2e_$n.log"
       cp "$O/e2e_$n"/*.json "$O/" 2>/dev/null
-      grep -H "event=step\.phases\|event=delayed\.\(update\|gpu\)" /tmp/dos-e2e-*/dosd-*.log \
+      grep -H "event=step\.\(phases\|early_capture\)\|event=delayed\.\(update\|gpu\)" /tmp/dos-e2e-*/dosd-*.log \
         > "$O/phases_$n.log" 2>/dev/null
       rm -rf /tmp/dos-e2e-*
     done
