@@ -403,12 +403,13 @@ def test_a_framework_save_with_an_update_pending_resumes_whole(dos_socket, tmp_p
 
 
 def make_wide(seed=0):
-    """4.2M parameters: an update on dosd's host path that outlasts the
-    trainer's forward and backward of make_data's batches."""
+    """67M parameters: an update on dosd's host path (about 2 GB of host
+    memory moved) that outlasts the trainer's forward and backward of
+    make_data's batches, so that the next step begins beside it."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 2048), torch.nn.Tanh(),
-                               torch.nn.Linear(2048, 2048), torch.nn.Tanh(),
-                               torch.nn.Linear(2048, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 8192), torch.nn.Tanh(),
+                               torch.nn.Linear(8192, 8192), torch.nn.Tanh(),
+                               torch.nn.Linear(8192, 4))
 
 
 def train_early_delayed(device, steps, *flags):
@@ -423,7 +424,7 @@ def train_early_delayed(device, steps, *flags):
         model = make_wide().to(device)
         opt = dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock, model=model,
                               client_name="pytest-delay-handoff", delay=1, delay_warmup=2,
-                              overlap=True, subgroup_size=1 << 20,
+                              overlap=True, subgroup_size=1 << 24,
                               **({"gpu_budget_bytes": 0} if cuda else {}))
         if cuda:
             opt.set_policy("cpu")
@@ -455,7 +456,7 @@ def test_a_handed_off_update_changes_no_bit(device):
     AdamW one step late: the tests above), and dosd's log says which updates
     were handed off (some must be: this model's update outlasts its forward
     and backward)."""
-    steps = 12
+    steps = 8
     weights, final, updates = train_early_delayed(device, steps)
     h_weights, h_final, h_updates = train_early_delayed(device, steps, "--delayed_handoff")
     for t in range(steps):
