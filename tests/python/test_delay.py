@@ -454,8 +454,9 @@ def test_a_handed_off_update_changes_no_bit(device):
     each subgroup as the update finishes it. The weights after every step
     and at the end are bit for bit those of the same run without it (itself
     AdamW one step late: the tests above), and dosd's log says which updates
-    were handed off (some must be: this model's update outlasts its forward
-    and backward)."""
+    were handed off. On CUDA some must be: this model's update outlasts its
+    forward and backward there (on nvidia-h100 every one after the first
+    was); torch's CPU forward and backward of it outlast the update."""
     steps = 8
     weights, final, updates = train_early_delayed(device, steps)
     h_weights, h_final, h_updates = train_early_delayed(device, steps, "--delayed_handoff")
@@ -464,7 +465,8 @@ def test_a_handed_off_update_changes_no_bit(device):
             assert torch.equal(a, b), f"step {t + 1}"
     assert all(torch.equal(a, b) for a, b in zip(h_final, final))
     assert not [ln for ln in updates if "handed_off=true" in ln], updates
-    assert [ln for ln in h_updates if "handed_off=true" in ln], h_updates
+    if device == "cuda":
+        assert [ln for ln in h_updates if "handed_off=true" in ln], h_updates
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
