@@ -13,6 +13,10 @@
 //   installed  the next request copied them into the trainer's memory (the
 //              next delayed step's Execute for the subgroups it delays
 //              again, Engine::InstallDelayed for every other).
+// With --delayed_handoff the update may still run when the next early step
+// begins: that step's captures install a subgroup as soon as the update has
+// marked it (MarkUpdated), and the join after its verdict leaves it
+// installed ("a hand-off", below).
 // The buffers: one region per subgroup in the delayed set, sized for the
 // shard's largest subgroup, holding its gradients and, after the update,
 // its new weights (a subgroup's region is reused step after step; regions
