@@ -225,6 +225,13 @@ uint32_t Session::HandleRequest(uint32_t seq) {
   // gate before it locks (a snapshot queued first goes first), until it ends.
   const absl::StatusOr<StepKind> decoded = StepKind::Decode(request.flags, /*stream_ordered=*/false);
   const bool early = decoded.ok() && decoded->early();
+  // Callers already waiting for mu_ (a state read, a load) go first:
+  // absl::Mutex keeps no queue, and this thread, which released it a moment
+  // ago, would take it again at once, step after step, while the trainer
+  // keeps stepping. At most 100 ms.
+  for (int i = 0; i < 2000 && others_waiting_.load(std::memory_order_relaxed) > 0; ++i) {
+    absl::SleepFor(absl::Microseconds(50));
+  }
   if (early) trainer_gate_.BeginEarlyStep();
   // Held from the step to the end of its delayed update (if any), which runs
   // after the result is posted: nothing reads or writes the state between

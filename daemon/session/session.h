@@ -404,7 +404,8 @@ class Session {
   // Early steps (HandleRequest) against snapshots queued for mu_.
   mutable TrainerGate trainer_gate_;
   // Threads waiting for mu_ other than the step loop's (OthersLock): a
-  // hand-off gives way to them (AwaitHandOff).
+  // hand-off gives way to them (AwaitHandOff), and the next step lets them
+  // take it first (HandleRequest).
   std::atomic<int> others_waiting_{0};
   // mu_ for anything but the step loop, counted in others_waiting_ while it
   // waits.

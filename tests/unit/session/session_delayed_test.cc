@@ -5,13 +5,17 @@
 // past the limit fails with RESOURCE_EXHAUSTED naming the bytes, the limit
 // and the fix, allocates and applies nothing, and the exact step after it
 // gives what it gives on a session that never tried.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "daemon/session/session.h"
 #include "tests/unit/session/session_fixture.h"
 
@@ -121,6 +125,91 @@ TEST_F(SessionDelayedLimitTest, ADelayedStepPastTheLimitFailsCleanlyAndTheExactS
   std::unique_ptr<ShardState> got = s->TakeShard(), want = ref->TakeShard();
   EXPECT_EQ(got->tensors()[0].step, 1);
   EXPECT_EQ(StateOf(*got), StateOf(*want));
+}
+
+// --delayed_handoff through a session: a trainer that begins each early
+// delayed step at once after the last result, while the update (four
+// subgroups of 30 ms each on the fake engine) still runs, and gives its
+// verdict 50 ms later. Its weights after every step and its state after
+// kStepFinishDelayed are those of the same steps on the host engine, where
+// nothing is handed off, bit for bit; and a reader of the state that asks
+// meanwhile (ExportStateMemory) gets in at an update's end while the
+// trainer keeps stepping, not after its last step.
+class SessionHandOffTest : public SessionFixture {
+ protected:
+  static PlannerOptions HandOff() {
+    PlannerOptions planner = OneResidentSubgroup();
+    planner.delayed_handoff = true;
+    return planner;
+  }
+  SessionHandOffTest()
+      : SessionFixture(HandOff(), FakeEngine::Options{.gpu = true, .slow_update_ms = 30}) {}
+
+  // Early delayed steps through `s`'s control block, a verdict 50 ms after
+  // each begin; `each` after every result.
+  static void Train(Session& s, int steps, const std::function<void(int)>& each) {
+    std::unique_ptr<ShmSegment> seg =
+        *ShmSegment::Adopt(UniqueFd(fcntl(s.control_fd(), F_DUPFD_CLOEXEC, 0)), "control block");
+    auto* block = static_cast<ControlBlock*>(seg->data());
+    ControlBlockChannel channel(block);
+    auto fill = [](StepRequest& r, uint32_t flags) {
+      r = StepRequest{};
+      r.flags = flags;
+      r.num_groups = 1;
+      r.grad_scale = 1;
+      r.clip_coef = 1;
+      r.groups[0] = Hyper();
+    };
+    for (int i = 0; i < steps; ++i) {
+      fill(block->request, kStepGradientsPending | kStepDelayHost);
+      const uint32_t seq = channel.PublishRequest();
+      for (uint32_t sg = 0; sg < kMaxTrackedSubgroups; ++sg) channel.MarkReady(sg, seq);
+      absl::SleepFor(absl::Milliseconds(50));
+      fill(block->verdict, 0);
+      block->verdict.seq = seq;
+      channel.PublishVerdict(seq);
+      ASSERT_TRUE(channel.WaitResult(seq, absl::Seconds(30)).ok());
+      ASSERT_EQ(block->result.status_code, 0) << block->result.message;
+      each(i);
+    }
+    fill(block->request, kStepFinishDelayed);
+    const uint32_t seq = channel.PublishRequest();
+    ASSERT_TRUE(channel.WaitResult(seq, absl::Seconds(30)).ok());
+    ASSERT_EQ(block->result.status_code, 0) << block->result.message;
+  }
+};
+
+TEST_F(SessionHandOffTest, HandedOffUpdatesChangeNoBitAndLetAReaderIn) {
+  constexpr int kSteps = 8;
+  auto ref = NewSession("cpu");
+  ASSERT_TRUE(ref->Register(HostSpec(*ref)).ok());
+  std::vector<std::vector<float>> want;
+  Train(*ref, kSteps, [&](int) {
+    const float* w = static_cast<const float*>(shm_->data());
+    want.emplace_back(w, w + kTotal);
+  });
+  auto s = NewSession("cpu");
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  std::atomic<int> read_after{-1}, step{0};
+  std::thread reader;
+  Train(*s, kSteps, [&](int i) {
+    EXPECT_EQ(std::vector<float>(params_.begin(), params_.end()), want[i]) << "step " << i + 1;
+    step = i + 1;
+    if (i == 1) {
+      reader = std::thread([&] {
+        EXPECT_TRUE(s->ExportStateMemory().ok());
+        read_after = step.load();
+      });
+    }
+  });
+  reader.join();
+  EXPECT_GE(read_after.load(), 2);
+  EXPECT_LT(read_after.load(), kSteps) << "the reader waited for the trainer's last step";
+  s->Stop();
+  ref->Stop();
+  std::unique_ptr<ShardState> got = s->TakeShard(), exp = ref->TakeShard();
+  EXPECT_EQ(got->tensors()[0].step, kSteps);
+  EXPECT_EQ(StateOf(*got), StateOf(*exp));
 }
 
 }  // namespace
