@@ -267,6 +267,15 @@ TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
 namespace dos {
 namespace {
 
+// The delayed update joined, then its weights installed: the state and the
+// trainer's weights are the exact steps'.
+void FinishAndMatch(StepExecutor& ex, Fixture& f, DelayedHost& delayed, const Fixture& exact) {
+  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
+  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
+  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
+  EXPECT_EQ(f.params, exact.params);
+}
+
 // The one hyperparameter check (dos/wire/hparams.h) as every step applies
 // it: torch's rules, eps = 0 included.
 // The delayed host path (delayed_host.h): a delayed step captures the
@@ -316,10 +325,7 @@ TEST(StepExecutorTest, ADelayedUpdateStartedAtTheResultWaitsForTheSession) {
   EXPECT_FALSE(delayed.worker.joinable());  // nothing started beside the step
   EXPECT_EQ(f.Master(1), master0);
   EXPECT_EQ(delayed.captured().size(), 5u);
-  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
-  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
-  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
-  EXPECT_EQ(f.params, exact.params);
+  FinishAndMatch(ex, f, delayed, exact);
 }
 
 // An engine that starts the delayed update before its copies are in
@@ -533,10 +539,7 @@ TEST(StepExecutorTest, AHandedOffUpdateEndsInsideTheNextEarlyStep) {
   step(1.0f, false);  // the weights alone during backward
   step(0.5f, false);
   EXPECT_TRUE(overlapped) << "no capture ran beside a handed-off update";
-  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
-  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
-  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
-  EXPECT_EQ(f.params, exact.params);
+  FinishAndMatch(ex, f, delayed, exact);
 }
 
 // A handed-off update is joined by any step that cannot begin beside it
@@ -714,10 +717,7 @@ void EarlyScaledStep(Stop stop_when, Coef coef_by = Coef::kInVerdict) {
     // only a checked coefficient spares the scan.
     EXPECT_EQ(events.waits(), checked && !nan ? "ew" : "ews");
   }
-  ASSERT_TRUE(ex.UpdateDelayed(*f.shard, delayed).ok());
-  for (uint32_t t = 0; t < 2; ++t) EXPECT_EQ(f.Master(t), exact.Master(t)) << t;
-  ASSERT_TRUE(ex.InstallPending(*f.shard, f.bindings, delayed).ok());
-  EXPECT_EQ(f.params, exact.params);
+  FinishAndMatch(ex, f, delayed, exact);
 }
 
 TEST(StepExecutorTest, AScaledVerdictUpdatesTheEarlyCopiesTimesItsCoefficient) {
