@@ -140,8 +140,11 @@ class StepExecutor {
   // for `session`.
   absl::Status UpdateDelayed(ShardState& shard, DelayedHost& delayed, uint64_t session = 0,
                              bool keep_early = false);
-  // UpdateDelayed for an update the session handed off, once (a failure is
-  // logged: the update's own error, not this step's).
+  // UpdateDelayed where no step's result can carry its error: a failure is
+  // logged (step.delayed_update_failed), the update's own, not a step's.
+  void FinishUpdate(ShardState& shard, DelayedHost& delayed, uint64_t session,
+                    bool keep_early = false);
+  // FinishUpdate for an update the session handed off, once.
   void JoinHandOff(ShardState& shard, DelayedHost* delayed, uint64_t session, bool keep_early);
   bool delayed_handoff() const { return planner_.delayed_handoff(); }
   absl::Status InstallPending(const ShardState& shard, std::span<const TensorBinding> bindings,

@@ -81,17 +81,22 @@ absl::Status StepExecutor::UpdateDelayed(ShardState& shard, DelayedHost& delayed
   return absl::OkStatus();
 }
 
+void StepExecutor::FinishUpdate(ShardState& shard, DelayedHost& delayed, uint64_t session,
+                                bool keep_early) {
+  const absl::Status st = UpdateDelayed(shard, delayed, session, keep_early);
+  if (!st.ok()) {
+    DOS_LOG_ERROR("step.delayed_update_failed", "session", session, "error", st.message());
+  }
+}
+
 void StepExecutor::JoinHandOff(ShardState& shard, DelayedHost* delayed, uint64_t session,
                                bool keep_early) {
   if (delayed == nullptr || !delayed->handed_off) return;
   const uint64_t begin_ns = MonotonicNs();
-  const absl::Status st = UpdateDelayed(shard, *delayed, session, keep_early);
+  FinishUpdate(shard, *delayed, session, keep_early);  // logs as handed off
   delayed->handed_off = false;
   delayed->handoff_joined_ns = MonotonicNs();
   delayed->handoff_join_us = static_cast<double>(delayed->handoff_joined_ns - begin_ns) * 1e-3;
-  if (!st.ok()) {
-    DOS_LOG_ERROR("step.delayed_update_failed", "session", session, "error", st.message());
-  }
 }
 
 absl::StatusOr<StepRequest> StepExecutor::AwaitVerdictCapturing(

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <optional>
 
-#include "daemon/common/log.h"
 #include "daemon/session/session.h"
 
 namespace dos {
@@ -52,12 +51,9 @@ void Session::AddDelayFigures(const StepRequest& request, StepOutcome* out) {
 
 void Session::RunDelayedUpdate() {
   if (delayed_ == nullptr || delayed_->captured().empty()) return;
-  delayed_->handed_off = false;  // a step not run (refused) left it to us
-  // Logs its time (delayed.update, StepExecutor::UpdateDelayed).
-  absl::Status st = executor_->UpdateDelayed(*shard_, *delayed_, identity_.id);
-  if (!st.ok()) {
-    DOS_LOG_ERROR("step.delayed_update_failed", "session", identity_.id, "error", st.message());
-  }
+  // Joined here, not handed off (its delayed.update line says so).
+  delayed_->handed_off = false;
+  executor_->FinishUpdate(*shard_, *delayed_, identity_.id);
 }
 
 std::optional<Session::NextStep> Session::AwaitHandOff(uint32_t seq) {
