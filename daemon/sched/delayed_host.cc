@@ -9,6 +9,16 @@
 #include "dos/wire/status_macros.h"
 
 namespace dos {
+namespace {
+
+// Per subgroup of `n`: whether it is one of `subgroups`.
+std::vector<bool> MaskOf(size_t n, std::span<const uint32_t> subgroups) {
+  std::vector<bool> mask(n, false);
+  for (uint32_t sg : subgroups) mask[sg] = true;
+  return mask;
+}
+
+}  // namespace
 
 uint64_t MonotonicNs() {
   timespec ts;
@@ -41,8 +51,7 @@ DelayedHost::DelayedHost(const ShardState& shard, HostMemoryBudget* budget,
 
 absl::Status DelayedHost::Place(std::span<const uint32_t> subgroups,
                                 const AllocHostBuffer& alloc) {
-  std::vector<bool> wanted(region_of_.size(), false);
-  for (uint32_t sg : subgroups) wanted[sg] = true;
+  const std::vector<bool> wanted = MaskOf(region_of_.size(), subgroups);
   // Regions of subgroups that left the set and wait for nothing go back.
   for (uint32_t sg = 0; sg < region_of_.size(); ++sg) {
     if (region_of_[sg] >= 0 && !wanted[sg] && state_[sg] == kNone) {
@@ -189,8 +198,7 @@ void DelayedHost::Updated(bool keep_early) {
 }
 
 bool DelayedHost::UpdateStaysIn(std::span<const uint32_t> keep) const {
-  std::vector<bool> kept(state_.size(), false);
-  for (uint32_t sg : keep) kept[sg] = true;
+  const std::vector<bool> kept = MaskOf(state_.size(), keep);
   return std::all_of(captured_.begin(), captured_.end(), [&](uint32_t sg) { return kept[sg]; });
 }
 
@@ -200,8 +208,7 @@ bool DelayedHost::UpdateAbove(uint32_t resident) const {
 }
 
 std::vector<uint32_t> DelayedHost::PendingExcept(std::span<const uint32_t> keep) const {
-  std::vector<bool> kept(state_.size(), false);
-  for (uint32_t sg : keep) kept[sg] = true;
+  const std::vector<bool> kept = MaskOf(state_.size(), keep);
   std::vector<uint32_t> out;
   for (uint32_t sg : pending_) {
     if (!kept[sg]) out.push_back(sg);
