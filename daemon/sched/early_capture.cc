@@ -41,22 +41,29 @@ void EarlyCapture::Loop() {
   // while they capture on the other (measured on nvidia-h200 at 6B, 1.9B
   // parameters delayed: a step that came late to its verdict spent 70 ms
   // installing here, then 72 ms capturing after it).
+  // Any ready subgroup, the first ready in plan order: a subgroup the order
+  // puts early but backward (or a handed-off update) frees late holds up
+  // none of the others (the GPU's share comes last in the plan's list, and
+  // a hand-off's update frees its subgroups in its own order).
   auto nap = std::chrono::microseconds(50);
-  size_t next = 0;
-  while (next < subgroups_.size() && !stop_.load(std::memory_order_acquire) &&
+  std::vector<uint32_t> left = subgroups_;
+  while (!left.empty() && !stop_.load(std::memory_order_acquire) &&
          !(sync_.capture_stopped && sync_.capture_stopped())) {
     // Ready: backward is done with it, and an update handed off to this
     // step (DelayedHost, "a hand-off") with its buffers.
-    if (sync_.is_ready(subgroups_[next]) && delayed_->update_done(subgroups_[next])) {
+    const auto ready = std::find_if(left.begin(), left.end(), [this](uint32_t sg) {
+      return sync_.is_ready(sg) && delayed_->update_done(sg);
+    });
+    if (ready != left.end()) {
       // The trainer may have stopped the captures since the check above and
       // gone on without waiting for us: asked again after saying a copy
       // begins (sync.capture_begins).
       if (sync_.capture_begins && !sync_.capture_begins()) return;
-      status_ = CopyRun(std::span<const uint32_t>(subgroups_.data() + next, 1));
+      status_ = CopyRun(std::span<const uint32_t>(&*ready, 1));
       if (sync_.capture_ended) sync_.capture_ended();
       if (!status_.ok()) return;
-      ++next;
-      copied_.store(static_cast<uint32_t>(next), std::memory_order_release);
+      left.erase(ready);
+      copied_.fetch_add(1, std::memory_order_release);
       nap = std::chrono::microseconds(50);
       continue;
     }

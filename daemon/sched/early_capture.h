@@ -6,8 +6,9 @@
 // this copies each delayed subgroup whose ready word says backward is done
 // with it: its pending weights (the last delayed update's) into the
 // trainer's memory, then its gradients into the DelayedHost's buffers
-// (Engine::CaptureDelayed), in plan order, one subgroup at a time, until
-// the verdict or until the trainer asks them to stop (sync.capture_stopped:
+// (Engine::CaptureDelayed), one subgroup at a time as each becomes ready
+// (backward frees the last layers first; the first ready in plan order),
+// until the verdict or until the trainer asks them to stop (sync.capture_stopped:
 // it is about to scale its gradients in place, kStepGradientsScaled; asked
 // again after each copy says it begins, sync.capture_begins, since that
 // trainer waits only for a copy it saw begun), and then tells it none is

@@ -475,6 +475,34 @@ TEST(StepExecutorTest, AVerdictThatRewroteTheGradientsHasThemCopiedAgain) {
   EarlyDelayedStep(true);
 }
 
+// Backward frees the last layers first: the captures take each subgroup as
+// it becomes ready, not in plan order. With only the last two ready before
+// the verdict, those two are copied during backward and the rest after it,
+// and the step is the exact one applied late.
+TEST(StepExecutorTest, AnEarlyDelayedStepCopiesTheSubgroupsReadyFirstWhateverTheirOrder) {
+  Fixture f, exact;
+  StepExecutor ex(&f.engine), ex_exact(&exact.engine);
+  ASSERT_TRUE(ex_exact.Run(*exact.shard, exact.bindings, Fixture::Request(), Policy{}).ok());
+  DelayedHost delayed(*f.shard, &f.budget);
+  std::atomic<bool> verdict_given{false};
+  StepSync sync = AllReady();
+  sync.is_ready = [&](uint32_t sg) { return sg >= 3 || verdict_given.load(); };
+  const AwaitVerdict verdict = [&]() -> absl::StatusOr<StepRequest> {
+    for (int i = 0; i < 5000 && !(delayed.captured_early(3) && delayed.captured_early(4)); ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    for (uint32_t sg = 0; sg < 5; ++sg) EXPECT_EQ(delayed.captured_early(sg), sg >= 3) << sg;
+    verdict_given = true;
+    return Fixture::Request();
+  };
+  const StepKind kind(StepKind::Gradients::kAtVerdict, false, StepKind::Delay::kHost);
+  absl::StatusOr<StepOutcome> out =
+      ex.Run(*f.shard, f.bindings, Fixture::Request(), kind, Policy{}, sync, 0, verdict, &delayed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->delayed_subgroups, 5u);
+  FinishAndMatch(ex, f, delayed, exact);
+}
+
 // --delayed_handoff: the session leaves a delayed update running and hands
 // it to the trainer's next early delayed step (DelayedHost::handed_off).
 // That step's captures during backward wait for each subgroup's update,
