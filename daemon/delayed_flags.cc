@@ -18,11 +18,12 @@ ABSL_FLAG(std::string, delayed_update_start, "captured",
           "step has copied the gradients, beside the rest of its GPU path; result = once the "
           "step's result is posted, so that the step's PCIe copies have host memory to "
           "themselves.");
-ABSL_FLAG(bool, delayed_handoff, false,
+ABSL_FLAG(bool, delayed_handoff, true,
           "With delay=1 clients that step early (overlap=True): while a delayed update still "
           "runs, the trainer's next step begins beside it, and its copies during backward "
           "take each subgroup as soon as the update is done with it, so that the next update "
-          "starts at the verdict, not after every copy. Needs --delayed_update_start=captured.");
+          "starts at the verdict, not after every copy. Off under "
+          "--delayed_update_start=result (nothing runs to hand off); =false turns it off.");
 ABSL_FLAG(bool, delayed_gpu_path, true,
           "With delay=1 clients: delay the streamed subgroups too. Their gradients are "
           "captured with the host path's and their update crosses PCIe during the next "
@@ -58,12 +59,9 @@ absl::Status DelayedFromFlags(EnginesConfig* engines) {
         absl::StrCat("--delayed_update_start=", start, " is unknown; use captured or result"));
   }
   engines->delayed_start_at_result = start == "result";
-  engines->delayed_handoff = absl::GetFlag(FLAGS_delayed_handoff);
-  if (engines->delayed_handoff && engines->delayed_start_at_result) {
-    return absl::InvalidArgumentError(
-        "--delayed_handoff hands a running update to the next step: it needs "
-        "--delayed_update_start=captured (the default), not result");
-  }
+  // An update started at the result has no step to be handed to.
+  engines->delayed_handoff =
+      absl::GetFlag(FLAGS_delayed_handoff) && !engines->delayed_start_at_result;
   engines->delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
   engines->delayed_gpu_first = absl::GetFlag(FLAGS_delayed_gpu_first);
   engines->delayed_gpu_kernel_blocks = absl::GetFlag(FLAGS_delayed_gpu_kernel_blocks);
