@@ -147,7 +147,10 @@ class SessionHandOffTest : public SessionFixture {
 
   // Early delayed steps through `s`'s control block, a verdict 50 ms after
   // each begin; `each` after every result.
-  static void Train(Session& s, int steps, const std::function<void(int)>& each) {
+  // Without `finish` the trainer then begins one more step and goes away
+  // before its verdict (what a killed trainer leaves).
+  static void Train(Session& s, int steps, const std::function<void(int)>& each,
+                    bool finish = true) {
     std::unique_ptr<ShmSegment> seg =
         *ShmSegment::Adopt(UniqueFd(fcntl(s.control_fd(), F_DUPFD_CLOEXEC, 0)), "control block");
     auto* block = static_cast<ControlBlock*>(seg->data());
@@ -171,6 +174,12 @@ class SessionHandOffTest : public SessionFixture {
       ASSERT_TRUE(channel.WaitResult(seq, absl::Seconds(30)).ok());
       ASSERT_EQ(block->result.status_code, 0) << block->result.message;
       each(i);
+    }
+    if (!finish) {
+      fill(block->request, kStepGradientsPending | kStepDelayHost);
+      const uint32_t seq = channel.PublishRequest();
+      for (uint32_t sg = 0; sg < kMaxTrackedSubgroups; ++sg) channel.MarkReady(sg, seq);
+      return;
     }
     fill(block->request, kStepFinishDelayed);
     const uint32_t seq = channel.PublishRequest();
@@ -206,6 +215,28 @@ TEST_F(SessionHandOffTest, HandedOffUpdatesChangeNoBitAndLetAReaderIn) {
   EXPECT_GE(read_after.load(), 2);
   EXPECT_LT(read_after.load(), kSteps) << "the reader waited for the trainer's last step";
   s->Stop();
+  ref->Stop();
+  std::unique_ptr<ShardState> got = s->TakeShard(), exp = ref->TakeShard();
+  EXPECT_EQ(got->tensors()[0].step, kSteps);
+  EXPECT_EQ(StateOf(*got), StateOf(*exp));
+}
+
+// A trainer that goes away inside an early step that took a hand-off (no
+// verdict will come): the session's end joins the update, and the state it
+// leaves is the last whole step's, bit for bit.
+TEST_F(SessionHandOffTest, ATrainerGoneWithAnUpdateHandedOffLeavesTheLastWholeStep) {
+  constexpr int kSteps = 3;
+  auto ref = NewSession("cpu");
+  ASSERT_TRUE(ref->Register(HostSpec(*ref)).ok());
+  Train(*ref, kSteps, [](int) {});
+  auto s = NewSession("cpu");
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  Train(
+      *s, kSteps, [](int) {}, /*finish=*/false);
+  absl::SleepFor(absl::Milliseconds(20));  // the step has begun beside the update
+  const absl::Time stop = absl::Now();
+  s->Stop();
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(5)) << "the session's end waited for a verdict";
   ref->Stop();
   std::unique_ptr<ShardState> got = s->TakeShard(), exp = ref->TakeShard();
   EXPECT_EQ(got->tensors()[0].step, kSteps);
