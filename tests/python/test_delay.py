@@ -201,7 +201,8 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     before the clip too (halved: grad_mul 0.5) they are copied again
     (rewritten=1). Either way the run is torch's AdamW one step late on the
     clipped gradients, its moments included (a coefficient applied twice or
-    not at all would scale exp_avg). Opt-in: DOS_TORCH_CLIP_SCALED=1.
+    not at all would scale exp_avg). Opt-in on the CPU:
+    DOS_TORCH_CLIP_SCALED=1; =stream is the default on CUDA.
     With =stream (protocol 11, CUDA) the coefficient reaches dosd through
     the trainer's stream: dosd's step.stream_coef line has it, and the
     early_capture line's scaled_by is the placeholder 1. A finite norm of

@@ -15,9 +15,13 @@ from dos import _inplace  # noqa: E402
 class Driver:
     """The VerdictDriver's side of a clip: captures stop, a Scaled is kept."""
 
-    def __init__(self, on_stream=False):
+    def __init__(self, on_stream=False, stream=None):
         self.scaled = None
         self._on_stream = on_stream
+        self._stream = stream
+
+    def stream(self):
+        return self._stream
 
     def stop_captures(self):
         return True
@@ -99,3 +103,18 @@ def test_an_unknown_mode_is_named_in_a_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="DOS_TORCH_CLIP_SCALED='true' is not 0, 1 or stream"):
         _inplace.watch(Driver())
     assert not list(_inplace._drivers)
+
+
+def test_unset_the_clip_is_kept_through_the_stream_on_cuda_only(monkeypatch):
+    """DOS_TORCH_CLIP_SCALED unset: stream where the steps are ordered on a
+    CUDA stream, else 0 (torch's clip has the gradients copied again); an
+    explicit value wins either way."""
+    monkeypatch.delenv("DOS_TORCH_CLIP_SCALED", raising=False)
+    assert _inplace.clip_mode(object()) == "stream"
+    assert _inplace.clip_mode(None) == "0"
+    _inplace.watch(Driver())
+    assert not list(_inplace._drivers)
+    for mode in ("0", "1", "stream"):
+        monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", mode)
+        assert _inplace.clip_mode(object()) == mode
+        assert _inplace.clip_mode(None) == mode

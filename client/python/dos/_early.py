@@ -24,7 +24,6 @@ A driver owns its hooks, the step's ready bookkeeping (`ready`,
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 from typing import Any, List, Optional
@@ -262,12 +261,16 @@ class VerdictDriver(EarlyDriver):
     def note_scaled(self, scaled) -> None:
         self._scaled = scaled
 
+    def stream(self):
+        """The stream the steps are ordered on (None: the host orders them)."""
+        return self.inner.stream()
+
     def on_stream(self) -> bool:
         """A clip's coefficient may reach dosd through the stream (protocol
-        11) instead of being read on the host: DOS_TORCH_CLIP_SCALED=stream
-        (experimental, not yet run on a GPU)."""
-        return (os.environ.get("DOS_TORCH_CLIP_SCALED") == "stream"
-                and self.inner.stream() is not None)
+        11) instead of being read on the host: DOS_TORCH_CLIP_SCALED=stream,
+        the default on CUDA (dos/_inplace.py)."""
+        stream = self.stream()
+        return stream is not None and _inplace.clip_mode(stream) == "stream"
 
     def settle(self, thawed) -> None:
         super().settle(thawed)
