@@ -455,9 +455,10 @@ def test_a_handed_off_update_changes_no_bit(device):
     copies during backward take each subgroup as the update finishes it. The
     weights after every step and at the end are bit for bit those of the
     same run with --delayed_handoff=false (itself AdamW one step late: the
-    tests above), and dosd's log says which updates were handed off. On CUDA some must be: this model's update outlasts its
-    forward and backward there (as on nvidia-h100); torch's CPU forward and
-    backward of it outlast the update."""
+    tests above), and dosd's log says which updates were handed off. On
+    CUDA some must be: this model's update outlasts its forward and
+    backward there (as on nvidia-h100); torch's CPU forward and backward
+    of it outlast the update."""
     steps = 8
     weights, final, updates = train_early_delayed(device, steps, "--delayed_handoff=false")
     h_weights, h_final, h_updates = train_early_delayed(device, steps)
