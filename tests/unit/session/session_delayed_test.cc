@@ -15,7 +15,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/session/session.h"
 #include "tests/unit/session/session_fixture.h"
 
@@ -223,7 +226,8 @@ TEST_F(SessionHandOffTest, HandedOffUpdatesChangeNoBitAndLetAReaderIn) {
 
 // A trainer that goes away inside an early step that took a hand-off (no
 // verdict will come): the session's end joins the update, and the state it
-// leaves is the last whole step's, bit for bit.
+// leaves is the last whole step's, bit for bit. dosd's debug lines say the
+// last update was the abandoned step's hand-off.
 TEST_F(SessionHandOffTest, ATrainerGoneWithAnUpdateHandedOffLeavesTheLastWholeStep) {
   constexpr int kSteps = 3;
   auto ref = NewSession("cpu");
@@ -231,12 +235,21 @@ TEST_F(SessionHandOffTest, ATrainerGoneWithAnUpdateHandedOffLeavesTheLastWholeSt
   Train(*ref, kSteps, [](int) {});
   auto s = NewSession("cpu");
   ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  SetMinLogLevel(LogLevel::kDebug);
+  ::testing::internal::CaptureStderr();
   Train(
       *s, kSteps, [](int) {}, /*finish=*/false);
   absl::SleepFor(absl::Milliseconds(20));  // the step has begun beside the update
   const absl::Time stop = absl::Now();
   s->Stop();
   EXPECT_LT(absl::Now() - stop, absl::Seconds(5)) << "the session's end waited for a verdict";
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  SetMinLogLevel(LogLevel::kInfo);
+  std::string last_update;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "event=delayed.update ")) last_update = std::string(line);
+  }
+  EXPECT_TRUE(absl::StrContains(last_update, "handed_off=true")) << log;
   ref->Stop();
   std::unique_ptr<ShardState> got = s->TakeShard(), exp = ref->TakeShard();
   EXPECT_EQ(got->tensors()[0].step, kSteps);
