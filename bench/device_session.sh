@@ -10,8 +10,9 @@
 #       and compact state (bench/e2e/largest.py; searches for ~450 s, writes
 #       bench/results/largest_<machine>_<date>.json)
 #   bash bench/device_session.sh delay OUT          # issue 23's speed targets (~5 min): 6B fp32
-#       and compact + delay, then the HF Trainer's 7B compact + delay copying the gradients again
-#       and with DOS_TORCH_CLIP_SCALED=stream, all-GPU beside each; results and dosd's debug
+#       and compact + delay, then the HF Trainer's 7B compact + delay with the client's default
+#       clip (HF_CLIPS="default 0 1" also runs the other DOS_TORCH_CLIP_SCALED values), all-GPU
+#       beside each; results and dosd's debug
 #       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
 #   bash bench/device_session.sh delay-ab OUT       # 6B fp32 + delay under several dosds or
 #       flags (VARIANTS; by default dosd_base if built, this dosd, and --delayed_gpu_staged)
@@ -48,7 +49,7 @@ case "$what" in
         tests/python/test_dcp.py tests/python/test_early.py \
         tests/python/test_training_features.py tests/python/test_state_views.py \
         tests/python/test_oom.py tests/python/test_delay.py \
-        tests/python/frameworks/test_lightning_clip.py 2>&1 \
+        tests/python/test_inplace.py tests/python/frameworks/test_lightning_clip.py 2>&1 \
         | grep -vE "^(INFO|  /|$)" | tail -150
     } > "$O/tests.log" 2>&1
     ;;
@@ -115,15 +116,18 @@ case "$what" in
       --out "$O/e2e" --tag delay --dosd-arg=--log_level=debug > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
     cp "$O"/e2e/*.json "$O/" 2>/dev/null
-    [ "$what" = delay-6b ] || for clip in 0 stream; do
-      DOS_TORCH_CLIP_SCALED=$clip STEPS=22 SINK= MODES="all_gpu dos_compact_delay" \
+    # HF_CLIPS: values of DOS_TORCH_CLIP_SCALED to run, `default` leaving it unset (the
+    # client's own choice: `stream` on CUDA)
+    [ "$what" = delay-6b ] || for clip in ${HF_CLIPS:-default}; do
+      envs=(); [ "$clip" = default ] || envs=("DOS_TORCH_CLIP_SCALED=$clip")
+      env -u DOS_TORCH_CLIP_SCALED "${envs[@]}" STEPS=22 SINK= MODES="all_gpu dos_compact_delay" \
         DOSD_ARGS=--log_level=debug RESULT="$O/hf7b_clip_$clip.json" \
         timeout 170 bash bench/frameworks/run_hf7b.sh "$O/hf_$clip" 7b none > "$O/hf_$clip.log" 2>&1
       echo "exit=$?" >> "$O/hf_$clip.log"
     done
     grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.\(update\|gpu\)" \
       /tmp/dos-e2e-*/dosd-*.log "$O"/hf_*/dosd*.log > "$O/phases.log" 2>/dev/null
-    logs=$(cd "$O" && ls -d e2e hf_0 hf_stream e2e.log hf_0.log hf_stream.log 2>/dev/null || true)
+    logs=$(cd "$O" && ls -d e2e e2e.log hf_* 2>/dev/null | grep -v '\.json$' || true)
     # shellcheck disable=SC2086  # one word per entry
     tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
     ;;

@@ -188,7 +188,8 @@ def test_an_early_delayed_step_copies_the_gradients_during_backward(dos_socket, 
 
 @pytest.mark.skipif(not HOOKS, reason="overlap=True needs torch >= 2.1 "
                     "(register_post_accumulate_grad_hook)")
-@pytest.mark.parametrize("device,mode", [(d, m) for d in DEVICES for m in ("1", "stream")
+@pytest.mark.parametrize("device,mode", [(d, m) for d in DEVICES
+                                         for m in ("1", "stream", "unset")
                                          if d == "cuda" or m == "1"])
 @pytest.mark.parametrize("max_norm,grad_mul", [(0.05, 1.0), (1e6, 1.0), (0.05, 0.5)])
 def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device, mode, max_norm,
@@ -202,8 +203,8 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     (rewritten=1). Either way the run is torch's AdamW one step late on the
     clipped gradients, its moments included (a coefficient applied twice or
     not at all would scale exp_avg). Opt-in on the CPU:
-    DOS_TORCH_CLIP_SCALED=1; =stream is the default on CUDA.
-    With =stream (protocol 11, CUDA) the coefficient reaches dosd through
+    DOS_TORCH_CLIP_SCALED=1; =stream is the default on CUDA (`unset`: the
+    variable unset, the same checks as stream). With =stream (protocol 11, CUDA) the coefficient reaches dosd through
     the trainer's stream: dosd's step.stream_coef line has it, and the
     early_capture line's scaled_by is the placeholder 1. A finite norm of
     order 2 over every gradient is proof that they are finite: the verdict
@@ -216,7 +217,10 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     cuda = device == "cuda"
     import dos._flight
     norms, delayed, checked = [], [], []
-    monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", mode)
+    if mode == "unset":
+        monkeypatch.delenv("DOS_TORCH_CLIP_SCALED", raising=False)
+    else:
+        monkeypatch.setenv("DOS_TORCH_CLIP_SCALED", mode)
     verdict = dos._flight.Flight.verdict
 
     def record(self, args, *a, **kw):
@@ -258,7 +262,7 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     assert len(lines) == steps - exact, lines
     # Line k is step exact + 1 + k's; the first follows an exact step, whose
     # clip was a rewrite, so it copied only weights during backward.
-    stream = mode == "stream" and grad_mul == 1.0
+    stream = mode in ("stream", "unset") and grad_mul == 1.0
     for k, f in enumerate(lines[1:], 1):
         if grad_mul != 1.0:
             assert f["rewritten"] == "1", f
