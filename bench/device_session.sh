@@ -30,6 +30,16 @@ export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
 export DOS_GPU_RANK_TRAINER=$B/gpu_rank_trainer
 export PYTHONPATH=$PWD/client/python PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# The machine the results name, from the GPUs this host has (DOS_MACHINE overrides):
+# nvidia-h100 or nvidia-h200, -xN for N > 1 GPUs; and the commit .dist was built from.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+case "$gpu" in *H100*) kind=nvidia-h100 ;; *H200*) kind=nvidia-h200 ;; *) kind=unknown-gpu ;; esac
+[ "$ngpu" -gt 1 ] && kind="$kind-x$ngpu"
+export DOS_MACHINE=${DOS_MACHINE:-$kind}
+if [ -z "${DOS_COMMIT:-}" ] && [ -s "$DIST/COMMIT" ]; then
+  DOS_COMMIT=$(cat "$DIST/COMMIT"); export DOS_COMMIT
+fi
 mkdir -p "$O"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$O/gpus.txt" 2>&1
 
@@ -54,17 +64,17 @@ case "$what" in
     } > "$O/tests.log" 2>&1
     ;;
   e2e)
-    timeout 560 python3 bench/e2e/run.py --dosd "$B/dosd" --machine nvidia-h200 "$@" \
+    timeout 560 python3 bench/e2e/run.py --dosd "$B/dosd" --machine "$DOS_MACHINE" "$@" \
       > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
-    cp bench/results/e2e_nvidia-h200_* "$O/" 2>/dev/null
+    cp bench/results/e2e_"$DOS_MACHINE"_* "$O/" 2>/dev/null
     ;;
   largest)
-    timeout 570 python3 bench/e2e/largest.py --dosd "$B/dosd" --machine nvidia-h200 \
+    timeout 570 python3 bench/e2e/largest.py --dosd "$B/dosd" --machine "$DOS_MACHINE" \
       --gpu-budget-gb 80 "$@" > "$O/largest.log" 2>&1
     echo "exit=$?" >> "$O/largest.log"
     free -g >> "$O/largest.log"
-    cp bench/results/largest_nvidia-h200_* "$O/" 2>/dev/null
+    cp bench/results/largest_"$DOS_MACHINE"_* "$O/" 2>/dev/null
     ;;
   ranks)
     # 1 rank, then 2 DDP ranks (1.5B each, auto, clip 1.0) on one dosd whose
@@ -74,7 +84,7 @@ case "$what" in
     # measures the host (M_host) for the node model to start from.
     # RANKS_FSDP2=1 adds 2 FSDP2 ranks. Writes
     # bench/results/ranks_<machine>_<date>.json (and a copy in OUT).
-    machine=${DOS_MACHINE:-nvidia-h200-x2}
+    machine=$DOS_MACHINE
     budget=${RANKS_GPU_BUDGET:-8G}
     sock=/tmp/dos-ranks.sock
     mhost=0
@@ -112,7 +122,7 @@ case "$what" in
   delay|delay-6b|delay-hf)
     rm -rf /tmp/dos-e2e-*  # run.py's dosd logs (phases.log below)
     [ "$what" = delay-hf ] || timeout 230 python3 bench/e2e/run.py --dosd "$B/dosd" \
-      --machine nvidia-h200 --size 6b --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
+      --machine "$DOS_MACHINE" --size 6b --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay,dos_auto_compact_delay \
       --out "$O/e2e" --tag delay --dosd-arg=--log_level=debug > "$O/e2e.log" 2>&1
     echo "exit=$?" >> "$O/e2e.log"
     cp "$O"/e2e/*.json "$O/" 2>/dev/null
@@ -127,7 +137,7 @@ case "$what" in
     done
     grep -H "event=step\.\(phases\|stream_coef\|early_capture\)\|event=delayed\.\(update\|gpu\)" \
       /tmp/dos-e2e-*/dosd-*.log "$O"/hf_*/dosd*.log > "$O/phases.log" 2>/dev/null
-    logs=$(cd "$O" && ls -d e2e e2e.log hf_* 2>/dev/null | grep -v '\.json$' || true)
+    logs=$(cd "$O" && ls -d e2e e2e.log hf_* 2>/dev/null || true)  # not hf7b_*.json
     # shellcheck disable=SC2086  # one word per entry
     tar czf "$O/delay_logs.tgz" -C "$O" $logs && (cd "$O" && rm -rf $logs)
     ;;
@@ -145,7 +155,7 @@ case "$what" in
       case "$n" in *@*) bin=${n#*@}; n=${n%%@*} ;; esac
       names="$names e2e_$n e2e_$n.log phases_$n.log"
       args=(); IFS=, read -ra fl <<< "$flag"; for f in "${fl[@]}"; do args+=(--dosd-arg="$f"); done
-      timeout 170 python3 bench/e2e/run.py --dosd "$B/$bin" --machine nvidia-h200 --size 6b \
+      timeout 170 python3 bench/e2e/run.py --dosd "$B/$bin" --machine "$DOS_MACHINE" --size 6b \
         --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
         --tag "delay_$n" --dosd-arg=--log_level=debug "${args[@]}" \
         > "$O/e2e_$n.log" 2>&1
@@ -159,9 +169,9 @@ case "$what" in
     tar czf "$O/ab_logs.tgz" -C "$O" $names && (cd "$O" && rm -rf $names)
     ;;
   frameworks)
-    # The framework tests use one GPU: their figures are named for one H200 (the JSON
-    # records how many GPUs the host had).
-    machine=${DOS_MACHINE:-nvidia-h200}
+    # The framework tests use one GPU: their figures are named for one (the JSON records
+    # how many GPUs the host had).
+    machine=${DOS_MACHINE%-x*}
     DOS_MACHINE=$machine timeout 250 bash tests/python/frameworks/run_gpu.sh "$B/dosd" \
       "$DIST/lib/libdos_client.so" > "$O/frameworks.log" 2>&1
     echo "exit=$?" >> "$O/frameworks.log"

@@ -145,8 +145,9 @@ def main():
         prefix = "accelerate7b"
         f = {k.replace("hf7b_", "accelerate7b_"): v for k, v in f.items()}
         ref = None  # the limit line below names the HF figures
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    # $DOS_COMMIT first: a tree sent to a GPU machine may carry a stale .git.
+    commit = os.environ.get("DOS_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {"machine": machine, "date": datetime.date.today().isoformat(), "commit": commit,
            "figures": f, "runs": runs}
     os.makedirs(os.path.dirname(out), exist_ok=True)
