@@ -12,8 +12,8 @@
 #   bash bench/device_session.sh delay OUT          # issue 23's speed targets (~5 min): 6B fp32
 #       and compact + delay, then the HF Trainer's 7B compact + delay with the client's default
 #       clip (HF_CLIPS="default 0 1" also runs the other DOS_TORCH_CLIP_SCALED values), all-GPU
-#       beside each; results and dosd's debug
-#       lines in OUT (delay_logs.tgz); delay-6b and delay-hf run its two halves (~4 and ~6 min)
+#       beside each; results and dosd's debug lines in OUT (delay_logs.tgz); delay-6b and
+#       delay-hf run its two halves (~4 min; ~1 min a clip value on an H100)
 #   bash bench/device_session.sh delay-ab OUT       # 6B fp32 + delay under several dosds or
 #       flags (VARIANTS; by default dosd_base if built, this dosd, and --delayed_gpu_staged)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes

@@ -32,8 +32,9 @@ if [ -n "${BASE_REV:-}" ]; then
 fi
 cp -L "$b/client/src/libdos_client.so" .dist/lib/libdos_client.so
 strip --strip-debug .dist/bin/* .dist/lib/libdos_client.so
-# The commit the install was built from (what the results name: bench/device_session.sh
-# exports it as DOS_COMMIT); "+" when the tree had uncommitted changes.
+# The commit checked out when the install was made, which the results name
+# (bench/device_session.sh exports it as DOS_COMMIT); "+" when the tree outside bench/ had
+# uncommitted changes. It names ./build only when that was built from this tree.
 { git rev-parse --short HEAD | tr -d '\n'; git diff --quiet HEAD -- . ':!bench' || printf '+'
   echo; } > .dist/COMMIT
 bash ../shared/device/bundle-libs .dist
