@@ -207,9 +207,9 @@ def test_torchs_in_place_clip_keeps_the_gradients_copied_during_backward(device,
     variable unset, the same checks as stream). With =stream (protocol 11,
     CUDA) the coefficient reaches dosd through the trainer's stream: dosd's
     step.stream_coef line has it, and the early_capture line's scaled_by is
-    the placeholder 1. A finite norm of
-    order 2 over every gradient is proof that they are finite: the verdict
-    says kStepGradientsChecked and dosd does not scan (scanned=0)."""
+    the placeholder 1. A finite norm of order 2 over every gradient is proof
+    that they are finite: the verdict says kStepGradientsChecked and dosd
+    does not scan (scanned=0)."""
     import os
     import re
     from conftest import running_dosd
