@@ -185,6 +185,30 @@ def test_add_param_group_after_construction(dos_socket, dev):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
+@pytest.mark.parametrize("bad", ["amsgrad", "lr", "float64"])
+def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(dos_socket, bad):
+    """A group dosd refuses (amsgrad, a negative lr, a float64 parameter)
+    raises, and the optimizer goes on as it was: one group, the state of the
+    steps before it, every later step equal to torch's (it once dropped the
+    session: later steps updated nothing and state_dict() failed)."""
+    data = make_data(n=12)
+    ref, mine = Net(), Net()
+    ref_opt = torch.optim.AdamW(ref.body.parameters(), **HP)
+    group = {"amsgrad": {"params": list(mine.heads.parameters()), "amsgrad": True},
+             "lr": {"params": list(mine.heads.parameters()), "lr": -1.0},
+             "float64": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]}}[bad]
+    with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP) as opt:
+        for i, (x, y) in enumerate(data, 1):
+            if i == 6:
+                with pytest.raises((NotImplementedError, ValueError, dos.DosError)):
+                    opt.add_param_group(group)
+                assert len(opt.param_groups) == 1
+            step_both([(ref, ref_opt), (mine, opt)], x, y)
+            assert_same(mine, ref, i)
+        assert_state_same(opt, ref_opt, mine, ref)
+        assert float(opt.state_dict()["state"][0]["step"]) == 12
+
+
 class TinyGPT(torch.nn.Module):
     def __init__(self, seed=0, vocab=11, dim=8):
         super().__init__()
