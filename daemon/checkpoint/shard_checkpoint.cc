@@ -54,12 +54,11 @@ uint16_t* Bf16ArrayOf(const Subgroup& g, StateArray a) {
   return nullptr;
 }
 
-absl::Status Mismatch(absl::string_view path, absl::string_view field, const auto& in_file,
-                      const auto& in_shard) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "checkpoint ", path, " does not match the session's layout: ", field, " is ", in_file,
-      " in the checkpoint but ", in_shard, " in the registered shard; register the same "
-      "tensors as the checkpointed run"));
+absl::Status Mismatch(const LayoutSides& sides, absl::string_view field, const auto& first,
+                      const auto& second) {
+  return absl::FailedPreconditionError(absl::StrCat(sides.subject, ": ", field, " is ", first, " ",
+                                                    sides.first, " but ", second, " ", sides.second,
+                                                    "; ", sides.fix));
 }
 
 // Reads every section of `reader` into `shard`.
@@ -111,16 +110,24 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner)
 
 absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& shard,
                                 absl::string_view path) {
+  return CheckLayoutMatches(
+      c, shard,
+      LayoutSides{.subject =
+                      absl::StrCat("checkpoint ", path, " does not match the session's layout")});
+}
+
+absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& shard,
+                                const LayoutSides& sides) {
   std::span<const TensorDesc> tensors = shard.tensors();
   if (c.tensors.size() != tensors.size()) {
-    return Mismatch(path, "the number of tensors", c.tensors.size(), tensors.size());
+    return Mismatch(sides, "the number of tensors", c.tensors.size(), tensors.size());
   }
   if (c.groups.size() != shard.groups().size()) {
-    return Mismatch(path, "the number of param groups", c.groups.size(), shard.groups().size());
+    return Mismatch(sides, "the number of param groups", c.groups.size(), shard.groups().size());
   }
   for (size_t i = 0; i < c.groups.size(); ++i) {
     if (c.groups[i].decoupled_weight_decay != shard.groups()[i].decoupled_weight_decay) {
-      return Mismatch(path, absl::StrCat("groups[", i, "].decoupled_weight_decay"),
+      return Mismatch(sides, absl::StrCat("groups[", i, "].decoupled_weight_decay"),
                       c.groups[i].decoupled_weight_decay ? "true" : "false",
                       shard.groups()[i].decoupled_weight_decay ? "true" : "false");
     }
@@ -129,14 +136,16 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
     const TensorDesc& a = c.tensors[i];
     const TensorDesc& b = tensors[i];
     std::string f = absl::StrCat("tensors[", i, "]");
-    if (a.name != b.name) return Mismatch(path, f + ".name", "'" + a.name + "'", "'" + b.name + "'");
-    if (a.numel != b.numel) return Mismatch(path, f + ".numel", a.numel, b.numel);
-    if (a.group != b.group) return Mismatch(path, f + ".group", a.group, b.group);
+    if (a.name != b.name)
+      return Mismatch(sides, f + ".name", "'" + a.name + "'", "'" + b.name + "'");
+    if (a.numel != b.numel) return Mismatch(sides, f + ".numel", a.numel, b.numel);
+    if (a.group != b.group) return Mismatch(sides, f + ".group", a.group, b.group);
     if (a.param_dtype != b.param_dtype) {
-      return Mismatch(path, f + ".param_dtype", DTypeName(a.param_dtype), DTypeName(b.param_dtype));
+      return Mismatch(sides, f + ".param_dtype", DTypeName(a.param_dtype),
+                      DTypeName(b.param_dtype));
     }
     if (a.grad_dtype != b.grad_dtype) {
-      return Mismatch(path, f + ".grad_dtype", DTypeName(a.grad_dtype), DTypeName(b.grad_dtype));
+      return Mismatch(sides, f + ".grad_dtype", DTypeName(a.grad_dtype), DTypeName(b.grad_dtype));
     }
   }
   return absl::OkStatus();

@@ -40,6 +40,16 @@ CheckpointLayout LayoutOf(const ShardState& shard, const CheckpointOwner& owner 
 // param_dtype / grad_dtype, group count, groups[i].decoupled_weight_decay.
 // Hyperparameters that schedulers change (lr, betas, eps, weight decay), the
 // subgroup size and the state format may differ.
+// `sides` names the two layouts in the message (a resume compares a new
+// registration with the state its dead trainer left).
+struct LayoutSides {
+  std::string subject;  // e.g. "checkpoint P does not match the session's layout"
+  absl::string_view first = "in the checkpoint";
+  absl::string_view second = "in the registered shard";
+  absl::string_view fix = "register the same tensors as the checkpointed run";
+};
+absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardState& shard,
+                                const LayoutSides& sides);
 absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardState& shard,
                                 absl::string_view path);
 

@@ -541,6 +541,8 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
 
 std::unique_ptr<ShardState> Session::TakeShard() {
   OthersLock lock(this);
+  holds_adopted_.store(false, std::memory_order_release);
+  if (shard_ == nullptr) return std::move(adopted_);  // never registered: what it adopted
   // A checkpoint's copier reads the state off the lock: finish its copy here
   // and wait until it has let go before the state changes hands.
   if (shard_ != nullptr) shard_->FinishSnapshot();
@@ -570,6 +572,7 @@ std::unique_ptr<ShardState> Session::TakeShard() {
 void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
   OthersLock lock(this);
   adopted_ = std::move(shard);
+  holds_adopted_.store(adopted_ != nullptr, std::memory_order_release);
 }
 
 void Session::SetRestoreCandidates(std::vector<std::string> paths, Env* env) {

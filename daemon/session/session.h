@@ -184,8 +184,13 @@ class Session {
   // rewrites the weights instead of reading them. SetRestoreCandidates gives
   // checkpoint files (best first) that Register loads the first matching of,
   // through `env` (the checkpoint store's; it outlives the session).
+  // A session whose Register refused the adopted state (another model) holds
+  // it unregistered (HoldsAdoptedState): when it detaches or its client
+  // exits, the state waits again for the rest of a lease, and TakeShard
+  // gives it to the next try.
   std::unique_ptr<ShardState> TakeShard();
   void AdoptShard(std::unique_ptr<ShardState> shard);
+  bool HoldsAdoptedState() const { return holds_adopted_.load(std::memory_order_acquire); }
   void SetRestoreCandidates(std::vector<std::string> paths, Env* env);
   bool registered() const;
   // True when no step thread watches this session (it never registered) and
@@ -385,6 +390,7 @@ class Session {
   void* trainer_event_ ABSL_GUARDED_BY(mu_) = nullptr;
   void CloseTrainerEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::unique_ptr<ShardState> adopted_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> holds_adopted_{false};  // adopted_, not yet registered (off mu_)
   // Snapshot() calls copying `shard_` off `mu_` (TakeShard waits for none).
   absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);
   int snapshot_copiers_ ABSL_GUARDED_BY(snap_mu_) = 0;

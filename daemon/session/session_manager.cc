@@ -218,6 +218,7 @@ absl::Status SessionManager::Detach(uint64_t id, absl::string_view token) {
   {
     absl::MutexLock lock(&mu_);
     sessions_.erase(id);
+    if (KeepAdopted(*s)) return absl::OkStatus();
   }
   StopAndFree(*std::move(s), "detach");
   return absl::OkStatus();
@@ -278,7 +279,9 @@ void SessionManager::ReapLoop() {
       for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
         if (it == sessions_.end() || it->second->identity().generation != generation) continue;
-        if (lease_ > absl::ZeroDuration() && it->second->registered()) {
+        if (KeepAdopted(it->second)) {
+          // its entry moved to orphans_
+        } else if (lease_ > absl::ZeroDuration() && it->second->registered()) {
           // Kept for the lease. Its step thread has returned (it reported the
           // death); whoever takes it out of orphans_ Stop()s (joins) it.
           DOS_LOG_INFO("session.orphaned", "session", id, "pid", it->second->identity().pid,
@@ -296,7 +299,7 @@ void SessionManager::ReapLoop() {
         if (it->second->ClientGoneWithoutThread()) {
           DOS_LOG_INFO("session.client_gone", "session", it->first, "pid",
                        it->second->identity().pid, "registered", false);
-          reap.push_back(std::move(it->second));
+          if (!KeepAdopted(it->second)) reap.push_back(std::move(it->second));
           it = sessions_.erase(it);
         } else {
           ++it;
@@ -315,6 +318,15 @@ void SessionManager::ReapLoop() {
     for (auto& s : reap) StopAndFree(std::move(s), "client_exited");
     for (auto& s : expired) StopAndFree(std::move(s), "lease_expired");
   }
+}
+
+bool SessionManager::KeepAdopted(std::shared_ptr<Session>& s) {
+  if (lease_ <= absl::ZeroDuration() || !s->HoldsAdoptedState()) return false;
+  const uint64_t id = s->identity().id;
+  DOS_LOG_INFO("session.orphaned", "session", id, "pid", s->identity().pid, "lease",
+               absl::FormatDuration(lease_), "registered", false);
+  orphans_[id] = Orphaned{std::move(s), absl::Now() + lease_};
+  return true;
 }
 
 void SessionManager::StopAndFree(std::shared_ptr<Session> session, absl::string_view why) {

@@ -114,6 +114,10 @@ class SessionManager {
   absl::Status CheckCaps(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReapLoop();
   void StopAndFree(std::shared_ptr<Session> session, absl::string_view why);
+  // A resumed session whose Register refused the state it adopted (detached,
+  // or its client exited): moved to orphans_ for another lease, so that a
+  // wrong model's try does not lose the state. False: not such a session.
+  bool KeepAdopted(std::shared_ptr<Session>& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Orphaned {
     std::shared_ptr<Session> session;  // stopped; holds the state

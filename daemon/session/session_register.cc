@@ -59,6 +59,7 @@ absl::Status Session::Register(const ShardSpec& given) {
     return bound;
   }
   Publish(&reg);
+  holds_adopted_.store(false, std::memory_order_release);
   StartStepThread();
   return absl::OkStatus();
 }
@@ -123,7 +124,13 @@ absl::Status Session::ResumeState(const ShardSpec& spec, Registration* reg) {
   wanted.tensors = reg->infos;
   wanted.groups = spec.groups;
   DOS_RETURN_IF_ERROR(CheckLayoutMatches(
-      wanted, *adopted_, absl::StrCat("(state of resumed session ", identity_.id, ")")));
+      wanted, *adopted_,
+      LayoutSides{.subject = absl::StrCat("register: the tensors do not match the state session ",
+                                          identity_.id, " kept for its trainer"),
+                  .first = "in this registration",
+                  .second = "in the kept state",
+                  .fix = "resume with the model, parameters and param groups of that run "
+                         "(the state waits for another try within the lease)"}));
   if (adopted_->format() != spec.state_format) {
     return absl::FailedPreconditionError(absl::StrCat(
         "register: session ", identity_.id, " resumes state kept in ",

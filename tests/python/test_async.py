@@ -190,11 +190,15 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path):
+@pytest.mark.parametrize("wrong_model_first", [False, True], ids=["resume", "wrong_model_first"])
+def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_model_first):
     """A trainer killed after k steps; a new process (here: this one) builds
     its optimizer with resume=session_info: the daemon kept the session for
     its lease, rewrites the new model's weights from the fp32 masters, and
-    training continues with the results of an uninterrupted run."""
+    training continues with the results of an uninterrupted run.
+    wrong_model_first: a try with another model is refused, naming both
+    layouts, and the state still waits for the right one (the refused try
+    once freed it)."""
     import json
     total, crash_after = 20, 8
     info_path = tmp_path / "session.json"
@@ -211,6 +215,12 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path):
                          **LR) as ref_opt:
         ref_losses = train(ref_model, ref_opt, data)
 
+    if wrong_model_first:
+        with pytest.raises(DosError) as err:
+            dos.torch.AdamW(torch.nn.Linear(4, 3).parameters(), socket=dos_socket,
+                            subgroup_size=SUBGROUP, resume=info, **LR)
+        msg = str(err.value)
+        assert "is 2 in this registration but" in msg and "in the kept state" in msg, msg
     # The restarted trainer: fresh (differently initialised) weights, which
     # the resumed session overwrites with the daemon's.
     model = make_deep(seed=123)

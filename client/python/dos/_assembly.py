@@ -179,6 +179,21 @@ class Assembly:
                 e.grad_none = True
         self.configure()
 
+    def add_group(self, saved, close, check: Callable[[], None], undo: Callable[[], Any]) -> None:
+        """rebuild() for the param group just added. Refused (`check()`
+        raises, or dosd refuses a parameter): `undo()` takes the group out
+        and the optimizer goes on as it was, its groups and their state."""
+        rebuilding = False
+        try:
+            check()
+            rebuilding = True
+            self.rebuild(saved, close)
+        except BaseException:
+            undo()
+            if rebuilding:
+                self.rebuild(saved, close)
+            raise
+
     def reregister(self, close: Callable[[], None]):
         """Parameters whose storage moved, or frozen at construction and
         trainable now, are registered afresh (a new session, the fp32 state

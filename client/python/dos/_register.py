@@ -283,12 +283,27 @@ class Registration:
                            "build one optimizer per device")
         device = devices.pop()
         send = lambda: self._send_register(entries, param_groups, subgroup_size, compact)
-        if device.type == "cuda":
-            self._register_cuda(entries, device, send)
-        else:
-            self._register_cpu(entries, send)
+        try:
+            if device.type == "cuda":
+                self._register_cuda(entries, device, send)
+            else:
+                self._register_cpu(entries, send)
+        except BaseException:
+            self._give_up(entries)
+            raise
         self.entries = entries
         self._read_ranges()
+
+    def _give_up(self, entries) -> None:
+        """A refused registration: the session is detached now, not when the
+        exception's frames go (a refused resume then gives the state back to
+        dosd for the next try at once). The model was left as it was."""
+        for e in entries:
+            e.param_shm = e.grad_shm = None  # the arena's views, if any
+        handle, self.handle, self.arena = self.handle, None, None
+        handle.closed = True
+        if sys.getrefcount(handle) <= 2:
+            handle.detach()
 
     def _register_cpu(self, entries, send):
         # One arena: param then grad for each tensor, each 64-byte aligned.

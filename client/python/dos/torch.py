@@ -363,20 +363,11 @@ class _DosAdamBase(torch.optim.Optimizer):
         self._parts.reg.sync_device()
         saved = self._parts.state_io.saved_state()
         super().add_param_group(param_group)
-        rebuilding = False
-        try:
-            g = self.param_groups[-1]
-            _check_args(g["lr"], g["betas"], g["eps"], g["weight_decay"], g.get("amsgrad"),
-                        g.get("maximize"), g.get("differentiable"))
-            rebuilding = True
-            self._parts.rebuild(saved, self.close)
-        except BaseException:
-            # Refused (a hyperparameter, a parameter dosd cannot take): the
-            # optimizer goes on as it was, its groups and their state.
-            self.param_groups.pop()
-            if rebuilding:
-                self._parts.rebuild(saved, self.close)
-            raise
+        g = self.param_groups[-1]
+        self._parts.add_group(saved, self.close, undo=self.param_groups.pop, check=lambda:
+                              _check_args(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                                          g.get("amsgrad"), g.get("maximize"),
+                                          g.get("differentiable")))
 
     # ---- training ----
 
