@@ -232,6 +232,36 @@ def test_load_converts_other_dtypes_and_shapes_in_pieces(dos_socket):
             assert torch.equal(buf[2], want[e.index][1].reshape(-1))
 
 
+@pytest.mark.parametrize("flaw", ["last_tensor_short", "moment_missing"])
+def test_a_refused_load_loads_nothing(dos_socket, flaw):
+    """A state dict whose last tensor is wrong (a moment one element short,
+    or missing) is refused naming it, and nothing of it is loaded: the
+    earlier tensors' state, the step counts and the lr stay as they were (it
+    once wrote every tensor before the wrong one)."""
+    model = make_mlp()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, make_data(n=3))
+        before = [daemon_state(opt, e) for e in opt._entries]
+        sd = opt.state_dict()
+        bad = {"state": {k: {n: (t.clone() + 1 if torch.is_tensor(t) else t)
+                             for n, t in s.items()} for k, s in sd["state"].items()},
+               "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
+        last = bad["state"][max(bad["state"])]
+        if flaw == "last_tensor_short":
+            last["exp_avg_sq"] = last["exp_avg_sq"].reshape(-1)[1:]
+        else:
+            del last["exp_avg"]
+        for s in bad["state"].values():
+            s["step"] = torch.tensor(50.0)
+        with pytest.raises(dos.DosError) as err:
+            opt.load_state_dict(bad)
+        assert "exp_avg" in str(err.value), err.value
+        assert opt.param_groups[0]["lr"] == LR["lr"]
+        for e, (buf, step) in zip(opt._entries, before):
+            now, now_step = daemon_state(opt, e)
+            assert now_step == step == 3 and torch.equal(now, buf), e.name
+
+
 def test_param_groups_carry_torch_adamw_keys(dos_socket):
     """A DOS state dict has every key of torch.optim.AdamW's param_groups, so
     loading it into torch's AdamW keeps them; a torch AdamW state dict with

@@ -211,16 +211,18 @@ class StateIO:
 
     def _push(self, saved_state, id_map) -> None:
         by_param = {id(e.param): e for e in self._reg.entries}
-        pushed = set()
+        loads = []
         for old, s in saved_state.items():
             p = id_map.get(old)
-            if p is None:
-                continue
-            e = by_param.get(id(p))
-            if e is None:
-                continue  # frozen: no state in the daemon
+            e = None if p is None else by_param.get(id(p))  # None: frozen, no state in dosd
+            if e is not None:
+                _parts_of(e, s)  # raises for a wrong size or a missing moment
+                loads.append((e, s))
+        # Every tensor was checked before the first write: a refused state
+        # dict leaves the state as it was, as torch's does.
+        for e, s in loads:
             self.write(e, s)
-            pushed.add(id(p))
+        pushed = {id(e.param) for e, _ in loads}
         fresh = [e for e in self._reg.entries if id(e.param) not in pushed]
         if fresh:
             _views.fetch(self._session)
@@ -270,26 +272,10 @@ class StateIO:
     def write(self, e: Entry, s: Optional[Dict[str, Any]]):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
         for None, a fresh start from the parameter's current value."""
-        p = local_of(e.param)
-        n = p.numel()
-
-        def flat(t, what):
-            t = local_of(torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t).detach()
-            if t.numel() != n:
-                raise DosError(Status.INVALID_ARGUMENT,
-                               f"load_state_dict: {e.name} has {n} elements but its saved "
-                               f"'{what}' has {t.numel()}")
-            return t.reshape(-1)
-
-        if s is None:
-            master, m, v, step = flat(p, "param"), None, None, 0
-        elif self._is_own_state(e, s):
+        n = local_of(e.param).numel()
+        if s is not None and self._is_own_state(e, s):
             return  # the state dict this optimizer returned: dosd holds it already
-        else:
-            master = flat(s["master_param"] if "master_param" in s else p, "master_param")
-            m = flat(s["exp_avg"], "exp_avg")
-            v = flat(s["exp_avg_sq"], "exp_avg_sq")
-            step = int(float(s.get("step", 0)))
+        master, m, v, step = _parts_of(e, s)
         self._finish()
         parts = [master, m, v]
         if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
@@ -312,6 +298,32 @@ class StateIO:
             call("dos_state_write_range", self._session, ctypes.c_uint32(e.index),
                  ctypes.c_uint64(off), ctypes.c_uint64(c), staging[0].data_ptr(),
                  staging[1].data_ptr(), staging[2].data_ptr(), ctypes.c_int64(step))
+
+
+def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):
+    """(master, exp_avg, exp_avg_sq, step) of torch's per-parameter state `s`
+    for entry `e`, flat (views where they can be); for None, a fresh start
+    from the parameter. Raises, naming the tensor, for a wrong size or a
+    missing moment."""
+    p = local_of(e.param)
+    n = p.numel()
+
+    def flat(t, what):
+        if t is None:
+            raise DosError(Status.INVALID_ARGUMENT,
+                           f"load_state_dict: the saved state of {e.name} has no '{what}'")
+        t = local_of(torch.as_tensor(t) if not isinstance(t, torch.Tensor) else t).detach()
+        if t.numel() != n:
+            raise DosError(Status.INVALID_ARGUMENT,
+                           f"load_state_dict: {e.name} has {n} elements but its saved "
+                           f"'{what}' has {t.numel()}")
+        return t.reshape(-1)
+
+    if s is None:
+        return flat(p, "param"), None, None, 0
+    master = flat(s["master_param"] if "master_param" in s else p, "master_param")
+    return (master, flat(s.get("exp_avg"), "exp_avg"), flat(s.get("exp_avg_sq"), "exp_avg_sq"),
+            int(float(s.get("step", 0))))
 
 
 def _check_groups(groups, saved_groups) -> None:
