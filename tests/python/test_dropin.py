@@ -209,6 +209,43 @@ def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(dos_socket, ba
         assert float(opt.state_dict()["state"][0]["step"]) == 12
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_gradient_never_computed_is_none_before_backward_and_after_close(dos_socket, dev):
+    """A new model's gradients are None: step() before any backward changes
+    nothing and makes no state (it once decayed every weight and counted a
+    step), as torch's; close() gives the parameters backward never reached
+    their None back."""
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
+    with opt:
+        for o in (ref_opt, opt):
+            o.step()
+        assert_same(mine, ref, 0)
+        assert opt.state_dict()["state"] == {}
+        x, y = (t.to(dev) for t in make_data(n=1)[0])
+        step_both([(ref, ref_opt), (mine, opt)], x, y, branch=0)
+        assert_same(mine, ref, 1)
+        assert_state_same(opt, ref_opt, mine, ref)
+    assert all(p.grad is None for p in mine.heads[1].parameters())
+    assert all(p.grad is not None for p in mine.heads[0].parameters())
+
+
+def test_an_optimizer_built_again_over_the_same_model_trains_as_torch(dos_socket):
+    """A notebook cell run again: a second optimizer over the model the first
+    still holds. The first's zeroed, untouched buffers of the unused head are
+    torch's None to it, not zero gradients (it once decayed that head every
+    step)."""
+    data = make_data(n=4)
+    ref, mine = Net(), Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    first = dos.torch.AdamW(mine.parameters(), socket=dos_socket, **HP)
+    with dos.torch.AdamW(mine.parameters(), socket=dos_socket, **HP) as opt:
+        first.close()
+        for i, (x, y) in enumerate(data, 1):
+            step_both([(ref, ref_opt), (mine, opt)], x, y, branch=0)
+            assert_same(mine, ref, i)
+        assert_state_same(opt, ref_opt, mine, ref)
+
+
 class TinyGPT(torch.nn.Module):
     def __init__(self, seed=0, vocab=11, dim=8):
         super().__init__()

@@ -324,10 +324,25 @@ def test_round_trip_dos_torch_dos_continues_exactly(dos_socket):
             assert torch.equal(x.detach(), y)
 
 
-def test_state_dict_of_closed_optimizer_is_refused(dos_socket):
+def test_a_closed_optimizer_refuses_every_call_that_needs_its_session(dos_socket):
+    """After close() every call that needs dosd's session raises
+    FAILED_PRECONDITION naming itself (zero_grad() once raised an
+    AttributeError and clip_grad_norm_() returned a norm for no step);
+    synchronize() has nothing to wait for and the state is empty."""
     model = make_mlp()
     opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR)
+    train(model, opt, make_data(n=1))
     opt.close()
-    with pytest.raises(dos.DosError) as e:
-        opt.state_dict()
-    assert e.value.code_name == "FAILED_PRECONDITION"
+    p = next(model.parameters())
+    calls = {"step": opt.step, "zero_grad": opt.zero_grad, "state_dict": opt.state_dict,
+             "clip_grad_norm_": lambda: opt.clip_grad_norm_(1.0),
+             "load_state_dict": lambda: opt.load_state_dict({"state": {}, "param_groups": []}),
+             "add_param_group": lambda: opt.add_param_group({"params": [torch.ones(2)]}),
+             "set_policy": lambda: opt.set_policy("cpu")}
+    for name, call in calls.items():
+        with pytest.raises(dos.DosError) as e:
+            call()
+        assert e.value.code_name == "FAILED_PRECONDITION", name
+        assert f"{name}: the optimizer is closed" in str(e.value), e.value
+    opt.synchronize()
+    assert opt.state[p] == {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import weakref
 from typing import List, Tuple
 
 import torch
@@ -68,11 +69,33 @@ class Entry:
         self.local = None
         self.copy_out = False
         self.copy_grad = False
-        self.grad_none = param.grad is None
+        self.grad_none = param.grad is None or _untouched_elsewhere(param)
         self.zero_version = -1
+        _entry_of_param[id(param)] = weakref.ref(self, _forget_entry(id(param)))
         # grad_shm's version when its subgroup was last marked ready (an
         # early step: dos/_early.py); -1: not since registration.
         self.ready_version = -1
+
+
+# Each parameter's latest Entry (weakly): an optimizer built over a model
+# another one still holds (a notebook cell run again) sees that one's zeroed,
+# untouched gradient buffer as torch's None, not as a zero gradient.
+# By id(param): the Entry holds its parameter, so the id is that parameter's.
+_entry_of_param = {}
+
+
+def _forget_entry(key):
+    def forget(ref):
+        if _entry_of_param.get(key) is ref:
+            del _entry_of_param[key]
+    return forget
+
+
+def _untouched_elsewhere(param) -> bool:
+    ref = _entry_of_param.get(id(param))
+    e = ref() if ref is not None else None
+    return (e is not None and e.param is param and e.grad_none and e.grad_shm is not None
+            and param.grad is e.grad_shm and param.grad._version == e.zero_version)
 
 
 def _state_what(entries, compact=False) -> str:
@@ -291,6 +314,11 @@ class Registration:
         except BaseException:
             self._give_up(entries)
             raise
+        for e in entries:
+            if e.grad_none and not e.copy_grad:
+                # No gradient yet (torch's None): its buffer is zero and
+                # untouched until backward or the trainer writes it.
+                e.zero_version = e.grad_shm._version
         self.entries = entries
         self._read_ranges()
 
@@ -454,6 +482,10 @@ def _unbind(e: Entry, gpu: bool) -> None:
     """Gives e's parameter and gradient ordinary memory again (clones of the
     arena's), unless the memory is the model's own (GPU, DTensor copies)."""
     p = e.param
+    g = p.grad
+    if (e.grad_none and g is not None and e.grad_shm is not None and g is e.grad_shm
+            and g._version == e.zero_version):
+        p.grad = None  # no gradient as torch sees it (zeroed, untouched since): None again
     if gpu or e.copy_out:
         e.param_shm = e.grad_shm = None
         return

@@ -383,6 +383,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         where dosd may read gradients before step(). Reads the norm on the host
         (one device synchronisation); FSDP2's sharded gradients add the other
         ranks' shards, as torch's (a collective: call it on every rank)."""
+        self._check_open("clip_grad_norm_")
         grads = _grads.clip_grads(self.param_groups)
         if not grads:
             return torch.tensor(0.0)
@@ -403,6 +404,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         by step() yet), the early step is given up first (overlap=True) or
         completed (overlap="update"), as step() would never see these
         gradients."""
+        self._check_open("zero_grad")
         entries = self._parts.driver.before_zero_grad(self._entries)
         if set_to_none is None:
             set_to_none = _SET_TO_NONE_DEFAULT
