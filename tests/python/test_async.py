@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -190,7 +191,16 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("wrong_model_first", [False, True], ids=["resume", "wrong_model_first"])
+KILLED_BEFORE_REGISTER = textwrap.dedent("""
+    import json, os, signal, sys
+    from dos._register import Registration
+    reg = Registration(socket={socket!r}, resume=json.load(open({info!r})))
+    os.kill(os.getpid(), signal.SIGKILL)  # resumed, then killed before it registered
+""")
+
+
+@pytest.mark.parametrize("wrong_model_first", [False, True, "killed_before_register"],
+                         ids=["resume", "wrong_model_first", "killed_before_register"])
 def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_model_first):
     """A trainer killed after k steps; a new process (here: this one) builds
     its optimizer with resume=session_info: the daemon kept the session for
@@ -198,7 +208,8 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_mode
     training continues with the results of an uninterrupted run.
     wrong_model_first: a try with another model is refused, naming both
     layouts, and the state still waits for the right one (the refused try
-    once freed it)."""
+    once freed it); killed_before_register: so does a try whose process dies
+    between resuming and registering."""
     import json
     total, crash_after = 20, 8
     info_path = tmp_path / "session.json"
@@ -215,7 +226,12 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_mode
                          **LR) as ref_opt:
         ref_losses = train(ref_model, ref_opt, data)
 
-    if wrong_model_first:
+    if wrong_model_first == "killed_before_register":
+        script = KILLED_BEFORE_REGISTER.format(socket=dos_socket, info=str(info_path))
+        proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        time.sleep(1.5)  # dosd's reaper looks for unregistered sessions' clients once a second
+    elif wrong_model_first:
         with pytest.raises(DosError) as err:
             dos.torch.AdamW(torch.nn.Linear(4, 3).parameters(), socket=dos_socket,
                             subgroup_size=SUBGROUP, resume=info, **LR)
