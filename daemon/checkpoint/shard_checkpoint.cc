@@ -136,8 +136,9 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
     const TensorDesc& a = c.tensors[i];
     const TensorDesc& b = tensors[i];
     std::string f = absl::StrCat("tensors[", i, "]");
-    if (a.name != b.name)
+    if (a.name != b.name) {
       return Mismatch(sides, f + ".name", "'" + a.name + "'", "'" + b.name + "'");
+    }
     if (a.numel != b.numel) return Mismatch(sides, f + ".numel", a.numel, b.numel);
     if (a.group != b.group) return Mismatch(sides, f + ".group", a.group, b.group);
     if (a.param_dtype != b.param_dtype) {

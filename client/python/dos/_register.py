@@ -327,6 +327,8 @@ class Registration:
         exception's frames go (a refused resume then gives the state back to
         dosd for the next try at once). The model was left as it was."""
         for e in entries:
+            if e.grad_none and e.grad_shm is not None and e.param.grad is e.grad_shm:
+                e.param.grad = None  # CUDA: the zeros it was given for a None gradient
             e.param_shm = e.grad_shm = None  # the arena's views, if any
         handle, self.handle, self.arena = self.handle, None, None
         handle.closed = True
