@@ -30,18 +30,6 @@ namespace fs = std::filesystem;
 
 constexpr char kSuffix[] = ".dckpt";
 
-// Client names are free text; file names keep [A-Za-z0-9._-].
-std::string SafeName(absl::string_view name) {
-  std::string out;
-  for (char c : name) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '.' || c == '-' || c == '_';
-    out.push_back(ok ? c : '_');
-  }
-  if (out.empty() || out[0] == '.') out.insert(out.begin(), '_');
-  return out.substr(0, 128);
-}
-
 struct Candidate {
   int64_t step;
   uint64_t created;
@@ -261,7 +249,7 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
 std::string Checkpointer::DefaultPath(const Session& session, absl::string_view kind,
                                       int64_t step) const {
   const SessionIdentity& id = session.identity();
-  return (fs::path(UserDir(id.uid)) / absl::StrCat(SafeName(id.client_name), ".r", id.rank) /
+  return (fs::path(UserDir(id.uid)) / absl::StrCat(JobFolderName(id.client_name), ".r", id.rank) /
           absl::StrFormat("%s-%012d%s", kind, step, kSuffix))
       .string();
 }
@@ -387,8 +375,8 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       // gets a file named for the session inside it.
       if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
           job.path.back() == '/' || fs::path(job.path).filename() == ".") {
-        path = (fs::path(path) / absl::StrCat(SafeName(sid.client_name), ".r", sid.rank, ".s",
-                                              sid.id, kSuffix))
+        path = (fs::path(path) /
+                absl::StrCat(JobFolderName(sid.client_name), ".r", sid.rank, ".s", sid.id, kSuffix))
                    .string();
       }
     }

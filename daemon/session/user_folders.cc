@@ -56,6 +56,27 @@ void RemoveTree(StoreEnv& store, const std::string& dir, int depth, UserFolders:
 
 }  // namespace
 
+std::string JobFolderName(std::string_view name) {
+  std::string out;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' ||
+                    (c == '.' && i > 0);
+    if (ok) {
+      out.push_back(c);
+    } else {
+      absl::StrAppendFormat(&out, "%%%02X", static_cast<unsigned char>(c));
+    }
+  }
+  if (out.empty()) return "%";
+  if (out.size() > 128) {
+    uint64_t h = 14695981039346656037ull;  // FNV-1a: the same on every build and run
+    for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    out = absl::StrCat(out.substr(0, 100), "~", absl::Hex(h, absl::kZeroPad16));
+  }
+  return out;
+}
+
 std::string UserFolders::Dir(uint32_t uid) const {
   return absl::StrCat(store_->root(), store_->root() == "/" ? "" : "/", kPrefix, uid);
 }

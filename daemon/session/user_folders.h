@@ -36,6 +36,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -44,6 +45,14 @@
 #include "daemon/checkpoint/store_env.h"
 
 namespace dos {
+
+// The folder (within a uid's) of one job's checkpoints, from its free-text
+// client name: [A-Za-z0-9._-] as they are, any other byte (and a leading
+// '.') as %XX, "%" for an empty name; over 128 characters, the first 100,
+// '~' and 16 hex digits of a hash of the whole name. Distinct names get
+// distinct folders (they once shared one: "exp/1" and "exp_1" saved to the
+// same file, and one job's checkpoint replaced the other's).
+std::string JobFolderName(std::string_view client_name);
 
 struct CheckpointUsage {
   uint64_t bytes = 0;

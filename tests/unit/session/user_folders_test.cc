@@ -138,5 +138,27 @@ TEST_F(UserFoldersTest, DeleteRemovesFilesAndFoldersButNotTheMarker) {
   EXPECT_EQ(f->Usage()[7].bytes, 0u);
 }
 
+TEST(JobFolderNameTest, DistinctClientNamesGetDistinctSafeFolders) {
+  EXPECT_EQ(JobFolderName("train.py"), "train.py");
+  EXPECT_EQ(JobFolderName("my_job-2"), "my_job-2");
+  // They once both became "exp_1", and one job's checkpoint replaced the other's.
+  EXPECT_EQ(JobFolderName("exp/1"), "exp%2F1");
+  EXPECT_EQ(JobFolderName("exp_1"), "exp_1");
+  EXPECT_EQ(JobFolderName("a%2F"), "a%252F");
+  EXPECT_EQ(JobFolderName(".."), "%2E.");
+  EXPECT_EQ(JobFolderName(""), "%");
+  const std::string a(200, 'a');
+  const std::string b = a + "b";
+  EXPECT_EQ(JobFolderName(a).size(), 117u);
+  EXPECT_EQ(JobFolderName(a).substr(0, 101), std::string(100, 'a') + "~");
+  EXPECT_NE(JobFolderName(a), JobFolderName(b));
+  for (const std::string& n : {std::string("a/b"), std::string("\xff\x01"), a}) {
+    const std::string f = JobFolderName(n);
+    EXPECT_EQ(f.find('/'), std::string::npos) << f;
+    EXPECT_NE(f[0], '.') << f;
+    EXPECT_LE(f.size(), 128u) << f;
+  }
+}
+
 }  // namespace
 }  // namespace dos
