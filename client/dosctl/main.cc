@@ -79,6 +79,29 @@ int Usage(const std::string& why) {
 
 bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(text, id); }
 
+// A flag value no command can use, named with what it may be; "" if none.
+std::string BadFlagValues() {
+  for (const auto& [name, d] : {std::pair{"timeout", absl::GetFlag(FLAGS_timeout)},
+                                {"checkpoint_timeout", absl::GetFlag(FLAGS_checkpoint_timeout)},
+                                {"interval", absl::GetFlag(FLAGS_interval)}}) {
+    if (d <= absl::ZeroDuration()) {
+      return absl::StrCat("bad --", name, "=", absl::FormatDuration(d),
+                          ": a positive duration, e.g. 5s");
+    }
+  }
+  if (absl::GetFlag(FLAGS_count) < 0) {
+    return absl::StrCat("bad --count=", absl::GetFlag(FLAGS_count),
+                        ": the number of samples, 0 for no limit");
+  }
+  // -1, the default, is the caller's own folder; (uid_t)-1 is no user's.
+  const int64_t uid = absl::GetFlag(FLAGS_uid);
+  if (uid != -1 && (uid < 0 || uid >= int64_t{0xFFFFFFFF})) {
+    return absl::StrCat("bad --uid=", uid, ": a user id, 0 to 4294967294 (leave it out for ",
+                        "your own folder)");
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -94,6 +117,7 @@ int main(int argc, char** argv) {
   std::vector<char*> raw = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(raw.begin() + 1, raw.end());
   if (args.empty()) return Usage("no command given");
+  if (std::string bad = BadFlagValues(); !bad.empty()) return Usage(bad);
 
   dos::dosctl::Commands cmd({absl::GetFlag(FLAGS_socket), absl::GetFlag(FLAGS_json),
                              absl::GetFlag(FLAGS_timeout),

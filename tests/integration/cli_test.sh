@@ -31,6 +31,19 @@ grep -q -- '--host_memory_limit=STRING' <("$dosd" --help) || fail "dosd --help l
 grep -q -- 'policy set' <("$dosctl" --help) || fail "dosctl --help lacks the commands"
 echo "ok: --help, -h, --version"
 
+# dosctl refuses flag values no command can use (exit 2), before it calls dosd:
+# a negative --uid once deleted the caller's own checkpoints, a huge one wrapped.
+for bad in "--uid=-5 checkpoint delete .:bad --uid=-5" \
+           "--uid=99999999999 checkpoint delete .:bad --uid=99999999999" \
+           "--timeout=-1s status:bad --timeout=-1s" "--count=-1 stats --watch:bad --count=-1"; do
+  rc=0
+  read -ra argv <<< "${bad%%:*}"
+  "$dosctl" --socket="$tmp/none.sock" "${argv[@]}" 2> "$tmp/err" || rc=$?
+  [ "$rc" -eq 2 ] || fail "dosctl ${bad%%:*} should exit 2, got $rc"
+  grep -q -- "${bad#*:}" "$tmp/err" || { cat "$tmp/err"; fail "no '${bad#*:}' for ${bad%%:*}"; }
+done
+echo "ok: bad dosctl flag values are refused by name"
+
 # The README's old order: the flagfile's value wins, and dosd says so.
 printf -- '--host_memory_limit=0\n--socket_mode=not-octal\n' > "$tmp/dosd.flags"
 rc=0
