@@ -119,6 +119,7 @@ class DelayedDriver:
     def finish(self) -> None:
         self.inner.finish()
         self._install()
+        self._plan_next()  # a load_state_dict() may have moved dosd's step count
 
     def before_zero_grad(self, entries):
         return self.inner.before_zero_grad(entries)  # the gradients were captured
@@ -146,8 +147,19 @@ class DelayedDriver:
         # A step in flight (an asynchronous one, not collected yet) counts:
         # the next step is the one after it, whose begin the overlap hooks
         # may make during the coming backward.
-        steps = (last["step"] if last else 0) + (1 if self._flight.in_flight else 0)
+        steps = (last["step"] if last else self._state_step()) + \
+            (1 if self._flight.in_flight else 0)
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
+
+    def _state_step(self) -> int:
+        """Before this optimizer's first step: dosd's step count of the state
+        it holds (a resumed session's, a loaded state dict's), so that a
+        resumed run delays the steps the run it continues delayed."""
+        session = self._reg.ptr
+        if session is None or not self._reg.entries or self._warmup == 0:
+            return 0
+        _views.fetch(session)
+        return max(_views.step_of(session, e.index) for e in self._reg.entries)
 
     def _install(self, timeout_ms: int = -1) -> None:
         if self._flight.in_flight or not self._flight.delayed_pending:

@@ -208,6 +208,7 @@ class StateIO:
         self._reg.copy_out()
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+        self._finish()  # the driver sees the loaded step count (delay=1's warm-up)
 
     def _push(self, saved_state, id_map) -> None:
         by_param = {id(e.param): e for e in self._reg.entries}
