@@ -42,12 +42,7 @@ def no_gradient(e: Entry) -> bool:
     zeroed by zero_grad(set_to_none=True), not reached by backward and not
     written since (DDP writes the averaged gradient into a parameter that
     only other ranks used: torch updates it, so must we)."""
-    g = e.param.grad
-    if g is None:
-        return True
-    g = local_of(g)
-    return (e.grad_none and g.data_ptr() == e.grad_shm.data_ptr()
-            and g._version == e.zero_version)
+    return e.param.grad is None or e.untouched()
 
 
 def _skipped(e: Entry, bound: bool) -> None:

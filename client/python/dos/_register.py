@@ -71,31 +71,32 @@ class Entry:
         self.copy_grad = False
         self.grad_none = param.grad is None or _untouched_elsewhere(param)
         self.zero_version = -1
-        _entry_of_param[id(param)] = weakref.ref(self, _forget_entry(id(param)))
+        _entry_of_param[id(param)] = self
         # grad_shm's version when its subgroup was last marked ready (an
         # early step: dos/_early.py); -1: not since registration.
         self.ready_version = -1
+
+    def untouched(self) -> bool:
+        """p.grad is this entry's gradient buffer as zeroed for torch's None
+        (grad_none), written since by nothing (backward, DDP, the trainer)."""
+        g = self.param.grad
+        if not self.grad_none or g is None or self.grad_shm is None:
+            return False
+        g = local_of(g)
+        return (not g.is_sparse and g.data_ptr() == self.grad_shm.data_ptr()
+                and g._version == self.zero_version)
 
 
 # Each parameter's latest Entry (weakly): an optimizer built over a model
 # another one still holds (a notebook cell run again) sees that one's zeroed,
 # untouched gradient buffer as torch's None, not as a zero gradient.
 # By id(param): the Entry holds its parameter, so the id is that parameter's.
-_entry_of_param = {}
-
-
-def _forget_entry(key):
-    def forget(ref):
-        if _entry_of_param.get(key) is ref:
-            del _entry_of_param[key]
-    return forget
+_entry_of_param: "weakref.WeakValueDictionary[int, Entry]" = weakref.WeakValueDictionary()
 
 
 def _untouched_elsewhere(param) -> bool:
-    ref = _entry_of_param.get(id(param))
-    e = ref() if ref is not None else None
-    return (e is not None and e.param is param and e.grad_none and e.grad_shm is not None
-            and param.grad is e.grad_shm and param.grad._version == e.zero_version)
+    e = _entry_of_param.get(id(param))
+    return e is not None and e.param is param and e.untouched()
 
 
 def _state_what(entries, compact=False) -> str:
@@ -484,10 +485,8 @@ def _unbind(e: Entry, gpu: bool) -> None:
     """Gives e's parameter and gradient ordinary memory again (clones of the
     arena's), unless the memory is the model's own (GPU, DTensor copies)."""
     p = e.param
-    g = p.grad
-    if (e.grad_none and g is not None and e.grad_shm is not None and g is e.grad_shm
-            and g._version == e.zero_version):
-        p.grad = None  # no gradient as torch sees it (zeroed, untouched since): None again
+    if e.untouched():
+        p.grad = None  # no gradient as torch sees it: None again
     if gpu or e.copy_out:
         e.param_shm = e.grad_shm = None
         return

@@ -216,14 +216,13 @@ class StateIO:
         for old, s in saved_state.items():
             p = id_map.get(old)
             e = None if p is None else by_param.get(id(p))  # None: frozen, no state in dosd
-            if e is not None:
-                _parts_of(e, s)  # raises for a wrong size or a missing moment
-                loads.append((e, s))
+            if e is not None:  # _parts_of raises for a wrong size or a missing moment
+                loads.append((e, s, _parts_of(e, s)))
         # Every tensor was checked before the first write: a refused state
         # dict leaves the state as it was, as torch's does.
-        for e, s in loads:
-            self.write(e, s)
-        pushed = {id(e.param) for e, _ in loads}
+        for e, s, parts in loads:
+            self.write(e, s, parts)
+        pushed = {id(e.param) for e, _, _ in loads}
         fresh = [e for e in self._reg.entries if id(e.param) not in pushed]
         if fresh:
             _views.fetch(self._session)
@@ -270,13 +269,14 @@ class StateIO:
         _views.fetch(self._session)
         return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
 
-    def write(self, e: Entry, s: Optional[Dict[str, Any]]):
+    def write(self, e: Entry, s: Optional[Dict[str, Any]], parts=None):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
-        for None, a fresh start from the parameter's current value."""
+        for None, a fresh start from the parameter's current value; `parts`:
+        _parts_of(e, s) where the caller has it already."""
         n = local_of(e.param).numel()
         if s is not None and self._is_own_state(e, s):
             return  # the state dict this optimizer returned: dosd holds it already
-        master, m, v, step = _parts_of(e, s)
+        master, m, v, step = parts or _parts_of(e, s)
         self._finish()
         parts = [master, m, v]
         if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32
