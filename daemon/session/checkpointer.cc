@@ -353,7 +353,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
   }
   std::vector<CheckpointRecord> out;
   for (const auto& s : targets) {
-    if (!s->registered()) {
+    if (!s->HoldsState()) {
       if (job.session_id != 0) {
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint: session ", job.session_id, " has not registered its tensors yet"));

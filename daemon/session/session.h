@@ -152,7 +152,7 @@ class Session {
   void SetPolicy(const Policy& policy);
   Policy policy() const;
 
-  // Checkpoints. Snapshot copies the state, at a step boundary, into
+  // Checkpoints. Snapshot copies the state (HeldState), at a step boundary, into
   // `*staging` (created off the lock, from `staging_budget`, when null or of
   // another layout) and returns once the copy is complete. Under the lock it
   // only marks the boundary; it copies subgroup by subgroup off the lock
@@ -191,6 +191,10 @@ class Session {
   std::unique_ptr<ShardState> TakeShard();
   void AdoptShard(std::unique_ptr<ShardState> shard);
   bool HoldsAdoptedState() const { return holds_adopted_.load(std::memory_order_acquire); }
+  // Whether it holds state a checkpoint saves: registered, or adopted and
+  // held unregistered (Snapshot saves that too, so that state waiting for
+  // the right resume survives `dosctl checkpoint save` and dosd's stop).
+  bool HoldsState() const { return registered() || HoldsAdoptedState(); }
   void SetRestoreCandidates(std::vector<std::string> paths, Env* env);
   bool registered() const;
   // True when no step thread watches this session (it never registered) and
@@ -352,6 +356,10 @@ class Session {
   // one until Register picks the one of the tensors' memory.
   StepExecutor* executor_ ABSL_GUARDED_BY(mu_);
   Engine* engine() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return executor_->engine(); }
+  // The state it holds: registered, else adopted (null: none).
+  ShardState* HeldState() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shard_ != nullptr ? shard_.get() : adopted_.get();
+  }
   HostMemoryBudget* const budget_;
   const std::function<void(uint64_t)> on_client_gone_;
   // Declared before everything charged through them (segments, early steps):

@@ -279,9 +279,9 @@ void SessionManager::ReapLoop() {
       for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
         if (it == sessions_.end() || it->second->identity().generation != generation) continue;
-        if (KeepAdopted(it->second)) {
-          // its entry moved to orphans_
-        } else if (lease_ > absl::ZeroDuration() && it->second->registered()) {
+        // Only a registered session's step thread reports here; one that holds
+        // adopted state unregistered is the check below's.
+        if (lease_ > absl::ZeroDuration() && it->second->registered()) {
           // Kept for the lease. Its step thread has returned (it reported the
           // death); whoever takes it out of orphans_ Stop()s (joins) it.
           DOS_LOG_INFO("session.orphaned", "session", id, "pid", it->second->identity().pid,

@@ -237,6 +237,17 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_mode
                             subgroup_size=SUBGROUP, resume=info, **LR)
         msg = str(err.value)
         assert "is 2 in this registration but" in msg and "in the kept state" in msg, msg
+    if wrong_model_first:
+        # The waiting state is saved like a crashed trainer's: `dosctl
+        # checkpoint save` (and dosd's final autosave) once skipped it.
+        from test_ddp import find_dosctl
+        if find_dosctl() is not None:
+            out = subprocess.run([find_dosctl(), f"--socket={dos_socket}", "checkpoint", "save",
+                                  str(info["session_id"]), f"kept-{os.getpid()}.dckpt"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+            row = out.stdout.splitlines()[1].split()  # SESSION STEP BYTES ...
+            assert row[:2] == [str(info["session_id"]), str(crash_after)], out.stdout
     # The restarted trainer: fresh (differently initialised) weights, which
     # the resumed session overwrites with the daemon's.
     model = make_deep(seed=123)

@@ -1,0 +1,272 @@
+// The session's state seen from outside its steps: state transfer (export,
+// import, the state memory a trainer maps), checkpoints (Snapshot,
+// LoadCheckpoint) and the state changing hands between sessions (TakeShard,
+// AdoptShard: a crashed client's state kept for the lease and resumed).
+// Every entry takes the session's lock (OthersLock) or the trainer gate's
+// snapshot turn first, so none sees a half-finished step.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/checkpoint/checkpoint_reader.h"
+#include "daemon/checkpoint/shard_checkpoint.h"
+#include "daemon/common/log.h"
+#include "daemon/session/session.h"
+#include "daemon/transport/shm_transport.h"
+#include "dos/wire/status_macros.h"
+
+namespace dos {
+
+absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
+                                               uint64_t* count, const MemoryRef& buf,
+                                               std::unique_ptr<ShmSegment>* holder) {
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "state transfer: the session has no registered tensors; register first");
+  }
+  if (tensor >= shard_->tensors().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("state transfer: tensor index ", tensor,
+                                                   " is out of range; ",
+                                                   shard_->tensors().size(), " are registered"));
+  }
+  const uint64_t numel = shard_->tensors()[tensor].numel;
+  if (*count == 0) {
+    if (offset != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state transfer: tensor ", tensor, ": count 0 (the whole tensor) with offset ", offset,
+          "; give the range's count"));
+    }
+    *count = numel;
+  }
+  if (offset > numel || *count > numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("state transfer: elements [", offset, ", ",
+                                              offset + *count, ") of tensor ", tensor,
+                                              " are out of range; it has ", numel));
+  }
+  // Buffers for state transfer are short-lived: `holder` unmaps this one when
+  // the call returns.
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
+                       inbox_.Take(buf.segment_id, "state transfer: buffer"));
+  uint64_t bytes = 3 * *count * sizeof(float);
+  if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; ", *count,
+        " elements of tensor ", tensor, " need ", bytes, " at offset ", buf.offset,
+        " (3 x count fp32)"));
+  }
+  *holder = std::move(seg);
+  return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
+}
+
+absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                             const MemoryRef& buf) {
+  OthersLock lock(this);
+  std::unique_ptr<ShmSegment> holder;
+  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
+  if (resident_synced_at_ != steps_run_) {
+    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    resident_synced_at_ = steps_run_;
+  }
+  for (int which = 0; which < 3; ++which) {
+    shard_->ReadTensorRange(tensor, which, offset, count, out + which * count);
+  }
+  return shard_->tensors()[tensor].step;
+}
+
+absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
+  OthersLock lock(this);
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state memory: session ", identity_.id, " has no registered state yet; register first"));
+  }
+  if (resident_synced_at_ != steps_run_) {
+    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    resident_synced_at_ = steps_run_;
+  }
+  return shard_->ExportStateMemory();
+}
+
+absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
+                                  const MemoryRef& buf, int64_t step) {
+  OthersLock lock(this);
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state transfer: step ", step, " is negative"));
+  }
+  std::unique_ptr<ShmSegment> holder;
+  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
+  // Weights a delayed step left pending go in first: the import rewrites
+  // only its own range of them.
+  DOS_RETURN_IF_ERROR(InstallPendingWeights());
+  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+  // A range may cover part of a resident subgroup: the rest of it must come
+  // home before the GPU copies are dropped below.
+  DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+  for (int which = 0; which < 3; ++which) {
+    shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
+  }
+  shard_->tensors()[tensor].step = step;
+  // The host state is now the truth: resident GPU copies are dropped (the
+  // next step uploads them again).
+  engine()->DropResident(*shard_);
+  return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
+}
+
+void Session::SetPolicy(const Policy& policy) {
+  absl::MutexLock lock(&stats_mu_);
+  policy_ = policy;
+}
+
+Policy Session::policy() const {
+  absl::MutexLock lock(&stats_mu_);
+  return policy_;
+}
+
+template <typename Locked>
+absl::Status Session::UnderSnapshotLock(Locked locked) {
+  // Through the gate (TrainerGate): not behind an early step that counted
+  // itself first.
+  if (!trainer_gate_.QueueSnapshot()) {
+    return absl::AbortedError(absl::StrCat("checkpoint: session ", identity_.id,
+                                           " waits for its trainer (an early step)"));
+  }
+  OthersLock lock(this);
+  trainer_gate_.SnapshotLocked();
+  return locked();
+}
+
+absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
+                                               HostMemoryBudget* staging_budget) {
+  std::vector<TensorDesc> infos;
+  std::vector<GroupConfig> groups;
+  uint64_t subgroup_size = 0;
+  StateFormat format = StateFormat::kFp32;
+  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const ShardState* held = HeldState();
+    if (held == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
+    }
+    infos.assign(held->tensors().begin(), held->tensors().end());
+    groups.assign(held->groups().begin(), held->groups().end());
+    subgroup_size = held->subgroup_size();
+    format = held->format();
+    return absl::OkStatus();
+  }));
+  // The layout never changes after registration, so a staging copy made for
+  // an earlier snapshot is reused; a new one is allocated (and its pages
+  // touched) here, off the lock.
+  uint64_t total = 0;
+  for (const TensorDesc& t : infos) total += t.numel;
+  if (*staging == nullptr || (*staging)->total_params() != total ||
+      (*staging)->subgroup_size() != subgroup_size || (*staging)->format() != format) {
+    staging->reset();
+    DOS_ASSIGN_OR_RETURN(*staging,
+                         ShardState::Create(std::move(infos), std::move(groups), subgroup_size,
+                                            staging_budget,
+                                            absl::StrCat("checkpoint staging of session ",
+                                                         identity_.id),
+                                            {.format = format}));
+  }
+  SnapshotInfo info;
+  ShardState* shard = nullptr;
+  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time start = absl::Now();
+    shard = HeldState();
+    if (shard == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: session ", identity_.id, " gave up its state while being saved"));
+    }
+    shard->FinishSnapshot();  // none in flight unless two savers race
+    // Adopted state has no GPU copies (TakeShard brought them home).
+    if (shard_ != nullptr) DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    // Holding mu_ means no step is in flight: a step boundary. Only the step
+    // counters are copied here; steps after it copy a subgroup before they
+    // first write it (ShardState::BeforeWrite), and the rest is copied below.
+    shard->BeginSnapshot(staging->get());
+    info.step = shard->tensors()[0].step;
+    {
+      absl::MutexLock snap_lock(&snap_mu_);
+      ++snapshot_copiers_;  // TakeShard waits for us to let go of `shard`
+    }
+    info.locked_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    return absl::OkStatus();
+  }));
+  // Off the lock: steps go on meanwhile. `shard` stays alive until the copier
+  // count drops (TakeShard waits for it; the caller's reference keeps the
+  // Session, which owns it otherwise).
+  const absl::Time copy_start = absl::Now();
+  info.subgroups_copied_by_steps = shard->FinishSnapshot();
+  info.copy_us = absl::ToDoubleMicroseconds(absl::Now() - copy_start);
+  {
+    absl::MutexLock snap_lock(&snap_mu_);
+    --snapshot_copiers_;
+  }
+  info.last_step_wall_us = stats().last_wall_us;
+  return info;
+}
+
+absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* env) {
+  OthersLock lock(this);
+  if (shard_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint load: session ", identity_.id,
+        " has no registered tensors; register before loading a checkpoint"));
+  }
+  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+  DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
+  delayed_.reset();  // every weight is rewritten below: nothing is pending any more
+  engine()->DropResident(*shard_);
+  for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
+    DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
+  }
+  DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step",
+               shard_->tensors()[0].step);
+  return shard_->tensors()[0].step;
+}
+
+std::unique_ptr<ShardState> Session::TakeShard() {
+  OthersLock lock(this);
+  holds_adopted_.store(false, std::memory_order_release);
+  // A checkpoint's copier reads the state off the lock: finish its copy here
+  // and wait until it has let go before the state changes hands.
+  if (ShardState* held = HeldState(); held != nullptr) held->FinishSnapshot();
+  {
+    absl::MutexLock snap_lock(&snap_mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_) { return snapshot_copiers_ == 0; };
+    snap_mu_.Await(absl::Condition(&idle));
+  }
+  if (shard_ == nullptr) return std::move(adopted_);  // never registered: what it adopted
+  // The dead client's memory: unmap it (the step thread is stopped). State
+  // resident on the GPU comes home first: the attachment frees it.
+  bindings_.clear();
+  delayed_.reset();  // a resumed session's weights are rewritten from the masters
+  CloseTrainerEvent();
+  if (absl::Status synced = engine()->SyncResidentToHost(*shard_); !synced.ok()) {
+    DOS_LOG_ERROR("session.resident_sync_failed", "session", identity_.id, "error",
+                  synced.message());
+  }
+  shard_->set_attachment(nullptr);
+  executor_->ForgetSession(identity_.id);
+  transport_.reset();
+  return std::move(shard_);
+}
+
+void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
+  OthersLock lock(this);
+  adopted_ = std::move(shard);
+  holds_adopted_.store(adopted_ != nullptr, std::memory_order_release);
+}
+
+void Session::SetRestoreCandidates(std::vector<std::string> paths, Env* env) {
+  OthersLock lock(this);
+  restore_candidates_ = std::move(paths);
+  restore_env_ = env;
+}
+
+}  // namespace dos
