@@ -20,8 +20,8 @@
 
 namespace dos {
 
-absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
-                                               uint64_t* count, const MemoryRef& buf,
+absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
+                                               const MemoryRef& buf,
                                                std::unique_ptr<ShmSegment>* holder) {
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -29,15 +29,15 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
   }
   if (tensor >= shard_->tensors().size()) {
     return absl::InvalidArgumentError(absl::StrCat("state transfer: tensor index ", tensor,
-                                                   " is out of range; ",
-                                                   shard_->tensors().size(), " are registered"));
+                                                   " is out of range; ", shard_->tensors().size(),
+                                                   " are registered"));
   }
   const uint64_t numel = shard_->tensors()[tensor].numel;
   if (*count == 0) {
     if (offset != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "state transfer: tensor ", tensor, ": count 0 (the whole tensor) with offset ", offset,
-          "; give the range's count"));
+      return absl::InvalidArgumentError(absl::StrCat("state transfer: tensor ", tensor,
+                                                     ": count 0 (the whole tensor) with offset ",
+                                                     offset, "; give the range's count"));
     }
     *count = numel;
   }
@@ -52,10 +52,10 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
                        inbox_.Take(buf.segment_id, "state transfer: buffer"));
   uint64_t bytes = 3 * *count * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "state transfer: buffer segment ", buf.segment_id, " has ", seg->size(), " bytes; ", *count,
-        " elements of tensor ", tensor, " need ", bytes, " at offset ", buf.offset,
-        " (3 x count fp32)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("state transfer: buffer segment ", buf.segment_id, " has ", seg->size(),
+                     " bytes; ", *count, " elements of tensor ", tensor, " need ", bytes,
+                     " at offset ", buf.offset, " (3 x count fp32)"));
   }
   *holder = std::move(seg);
   return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
@@ -95,8 +95,7 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
                                   const MemoryRef& buf, int64_t step) {
   OthersLock lock(this);
   if (step < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state transfer: step ", step, " is negative"));
+    return absl::InvalidArgumentError(absl::StrCat("state transfer: step ", step, " is negative"));
   }
   std::unique_ptr<ShmSegment> holder;
   DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
@@ -166,12 +165,11 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   if (*staging == nullptr || (*staging)->total_params() != total ||
       (*staging)->subgroup_size() != subgroup_size || (*staging)->format() != format) {
     staging->reset();
-    DOS_ASSIGN_OR_RETURN(*staging,
-                         ShardState::Create(std::move(infos), std::move(groups), subgroup_size,
-                                            staging_budget,
-                                            absl::StrCat("checkpoint staging of session ",
-                                                         identity_.id),
-                                            {.format = format}));
+    DOS_ASSIGN_OR_RETURN(
+        *staging,
+        ShardState::Create(std::move(infos), std::move(groups), subgroup_size, staging_budget,
+                           absl::StrCat("checkpoint staging of session ", identity_.id),
+                           {.format = format}));
   }
   SnapshotInfo info;
   ShardState* shard = nullptr;
@@ -179,8 +177,8 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
     const absl::Time start = absl::Now();
     shard = HeldState();
     if (shard == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint: session ", identity_.id, " gave up its state while being saved"));
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint: session ", identity_.id,
+                                                        " gave up its state while being saved"));
     }
     shard->FinishSnapshot();  // none in flight unless two savers race
     // Adopted state has no GPU copies (TakeShard brought them home).
@@ -214,9 +212,9 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
 absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* env) {
   OthersLock lock(this);
   if (shard_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint load: session ", identity_.id,
-        " has no registered tensors; register before loading a checkpoint"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint load: session ", identity_.id,
+                     " has no registered tensors; register before loading a checkpoint"));
   }
   shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
   DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));

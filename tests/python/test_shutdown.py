@@ -335,3 +335,48 @@ def test_exit_after_daemon_killed_with_step_in_flight(device):
     # Interpreter exit with torch loaded takes about a second; a wait left
     # unbounded would take the whole timeout.
     assert elapsed < 20, f"the child took {elapsed:.1f} s to exit after dosd was killed"
+
+
+FORKED = textwrap.dedent("""
+    import os, sys
+    import torch
+    import dos.torch
+    from dos import DosError
+
+    model = torch.nn.Linear(16, 4)
+    opt = dos.torch.AdamW(model.parameters(), socket=sys.argv[1], lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 16)).sum().backward()
+        opt.step()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            opt.step()
+        except DosError as e:
+            ok = "is a fork of it" in str(e) and str(os.getppid()) in str(e)
+            print("CHILD", "refused" if ok else e, flush=True)
+        sys.exit(0)  # the interpreter's exit, with the atexit handlers
+    _, status = os.waitpid(pid, 0)
+    print("CHILD STATUS", status, flush=True)
+    opt.zero_grad()
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    print("PARENT STEP", opt.last_step["step"], flush=True)
+    opt.close()
+""")
+
+
+def test_a_forked_child_neither_closes_nor_uses_its_parents_optimizer(dos_socket):
+    """A forked child (a multiprocessing worker, os.fork) exits through the
+    interpreter's exit: it once closed the parent's session there (the
+    atexit handler) and died in the client library's detach. Now the child
+    is refused with the owner named, exits 0, and the parent trains on."""
+    out = subprocess.run([sys.executable, "-c", FORKED, dos_socket], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ))
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "CHILD refused" in out.stdout, text[-3000:]
+    assert "CHILD STATUS 0" in out.stdout, text[-3000:]
+    assert "PARENT STEP 3" in out.stdout, text[-3000:]
+    assert "terminate called" not in text, text[-3000:]

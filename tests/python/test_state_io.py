@@ -232,7 +232,8 @@ def test_load_converts_other_dtypes_and_shapes_in_pieces(dos_socket):
             assert torch.equal(buf[2], want[e.index][1].reshape(-1))
 
 
-@pytest.mark.parametrize("flaw", ["last_tensor_short", "moment_missing"])
+@pytest.mark.parametrize("flaw", ["last_tensor_short", "moment_missing", "step_negative",
+                                  "step_missing"])
 def test_a_refused_load_loads_nothing(dos_socket, flaw):
     """A state dict whose last tensor is wrong (a moment one element short,
     or missing) is refused naming it, and nothing of it is loaded: the
@@ -247,15 +248,19 @@ def test_a_refused_load_loads_nothing(dos_socket, flaw):
                              for n, t in s.items()} for k, s in sd["state"].items()},
                "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
         last = bad["state"][max(bad["state"])]
-        if flaw == "last_tensor_short":
-            last["exp_avg_sq"] = last["exp_avg_sq"].reshape(-1)[1:]
-        else:
-            del last["exp_avg"]
         for s in bad["state"].values():
             s["step"] = torch.tensor(50.0)
+        if flaw == "last_tensor_short":
+            last["exp_avg_sq"] = last["exp_avg_sq"].reshape(-1)[1:]
+        elif flaw == "moment_missing":
+            del last["exp_avg"]
+        elif flaw == "step_negative":  # dosd refuses it, at the last tensor's write
+            last["step"] = torch.tensor(-1.0)
+        else:
+            del last["step"]
         with pytest.raises(dos.DosError) as err:
             opt.load_state_dict(bad)
-        assert "exp_avg" in str(err.value), err.value
+        assert ("exp_avg" if "step" not in flaw else "'step'") in str(err.value), err.value
         assert opt.param_groups[0]["lr"] == LR["lr"]
         for e, (buf, step) in zip(opt._entries, before):
             now, now_step = daemon_state(opt, e)

@@ -319,3 +319,25 @@ def test_grad_scaler_torch2_protocol(dos_socket):
         del opt.found_inf
         assert opt.found_inf
         assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), before))
+
+
+def test_zero_grad_drops_the_clip_of_the_gradients_it_zeroes(dos_socket):
+    """opt.clip_grad_norm_() then zero_grad(): torch's clip scaled gradients
+    that are now gone, so the next step is unclipped (the coefficient once
+    stayed for it)."""
+    data = make_data(n=3)
+    ref, mine = make_mlp(), make_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+    with dos.torch.AdamW(mine.parameters(), socket=dos_socket, **LR) as opt:
+        for step, (x, y) in enumerate(data, 1):
+            for model, o in ((ref, ref_opt), (mine, opt)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                if step == 2:  # a clip of a batch given up
+                    clip = o.clip_grad_norm_ if o is opt else \
+                        lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n)
+                    clip(1e-3)
+                    o.zero_grad()
+                    loss_of(model, x, y).backward()
+                o.step()
+            assert_same(mine, ref, step)

@@ -16,6 +16,13 @@ the last user of the handle is gone:
 drops the optimizer's references; with nothing else holding it the handle is
 detached at once, else when the last tensor over the arena goes.
 
+A forked child (a `multiprocessing` worker started with fork, a notebook's
+`os.fork()`) shares its parent's sessions and their sockets but owns none:
+right after the fork every handle is marked closed in the child without a
+detach, so that neither its exit nor its garbage collection closes the
+parent's sessions, and the child's use of them raises an error naming the
+owner.
+
 At interpreter exit an `atexit` handler closes every optimizer still open,
 while torch, CUDA and the client library are intact. Without it, optimizers
 that the final garbage collection never reaches (reference cycles, objects
@@ -26,26 +33,30 @@ step watchdog thread alive while the process runs its C++ static destructors.
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 
 from dos import _native
-from dos._errors import check
+from dos._errors import DosError, check
+from dos._native import Status
 
-__all__ = ["SessionHandle", "track", "untrack"]
+__all__ = ["SessionHandle", "closed_error", "track", "untrack"]
 
 
 class SessionHandle:
-    __slots__ = ("ptr", "closed", "__weakref__")
+    __slots__ = ("ptr", "closed", "owner_pid", "__weakref__")
 
     def __init__(self, ptr):
         self.ptr = ptr        # ctypes.c_void_p: the dos_session*
         self.closed = False   # close() was called: no more calls through it
+        self.owner_pid = os.getpid()  # who attached it (a fork's child does not own it)
+        _handles.add(self)
 
     def detach(self) -> None:
-        """dos_detach, once; raises its error."""
+        """dos_detach, once, in the process that attached it; raises its error."""
         ptr, self.ptr = self.ptr, None
         self.closed = True
-        if ptr is not None:
+        if ptr is not None and self.owner_pid == os.getpid():
             check(_native.lib.dos_detach(ptr))
 
     def __del__(self):
@@ -56,6 +67,29 @@ class SessionHandle:
 
 
 _open = weakref.WeakSet()  # optimizers not closed yet
+_handles = weakref.WeakSet()  # every handle alive
+
+
+def closed_error(what: str, reg) -> DosError:
+    """Why a call `what` through a closed optimizer (its Registration `reg`,
+    or None) cannot run, and the fix."""
+    handle = getattr(reg, "handle", None)
+    if handle is not None and handle.owner_pid != os.getpid():
+        return DosError(Status.FAILED_PRECONDITION,
+                        f"{what}: the optimizer belongs to process {handle.owner_pid}, and this "
+                        f"process ({os.getpid()}) is a fork of it; a forked child cannot use its "
+                        "parent's optimizer: build one in the child")
+    return DosError(Status.FAILED_PRECONDITION, f"{what}: the optimizer is closed")
+
+
+def _forget_in_child() -> None:
+    for handle in list(_handles):
+        handle.ptr = None  # the parent's: never detached from here
+        handle.closed = True
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def track(opt) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
 
@@ -323,8 +324,13 @@ def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):
     if s is None:
         return flat(p, "param"), None, None, 0
     master = flat(s["master_param"] if "master_param" in s else p, "master_param")
+    step = float(s["step"]) if s.get("step") is not None else None
+    if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"load_state_dict: the saved state of {e.name} has 'step' "
+                       f"{s.get('step')!r}; a step count (an integer >= 0) is needed")
     return (master, flat(s.get("exp_avg"), "exp_avg"), flat(s.get("exp_avg_sq"), "exp_avg_sq"),
-            int(float(s.get("step", 0))))
+            int(step))
 
 
 def _check_groups(groups, saved_groups) -> None:

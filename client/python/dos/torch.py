@@ -42,7 +42,7 @@ from dos._early import check_overlap
 from dos._errors import DosError, call
 from dos._hooks import weak_hook
 from dos._native import Status
-from dos._session import track, untrack
+from dos._session import closed_error, track, untrack
 from dos._state import DaemonState, group_defaults
 
 __all__ = ["AdamW", "Adam", "DosError"]
@@ -255,7 +255,7 @@ class _DosAdamBase(torch.optim.Optimizer):
 
     def _check_open(self, what):
         if self._session is None:
-            raise DosError(Status.FAILED_PRECONDITION, f"{what}: the optimizer is closed")
+            raise closed_error(what, getattr(getattr(self, "_parts", None), "reg", None))
 
     def set_policy(self, policy: str) -> None:
         """Scheduling policy of this session: "cpu", "static:<f>",
@@ -378,11 +378,11 @@ class _DosAdamBase(torch.optim.Optimizer):
         parameters, without touching the gradients: the total norm (returned,
         as torch's) is computed here, and the coefficient
         min(1, max_norm / (norm + 1e-6)) goes to dosd with the next step(),
-        which multiplies each gradient by it as it reads it. The result is
-        bitwise that of step(clip_coef=c), and it works with overlap=True,
-        where dosd may read gradients before step(). Reads the norm on the host
-        (one device synchronisation); FSDP2's sharded gradients add the other
-        ranks' shards, as torch's (a collective: call it on every rank)."""
+        which multiplies each gradient by it as it reads it: bitwise
+        step(clip_coef=c), also with overlap=True. zero_grad() drops it (call
+        it after the last backward). Reads the norm on the host (one device
+        synchronisation); FSDP2's sharded gradients add the other ranks'
+        shards, as torch's (a collective: call it on every rank)."""
         self._check_open("clip_grad_norm_")
         grads = _grads.clip_grads(self.param_groups)
         if not grads:
@@ -402,9 +402,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         the daemon still reads the gradients of layers it has not reached.
         Between backward and step() with overlap (an early step not claimed
         by step() yet), the early step is given up first (overlap=True) or
-        completed (overlap="update"), as step() would never see these
-        gradients."""
+        completed (overlap="update"), as step() would never see these."""
         self._check_open("zero_grad")
+        self._clip = None  # the coefficient goes with the gradients it measured
         entries = self._parts.driver.before_zero_grad(self._entries)
         if set_to_none is None:
             set_to_none = _SET_TO_NONE_DEFAULT
