@@ -27,6 +27,10 @@ ABSL_FLAG(std::string, max_mapped_bytes_per_uid, "auto",
           "host's memory and --host_memory_limit; 0 = no cap.");
 ABSL_FLAG(std::string, max_mapped_bytes_per_session, "auto",
           "The same per session; auto = --max_mapped_bytes_per_uid's value; 0 = no cap.");
+ABSL_FLAG(int, max_segments_per_uid, 4096,
+          "Trainer memory segments (memfds sent over the descriptor socket) dosd maps for one "
+          "uid at once; each is one mapping, and vm.max_map_count (65530 by default) bounds "
+          "dosd's mappings in all, so keep this x the trainer users well below it. 0 = no cap.");
 ABSL_FLAG(int, max_fd_connections_per_uid, 16,
           "Descriptor-socket connections of one uid waiting for dosd to serve them; more are "
           "refused at once. 0 = no cap.");
@@ -112,6 +116,10 @@ absl::Status BoundsFromFlags(uint64_t host_memory_limit, absl::Duration session_
   if (st.ok()) {
     st = Count("max_tensors_per_uid", absl::GetFlag(FLAGS_max_tensors_per_uid),
                &uid[at(UidResource::kTensors)]);
+  }
+  if (st.ok()) {
+    st = Count("max_segments_per_uid", absl::GetFlag(FLAGS_max_segments_per_uid),
+               &uid[at(UidResource::kSegments)]);
   }
   return st;
 }

@@ -244,11 +244,13 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
                                                 : bytes ? Bytes(limit) : absl::StrCat(limit));
   };
   out << "\nper uid (used / bound):\n";
-  Table t({"UID", "SESSIONS", "MAPPED", "FD CONNECTIONS", "EARLY STEPS", "TENSORS", "BOOKKEEPING"},
-          {true, true, true, true, true, true, true});
+  Table t({"UID", "SESSIONS", "MAPPED", "SEGMENTS", "FD CONNECTIONS", "EARLY STEPS", "TENSORS",
+           "BOOKKEEPING"},
+          {true, true, true, true, true, true, true, true});
   for (const v1::UidUsage& u : resp.uids()) {
     t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
               of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
+              of(absl::StrCat(u.segments()), cap.segments(), false),
               of(absl::StrCat(u.connections()), cap.connections(), false),
               of(absl::StrCat(u.early_steps()), cap.early_steps(), false),
               of(absl::StrCat(u.tensors()), cap.tensors(), false),

@@ -32,6 +32,9 @@ const ResourceText& Text(UidResource r) {
       {"tensors", "--max_tensors_per_uid", "", false,
        "register fewer tensors (flatten small ones into one buffer), or detach sessions you "
        "no longer use"},
+      {"segments", "--max_segments_per_uid", "", false,
+       "send dosd a few large buffers holding your tensors, not one per tensor (libdos_client "
+       "does), and detach sessions you no longer use"},
   };
   return kTexts[static_cast<int>(r)];
 }

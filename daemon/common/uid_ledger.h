@@ -5,7 +5,10 @@
 // Resources (UidResource): bytes of the client's memory dosd maps (segments
 // sent over the descriptor socket), descriptor-socket connections being
 // served, early steps waiting for their trainer, bookkeeping bytes of
-// registered tensors (records and names) and registered tensors. Sessions
+// registered tensors (records and names), registered tensors, and segments
+// mapped: each is one mapping of dosd's address space, and the kernel's
+// vm.max_map_count (65530 by default) bounds them all together, so one
+// uid's thousands of tiny segments would leave none for anyone. Sessions
 // per uid are the session manager's (--max_sessions_per_uid).
 //
 // Charging: a component charges a uid (Charge) or, for per-session bounds
@@ -41,8 +44,9 @@ enum class UidResource : int {
   kEarlySteps = 2,        // early steps waiting for their trainer
   kBookkeepingBytes = 3,  // registered tensors' records and names, bytes
   kTensors = 4,           // registered tensors
+  kSegments = 5,          // client memory segments mapped (one mapping of dosd's each)
 };
-inline constexpr int kNumUidResources = 5;
+inline constexpr int kNumUidResources = 6;
 
 // "mapped_bytes", "connections", ...: stats and metrics names.
 const char* UidResourceName(UidResource r);

@@ -11,6 +11,7 @@ void Fill(uint32_t sessions, const UidAmounts& a, v1::UidUsage* u) {
   u->set_early_steps(static_cast<uint32_t>(at(UidResource::kEarlySteps)));
   u->set_bookkeeping_bytes(at(UidResource::kBookkeepingBytes));
   u->set_tensors(at(UidResource::kTensors));
+  u->set_segments(at(UidResource::kSegments));
 }
 
 }  // namespace

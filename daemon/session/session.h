@@ -256,10 +256,11 @@ class Session {
           std::function<void(uint64_t)> on_client_gone);
   void StepLoop();
   // Runs `locked` (an absl::Status() callable) under mu_, reached through the
-  // trainer gate (Snapshot's two locked parts); ABORTED without waiting when
-  // an early step holds the session.
+  // trainer gate (snapshots, state reads and writes, checkpoint loads: calls
+  // whose threads serve every user); ABORTED without waiting, naming `what`,
+  // when an early step holds the session for its trainer.
   template <typename Locked>
-  absl::Status UnderSnapshotLock(Locked locked) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ThroughGate(absl::string_view what, Locked locked) ABSL_LOCKS_EXCLUDED(mu_);
   // Starts the step thread (once; not after Stop()).
   void StartStepThread();
   // One step request (`seq`), in parts: HandleRequest reads the request

@@ -20,6 +20,25 @@
 
 namespace dos {
 
+template <typename Locked>
+absl::Status Session::ThroughGate(absl::string_view what, Locked locked) {
+  // Through the gate (TrainerGate): not behind an early step that counted
+  // itself first, which may hold mu_ until --early_step_ready_timeout. The
+  // callers serve every user of the node (the descriptor socket's thread,
+  // the checkpointer's): a trainer that stalls its own early step must not
+  // hold them up.
+  if (!trainer_gate_.QueueSnapshot()) {
+    return absl::AbortedError(absl::StrCat(
+        what, ": session ", identity_.id,
+        " waits for its trainer (an early step, begun "
+        "during backward, holds it until the trainer's step() or zero_grad()); try again after "
+        "its step()"));
+  }
+  OthersLock lock(this);
+  trainer_gate_.SnapshotLocked();
+  return locked();
+}
+
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
                                                const MemoryRef& buf,
                                                std::unique_ptr<ShmSegment>* holder) {
@@ -63,57 +82,67 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
 
 absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                              const MemoryRef& buf) {
-  OthersLock lock(this);
-  std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
-  if (resident_synced_at_ != steps_run_) {
-    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
-    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
-    resident_synced_at_ = steps_run_;
-  }
-  for (int which = 0; which < 3; ++which) {
-    shard_->ReadTensorRange(tensor, which, offset, count, out + which * count);
-  }
-  return shard_->tensors()[tensor].step;
+  int64_t step = 0;
+  DOS_RETURN_IF_ERROR(ThroughGate("state read", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::unique_ptr<ShmSegment> holder;
+    DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
+    if (resident_synced_at_ != steps_run_) {
+      shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+      DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+      resident_synced_at_ = steps_run_;
+    }
+    for (int which = 0; which < 3; ++which) {
+      shard_->ReadTensorRange(tensor, which, offset, count, out + which * count);
+    }
+    step = shard_->tensors()[tensor].step;
+    return absl::OkStatus();
+  }));
+  return step;
 }
 
 absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
-  OthersLock lock(this);
-  if (shard_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "state memory: session ", identity_.id, " has no registered state yet; register first"));
-  }
-  if (resident_synced_at_ != steps_run_) {
-    shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
-    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
-    resident_synced_at_ = steps_run_;
-  }
-  return shard_->ExportStateMemory();
+  ShardState::StateMemory memory;
+  DOS_RETURN_IF_ERROR(ThroughGate("state memory", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (shard_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "state memory: session ", identity_.id, " has no registered state yet; register first"));
+    }
+    if (resident_synced_at_ != steps_run_) {
+      shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+      DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+      resident_synced_at_ = steps_run_;
+    }
+    DOS_ASSIGN_OR_RETURN(memory, shard_->ExportStateMemory());
+    return absl::OkStatus();
+  }));
+  return memory;
 }
 
 absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                   const MemoryRef& buf, int64_t step) {
-  OthersLock lock(this);
-  if (step < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("state transfer: step ", step, " is negative"));
-  }
-  std::unique_ptr<ShmSegment> holder;
-  DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
-  // Weights a delayed step left pending go in first: the import rewrites
-  // only its own range of them.
-  DOS_RETURN_IF_ERROR(InstallPendingWeights());
-  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
-  // A range may cover part of a resident subgroup: the rest of it must come
-  // home before the GPU copies are dropped below.
-  DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
-  for (int which = 0; which < 3; ++which) {
-    shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
-  }
-  shard_->tensors()[tensor].step = step;
-  // The host state is now the truth: resident GPU copies are dropped (the
-  // next step uploads them again).
-  engine()->DropResident(*shard_);
-  return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
+  return ThroughGate("state write", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state transfer: step ", step, " is negative"));
+    }
+    std::unique_ptr<ShmSegment> holder;
+    DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
+    // Weights a delayed step left pending go in first: the import rewrites
+    // only its own range of them.
+    DOS_RETURN_IF_ERROR(InstallPendingWeights());
+    shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+    // A range may cover part of a resident subgroup: the rest of it must come
+    // home before the GPU copies are dropped below.
+    DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
+    for (int which = 0; which < 3; ++which) {
+      shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
+    }
+    shard_->tensors()[tensor].step = step;
+    // The host state is now the truth: resident GPU copies are dropped (the
+    // next step uploads them again).
+    engine()->DropResident(*shard_);
+    return executor_->WriteWeightsRange(*shard_, bindings_, tensor, offset, count);
+  });
 }
 
 void Session::SetPolicy(const Policy& policy) {
@@ -126,26 +155,13 @@ Policy Session::policy() const {
   return policy_;
 }
 
-template <typename Locked>
-absl::Status Session::UnderSnapshotLock(Locked locked) {
-  // Through the gate (TrainerGate): not behind an early step that counted
-  // itself first.
-  if (!trainer_gate_.QueueSnapshot()) {
-    return absl::AbortedError(absl::StrCat("checkpoint: session ", identity_.id,
-                                           " waits for its trainer (an early step)"));
-  }
-  OthersLock lock(this);
-  trainer_gate_.SnapshotLocked();
-  return locked();
-}
-
 absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
                                                HostMemoryBudget* staging_budget) {
   std::vector<TensorDesc> infos;
   std::vector<GroupConfig> groups;
   uint64_t subgroup_size = 0;
   StateFormat format = StateFormat::kFp32;
-  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  DOS_RETURN_IF_ERROR(ThroughGate("checkpoint", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const ShardState* held = HeldState();
     if (held == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -173,7 +189,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   }
   SnapshotInfo info;
   ShardState* shard = nullptr;
-  DOS_RETURN_IF_ERROR(UnderSnapshotLock([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  DOS_RETURN_IF_ERROR(ThroughGate("checkpoint", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time start = absl::Now();
     shard = HeldState();
     if (shard == nullptr) {
@@ -210,22 +226,26 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
 }
 
 absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* env) {
-  OthersLock lock(this);
-  if (shard_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint load: session ", identity_.id,
-                     " has no registered tensors; register before loading a checkpoint"));
-  }
-  shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
-  DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
-  delayed_.reset();  // every weight is rewritten below: nothing is pending any more
-  engine()->DropResident(*shard_);
-  for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
-    DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
-  }
-  DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step",
-               shard_->tensors()[0].step);
-  return shard_->tensors()[0].step;
+  int64_t step = 0;
+  DOS_RETURN_IF_ERROR(ThroughGate("checkpoint load", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (shard_ == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint load: session ", identity_.id,
+                       " has no registered tensors; register before loading a checkpoint"));
+    }
+    shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+    DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
+    delayed_.reset();  // every weight is rewritten below: nothing is pending any more
+    engine()->DropResident(*shard_);
+    for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
+      DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
+    }
+    DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step",
+                 shard_->tensors()[0].step);
+    step = shard_->tensors()[0].step;
+    return absl::OkStatus();
+  }));
+  return step;
 }
 
 std::unique_ptr<ShardState> Session::TakeShard() {

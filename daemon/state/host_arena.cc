@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,11 +58,15 @@ absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(std::span<const uin
   // The state lives in a memfd (shmem), mapped shared, so that dosd can hand
   // its owner a read-only descriptor of it (StateMemoryFd): the owner's
   // state_dict() maps its state instead of copying it. Its size is sealed:
-  // nobody, dosd included, can shrink it under a mapping (a SIGBUS).
+  // nobody, dosd included, can shrink it under a mapping (a SIGBUS), and
+  // its seals are final. Mode 0600 (memfds start 0777): a holder of the
+  // read-only descriptor cannot reopen it writable through /proc/PID/fd
+  // (trainers run under other uids than dosd's).
   a->file_bytes_ = std::max<uint64_t>(offset, kPage);
   UniqueFd fd(static_cast<int>(::memfd_create("dos-state", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
-  if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(a->file_bytes_)) != 0 ||
-      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+  if (!fd.valid() || ::fchmod(fd.get(), 0600) != 0 ||
+      ::ftruncate(fd.get(), static_cast<off_t>(a->file_bytes_)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     // Private memory still holds the state; only the owner's zero-copy view
     // is lost (state_dict() then copies). RLIMIT_FSIZE limits memfds too.
     a->unshared_reason_ = absl::StrCat("memfd of ", FormatBytes(a->file_bytes_), ": ",

@@ -311,15 +311,19 @@ fdproto::Reply DescriptorServer::ReceiveSegments(const fdproto::Request& req,
     const std::string what = absl::StrCat("session ", req.session_id, " segment ", i);
     // Charged before it is mapped: a sparse memfd costs its sender nothing
     // but would cost dosd address space.
+    // And one mapping of dosd's each (kSegments).
     absl::StatusOr<uint64_t> bytes = ShmSegment::SealedSize(fds[i].get(), what);
     absl::StatusOr<LedgerCharge> charge = LedgerCharge();
+    absl::StatusOr<LedgerCharge> count = LedgerCharge();
     if (bytes.ok() && port.account != nullptr) {
       const uint64_t mapped = (*bytes + page - 1) / page * page;
-      charge = port.account->Charge(UidResource::kMappedBytes, mapped,
-                                    absl::StrCat("descriptor socket: ", what));
+      const std::string by = absl::StrCat("descriptor socket: ", what);
+      count = port.account->Charge(UidResource::kSegments, 1, by);
+      if (count.ok()) charge = port.account->Charge(UidResource::kMappedBytes, mapped, by);
     }
     absl::StatusOr<std::unique_ptr<ShmSegment>> seg =
-        !bytes.ok() ? bytes.status()
+        !bytes.ok()    ? bytes.status()
+        : !count.ok()  ? count.status()
         : !charge.ok() ? charge.status()
                        : ShmSegment::Adopt(std::move(fds[i]), what);
     if (!seg.ok()) {
@@ -327,8 +331,12 @@ fdproto::Reply DescriptorServer::ReceiveSegments(const fdproto::Request& req,
                       "uid", caller.uid(), "error", seg.status().message());
       return fdproto::MakeReply(seg.status());
     }
-    auto held = std::make_shared<LedgerCharge>(*std::move(charge));
-    (*seg)->SetOnUnmap([held] { held->Reset(); });
+    auto held = std::make_shared<std::pair<LedgerCharge, LedgerCharge>>(*std::move(charge),
+                                                                        *std::move(count));
+    (*seg)->SetOnUnmap([held] {
+      held->first.Reset();
+      held->second.Reset();
+    });
     segments.push_back(*std::move(seg));
   }
   absl::StatusOr<std::vector<uint64_t>> ids = port.inbox->AddAll(std::move(segments));

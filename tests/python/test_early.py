@@ -281,6 +281,37 @@ def test_early_step_api_errors(dos_socket):
         assert err.value.code == Status.ABORTED
 
 
+def test_a_stalled_early_step_holds_up_no_one_elses_calls(dos_socket):
+    """An early step waiting for a verdict that never comes holds the session
+    for up to --early_step_ready_timeout. A state read of that session once
+    waited as long on the descriptor socket's one thread (and a state write
+    or checkpoint load on threads serving every user), so every other user's
+    attach waited too. Now it is refused at once, naming the step; another
+    optimizer attaches meanwhile, and once the step is given up the read
+    goes through."""
+    import ctypes
+    from dos import _views
+    from dos._errors import call
+    model = make_deep()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, subgroup_size=SUBGROUP,
+                         **LR) as opt:
+        args = opt._parts.driver.args(1.0, 1.0)
+        call("dos_step_begin_early", opt._session, ctypes.byref(args), ctypes.c_uint32(0), None)
+        time.sleep(0.2)  # dosd's step thread takes the session and waits for the verdict
+        start = time.monotonic()
+        with pytest.raises(DosError) as err:
+            _views.fetch(opt._session)
+        assert err.value.code == Status.ABORTED and "waits for its trainer" in str(err.value)
+        with dos.torch.AdamW(make_deep().parameters(), socket=dos_socket, **LR) as other:
+            assert other.session_id != opt.session_id
+        assert time.monotonic() - start < 10
+        call("dos_step_abandon", opt._session)
+        res = dos._native.StepResult()
+        with pytest.raises(DosError):
+            call("dos_step_wait", opt._session, ctypes.c_int64(-1), ctypes.byref(res))
+        assert _views.fetch(opt._session) > 0
+
+
 @pytest.mark.parametrize("overlap", [True, "update"])
 def test_close_between_backward_and_step(dos_socket, overlap):
     """close() with an early step step() never claimed: abandoned (verdict)

@@ -213,6 +213,23 @@ std::string Stall(Client* c, uint64_t n) {
   return absl::StrCat("begun=", begun, " first=", OneLine(first));
 }
 
+// A state-memory request (state_dict()'s views) of each stalled session:
+// each once held the descriptor socket's one thread until the stall timed
+// out; "aborted=K ms=<slowest>".
+std::string StalledReads(Client* c) {
+  uint64_t aborted = 0;
+  double slowest = 0;
+  for (const auto& t : c->held) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint32_t moment = 0;
+    if (dos_state_views_fetch(t->s, nullptr, &moment) == DOS_ABORTED) ++aborted;
+    slowest = std::max(
+        slowest,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return absl::StrCat("aborted=", aborted, " ms=", slowest);
+}
+
 absl::StatusOr<std::string> Victim(Client* c, const std::string& name, const Args& a) {
   Session& v = c->victim;
   if (name == "attach") {
@@ -266,6 +283,7 @@ absl::StatusOr<std::string> Run(Client* c, const std::string& name, const Args& 
   if (name == "sparse") return Sparse(c, U64(a, "segments", 1), U64(a, "bytes", 4096));
   if (name == "idle") return Idle(c, U64(a, "n", 1));
   if (name == "stall") return Stall(c, U64(a, "n", 1));
+  if (name == "stalled_reads") return StalledReads(c);
   if (name == "tensors") {
     return RegisterMany(c, U64(a, "sessions", 1), U64(a, "n", 1), "t");
   }

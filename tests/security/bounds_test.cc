@@ -202,6 +202,49 @@ TEST(Bounds, StalledEarlyStepsCostNoCpuAndAreCappedPerUid) {
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
 
+// A state read of a session whose early step waits for its trainer once
+// held the descriptor socket's one thread (every user's attach) until the
+// step timed out; now it is refused at once, and another user attaches.
+TEST(Bounds, StateReadsOfStalledSessionsHoldUpNoOne) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon();
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess a(User("dos-sec-a"), BoundsArgv(d->socket(), {"stall:n=2", "stalled_reads", "wait"}));
+  ASSERT_EQ(Code(a.Await("stall", 60000)), 0) << d->log().substr(0, 4000);
+  const std::string reads = a.Await("stalled_reads", 60000);
+  EXPECT_EQ(Field(reads, "aborted"), "2") << reads;
+  EXPECT_LT(Ms(reads), 2000) << reads;
+  ASSERT_EQ(Code(a.Await("wait")), 0);
+  const VictimRun v = RunVictim(*d, 5);
+  ExpectVictimOk(v, 5, d->log());
+  a.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
+// Each segment is one mapping of dosd's, and vm.max_map_count bounds them
+// all: one uid's thousands of tiny segments once left no mapping for another
+// user's attach.
+TEST(Bounds, SegmentsPerUidAreBoundedAcrossSessions) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--max_segments_per_uid=6"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess a(User("dos-sec-a"),
+                BoundsArgv(d->socket(), {"sparse:segments=4,bytes=4096",
+                                         "sparse:segments=4,bytes=4096", "wait"}));
+  const std::string first = a.Await("sparse", 30000);
+  EXPECT_EQ(Field(first, "accepted"), "4") << first;
+  const std::string second = a.Await("sparse", 30000);
+  EXPECT_EQ(Field(second, "accepted"), "2") << second;
+  EXPECT_NE(second.find("--max_segments_per_uid=6"), std::string::npos) << second;
+  ASSERT_EQ(Code(a.Await("wait")), 0);
+  const std::string row = UidRow(Stats(*d), User("dos-sec-a").uid);
+  EXPECT_NE(row.find(" 6 / 6 "), std::string::npos) << row;
+  const VictimRun v = RunVictim(*d, 5);
+  ExpectVictimOk(v, 5, d->log());
+  a.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
 // Item 4: 100,000 one-element tensors per session, and 3 MB names, used to
 // grow dosd by hundreds of MB uncharged.
 TEST(Bounds, TensorBookkeepingAndNamesAreChargedAndBounded) {

@@ -3,6 +3,9 @@
 // control-block mirror.
 #include "daemon/state/host_arena.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -36,6 +39,22 @@ TEST(HostArenaTest, SlotsArePageAlignedZeroedAndDisjoint) {
   }
   // Progress counts every touched byte of every slot.
   EXPECT_EQ(progress.Read().bytes_done, slot_total);
+}
+
+TEST(HostArenaTest, TheReadOnlyDescriptorCanNeitherBeReopenedWritableNorSealed) {
+  auto a = HostArena::Create(std::vector<uint64_t>{4096}, {}, "test");
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<UniqueFd> ro = (*a)->ReadOnlyFd();
+  ASSERT_TRUE(ro.ok()) << ro.status();
+  struct stat st {};
+  ASSERT_EQ(::fstat(ro->get(), &st), 0);
+  // Owner-only: a trainer (another uid than dosd's) cannot reopen it
+  // writable through /proc/PID/fd (memfds start 0777).
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  const int seals = ::fcntl(ro->get(), F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_NE(::fcntl(ro->get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
 }
 
 TEST(HostArenaTest, LargeMappingsAskForHugePagesOnTwoMiBBoundaries) {
