@@ -349,6 +349,56 @@ def test_delay_arguments_are_checked(dos_socket):
                         delay_warmup=-1)
 
 
+def test_an_early_delayed_runs_warm_up_asks_dosd_nothing_during_a_step(dos_socket):
+    """overlap=True (the default for delay=1 on CUDA) begins each step during
+    backward, holding the session until step()'s verdict. The warm-up once
+    fetched dosd's step count at the first step() (before any report), which
+    waited behind that step until it timed out (dosd now refuses at once)."""
+    model = make_mlp()
+    data = make_data(n=5)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, lr=1e-3, model=model, delay=1,
+                         delay_warmup=2, subgroup_size=300,
+                         **({"overlap": True} if HOOKS else {})) as opt:
+        if not HOOKS:  # the hooks' body by hand (torch < 2.1 has no such hooks)
+            opt.overlap = True
+            opt._parts.configure(True)
+        assert opt._parts.overlap is True
+        for i, (x, y) in enumerate(data, 1):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if not HOOKS:
+                for e in reversed(opt._entries):
+                    opt._parts.driver.on_ready(e)
+            opt.step()
+            assert opt.last_step["step"] == i
+            assert (opt.last_step["delayed_subgroups"] > 0) == (i > 2), opt.last_step
+
+
+def test_a_load_sets_the_warm_up_to_the_loaded_step_count(dos_socket):
+    """A rollback after stepping (or a later checkpoint loaded into an
+    optimizer that stepped) counts the warm-up from the loaded step count,
+    not from this optimizer's last report."""
+    data = make_data(n=12)
+    model = make_mlp()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, lr=1e-3, model=model, delay=1,
+                         delay_warmup=5) as opt:
+        def one(x, y):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            return opt.last_step["step"], opt.last_step["delayed_subgroups"] > 0
+        for x, y in data[:2]:
+            one(x, y)
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        for x, y in data[2:10]:
+            assert one(x, y)[1] == (opt.last_step["step"] > 5)
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        for x, y in data[2:5]:
+            step, delayed = one(x, y)
+            assert not delayed, f"step {step} of the warm-up was delayed"
+
+
 def test_state_dict_with_an_update_pending_is_the_last_step(dos_socket):
     """dosd's state is whole after a delayed step: torch's AdamW loaded from
     its state_dict() has every tensor at the last step, and reading it

@@ -82,14 +82,14 @@ class DelayedDriver:
             owner_reader_hooks(model, reg.entries, finish)
         if hasattr(inner, "scalable"):
             _inplace.watch(inner)  # torch's in-place clip beside the captures
-        self._plan_next()
+        self._rebase()
 
     def __getattr__(self, name):
         # Everything else a driver offers (mode, hooks, armed, ready_log ...).
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "_reg", "_flight", "_warmup", "_handles"):
+        if name in ("inner", "_reg", "_flight", "_warmup", "_handles", "_base"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
@@ -119,7 +119,7 @@ class DelayedDriver:
     def finish(self) -> None:
         self.inner.finish()
         self._install()
-        self._plan_next()  # a load_state_dict() may have moved dosd's step count
+        self._rebase()  # a load_state_dict() may have moved dosd's step count
 
     def before_zero_grad(self, entries):
         return self.inner.before_zero_grad(entries)  # the gradients were captured
@@ -142,19 +142,29 @@ class DelayedDriver:
     def _plan_next(self) -> None:
         """Whether the next step is delayed: after the warm-up (a step the
         overlap hooks begin during backward goes by what the previous
-        step() set, so the count includes the step it left in flight)."""
+        step() set, so the count includes the step it left in flight).
+        Asks dosd nothing: a step begun during backward holds the session
+        until step() gives its verdict."""
         last = self._flight.last_step
+        base_last, base_step = self._base
         # A step in flight (an asynchronous one, not collected yet) counts:
         # the next step is the one after it, whose begin the overlap hooks
         # may make during the coming backward.
-        steps = (last["step"] if last else self._state_step()) + \
+        steps = (base_step if last is base_last else last["step"]) + \
             (1 if self._flight.in_flight else 0)
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
 
+    def _rebase(self) -> None:
+        """With nothing in flight (construction, finish()): counts from dosd's
+        step count until the next step reports, then from its report."""
+        self._base = (self._flight.last_step, self._state_step())
+        self._plan_next()
+
     def _state_step(self) -> int:
-        """Before this optimizer's first step: dosd's step count of the state
-        it holds (a resumed session's, a loaded state dict's), so that a
-        resumed run delays the steps the run it continues delayed."""
+        """dosd's step count of the state it holds (a resumed session's, a
+        loaded state dict's, also after this optimizer stepped), so that a
+        resumed or rolled-back run delays the steps the run it continues
+        delayed."""
         session = self._reg.ptr
         if session is None or not self._reg.entries or self._warmup == 0:
             return 0
