@@ -185,7 +185,7 @@ def test_add_param_group_after_construction(dos_socket, dev):
         assert_state_same(opt, ref_opt, mine, ref)
 
 
-@pytest.mark.parametrize("bad", ["amsgrad", "lr", "float64"])
+@pytest.mark.parametrize("bad", ["amsgrad", "lr", "float64", "repeated"])
 def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(dos_socket, bad):
     """A group dosd refuses (amsgrad, a negative lr, a float64 parameter)
     raises, and the optimizer goes on as it was: one group, the state of the
@@ -196,7 +196,8 @@ def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(dos_socket, ba
     ref_opt = torch.optim.AdamW(ref.body.parameters(), **HP)
     group = {"amsgrad": {"params": list(mine.heads.parameters()), "amsgrad": True},
              "lr": {"params": list(mine.heads.parameters()), "lr": -1.0},
-             "float64": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]}}[bad]
+             "float64": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]},
+             "repeated": {"params": [mine.heads[0].weight, mine.heads[0].weight]}}[bad]
     with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP) as opt:
         for i, (x, y) in enumerate(data, 1):
             if i == 6:
@@ -207,6 +208,37 @@ def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(dos_socket, ba
             assert_same(mine, ref, i)
         assert_state_same(opt, ref_opt, mine, ref)
         assert float(opt.state_dict()["state"][0]["step"]) == 12
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_weights_written_between_steps_reach_dosd_through_reload_weights(dos_socket, dev):
+    """WGAN-style weight clipping after each step: dosd's masters would undo
+    the clamp at the next step (the next step started from its own weights);
+    reload_weights() takes the clamped values, and the run is torch's."""
+    data = [(x.to(dev), y.to(dev)) for x, y in make_data(n=8)]
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
+    with opt:
+        for i, (x, y) in enumerate(data, 1):
+            step_both([(ref, ref_opt), (mine, opt)], x, y)
+            with torch.no_grad():
+                for m in (ref, mine):
+                    for p in m.body.parameters():
+                        p.clamp_(-0.05, 0.05)
+            opt.reload_weights(mine.body.parameters() if i % 2 else None)
+            assert_same(mine, ref, i)
+        with pytest.raises(ValueError, match="does not hold"):
+            opt.reload_weights([torch.nn.Parameter(torch.ones(2))])
+
+
+def test_a_parameter_listed_twice_is_refused(dos_socket):
+    """torch.optim warns and updates it twice; dosd keeps one state per
+    parameter (it once registered a new session at every step)."""
+    m = torch.nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="more than once"):
+        dos.torch.AdamW([m.weight, m.bias, m.weight], socket=dos_socket)
+    with pytest.raises(ValueError, match="more than once"):
+        dos.torch.AdamW([{"params": [m.bias]}, {"params": (p for p in [m.weight, m.weight])}],
+                        socket=dos_socket)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

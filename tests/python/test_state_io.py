@@ -4,6 +4,7 @@ plus one staging buffer), load_state_dict() streams it back, ranged state
 transfer through the C ABI, and param_groups that carry torch.optim.AdamW's
 keys both ways."""
 
+import copy
 import ctypes
 
 import pytest
@@ -265,6 +266,42 @@ def test_a_refused_load_loads_nothing(dos_socket, flaw):
         for e, (buf, step) in zip(opt._entries, before):
             now, now_step = daemon_state(opt, e)
             assert now_step == step == 3 and torch.equal(now, buf), e.name
+
+
+def test_a_state_dict_kept_across_steps_loads_as_torchs_does(dos_socket):
+    """A state dict kept without a copy while training goes on (a "best so
+    far" kept by reference): its views show the later steps, as torch's live
+    state tensors do, so loading it changes nothing, as in torch. It once
+    wrote the later moments with the earlier step count. A step count
+    changed by hand is still loaded."""
+    data = make_data(n=8)
+    model = make_mlp()
+    ref = make_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, data[:3])
+        train(ref, ref_opt, data[:3])
+        held, ref_held = opt.state_dict(), ref_opt.state_dict()
+        train(model, opt, data[3:5])
+        train(ref, ref_opt, data[3:5])
+        before = [daemon_state(opt, e) for e in opt._entries]
+        opt.load_state_dict(held)
+        ref_opt.load_state_dict(ref_held)
+        for e, (buf, step) in zip(opt._entries, before):
+            now, now_step = daemon_state(opt, e)
+            assert now_step == step == 5 and torch.equal(now, buf), e.name
+        assert all(float(s["step"]) == 5 for s in ref_opt.state_dict()["state"].values())
+        copied = copy.deepcopy(opt.state_dict())  # a copy rolls the moments back, as torch's
+        train(model, opt, data[5:6])
+        opt.load_state_dict(copied)
+        for e, (buf, step) in zip(opt._entries, before):
+            now, now_step = daemon_state(opt, e)
+            assert now_step == step == 5 and torch.equal(now[1:], buf[1:]), e.name
+        held = opt.state_dict()
+        for s in held["state"].values():
+            s["step"].fill_(2)
+        opt.load_state_dict(held)
+        assert all(daemon_state(opt, e)[1] == 2 for e in opt._entries)
 
 
 def test_param_groups_carry_torch_adamw_keys(dos_socket):

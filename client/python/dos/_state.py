@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import inspect
 import math
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
@@ -65,6 +66,44 @@ def torch_defaults(cls) -> Dict[str, Any]:
 
 
 _TORCH_DEFAULTS: Dict[Any, Dict[str, Any]] = {}
+
+
+def check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable):
+    """Refuses what dosd cannot run (NotImplementedError) and torch's own
+    invalid values (ValueError, torch's messages)."""
+    if amsgrad:
+        raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
+    if maximize:
+        raise NotImplementedError(
+            "dos.torch: maximize=True is not supported by dosd; minimise the negated loss "
+            "instead (the same updates)")
+    if differentiable:
+        raise NotImplementedError("dos.torch: differentiable=True is not supported (dosd "
+                                  "updates the weights outside autograd)")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def once_each(param_group: Dict[str, Any]) -> Dict[str, Any]:
+    """`param_group` with its params as a list, each at most once: dosd keeps
+    one state per parameter (torch.optim warns about a repeat and applies two
+    updates to it)."""
+    params = param_group["params"]
+    if isinstance(params, (list, tuple)) or inspect.isgenerator(params):
+        params = list(params)
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("dos.torch: a parameter group lists the same parameter more than "
+                             "once; pass each parameter once")
+        param_group = dict(param_group, params=params)
+    return param_group
 
 
 def group_defaults(decoupled, lr, betas, eps, weight_decay, foreach, fused, capturable):
@@ -167,8 +206,9 @@ class StateIO:
         if any(t is None for t, want in zip(parts, (fp16, True, True)) if want):
             parts = self._copied_state(e, fp16, moment)
         master, m, v = parts
-        s = {"step": torch.tensor(float(step)), "exp_avg": _state_tensor(e, m),
-             "exp_avg_sq": _state_tensor(e, v)}
+        count = torch.tensor(float(step))
+        count._dos_handed = (float(step), count.data_ptr())  # _is_own_state knows it by this
+        s = {"step": count, "exp_avg": _state_tensor(e, m), "exp_avg_sq": _state_tensor(e, v)}
         if master is not None:
             s["master_param"] = _state_tensor(e, master)
         return s
@@ -187,7 +227,8 @@ class StateIO:
         call("dos_state_read", self._session, ctypes.c_uint32(e.index),
              None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
              ctypes.byref(step))
-        return [master, m.to(moment), v.to(moment)]
+        return [None if t is None else _views.tag_copy(t, self._session, e.index, w)
+                for w, t in enumerate((master, m.to(moment), v.to(moment)))]
 
     def load(self, state_dict: Dict[str, Any], groups: List[Dict[str, Any]]) -> None:
         """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,
@@ -257,16 +298,24 @@ class StateIO:
 
     def _is_own_state(self, e: Entry, s: Dict[str, Any]) -> bool:
         """True if `s` is e's state as state_dict() returned it (views of
-        dosd's memory, same step): loading it would change nothing."""
+        dosd's memory, same step): loading it would change nothing. Also when
+        it was kept across steps, untouched (its views show the later steps,
+        as torch's live state tensors do; a small tensor's copies and the step
+        count are those handed out): torch's load of it changes nothing."""
         arrays = [(1, "exp_avg"), (2, "exp_avg_sq")]
         if "master_param" in s:
             arrays.append((0, "master_param"))
         elif e.param.dtype != torch.float32:
             return False
         if not all(s.get(k) is not None and
-                   _views.is_view_of(local_of(s[k]), self._session, e.index, w)
+                   (_views.is_view_of(local_of(s[k]), self._session, e.index, w) or
+                    _views.is_copy_of(local_of(s[k]), self._session, e.index, w))
                    for w, k in arrays):
             return False
+        count = s.get("step")
+        if isinstance(count, torch.Tensor) and \
+                getattr(count, "_dos_handed", None) == (float(count), count.data_ptr()):
+            return True
         _views.fetch(self._session)
         return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
 
@@ -274,10 +323,32 @@ class StateIO:
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
         for None, a fresh start from the parameter's current value; `parts`:
         _parts_of(e, s) where the caller has it already."""
-        n = local_of(e.param).numel()
         if s is not None and self._is_own_state(e, s):
             return  # the state dict this optimizer returned: dosd holds it already
-        master, m, v, step = parts or _parts_of(e, s)
+        self._write_parts(e, parts or _parts_of(e, s))
+
+    def take_weights(self, entries: List[Entry], delayed_pending: bool) -> None:
+        """Each entry's parameter as it is now becomes its master weight in
+        dosd, its moments and step count kept (a parameter without state
+        starts afresh from it, as at registration): after weights were
+        written in place between steps, which the next step would overwrite."""
+        if delayed_pending:
+            raise DosError(Status.FAILED_PRECONDITION,
+                           "reload_weights: a delayed update (delay=1) is pending and would "
+                           "install its weights over these at the next step; call "
+                           "opt.synchronize() first, then write the weights and reload them")
+        self._settled()
+        moment_bytes = _views.fetch(self._session)
+        for e in entries:
+            step = _views.step_of(self._session, e.index)
+            s = self._tensor_state(e, step, moment_bytes) if step > 0 else None
+            if s is not None:
+                s.pop("master_param", None)  # the parameter is the master now
+            self._write_parts(e, _parts_of(e, s))
+
+    def _write_parts(self, e: Entry, parts) -> None:
+        n = local_of(e.param).numel()
+        master, m, v, step = parts
         self._finish()
         parts = [master, m, v]
         if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32

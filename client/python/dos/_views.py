@@ -60,6 +60,20 @@ def live() -> int:
     return _live
 
 
+def tag_copy(t: torch.Tensor, session, index: int, which: int) -> torch.Tensor:
+    """Marks `t`, a copy of tensor `index`'s array `which` read for a state
+    dict, so that is_copy_of knows it while nobody has written it."""
+    t._dos_copy = (_address(session), index, which, t.data_ptr(), t._version)
+    return t
+
+
+def is_copy_of(t, session, index: int, which: int) -> bool:
+    """True if `t` is tag_copy's copy of that array (that very memory: not
+    a deep copy of it, which keeps the tag), unwritten since."""
+    tag = getattr(t, "_dos_copy", None)
+    return tag is not None and tag == (_address(session), index, which, t.data_ptr(), t._version)
+
+
 def is_view_of(t, session, index: int, which: int) -> bool:
     """True if `t` is a view made here of tensor `index`'s array `which` of
     `session` (what load_state_dict() of a state dict just taken gets)."""

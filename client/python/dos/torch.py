@@ -43,7 +43,7 @@ from dos._errors import DosError, call
 from dos._hooks import weak_hook
 from dos._native import Status
 from dos._session import closed_error, track, untrack
-from dos._state import DaemonState, group_defaults
+from dos._state import DaemonState, check_args, group_defaults, once_each
 
 __all__ = ["AdamW", "Adam", "DosError"]
 
@@ -51,28 +51,6 @@ __all__ = ["AdamW", "Adam", "DosError"]
 # True from 2.0): DOS's zero_grad() without an argument follows it.
 _SET_TO_NONE_DEFAULT = bool(inspect.signature(torch.optim.Optimizer.zero_grad)
                             .parameters["set_to_none"].default)
-
-
-def _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable):
-    if amsgrad:
-        raise NotImplementedError("dos.torch: amsgrad=True is not supported by dosd")
-    if maximize:
-        raise NotImplementedError(
-            "dos.torch: maximize=True is not supported by dosd; minimise the negated loss "
-            "instead (the same updates)")
-    if differentiable:
-        raise NotImplementedError("dos.torch: differentiable=True is not supported (dosd "
-                                  "updates the weights outside autograd)")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 class _DosAdamBase(torch.optim.Optimizer):
@@ -108,7 +86,7 @@ class _DosAdamBase(torch.optim.Optimizer):
                  gpu_budget_bytes=None, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, delay: int = 0, delay_warmup: int = 1000):
-        _check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
+        check_args(lr, betas, eps, weight_decay, amsgrad, maximize, differentiable)
         self._owner_id = id(self)  # __del__ closes only for this object, not for wrappers
         self._parts = None
         self._registering = True
@@ -351,11 +329,11 @@ class _DosAdamBase(torch.optim.Optimizer):
     # ---- setup ----
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """As torch's. After construction dosd's session is rebuilt (its
-        tensors are registered once): every tensor's state is read out, the
-        group added, and a new session registered with the state written
-        back (a full copy of the state: fine for unfreezing layers now and
-        then)."""
+        """As torch's (a parameter listed twice is refused). After construction
+        dosd's session is rebuilt (its tensors are registered once): every
+        tensor's state is read out, the group added, and a new session
+        registered with the state written back (a full copy: fine now and then)."""
+        param_group = once_each(param_group)
         if getattr(self, "_registering", True):
             super().add_param_group(param_group)
             return
@@ -365,9 +343,25 @@ class _DosAdamBase(torch.optim.Optimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         self._parts.add_group(saved, self.close, undo=self.param_groups.pop, check=lambda:
-                              _check_args(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                              check_args(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                                           g.get("amsgrad"), g.get("maximize"),
                                           g.get("differentiable")))
+
+    @torch.no_grad()
+    def reload_weights(self, params=None) -> None:
+        """Takes the parameters' current values (all, or those in `params`) as
+        dosd's master weights, keeping their moments and step counts: after
+        weights were written in place between steps (weight clipping such as
+        p.clamp_(), a max-norm constraint, a re-initialised layer), which the
+        next step would otherwise overwrite with dosd's. A 16-bit parameter's
+        master becomes its rounded value. One state write per tensor."""
+        self._check_open("reload_weights")
+        by_param = {id(e.param): e for e in self._entries}
+        wanted = None if params is None else [id(p) for p in params]
+        if wanted is not None and not all(i in by_param for i in wanted):
+            raise ValueError("reload_weights: a parameter this optimizer does not hold")
+        entries = self._entries if wanted is None else [by_param[i] for i in wanted]
+        self._parts.state_io.take_weights(entries, self._parts.flight.delayed_pending)
 
     # ---- training ----
 
