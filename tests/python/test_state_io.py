@@ -380,7 +380,12 @@ def test_a_closed_optimizer_refuses_every_call_that_needs_its_session(dos_socket
              "clip_grad_norm_": lambda: opt.clip_grad_norm_(1.0),
              "load_state_dict": lambda: opt.load_state_dict({"state": {}, "param_groups": []}),
              "add_param_group": lambda: opt.add_param_group({"params": [torch.ones(2)]}),
-             "set_policy": lambda: opt.set_policy("cpu")}
+             "set_policy": lambda: opt.set_policy("cpu"),
+             "reload_weights": opt.reload_weights}
+    ran = []
+    with pytest.raises(dos.DosError, match="step: the optimizer is closed"):
+        opt.step(lambda: ran.append(1))
+    assert not ran, "the closure's forward and backward ran for a step that cannot come"
     for name, call in calls.items():
         with pytest.raises(dos.DosError) as e:
             call()

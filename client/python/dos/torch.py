@@ -422,6 +422,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         grad_scaler = kwargs.pop("grad_scaler", None)
         if kwargs:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        self._check_open("step")  # before the closure's forward and backward
         self._parts.driver.arm()
         loss = None
         if closure is not None:
