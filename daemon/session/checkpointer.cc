@@ -531,6 +531,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
     return absl::UnavailableError("checkpoint: the checkpointer is not running");
   }
   std::vector<CheckpointRecord> out;
+  std::vector<std::string> stalled;  // waiting for their trainer: named in the error
   for (const auto& s : targets) {
     if (!s->registered()) continue;
     const SessionIdentity& id = s->identity();
@@ -572,8 +573,21 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
         break;
       }
       last = step.status();
+      // Its early step waits for its trainer: an older file is no answer.
+      if (absl::IsAborted(last)) break;
+    }
+    if (absl::IsAborted(last) && targets.size() > 1) {
+      stalled.push_back(absl::StrCat("session ", id.id, " (pid ", id.pid, ")"));
+      continue;
     }
     if (!last.ok()) return last;
+  }
+  if (!stalled.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint load: loaded ", out.size(),
+                     " session(s); not loaded: ", absl::StrJoin(stalled, ", "),
+                     ": its step waits for its trainer (an early step); load "
+                     "it with --session once its trainer reaches step()"));
   }
   return out;
 }

@@ -258,9 +258,11 @@ class Session {
   // Runs `locked` (an absl::Status() callable) under mu_, reached through the
   // trainer gate (snapshots, state reads and writes, checkpoint loads: calls
   // whose threads serve every user); ABORTED without waiting, naming `what`,
-  // when an early step holds the session for its trainer.
+  // when an early step holds the session for its trainer, and after 10 s
+  // when a step holds it otherwise.
   template <typename Locked>
-  absl::Status ThroughGate(absl::string_view what, Locked locked) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ThroughGate(absl::string_view what, Locked locked) ABSL_LOCKS_EXCLUDED(mu_)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS;  // a polled TryLock the analysis cannot follow
   // Starts the step thread (once; not after Stop()).
   void StartStepThread();
   // One step request (`seq`), in parts: HandleRequest reads the request
@@ -345,9 +347,11 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Publish(Registration* reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Checks the range (count 0 becomes the tensor's numel) and maps `buf`.
+  // Checks the range (count 0 becomes the tensor's numel) and where `buf`
+  // lies in `seg`, the segment it names (taken from the inbox before the
+  // lock, so that a refused call still gives it back).
   absl::StatusOr<float*> MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
-                                        const MemoryRef& buf, std::unique_ptr<ShmSegment>* holder)
+                                        const MemoryRef& buf, ShmSegment* seg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionIdentity identity_;

@@ -20,13 +20,19 @@
 
 namespace dos {
 
+// How long ThroughGate waits for a step that holds the session without an
+// early step's count (one waiting on its trainer's GPU work, or a long
+// checkpoint load): longer than any sane step, short for a shared thread.
+constexpr absl::Duration kGateLockWait = absl::Seconds(10);
+
 template <typename Locked>
-absl::Status Session::ThroughGate(absl::string_view what, Locked locked) {
+absl::Status Session::ThroughGate(absl::string_view what,
+                                  Locked locked) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Through the gate (TrainerGate): not behind an early step that counted
   // itself first, which may hold mu_ until --early_step_ready_timeout. The
   // callers serve every user of the node (the descriptor socket's thread,
   // the checkpointer's): a trainer that stalls its own early step must not
-  // hold them up.
+  // hold them up, nor one that holds a step some other way for long.
   if (!trainer_gate_.QueueSnapshot()) {
     return absl::AbortedError(absl::StrCat(
         what, ": session ", identity_.id,
@@ -34,14 +40,29 @@ absl::Status Session::ThroughGate(absl::string_view what, Locked locked) {
         "during backward, holds it until the trainer's step() or zero_grad()); try again after "
         "its step()"));
   }
-  OthersLock lock(this);
-  trainer_gate_.SnapshotLocked();
-  return locked();
+  // As OthersLock, bounded: counted as waiting (the step loop gives way).
+  others_waiting_.fetch_add(1, std::memory_order_relaxed);
+  const absl::Time deadline = absl::Now() + kGateLockWait;
+  bool held = mu_.TryLock();
+  while (!held && absl::Now() < deadline) {
+    absl::SleepFor(absl::Microseconds(200));  // a polled try: absl::Mutex has no timed Lock
+    held = mu_.TryLock();
+  }
+  others_waiting_.fetch_sub(1, std::memory_order_relaxed);
+  trainer_gate_.SnapshotLocked();  // queued no more, whether it got mu_ or not
+  if (!held) {
+    return absl::AbortedError(absl::StrCat(what, ": session ", identity_.id, " was busy for ",
+                                           absl::FormatDuration(kGateLockWait),
+                                           " (its step waits for its trainer's GPU work, or a "
+                                           "checkpoint load runs); try again later"));
+  }
+  absl::Status st = locked();
+  mu_.Unlock();
+  return st;
 }
 
 absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset, uint64_t* count,
-                                               const MemoryRef& buf,
-                                               std::unique_ptr<ShmSegment>* holder) {
+                                               const MemoryRef& buf, ShmSegment* seg) {
   if (shard_ == nullptr) {
     return absl::FailedPreconditionError(
         "state transfer: the session has no registered tensors; register first");
@@ -65,10 +86,6 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
                                               offset + *count, ") of tensor ", tensor,
                                               " are out of range; it has ", numel));
   }
-  // Buffers for state transfer are short-lived: `holder` unmaps this one when
-  // the call returns.
-  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> seg,
-                       inbox_.Take(buf.segment_id, "state transfer: buffer"));
   uint64_t bytes = 3 * *count * sizeof(float);
   if (buf.offset > seg->size() || bytes > seg->size() - buf.offset) {
     return absl::InvalidArgumentError(
@@ -76,16 +93,18 @@ absl::StatusOr<float*> Session::MapStateBuffer(uint32_t tensor, uint64_t offset,
                      " bytes; ", *count, " elements of tensor ", tensor, " need ", bytes,
                      " at offset ", buf.offset, " (3 x count fp32)"));
   }
-  *holder = std::move(seg);
-  return reinterpret_cast<float*>(static_cast<char*>((*holder)->data()) + buf.offset);
+  return reinterpret_cast<float*>(static_cast<char*>(seg->data()) + buf.offset);
 }
 
 absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                              const MemoryRef& buf) {
+  // Buffers for state transfer are short-lived: taken first, so that every
+  // path (a refusal below too) unmaps this one when the call returns.
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> holder,
+                       inbox_.Take(buf.segment_id, "state transfer: buffer"));
   int64_t step = 0;
   DOS_RETURN_IF_ERROR(ThroughGate("state read", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::unique_ptr<ShmSegment> holder;
-    DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, &holder));
+    DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, holder.get()));
     if (resident_synced_at_ != steps_run_) {
       shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
@@ -120,13 +139,14 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
 
 absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t count,
                                   const MemoryRef& buf, int64_t step) {
+  DOS_ASSIGN_OR_RETURN(std::unique_ptr<ShmSegment> holder,
+                       inbox_.Take(buf.segment_id, "state transfer: buffer"));  // as above
   return ThroughGate("state write", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (step < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("state transfer: step ", step, " is negative"));
     }
-    std::unique_ptr<ShmSegment> holder;
-    DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, &holder));
+    DOS_ASSIGN_OR_RETURN(float* in, MapStateBuffer(tensor, offset, &count, buf, holder.get()));
     // Weights a delayed step left pending go in first: the import rewrites
     // only its own range of them.
     DOS_RETURN_IF_ERROR(InstallPendingWeights());

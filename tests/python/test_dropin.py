@@ -228,6 +228,17 @@ def test_weights_written_between_steps_reach_dosd_through_reload_weights(dos_soc
             assert_same(mine, ref, i)
         with pytest.raises(ValueError, match="does not hold"):
             opt.reload_weights([torch.nn.Parameter(torch.ones(2))])
+    half = Net().to(dev).to(torch.bfloat16)
+    with dos.torch.AdamW(half.parameters(), socket=dos_socket, **HP) as opt:
+        half(data[0][0].to(torch.bfloat16)).float().pow(2).sum().backward()
+        opt.step()
+        masters = [s["master_param"].clone() for s in opt.state_dict()["state"].values()]
+        with torch.no_grad():
+            half.body.weight.zero_()
+        opt.reload_weights()  # the untouched keep their fp32 masters
+        got = [s["master_param"] for s in opt.state_dict()["state"].values()]
+        for p, a, b in zip(half.parameters(), masters, got):
+            assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
 
 
 def test_a_parameter_listed_twice_is_refused(dos_socket):

@@ -297,11 +297,16 @@ def test_a_stalled_early_step_holds_up_no_one_elses_calls(dos_socket):
                          **LR) as opt:
         args = opt._parts.driver.args(1.0, 1.0)
         call("dos_step_begin_early", opt._session, ctypes.byref(args), ctypes.c_uint32(0), None)
-        time.sleep(0.2)  # dosd's step thread takes the session and waits for the verdict
-        start = time.monotonic()
-        with pytest.raises(DosError) as err:
-            _views.fetch(opt._session)
-        assert err.value.code == Status.ABORTED and "waits for its trainer" in str(err.value)
+        deadline = time.monotonic() + 10
+        while True:  # until dosd's step thread has taken the session for the verdict
+            start = time.monotonic()
+            try:
+                _views.fetch(opt._session)
+            except DosError as err:
+                assert err.code == Status.ABORTED and "waits for its trainer" in str(err), err
+                break
+            assert time.monotonic() < deadline, "the early step never held the session"
+            time.sleep(0.05)
         with dos.torch.AdamW(make_deep().parameters(), socket=dos_socket, **LR) as other:
             assert other.session_id != opt.session_id
         assert time.monotonic() - start < 10

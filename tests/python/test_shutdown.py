@@ -349,8 +349,15 @@ FORKED = textwrap.dedent("""
         opt.zero_grad()
         model(torch.randn(2, 16)).sum().backward()
         opt.step()
+    other = torch.nn.Linear(4, 4)
+    async_opt = dos.torch.AdamW(other.parameters(), socket=sys.argv[1], async_step=True,
+                                model=other, delay=1, delay_warmup=0)
+    other(torch.randn(2, 4)).sum().backward()
+    async_opt.step()  # left in flight across the fork, its update delayed
     pid = os.fork()
     if pid == 0:
+        other.state_dict()  # its reader hook: the parent's step is not waited for from here
+        async_opt.synchronize()
         try:
             opt.step()
         except DosError as e:
@@ -363,7 +370,13 @@ FORKED = textwrap.dedent("""
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
     print("PARENT STEP", opt.last_step["step"], flush=True)
+    for _ in range(2):
+        other(torch.randn(2, 4)).sum().backward()
+        async_opt.step()
+    async_opt.synchronize()
+    print("PARENT ASYNC STEP", async_opt.last_step["step"], flush=True)
     opt.close()
+    async_opt.close()
 """)
 
 
@@ -379,4 +392,5 @@ def test_a_forked_child_neither_closes_nor_uses_its_parents_optimizer(dos_socket
     assert "CHILD refused" in out.stdout, text[-3000:]
     assert "CHILD STATUS 0" in out.stdout, text[-3000:]
     assert "PARENT STEP 3" in out.stdout, text[-3000:]
+    assert "PARENT ASYNC STEP 3" in out.stdout, text[-3000:]
     assert "terminate called" not in text, text[-3000:]

@@ -300,8 +300,31 @@ def test_a_state_dict_kept_across_steps_loads_as_torchs_does(dos_socket):
         held = opt.state_dict()
         for s in held["state"].values():
             s["step"].fill_(2)
+        smallest = min(opt._entries, key=lambda e: e.local.numel())  # its moments: copies
+        held["state"][smallest.index]["exp_avg"].data.zero_()  # moves no version counter
         opt.load_state_dict(held)
         assert all(daemon_state(opt, e)[1] == 2 for e in opt._entries)
+        assert not daemon_state(opt, smallest)[0][1].any()
+
+
+def test_a_closed_optimizers_state_dict_loads_into_the_next_one(dos_socket):
+    """The state dict of an optimizer closed since (its views outlive it;
+    its small tensors are copies) loads into a new optimizer over the same
+    model, whose session may sit where the old one's was freed: it once
+    looked like the new session's own state and was skipped."""
+    data = make_data(n=4)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR)
+    train(model, opt, data)
+    held = opt.state_dict()
+    want = [daemon_state(opt, e) for e in opt._entries]
+    opt.close()
+    for _ in range(3):
+        with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as again:
+            again.load_state_dict(held)
+            for e, (buf, step) in zip(again._entries, want):
+                now, now_step = daemon_state(again, e)
+                assert now_step == step == 4 and torch.equal(now[1:], buf[1:]), e.name
 
 
 def test_param_groups_carry_torch_adamw_keys(dos_socket):

@@ -24,6 +24,7 @@
 //   wait                         print "OK wait", block until stdin closes
 // Attacker ops print registered=/refused= counts and the first refusal's message.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -35,9 +36,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
@@ -217,6 +217,8 @@ std::string Stall(Client* c, uint64_t n) {
 // each once held the descriptor socket's one thread until the stall timed
 // out; "aborted=K ms=<slowest>".
 std::string StalledReads(Client* c) {
+  // dosd's step threads take the stalled steps' sessions first.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   uint64_t aborted = 0;
   double slowest = 0;
   for (const auto& t : c->held) {

@@ -42,6 +42,10 @@ __all__ = ["Options", "Assembly"]
 _NO_STEPS = StepMode(stream=False, complete=Complete.WAIT, early=Early.NONE)
 
 
+def _no_op() -> None:
+    pass
+
+
 @dataclasses.dataclass
 class Options:
     """The constructor's arguments the parts are built from."""
@@ -85,7 +89,8 @@ class Assembly:
                           self._options.decoupled, self._options.compact)
         self._seen_hooks = _grads.install_seen_hooks(self.reg.entries) + \
             _grads.install_take_hooks(self.reg.entries, weak_hook(self, Assembly._collect_before))
-        self.state_io = StateIO(self.reg, self._finish, self._options.compact)
+        self.state_io = StateIO(self.reg, self._finish, self._options.compact,
+                                loaded=lambda: getattr(self.driver, "rebase", _no_op)())
         self.flight.bind(self.reg.ptr)
 
     def _collect_before(self) -> None:

@@ -82,7 +82,7 @@ class DelayedDriver:
             owner_reader_hooks(model, reg.entries, finish)
         if hasattr(inner, "scalable"):
             _inplace.watch(inner)  # torch's in-place clip beside the captures
-        self._rebase()
+        self.rebase()
 
     def __getattr__(self, name):
         # Everything else a driver offers (mode, hooks, armed, ready_log ...).
@@ -119,7 +119,7 @@ class DelayedDriver:
     def finish(self) -> None:
         self.inner.finish()
         self._install()
-        self._rebase()  # a load_state_dict() may have moved dosd's step count
+        self._plan_next()
 
     def before_zero_grad(self, entries):
         return self.inner.before_zero_grad(entries)  # the gradients were captured
@@ -154,9 +154,10 @@ class DelayedDriver:
             (1 if self._flight.in_flight else 0)
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
 
-    def _rebase(self) -> None:
-        """With nothing in flight (construction, finish()): counts from dosd's
-        step count until the next step reports, then from its report."""
+    def rebase(self) -> None:
+        """With nothing in flight (construction, after a load_state_dict()):
+        counts from dosd's step count until the next step reports, then from
+        its report. One state-map fetch (never on a step's path)."""
         self._base = (self._flight.last_step, self._state_step())
         self._plan_next()
 

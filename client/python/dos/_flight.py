@@ -54,6 +54,14 @@ class Flight:
         self._delay = 0  # a new session starts exact
         self.delayed_pending = False
 
+    def forget(self) -> None:
+        """In a forked child: the parent's step in flight and pending weights
+        are the parent's; nothing here may wait for or install them through
+        the shared control block."""
+        self._session = None
+        self.machine = StepMachine()
+        self.delayed_pending = False
+
     # -- the delayed host path (dos/_delay.py) --
 
     def set_delay(self, delay: int) -> None:

@@ -86,6 +86,10 @@ def _forget_in_child() -> None:
     for handle in list(_handles):
         handle.ptr = None  # the parent's: never detached from here
         handle.closed = True
+    for opt in list(_open):  # nor its step in flight waited for (a reader hook would)
+        flight = getattr(getattr(opt, "_parts", None), "flight", None)
+        if flight is not None:
+            flight.forget()
     _open.clear()
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import inspect
 import math
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
@@ -97,7 +96,7 @@ def once_each(param_group: Dict[str, Any]) -> Dict[str, Any]:
     one state per parameter (torch.optim warns about a repeat and applies two
     updates to it)."""
     params = param_group["params"]
-    if isinstance(params, (list, tuple)) or inspect.isgenerator(params):
+    if not isinstance(params, (torch.Tensor, set)):  # as torch's add_param_group lists them
         params = list(params)
         if len({id(p) for p in params}) != len(params):
             raise ValueError("dos.torch: a parameter group lists the same parameter more than "
@@ -149,10 +148,12 @@ def _state_tensor(e: Entry, local: torch.Tensor):
 
 
 class StateIO:
-    def __init__(self, reg: Registration, finish: Callable[[], None], compact: bool):
+    def __init__(self, reg: Registration, finish: Callable[[], None], compact: bool,
+                 loaded: Callable[[], None] = lambda: None):
         self._reg = reg
         self._finish = finish
         self._compact = compact
+        self._loaded = loaded  # after a load moved dosd's step counts (delay=1's warm-up)
 
     @property
     def _session(self):
@@ -206,8 +207,7 @@ class StateIO:
         if any(t is None for t, want in zip(parts, (fp16, True, True)) if want):
             parts = self._copied_state(e, fp16, moment)
         master, m, v = parts
-        count = torch.tensor(float(step))
-        count._dos_handed = (float(step), count.data_ptr())  # _is_own_state knows it by this
+        count = _views.hand_out(torch.tensor(float(step)), self._session, e.index, "step")
         s = {"step": count, "exp_avg": _state_tensor(e, m), "exp_avg_sq": _state_tensor(e, v)}
         if master is not None:
             s["master_param"] = _state_tensor(e, master)
@@ -227,7 +227,7 @@ class StateIO:
         call("dos_state_read", self._session, ctypes.c_uint32(e.index),
              None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
              ctypes.byref(step))
-        return [None if t is None else _views.tag_copy(t, self._session, e.index, w)
+        return [None if t is None else _views.hand_out(t, self._session, e.index, w)
                 for w, t in enumerate((master, m.to(moment), v.to(moment)))]
 
     def load(self, state_dict: Dict[str, Any], groups: List[Dict[str, Any]]) -> None:
@@ -250,7 +250,8 @@ class StateIO:
         self._reg.copy_out()
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
-        self._finish()  # the driver sees the loaded step count (delay=1's warm-up)
+        self._finish()
+        self._loaded()
 
     def _push(self, saved_state, id_map) -> None:
         by_param = {id(e.param): e for e in self._reg.entries}
@@ -309,12 +310,10 @@ class StateIO:
             return False
         if not all(s.get(k) is not None and
                    (_views.is_view_of(local_of(s[k]), self._session, e.index, w) or
-                    _views.is_copy_of(local_of(s[k]), self._session, e.index, w))
+                    _views.handed(local_of(s[k]), self._session, e.index, w))
                    for w, k in arrays):
             return False
-        count = s.get("step")
-        if isinstance(count, torch.Tensor) and \
-                getattr(count, "_dos_handed", None) == (float(count), count.data_ptr()):
+        if _views.handed(s.get("step"), self._session, e.index, "step"):
             return True
         _views.fetch(self._session)
         return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
@@ -342,9 +341,11 @@ class StateIO:
         for e in entries:
             step = _views.step_of(self._session, e.index)
             s = self._tensor_state(e, step, moment_bytes) if step > 0 else None
-            if s is not None:
-                s.pop("master_param", None)  # the parameter is the master now
-            self._write_parts(e, _parts_of(e, s))
+            if s is not None and "master_param" in s:
+                p = local_of(e.param)
+                if torch.equal(local_of(s.pop("master_param")).to(p.device, p.dtype), p):
+                    continue  # untouched: its master keeps the precision it has
+            self._write_parts(e, _parts_of(e, s))  # the parameter is the master now
 
     def _write_parts(self, e: Entry, parts) -> None:
         n = local_of(e.param).numel()

@@ -35,10 +35,10 @@ __all__ = ["fetch", "step_of", "view", "live", "is_view_of"]
 
 _lock = threading.Lock()
 _live = 0
-# Address of a live view -> (session address, tensor index, array, bytes
+# Address of a live view -> (session identity, tensor index, array, bytes
 # mapped): lets load_state_dict() see that it is handed the state it already
 # holds.
-_origins: Dict[int, Tuple[int, int, int, int]] = {}
+_origins: Dict[int, Tuple[Tuple[int, int], int, int, int]] = {}
 # Sessions whose state dosd could not share (fetch() answered 0).
 _unshared: set = set()
 
@@ -51,8 +51,12 @@ def _release(addr: int, map_bytes: int) -> None:
     lib.dos_state_view_unmap(ctypes.c_void_p(addr), ctypes.c_uint64(map_bytes))
 
 
-def _address(session) -> int:
-    return int(getattr(session, "value", session) or 0)
+def _address(session) -> Tuple[int, int]:
+    """The session's identity in this process: its dos_session* with dosd's
+    session id (a pointer alone is reused by the next session after a
+    detach frees it)."""
+    ptr = int(getattr(session, "value", session) or 0)
+    return ptr, int(lib.dos_session_id(session)) if ptr else 0
 
 
 def live() -> int:
@@ -60,18 +64,27 @@ def live() -> int:
     return _live
 
 
-def tag_copy(t: torch.Tensor, session, index: int, which: int) -> torch.Tensor:
-    """Marks `t`, a copy of tensor `index`'s array `which` read for a state
-    dict, so that is_copy_of knows it while nobody has written it."""
-    t._dos_copy = (_address(session), index, which, t.data_ptr(), t._version)
+# Tensors handed out in a state dict as copies (small tensors' moments, the
+# step counts), by identity: a deep copy, a clone or a torch.load() of one is
+# another object, whatever attributes it carries.
+_handed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def hand_out(t: torch.Tensor, session, index: int, which) -> torch.Tensor:
+    """Marks `t`, a copy of tensor `index`'s array `which` (or its step
+    count) put in a state dict, so that handed knows it while it holds what
+    it held then (compared whole: writes through .data or numpy() move no
+    version counter; these copies are small)."""
+    t._dos_handed = (_address(session), index, which, t.clone())
+    _handed[id(t)] = t
     return t
 
 
-def is_copy_of(t, session, index: int, which: int) -> bool:
-    """True if `t` is tag_copy's copy of that array (that very memory: not
-    a deep copy of it, which keeps the tag), unwritten since."""
-    tag = getattr(t, "_dos_copy", None)
-    return tag is not None and tag == (_address(session), index, which, t.data_ptr(), t._version)
+def handed(t, session, index: int, which) -> bool:
+    """True if `t` is hand_out's very tensor for that array, unchanged."""
+    tag = getattr(t, "_dos_handed", None)
+    return (tag is not None and _handed.get(id(t)) is t and
+            tag[:3] == (_address(session), index, which) and torch.equal(t, tag[3]))
 
 
 def is_view_of(t, session, index: int, which: int) -> bool:

@@ -353,14 +353,15 @@ class _DosAdamBase(torch.optim.Optimizer):
         dosd's master weights, keeping their moments and step counts: after
         weights were written in place between steps (weight clipping such as
         p.clamp_(), a max-norm constraint, a re-initialised layer), which the
-        next step would otherwise overwrite with dosd's. A 16-bit parameter's
-        master becomes its rounded value. One state write per tensor."""
+        next step would otherwise overwrite with dosd's. A written 16-bit
+        parameter's master becomes its value. One state write per tensor."""
         self._check_open("reload_weights")
         by_param = {id(e.param): e for e in self._entries}
         wanted = None if params is None else [id(p) for p in params]
         if wanted is not None and not all(i in by_param for i in wanted):
             raise ValueError("reload_weights: a parameter this optimizer does not hold")
         entries = self._entries if wanted is None else [by_param[i] for i in wanted]
+        getattr(self._parts.driver, "report", lambda: None)()  # collected, weights not installed
         self._parts.state_io.take_weights(entries, self._parts.flight.delayed_pending)
 
     # ---- training ----
