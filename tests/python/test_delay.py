@@ -394,6 +394,14 @@ def test_a_load_sets_the_warm_up_to_the_loaded_step_count(dos_socket):
             assert one(x, y)[1] == (opt.last_step["step"] > 5)
         model.load_state_dict(saved[0])
         opt.load_state_dict(saved[1])
+        # A step a GradScaler skips (torch 2.x's protocol: found_inf set
+        # around step()) counts nothing, also right after the load.
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(data[2][0]), data[2][1]).backward()
+        opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        assert opt.last_step["found_inf"]
         for x, y in data[2:5]:
             step, delayed = one(x, y)
             assert not delayed, f"step {step} of the warm-up was delayed"

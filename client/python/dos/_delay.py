@@ -89,7 +89,7 @@ class DelayedDriver:
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "_reg", "_flight", "_warmup", "_handles", "_base"):
+        if name in ("inner", "_reg", "_flight", "_warmup", "_handles", "_base", "_counted"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
@@ -147,11 +147,12 @@ class DelayedDriver:
         until step() gives its verdict."""
         last = self._flight.last_step
         base_last, base_step = self._base
+        if last is not None and last is not base_last and not last.get("skipped"):  # a skipped step counts nothing
+            self._counted = last["step"]  # (its record repeats a count from before a load)
         # A step in flight (an asynchronous one, not collected yet) counts:
         # the next step is the one after it, whose begin the overlap hooks
         # may make during the coming backward.
-        steps = (base_step if last is base_last else last["step"]) + \
-            (1 if self._flight.in_flight else 0)
+        steps = self._counted + (1 if self._flight.in_flight else 0)
         self._flight.set_delay(1 if steps >= self._warmup and not _views.live() else 0)
 
     def rebase(self) -> None:
@@ -159,6 +160,7 @@ class DelayedDriver:
         counts from dosd's step count until the next step reports, then from
         its report. One state-map fetch (never on a step's path)."""
         self._base = (self._flight.last_step, self._state_step())
+        self._counted = self._base[1]
         self._plan_next()
 
     def _state_step(self) -> int:

@@ -173,7 +173,7 @@ class Flight:
         self.found_inf = True
         self.last_step = {"found_inf": True, "step": self.last_step["step"]
                           if self.last_step else 0, "wall_us": 0.0, "update_us": 0.0,
-                          "overlapped": False}
+                          "overlapped": False, "skipped": True}
 
     def wait(self, timeout_ms: int = -1) -> None:
         """Collects the step in flight: waits for dosd's result, records its
