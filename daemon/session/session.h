@@ -257,9 +257,9 @@ class Session {
   void StepLoop();
   // Runs `locked` (an absl::Status() callable) under mu_, reached through the
   // trainer gate (snapshots, state reads and writes, checkpoint loads: calls
-  // whose threads serve every user); ABORTED without waiting, naming `what`,
-  // when an early step holds the session for its trainer, and after 10 s
-  // when a step holds it otherwise.
+  // whose threads serve every user); ABORTED, naming `what`, after 1 s when
+  // an early step holds the session for its trainer, and after 10 s when a
+  // step holds it otherwise.
   template <typename Locked>
   absl::Status ThroughGate(absl::string_view what, Locked locked) ABSL_LOCKS_EXCLUDED(mu_)
       ABSL_NO_THREAD_SAFETY_ANALYSIS;  // a polled TryLock the analysis cannot follow

@@ -24,6 +24,10 @@ namespace dos {
 // early step's count (one waiting on its trainer's GPU work, or a long
 // checkpoint load): longer than any sane step, short for a shared thread.
 constexpr absl::Duration kGateLockWait = absl::Seconds(10);
+// And for an early step that holds it for its trainer's gradients or
+// verdict: a trainer that steps goes on within that (its reader gets in
+// between two steps), a stalled one is refused after it.
+constexpr absl::Duration kGateTrainerWait = absl::Seconds(1);
 
 template <typename Locked>
 absl::Status Session::ThroughGate(absl::string_view what,
@@ -33,15 +37,21 @@ absl::Status Session::ThroughGate(absl::string_view what,
   // callers serve every user of the node (the descriptor socket's thread,
   // the checkpointer's): a trainer that stalls its own early step must not
   // hold them up, nor one that holds a step some other way for long.
-  if (!trainer_gate_.QueueSnapshot()) {
-    return absl::AbortedError(absl::StrCat(
-        what, ": session ", identity_.id,
-        " waits for its trainer (an early step, begun "
-        "during backward, holds it until the trainer's step() or zero_grad()); try again after "
-        "its step()"));
-  }
-  // As OthersLock, bounded: counted as waiting (the step loop gives way).
+  // Counted as waiting from here, as OthersLock: the step loop gives way (no
+  // hand-off; the next step lets this in first).
   others_waiting_.fetch_add(1, std::memory_order_relaxed);
+  const absl::Time trainer_deadline = absl::Now() + kGateTrainerWait;
+  while (!trainer_gate_.QueueSnapshot()) {
+    if (absl::Now() >= trainer_deadline || !trainer_gate_.WaitUntilNone(trainer_deadline)) {
+      others_waiting_.fetch_sub(1, std::memory_order_relaxed);
+      return absl::AbortedError(
+          absl::StrCat(what, ": session ", identity_.id,
+                       " waits for its trainer (an early step, begun "
+                       "during backward, has held it for ",
+                       absl::FormatDuration(kGateTrainerWait),
+                       " until the trainer's step() or zero_grad()); try again after its step()"));
+    }
+  }
   const absl::Time deadline = absl::Now() + kGateLockWait;
   bool held = mu_.TryLock();
   while (!held && absl::Now() < deadline) {

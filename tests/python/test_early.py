@@ -286,7 +286,7 @@ def test_a_stalled_early_step_holds_up_no_one_elses_calls(dos_socket):
     for up to --early_step_ready_timeout. A state read of that session once
     waited as long on the descriptor socket's one thread (and a state write
     or checkpoint load on threads serving every user), so every other user's
-    attach waited too. Now it is refused at once, naming the step; another
+    attach waited too. Now it is refused after 1 s, naming the step; another
     optimizer attaches meanwhile, and once the step is given up the read
     goes through."""
     import ctypes

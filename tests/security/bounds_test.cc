@@ -204,7 +204,7 @@ TEST(Bounds, StalledEarlyStepsCostNoCpuAndAreCappedPerUid) {
 
 // A state read of a session whose early step waits for its trainer once
 // held the descriptor socket's one thread (every user's attach) until the
-// step timed out; now it is refused at once, and another user attaches.
+// step timed out; now it is refused after 1 s, and another user attaches.
 TEST(Bounds, StateReadsOfStalledSessionsHoldUpNoOne) {
   DOS_SECURITY_REQUIRE();
   auto d = SecureDaemon();
@@ -213,7 +213,7 @@ TEST(Bounds, StateReadsOfStalledSessionsHoldUpNoOne) {
   ASSERT_EQ(Code(a.Await("stall", 60000)), 0) << d->log().substr(0, 4000);
   const std::string reads = a.Await("stalled_reads", 60000);
   EXPECT_EQ(Field(reads, "aborted"), "2") << reads;
-  EXPECT_LT(Ms(reads), 2000) << reads;
+  EXPECT_LT(Ms(reads), 5000) << reads;  // each refused after 1 s of waiting
   ASSERT_EQ(Code(a.Await("wait")), 0);
   const VictimRun v = RunVictim(*d, 5);
   ExpectVictimOk(v, 5, d->log());
