@@ -24,6 +24,7 @@ configs=("$@")
 # stay in so that threads added to their subjects later are checked.
 tsan_tests=(
   shm_segment_test doorbell_test control_channel_test  # transport: doorbells, control block
+  transport_fd_server_test                             # descriptor socket: serving threads
   crc32c_test checkpoint_test                          # checkpoint writer/reader, fake Env
   state_shard_state_test                               # state arenas, budget, copy-on-write snapshots
   sched_perf_model_test sched_policy_test              # scheduler model and policy

@@ -246,10 +246,9 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
   return (root / p).lexically_normal().string();
 }
 
-std::string Checkpointer::DefaultPath(const Session& session, absl::string_view kind,
-                                      int64_t step) const {
-  const SessionIdentity& id = session.identity();
-  return (fs::path(UserDir(id.uid)) / absl::StrCat(JobFolderName(id.client_name), ".r", id.rank) /
+std::string Checkpointer::DefaultPath(uint32_t uid, const CheckpointOwner& owner,
+                                      absl::string_view kind, int64_t step) const {
+  return (fs::path(UserDir(uid)) / absl::StrCat(JobFolderName(owner.name), ".r", owner.rank) /
           absl::StrFormat("%s-%012d%s", kind, step, kSuffix))
       .string();
 }
@@ -375,8 +374,9 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       // gets a file named for the session inside it.
       if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
           job.path.back() == '/' || fs::path(job.path).filename() == ".") {
+        const CheckpointOwner owner = s->StateOwner();
         path = (fs::path(path) /
-                absl::StrCat(JobFolderName(sid.client_name), ".r", sid.rank, ".s", sid.id, kSuffix))
+                absl::StrCat(JobFolderName(owner.name), ".r", owner.rank, ".s", sid.id, kSuffix))
                    .string();
       }
     }
@@ -462,12 +462,13 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
     if (last != autosaved_step_.end() && last->second == snap.step) return rec;  // unchanged
   }
   std::string path = resolved_path;
-  if (autosave || path.empty()) path = DefaultPath(*s, autosave ? "auto" : "step", snap.step);
+  const SessionIdentity& sid = s->identity();
+  const CheckpointOwner& owner = snap.owner;  // an adopted state's is its client's
+  if (autosave || path.empty())
+    path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step);
   // Every folder and file through the store's descriptors (StoreEnv): a
   // link anywhere below the store fails the save instead of leading out;
   // only into the folder dosd made for the owner, and within its quota.
-  const SessionIdentity& sid = s->identity();
-  const CheckpointOwner owner{sid.client_name, sid.rank, sid.world_size};
   DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
   DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, ShardFileBytes(*staging_[id], owner), path));
   DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));

@@ -170,7 +170,8 @@ class Checkpointer {
   // one still does.
   absl::StatusOr<CheckpointRecord> SaveUnlessAwaiting(const std::shared_ptr<Session>& session,
                                                       const std::string& path, bool autosave);
-  std::string DefaultPath(const Session& session, absl::string_view kind, int64_t step) const;
+  std::string DefaultPath(uint32_t uid, const CheckpointOwner& owner, absl::string_view kind,
+                          int64_t step) const;
   void PruneAutosaves(const std::string& subdir);
 
   const CheckpointerOptions options_;

@@ -37,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/checkpoint/env.h"
+#include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/uid_ledger.h"
 #include "daemon/sched/executor_set.h"
 #include "daemon/sched/policy.h"
@@ -121,6 +122,8 @@ struct SnapshotInfo {
   double copy_us = 0;        // background copy into the staging copy, off the lock
   uint32_t subgroups_copied_by_steps = 0;  // copied by steps before they wrote them
   double last_step_wall_us = 0;
+  // Whose state it is (Session::StateOwner): what the checkpoint names.
+  CheckpointOwner owner;
 };
 
 class Session {
@@ -188,8 +191,14 @@ class Session {
   // it unregistered (HoldsAdoptedState): when it detaches or its client
   // exits, the state waits again for the rest of a lease, and TakeShard
   // gives it to the next try.
+  // AdoptShard's `owner` is the client whose state it is (StateOwner of the
+  // session it was taken from): a checkpoint of it names that client, not
+  // the one that tried to resume, while it is held unregistered.
   std::unique_ptr<ShardState> TakeShard();
-  void AdoptShard(std::unique_ptr<ShardState> shard);
+  void AdoptShard(std::unique_ptr<ShardState> shard, CheckpointOwner owner);
+  // Whose state this session holds: its own client's, or while it holds
+  // adopted state unregistered, that state's owner.
+  CheckpointOwner StateOwner() const;
   bool HoldsAdoptedState() const { return holds_adopted_.load(std::memory_order_acquire); }
   // Whether it holds state a checkpoint saves: registered, or adopted and
   // held unregistered (Snapshot saves that too, so that state waiting for
@@ -404,6 +413,8 @@ class Session {
   void CloseTrainerEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::unique_ptr<ShardState> adopted_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> holds_adopted_{false};  // adopted_, not yet registered (off mu_)
+  mutable absl::Mutex owner_mu_;            // not mu_: StateOwner waits for no step
+  CheckpointOwner adopted_owner_ ABSL_GUARDED_BY(owner_mu_);
   // Snapshot() calls copying `shard_` off `mu_` (TakeShard waits for none).
   absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);
   int snapshot_copiers_ ABSL_GUARDED_BY(snap_mu_) = 0;

@@ -134,7 +134,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   }
   std::shared_ptr<Session> session = *std::move(created);
   if (old != nullptr) {
-    session->AdoptShard(old->TakeShard());
+    CheckpointOwner owner = old->StateOwner();  // before TakeShard: whose it is
+    session->AdoptShard(old->TakeShard(), std::move(owner));
     if (resumed != nullptr) *resumed = true;
   }
   if (!restore.empty()) session->SetRestoreCandidates(std::move(restore), restore_env);

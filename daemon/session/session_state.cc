@@ -234,6 +234,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
     // first write it (ShardState::BeforeWrite), and the rest is copied below.
     shard->BeginSnapshot(staging->get());
     info.step = shard->tensors()[0].step;
+    info.owner = StateOwner();
     {
       absl::MutexLock snap_lock(&snap_mu_);
       ++snapshot_copiers_;  // TakeShard waits for us to let go of `shard`
@@ -305,10 +306,22 @@ std::unique_ptr<ShardState> Session::TakeShard() {
   return std::move(shard_);
 }
 
-void Session::AdoptShard(std::unique_ptr<ShardState> shard) {
+void Session::AdoptShard(std::unique_ptr<ShardState> shard, CheckpointOwner owner) {
   OthersLock lock(this);
+  {
+    absl::MutexLock owner_lock(&owner_mu_);
+    adopted_owner_ = std::move(owner);
+  }
   adopted_ = std::move(shard);
   holds_adopted_.store(adopted_ != nullptr, std::memory_order_release);
+}
+
+CheckpointOwner Session::StateOwner() const {
+  if (HoldsAdoptedState()) {
+    absl::MutexLock owner_lock(&owner_mu_);
+    return adopted_owner_;
+  }
+  return CheckpointOwner{identity_.client_name, identity_.rank, identity_.world_size};
 }
 
 void Session::SetRestoreCandidates(std::vector<std::string> paths, Env* env) {

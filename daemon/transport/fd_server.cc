@@ -11,7 +11,9 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +81,12 @@ DescriptorServer::~DescriptorServer() {
     (void)!::write(wake_.get(), &one, sizeof one);
     io_thread_.join();
   }
+  // The state memory requests' threads refuse what is queued and end once
+  // the one each serves is answered.
+  absl::MutexLock lock(&mu_);
+  stop_ = true;
+  mu_.Await(absl::Condition(
+      +[](int* threads) { return *threads == 0; }, &slow_threads_));
 }
 
 namespace {
@@ -207,15 +215,88 @@ void DescriptorServer::Serve(Waiting w) {
       return;
     }
   }
+  std::string request(buf, *n);
+  absl::StatusOr<fdproto::Request> req = fdproto::ParseRequest(buf, *n, fds.size());
+  if (req.ok() && static_cast<fdproto::Op>(req->op) == fdproto::Op::kStateMemory) {
+    Queue(Slow{std::move(w), std::move(request), std::move(fds)});
+    return;
+  }
+  Answer(std::move(w), request, std::move(fds));
+}
+
+void DescriptorServer::Answer(Waiting w, const std::string& request, std::vector<UniqueFd> fds) {
   int send_fd = -1;
   SessionPort port;
   std::vector<UniqueFd> owned;
-  fdproto::Reply reply = Handle(buf, *n, std::move(fds), caller, &send_fd, &port, &owned);
+  fdproto::Reply reply =
+      Handle(request.data(), request.size(), std::move(fds), w.caller, &send_fd, &port, &owned);
   std::vector<int> out;
   if (send_fd >= 0) out.push_back(send_fd);
   for (const UniqueFd& o : owned) out.push_back(o.get());
-  absl::Status sent = fdproto::SendMessage(fd, &reply, sizeof reply, out);
+  absl::Status sent = fdproto::SendMessage(w.conn.get(), &reply, sizeof reply, out);
   if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(w.conn));
+}
+
+void DescriptorServer::Queue(Slow slow) {
+  const uint32_t uid = slow.w.caller->uid();
+  absl::MutexLock lock(&mu_);
+  // Each waits with its connection charged to its uid (kConnections); all
+  // uids' together are bounded as the connections waiting for a request.
+  if (stop_ || slow_requests_ >= options_.max_connections) {
+    Refuse(slow.w.conn.get(),
+           stop_ ? absl::UnavailableError("descriptor socket: dosd is stopping")
+                 : absl::ResourceExhaustedError(
+                       absl::StrCat("descriptor socket: ", slow_requests_,
+                                    " state memory requests are being served; try again shortly")));
+    return;
+  }
+  SlowQueue& q = slow_[uid];
+  q.items.push_back(std::move(slow));
+  ++slow_requests_;
+  if (q.threads >= kSlowThreadsPerUid) return;  // one of its threads takes it
+  try {
+    std::thread([this, uid] { SlowWorker(uid); }).detach();
+  } catch (const std::system_error& e) {
+    if (q.threads > 0) return;  // a running one takes it later
+    Refuse(q.items.back().w.conn.get(),
+           absl::ResourceExhaustedError(
+               absl::StrCat("descriptor socket: no thread for a state memory request (", e.what(),
+                            "); try again shortly")));
+    q.items.pop_back();
+    --slow_requests_;
+    if (q.items.empty()) slow_.erase(uid);
+    return;
+  }
+  ++q.threads;
+  ++slow_threads_;
+}
+
+void DescriptorServer::SlowWorker(uint32_t uid) {
+  pthread_setname_np(pthread_self(), "dos-fd-state");
+  while (true) {
+    std::optional<Slow> next;
+    bool stopping = false;
+    {
+      absl::MutexLock lock(&mu_);
+      SlowQueue& q = slow_[uid];
+      if (q.items.empty()) {
+        if (--q.threads == 0) slow_.erase(uid);
+        --slow_threads_;  // the destructor may return once this is 0: touch nothing after
+        return;
+      }
+      next.emplace(std::move(q.items.front()));
+      q.items.pop_front();
+      stopping = stop_;
+    }
+    if (stopping) {
+      Refuse(next->w.conn.get(), absl::UnavailableError("descriptor socket: dosd is stopping"));
+    } else {
+      Answer(std::move(next->w), next->request, std::move(next->fds));
+    }
+    next.reset();  // the connection closes and its charge goes before the count drops
+    absl::MutexLock lock(&mu_);
+    --slow_requests_;
+  }
 }
 
 absl::StatusOr<std::string> DescriptorServer::IssueTicket(

@@ -22,12 +22,18 @@
 // DEADLINE_EXCEEDED and closed.
 // While dosd's descriptors run short (Options::reserve), a uid that holds
 // more than a few sessions is refused once its request is read.
+// A state memory request (kStateMemory) may wait for its session's step
+// (Session::ThroughGate: up to 11 s for a trainer that stalls): it is
+// served off the serving thread, by at most kSlowThreadsPerUid threads of
+// its uid's own, in order, so that a stalled or hostile trainer delays only
+// its own uid's state requests, never another user's attach.
 //
 // Thread-safety: thread-safe.
 #pragma once
 
 #include <sys/types.h>
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -95,7 +101,13 @@ class DescriptorServer {
                                                                  ResolveFn resolve);
   // Without a socket: Handle() only (tests, the fuzz target).
   static std::unique_ptr<DescriptorServer> ForTesting(Options options, ResolveFn resolve);
-  ~DescriptorServer();  // stops both threads, removes the socket
+  // Stops both threads, removes the socket; waits for the state memory
+  // requests being served (at most the session gate's wait), refuses the
+  // queued ones.
+  ~DescriptorServer();
+
+  // Threads serving one uid's state memory requests at most.
+  static constexpr int kSlowThreadsPerUid = 2;
 
   const std::string& path() const { return path_; }
 
@@ -125,8 +137,23 @@ class DescriptorServer {
   void Accept(UniqueFd conn);
   // The serving thread: polls the waiting connections.
   void ServeLoop();
-  // Receives, handles and answers one request (the connection is readable).
+  // Receives, handles and answers one request (the connection is readable);
+  // a state memory request is queued for its uid's threads (Queue).
   void Serve(Waiting w);
+  // Handles `request` and sends the reply on w.conn.
+  void Answer(Waiting w, const std::string& request, std::vector<UniqueFd> fds);
+  // A request served off the serving thread, and one uid's queue of them.
+  struct Slow {
+    Waiting w;
+    std::string request;
+    std::vector<UniqueFd> fds;
+  };
+  struct SlowQueue {
+    std::deque<Slow> items;
+    int threads = 0;
+  };
+  void Queue(Slow slow);
+  void SlowWorker(uint32_t uid);
   absl::StatusOr<std::string> IssueTicket(std::shared_ptr<const PeerProcess> caller);
   fdproto::Reply ReceiveSegments(const fdproto::Request& req, std::vector<UniqueFd> fds,
                                  const PeerProcess& caller, const SessionPort& port);
@@ -146,6 +173,9 @@ class DescriptorServer {
   std::vector<Waiting> incoming_ ABSL_GUARDED_BY(mu_);
   size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<uint32_t, SlowQueue> slow_ ABSL_GUARDED_BY(mu_);
+  size_t slow_requests_ ABSL_GUARDED_BY(mu_) = 0;  // queued or being served, all uids
+  int slow_threads_ ABSL_GUARDED_BY(mu_) = 0;      // the destructor waits for none
   UniqueFd wake_;  // eventfd: new connections, or stop
   std::thread io_thread_;
   // The destructor stops the listener, then the serving thread, before the

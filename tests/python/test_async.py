@@ -179,7 +179,8 @@ TRAINER = textwrap.dedent("""
     import dos.torch
     from test_async import make_deep, batches, LR, SUBGROUP
     model = make_deep()
-    opt = dos.torch.AdamW(model.parameters(), socket={socket!r}, subgroup_size=SUBGROUP, **LR)
+    opt = dos.torch.AdamW(model.parameters(), socket={socket!r}, subgroup_size=SUBGROUP,
+                          client_name="killed-trainer", **LR)
     data = batches({total})
     for x, y in data[:{crash_after}]:
         opt.zero_grad()
@@ -234,7 +235,7 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_mode
     elif wrong_model_first:
         with pytest.raises(DosError) as err:
             dos.torch.AdamW(torch.nn.Linear(4, 3).parameters(), socket=dos_socket,
-                            subgroup_size=SUBGROUP, resume=info, **LR)
+                            subgroup_size=SUBGROUP, resume=info, client_name="other-job", **LR)
         msg = str(err.value)
         assert "is 2 in this registration but" in msg and "in the kept state" in msg, msg
     if wrong_model_first:
@@ -248,6 +249,13 @@ def test_resume_after_sigkill_continues_exactly(dos_socket, tmp_path, wrong_mode
             assert out.returncode == 0, out.stdout + out.stderr
             row = out.stdout.splitlines()[1].split()  # SESSION STEP BYTES ...
             assert row[:2] == [str(info["session_id"]), str(crash_after)], out.stdout
+            # Into a folder: the file names the client whose state it is, not
+            # the one whose resume was refused (it once named that one).
+            out = subprocess.run([find_dosctl(), f"--socket={dos_socket}", "checkpoint", "save",
+                                  str(info["session_id"]), f"kept-{os.getpid()}/"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "killed-trainer.r" in out.stdout and "other-job" not in out.stdout, out.stdout
     # The restarted trainer: fresh (differently initialised) weights, which
     # the resumed session overwrites with the daemon's.
     model = make_deep(seed=123)

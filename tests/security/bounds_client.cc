@@ -30,11 +30,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -213,23 +216,35 @@ std::string Stall(Client* c, uint64_t n) {
   return absl::StrCat("begun=", begun, " first=", OneLine(first));
 }
 
-// A state-memory request (state_dict()'s views) of each stalled session:
-// each once held the descriptor socket's one thread until the stall timed
-// out; "aborted=K ms=<slowest>".
-std::string StalledReads(Client* c) {
+// State-memory requests (state_dict()'s views) of each stalled session, one
+// thread a session, for `seconds` (at least once each): each once held the
+// descriptor socket's one thread, and every other user's attach, until the
+// session's gate refused it; "aborted=K reads=N ms=<slowest>".
+std::string StalledReads(Client* c, double seconds) {
   // dosd's step threads take the stalled steps' sessions first.
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  uint64_t aborted = 0;
+  std::atomic<uint64_t> aborted{0}, reads{0};
+  std::mutex mu;
   double slowest = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::vector<std::thread> threads;
   for (const auto& t : c->held) {
-    const auto t0 = std::chrono::steady_clock::now();
-    uint32_t moment = 0;
-    if (dos_state_views_fetch(t->s, nullptr, &moment) == DOS_ABORTED) ++aborted;
-    slowest = std::max(
-        slowest,
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    threads.emplace_back([&, s = t->s] {
+      do {
+        const auto t0 = std::chrono::steady_clock::now();
+        uint32_t moment = 0;
+        if (dos_state_views_fetch(s, nullptr, &moment) == DOS_ABORTED) aborted.fetch_add(1);
+        reads.fetch_add(1);
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+        std::lock_guard<std::mutex> lock(mu);
+        slowest = std::max(slowest, ms);
+      } while (std::chrono::steady_clock::now() < end);
+    });
   }
-  return absl::StrCat("aborted=", aborted, " ms=", slowest);
+  for (std::thread& t : threads) t.join();
+  return absl::StrCat("aborted=", aborted.load(), " reads=", reads.load(), " ms=", slowest);
 }
 
 absl::StatusOr<std::string> Victim(Client* c, const std::string& name, const Args& a) {
@@ -285,7 +300,7 @@ absl::StatusOr<std::string> Run(Client* c, const std::string& name, const Args& 
   if (name == "sparse") return Sparse(c, U64(a, "segments", 1), U64(a, "bytes", 4096));
   if (name == "idle") return Idle(c, U64(a, "n", 1));
   if (name == "stall") return Stall(c, U64(a, "n", 1));
-  if (name == "stalled_reads") return StalledReads(c);
+  if (name == "stalled_reads") return StalledReads(c, static_cast<double>(U64(a, "seconds", 0)));
   if (name == "tensors") {
     return RegisterMany(c, U64(a, "sessions", 1), U64(a, "n", 1), "t");
   }

@@ -8,13 +8,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -54,6 +58,8 @@ class FdServerTest : public ::testing::Test {
           p.control_fd = control_->fd();
           p.inbox = &inbox_;
           p.hold_connection = [this](UniqueFd c) { held_.push_back(std::move(c)); };
+          absl::MutexLock lock(&hook_mu_);
+          p.state_memory = state_memory_;
           return p;
         });
     ASSERT_TRUE(s.ok()) << s.status();
@@ -69,6 +75,13 @@ class FdServerTest : public ::testing::Test {
   std::unique_ptr<ShmSegment> control_;
   SegmentInbox inbox_;
   std::vector<UniqueFd> held_;  // touched by the server thread only while a test waits on it
+  // Serves kStateMemory when set (SetStateMemory).
+  absl::Mutex hook_mu_;
+  std::function<absl::StatusOr<std::vector<UniqueFd>>()> state_memory_ ABSL_GUARDED_BY(hook_mu_);
+  void SetStateMemory(std::function<absl::StatusOr<std::vector<UniqueFd>>()> f) {
+    absl::MutexLock lock(&hook_mu_);
+    state_memory_ = std::move(f);
+  }
   std::unique_ptr<DescriptorServer> server_;
 };
 
@@ -185,6 +198,73 @@ TEST_F(FdServerTest, OutstandingTicketsPerUidAreCapped) {
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(server_->Redeem(tickets[0]).ok());
   EXPECT_TRUE(fdproto::Hello(path_).ok());  // one slot free again
+}
+
+// A state memory request may wait for its session's step (up to 11 s for a
+// trainer that stalls); it once held the serving thread, and every other
+// user's attach, meanwhile. Now it waits on its uid's own thread.
+TEST_F(FdServerTest, AStateMemoryRequestThatWaitsHoldsUpNoOtherRequest) {
+  absl::Notification release;
+  std::atomic<int> entered{0};
+  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
+    entered.fetch_add(1);
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    std::vector<UniqueFd> fds;
+    for (const char* name : {"dos.state", "dos.map"}) {
+      fds.emplace_back(memfd_create(name, MFD_CLOEXEC));
+    }
+    return fds;
+  });
+  // Three waiting calls of one uid: two are served at once, the third queues.
+  std::vector<std::thread> readers;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 3; ++i) {
+    readers.emplace_back([&] {
+      if (fdproto::FetchStateMemory(path_, 7, "secret").ok()) ok.fetch_add(1);
+    });
+  }
+  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  const absl::Time t0 = absl::Now();
+  EXPECT_TRUE(fdproto::Hello(path_).ok());
+  EXPECT_TRUE(fdproto::FetchControlBlock(path_, 7, "secret").ok());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
+  release.Notify();
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(ok.load(), 3);
+  EXPECT_EQ(entered.load(), 3);
+}
+
+// A server stopped while a state memory request waits answers it, refuses
+// the queued ones, and stops.
+TEST_F(FdServerTest, StoppingWithStateMemoryRequestsWaitingAnswersThemAll) {
+  absl::Notification release;
+  std::atomic<int> entered{0};
+  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
+    entered.fetch_add(1);
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    return absl::AbortedError("state memory: the session's step holds it");
+  });
+  std::vector<std::thread> readers;
+  std::atomic<int> answered{0};
+  for (int i = 0; i < 4; ++i) {
+    readers.emplace_back([&] {
+      absl::Status st = fdproto::FetchStateMemory(path_, 7, "secret").status();
+      if (st.code() == absl::StatusCode::kAborted || st.code() == absl::StatusCode::kUnavailable) {
+        answered.fetch_add(1);
+      }
+    });
+  }
+  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  absl::SleepFor(absl::Milliseconds(100));  // the other two queue
+  std::thread stop([&] { server_.reset(); });
+  absl::SleepFor(absl::Milliseconds(100));
+  release.Notify();
+  stop.join();
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(answered.load(), 4);
+  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
 }
 
 // A connection to `path` that sends nothing.
