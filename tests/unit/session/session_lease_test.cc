@@ -152,6 +152,37 @@ TEST_F(SessionLeaseTest, StateExportAndImportSeeResidentState) {
   EXPECT_EQ(Export(*dev, 0, 0, kNumel[0]), Export(*host, 0, 0, kNumel[0]));
 }
 
+// A state transfer refused (bad range, bad step, too small a buffer) gives
+// its buffer segment back at once: unmapped, and its uid's charge with it.
+TEST_F(SessionLeaseTest, ARefusedStateTransferGivesItsBufferBack) {
+  auto s = NewSession("auto");
+  ASSERT_TRUE(s->Register(HostSpec(*s)).ok());
+  ASSERT_EQ(Step(*s).status_code, 0);
+  int unmapped = 0;
+  auto Send = [&](uint64_t bytes) {
+    std::unique_ptr<ShmSegment> buf = *ShmSegment::Create("transfer", bytes);
+    std::vector<std::unique_ptr<ShmSegment>> segs;
+    segs.push_back(*ShmSegment::Adopt(UniqueFd(fcntl(buf->fd(), F_DUPFD_CLOEXEC, 0)), "buf"));
+    segs.back()->SetOnUnmap([&unmapped] { ++unmapped; });
+    return (*s->inbox()->AddAll(std::move(segs)))[0];
+  };
+  const uint64_t n = kNumel[0];
+  EXPECT_EQ(s->ExportState(0, n, 1, SegmentRef(Send(12), 0)).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(s->ExportState(9, 0, 1, SegmentRef(Send(12), 0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->ImportState(0, 0, 4, SegmentRef(Send(12), 0), 1).code(),
+            absl::StatusCode::kInvalidArgument);  // 4 elements need 48 bytes
+  EXPECT_EQ(s->ImportState(0, 0, 1, SegmentRef(Send(12), 0), -1).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unmapped, 4);
+  EXPECT_EQ(s->inbox()->pending(), 0u);
+  // And one that succeeds too, once the call returns.
+  EXPECT_TRUE(s->ExportState(0, 0, 1, SegmentRef(Send(12), 0)).ok());
+  EXPECT_EQ(unmapped, 5);
+  EXPECT_EQ(s->inbox()->pending(), 0u);
+}
+
 TEST_F(FullDeviceTest, GrowthStopsWhereTheDeviceIsFull) {
   auto s = NewSession("auto");
   ASSERT_TRUE(s->Register(DeviceSpec()).ok());
