@@ -48,7 +48,7 @@ def test_take_leaves_what_it_must_not_move():
     sparse = torch.randn(4).to_sparse()  # a sparse one too: copy_ would fail in backward
     odd.param.grad = sparse
     assert not _grads.take(odd) and odd.param.grad is sparse
-    assert _grads.unusable(odd, sparse) == "w has a sparse gradient"
+    assert _grads.unusable(odd, sparse) == "w " + _grads.SPARSE
     d = entry(p, copy_grad=True)  # an FSDP2 shard's gradient is FSDP's
     p.grad = torch.randn(4)
     assert _grads.take(d) and p.grad is not d.grad_shm
@@ -82,18 +82,25 @@ def test_model_zero_grad_gradients_land_in_the_registered_buffer(dos_socket):
         opt.close()
 
 
-def test_a_sparse_gradient_is_refused_at_step_naming_it(dos_socket):
-    # An embedding with sparse gradients, its gradient set to None: autograd
-    # makes a sparse one, which cannot go into the registered buffer.
+@pytest.mark.parametrize("grad", ["none", "registered"])
+def test_a_sparse_gradient_is_refused_naming_it(dos_socket, grad):
+    # An embedding with sparse gradients, as torch's AdamW refuses it. Its
+    # gradient None: autograd would make a sparse one; the registered buffer
+    # (after a step, or zero_grad(set_to_none=False)): autograd would add the
+    # sparse one into it, and no step could tell (it once trained on that).
     model = torch.nn.Embedding(10, 4, sparse=True)
     opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket)
     try:
-        model.zero_grad(set_to_none=True)
-        model(torch.tensor([1, 2])).sum().backward()
-        assert model.weight.grad.is_sparse
+        model.zero_grad(set_to_none=grad == "none")
+        before = model.weight.detach().clone()
         with pytest.raises(dos.DosError) as e:
-            opt.step()
+            model(torch.tensor([1, 2])).sum().backward()
         assert e.value.code_name == "INVALID_ARGUMENT"
-        assert "has a sparse gradient" in e.value.message
+        assert "has a sparse gradient" in e.value.message and "sparse=False" in e.value.message
+        assert torch.equal(model.weight.detach(), before)
+        if grad == "none":
+            assert model.weight.grad is None
+        else:
+            assert not model.weight.grad.is_sparse and not model.weight.grad.any()
     finally:
         opt.close()

@@ -24,9 +24,9 @@ from dos._errors import DosError
 from dos._native import Status
 from dos._register import Entry, is_dtensor, local_of
 
-__all__ = ["no_gradient", "zero_entry", "unusable", "bind", "take", "thawed", "install_seen_hooks",
-           "install_take_hooks", "zero_unregistered", "clip_coefficient", "Clip", "clip_grads",
-           "clip_shardings"]
+__all__ = ["SPARSE", "no_gradient", "zero_entry", "unusable", "bind", "take", "thawed",
+           "install_seen_hooks", "install_take_hooks", "zero_unregistered", "clip_coefficient",
+           "Clip", "clip_grads", "clip_shardings"]
 
 
 def zero_entry(e: Entry) -> None:
@@ -60,6 +60,11 @@ def _skipped(e: Entry, bound: bool) -> None:
         e.grad_shm.zero_()
 
 
+SPARSE = ("has a sparse gradient (nn.Embedding or EmbeddingBag with sparse=True?); "
+          "dos.torch.AdamW, like torch.optim.AdamW, does not support sparse gradients: "
+          "build that module with sparse=False")
+
+
 def unusable(e: Entry, g: torch.Tensor) -> Optional[str]:
     """Why gradient `g` (local) cannot be copied into e's registered buffer,
     or None: another dtype or shape, or sparse."""
@@ -68,7 +73,7 @@ def unusable(e: Entry, g: torch.Tensor) -> Optional[str]:
                 f"{g.dtype} {tuple(g.shape)}; gradients must have the parameter's dtype and "
                 "shape")
     if g.is_sparse:
-        return f"{e.name} has a sparse gradient"
+        return f"{e.name} {SPARSE}"
     return None
 
 
@@ -158,14 +163,19 @@ def thawed(param_groups, entries: List[Entry]) -> List[torch.Tensor]:
 def install_seen_hooks(entries: List[Entry]) -> list:
     """A gradient hook on each registered parameter notes that backward
     reached it (its gradient is not None in torch's terms), so that step()
-    skips only the parameters torch would skip. The hooks hold their entry
-    weakly (the entry holds the parameter, which holds the hooks)."""
+    skips only the parameters torch would skip. It refuses a sparse gradient
+    before autograd adds it into the registered (dense) buffer, where no
+    step could tell it from a dense one. The hooks hold their entry weakly
+    (the entry holds the parameter, which holds the hooks)."""
     handles = []
     for e in entries:
-        def seen(_grad, ref=weakref.ref(e)):
+        def seen(grad, ref=weakref.ref(e)):
             entry = ref()
-            if entry is not None:
-                entry.grad_none = False
+            if entry is None:
+                return
+            if grad.is_sparse:
+                raise DosError(Status.INVALID_ARGUMENT, f"backward: {entry.name} {SPARSE}")
+            entry.grad_none = False
         handles.append(e.param.register_hook(seen))
     return handles
 
