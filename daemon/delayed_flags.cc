@@ -35,6 +35,10 @@ ABSL_FLAG(bool, delayed_gpu_first, false,
           "subgroups the CPU would update late, first, as many as the window's PCIe time "
           "holds, and the CPU updates only the rest: the copy engines' traffic instead of the "
           "host cores' beside the trainer's forward and backward.");
+ABSL_FLAG(double, delayed_gpu_window_share, 0.9,
+          "With delay=1 clients under policy auto: the share of the window (the next forward "
+          "and backward) that the GPU's delayed update may take over PCIe, by the model's "
+          "time (0.1-2; above 1 it runs on into the next step, beside the CPU's).");
 ABSL_FLAG(uint32_t, delayed_gpu_kernel_blocks, 0,
           "Blocks of each kernel of the GPU's delayed update (it waits on PCIe for the host's "
           "gradients and weights, beside the trainer's kernels); 0: a grid of every SM.");
@@ -64,6 +68,12 @@ absl::Status DelayedFromFlags(EnginesConfig* engines) {
       absl::GetFlag(FLAGS_delayed_handoff) && !engines->delayed_start_at_result;
   engines->delayed_gpu = absl::GetFlag(FLAGS_delayed_gpu_path);
   engines->delayed_gpu_first = absl::GetFlag(FLAGS_delayed_gpu_first);
+  engines->delayed_gpu_window_share = absl::GetFlag(FLAGS_delayed_gpu_window_share);
+  if (!(engines->delayed_gpu_window_share >= 0.1 && engines->delayed_gpu_window_share <= 2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--delayed_gpu_window_share=", engines->delayed_gpu_window_share,
+                     " is out of range; use 0.1 to 2"));
+  }
   engines->delayed_gpu_kernel_blocks = absl::GetFlag(FLAGS_delayed_gpu_kernel_blocks);
   engines->delayed_gpu_staged = absl::GetFlag(FLAGS_delayed_gpu_staged);
   return absl::OkStatus();

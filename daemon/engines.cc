@@ -72,6 +72,7 @@ absl::Status Engines::AddGpuEngines(const EnginesConfig& config) {
     planner.delayed_handoff = config.delayed_handoff;
     planner.delayed_gpu = config.delayed_gpu || config.delayed_gpu_first;
     planner.delayed_gpu_first = config.delayed_gpu_first;
+    planner.delayed_gpu_window_share = config.delayed_gpu_window_share;
     // Several engines write a file each (a step's line is too long to append
     // atomically beside another engine's).
     planner.timeline_path = config.gpu_timeline.empty() || ordinals->size() == 1

@@ -47,6 +47,8 @@ struct EnginesConfig {
   bool delayed_gpu = false;
   // --delayed_gpu_first (PlannerOptions::delayed_gpu_first; implies delayed_gpu).
   bool delayed_gpu_first = false;
+  // --delayed_gpu_window_share (PlannerOptions::delayed_gpu_window_share).
+  double delayed_gpu_window_share = 0.9;
   // --delayed_gpu_kernel_blocks (GpuEngineOptions::delayed_kernel_blocks).
   uint32_t delayed_gpu_kernel_blocks = 0;
   // --delayed_gpu_staged (GpuEngineOptions::delayed_staged, PlanBudgets::staging_io).

@@ -298,7 +298,7 @@ void StepPlanner::PlaceDelayedGpu(StepPlan& plan, double window_us, bool by_wind
     const double next_streamed = taken < own ? streamed - n : streamed;
     if (by_window &&
         TimeDelayed(plan, next_streamed, next_cpu, max_streamed, window_s, gpu + n).gpu_update_s >
-            0.9 * window_s) {
+            options_.delayed_gpu_window_share * window_s) {
       break;
     }
     gpu += n;

@@ -101,6 +101,9 @@ struct PlannerOptions {
   // engines' traffic instead of the host cores' beside a trainer whose
   // launch thread the CPU update slows.
   bool delayed_gpu_first = false;
+  // The share of the window (the model's PCIe time) the GPU's delayed update
+  // may take (--delayed_gpu_window_share).
+  double delayed_gpu_window_share = 0.9;
   // The node's shared resources (host memory bandwidth, CPU cores) and this
   // engine's id there; null: the engine has the host to itself (the model's
   // own rates, as before).
