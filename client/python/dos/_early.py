@@ -196,6 +196,11 @@ class EarlyDriver:
         if e.index in self.ready:
             self._second_backward(e)
             return
+        if _grads.sparse_seen(e):
+            # Not marked: dosd applies nothing of it before the verdict,
+            # which refuses the step (overlap="update" skips it).
+            self._error = self._error or f"{e.name} {_grads.SPARSE}"
+            return
         self.ready.add(e.index)
         self.ready_log.append((e.index, now - self._ready_t0))
         if self._take_gradient(e):
@@ -368,7 +373,8 @@ class UpdateDriver(EarlyDriver):
         # Parameters backward did not reach: dosd has not updated their
         # subgroups yet and leaves them as torch would.
         skip = [e.index for e in self._reg.entries
-                if e.index < _native.MAX_SKIP_TENSORS and _grads.no_gradient(e)]
+                if e.index < _native.MAX_SKIP_TENSORS and
+                (_grads.no_gradient(e) or _grads.sparse_seen(e))]
         self._flight.verdict(self.inner.args(1.0, 1.0, skip=skip), self.inner.stream())
         late = req.grad_scale != 1.0 or req.clip_coef != 1.0 or req.scaled
         if late or self._error:

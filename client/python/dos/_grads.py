@@ -24,13 +24,25 @@ from dos._errors import DosError
 from dos._native import Status
 from dos._register import Entry, is_dtensor, local_of
 
-__all__ = ["SPARSE", "no_gradient", "zero_entry", "unusable", "bind", "take", "thawed",
-           "install_seen_hooks", "install_take_hooks", "zero_unregistered", "clip_coefficient",
+__all__ = ["SPARSE", "sparse_seen", "no_gradient", "zero_entry", "unusable", "bind", "take",
+           "thawed", "install_seen_hooks", "install_take_hooks", "zero_unregistered", "clip_coefficient",
            "Clip", "clip_grads", "clip_shardings"]
+
+
+# Entries whose backward brought a sparse gradient since their last zeroing:
+# autograd added it into the registered dense buffer, where step() could not
+# tell it from a dense one (install_seen_hooks notes it; bind() refuses it).
+_sparse = weakref.WeakSet()
+
+
+def sparse_seen(e: Entry) -> bool:
+    """Whether backward brought e a sparse gradient since it was zeroed."""
+    return e in _sparse
 
 
 def zero_entry(e: Entry) -> None:
     """Zeroes e's registered gradient in place and binds it as p.grad."""
+    _sparse.discard(e)
     e.grad_shm.zero_()
     e.zero_version = e.grad_shm._version
     if e.param.grad is not e.grad_shm:
@@ -83,6 +95,8 @@ def bind(entries: List[Entry]) -> List[int]:
     skip = []
     with torch.no_grad():
         for e in entries:
+            if e in _sparse:
+                raise DosError(Status.INVALID_ARGUMENT, f"step: {e.name} {SPARSE}")
             p = e.param
             g = p.grad
             bound = g is not None and not local_of(g).is_sparse and \
@@ -163,18 +177,19 @@ def thawed(param_groups, entries: List[Entry]) -> List[torch.Tensor]:
 def install_seen_hooks(entries: List[Entry]) -> list:
     """A gradient hook on each registered parameter notes that backward
     reached it (its gradient is not None in torch's terms), so that step()
-    skips only the parameters torch would skip. It refuses a sparse gradient
-    before autograd adds it into the registered (dense) buffer, where no
-    step could tell it from a dense one. The hooks hold their entry weakly
-    (the entry holds the parameter, which holds the hooks)."""
+    skips only the parameters torch would skip, and whether it was sparse
+    (step() refuses it as torch's AdamW does: autograd adds it into the
+    registered dense buffer, where it would pass for a dense one). The hooks
+    hold their entry weakly (the entry holds the parameter, which holds the
+    hooks)."""
     handles = []
     for e in entries:
         def seen(grad, ref=weakref.ref(e)):
             entry = ref()
             if entry is None:
                 return
-            if grad.is_sparse:
-                raise DosError(Status.INVALID_ARGUMENT, f"backward: {entry.name} {SPARSE}")
+            if grad.layout != torch.strided:
+                _sparse.add(entry)
             entry.grad_none = False
         handles.append(e.param.register_hook(seen))
     return handles
