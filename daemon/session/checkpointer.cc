@@ -247,9 +247,10 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
 }
 
 std::string Checkpointer::DefaultPath(uint32_t uid, const CheckpointOwner& owner,
-                                      absl::string_view kind, int64_t step) const {
+                                      absl::string_view kind, int64_t step,
+                                      uint64_t session) const {
   return (fs::path(UserDir(uid)) / absl::StrCat(JobFolderName(owner.name), ".r", owner.rank) /
-          absl::StrFormat("%s-%012d%s", kind, step, kSuffix))
+          absl::StrFormat("%s-%012d.s%d%s", kind, step, session, kSuffix))
       .string();
 }
 
@@ -465,7 +466,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   const SessionIdentity& sid = s->identity();
   const CheckpointOwner& owner = snap.owner;  // an adopted state's is its client's
   if (autosave || path.empty())
-    path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step);
+    path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step, id);
   // Every folder and file through the store's descriptors (StoreEnv): a
   // link anywhere below the store fails the save instead of leading out;
   // only into the folder dosd made for the owner, and within its quota.
@@ -485,23 +486,24 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
                "last_step_wall_us", snap.last_step_wall_us, "autosave", autosave);
   if (autosave) {
     autosaved_step_[id] = snap.step;
-    PruneAutosaves(DirName(path));
+    PruneAutosaves(DirName(path), id);
     folders_->Measure(sid.uid);
   }
   return rec;
 }
 
-void Checkpointer::PruneAutosaves(const std::string& subdir) {
+void Checkpointer::PruneAutosaves(const std::string& subdir, uint64_t session) {
   absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store_->List(subdir);
   if (!entries.ok()) {
     DOS_LOG_WARNING("checkpoint.prune_failed", "path", subdir, "error",
                     entries.status().message());
     return;
   }
-  std::vector<std::string> autos;
+  std::vector<std::string> autos;  // this session's: another's of the job's name are its own
+  const std::string own = absl::StrCat(".s", session, kSuffix);
   for (const StoreEnv::Entry& e : *entries) {
     if (e.kind == StoreEnv::Kind::kFile && absl::StartsWith(e.name, "auto-") &&
-        absl::EndsWith(e.name, kSuffix)) {
+        absl::EndsWith(e.name, own)) {
       autos.push_back(absl::StrCat(subdir, "/", e.name));
     }
   }

@@ -21,8 +21,11 @@
 // link (StoreEnv), so a link anywhere below the store, planted or swapped in
 // at any moment, fails the operation (INVALID_ARGUMENT naming it and the
 // fix) instead of leading dosd out. Default names:
-//   <client>.r<rank>/step-<step>.dckpt     explicit saves (kept)
-//   <client>.r<rank>/auto-<step>.dckpt     autosaves (newest --autosave_keep kept)
+//   <client>.r<rank>/step-<step>.s<session>.dckpt   explicit saves (kept)
+//   <client>.r<rank>/auto-<step>.s<session>.dckpt   autosaves (the session's
+//                                                   newest --autosave_keep kept)
+// (two jobs of one name and rank, a sweep of `train.py`, share the folder:
+// the session id keeps each from overwriting or pruning the other's files).
 //
 // Restart rule: Start() scans every *.dckpt file under the directory, reads
 // its header and layout (owner = client name, rank, tensor 0's step) and
@@ -171,8 +174,8 @@ class Checkpointer {
   absl::StatusOr<CheckpointRecord> SaveUnlessAwaiting(const std::shared_ptr<Session>& session,
                                                       const std::string& path, bool autosave);
   std::string DefaultPath(uint32_t uid, const CheckpointOwner& owner, absl::string_view kind,
-                          int64_t step) const;
-  void PruneAutosaves(const std::string& subdir);
+                          int64_t step, uint64_t session) const;
+  void PruneAutosaves(const std::string& subdir, uint64_t session);
 
   const CheckpointerOptions options_;
   SessionManager* const sessions_;

@@ -125,10 +125,13 @@ void DescriptorServer::Accept(UniqueFd conn) {
   }
   {
     absl::MutexLock lock(&mu_);
-    if (waiting_ >= options_.max_connections) {
+    // Those whose state memory request waits for a thread count too.
+    if (waiting_ + slow_requests_ >= options_.max_connections) {
       Refuse(fd, absl::ResourceExhaustedError(absl::StrCat(
-                     "descriptor socket: ", waiting_, " connections wait for their request; "
-                     "try again shortly (dosd serves at most ", options_.max_connections, ")")));
+                     "descriptor socket: ", waiting_ + slow_requests_,
+                     " connections wait for their request or its answer; try again shortly "
+                     "(dosd serves at most ",
+                     options_.max_connections, ")")));
       return;
     }
     ++waiting_;
@@ -217,7 +220,10 @@ void DescriptorServer::Serve(Waiting w) {
   }
   std::string request(buf, *n);
   absl::StatusOr<fdproto::Request> req = fdproto::ParseRequest(buf, *n, fds.size());
-  if (req.ok() && static_cast<fdproto::Op>(req->op) == fdproto::Op::kStateMemory) {
+  // Only a request for a session of the caller's waits for a thread (the
+  // lookup is cheap; Handle answers any other).
+  if (req.ok() && static_cast<fdproto::Op>(req->op) == fdproto::Op::kStateMemory &&
+      resolve_(req->session_id, fdproto::RequestToken(*req), *caller).ok()) {
     Queue(Slow{std::move(w), std::move(request), std::move(fds)});
     return;
   }
@@ -288,8 +294,13 @@ void DescriptorServer::SlowWorker(uint32_t uid) {
       q.items.pop_front();
       stopping = stop_;
     }
+    // A client that gave up waiting (its call's timeout) is not served.
+    pollfd gone{next->w.conn.get(), POLLRDHUP, 0};
     if (stopping) {
       Refuse(next->w.conn.get(), absl::UnavailableError("descriptor socket: dosd is stopping"));
+    } else if (::poll(&gone, 1, 0) > 0 && (gone.revents & (POLLHUP | POLLRDHUP | POLLERR))) {
+      DOS_LOG_INFO("fd.state_request_dropped", "uid", uid, "pid", next->w.caller->pid(), "reason",
+                   "the client hung up while it waited");
     } else {
       Answer(std::move(next->w), next->request, std::move(next->fds));
     }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -262,15 +263,21 @@ TEST(OpsTest, AutosaveWritesEachNewStepAndKeepsTheNewest) {
   {
     Trainer t;
     ASSERT_EQ(t.Start(d.socket(), 1000), DOS_OK) << dos_last_error();
+    // Named for the session too: another job of the same name and rank
+    // neither overwrites nor prunes them.
+    const std::string sfx = ".s" + std::to_string(dos_session_id(t.s)) + ".dckpt";
+    const std::string other = dir + "auto-000000000000.s999" + ".dckpt";
     for (int step = 1; step <= 3; ++step) {
       ASSERT_EQ(t.Step(), DOS_OK);
-      const std::string f = dir + "auto-00000000000" + std::to_string(step) + ".dckpt";
+      const std::string f = dir + "auto-00000000000" + std::to_string(step) + sfx;
       for (int i = 0; i < 500 && !exists(f); ++i) usleep(10'000);  // polling, 5 s deadline
       EXPECT_TRUE(exists(f)) << f << d.log();
+      if (step == 1) std::ofstream(other) << "another job's";
     }
-    for (int i = 0; i < 500 && exists(dir + "auto-000000000001.dckpt"); ++i) usleep(10'000);
-    EXPECT_FALSE(exists(dir + "auto-000000000001.dckpt")) << "not pruned";
-    EXPECT_TRUE(exists(dir + "auto-000000000002.dckpt"));
+    for (int i = 0; i < 500 && exists(dir + "auto-000000000001" + sfx); ++i) usleep(10'000);
+    EXPECT_FALSE(exists(dir + "auto-000000000001" + sfx)) << "not pruned";
+    EXPECT_TRUE(exists(dir + "auto-000000000002" + sfx));
+    EXPECT_TRUE(exists(other)) << "another session's autosave was pruned";
   }
   EXPECT_EQ(d.Stop(), 0);
   EXPECT_NE(d.log().find("daemon.final_checkpoint"), std::string::npos);
@@ -310,7 +317,8 @@ TEST(OpsTest, AStalledEarlyStepHoldsUpNeitherOtherAutosavesNorTheStop) {
   // No verdict: the stalled session's step waits for it from now on.
   for (int step = 1; step <= 3; ++step) {
     ASSERT_EQ(busy.Step(), DOS_OK);
-    const std::string f = dir + "auto-00000000000" + std::to_string(step) + ".dckpt";
+    const std::string f = dir + "auto-00000000000" + std::to_string(step) + ".s" +
+                          std::to_string(dos_session_id(busy.s)) + ".dckpt";
     for (int i = 0; i < 1000 && !exists(f); ++i) usleep(10'000);  // polling, 10 s deadline
     EXPECT_TRUE(exists(f)) << f << d.log();
   }

@@ -146,7 +146,8 @@ TEST_F(CheckpointStore, PlantedSymlinksAreNeverFollowed) {
     MkdirOwned(dir);
     if (dir.find("/uid-") != std::string::npos) MarkOwned(UserDir(ck, "dos-sec-a"), "dos-sec-a");
     for (int n = 0; n < 16; ++n) {
-      fs::create_symlink(victim, dir + "/step-000000000002.dckpt.tmp." +
+      // (Session 1: the daemon's first.)
+      fs::create_symlink(victim, dir + "/step-000000000002.s1.dckpt.tmp." +
                                      std::to_string(daemon_->pid()) + "." + std::to_string(n));
     }
   }
@@ -246,9 +247,9 @@ TEST_F(CheckpointStore, AutosavesOfTwoUsersWithTheDefaultNameStayApart) {
     // An autosave of each at its final step, in its owner's folder.
     ASSERT_TRUE(WaitFor([&] {
       const std::string log = daemon_->log();
-      return log.find(UserDir(ck, "dos-sec-a") + "/sec.r-1/auto-000000000003.dckpt") !=
+      return log.find(UserDir(ck, "dos-sec-a") + "/sec.r-1/auto-000000000003.s") !=
                  std::string::npos &&
-             log.find(UserDir(ck, "dos-sec-e") + "/sec.r-1/auto-000000000005.dckpt") !=
+             log.find(UserDir(ck, "dos-sec-e") + "/sec.r-1/auto-000000000005.s") !=
                  std::string::npos;
     }, 20000)) << daemon_->log();
     StopDaemon();  // trainers still attached: final autosave
@@ -320,18 +321,18 @@ TEST_F(CheckpointStore, ASessionFolderSwappedForALinkRedirectsNothing) {
                 {"attach:name=job", "register:numel=256", "step:n=2", "rpc_save:id=self", "wait",
                  "step:n=1", "rpc_save:id=self", "rpc_save:id=self,path=job.r-1/x.dckpt",
                  "rpc_load:id=self,token=self,path=job.r-1",
-                 "rpc_load:id=self,token=self,path=job.r-1/auto-000000000000.dckpt", "wait"});
+                 "rpc_load:id=self,token=self,path=job.r-1/auto-000000000000.s1.dckpt", "wait"});
   const std::string saved = t.Await("rpc_save");
   ASSERT_EQ(Code(saved), 0) << saved << daemon_->log();
   ASSERT_EQ(Code(t.Await("wait")), 0) << t.output();
   const std::string job = UserDir(ck, "dos-sec-a") + "/job.r-1";
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(job + "/auto-000000000002.dckpt"); }, 20000))
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(job + "/auto-000000000002.s1.dckpt"); }, 20000))
       << daemon_->log();
   // Outside: valid checkpoints of this very job (a load through the link
   // would succeed) and autosaves that pruning through it would delete.
   const std::string outside = DaemonOwnedDir("outside");
-  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000000.dckpt");
-  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000001.dckpt");
+  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000000.s1.dckpt");
+  fs::copy_file(Field(saved, "path"), outside + "/auto-000000000001.s1.dckpt");
   std::ofstream(outside + "/victim") << "precious";
   const auto before = Contents(outside);
   const std::string moved = DaemonOwnedDir("moved");

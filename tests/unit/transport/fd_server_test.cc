@@ -27,6 +27,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
+UniqueFd IdleConnection(const std::string& path);
+
 bool WaitFor(const std::function<bool()>& pred) {
   for (int i = 0; i < 500; ++i) {
     if (pred()) return true;
@@ -234,6 +236,34 @@ TEST_F(FdServerTest, AStateMemoryRequestThatWaitsHoldsUpNoOtherRequest) {
   for (std::thread& t : readers) t.join();
   EXPECT_EQ(ok.load(), 3);
   EXPECT_EQ(entered.load(), 3);
+}
+
+// A queued state memory request whose client hung up (its call timed out)
+// is dropped, not served: it holds its uid's connection charge no longer.
+TEST_F(FdServerTest, AQueuedStateMemoryRequestWhoseClientHungUpIsDropped) {
+  absl::Notification release;
+  std::atomic<int> entered{0};
+  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
+    entered.fetch_add(1);
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    return absl::AbortedError("state memory: busy");
+  });
+  std::vector<std::thread> readers;
+  for (int i = 0; i < DescriptorServer::kSlowThreadsPerUid; ++i) {
+    readers.emplace_back([&] { (void)fdproto::FetchStateMemory(path_, 7, "secret"); });
+  }
+  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  {
+    UniqueFd gone = IdleConnection(path_);
+    const fdproto::Request req = fdproto::MakeRequest(fdproto::Op::kStateMemory, 7, "secret", 0);
+    ASSERT_TRUE(fdproto::SendMessage(gone.get(), &req, sizeof req, {}).ok());
+    absl::SleepFor(absl::Milliseconds(100));  // queued behind the two
+  }                                           // hung up
+  release.Notify();
+  for (std::thread& t : readers) t.join();
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
+  EXPECT_TRUE(fdproto::Hello(path_).ok());
 }
 
 // A server stopped while a state memory request waits answers it, refuses
