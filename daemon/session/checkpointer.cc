@@ -372,13 +372,11 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(path));
       const bool is_dir = kind == StoreEnv::Kind::kDirectory;
       // A folder (every session, an existing folder, "." or a trailing "/")
-      // gets a file named for the session inside it.
+      // gets a file named for the session inside it (SaveOne: for whose
+      // state the snapshot holds).
       if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
           job.path.back() == '/' || fs::path(job.path).filename() == ".") {
-        const CheckpointOwner owner = s->StateOwner();
-        path = (fs::path(path) /
-                absl::StrCat(JobFolderName(owner.name), ".r", owner.rank, ".s", sid.id, kSuffix))
-                   .string();
+        path = (fs::path(path) / "").string();
       }
     }
     // A session whose step waits for its trainer is left out after a bounded
@@ -465,8 +463,11 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   std::string path = resolved_path;
   const SessionIdentity& sid = s->identity();
   const CheckpointOwner& owner = snap.owner;  // an adopted state's is its client's
-  if (autosave || path.empty())
+  if (autosave || path.empty()) {
     path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step, id);
+  } else if (path.back() == '/') {
+    absl::StrAppend(&path, JobFolderName(owner.name), ".r", owner.rank, ".s", id, kSuffix);
+  }
   // Every folder and file through the store's descriptors (StoreEnv): a
   // link anywhere below the store fails the save instead of leading out;
   // only into the folder dosd made for the owner, and within its quota.

@@ -163,7 +163,8 @@ class Checkpointer {
   // False when `s` still waits for its trainer after stalled_trainer_wait
   // (for an autosave: at once if it did at the last autosave too).
   bool WaitUntilNotAwaitingTrainer(const Session& s, bool autosave);
-  // `resolved_path` empty (or `autosave`): the default name. ABORTED
+  // `resolved_path` empty (or `autosave`): the default name; ending in "/": a
+  // file named for the session in that folder. ABORTED
   // instead of queueing behind an early step that holds the session waiting
   // for its trainer (Session::Snapshot).
   absl::StatusOr<CheckpointRecord> SaveOne(const std::shared_ptr<Session>& session,
