@@ -317,10 +317,14 @@ TEST(Bounds, OneUidAttackingEveryWayLeavesAnotherUidsStepsFair) {
   ASSERT_EQ(Code(a.Await("all", 120000)), 0) << a.output() << d->log().substr(0, 4000);
   ASSERT_EQ(Code(a.Await("wait")), 0);
   const double attacked = std::min({steps_ms(), steps_ms(), steps_ms()});
-  EXPECT_LT(attacked, 1.5 * alone) << "100 steps: " << alone << " ms alone, " << attacked
-                                   << " ms under attack";
+  // 100 steps take about 30 ms: 50 ms of slack for the tests ctest runs
+  // beside this one on a small machine (the attack this guards against
+  // made them 9x slower).
+  const double limit = 1.5 * alone + 50;
+  EXPECT_LT(attacked, limit) << "100 steps: " << alone << " ms alone, " << attacked
+                             << " ms under attack";
   std::printf("fairness: 100 steps %.1f ms alone, %.1f ms under attack (limit %.1f)\n", alone,
-              attacked, 1.5 * alone);
+              attacked, limit);
   a.Finish();
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
