@@ -145,9 +145,10 @@ case "$what" in
   delay-ab)
     # 6B fp32 + delay under several dosds or flags, all-GPU in each run (~1.5 min a
     # variant). VARIANTS="name[@binary]=flag ...": `binary` in .dist/bin (default dosd),
-    # `flag` dosd flags joined by commas, or none. By default the build before the host
-    # waits slept (dosd_base, when make_dist.sh built it: BASE_REV), this one, and this one
-    # staged.
+    # `flag` dosd flags joined by commas, or none; an item env:VAR=VALUE is the trainer's
+    # environment instead (e.g. hr15=env:DOS_GPU_HEADROOM=1536M, the GPU lease's headroom).
+    # By default the build before the host waits slept (dosd_base, when make_dist.sh built
+    # it: BASE_REV), this one, and this one staged.
     rm -rf /tmp/dos-e2e-*
     names=""
     base=""; [ -x "$B/dosd_base" ] && base="base@dosd_base="
@@ -155,8 +156,11 @@ case "$what" in
       n=${v%%=*}; flag=${v#*=}; bin=dosd
       case "$n" in *@*) bin=${n#*@}; n=${n%%@*} ;; esac
       names="$names e2e_$n e2e_$n.log phases_$n.log"
-      args=(); IFS=, read -ra fl <<< "$flag"; for f in "${fl[@]}"; do args+=(--dosd-arg="$f"); done
-      timeout 170 python3 bench/e2e/run.py --dosd "$B/$bin" --machine "$DOS_MACHINE" --size 6b \
+      args=(); envs=(); IFS=, read -ra fl <<< "$flag"
+      for f in "${fl[@]}"; do
+        case "$f" in env:*) envs+=("${f#env:}") ;; *) args+=(--dosd-arg="$f") ;; esac
+      done
+      timeout 170 env "${envs[@]}" python3 bench/e2e/run.py --dosd "$B/$bin" --machine "$DOS_MACHINE" --size 6b \
         --gpu-budget-gb 80 --iters 8 --modes all_gpu,dos_auto_delay --out "$O/e2e_$n" \
         --tag "delay_$n" --dosd-arg=--log_level=debug "${args[@]}" \
         > "$O/e2e_$n.log" 2>&1
