@@ -84,6 +84,21 @@ class FdServerTest : public ::testing::Test {
     absl::MutexLock lock(&hook_mu_);
     state_memory_ = std::move(f);
   }
+  // kStateMemory counts each call in entered_ and waits for release_ (at
+  // most 20 s), then answers `answer()`.
+  absl::Notification release_;
+  std::atomic<int> entered_{0};
+  void BlockStateMemory(std::function<absl::StatusOr<std::vector<UniqueFd>>()> answer) {
+    SetStateMemory([this, answer = std::move(answer)] {
+      entered_.fetch_add(1);
+      release_.WaitForNotificationWithTimeout(absl::Seconds(20));
+      return answer();
+    });
+  }
+  // Every thread one uid may have serves a blocked state memory request.
+  bool SlowThreadsAllBlocked() {
+    return WaitFor([&] { return entered_.load() == DescriptorServer::kSlowThreadsPerUid; });
+  }
   std::unique_ptr<DescriptorServer> server_;
 };
 
@@ -206,11 +221,7 @@ TEST_F(FdServerTest, OutstandingTicketsPerUidAreCapped) {
 // trainer that stalls); it once held the serving thread, and every other
 // user's attach, meanwhile. Now it waits on its uid's own thread.
 TEST_F(FdServerTest, AStateMemoryRequestThatWaitsHoldsUpNoOtherRequest) {
-  absl::Notification release;
-  std::atomic<int> entered{0};
-  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
-    entered.fetch_add(1);
-    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  BlockStateMemory([]() -> absl::StatusOr<std::vector<UniqueFd>> {
     std::vector<UniqueFd> fds;
     for (const char* name : {"dos.state", "dos.map"}) {
       fds.emplace_back(memfd_create(name, MFD_CLOEXEC));
@@ -225,55 +236,47 @@ TEST_F(FdServerTest, AStateMemoryRequestThatWaitsHoldsUpNoOtherRequest) {
       if (fdproto::FetchStateMemory(path_, 7, "secret").ok()) ok.fetch_add(1);
     });
   }
-  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  ASSERT_TRUE(SlowThreadsAllBlocked());
   const absl::Time t0 = absl::Now();
   EXPECT_TRUE(fdproto::Hello(path_).ok());
   EXPECT_TRUE(fdproto::FetchControlBlock(path_, 7, "secret").ok());
   EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
-  release.Notify();
+  EXPECT_EQ(entered_.load(), DescriptorServer::kSlowThreadsPerUid);
+  release_.Notify();
   for (std::thread& t : readers) t.join();
   EXPECT_EQ(ok.load(), 3);
-  EXPECT_EQ(entered.load(), 3);
+  EXPECT_EQ(entered_.load(), 3);
 }
 
 // A queued state memory request whose client hung up (its call timed out)
 // is dropped, not served: it holds its uid's connection charge no longer.
 TEST_F(FdServerTest, AQueuedStateMemoryRequestWhoseClientHungUpIsDropped) {
-  absl::Notification release;
-  std::atomic<int> entered{0};
-  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
-    entered.fetch_add(1);
-    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  BlockStateMemory([]() -> absl::StatusOr<std::vector<UniqueFd>> {
     return absl::AbortedError("state memory: busy");
   });
   std::vector<std::thread> readers;
   for (int i = 0; i < DescriptorServer::kSlowThreadsPerUid; ++i) {
     readers.emplace_back([&] { (void)fdproto::FetchStateMemory(path_, 7, "secret"); });
   }
-  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  ASSERT_TRUE(SlowThreadsAllBlocked());
   {
     UniqueFd gone = IdleConnection(path_);
     const fdproto::Request req = fdproto::MakeRequest(fdproto::Op::kStateMemory, 7, "secret", 0);
     ASSERT_TRUE(fdproto::SendMessage(gone.get(), &req, sizeof req, {}).ok());
     absl::SleepFor(absl::Milliseconds(100));  // queued behind the two
   }                                           // hung up
-  release.Notify();
+  release_.Notify();
   for (std::thread& t : readers) t.join();
   absl::SleepFor(absl::Milliseconds(200));
-  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
+  EXPECT_EQ(entered_.load(), DescriptorServer::kSlowThreadsPerUid);
   EXPECT_TRUE(fdproto::Hello(path_).ok());
 }
 
 // A server stopped while a state memory request waits answers it, refuses
 // the queued ones, and stops.
 TEST_F(FdServerTest, StoppingWithStateMemoryRequestsWaitingAnswersThemAll) {
-  absl::Notification release;
-  std::atomic<int> entered{0};
-  SetStateMemory([&]() -> absl::StatusOr<std::vector<UniqueFd>> {
-    entered.fetch_add(1);
-    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  BlockStateMemory([]() -> absl::StatusOr<std::vector<UniqueFd>> {
     return absl::AbortedError("state memory: the session's step holds it");
   });
   std::vector<std::thread> readers;
@@ -286,15 +289,15 @@ TEST_F(FdServerTest, StoppingWithStateMemoryRequestsWaitingAnswersThemAll) {
       }
     });
   }
-  ASSERT_TRUE(WaitFor([&] { return entered.load() == DescriptorServer::kSlowThreadsPerUid; }));
+  ASSERT_TRUE(SlowThreadsAllBlocked());
   absl::SleepFor(absl::Milliseconds(100));  // the other two queue
   std::thread stop([&] { server_.reset(); });
   absl::SleepFor(absl::Milliseconds(100));
-  release.Notify();
+  release_.Notify();
   stop.join();
   for (std::thread& t : readers) t.join();
   EXPECT_EQ(answered.load(), 4);
-  EXPECT_EQ(entered.load(), DescriptorServer::kSlowThreadsPerUid);
+  EXPECT_EQ(entered_.load(), DescriptorServer::kSlowThreadsPerUid);
 }
 
 // A connection to `path` that sends nothing.
