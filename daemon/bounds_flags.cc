@@ -31,6 +31,11 @@ ABSL_FLAG(int, max_segments_per_uid, 4096,
           "Trainer memory segments (memfds sent over the descriptor socket) dosd maps for one "
           "uid at once; each is one mapping, and vm.max_map_count (65530 by default) bounds "
           "dosd's mappings in all, so keep this x the trainer users well below it. 0 = no cap.");
+ABSL_FLAG(int, max_state_views_per_uid, 512,
+          "Shards whose state memory one uid was handed (state_dict()'s zero-copy views), its "
+          "live sessions' and closed ones' it still maps; a closed one stays charged (one "
+          "descriptor of dosd's, and its bytes to --host_memory_limit) until the trainer drops "
+          "its views or exits. Past it state_dict() is refused. 0 = no cap.");
 ABSL_FLAG(int, max_fd_connections_per_uid, 16,
           "Descriptor-socket connections of one uid waiting for dosd to serve them; more are "
           "refused at once. 0 = no cap.");
@@ -120,6 +125,10 @@ absl::Status BoundsFromFlags(uint64_t host_memory_limit, absl::Duration session_
   if (st.ok()) {
     st = Count("max_segments_per_uid", absl::GetFlag(FLAGS_max_segments_per_uid),
                &uid[at(UidResource::kSegments)]);
+  }
+  if (st.ok()) {
+    st = Count("max_state_views_per_uid", absl::GetFlag(FLAGS_max_state_views_per_uid),
+               &uid[at(UidResource::kStateViews)]);
   }
   return st;
 }

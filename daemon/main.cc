@@ -427,7 +427,9 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConf
 // The stop signals, blocked in every thread from here on (Run takes them
 // with sigwait); SIGXFSZ ignored: a file size limit (systemd LimitFSIZE=,
 // ulimit -f) fails a checkpoint write with EFBIG, reported to its caller,
-// instead of killing dosd.
+// instead of killing dosd; SIGIO ignored: the lease that tells whether a
+// closed session's state is still viewed (HostMemoryBudget) is held for an
+// instant, and a break of it must not kill dosd.
 sigset_t BlockStopSignals() {
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -435,6 +437,7 @@ sigset_t BlockStopSignals() {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGXFSZ, SIG_IGN);
+  ::signal(SIGIO, SIG_IGN);
   return stop_signals;
 }
 
@@ -468,8 +471,10 @@ int Run(const DaemonConfig& config) {
   absl::StatusOr<std::unique_ptr<SocketGuard>> guard = SocketGuard::Claim(config.socket_path);
   if (!guard.ok()) return Fail("daemon.socket", guard.status());
 
-  HostMemoryBudget budget(config.host_memory_limit);
+  // The ledger outlives the budget: the budget keeps uids' state-views
+  // charges while closed sessions' state is still mapped.
   UidLedger ledger(config.uid_limits);
+  HostMemoryBudget budget(config.host_memory_limit);
   absl::StatusOr<std::unique_ptr<Engines>> engines = Engines::Create(config.engines);
   if (!engines.ok()) return Fail("daemon.gpu", engines.status());
   DaemonCounters counters;

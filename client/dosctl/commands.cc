@@ -183,6 +183,11 @@ absl::Status Commands::Stats(uint64_t session_id, std::ostream& out) {
       << (resp.host_state_limit_bytes() != 0
               ? absl::StrCat(" of ", Bytes(resp.host_state_limit_bytes()), " allowed")
               : std::string(" (no limit)"))
+      << (resp.host_state_viewed_shards() != 0
+              ? absl::StrCat("; ", Bytes(resp.host_state_viewed_bytes()), " of it ",
+                             resp.host_state_viewed_shards(),
+                             " closed session(s)' state a trainer still maps (state_dict())")
+              : std::string())
       << "\n";
   for (const auto& e : resp.gpu_engines()) {
     out << "gpu engine cuda:" << e.ordinal() << " " << e.uuid() << " (" << e.name() << "): "
@@ -245,8 +250,8 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
   };
   out << "\nper uid (used / bound):\n";
   Table t({"UID", "SESSIONS", "MAPPED", "SEGMENTS", "FD CONNECTIONS", "EARLY STEPS", "TENSORS",
-           "BOOKKEEPING"},
-          {true, true, true, true, true, true, true, true});
+           "BOOKKEEPING", "STATE VIEWS"},
+          {true, true, true, true, true, true, true, true, true});
   for (const v1::UidUsage& u : resp.uids()) {
     t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
               of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
@@ -254,7 +259,8 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
               of(absl::StrCat(u.connections()), cap.connections(), false),
               of(absl::StrCat(u.early_steps()), cap.early_steps(), false),
               of(absl::StrCat(u.tensors()), cap.tensors(), false),
-              of(Bytes(u.bookkeeping_bytes()), cap.bookkeeping_bytes(), true)});
+              of(Bytes(u.bookkeeping_bytes()), cap.bookkeeping_bytes(), true),
+              of(absl::StrCat(u.state_views()), cap.state_views(), false)});
   }
   t.Print(out);
 }

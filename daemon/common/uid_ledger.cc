@@ -35,6 +35,9 @@ const ResourceText& Text(UidResource r) {
       {"segments", "--max_segments_per_uid", "", false,
        "send dosd a few large buffers holding your tensors, not one per tensor (libdos_client "
        "does), and detach sessions you no longer use"},
+      {"state_views", "--max_state_views_per_uid", "", false,
+       "drop the state_dict() results of optimizers you closed (they map their sessions' "
+       "state), or end the trainer that holds them"},
   };
   return kTexts[static_cast<int>(r)];
 }

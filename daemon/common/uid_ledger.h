@@ -8,7 +8,10 @@
 // registered tensors (records and names), registered tensors, and segments
 // mapped: each is one mapping of dosd's address space, and the kernel's
 // vm.max_map_count (65530 by default) bounds them all together, so one
-// uid's thousands of tiny segments would leave none for anyone. Sessions
+// uid's thousands of tiny segments would leave none for anyone; and shards
+// whose state memory the uid was handed (state_dict()'s zero-copy views):
+// one descriptor of dosd's each once their session is gone, kept while the
+// trainer still maps them (HostMemoryBudget::HoldWhileViewed). Sessions
 // per uid are the session manager's (--max_sessions_per_uid).
 //
 // Charging: a component charges a uid (Charge) or, for per-session bounds
@@ -45,8 +48,10 @@ enum class UidResource : int {
   kBookkeepingBytes = 3,  // registered tensors' records and names, bytes
   kTensors = 4,           // registered tensors
   kSegments = 5,          // client memory segments mapped (one mapping of dosd's each)
+  kStateViews = 6,        // shards whose state memory the uid was handed (state_dict()'s
+                          // views), live or closed while still mapped
 };
-inline constexpr int kNumUidResources = 6;
+inline constexpr int kNumUidResources = 7;
 
 // "mapped_bytes", "connections", ...: stats and metrics names.
 const char* UidResourceName(UidResource r);
@@ -91,6 +96,8 @@ class UidLedger {
     absl::StatusOr<LedgerCharge> Charge(UidResource r, uint64_t amount, absl::string_view what);
     uint64_t used(UidResource r) const;
     uint32_t uid() const { return uid_; }
+    // The ledger, for charges that outlive the session (UidLedger::Charge).
+    UidLedger* ledger() const { return ledger_; }
 
     ~Account();
 

@@ -3,6 +3,27 @@
 #include "absl/strings/str_cat.h"
 
 namespace dos {
+namespace {
+
+// The host memory held as state (--host_memory_limit), and of it what closed
+// sessions' views hold.
+void RegisterHostStateGauges(MetricsRegistry* m, const HostMemoryBudget* budget) {
+  m->AddCallbackGauge("dos_host_state_bytes",
+                      "Host memory held as optimizer state and delayed-update buffers, "
+                      "counted against --host_memory_limit (page-locked in GPU mode).",
+                      {}, [budget] { return static_cast<double>(budget->used()); })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_host_state_viewed_bytes",
+                      "Of dos_host_state_bytes: the state of closed sessions a trainer still "
+                      "maps (state_dict()'s views), charged until it drops them.",
+                      {}, [budget] { return static_cast<double>(budget->viewed().bytes); })
+      .IgnoreError();
+  m->AddCallbackGauge("dos_host_state_limit_bytes", "--host_memory_limit (0: none).", {}, [budget] {
+     return static_cast<double>(budget->limit());
+   }).IgnoreError();
+}
+
+}  // namespace
 
 void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager* sessions,
                      const HostMemoryBudget* budget) {
@@ -40,15 +61,7 @@ void RegisterMetrics(MetricsRegistry* m, const DaemonCounters* c, SessionManager
                         return static_cast<double>(sessions->ListOrphans().size());
                       })
       .IgnoreError();
-  m->AddCallbackGauge("dos_host_state_bytes",
-                      "Host memory held as optimizer state and delayed-update buffers, "
-                      "counted against --host_memory_limit (page-locked in GPU mode).",
-                      {},
-                      [budget] { return static_cast<double>(budget->used()); })
-      .IgnoreError();
-  m->AddCallbackGauge("dos_host_state_limit_bytes", "--host_memory_limit (0: none).", {},
-                      [budget] { return static_cast<double>(budget->limit()); })
-      .IgnoreError();
+  RegisterHostStateGauges(m, budget);
   m->AddCallbackGauge("dos_params_per_second", "Sum over sessions of the last step's rate.", {},
                       [sessions] {
                         double sum = 0;

@@ -12,6 +12,7 @@ void Fill(uint32_t sessions, const UidAmounts& a, v1::UidUsage* u) {
   u->set_bookkeeping_bytes(at(UidResource::kBookkeepingBytes));
   u->set_tensors(at(UidResource::kTensors));
   u->set_segments(at(UidResource::kSegments));
+  u->set_state_views(static_cast<uint32_t>(at(UidResource::kStateViews)));
 }
 
 }  // namespace

@@ -318,6 +318,8 @@ void SessionManager::ReapLoop() {
     }
     for (auto& s : reap) StopAndFree(std::move(s), "client_exited");
     for (auto& s : expired) StopAndFree(std::move(s), "lease_expired");
+    // State of closed sessions whose views their trainers have dropped since.
+    if (budget_ != nullptr) budget_->ReapViews();
   }
 }
 

@@ -141,6 +141,15 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }
+    if (!shard_->views_charged() && account_ != nullptr) {
+      // One per shard, the uid's (not the session's): it outlives the session
+      // while the trainer still maps the memory (HostMemoryBudget::HoldWhileViewed).
+      if (budget_ != nullptr) budget_->ReapViews();
+      DOS_ASSIGN_OR_RETURN(LedgerCharge views,
+                           account_->ledger()->Charge(identity_.uid, UidResource::kStateViews, 1,
+                                                      "state memory (state_dict()'s views)"));
+      shard_->set_views_charge(std::move(views));
+    }
     DOS_ASSIGN_OR_RETURN(memory, shard_->ExportStateMemory());
     return absl::OkStatus();
   }));

@@ -135,7 +135,14 @@ absl::StatusOr<UniqueFd> HostArena::ReadOnlyFd() const {
     return absl::InternalError(absl::StrCat("cannot reopen the state's memfd read-only (", path,
                                             ": ", std::strerror(errno), ")"));
   }
+  exported_.store(true, std::memory_order_release);
   return ro;
+}
+
+UniqueFd HostArena::OpenForLease() const {
+  if (!fd_.valid()) return UniqueFd();
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
+  return UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
 }
 
 absl::Status HostArena::Touch(RegisterProgress* progress) {

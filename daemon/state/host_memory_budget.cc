@@ -1,10 +1,17 @@
 #include "daemon/state/host_memory_budget.h"
 
+#include <fcntl.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <string>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/log.h"
 
 namespace dos {
 
@@ -17,11 +24,21 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
 absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
                                        absl::string_view held_as, absl::string_view fix) {
   absl::MutexLock lock(&mu_);
-  if (limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes)) {
+  auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes);
+  };
+  if (over() && !held_.empty()) ReapViewsLocked();
+  if (over()) {
+    const std::string viewed =
+        held_bytes_ == 0
+            ? std::string()
+            : absl::StrCat("; ", FormatBytes(held_bytes_), " of it is the state of ", held_.size(),
+                           " closed session(s) whose state_dict() views a trainer still holds "
+                           "(drop those state dicts, or end that trainer, to free it)");
     return absl::ResourceExhaustedError(
         absl::StrCat(what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as,
                      ", but ", FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
-                     " limit is in use (", FormatBytes(limit_ - used_), " free); ", fix));
+                     " limit is in use (", FormatBytes(limit_ - used_), " free); ", fix, viewed));
   }
   used_ += bytes;
   return absl::OkStatus();
@@ -32,9 +49,59 @@ void HostMemoryBudget::Release(uint64_t bytes) {
   used_ = bytes > used_ ? 0 : used_ - bytes;
 }
 
+void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge) {
+  absl::MutexLock lock(&mu_);
+  if (!file.valid() || !StillViewed(file.get())) {
+    used_ = bytes > used_ ? 0 : used_ - bytes;
+    return;  // `charge` and `file` go with this scope
+  }
+  held_bytes_ += bytes;
+  held_.push_back(Held{std::move(file), bytes, std::move(charge)});
+}
+
+void HostMemoryBudget::ReapViews() {
+  absl::MutexLock lock(&mu_);
+  ReapViewsLocked();
+}
+
+void HostMemoryBudget::ReapViewsLocked() {
+  for (size_t i = 0; i < held_.size();) {
+    if (StillViewed(held_[i].file.get())) {
+      ++i;
+      continue;
+    }
+    const uint64_t b = held_[i].bytes;
+    used_ = b > used_ ? 0 : used_ - b;
+    held_bytes_ -= b;
+    if (i + 1 != held_.size()) std::swap(held_[i], held_.back());
+    held_.pop_back();  // closes its descriptor and gives its uid's charge back
+  }
+}
+
 uint64_t HostMemoryBudget::used() const {
   absl::MutexLock lock(&mu_);
   return used_;
+}
+
+HostMemoryBudget::Viewed HostMemoryBudget::viewed() const {
+  absl::MutexLock lock(&mu_);
+  return Viewed{held_bytes_, held_.size()};
+}
+
+bool StillViewed(int file) {
+  if (::fcntl(file, F_SETLEASE, F_WRLCK) == 0) {
+    ::fcntl(file, F_SETLEASE, F_UNLCK);
+    return false;
+  }
+  if (errno == EAGAIN) return true;
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    DOS_LOG_WARNING("state.views_not_tracked", "error", std::strerror(errno), "fix",
+                    "enable file leases (sysctl fs.leases-enable=1): without them the memory of "
+                    "closed sessions whose state_dict() views a trainer still holds is not "
+                    "charged to --host_memory_limit");
+  }
+  return false;
 }
 
 std::string FormatBytes(uint64_t bytes) {

@@ -6,16 +6,30 @@
 // (DelayedHost, daemon/sched/delayed_host.h) are charged to the budget of
 // its state too: a delayed step that would pass the cap fails the same way.
 //
+// State still viewed: a shard whose owner was handed its state memory
+// (state_dict()'s views, ShardState::ExportStateMemory) may be destroyed
+// while the trainer still maps it; those pages live on, in dosd's memory
+// cgroup, until the last view is gone. HoldWhileViewed keeps such a shard's
+// bytes (and its uid's state-views charge) reserved until then: dosd keeps a
+// writable descriptor of the memfd and asks the kernel for a write lease on
+// it (F_SETLEASE), which is granted only once no other open file of it is
+// left (a mapping holds its file open). Reserve, stats and the session
+// manager's reaper (once a second) give back what is no longer viewed. The
+// ledger of the charges it keeps must outlive the budget.
+//
 // Thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/common/uid_ledger.h"
+#include "dos/wire/unique_fd.h"
 
 namespace dos {
 
@@ -32,15 +46,42 @@ class HostMemoryBudget {
   absl::Status Reserve(uint64_t bytes, absl::string_view what, absl::string_view held_as,
                        absl::string_view fix);
   void Release(uint64_t bytes);
+  // `bytes` of a destroyed shard whose state memory may still be mapped by
+  // its owner: `file` is a writable descriptor of the state's memfd opened
+  // for this (HostArena::OpenForLease), the only one dosd keeps; `charge`
+  // the uid's state-views charge. Released at once if nothing views it.
+  void HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge);
+  // Gives back the held shards no longer viewed.
+  void ReapViews();
 
   uint64_t used() const;
   uint64_t limit() const { return limit_; }
+  // Bytes and shards held for views of destroyed shards (as of the last reap).
+  struct Viewed {
+    uint64_t bytes = 0;
+    uint64_t shards = 0;
+  };
+  Viewed viewed() const;
 
  private:
   const uint64_t limit_;
   mutable absl::Mutex mu_;
+  struct Held {
+    UniqueFd file;
+    uint64_t bytes = 0;
+    LedgerCharge charge;
+  };
+  void ReapViewsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
+  uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// Whether anything but `file` (a writable descriptor, the caller's only
+// one) still has the file open or mapped: true while a write lease is
+// refused (EAGAIN). False where the kernel grants none for another reason
+// (leases disabled): then the views are not waited for.
+bool StillViewed(int file);
 
 // "1.50 GiB", "512.00 MiB", "12 B": for messages.
 std::string FormatBytes(uint64_t bytes);

@@ -113,8 +113,15 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
 
 ShardState::~ShardState() {
   attachment_.reset();  // unpins / frees GPU copies while the memory still exists
+  // Memory its owner was handed (state_dict()'s views) lives on while mapped:
+  // it stays charged until nothing views it.
+  UniqueFd lease = budget_ != nullptr && arena_ != nullptr && arena_->exported()
+                       ? arena_->OpenForLease()
+                       : UniqueFd();
   arena_.reset();
-  if (budget_ != nullptr) budget_->Release(reserved_bytes_);
+  if (budget_ != nullptr) {
+    budget_->HoldWhileViewed(std::move(lease), reserved_bytes_, std::move(views_charge_));
+  }
 }
 
 std::vector<ShardState::MasterRun> ShardState::MasterRuns(uint32_t tensor) {

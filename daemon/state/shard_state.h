@@ -197,6 +197,12 @@ class ShardState {
     UniqueFd map;
   };
   absl::StatusOr<StateMemory> ExportStateMemory() const;
+  // The owner uid's state-views charge (UidResource::kStateViews), taken by
+  // the session at the first export. When the shard is destroyed while its
+  // owner may still map the memory, the charge and the state's bytes stay
+  // held in the budget until nothing views it (HostMemoryBudget::HoldWhileViewed).
+  bool views_charged() const { return views_charge_.amount() != 0; }
+  void set_views_charge(LedgerCharge charge) { views_charge_ = std::move(charge); }
 
   // The state's memory: subgroup i's state is arena().slot(i).
   const HostArena& arena() const { return *arena_; }
@@ -260,6 +266,7 @@ class ShardState {
   StateFormat format_ = StateFormat::kFp32;
   HostMemoryBudget* budget_ = nullptr;
   uint64_t reserved_bytes_ = 0;
+  LedgerCharge views_charge_;
   std::unique_ptr<ShardAttachment> attachment_;
 
   // Snapshot state. `snapshot_staging_` is written by BeginSnapshot only (a

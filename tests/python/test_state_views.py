@@ -188,3 +188,53 @@ def test_lightning_sees_no_internal_unscaling_torch_does(dos_socket):
         exec("def handles(o):\n    return getattr(o, '_step_supports_amp_scaling', False)\n",
              mod.__dict__)
         assert mod.handles(opt) is True
+
+
+def test_views_of_a_closed_optimizer_keep_its_memory_charged():
+    """state_dict()'s views outlive close(), as torch's tensors outlive their
+    optimizer; the memory they map stays charged to --host_memory_limit (and
+    to the uid's --max_state_views_per_uid) until they are dropped, so a
+    trainer that keeps them cannot make dosd hold more than its limit."""
+    from conftest import running_dosd
+    from dos import DosError
+    model = big_model()  # ~4.3M parameters: ~50 MiB of fp32 state
+    with running_dosd("--host_memory_limit=80M") as (sock, _):
+        opt = dos.torch.AdamW(model.parameters(), socket=sock, **LR)
+        train(model, opt, 1)
+        sd = opt.state_dict()
+        kept = sd["state"][0]["exp_avg"]
+        expected = kept.clone()
+        opt.close()
+        with pytest.raises(DosError) as err:
+            dos.torch.AdamW(model.parameters(), socket=sock, **LR)
+        text = str(err.value)
+        assert "RESOURCE_EXHAUSTED" in text and "--host_memory_limit" in text, text
+        assert "state_dict() views a trainer still holds" in text, text
+        assert torch.equal(kept, expected)  # the views still read the closed state
+        del sd, kept
+        gc.collect()
+        with dos.torch.AdamW(model.parameters(), socket=sock, **LR) as opt:
+            train(model, opt, 1)
+
+
+def test_state_views_per_uid_are_bounded():
+    from conftest import running_dosd
+    from dos import DosError
+    with running_dosd("--max_state_views_per_uid=2") as (sock, _):
+        models = [big_model(seed) for seed in range(3)]
+        opts = [dos.torch.AdamW(m.parameters(), socket=sock, **LR) for m in models]
+        try:
+            for m, o in zip(models, opts):
+                train(m, o, 1)
+            held = [opts[0].state_dict()]
+            opts[0].close()  # closed, its views kept: still counted
+            held.append(opts[1].state_dict())
+            with pytest.raises(DosError) as err:
+                opts[2].state_dict()
+            assert "--max_state_views_per_uid=2" in str(err.value), str(err.value)
+            held.pop(0)
+            gc.collect()
+            assert len(opts[2].state_dict()["state"]) == 4
+        finally:
+            for o in opts:
+                o.close()
