@@ -249,7 +249,7 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
 std::string Checkpointer::DefaultPath(uint32_t uid, const CheckpointOwner& owner,
                                       absl::string_view kind, int64_t step,
                                       uint64_t session) const {
-  return (fs::path(UserDir(uid)) / absl::StrCat(JobFolderName(owner.name), ".r", owner.rank) /
+  return (fs::path(UserDir(uid)) / RankName(owner.name, owner.rank) /
           absl::StrFormat("%s-%012d.s%d%s", kind, step, session, kSuffix))
       .string();
 }
@@ -466,7 +466,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   if (autosave || path.empty()) {
     path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step, id);
   } else if (path.back() == '/') {
-    absl::StrAppend(&path, JobFolderName(owner.name), ".r", owner.rank, ".s", id, kSuffix);
+    absl::StrAppend(&path, RankName(owner.name, owner.rank), ".s", id, kSuffix);
   }
   // Every folder and file through the store's descriptors (StoreEnv): a
   // link anywhere below the store fails the save instead of leading out;

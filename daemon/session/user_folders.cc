@@ -77,6 +77,10 @@ std::string JobFolderName(std::string_view name) {
   return out;
 }
 
+std::string RankName(std::string_view client_name, int32_t rank) {
+  return absl::StrCat(JobFolderName(client_name), ".r", rank);
+}
+
 std::string UserFolders::Dir(uint32_t uid) const {
   return absl::StrCat(store_->root(), store_->root() == "/" ? "" : "/", kPrefix, uid);
 }

@@ -53,6 +53,9 @@ namespace dos {
 // distinct folders (they once shared one: "exp/1" and "exp_1" saved to the
 // same file, and one job's checkpoint replaced the other's).
 std::string JobFolderName(std::string_view client_name);
+// "<JobFolderName>.r<rank>": one rank's part of a checkpoint's name (its
+// folder under the uid's, or the file's name in a folder the caller gave).
+std::string RankName(std::string_view client_name, int32_t rank);
 
 struct CheckpointUsage {
   uint64_t bytes = 0;
