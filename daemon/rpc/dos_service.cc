@@ -381,8 +381,7 @@ absl::Status DosService::HandleGetStats(const RpcCall&, const v1::GetStatsReques
   } else {
     for (const auto& s : sessions_->List()) FillSessionStats(*s, resp->add_sessions());
   }
-  budget_->ReapViews();
-  const HostMemoryBudget::Viewed viewed = budget_->viewed();
+  const HostMemoryBudget::Viewed viewed = budget_->viewed();  // as of the last reap (1 s)
   resp->set_host_state_bytes(budget_->used());
   resp->set_host_state_viewed_bytes(viewed.bytes);
   resp->set_host_state_viewed_shards(static_cast<uint32_t>(viewed.shards));

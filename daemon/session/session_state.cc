@@ -141,16 +141,23 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }
-    if (!shard_->views_charged() && account_ != nullptr) {
-      // One per shard, the uid's (not the session's): it outlives the session
-      // while the trainer still maps the memory (HostMemoryBudget::HoldWhileViewed).
-      if (budget_ != nullptr) budget_->ReapViews();
-      DOS_ASSIGN_OR_RETURN(LedgerCharge views,
-                           account_->ledger()->Charge(identity_.uid, UidResource::kStateViews, 1,
-                                                      "state memory (state_dict()'s views)"));
-      shard_->set_views_charge(std::move(views));
-    }
     DOS_ASSIGN_OR_RETURN(memory, shard_->ExportStateMemory());
+    // One state view per shard, charged to the uid (not the session): it
+    // outlives the session while the trainer still maps the memory
+    // (HostMemoryBudget::HoldWhileViewed). Only to a ledger that outlives
+    // the session (a session without one keeps its own).
+    if (!shard_->views_charged() && own_ledger_ == nullptr && account_ != nullptr) {
+      UidLedger* ledger = account_->ledger();
+      constexpr const char* kWhat = "state memory (state_dict()'s views)";
+      absl::StatusOr<LedgerCharge> views =
+          ledger->Charge(identity_.uid, UidResource::kStateViews, 1, kWhat);
+      if (!views.ok() && budget_ != nullptr) {
+        budget_->ReapViews();  // views dropped since the last reap count no more
+        views = ledger->Charge(identity_.uid, UidResource::kStateViews, 1, kWhat);
+      }
+      if (!views.ok()) return views.status();  // `memory`'s descriptors close unsent
+      shard_->set_views_charge(std::move(*views));
+    }
     return absl::OkStatus();
   }));
   return memory;

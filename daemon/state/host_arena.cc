@@ -126,23 +126,34 @@ absl::StatusOr<UniqueFd> HostArena::ReadOnlyFd() const {
         "state memory: this session's state is not shareable (", unshared_reason_,
         "); read it by copy (dos_state_read)"));
   }
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    if (!lease_fd_.valid()) {
+      lease_fd_.reset(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+      if (!lease_fd_.valid()) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("state memory: cannot keep a descriptor to track its views (", path, ": ",
+                         std::strerror(errno),
+                         "); read the state by copy (dos_state_read), or raise dosd's "
+                         "descriptor limit (LimitNOFILE)"));
+      }
+    }
+  }
   // A new open file description, read-only: its holder can map the state
   // (MAP_PRIVATE; MAP_SHARED only without PROT_WRITE) but neither write,
   // resize nor seal it.
-  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
   UniqueFd ro(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!ro.valid()) {
     return absl::InternalError(absl::StrCat("cannot reopen the state's memfd read-only (", path,
                                             ": ", std::strerror(errno), ")"));
   }
-  exported_.store(true, std::memory_order_release);
   return ro;
 }
 
-UniqueFd HostArena::OpenForLease() const {
-  if (!fd_.valid()) return UniqueFd();
-  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
-  return UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+UniqueFd HostArena::TakeLeaseFd() {
+  std::lock_guard<std::mutex> lock(lease_mu_);
+  return std::move(lease_fd_);
 }
 
 absl::Status HostArena::Touch(RegisterProgress* progress) {

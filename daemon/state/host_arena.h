@@ -20,9 +20,9 @@
 // splits its own work; nothing else mutates.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -63,12 +63,12 @@ class HostArena {
   uint64_t file_bytes() const { return file_bytes_; }
   // A new read-only descriptor of the state's memfd (O_RDONLY, close-on-exec).
   absl::StatusOr<UniqueFd> ReadOnlyFd() const;
-  // Whether ReadOnlyFd() ever handed one out (its holder may still map it).
-  bool exported() const { return exported_.load(std::memory_order_acquire); }
-  // A new writable descriptor of the memfd for HostMemoryBudget::HoldWhileViewed
-  // (the memfd's own descriptor does not count as an open writer, so the
-  // kernel's lease check needs one that does); invalid if none can be made.
-  UniqueFd OpenForLease() const;
+  // Once ReadOnlyFd() has handed one out, a writable descriptor of the memfd
+  // opened for HostMemoryBudget::HoldWhileViewed (the memfd's own does not
+  // count as an open writer, and the kernel's lease check needs one that
+  // does; opened at the first export, so that no view exists untracked);
+  // invalid if none was handed out. The arena gives it up.
+  UniqueFd TakeLeaseFd();
   // Bytes of slot i rounded up to whole pages (what may be page-locked).
   uint64_t slot_bytes(size_t i) const { return rounded_[i]; }
   size_t num_slots() const { return offsets_.size(); }
@@ -86,7 +86,8 @@ class HostArena {
   std::string unshared_reason_;
   std::vector<uint64_t> file_offsets_;
   bool huge_ = false;
-  mutable std::atomic<bool> exported_{false};
+  mutable std::mutex lease_mu_;
+  mutable UniqueFd lease_fd_;  // guarded by lease_mu_
   std::vector<uint64_t> offsets_;
   std::vector<uint64_t> rounded_;
 };

@@ -23,18 +23,20 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
 
 absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
                                        absl::string_view held_as, absl::string_view fix) {
+  std::vector<Held> freed;  // destroyed after the lock: closing frees their memory
   absl::MutexLock lock(&mu_);
   auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return limit_ != 0 && (bytes > limit_ || used_ > limit_ - bytes);
   };
-  if (over() && !held_.empty()) ReapViewsLocked();
+  if (over() && !held_.empty()) ReapViewsLocked(&freed);
   if (over()) {
     const std::string viewed =
         held_bytes_ == 0
             ? std::string()
             : absl::StrCat("; ", FormatBytes(held_bytes_), " of it is the state of ", held_.size(),
                            " closed session(s) whose state_dict() views a trainer still holds "
-                           "(drop those state dicts, or end that trainer, to free it)");
+                           "(drop those state dicts, or end that trainer and any child it "
+                           "forked, such as DataLoader workers, to free it)");
     return absl::ResourceExhaustedError(
         absl::StrCat(what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as,
                      ", but ", FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
@@ -50,21 +52,23 @@ void HostMemoryBudget::Release(uint64_t bytes) {
 }
 
 void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge) {
+  Held held{std::move(file), bytes, std::move(charge)};  // outlives the lock (see freed below)
   absl::MutexLock lock(&mu_);
-  if (!file.valid() || !StillViewed(file.get())) {
-    used_ = bytes > used_ ? 0 : used_ - bytes;
-    return;  // `charge` and `file` go with this scope
+  if (held.file.valid() && StillViewed(held.file.get())) {
+    held_bytes_ += bytes;
+    held_.push_back(std::move(held));
+    return;
   }
-  held_bytes_ += bytes;
-  held_.push_back(Held{std::move(file), bytes, std::move(charge)});
+  used_ = bytes > used_ ? 0 : used_ - bytes;
 }
 
 void HostMemoryBudget::ReapViews() {
+  std::vector<Held> freed;  // destroyed after the lock: closing frees their memory
   absl::MutexLock lock(&mu_);
-  ReapViewsLocked();
+  ReapViewsLocked(&freed);
 }
 
-void HostMemoryBudget::ReapViewsLocked() {
+void HostMemoryBudget::ReapViewsLocked(std::vector<Held>* freed) {
   for (size_t i = 0; i < held_.size();) {
     if (StillViewed(held_[i].file.get())) {
       ++i;
@@ -73,8 +77,11 @@ void HostMemoryBudget::ReapViewsLocked() {
     const uint64_t b = held_[i].bytes;
     used_ = b > used_ ? 0 : used_ - b;
     held_bytes_ -= b;
+    // Closing the last descriptor frees the state (seconds for 100 GB), so
+    // the caller does it after the lock; so is the uid's charge given back.
+    freed->push_back(std::move(held_[i]));
     if (i + 1 != held_.size()) std::swap(held_[i], held_.back());
-    held_.pop_back();  // closes its descriptor and gives its uid's charge back
+    held_.pop_back();
   }
 }
 
@@ -93,15 +100,21 @@ bool StillViewed(int file) {
     ::fcntl(file, F_SETLEASE, F_UNLCK);
     return false;
   }
-  if (errno == EAGAIN) return true;
+  const int err = errno;
+  if (err == EAGAIN) return true;
+  // Leases off (fs.leases-enable=0: EINVAL) or refused (EACCES, EPERM): the
+  // views cannot be told apart, so the memory is released with its session.
+  // Anything else may pass: asked again at the next reap.
+  const bool untracked = err == EINVAL || err == EACCES || err == EPERM;
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true)) {
-    DOS_LOG_WARNING("state.views_not_tracked", "error", std::strerror(errno), "fix",
-                    "enable file leases (sysctl fs.leases-enable=1): without them the memory of "
-                    "closed sessions whose state_dict() views a trainer still holds is not "
-                    "charged to --host_memory_limit");
+    DOS_LOG_WARNING("state.views_not_tracked", "error", std::strerror(err), "fix",
+                    untracked ? "enable file leases (sysctl fs.leases-enable=1): without them "
+                                "the memory of closed sessions whose state_dict() views a "
+                                "trainer still holds is not charged to --host_memory_limit"
+                              : "none; asked again once a second");
   }
-  return false;
+  return !untracked;
 }
 
 std::string FormatBytes(uint64_t bytes) {

@@ -13,8 +13,10 @@
 // bytes (and its uid's state-views charge) reserved until then: dosd keeps a
 // writable descriptor of the memfd and asks the kernel for a write lease on
 // it (F_SETLEASE), which is granted only once no other open file of it is
-// left (a mapping holds its file open). Reserve, stats and the session
-// manager's reaper (once a second) give back what is no longer viewed. The
+// left (a mapping holds its file open). Reserve (one that would not fit)
+// and the session manager's reaper (once a second) give back what is no
+// longer viewed; the
+// memory itself is freed (the last descriptor closed) off the lock. The
 // ledger of the charges it keeps must outlive the budget.
 //
 // Thread-safe.
@@ -71,7 +73,7 @@ class HostMemoryBudget {
     uint64_t bytes = 0;
     LedgerCharge charge;
   };
-  void ReapViewsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReapViewsLocked(std::vector<Held>* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;

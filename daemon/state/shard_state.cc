@@ -115,9 +115,7 @@ ShardState::~ShardState() {
   attachment_.reset();  // unpins / frees GPU copies while the memory still exists
   // Memory its owner was handed (state_dict()'s views) lives on while mapped:
   // it stays charged until nothing views it.
-  UniqueFd lease = budget_ != nullptr && arena_ != nullptr && arena_->exported()
-                       ? arena_->OpenForLease()
-                       : UniqueFd();
+  UniqueFd lease = arena_ != nullptr ? arena_->TakeLeaseFd() : UniqueFd();
   arena_.reset();
   if (budget_ != nullptr) {
     budget_->HoldWhileViewed(std::move(lease), reserved_bytes_, std::move(views_charge_));

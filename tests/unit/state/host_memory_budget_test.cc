@@ -65,8 +65,8 @@ class HeldViewsTest : public ::testing::Test {
     auto snap = ledger_.Snapshot();
     return snap.count(1000) ? snap[1000].used[static_cast<int>(UidResource::kStateViews)] : 0;
   }
+  UidLedger ledger_{Limits()};  // outlives the budget, which may hold its charges
   HostMemoryBudget budget_{uint64_t{1} << 20};
-  UidLedger ledger_{Limits()};
 };
 
 TEST_F(HeldViewsTest, AClosedShardsStateStaysChargedWhileItsOwnerMapsIt) {
