@@ -7,6 +7,7 @@
 // gives what it gives on a session that never tried.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <cstring>
@@ -254,6 +255,46 @@ TEST_F(SessionHandOffTest, ATrainerGoneWithAnUpdateHandedOffLeavesTheLastWholeSt
   std::unique_ptr<ShardState> got = s->TakeShard(), exp = ref->TakeShard();
   EXPECT_EQ(got->tensors()[0].step, kSteps);
   EXPECT_EQ(StateOf(*got), StateOf(*exp));
+}
+
+// The state memory handed to the trainer (state_dict()'s views) stays charged
+// after its session ends while the trainer still maps it: its bytes to the
+// budget and, with dosd's shared ledger, one state view to its uid. A session
+// with a ledger of its own (which dies with it) charges no view.
+TEST_F(SessionDelayedTest, StateMemoryStillMappedStaysChargedAfterItsSession) {
+  for (bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared ledger" : "the session's own ledger");
+    ledger_ = shared ? &shared_ledger_ : nullptr;
+    auto s = NewSession("cpu");
+    ASSERT_TRUE(s->Register(HostSpec(*s)).ok());
+    const uint64_t state = budget_.used();
+    const uint32_t uid = s->identity().uid;
+    absl::StatusOr<ShardState::StateMemory> m = s->ExportStateMemory();
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto views = [&] {
+      auto snap = shared_ledger_.Snapshot();
+      auto it = snap.find(uid);
+      return it == snap.end() ? uint64_t{0}
+                              : it->second.used[static_cast<int>(UidResource::kStateViews)];
+    };
+    EXPECT_EQ(views(), shared ? 1u : 0u);
+    struct stat st {};
+    ASSERT_EQ(::fstat(m->state.get(), &st), 0);
+    void* view =
+        ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, m->state.get(), 0);
+    ASSERT_NE(view, MAP_FAILED);
+    m->state.reset();
+    s->Stop();
+    s.reset();
+    budget_.ReapViews();
+    EXPECT_EQ(budget_.used(), state) << "still mapped";
+    EXPECT_EQ(budget_.viewed().shards, 1u);
+    EXPECT_EQ(views(), shared ? 1u : 0u);
+    ::munmap(view, static_cast<size_t>(st.st_size));
+    budget_.ReapViews();
+    EXPECT_EQ(budget_.used(), 0u);
+    EXPECT_EQ(views(), 0u);
+  }
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ class SessionFixture : public testing::Test {
     options.default_subgroup_size = 1000;
     options.liveness_interval = absl::Milliseconds(10);
     options.early_ready_timeout = early_ready_timeout_;
+    options.ledger = ledger_;
     absl::StatusOr<std::unique_ptr<Session>> s = Session::Create(
         id, options, *ParsePolicy(policy), &executors_, &budget_, std::move(gone));
     EXPECT_TRUE(s.ok()) << s.status();
@@ -139,6 +140,8 @@ class SessionFixture : public testing::Test {
   cpu::HostEngine host_engine_;
   FakeEngine gpu_;
   ExecutorSet executors_;
+  UidLedger shared_ledger_{UidLimits{}};  // outlives budget_, which may hold its charges
+  UidLedger* ledger_ = nullptr;           // new sessions' (dosd's shared one); null: each its own
   HostMemoryBudget budget_;
   std::vector<float> params_ = std::vector<float>(kTotal);
   std::vector<float> grads_ = std::vector<float>(kTotal);
