@@ -48,7 +48,7 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
 
 void HostMemoryBudget::Release(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  used_ = bytes > used_ ? 0 : used_ - bytes;
+  ReleaseLocked(bytes);
 }
 
 void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge) {
@@ -59,7 +59,7 @@ void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerChar
     held_.push_back(std::move(held));
     return;
   }
-  used_ = bytes > used_ ? 0 : used_ - bytes;
+  ReleaseLocked(bytes);
 }
 
 void HostMemoryBudget::ReapViews() {
@@ -74,9 +74,8 @@ void HostMemoryBudget::ReapViewsLocked(std::vector<Held>* freed) {
       ++i;
       continue;
     }
-    const uint64_t b = held_[i].bytes;
-    used_ = b > used_ ? 0 : used_ - b;
-    held_bytes_ -= b;
+    ReleaseLocked(held_[i].bytes);
+    held_bytes_ -= held_[i].bytes;
     // Closing the last descriptor frees the state (seconds for 100 GB), so
     // the caller does it after the lock; so is the uid's charge given back.
     freed->push_back(std::move(held_[i]));

@@ -15,9 +15,8 @@
 // it (F_SETLEASE), which is granted only once no other open file of it is
 // left (a mapping holds its file open). Reserve (one that would not fit)
 // and the session manager's reaper (once a second) give back what is no
-// longer viewed; the
-// memory itself is freed (the last descriptor closed) off the lock. The
-// ledger of the charges it keeps must outlive the budget.
+// longer viewed; the memory itself is freed (the last descriptor closed)
+// off the lock. The ledger of the charges it keeps must outlive the budget.
 //
 // Thread-safe.
 #pragma once
@@ -50,8 +49,9 @@ class HostMemoryBudget {
   void Release(uint64_t bytes);
   // `bytes` of a destroyed shard whose state memory may still be mapped by
   // its owner: `file` is a writable descriptor of the state's memfd opened
-  // for this (HostArena::OpenForLease), the only one dosd keeps; `charge`
-  // the uid's state-views charge. Released at once if nothing views it.
+  // for this (HostArena::TakeLeaseFd; invalid: never exported), the only
+  // one dosd keeps; `charge` the uid's state-views charge. Released at once
+  // if nothing views it.
   void HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge);
   // Gives back the held shards no longer viewed.
   void ReapViews();
@@ -74,6 +74,9 @@ class HostMemoryBudget {
     LedgerCharge charge;
   };
   void ReapViewsLocked(std::vector<Held>* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    used_ = bytes > used_ ? 0 : used_ - bytes;
+  }
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -81,8 +84,9 @@ class HostMemoryBudget {
 
 // Whether anything but `file` (a writable descriptor, the caller's only
 // one) still has the file open or mapped: true while a write lease is
-// refused (EAGAIN). False where the kernel grants none for another reason
-// (leases disabled): then the views are not waited for.
+// refused (EAGAIN), and on an unexpected error (asked again at the next
+// reap). False where leases are off or refused (EINVAL, EACCES, EPERM):
+// then the views are not waited for.
 bool StillViewed(int file);
 
 // "1.50 GiB", "512.00 MiB", "12 B": for messages.

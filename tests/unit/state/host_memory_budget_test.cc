@@ -55,11 +55,15 @@ class HeldViewsTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::move(*s) : nullptr;
   }
-  // What the session does at the first export: charge the uid's state views.
-  void Charge(ShardState& s) {
+  // A shard charged as the session charges one at its first export: one of
+  // the uid's state views.
+  std::unique_ptr<ShardState> ChargedShard() {
+    std::unique_ptr<ShardState> s = Shard();
     auto c = ledger_.Charge(1000, UidResource::kStateViews, 1, "state memory");
-    ASSERT_TRUE(c.ok()) << c.status();
-    s.set_views_charge(std::move(*c));
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (s == nullptr || !c.ok()) return nullptr;
+    s->set_views_charge(std::move(*c));
+    return s;
   }
   uint64_t Views() {
     auto snap = ledger_.Snapshot();
@@ -70,11 +74,10 @@ class HeldViewsTest : public ::testing::Test {
 };
 
 TEST_F(HeldViewsTest, AClosedShardsStateStaysChargedWhileItsOwnerMapsIt) {
-  auto s = Shard();
+  auto s = ChargedShard();
   ASSERT_NE(s, nullptr);
   const uint64_t bytes = budget_.used();
   ASSERT_GT(bytes, 0u);
-  Charge(*s);
   auto m = s->ExportStateMemory();
   ASSERT_TRUE(m.ok()) << m.status();
   const size_t len = s->arena().file_bytes();
@@ -103,9 +106,8 @@ TEST_F(HeldViewsTest, AClosedShardsStateStaysChargedWhileItsOwnerMapsIt) {
 }
 
 TEST_F(HeldViewsTest, AnOpenDescriptorWithoutAMappingHoldsItToo) {
-  auto s = Shard();
+  auto s = ChargedShard();
   ASSERT_NE(s, nullptr);
-  Charge(*s);
   auto m = s->ExportStateMemory();
   ASSERT_TRUE(m.ok()) << m.status();
   s.reset();
@@ -117,9 +119,8 @@ TEST_F(HeldViewsTest, AnOpenDescriptorWithoutAMappingHoldsItToo) {
 }
 
 TEST_F(HeldViewsTest, StateWhoseViewsAreGoneIsReleasedWithItsShard) {
-  auto s = Shard();
+  auto s = ChargedShard();
   ASSERT_NE(s, nullptr);
-  Charge(*s);
   {
     auto m = s->ExportStateMemory();
     ASSERT_TRUE(m.ok()) << m.status();
