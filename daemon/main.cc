@@ -104,6 +104,11 @@ ABSL_FLAG(std::string, checkpoint_dir, "auto",
 ABSL_FLAG(absl::Duration, autosave_interval, absl::ZeroDuration(),
           "Checkpoint every registered session this often (e.g. 10m); 0 = off.");
 ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
+ABSL_FLAG(std::string, checkpoint_staging_limit, "auto",
+          "Host memory steps may copy state into while a checkpoint is written (each subgroup "
+          "they are about to update before the file reaches it; freed once written; also "
+          "charged to --host_memory_limit). Past it a step waits for the write instead. auto: "
+          "a quarter of the host's memory; 0: steps always wait.");
 ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");
@@ -296,6 +301,11 @@ absl::StatusOr<DaemonConfig> ConfigFromFlags() {
   c.checkpoint.autosave_interval = absl::GetFlag(FLAGS_autosave_interval);
   c.checkpoint.autosave_keep = absl::GetFlag(FLAGS_autosave_keep);
   c.checkpoint.restore = absl::GetFlag(FLAGS_restore);
+  if (const std::string limit = absl::GetFlag(FLAGS_checkpoint_staging_limit);
+      limit != "auto" && !ParseBytes(limit, &c.checkpoint.staging_limit)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoint_staging_limit=", limit, " is not a size; give auto, bytes or 64G, 512M"));
+  }
   if (c.checkpoint.autosave_interval < absl::ZeroDuration() || c.checkpoint.autosave_keep < 1) {
     return absl::InvalidArgumentError("--autosave_interval must be >= 0 and --autosave_keep >= 1");
   }
@@ -406,6 +416,7 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
 absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConfig& config,
                                                                 SessionManager* sessions,
                                                                 MetricsRegistry* metrics,
+                                                                HostMemoryBudget* budget,
                                                                 std::string* off) {
   if (!config.checkpoints) {
     *off = "dosd runs with --checkpoint_dir empty; restart it with --checkpoint_dir=DIR (a "
@@ -414,6 +425,7 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConf
   }
   CheckpointerOptions options = config.checkpoint;
   options.folders.on_usage = CheckpointUsageGauges(metrics, options.folders.quota_bytes);
+  options.host_budget = budget;
   auto checkpointer = std::make_unique<Checkpointer>(options, sessions);
   if (absl::Status st = checkpointer->Start(); !st.ok()) {
     if (absl::IsPermissionDenied(st)) return st;
@@ -487,7 +499,7 @@ int Run(const DaemonConfig& config) {
   RegisterMetrics(&metrics, &counters, &sessions, &budget);
   std::string checkpoints_off;
   absl::StatusOr<std::unique_ptr<Checkpointer>> checkpointer =
-      StartCheckpointer(config, &sessions, &metrics, &checkpoints_off);
+      StartCheckpointer(config, &sessions, &metrics, &budget, &checkpoints_off);
   if (!checkpointer.ok()) return Fail("daemon.checkpoint_dir", checkpointer.status());
   // Development builds before the descriptor socket also served
   // <socket>.auth; a file one left behind would only mislead.

@@ -1,10 +1,13 @@
 // The checkpoint stall with steps back to back (no forward/backward between
 // them, the worst case): the step right after a checkpoint's step boundary,
-// with the state copied copy-on-write beside it (Session::Snapshot's path:
-// ShardState::BeginSnapshot under the lock, FinishSnapshot on another
-// thread), against a step with no snapshot, and against the stall of the
-// previous design (the whole state copied under the session lock). In-process:
-// ShardState, StepExecutor and the CPU updater, no dosd and no file write.
+// with the state read by a writer thread beside it (Session::Snapshot's
+// path: ShardState::BeginSnapshot under the lock, SnapshotAcquire and
+// SnapshotReleaseBelow on the checkpoint's thread, which here copies each
+// subgroup into one scratch buffer instead of a file; the step copies what
+// it writes first into --pool_gib of SnapshotPool, then waits), against a
+// step with no snapshot, and against the stall of the first design (the
+// whole state copied under the session lock). In-process: ShardState,
+// StepExecutor and the CPU updater, no dosd and no file write.
 // Median of --repeats. Results go to bench/results/checkpoint_stall_<machine>_<date>.json.
 #include <algorithm>
 #include <cstdio>
@@ -27,6 +30,7 @@
 
 ABSL_FLAG(uint64_t, params, 200'000'000, "parameters in the shard (bf16 weights and grads)");
 ABSL_FLAG(uint32_t, subgroups, 20, "subgroups the shard is cut into");
+ABSL_FLAG(double, pool_gib, 1024, "SnapshotPool limit (GiB) for the steps' copies");
 ABSL_FLAG(int, repeats, 7, "repeats of each measurement (median reported)");
 ABSL_FLAG(std::string, machine, "vm-2core", "machine name for the results file");
 ABSL_FLAG(std::string, date, "", "date for the results file (default: today, UTC)");
@@ -54,12 +58,23 @@ int main(int argc, char** argv) {
       {.name = "w", .param_dtype = dos::DType::kBF16, .grad_dtype = dos::DType::kBF16, .numel = n}};
   std::vector<dos::GroupConfig> groups(1);
   auto shard = dos::ShardState::Create(tensors, groups, sg, &budget, "bench");
-  auto staging = dos::ShardState::Create(tensors, groups, sg, &budget, "bench staging");
-  if (!shard.ok() || !staging.ok()) {
+  if (!shard.ok()) {
     std::fprintf(stderr, "cannot allocate the state: %s\n",
-                 std::string((shard.ok() ? staging.status() : shard.status()).message()).c_str());
+                 std::string(shard.status().message()).c_str());
     return 1;
   }
+  dos::SnapshotPool pool(static_cast<uint64_t>(absl::GetFlag(FLAGS_pool_gib) * (1 << 30)), nullptr);
+  std::vector<float> whole(3 * n);                                    // the first design's copy
+  std::vector<char> scratch((*shard)->subgroups()[0].state_bytes());  // the "file"
+  auto write = [&] {
+    const auto count = static_cast<uint32_t>((*shard)->subgroups().size());
+    for (uint32_t g = 0; g < count; ++g) {
+      const dos::Subgroup& v = (*shard)->SnapshotAcquire(g);
+      std::memcpy(scratch.data(), v.master, v.state_bytes());
+      (*shard)->SnapshotReleaseBelow(g + 1);
+    }
+    (*shard)->EndSnapshot();
+  };
   std::vector<uint16_t> param(n, 0x3f80), grad(n);
   for (uint64_t i = 0; i < n; ++i) grad[i] = static_cast<uint16_t>(0x3c00 + (i * 7 & 0x1ff));
   std::vector<dos::TensorBinding> bindings{{param.data(), grad.data()}};
@@ -80,29 +95,29 @@ int main(int argc, char** argv) {
       std::exit(1);
     }
   };
-  for (int i = 0; i < 2; ++i) step();  // warm up (page faults of the staging too)
-  (*shard)->BeginSnapshot(staging->get());
-  (*shard)->FinishSnapshot();
+  for (int i = 0; i < 2; ++i) step();                                          // warm up
+  std::memcpy(whole.data(), (*shard)->subgroups()[0].master, scratch.size());  // fault some in
 
   std::vector<double> plain, locked_copy, cow_step, cow_wait, cow_copy, next_step;
   for (int r = 0; r < repeats; ++r) {
     absl::Time t = absl::Now();
     step();
     plain.push_back(Us(t));
-    // The previous design: the whole state copied while the step waits.
+    // The first design: the whole state copied while the step waits.
     t = absl::Now();
-    for (size_t g = 0; g < (*shard)->subgroups().size(); ++g) {
-      const dos::Subgroup& from = (*shard)->subgroups()[g];
-      std::memcpy((*staging)->subgroups()[g].master, from.master, 3 * from.numel * sizeof(float));
+    float* to = whole.data();
+    for (const dos::Subgroup& from : (*shard)->subgroups()) {
+      std::memcpy(to, from.master, from.state_bytes());
+      to += 3 * from.numel;
     }
     locked_copy.push_back(Us(t));
-    // Copy-on-write: mark the boundary, copy on another thread, step at once.
+    // Copy-on-write: mark the boundary, write on another thread, step at once.
     (*shard)->TakeWriteWaitUs();
-    (*shard)->BeginSnapshot(staging->get());
+    (*shard)->BeginSnapshot(&pool);
     double copy_us = 0;
     std::thread copier([&] {
       const absl::Time c = absl::Now();
-      (*shard)->FinishSnapshot();
+      write();
       copy_us = Us(c);
     });
     t = absl::Now();

@@ -154,31 +154,61 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& c, const ShardState& sha
 
 uint64_t ShardFileBytes(const ShardState& shard, const CheckpointOwner& owner,
                         const CheckpointWriterOptions& options) {
-  const CheckpointLayout layout = LayoutOf(shard, owner);
+  return LayoutFileBytes(LayoutOf(shard, owner), options);
+}
+
+uint64_t LayoutFileBytes(const CheckpointLayout& layout, const CheckpointWriterOptions& options) {
   return ExpectedFileSize(layout, EncodeLayout(layout).size(), options.chunk_bytes);
 }
 
-absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
-                       const CheckpointOwner& owner, const CheckpointWriterOptions& options) {
+namespace {
+// Writes every section of `layout`'s tensors from `shard`, reading each
+// subgroup through `acquire(index)`; `release_below(k)` is called once the
+// file is past every subgroup below k (a tensor's runs lie in increasing
+// subgroups, and tensors in increasing flat order).
+template <typename Acquire, typename ReleaseBelow>
+absl::Status WriteShard(const CheckpointLayout& layout, const ShardState& shard,
+                        const std::string& path, Env* env, const CheckpointWriterOptions& options,
+                        Acquire acquire, ReleaseBelow release_below) {
   DOS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
-                       CheckpointWriter::Create(path, LayoutOf(shard, owner), env, options));
+                       CheckpointWriter::Create(path, layout, env, options));
+  const Subgroup* first = shard.subgroups().data();
   for (uint32_t t = 0; t < shard.tensors().size(); ++t) {
     const std::vector<Run> runs = RunsOf(shard, t);
+    if (!runs.empty()) release_below(static_cast<uint32_t>(runs.front().subgroup - first));
     for (uint32_t a = 0; a < kNumStateArrays; ++a) {
       const StateArray which = static_cast<StateArray>(a);
       DOS_RETURN_IF_ERROR(w->BeginSection(t, which));
       for (const Run& r : runs) {
-        if (const float* f = ArrayOf(*r.subgroup, which); f != nullptr) {
+        const Subgroup& g = acquire(static_cast<uint32_t>(r.subgroup - first));
+        if (const float* f = ArrayOf(g, which); f != nullptr) {
           DOS_RETURN_IF_ERROR(w->Append(f + r.subgroup_offset, r.count));
         } else {
-          DOS_RETURN_IF_ERROR(
-              w->AppendBf16(Bf16ArrayOf(*r.subgroup, which) + r.subgroup_offset, r.count));
+          DOS_RETURN_IF_ERROR(w->AppendBf16(Bf16ArrayOf(g, which) + r.subgroup_offset, r.count));
         }
       }
       DOS_RETURN_IF_ERROR(w->EndSection());
     }
   }
+  release_below(static_cast<uint32_t>(shard.subgroups().size()));
   return w->Commit();
+}
+}  // namespace
+
+absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
+                       const CheckpointOwner& owner, const CheckpointWriterOptions& options) {
+  return WriteShard(
+      LayoutOf(shard, owner), shard, path, env, options,
+      [&](uint32_t k) -> const Subgroup& { return shard.subgroups()[k]; }, [](uint32_t) {});
+}
+
+absl::Status SaveSnapshot(const CheckpointLayout& layout, ShardState& shard,
+                          const std::string& path, Env* env,
+                          const CheckpointWriterOptions& options) {
+  return WriteShard(
+      layout, shard, path, env, options,
+      [&](uint32_t k) -> const Subgroup& { return shard.SnapshotAcquire(k); },
+      [&](uint32_t k) { shard.SnapshotReleaseBelow(k); });
 }
 
 absl::Status LoadShard(ShardState* shard, const std::string& path, Env* env) {

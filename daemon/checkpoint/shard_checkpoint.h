@@ -2,8 +2,9 @@
 // (CheckpointWriter / CheckpointReader), streaming straight from and into the
 // subgroup allocations, so a checkpoint needs no second copy of the state.
 //
-// Consistency: the caller holds the state still for the duration (the
-// session's mutex, between steps); these functions do not lock.
+// Consistency: SaveShard and LoadShard need the state held still for the
+// duration (the session's mutex, between steps); they do not lock.
+// SaveSnapshot writes a copy-on-write snapshot while steps go on.
 //
 // LoadShard is all or nothing: it checks the layout against the shard, then
 // reads and verifies every checksum in the file before it writes a single
@@ -58,6 +59,10 @@ absl::Status CheckLayoutMatches(const CheckpointLayout& checkpoint, const ShardS
 uint64_t ShardFileBytes(const ShardState& shard, const CheckpointOwner& owner = {},
                         const CheckpointWriterOptions& options = {});
 
+// The size of the file for `layout`.
+uint64_t LayoutFileBytes(const CheckpointLayout& layout,
+                         const CheckpointWriterOptions& options = {});
+
 // Writes `shard` to `path` atomically, in the shard's state format (a
 // compact shard's moments are saved as bf16, as it holds them). RESOURCE_EXHAUSTED (naming the path and
 // the free space) when the disk is full; any failure leaves the previous file
@@ -65,6 +70,16 @@ uint64_t ShardFileBytes(const ShardState& shard, const CheckpointOwner& owner = 
 absl::Status SaveShard(const ShardState& shard, const std::string& path, Env* env,
                        const CheckpointOwner& owner = {},
                        const CheckpointWriterOptions& options = {});
+
+// The same for the snapshot in flight on `shard` (ShardState::BeginSnapshot),
+// under `layout` as taken at its step boundary (LayoutOf then: the step
+// counts and hyperparameters of the boundary): each subgroup is read through
+// SnapshotAcquire and let go (SnapshotReleaseBelow) as soon as the file is
+// past it, so steps blocked on one wait no longer than that. The caller ends
+// the snapshot afterwards, whatever this returns.
+absl::Status SaveSnapshot(const CheckpointLayout& layout, ShardState& shard,
+                          const std::string& path, Env* env,
+                          const CheckpointWriterOptions& options = {});
 
 // Loads `path` into `shard` (master, exp_avg, exp_avg_sq and each tensor's
 // step count). The file's state format need not be the shard's: a compact

@@ -36,8 +36,9 @@ const ResourceText& Text(UidResource r) {
        "send dosd a few large buffers holding your tensors, not one per tensor (libdos_client "
        "does), and detach sessions you no longer use"},
       {"state_views", "--max_state_views_per_uid", "", false,
-       "drop the state_dict() results of optimizers you closed (they map their sessions' "
-       "state), or end the trainer that holds them"},
+       "close optimizers you no longer use (each one whose state_dict() was taken counts "
+       "until it is closed), and drop the state_dict() results of closed ones (they map their "
+       "sessions' state) or end the trainer that holds them"},
   };
   return kTexts[static_cast<int>(r)];
 }

@@ -28,69 +28,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kSuffix[] = ".dckpt";
-
-struct Candidate {
-  int64_t step;
-  uint64_t created;
-  std::string path;
-};
-
-// Folders below an owner's folder a checkpoint path may have (and scans
-// descend), and the longest path accepted.
-constexpr int kMaxDepth = 16;
+// The longest checkpoint path accepted.
 constexpr size_t kMaxPathBytes = 1024;
 // How often a snapshot that an early step beat to the session is tried
 // again before the session is left out of this save.
 constexpr int kSnapshotRetries = 3;
-
-// Files under `dir` (recursively, through the store's descriptors, never a
-// link) that are DOS checkpoints, added to `found` under (`uid`, name, rank).
-// Only the header and layout are read here.
-void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
-              std::map<SessionManager::RestoreKey, std::vector<Candidate>>* found) {
-  absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store.List(dir);
-  if (!entries.ok()) {
-    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", dir, "error", entries.status().message());
-    return;
-  }
-  for (const StoreEnv::Entry& e : *entries) {
-    const std::string path = absl::StrCat(dir, "/", e.name);
-    if (e.kind == StoreEnv::Kind::kDirectory && depth < kMaxDepth) {
-      ScanInto(store, path, uid, depth + 1, found);
-      continue;
-    }
-    if (e.kind != StoreEnv::Kind::kFile || !absl::EndsWith(e.name, kSuffix)) continue;
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path, &store);
-    if (!r.ok()) {
-      DOS_LOG_WARNING("checkpoint.scan_skipped", "path", path, "error", r.status().message());
-      continue;
-    }
-    const CheckpointLayout& l = (*r)->layout();
-    (*found)[{uid, l.owner, l.rank}].push_back(
-        {l.tensors.empty() ? 0 : l.tensors[0].step, (*r)->created_unix_seconds(), path});
-  }
-}
-
-std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(StoreEnv& store,
-                                                                  const std::string& dir,
-                                                                  uint32_t uid) {
-  std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
-  ScanInto(store, dir, uid, 0, &found);
-  for (auto& [key, list] : found) {
-    std::sort(list.begin(), list.end(), [](const Candidate& a, const Candidate& b) {
-      return std::tie(a.step, a.created, a.path) > std::tie(b.step, b.created, b.path);
-    });
-  }
-  return found;
-}
 
 // Removes the temporaries of killed writers in `dir` and every folder below.
 int RemoveStaleTemporaries(StoreEnv& store, const std::string& dir, int depth) {
   absl::StatusOr<int> n = RemoveStaleCheckpointTemporaries(dir, &store);
   int removed = n.ok() ? *n : 0;
   absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store.List(dir);
-  if (!entries.ok() || depth >= kMaxDepth + 1) return removed;
+  if (!entries.ok() || depth >= kMaxCheckpointDepth + 1) return removed;
   for (const StoreEnv::Entry& e : *entries) {
     if (e.kind == StoreEnv::Kind::kDirectory) {
       removed += RemoveStaleTemporaries(store, absl::StrCat(dir, "/", e.name), depth + 1);
@@ -102,7 +51,12 @@ int RemoveStaleTemporaries(StoreEnv& store, const std::string& dir, int depth) {
 }  // namespace
 
 Checkpointer::Checkpointer(CheckpointerOptions options, SessionManager* sessions)
-    : options_(std::move(options)), sessions_(sessions) {}
+    : options_(std::move(options)),
+      sessions_(sessions),
+      pool_(options_.staging_limit == CheckpointerOptions::kAutoStagingLimit
+                ? DefaultSnapshotPoolLimit()
+                : options_.staging_limit,
+            options_.host_budget) {}
 
 Checkpointer::~Checkpointer() {
   sessions_->SetOnClose(nullptr);
@@ -139,7 +93,7 @@ absl::Status Checkpointer::Start() {
                  "rank", std::get<2>(key), "latest", paths.front(), "files", paths.size());
   }
   if (options_.restore) sessions_->SetRestoreCandidates(std::move(candidates), store_.get());
-  // A closed session's staging copy (as large as its state) goes with it.
+  // A closed session's autosave bookkeeping goes with it.
   sessions_->SetOnClose([this](uint64_t id) { ForgetSession(id); });
   absl::MutexLock lock(&mu_);
   started_ = true;
@@ -156,31 +110,6 @@ void Checkpointer::Stop() {
     stop_ = true;
   }
   if (writer_.joinable()) writer_.join();
-}
-
-std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore() {
-  std::map<SessionManager::RestoreKey, std::vector<std::string>> out;
-  absl::StatusOr<std::vector<StoreEnv::Entry>> owners = store_->List(store_->root());
-  if (!owners.ok()) {
-    DOS_LOG_WARNING("checkpoint.scan_skipped", "path", store_->root(), "error",
-                    owners.status().message());
-    return out;
-  }
-  for (const StoreEnv::Entry& e : *owners) {
-    uint32_t uid = 0;
-    if (!UserFolders::ParseName(e.name, &uid)) continue;
-    // Only the folders dosd made for that uid (never a link, nor one another
-    // uid's folder was renamed to).
-    if (absl::Status st = folders_->Trust(uid, false); !st.ok()) {
-      DOS_LOG_WARNING("checkpoint.folder_untrusted", "uid", uid, "error", st.message());
-      continue;
-    }
-    folders_->Measure(uid);
-    for (auto& [key, list] : Scan(*store_, folders_->Dir(uid), uid)) {
-      for (Candidate& c : list) out[key].push_back(std::move(c.path));
-    }
-  }
-  return out;
 }
 
 std::map<uint32_t, CheckpointUsage> Checkpointer::Usage() const {
@@ -238,10 +167,12 @@ absl::StatusOr<std::string> Checkpointer::Resolve(uint32_t owner, const std::str
   // Links below the owner's folder are refused when the store opens the
   // path (StoreEnv: one folder at a time, O_NOFOLLOW), not checked here.
   const int depth = static_cast<int>(std::distance(p.begin(), p.end()));
-  if (path.size() > kMaxPathBytes || depth > kMaxDepth + 1) {
+  if (path.size() > kMaxPathBytes || depth > kMaxCheckpointDepth + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, " has ", path.size(), " bytes and ", depth, " parts; a checkpoint path has at "
-        "most ", kMaxPathBytes, " bytes and ", kMaxDepth, " folders: give a shorter one"));
+        field, " has ", path.size(), " bytes and ", depth,
+        " parts; a checkpoint path has at "
+        "most ",
+        kMaxPathBytes, " bytes and ", kMaxCheckpointDepth, " folders: give a shorter one"));
   }
   return (root / p).lexically_normal().string();
 }
@@ -250,7 +181,7 @@ std::string Checkpointer::DefaultPath(uint32_t uid, const CheckpointOwner& owner
                                       absl::string_view kind, int64_t step,
                                       uint64_t session) const {
   return (fs::path(UserDir(uid)) / RankName(owner.name, owner.rank) /
-          absl::StrFormat("%s-%012d.s%d%s", kind, step, session, kSuffix))
+          absl::StrFormat("%s-%012d.s%d%s", kind, step, session, kCheckpointSuffix))
       .string();
 }
 
@@ -320,7 +251,6 @@ void Checkpointer::WriterLoop() {
       continue;
     }
     if (job.forget != 0) {
-      staging_.erase(job.forget);
       autosaved_step_.erase(job.forget);
       autosave_skipped_.erase(job.forget);
       continue;
@@ -447,47 +377,54 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
                                                        const std::string& resolved_path,
                                                        bool autosave) {
   const uint64_t id = s->identity().id;
-  DOS_ASSIGN_OR_RETURN(SnapshotInfo snap,
-                       s->Snapshot(&staging_[id], &staging_budget_));
+  const SessionIdentity& sid = s->identity();
   CheckpointRecord rec;
   rec.session_id = id;
-  rec.step = snap.step;
-  rec.snapshot_us = snap.locked_us;
-  rec.copy_ms = snap.copy_us / 1e3;
-  rec.subgroups_copied_by_steps = snap.subgroups_copied_by_steps;
-  rec.last_step_wall_us = snap.last_step_wall_us;
+  // Runs off the session's lock with the snapshot in flight: steps that
+  // reach a subgroup the file has not may wait for it (pool spent), so
+  // nothing here waits on anything but the store.
+  auto write = [&](const CheckpointLayout& layout, ShardState& shard) -> absl::Status {
+    const int64_t step = layout.tensors[0].step;
+    if (autosave) {
+      auto last = autosaved_step_.find(id);
+      if (last != autosaved_step_.end() && last->second == step) return absl::OkStatus();
+    }
+    const CheckpointOwner owner{layout.owner, layout.rank, layout.world_size};
+    std::string path = resolved_path;
+    if (autosave || path.empty()) {
+      path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", step, id);
+    } else if (path.back() == '/') {
+      absl::StrAppend(&path, RankName(owner.name, owner.rank), ".s", id, kCheckpointSuffix);
+    }
+    // Every folder and file through the store's descriptors (StoreEnv): a
+    // link anywhere below the store fails the save instead of leading out;
+    // only into the folder dosd made for the owner, and within its quota.
+    DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
+    DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, LayoutFileBytes(layout), path));
+    DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
+    const absl::Time start = absl::Now();
+    const absl::Status saved = SaveSnapshot(layout, shard, path, store_.get());
+    rec.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    if (saved.ok()) rec.path = path;
+    return saved;
+  };
+  absl::StatusOr<SnapshotInfo> snap = s->Snapshot(&pool_, write);
+  if (!rec.path.empty() || !snap.ok()) folders_->Measure(sid.uid);
+  if (!snap.ok()) return snap.status();
+  rec.step = snap->step;
+  rec.snapshot_us = snap->locked_us;
+  rec.copy_ms = snap->write_us / 1e3;
+  rec.subgroups_copied_by_steps = snap->subgroups_copied_by_steps;
+  rec.last_step_wall_us = snap->last_step_wall_us;
+  if (rec.path.empty()) return rec;  // an autosave of an unchanged step
+  rec.bytes = store_->FileSize(rec.path).value_or(0);
+  DOS_LOG_INFO("checkpoint.saved", "session", id, "uid", sid.uid, "path", rec.path, "step",
+               rec.step, "bytes", rec.bytes, "snapshot_us", rec.snapshot_us, "write_ms",
+               rec.write_ms, "copied_by_steps", rec.subgroups_copied_by_steps, "staging_peak",
+               pool_.TakePeak(), "last_step_wall_us", rec.last_step_wall_us, "autosave", autosave);
   if (autosave) {
-    auto last = autosaved_step_.find(id);
-    if (last != autosaved_step_.end() && last->second == snap.step) return rec;  // unchanged
-  }
-  std::string path = resolved_path;
-  const SessionIdentity& sid = s->identity();
-  const CheckpointOwner& owner = snap.owner;  // an adopted state's is its client's
-  if (autosave || path.empty()) {
-    path = DefaultPath(sid.uid, owner, autosave ? "auto" : "step", snap.step, id);
-  } else if (path.back() == '/') {
-    absl::StrAppend(&path, RankName(owner.name, owner.rank), ".s", id, kSuffix);
-  }
-  // Every folder and file through the store's descriptors (StoreEnv): a
-  // link anywhere below the store fails the save instead of leading out;
-  // only into the folder dosd made for the owner, and within its quota.
-  DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
-  DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, ShardFileBytes(*staging_[id], owner), path));
-  DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
-  const absl::Time start = absl::Now();
-  const absl::Status saved = SaveShard(*staging_[id], path, store_.get(), owner);
-  folders_->Measure(sid.uid);
-  DOS_RETURN_IF_ERROR(saved);
-  rec.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-  rec.path = path;
-  rec.bytes = store_->FileSize(path).value_or(0);
-  DOS_LOG_INFO("checkpoint.saved", "session", id, "uid", sid.uid, "path", path, "step",
-               snap.step, "bytes", rec.bytes, "snapshot_us", snap.locked_us, "copy_ms", rec.copy_ms,
-               "copied_by_steps", snap.subgroups_copied_by_steps, "write_ms", rec.write_ms,
-               "last_step_wall_us", snap.last_step_wall_us, "autosave", autosave);
-  if (autosave) {
-    autosaved_step_[id] = snap.step;
-    PruneAutosaves(DirName(path), id);
+    autosaved_step_[id] = rec.step;
+    PruneAutosaves(DirName(rec.path), id);
     folders_->Measure(sid.uid);
   }
   return rec;
@@ -501,7 +438,7 @@ void Checkpointer::PruneAutosaves(const std::string& subdir, uint64_t session) {
     return;
   }
   std::vector<std::string> autos;  // this session's: another's of the job's name are its own
-  const std::string own = absl::StrCat(".s", session, kSuffix);
+  const std::string own = absl::StrCat(".s", session, kCheckpointSuffix);
   for (const StoreEnv::Entry& e : *entries) {
     if (e.kind == StoreEnv::Kind::kFile && absl::StartsWith(e.name, "auto-") &&
         absl::EndsWith(e.name, own)) {
@@ -517,83 +454,6 @@ void Checkpointer::PruneAutosaves(const std::string& subdir, uint64_t session) {
     }
     DOS_LOG_INFO("checkpoint.pruned", "path", autos[i]);
   }
-}
-
-absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr<Session> session,
-                                                                 const std::string& path) {
-  std::vector<std::shared_ptr<Session>> targets;
-  // One session's path is resolved once, first (as Save() does); every
-  // session's per owner below.
-  std::string resolved_one;
-  if (session != nullptr) {
-    DOS_ASSIGN_OR_RETURN(resolved_one, Resolve(session->identity().uid, path, "path"));
-    targets.push_back(std::move(session));
-  } else {
-    targets = sessions_->List();
-  }
-  if (store_ == nullptr) {
-    return absl::UnavailableError("checkpoint: the checkpointer is not running");
-  }
-  std::vector<CheckpointRecord> out;
-  std::vector<std::string> stalled;  // waiting for their trainer: named in the error
-  for (const auto& s : targets) {
-    if (!s->registered()) continue;
-    const SessionIdentity& id = s->identity();
-    std::string resolved = resolved_one;
-    if (resolved.empty()) {
-      DOS_ASSIGN_OR_RETURN(resolved, Resolve(id.uid, path, "checkpoint path"));
-    }
-    DOS_RETURN_IF_ERROR(folders_->Trust(id.uid, false));
-    DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(resolved));
-    const bool is_dir = kind == StoreEnv::Kind::kDirectory;
-    if (!is_dir && targets.size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoint path '", path, "' is a file; loading every session needs a directory"));
-    }
-    std::vector<std::string> files;
-    if (is_dir) {
-      auto found = Scan(*store_, resolved, id.uid);
-      for (const Candidate& c : found[{id.uid, id.client_name, id.rank}]) files.push_back(c.path);
-      if (files.empty()) {
-        if (targets.size() > 1) continue;
-        return absl::NotFoundError(absl::StrCat(
-            "checkpoint: no checkpoint of client '", id.client_name, "' rank ", id.rank,
-            " under ", resolved));
-      }
-    } else {
-      files.push_back(resolved);
-    }
-    absl::Status last;
-    for (const std::string& f : files) {
-      absl::StatusOr<int64_t> step = s->LoadCheckpoint(f, store_.get());
-      if (step.ok()) {
-        CheckpointRecord rec;
-        rec.session_id = id.id;
-        rec.path = f;
-        rec.step = *step;
-        rec.bytes = store_->FileSize(f).value_or(0);
-        out.push_back(rec);
-        last = absl::OkStatus();
-        break;
-      }
-      last = step.status();
-      // Its early step waits for its trainer: an older file is no answer.
-      if (absl::IsAborted(last)) break;
-    }
-    if (absl::IsAborted(last) && targets.size() > 1) {
-      stalled.push_back(absl::StrCat("session ", id.id, " (pid ", id.pid, ")"));
-      continue;
-    }
-    if (!last.ok()) return last;
-  }
-  if (!stalled.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint load: loaded ", out.size(),
-                     " session(s); not loaded: ", absl::StrJoin(stalled, ", "),
-                     ": its step waits for its trainer (an early step); load "
-                     "it with --session once its trainer reaches step()"));
-  }
-  return out;
 }
 
 }  // namespace dos

@@ -1,19 +1,20 @@
 // Checkpointer: the daemon's checkpoints of sessions' optimizer state, under
 // one directory (--checkpoint_dir).
 //
-// Saving is asynchronous with respect to training: under the session's lock
-// only a step boundary is marked (Session::Snapshot); this thread then copies
-// the state subgroup by subgroup into a staging ShardState (one per session,
-// kept and reused; it doubles the session's host memory while checkpoints are
-// in use, and is not charged to --host_memory_limit) while steps go on, each
-// step copying first any subgroup it is about to write that the copier has
-// not reached (copy-on-write), so the copy is exactly the boundary's state.
-// Once every subgroup is copied, the staging copy is written (SaveShard:
-// temporary file, fsync, rename, fsync of the directory) on the same thread;
-// the file writer never sees a subgroup before it is copied. A step waits
-// only for the lock (microseconds) and for the subgroups it copies itself.
-// Save() queues a job on that thread and waits for it; autosave queues itself
-// every --autosave_interval.
+// Saving is asynchronous with respect to training, and needs no second copy
+// of the state: under the session's lock only a step boundary is marked
+// (Session::Snapshot, which takes the layout: step counts, hyperparameters);
+// this thread then writes the file (SaveSnapshot: temporary file, fsync,
+// rename, fsync of the directory) straight from the state while steps go
+// on, letting each subgroup go once the file is past it. A step about to
+// write a subgroup the file has not reached copies it first into a buffer
+// of the checkpointer's SnapshotPool (--checkpoint_staging_limit, charged to
+// --host_memory_limit; freed once written), or, with the pool spent, waits
+// until the file is past it: a save holds at most that limit beside the
+// state (at 7B fp32 the state is 81 GB; a full copy would double it), and
+// the steps behind a slow disk wait at most for the write. Save() queues a
+// job on that thread and waits for it; autosave queues itself every
+// --autosave_interval.
 //
 // Paths are relative to the owner's folder; absolute paths elsewhere and `..`
 // are refused (INVALID_ARGUMENT), and every file operation goes through the
@@ -56,8 +57,14 @@
 #include "daemon/session/session_manager.h"
 #include "daemon/session/user_folders.h"
 #include "daemon/state/host_memory_budget.h"
+#include "daemon/state/snapshot_pool.h"
 
 namespace dos {
+
+// Every checkpoint file's name ends so; scans descend at most so many folders
+// below an owner's folder, and a checkpoint path has at most as many.
+inline constexpr char kCheckpointSuffix[] = ".dckpt";
+inline constexpr int kMaxCheckpointDepth = 16;
 
 struct CheckpointerOptions {
   std::string dir = "/var/lib/dos/checkpoints";  // every checkpoint lives under here
@@ -77,6 +84,13 @@ struct CheckpointerOptions {
   // Who may keep how much in the store (--checkpoint_quota), and whose
   // folders dosd trusts (UserFolders).
   UserFoldersOptions folders;
+  // Host memory steps may copy subgroups into while a save is in flight
+  // (SnapshotPool): kAutoStagingLimit is a quarter of the host's memory.
+  uint64_t staging_limit = kAutoStagingLimit;
+  static constexpr uint64_t kAutoStagingLimit = UINT64_MAX;
+  // The daemon's budget (--host_memory_limit) the pool's buffers are also
+  // charged to; null: the pool's limit alone.
+  HostMemoryBudget* host_budget = nullptr;
 };
 
 struct CheckpointRecord {
@@ -85,7 +99,7 @@ struct CheckpointRecord {
   int64_t step = 0;
   uint64_t bytes = 0;
   double snapshot_us = 0;        // session lock held (marking the step boundary)
-  double copy_ms = 0;            // copy into the staging copy, off the lock
+  double copy_ms = 0;            // the snapshot off the lock (the write, beside steps)
   uint32_t subgroups_copied_by_steps = 0;  // copy-on-write copies made by steps
   double write_ms = 0;
   double last_step_wall_us = 0;
@@ -136,9 +150,9 @@ class Checkpointer {
                                       absl::string_view field) const;
   // <dir>/uid-<uid>: every checkpoint of uid's sessions lies under it.
   std::string UserDir(uint32_t uid) const;
-  // Frees the staging copies of sessions that are gone (neither attached nor
-  // waiting for a resume). Called by the writer thread after each job and
-  // when the SessionManager reports a session closed.
+  // Forgets the autosave bookkeeping of sessions that are gone (neither
+  // attached nor waiting for a resume). Called when the SessionManager
+  // reports a session closed.
   void ForgetSession(uint64_t session_id);
 
   // Latest per (uid, client, rank) under the store's trusted uid-<uid>/
@@ -151,7 +165,7 @@ class Checkpointer {
     std::string path;      // as the caller gave it
     std::string resolved;  // one session's path, resolved by Save() ("": none)
     bool autosave = false;
-    uint64_t forget = 0;  // != 0: free this closed session's staging copy only
+    uint64_t forget = 0;  // != 0: forget this closed session's autosave bookkeeping only
     absl::StatusOr<std::vector<CheckpointRecord>>* result = nullptr;  // null: nobody waits
     bool* done = nullptr;
     std::function<void()> task;  // set: only run this (then set *done)
@@ -183,7 +197,7 @@ class Checkpointer {
   // The store's folder and every file operation in it (set by Start()).
   std::unique_ptr<StoreEnv> store_;
   std::unique_ptr<UserFolders> folders_;  // over store_ (set by Start())
-  HostMemoryBudget staging_budget_{0};  // staging copies are not capped
+  SnapshotPool pool_;                     // steps' copy-on-write copies while a save is in flight
 
   absl::Mutex mu_;
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
@@ -192,7 +206,6 @@ class Checkpointer {
   std::thread writer_;
 
   // Writer thread only.
-  std::map<uint64_t, std::unique_ptr<ShardState>> staging_;
   std::map<uint64_t, int64_t> autosaved_step_;
   std::set<uint64_t> autosave_skipped_;  // waiting for their trainer at the last autosave
 };

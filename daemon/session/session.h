@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -119,7 +120,7 @@ struct SessionStatsSnapshot {
 struct SnapshotInfo {
   int64_t step = 0;          // tensor 0's step count in the snapshot
   double locked_us = 0;      // time the session lock was held (marking the boundary)
-  double copy_us = 0;        // background copy into the staging copy, off the lock
+  double write_us = 0;       // the snapshot off the lock: `write`, while steps went on
   uint32_t subgroups_copied_by_steps = 0;  // copied by steps before they wrote them
   double last_step_wall_us = 0;
   // Whose state it is (Session::StateOwner): what the checkpoint names.
@@ -155,16 +156,19 @@ class Session {
   void SetPolicy(const Policy& policy);
   Policy policy() const;
 
-  // Checkpoints. Snapshot copies the state (HeldState), at a step boundary, into
-  // `*staging` (created off the lock, from `staging_budget`, when null or of
-  // another layout) and returns once the copy is complete. Under the lock it
-  // only marks the boundary; it copies subgroup by subgroup off the lock
-  // while steps go on, each step copying a subgroup itself first if it is
-  // about to write one not yet copied (ShardState's copy-on-write).
-  // ABORTED instead of waiting when an early step holds the session
-  // (TrainerGate): the checkpointer saves the other sessions meanwhile.
-  absl::StatusOr<SnapshotInfo> Snapshot(std::unique_ptr<ShardState>* staging,
-                                        HostMemoryBudget* staging_budget);
+  // Checkpoints. Snapshot marks a step boundary of the state (HeldState)
+  // under the lock, then calls `write` with the boundary's layout (step
+  // counts, hyperparameters, owner) off the lock while steps go on, and
+  // ends the snapshot whatever `write` returns (its error is returned).
+  // `write` reads the state through ShardState::SnapshotAcquire (see
+  // SaveSnapshot); a step about to write a subgroup not yet read copies it
+  // into a `pool` buffer first, or waits for the writer when the pool is
+  // spent (ShardState's copy-on-write). ABORTED instead of waiting when an
+  // early step holds the session (TrainerGate): the checkpointer saves the
+  // other sessions meanwhile.
+  using SnapshotWrite =
+      absl::FunctionRef<absl::Status(const CheckpointLayout& layout, ShardState& shard)>;
+  absl::StatusOr<SnapshotInfo> Snapshot(SnapshotPool* pool, SnapshotWrite write);
   // True from before an early step takes the session's lock until it ends
   // (it may wait for its trainer's ready words or verdict, up to
   // --early_step_ready_timeout): a Snapshot now would wait that long, so

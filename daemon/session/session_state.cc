@@ -116,7 +116,7 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, u
   DOS_RETURN_IF_ERROR(ThroughGate("state read", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, holder.get()));
     if (resident_synced_at_ != steps_run_) {
-      shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+      shard_->ProtectSnapshot();  // the sync below writes resident subgroups' host state
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }
@@ -137,7 +137,7 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
           "state memory: session ", identity_.id, " has no registered state yet; register first"));
     }
     if (resident_synced_at_ != steps_run_) {
-      shard_->FinishSnapshot();  // the sync below writes resident subgroups' host state
+      shard_->ProtectSnapshot();  // the sync below writes resident subgroups' host state
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }
@@ -176,7 +176,7 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
     // Weights a delayed step left pending go in first: the import rewrites
     // only its own range of them.
     DOS_RETURN_IF_ERROR(InstallPendingWeights());
-    shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+    shard_->ProtectSnapshot();  // an in-flight checkpoint keeps the state it began with
     // A range may cover part of a resident subgroup: the rest of it must come
     // home before the GPU copies are dropped below.
     DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
@@ -201,56 +201,27 @@ Policy Session::policy() const {
   return policy_;
 }
 
-absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* staging,
-                                               HostMemoryBudget* staging_budget) {
-  std::vector<TensorDesc> infos;
-  std::vector<GroupConfig> groups;
-  uint64_t subgroup_size = 0;
-  StateFormat format = StateFormat::kFp32;
-  DOS_RETURN_IF_ERROR(ThroughGate("checkpoint", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const ShardState* held = HeldState();
-    if (held == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
-    }
-    infos.assign(held->tensors().begin(), held->tensors().end());
-    groups.assign(held->groups().begin(), held->groups().end());
-    subgroup_size = held->subgroup_size();
-    format = held->format();
-    return absl::OkStatus();
-  }));
-  // The layout never changes after registration, so a staging copy made for
-  // an earlier snapshot is reused; a new one is allocated (and its pages
-  // touched) here, off the lock.
-  uint64_t total = 0;
-  for (const TensorDesc& t : infos) total += t.numel;
-  if (*staging == nullptr || (*staging)->total_params() != total ||
-      (*staging)->subgroup_size() != subgroup_size || (*staging)->format() != format) {
-    staging->reset();
-    DOS_ASSIGN_OR_RETURN(
-        *staging,
-        ShardState::Create(std::move(infos), std::move(groups), subgroup_size, staging_budget,
-                           absl::StrCat("checkpoint staging of session ", identity_.id),
-                           {.format = format}));
-  }
+absl::StatusOr<SnapshotInfo> Session::Snapshot(SnapshotPool* pool, SnapshotWrite write) {
   SnapshotInfo info;
   ShardState* shard = nullptr;
+  CheckpointLayout layout;
   DOS_RETURN_IF_ERROR(ThroughGate("checkpoint", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time start = absl::Now();
     shard = HeldState();
     if (shard == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint: session ", identity_.id,
-                                                        " gave up its state while being saved"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint: session ", identity_.id, " has no registered tensors; nothing to save"));
     }
-    shard->FinishSnapshot();  // none in flight unless two savers race
     // Adopted state has no GPU copies (TakeShard brought them home).
     if (shard_ != nullptr) DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
-    // Holding mu_ means no step is in flight: a step boundary. Only the step
-    // counters are copied here; steps after it copy a subgroup before they
-    // first write it (ShardState::BeforeWrite), and the rest is copied below.
-    shard->BeginSnapshot(staging->get());
-    info.step = shard->tensors()[0].step;
+    // Holding mu_ means no step is in flight: a step boundary. Only the
+    // layout (step counts, hyperparameters) is taken here; steps after it
+    // copy a subgroup before they first write it, or wait for the writer
+    // (ShardState::BeforeWrite), while `write` reads the rest in place.
     info.owner = StateOwner();
+    layout = LayoutOf(*shard, info.owner);
+    info.step = shard->tensors()[0].step;
+    shard->BeginSnapshot(pool);
     {
       absl::MutexLock snap_lock(&snap_mu_);
       ++snapshot_copiers_;  // TakeShard waits for us to let go of `shard`
@@ -260,14 +231,17 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(std::unique_ptr<ShardState>* stag
   }));
   // Off the lock: steps go on meanwhile. `shard` stays alive until the copier
   // count drops (TakeShard waits for it; the caller's reference keeps the
-  // Session, which owns it otherwise).
-  const absl::Time copy_start = absl::Now();
-  info.subgroups_copied_by_steps = shard->FinishSnapshot();
-  info.copy_us = absl::ToDoubleMicroseconds(absl::Now() - copy_start);
+  // Session, which owns it otherwise). The snapshot ends whatever `write`
+  // returns, so no step waits for a writer that gave up.
+  const absl::Time write_start = absl::Now();
+  const absl::Status written = write(layout, *shard);
+  info.subgroups_copied_by_steps = shard->EndSnapshot();
+  info.write_us = absl::ToDoubleMicroseconds(absl::Now() - write_start);
   {
     absl::MutexLock snap_lock(&snap_mu_);
     --snapshot_copiers_;
   }
+  DOS_RETURN_IF_ERROR(written);
   info.last_step_wall_us = stats().last_wall_us;
   return info;
 }
@@ -280,7 +254,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
           absl::StrCat("checkpoint load: session ", identity_.id,
                        " has no registered tensors; register before loading a checkpoint"));
     }
-    shard_->FinishSnapshot();  // an in-flight checkpoint keeps the state it began with
+    shard_->ProtectSnapshot();  // an in-flight checkpoint keeps the state it began with
     DOS_RETURN_IF_ERROR(LoadShard(shard_.get(), path, env));
     delayed_.reset();  // every weight is rewritten below: nothing is pending any more
     engine()->DropResident(*shard_);
@@ -298,9 +272,8 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
 std::unique_ptr<ShardState> Session::TakeShard() {
   OthersLock lock(this);
   holds_adopted_.store(false, std::memory_order_release);
-  // A checkpoint's copier reads the state off the lock: finish its copy here
-  // and wait until it has let go before the state changes hands.
-  if (ShardState* held = HeldState(); held != nullptr) held->FinishSnapshot();
+  // A checkpoint's writer reads the state off the lock: wait until it has
+  // let go before the state changes hands.
   {
     absl::MutexLock snap_lock(&snap_mu_);
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_) { return snapshot_copiers_ == 0; };

@@ -35,8 +35,10 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
             ? std::string()
             : absl::StrCat("; ", FormatBytes(held_bytes_), " of it is the state of ", held_.size(),
                            " closed session(s) whose state_dict() views a trainer still holds "
-                           "(drop those state dicts, or end that trainer and any child it "
-                           "forked, such as DataLoader workers, to free it)");
+                           "(possibly another user's: `dosctl stats` shows each uid's STATE "
+                           "VIEWS; its owner frees it by dropping those state dicts, or by "
+                           "ending that trainer and any child it forked, such as DataLoader "
+                           "workers)");
     return absl::ResourceExhaustedError(
         absl::StrCat(what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as,
                      ", but ", FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
 #include "dos/wire/state_map.h"
 #include "dos/wire/status_macros.h"
 
@@ -106,12 +107,14 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(std::vector<Tenso
       g.exp_avg_sq = g.exp_avg + g.numel;
     }
   }
-  // Value-initialised: every subgroup kCopied, no snapshot in flight.
+  // Value-initialised: every subgroup kReleased, no snapshot in flight.
   s->copy_state_ = std::make_unique<std::atomic<uint32_t>[]>(s->subgroups_.size());
+  s->snapshot_copies_.resize(s->subgroups_.size());
   return s;
 }
 
 ShardState::~ShardState() {
+  EndSnapshot();        // copies go back to their pool (a writer ends it before this)
   attachment_.reset();  // unpins / frees GPU copies while the memory still exists
   // Memory its owner was handed (state_dict()'s views) lives on while mapped:
   // it stays charged until nothing views it.
@@ -201,10 +204,10 @@ void ShardState::WriteTensorRange(uint32_t tensor, int which, uint64_t offset, u
   });
 }
 
-void ShardState::BeginSnapshot(ShardState* staging) {
-  FinishSnapshot();
-  for (size_t t = 0; t < tensors_.size(); ++t) staging->tensors_[t].step = tensors_[t].step;
-  snapshot_staging_ = staging;
+void ShardState::BeginSnapshot(SnapshotPool* pool) {
+  EndSnapshot();  // none in flight unless its writer failed to end it
+  snapshot_pool_ = pool;
+  snapshot_released_ = 0;
   copied_by_writers_.store(0, std::memory_order_relaxed);
   for (size_t i = 0; i < subgroups_.size(); ++i) {
     copy_state_[i].store(kPending, std::memory_order_relaxed);
@@ -214,45 +217,127 @@ void ShardState::BeginSnapshot(ShardState* staging) {
   snapshot_active_.store(true, std::memory_order_release);
 }
 
-bool ShardState::CopyOrWait(uint32_t i, bool by_writer) {
+bool ShardState::CopyForSnapshot(uint32_t i, uint32_t* seen) {
   std::atomic<uint32_t>& st = copy_state_[i];
-  uint32_t seen = kPending;
-  if (st.compare_exchange_strong(seen, kCopying, std::memory_order_acquire)) {
-    const Subgroup& from = subgroups_[i];
-    // [master | exp_avg | exp_avg_sq] are one allocation per subgroup (the
-    // staging shard has this one's format).
-    std::memcpy(snapshot_staging_->subgroups_[i].master, from.master, from.state_bytes());
-    if (by_writer) copied_by_writers_.fetch_add(1, std::memory_order_relaxed);
-    st.store(kCopied, std::memory_order_release);  // publishes the staging bytes
-    st.notify_all();
-    return true;
+  const Subgroup& from = subgroups_[i];
+  SnapshotPool::Buffer buf = snapshot_pool_ != nullptr ? snapshot_pool_->TryTake(from.state_bytes())
+                                                       : SnapshotPool::Buffer();
+  if (!buf || !st.compare_exchange_strong(*seen, kCopying, std::memory_order_acquire)) {
+    return false;  // no room, or another thread took it first (buf goes back)
   }
-  // Another thread is copying it (kCopying) or has (kCopied); the acquire
-  // loads make its staging bytes visible here.
-  while (seen == kCopying) {
-    st.wait(kCopying, std::memory_order_acquire);
-    seen = st.load(std::memory_order_acquire);
+  // [master | exp_avg | exp_avg_sq] are one allocation per subgroup.
+  std::memcpy(buf.data(), from.master, from.state_bytes());
+  SnapshotCopy& copy = snapshot_copies_[i];
+  copy.view = Subgroup();
+  copy.view.flat_begin = from.flat_begin;
+  copy.view.numel = from.numel;
+  copy.view.format = from.format;
+  copy.view.master = static_cast<float*>(buf.data());
+  if (from.format == StateFormat::kCompact) {
+    copy.view.exp_avg_bf16 = reinterpret_cast<uint16_t*>(copy.view.master + from.numel);
+    copy.view.exp_avg_sq_bf16 = copy.view.exp_avg_bf16 + from.numel;
+  } else {
+    copy.view.exp_avg = copy.view.master + from.numel;
+    copy.view.exp_avg_sq = copy.view.exp_avg + from.numel;
   }
-  return false;
+  copy.buffer = std::move(buf);
+  st.store(kCopied, std::memory_order_release);  // publishes the copy
+  st.notify_all();
+  *seen = kCopied;
+  return true;
 }
 
-void ShardState::CopyBeforeWrite(uint32_t subgroup) {
-  if (copy_state_[subgroup].load(std::memory_order_acquire) == kCopied) return;
+void ShardState::CopyBeforeWrite(uint32_t i) {
+  std::atomic<uint32_t>& st = copy_state_[i];
+  uint32_t seen = st.load(std::memory_order_acquire);
+  if (seen == kReleased || seen == kCopied) return;
   const auto start = std::chrono::steady_clock::now();
-  CopyOrWait(subgroup, /*by_writer=*/true);
+  while (seen != kReleased && seen != kCopied) {
+    if (seen == kPending) {
+      if (CopyForSnapshot(i, &seen)) {
+        copied_by_writers_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+      if (seen != kPending) continue;  // another thread moved it on
+    }
+    // The pool is spent (pending: the writer will read it live and let it
+    // go), or another thread is copying it, or the writer is reading it.
+    st.wait(seen, std::memory_order_acquire);
+    seen = st.load(std::memory_order_acquire);
+  }
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - start)
                       .count();
   write_wait_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
 }
 
-uint32_t ShardState::FinishSnapshot() {
+const Subgroup& ShardState::SnapshotAcquire(uint32_t i) {
+  std::atomic<uint32_t>& st = copy_state_[i];
+  uint32_t seen = st.load(std::memory_order_acquire);
+  while (true) {
+    switch (seen) {
+      case kReading:
+        return subgroups_[i];
+      case kCopied:
+        return snapshot_copies_[i].view;
+      case kPending:
+        // Copied first where the pool has room: a step then never waits for
+        // the file, whose sections put a subgroup's three arrays of one
+        // tensor far apart (a large tensor keeps its subgroups until all
+        // three are written).
+        if (CopyForSnapshot(i, &seen)) return snapshot_copies_[i].view;
+        if (seen != kPending) break;
+        if (st.compare_exchange_strong(seen, kReading, std::memory_order_acquire)) {
+          st.notify_all();  // steps waiting for room now wait for the release
+          return subgroups_[i];
+        }
+        break;
+      case kCopying:
+        st.wait(kCopying, std::memory_order_acquire);
+        seen = st.load(std::memory_order_acquire);
+        break;
+      default:  // kReleased: the writer went back (a bug); steps may write it
+        DOS_LOG_ERROR("checkpoint.snapshot_order", "subgroup", i, "released_below",
+                      snapshot_released_);
+        return subgroups_[i];
+    }
+  }
+}
+
+void ShardState::ReleaseForSnapshot(uint32_t i) {
+  std::atomic<uint32_t>& st = copy_state_[i];
+  uint32_t seen = st.load(std::memory_order_acquire);
+  while (seen != kReleased) {
+    if (seen == kCopying) {
+      st.wait(kCopying, std::memory_order_acquire);
+      seen = st.load(std::memory_order_acquire);
+      continue;
+    }
+    // Only this thread moves a subgroup on from kCopied or kReading.
+    if (seen == kCopied) snapshot_copies_[i].buffer.Reset();
+    if (st.compare_exchange_strong(seen, kReleased, std::memory_order_acq_rel)) {
+      st.notify_all();
+      return;
+    }
+  }
+}
+
+void ShardState::SnapshotReleaseBelow(uint32_t end) {
+  end = std::min<uint32_t>(end, static_cast<uint32_t>(subgroups_.size()));
+  for (; snapshot_released_ < end; ++snapshot_released_) ReleaseForSnapshot(snapshot_released_);
+}
+
+uint32_t ShardState::EndSnapshot() {
   if (!snapshot_active_.load(std::memory_order_acquire)) return 0;
-  // In the order steps write them, so a step that starts right after the
-  // boundary finds the copier ahead of it.
-  for (uint32_t i = 0; i < subgroups_.size(); ++i) CopyOrWait(i, /*by_writer=*/false);
+  SnapshotReleaseBelow(static_cast<uint32_t>(subgroups_.size()));
   snapshot_active_.store(false, std::memory_order_release);
+  snapshot_pool_ = nullptr;
   return copied_by_writers_.load(std::memory_order_relaxed);
+}
+
+void ShardState::ProtectSnapshot() {
+  if (!snapshot_active_.load(std::memory_order_acquire)) return;
+  for (uint32_t i = 0; i < subgroups_.size(); ++i) CopyBeforeWrite(i);
 }
 
 double ShardState::TakeWriteWaitUs() {

@@ -11,15 +11,21 @@
 // whole state with one copy each way (numel * 12 bytes in fp32 format,
 // numel * 8 in compact format: the moments are then numel bf16 each).
 //
-// Copy-on-write snapshots: a checkpoint is taken from a step boundary while
-// steps go on. BeginSnapshot (under the owner's lock, between steps) only
-// marks every subgroup "not copied" and records the step counters; the
-// checkpointer's thread then copies subgroups one by one into a staging
-// ShardState (FinishSnapshot) without the lock. Whatever writes a subgroup's
-// host state calls BeforeWrite(subgroup) first, which copies that subgroup
-// there and then if the copier has not reached it (or waits while the copier
-// is mid-copy of it), so the staging copy is bitwise the state at the
-// boundary. With no snapshot in flight BeforeWrite is one atomic load.
+// Copy-on-write snapshots: a checkpoint is written from a step boundary
+// while steps go on, straight from the state, with no second copy of it.
+// BeginSnapshot (under the owner's lock, between steps) only marks every
+// subgroup "pending"; the checkpointer's thread then reads the subgroups in
+// order (SnapshotAcquire) and lets each go once written
+// (SnapshotReleaseBelow, EndSnapshot); where the snapshot's SnapshotPool
+// has room the writer copies a subgroup before it reads it, so no step waits
+// while the file takes its time. Whatever writes a subgroup's host state
+// calls BeforeWrite(subgroup) first: a pending subgroup is copied into a
+// buffer of the pool then and there (the writer reads the copy), or, when
+// the pool is spent, waited for until the writer has let it go; one the
+// writer is reading in place is waited for. So the file is
+// bitwise the state at the boundary, and a save holds at most the pool's
+// limit beside the state. With no snapshot in flight BeforeWrite is one
+// atomic load.
 //
 // Ownership: ShardState owns the state memory and returns its bytes to the
 // HostMemoryBudget on destruction. Thread-safety: none for the state itself;
@@ -40,6 +46,7 @@
 #include "daemon/state/host_arena.h"
 #include "daemon/state/host_memory_budget.h"
 #include "daemon/state/register_progress.h"
+#include "daemon/state/snapshot_pool.h"
 #include "daemon/state/state_format.h"
 #include "dos/wire/dtype.h"
 #include "dos/wire/step_params.h"
@@ -168,16 +175,27 @@ class ShardState {
   void WriteTensorRange(uint32_t tensor, int which, uint64_t offset, uint64_t n, const float* buf);
 
   // Copy-on-write snapshot (see the top of this file). BeginSnapshot: the
-  // caller holds the lock that serialises writers (a step boundary);
-  // `staging` has this shard's layout and stays alive until FinishSnapshot
-  // returns. A snapshot still in flight is finished first.
-  void BeginSnapshot(ShardState* staging);
-  // Copies every subgroup not copied yet, in order, waits for those another
-  // thread is copying, and ends the snapshot; returns at once when none is in
-  // flight. Thread-safe: the copier calls it without the lock; whoever writes
-  // the whole state (state import, checkpoint load) calls it first, under
-  // the lock. Returns how many subgroups writers copied (BeforeWrite) for it.
-  uint32_t FinishSnapshot();
+  // caller holds the lock that serialises writers (a step boundary); steps
+  // copy into `pool`'s buffers (null: they wait for the writer instead),
+  // which outlives EndSnapshot. A snapshot still in flight must have ended.
+  void BeginSnapshot(SnapshotPool* pool);
+  // The writer's side, one thread, in increasing subgroup order: the
+  // boundary's state of `subgroup` until SnapshotReleaseBelow passes it: a
+  // copy (a step's, or the writer's own where the pool has room), else the
+  // live state, which steps then leave alone.
+  const Subgroup& SnapshotAcquire(uint32_t subgroup);
+  // The writer is done with every subgroup below `end`: steps may write them
+  // (a copy's buffer goes back to the pool).
+  void SnapshotReleaseBelow(uint32_t end);
+  // Releases the rest and ends the snapshot (also after a failed write);
+  // returns how many subgroups steps copied for it. No-op when none is in
+  // flight.
+  uint32_t EndSnapshot();
+  // Under the owner's lock, before writing the whole state (state import,
+  // checkpoint load, a resident sync): BeforeWrite for every subgroup (a
+  // copy, or a wait for the writer where the pool is spent). The snapshot
+  // stays in flight until its writer ends it.
+  void ProtectSnapshot();
   bool snapshot_in_progress() const { return snapshot_active_.load(std::memory_order_acquire); }
   // Call before writing subgroup `subgroup`'s host state (master, exp_avg,
   // exp_avg_sq) while a snapshot may be in flight.
@@ -248,12 +266,26 @@ class ShardState {
  private:
   ShardState() = default;
   void CopyBeforeWrite(uint32_t subgroup);
-  // Copies subgroup `i` if nobody has started to; else waits until it is
-  // copied. Returns true if this call copied it.
-  bool CopyOrWait(uint32_t i, bool by_writer);
+  // Copies subgroup `i` into a pool buffer if there is room and its state
+  // is still `*seen` (kPending); else false with `*seen` as found.
+  bool CopyForSnapshot(uint32_t i, uint32_t* seen);
+  void ReleaseForSnapshot(uint32_t subgroup);
 
-  // Per subgroup, for the snapshot in flight.
-  enum CopyState : uint32_t { kCopied = 0, kPending = 1, kCopying = 2 };
+  // Per subgroup, for the snapshot in flight: kReleased once the writer is
+  // done with it (or none is in flight); kPending until the writer or a
+  // step takes it; kReading while the writer reads the live state; kCopying
+  // then kCopied when a step copied it into a pool buffer first.
+  enum CopyState : uint32_t {
+    kReleased = 0,
+    kPending = 1,
+    kCopying = 2,
+    kCopied = 3,
+    kReading = 4
+  };
+  struct SnapshotCopy {
+    SnapshotPool::Buffer buffer;
+    Subgroup view;  // its arrays in `buffer` (no segments)
+  };
 
   std::vector<TensorDesc> tensors_;
   std::vector<uint64_t> flat_offsets_;  // per tensor
@@ -269,13 +301,15 @@ class ShardState {
   LedgerCharge views_charge_;
   std::unique_ptr<ShardAttachment> attachment_;
 
-  // Snapshot state. `snapshot_staging_` is written by BeginSnapshot only (a
-  // step boundary, under the owner's lock) and read by copiers after they
-  // observe `snapshot_active_`; a subgroup's staging bytes are published by
-  // the release store of kCopied into its `copy_state_`.
+  // Snapshot state. `snapshot_pool_` is written by BeginSnapshot only (a
+  // step boundary, under the owner's lock) and read by steps after they
+  // observe `snapshot_active_`; a copy is published by the release store of
+  // kCopied into its `copy_state_`, and given back by the writer only.
   std::atomic<bool> snapshot_active_{false};
-  ShardState* snapshot_staging_ = nullptr;
+  SnapshotPool* snapshot_pool_ = nullptr;
   std::unique_ptr<std::atomic<uint32_t>[]> copy_state_;  // CopyState per subgroup
+  std::vector<SnapshotCopy> snapshot_copies_;            // per subgroup
+  uint32_t snapshot_released_ = 0;  // writer only: subgroups below are released
   std::atomic<uint32_t> copied_by_writers_{0};
   std::atomic<uint64_t> write_wait_ns_{0};
 };

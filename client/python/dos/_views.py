@@ -13,7 +13,8 @@ Like torch's own state tensors, a view shows later steps (dosd updates the
 pages in place); a write into it changes only the writer's private copy of
 that page, never dosd's state (load_state_dict() is the way to change it).
 The mapping is released when the last tensor over it is freed. Small tensors
-(under 64 Ki elements) are not page-aligned in dosd and come back as copies.
+(under 64 Ki elements), and every tensor of a small optimizer (under 1 Mi
+parameters in all), are not page-aligned in dosd and come back as copies.
 
 While any view is alive, step() returns only once the step is finished, so
 a framework that still holds a state dict never reads a half-updated one.

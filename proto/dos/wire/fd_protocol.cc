@@ -84,7 +84,9 @@ absl::StatusOr<Request> ParseRequest(const void* data, size_t n, size_t fds_rece
   if (op != Op::kHello && op != Op::kControlBlock && op != Op::kSegments &&
       op != Op::kStateMemory) {
     return absl::InvalidArgumentError(
-        absl::StrCat("descriptor socket: unknown request op ", r->op, "; expected 1 to 3"));
+        absl::StrCat("descriptor socket: unknown request op ", r->op,
+                     "; expected 1 to 4 (hello, control block, segments, state memory): "
+                     "client and dosd may be of different versions"));
   }
   if (r->num_fds != fds_received) {
     return absl::InvalidArgumentError(absl::StrCat("descriptor socket: request announces ",

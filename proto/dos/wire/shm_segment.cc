@@ -153,6 +153,13 @@ absl::Status ShmSegment::CheckSealed(int fd, absl::string_view what) {
   if ((seals & F_SEAL_SHRINK) == 0) return missing("F_SEAL_SHRINK");
   if ((seals & F_SEAL_GROW) == 0) return missing("F_SEAL_GROW");
   if ((seals & F_SEAL_SEAL) == 0) return missing("F_SEAL_SEAL");
+  if (const int mode = ::fcntl(fd, F_GETFL); mode >= 0 && (mode & O_ACCMODE) == O_RDONLY) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shm: ", w,
+        " is open read-only; dosd maps it for reading and writing: pass the "
+        "descriptor memfd_create returned (or one opened O_RDWR), not a read-only one such as "
+        "dosd's state view"));
+  }
   if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "shm: ", w, " is sealed against writes; dosd needs to write into it"));

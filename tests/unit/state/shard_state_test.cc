@@ -1,11 +1,14 @@
 #include "daemon/state/shard_state.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/state/state_test_util.h"
 
@@ -163,53 +166,115 @@ TEST(FormatBytesTest, HumanUnits) {
   EXPECT_EQ(FormatBytes(uint64_t{3} << 30), "3.00 GiB");
 }
 
-// Copy-on-write snapshot raced by a writer and the copier (threads TSan
-// follows: the per-subgroup atomics are all there is). The staging copy must
-// be bitwise the state at BeginSnapshot whatever the interleaving; repeated
-// to shake out orders.
-TEST(ShardStateSnapshotTest, WriterAndCopierRaceToABitwiseStepBoundary) {
+// Copy-on-write snapshot raced by a step and the checkpoint's writer
+// (threads TSan follows: the per-subgroup atomics are all there is). What
+// the writer reads must be bitwise the state at BeginSnapshot whatever the
+// interleaving and whatever room the pool has (none: the step waits for the
+// writer; some; plenty), and the pool never holds more than its limit;
+// repeated to shake out orders.
+TEST(ShardStateSnapshotTest, AStepAndTheWriterRaceToABitwiseStepBoundary) {
   HostMemoryBudget budget(0);
   auto live = ShardState::Create(Tensors({5000, 3000, 8000}), {GroupConfig{}}, 1000, &budget,
                                  "live");
-  auto staging = ShardState::Create(Tensors({5000, 3000, 8000}), {GroupConfig{}}, 1000, &budget,
-                                    "staging");
-  ASSERT_TRUE(live.ok() && staging.ok());
+  ASSERT_TRUE(live.ok());
   ShardState& shard = **live;
   const size_t n = shard.subgroups().size();
   ASSERT_EQ(n, 16u);
+  const uint64_t sg_bytes = shard.subgroups()[0].state_bytes();
   auto fill = [&](float base) {
     for (Subgroup& g : shard.subgroups()) {
       for (uint64_t e = 0; e < 3 * g.numel; ++e) g.master[e] = base + static_cast<float>(e);
     }
   };
-  for (int round = 0; round < 20; ++round) {
-    fill(static_cast<float>(round));
-    shard.tensors()[0].step = round;
-    shard.BeginSnapshot(staging->get());
-    std::thread writer([&] {
-      // A step: every subgroup, in the order the CPU path takes them (back
-      // first on odd rounds, as the CPU claims from the back under auto).
-      for (size_t k = 0; k < n; ++k) {
-        const uint32_t i = static_cast<uint32_t>(round % 2 ? n - 1 - k : k);
-        shard.BeforeWrite(i);
-        Subgroup& g = shard.subgroups()[i];
-        for (uint64_t e = 0; e < 3 * g.numel; ++e) g.master[e] = -1.0f;
+  for (uint64_t limit : {uint64_t{0}, 3 * sg_bytes, 100 * sg_bytes}) {
+    SnapshotPool pool(limit, nullptr);
+    for (int round = 0; round < 20; ++round) {
+      fill(static_cast<float>(round));
+      shard.BeginSnapshot(&pool);
+      std::thread step([&] {
+        // Every subgroup, in the order the CPU path takes them (back first
+        // on odd rounds, as the CPU claims from the back under auto).
+        for (size_t k = 0; k < n; ++k) {
+          const uint32_t i = static_cast<uint32_t>(round % 2 ? n - 1 - k : k);
+          shard.BeforeWrite(i);
+          Subgroup& g = shard.subgroups()[i];
+          for (uint64_t e = 0; e < 3 * g.numel; ++e) g.master[e] = -1.0f;
+        }
+      });
+      // The writer: in order, letting each go once read (as SaveSnapshot).
+      for (uint32_t i = 0; i < n; ++i) {
+        const Subgroup& g = shard.SnapshotAcquire(i);
+        for (uint64_t e = 0; e < 3 * g.numel; ++e) {
+          ASSERT_EQ(g.master[e], static_cast<float>(round) + static_cast<float>(e))
+              << "limit " << limit << " round " << round << " subgroup " << i;
+        }
+        shard.SnapshotReleaseBelow(i + 1);
       }
-    });
-    const uint32_t by_writer = shard.FinishSnapshot();
-    writer.join();
-    EXPECT_LE(by_writer, n);
-    EXPECT_FALSE(shard.snapshot_in_progress());
-    EXPECT_EQ((*staging)->tensors()[0].step, round);
-    for (const Subgroup& g : (*staging)->subgroups()) {
-      for (uint64_t e = 0; e < 3 * g.numel; ++e) {
-        ASSERT_EQ(g.master[e], static_cast<float>(round) + static_cast<float>(e))
-            << "round " << round;
+      const uint32_t by_steps = shard.EndSnapshot();
+      step.join();
+      if (limit == 0) {
+        EXPECT_EQ(by_steps, 0u);  // (with room, buffers freed are taken again)
       }
+      EXPECT_FALSE(shard.snapshot_in_progress());
+      EXPECT_EQ(pool.used(), 0u);
+      EXPECT_LE(pool.TakePeak(), limit);
+      // And the step's values are what the live state holds.
+      for (const Subgroup& g : shard.subgroups()) ASSERT_EQ(g.master[0], -1.0f);
     }
-    // And the writer's values are what the live state holds.
-    for (const Subgroup& g : shard.subgroups()) ASSERT_EQ(g.master[0], -1.0f);
   }
+}
+
+// A step ahead of the writer: it copies what the pool has room for, and
+// once the pool is spent waits for the writer, which reads those copies and
+// the rest in place.
+TEST(ShardStateSnapshotTest, AStepCopiesWhatThePoolHoldsThenWaitsForTheWriter) {
+  HostMemoryBudget budget(0);
+  auto live = ShardState::Create(Tensors({4000}), {GroupConfig{}}, 1000, &budget, "live");
+  ASSERT_TRUE(live.ok());
+  ShardState& shard = **live;
+  for (Subgroup& g : shard.subgroups()) std::fill_n(g.master, 3 * g.numel, 7.0f);
+  SnapshotPool pool(2 * shard.subgroups()[0].state_bytes(), nullptr);
+  shard.BeginSnapshot(&pool);
+  // Subgroups 3 and 2 are copied (the pool's room); 1 then waits.
+  std::atomic<int> written{0};
+  std::thread step([&] {
+    for (uint32_t i : {3u, 2u, 1u, 0u}) {
+      shard.BeforeWrite(i);
+      std::fill_n(shard.subgroups()[i].master, 3 * shard.subgroups()[i].numel, -1.0f);
+      written.fetch_add(1);
+    }
+  });
+  while (pool.used() < pool.limit()) std::this_thread::yield();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(written.load(), 2);  // waiting for subgroup 1
+  for (uint32_t i = 0; i < 4; ++i) {
+    const Subgroup& g = shard.SnapshotAcquire(i);
+    ASSERT_EQ(g.master[0], 7.0f) << i;
+    ASSERT_EQ(g.master[3 * g.numel - 1], 7.0f) << i;
+    shard.SnapshotReleaseBelow(i + 1);
+  }
+  EXPECT_EQ(shard.EndSnapshot(), 2u);
+  step.join();
+  EXPECT_EQ(written.load(), 4);
+  EXPECT_EQ(pool.used(), 0u);
+}
+
+// The pool's buffers are charged to the daemon's budget while they live: no
+// copy when the budget is full.
+TEST(SnapshotPoolTest, BuffersAreChargedToTheBudgetAndGiveItBack) {
+  HostMemoryBudget budget(10 << 20);
+  SnapshotPool pool(100 << 20, &budget);
+  SnapshotPool::Buffer a = pool.TryTake(6 << 20);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(budget.used(), uint64_t{6} << 20);
+  EXPECT_FALSE(pool.TryTake(6 << 20));  // the budget has 4 MiB left
+  EXPECT_EQ(budget.used(), uint64_t{6} << 20);
+  static_cast<char*>(a.data())[(6 << 20) - 1] = 1;  // writable
+  a.Reset();
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_EQ(pool.used(), 0u);
+  SnapshotPool none(0, nullptr);
+  EXPECT_FALSE(none.TryTake(1));
 }
 
 }  // namespace

@@ -104,6 +104,22 @@ TEST(ShmSegmentTest, WriteSealedAndEmptyMemfdsAreRefused) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A read-only descriptor of a sealed memfd (such as dosd's own state view,
+// sent back as a buffer) is refused up front, naming why, instead of failing
+// later as an unexplained mapping error.
+TEST(ShmSegmentTest, AReadOnlyDescriptorIsRefusedNamingIt) {
+  UniqueFd fd(memfd_create("dos.test.rdonly", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(ftruncate(fd.get(), 4096), 0);
+  ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+  UniqueFd ro(::open(("/proc/self/fd/" + std::to_string(fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(ro.valid());
+  const absl::Status st = ShmSegment::CheckSealed(ro.get(), "segment 0");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("read-only"), std::string::npos) << st;
+  EXPECT_TRUE(ShmSegment::CheckSealed(fd.get(), "segment 0").ok());
+}
+
 TEST(ShmSegmentTest, FilesPipesAndSocketsAreNotMemfds) {
   char path[] = "/tmp/dos_shm_test.XXXXXX";
   UniqueFd file(mkstemp(path));
