@@ -330,8 +330,10 @@ void ShardState::SnapshotReleaseBelow(uint32_t end) {
 uint32_t ShardState::EndSnapshot() {
   if (!snapshot_active_.load(std::memory_order_acquire)) return 0;
   SnapshotReleaseBelow(static_cast<uint32_t>(subgroups_.size()));
+  // `snapshot_pool_` stays: a step still in CopyBeforeWrite may read it (its
+  // buffer goes back when it finds the subgroup released); the next
+  // BeginSnapshot sets it under the owner's lock.
   snapshot_active_.store(false, std::memory_order_release);
-  snapshot_pool_ = nullptr;
   return copied_by_writers_.load(std::memory_order_relaxed);
 }
 

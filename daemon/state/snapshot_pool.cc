@@ -3,6 +3,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <utility>
 
 #include "daemon/common/log.h"
@@ -26,6 +29,12 @@ void SnapshotPool::Buffer::Reset() {
   bytes_ = 0;
 }
 
+SnapshotPool::SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, AvailableFn available)
+    : limit_(limit_bytes),
+      budget_(budget),
+      available_(available ? std::move(available) : AvailableFn(HostMemoryAvailable)),
+      keep_free_(std::max<uint64_t>(uint64_t{1} << 30, HostMemoryBytes() / 20)) {}
+
 SnapshotPool::~SnapshotPool() {
   if (used() != 0) {
     DOS_LOG_ERROR("checkpoint.staging_leaked", "bytes", used());
@@ -39,6 +48,10 @@ SnapshotPool::Buffer SnapshotPool::TryTake(uint64_t bytes) {
   do {
     if (bytes > limit_ || used > limit_ - bytes) return b;
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  if (const uint64_t avail = available_(); avail < keep_free_ || avail - keep_free_ < bytes) {
+    used_.fetch_sub(bytes, std::memory_order_relaxed);
+    return b;
+  }
   if (budget_ != nullptr &&
       !budget_
            ->Reserve(bytes, "a checkpoint's copy-on-write", "checkpoint staging",
@@ -72,11 +85,26 @@ void SnapshotPool::Give(void* data, uint64_t bytes) {
 
 uint64_t SnapshotPool::TakePeak() { return peak_.exchange(used(), std::memory_order_relaxed); }
 
-uint64_t DefaultSnapshotPoolLimit() {
+uint64_t HostMemoryBytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return uint64_t{4} << 30;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+  if (pages <= 0 || page <= 0) return uint64_t{16} << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+uint64_t DefaultSnapshotPoolLimit() { return HostMemoryBytes() / 4; }
+
+uint64_t HostMemoryAvailable() {
+  std::FILE* f = std::fopen("/proc/meminfo", "re");
+  if (f == nullptr) return UINT64_MAX;
+  char line[256];
+  uint64_t kib = 0;
+  bool found = false;
+  while (!found && std::fgets(line, sizeof line, f) != nullptr) {
+    found = std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1;
+  }
+  std::fclose(f);
+  return found ? kib << 10 : UINT64_MAX;
 }
 
 }  // namespace dos

@@ -8,9 +8,11 @@
 // pool's limit beside the state (not a second copy of it: 81 GB at 7B fp32),
 // and each buffer is freed once its subgroup is written.
 //
-// Two bounds: the pool's own limit (--checkpoint_staging_limit), and, when
+// Three bounds: the pool's own limit (--checkpoint_staging_limit); when
 // given, the daemon's HostMemoryBudget (--host_memory_limit), which the
-// buffers are charged to while they live.
+// buffers are charged to while they live; and the host's available memory
+// (MemAvailable), of which a buffer leaves max(1 GiB, 5% of the host's
+// memory): a save never takes memory the host does not have.
 //
 // Thread-safe.
 #pragma once
@@ -18,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "daemon/state/host_memory_budget.h"
 
@@ -48,9 +51,11 @@ class SnapshotPool {
   };
 
   // limit_bytes 0: no buffers at all (steps wait for the writer); `budget`
-  // may be null (only the pool's own limit).
-  SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget)
-      : limit_(limit_bytes), budget_(budget) {}
+  // may be null (only the pool's own limit). `available` says how much
+  // memory the host has available now (default: /proc/meminfo's
+  // MemAvailable; tests pass their own).
+  using AvailableFn = std::function<uint64_t()>;
+  SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, AvailableFn available = {});
   SnapshotPool(const SnapshotPool&) = delete;
   SnapshotPool& operator=(const SnapshotPool&) = delete;
   ~SnapshotPool();  // every Buffer must be gone
@@ -69,11 +74,17 @@ class SnapshotPool {
 
   const uint64_t limit_;
   HostMemoryBudget* const budget_;
+  const AvailableFn available_;
+  const uint64_t keep_free_;  // of the host's memory: max(1 GiB, 5%)
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> peak_{0};
 };
 
 // --checkpoint_staging_limit's "auto": a quarter of the host's memory.
 uint64_t DefaultSnapshotPoolLimit();
+// The host's memory, and what /proc/meminfo says is available now
+// (UINT64_MAX when it cannot be read).
+uint64_t HostMemoryBytes();
+uint64_t HostMemoryAvailable();
 
 }  // namespace dos

@@ -277,5 +277,18 @@ TEST(SnapshotPoolTest, BuffersAreChargedToTheBudgetAndGiveItBack) {
   EXPECT_FALSE(none.TryTake(1));
 }
 
+// Nor when the host has not the memory available (a buffer leaves at least
+// 1 GiB of it).
+TEST(SnapshotPoolTest, NoBufferTheHostHasNotGot) {
+  uint64_t available = uint64_t{1} << 40;
+  SnapshotPool pool(uint64_t{1} << 40, nullptr, [&] { return available; });
+  EXPECT_TRUE(pool.TryTake(1 << 20));
+  available = (uint64_t{1} << 30) + (1 << 19);
+  EXPECT_FALSE(pool.TryTake(1 << 20));
+  EXPECT_EQ(pool.used(), 0u);
+  EXPECT_GT(HostMemoryAvailable(), 0u);
+  EXPECT_LE(DefaultSnapshotPoolLimit(), HostMemoryBytes());
+}
+
 }  // namespace
 }  // namespace dos
