@@ -70,6 +70,7 @@ def main():
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     tmp = args.workdir or tempfile.mkdtemp(prefix="dos-savemem-")
+    os.makedirs(tmp, exist_ok=True)
     ckpt = os.path.join(tmp, "ckpt")
     proc, sock = start_dosd(os.environ["DOS_DOSD"],
                             [f"--checkpoint_dir={ckpt}",
