@@ -36,6 +36,12 @@ ABSL_FLAG(int, max_state_views_per_uid, 512,
           "live sessions' and closed ones' it still maps; a closed one stays charged (one "
           "descriptor of dosd's, and its bytes to --host_memory_limit) until the trainer drops "
           "its views or exits. Past it state_dict() is refused. 0 = no cap.");
+ABSL_FLAG(std::string, max_state_bytes_per_uid, "0",
+          "Host memory one uid's optimizer state may take in all (its sessions' shards, live, "
+          "waiting for a resume, or closed and still viewed); a registration past it is "
+          "refused. On a node shared by several users set it, e.g. to --host_memory_limit "
+          "divided by the users, so that no user's jobs can take the whole of it. 0 = no cap "
+          "(--host_memory_limit and --session_memory_limit only).");
 ABSL_FLAG(int, max_fd_connections_per_uid, 16,
           "Descriptor-socket connections of one uid waiting for dosd to serve them; more are "
           "refused at once. 0 = no cap.");
@@ -109,6 +115,10 @@ absl::Status BoundsFromFlags(uint64_t host_memory_limit, absl::Duration session_
     st = Bytes("max_bookkeeping_bytes_per_uid",
                absl::GetFlag(FLAGS_max_bookkeeping_bytes_per_uid), 0,
                &uid[at(UidResource::kBookkeepingBytes)]);
+  }
+  if (st.ok()) {
+    st = Bytes("max_state_bytes_per_uid", absl::GetFlag(FLAGS_max_state_bytes_per_uid), 0,
+               &uid[at(UidResource::kStateBytes)]);
   }
   if (st.ok()) {
     st = Count("max_fd_connections_per_uid", absl::GetFlag(FLAGS_max_fd_connections_per_uid),

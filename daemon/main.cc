@@ -107,9 +107,9 @@ ABSL_FLAG(int, autosave_keep, 2, "Autosaves kept per (client name, rank).");
 ABSL_FLAG(std::string, checkpoint_staging_limit, "auto",
           "Host memory steps may copy state into while a checkpoint is written (each subgroup "
           "they are about to update before the file reaches it; freed once written; also "
-          "charged to --host_memory_limit; never below max(1G, 5%) of the host's memory "
-          "available). Past it a step waits for the write instead. auto: a quarter of the "
-          "host's memory; 0: steps always wait.");
+          "charged to --host_memory_limit; only where the host and dosd's memory cgroup have "
+          "room). Past it a step waits for the write instead. auto: a quarter of the host's "
+          "memory; 0: steps always wait.");
 ABSL_FLAG(bool, restore, true,
           "At startup, offer each (client name, rank)'s latest checkpoint to the first trainer "
           "that attaches with that name and rank and registers a matching layout.");

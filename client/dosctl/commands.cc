@@ -250,8 +250,8 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
   };
   out << "\nper uid (used / bound):\n";
   Table t({"UID", "SESSIONS", "MAPPED", "SEGMENTS", "FD CONNECTIONS", "EARLY STEPS", "TENSORS",
-           "BOOKKEEPING", "STATE VIEWS"},
-          {true, true, true, true, true, true, true, true, true});
+           "BOOKKEEPING", "STATE VIEWS", "STATE"},
+          {true, true, true, true, true, true, true, true, true, true});
   for (const v1::UidUsage& u : resp.uids()) {
     t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
               of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
@@ -260,7 +260,8 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
               of(absl::StrCat(u.early_steps()), cap.early_steps(), false),
               of(absl::StrCat(u.tensors()), cap.tensors(), false),
               of(Bytes(u.bookkeeping_bytes()), cap.bookkeeping_bytes(), true),
-              of(absl::StrCat(u.state_views()), cap.state_views(), false)});
+              of(absl::StrCat(u.state_views()), cap.state_views(), false),
+              of(Bytes(u.state_bytes()), cap.state_bytes(), true)});
   }
   t.Print(out);
 }

@@ -39,6 +39,10 @@ const ResourceText& Text(UidResource r) {
        "close optimizers you no longer use (each one whose state_dict() was taken counts "
        "until it is closed), and drop the state_dict() results of closed ones (they map their "
        "sessions' state) or end the trainer that holds them"},
+      {"state_bytes", "--max_state_bytes_per_uid", "", true,
+       "detach sessions you no longer use (a trainer that exited without detaching keeps its "
+       "state for --session_lease), drop state_dict() results of closed optimizers, or "
+       "register a smaller shard (more ranks, compact_state=True)"},
   };
   return kTexts[static_cast<int>(r)];
 }

@@ -50,8 +50,10 @@ enum class UidResource : int {
   kSegments = 5,          // client memory segments mapped (one mapping of dosd's each)
   kStateViews = 6,        // shards whose state memory the uid was handed (state_dict()'s
                           // views), live or closed while still mapped
+  kStateBytes = 7,        // host memory of the uid's optimizer state (its shards' page-aligned
+                          // subgroups), live, waiting for a resume, or closed and still viewed
 };
-inline constexpr int kNumUidResources = 7;
+inline constexpr int kNumUidResources = 8;
 
 // "mapped_bytes", "connections", ...: stats and metrics names.
 const char* UidResourceName(UidResource r);

@@ -182,6 +182,7 @@ absl::Status GpuEngine::SyncResidentToHost(ShardState& shard) {
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   for (size_t i = 0; i < gs->resident.size(); ++i) {
     if (gs->resident[i] == nullptr) continue;
+    shard.BeforeWrite(static_cast<uint32_t>(i));  // checkpoint copy-on-write
     DOS_CUDA_RETURN_IF_ERROR(cudaMemcpy(shard.subgroups()[i].master, gs->resident[i],
                                         gs->resident_size[i], cudaMemcpyDeviceToHost));
   }

@@ -13,6 +13,7 @@ void Fill(uint32_t sessions, const UidAmounts& a, v1::UidUsage* u) {
   u->set_tensors(at(UidResource::kTensors));
   u->set_segments(at(UidResource::kSegments));
   u->set_state_views(static_cast<uint32_t>(at(UidResource::kStateViews)));
+  u->set_state_bytes(at(UidResource::kStateBytes));
 }
 
 }  // namespace

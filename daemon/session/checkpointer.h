@@ -9,10 +9,11 @@
 // on, letting each subgroup go once the file is past it. A step about to
 // write a subgroup the file has not reached copies it first into a buffer
 // of the checkpointer's SnapshotPool (--checkpoint_staging_limit, charged to
-// --host_memory_limit; freed once written), or, with the pool spent, waits
-// until the file is past it: a save holds at most that limit beside the
-// state (at 7B fp32 the state is 81 GB; a full copy would double it), and
-// the steps behind a slow disk wait at most for the write. Save() queues a
+// --host_memory_limit and checked against the host's and the cgroup's room;
+// freed once written), or, with the pool spent, waits until the file is past
+// it: a save holds at most that limit beside the state (at 7B fp32 the state
+// is 81 GB; a full copy would double it), and the steps behind a slow disk
+// wait at most for the write. Save() queues a
 // job on that thread and waits for it; autosave queues itself every
 // --autosave_interval.
 //

@@ -178,6 +178,15 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
   DOS_RETURN_IF_ERROR(
       CheckHostCanHold(bytes, absl::StrCat("session ", identity_.id, " (", numel,
                                            " parameters)")));
+  // Charged to the uid, not the session: the state outlives the session
+  // while a resume may adopt it or its views are still mapped. Only to a
+  // ledger that outlives the session (as the state views' charge).
+  LedgerCharge state_charge;
+  if (own_ledger_ == nullptr && account_ != nullptr) {
+    DOS_ASSIGN_OR_RETURN(
+        state_charge, account_->ledger()->Charge(identity_.uid, UidResource::kStateBytes, bytes,
+                                                 absl::StrCat("register: session ", identity_.id)));
+  }
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,
                                           budget_,
@@ -185,6 +194,7 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
                                           {.format = spec.state_format,
                                            .huge_pages = options_.huge_pages,
                                            .progress = register_progress_.get()}));
+  reg->shard->set_state_charge(std::move(state_charge));
   // Page-locked (GPU engines) before the weights come over: they then land
   // at PCIe speed (StepExecutor::ReadWeights stages them in exp_avg).
   DOS_RETURN_IF_ERROR(reg->executor->engine()->AttachShard(*reg->shard, register_progress_.get()));

@@ -116,7 +116,6 @@ absl::StatusOr<int64_t> Session::ExportState(uint32_t tensor, uint64_t offset, u
   DOS_RETURN_IF_ERROR(ThroughGate("state read", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     DOS_ASSIGN_OR_RETURN(float* out, MapStateBuffer(tensor, offset, &count, buf, holder.get()));
     if (resident_synced_at_ != steps_run_) {
-      shard_->ProtectSnapshot();  // the sync below writes resident subgroups' host state
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }
@@ -137,7 +136,6 @@ absl::StatusOr<ShardState::StateMemory> Session::ExportStateMemory() {
           "state memory: session ", identity_.id, " has no registered state yet; register first"));
     }
     if (resident_synced_at_ != steps_run_) {
-      shard_->ProtectSnapshot();  // the sync below writes resident subgroups' host state
       DOS_RETURN_IF_ERROR(engine()->SyncResidentToHost(*shard_));
       resident_synced_at_ = steps_run_;
     }

@@ -53,8 +53,10 @@ void HostMemoryBudget::Release(uint64_t bytes) {
   ReleaseLocked(bytes);
 }
 
-void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge) {
-  Held held{std::move(file), bytes, std::move(charge)};  // outlives the lock (see freed below)
+void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge,
+                                       LedgerCharge state_charge) {
+  // Outlives the lock (see freed below).
+  Held held{std::move(file), bytes, std::move(charge), std::move(state_charge)};
   absl::MutexLock lock(&mu_);
   if (held.file.valid() && StillViewed(held.file.get())) {
     held_bytes_ += bytes;

@@ -50,9 +50,11 @@ class HostMemoryBudget {
   // `bytes` of a destroyed shard whose state memory may still be mapped by
   // its owner: `file` is a writable descriptor of the state's memfd opened
   // for this (HostArena::TakeLeaseFd; invalid: never exported), the only
-  // one dosd keeps; `charge` the uid's state-views charge. Released at once
+  // one dosd keeps; `charge` the uid's state-views charge, `state_charge`
+  // its charge for the bytes (kStateBytes; may be empty). Released at once
   // if nothing views it.
-  void HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge);
+  void HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge,
+                       LedgerCharge state_charge = {});
   // Gives back the held shards no longer viewed.
   void ReapViews();
 
@@ -72,6 +74,7 @@ class HostMemoryBudget {
     UniqueFd file;
     uint64_t bytes = 0;
     LedgerCharge charge;
+    LedgerCharge state_charge;
   };
   void ReapViewsLocked(std::vector<Held>* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -121,7 +121,8 @@ ShardState::~ShardState() {
   UniqueFd lease = arena_ != nullptr ? arena_->TakeLeaseFd() : UniqueFd();
   arena_.reset();
   if (budget_ != nullptr) {
-    budget_->HoldWhileViewed(std::move(lease), reserved_bytes_, std::move(views_charge_));
+    budget_->HoldWhileViewed(std::move(lease), reserved_bytes_, std::move(views_charge_),
+                             std::move(state_charge_));
   }
 }
 
@@ -281,12 +282,6 @@ const Subgroup& ShardState::SnapshotAcquire(uint32_t i) {
       case kCopied:
         return snapshot_copies_[i].view;
       case kPending:
-        // Copied first where the pool has room: a step then never waits for
-        // the file, whose sections put a subgroup's three arrays of one
-        // tensor far apart (a large tensor keeps its subgroups until all
-        // three are written).
-        if (CopyForSnapshot(i, &seen)) return snapshot_copies_[i].view;
-        if (seen != kPending) break;
         if (st.compare_exchange_strong(seen, kReading, std::memory_order_acquire)) {
           st.notify_all();  // steps waiting for room now wait for the release
           return subgroups_[i];

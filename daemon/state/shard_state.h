@@ -16,13 +16,12 @@
 // BeginSnapshot (under the owner's lock, between steps) only marks every
 // subgroup "pending"; the checkpointer's thread then reads the subgroups in
 // order (SnapshotAcquire) and lets each go once written
-// (SnapshotReleaseBelow, EndSnapshot); where the snapshot's SnapshotPool
-// has room the writer copies a subgroup before it reads it, so no step waits
-// while the file takes its time. Whatever writes a subgroup's host state
-// calls BeforeWrite(subgroup) first: a pending subgroup is copied into a
-// buffer of the pool then and there (the writer reads the copy), or, when
-// the pool is spent, waited for until the writer has let it go; one the
-// writer is reading in place is waited for. So the file is
+// (SnapshotReleaseBelow, EndSnapshot). Whatever writes a subgroup's host
+// state calls BeforeWrite(subgroup) first: a pending subgroup is copied into
+// a buffer of the snapshot's SnapshotPool then and there (the writer reads
+// the copy), or, when the pool is spent, waited for until the writer has let
+// it go; one the writer is reading in place is waited for (the file keeps a
+// tensor's subgroups until all three of its sections are written). So the file is
 // bitwise the state at the boundary, and a save holds at most the pool's
 // limit beside the state. With no snapshot in flight BeforeWrite is one
 // atomic load.
@@ -181,8 +180,7 @@ class ShardState {
   void BeginSnapshot(SnapshotPool* pool);
   // The writer's side, one thread, in increasing subgroup order: the
   // boundary's state of `subgroup` until SnapshotReleaseBelow passes it: a
-  // copy (a step's, or the writer's own where the pool has room), else the
-  // live state, which steps then leave alone.
+  // step's copy, else the live state, which steps then leave alone.
   const Subgroup& SnapshotAcquire(uint32_t subgroup);
   // The writer is done with every subgroup below `end`: steps may write them
   // (a copy's buffer goes back to the pool).
@@ -221,6 +219,9 @@ class ShardState {
   // held in the budget until nothing views it (HostMemoryBudget::HoldWhileViewed).
   bool views_charged() const { return views_charge_.amount() != 0; }
   void set_views_charge(LedgerCharge charge) { views_charge_ = std::move(charge); }
+  // The owner uid's charge for this state's bytes (UidResource::kStateBytes),
+  // held with the bytes while the state lives, or is still viewed after it.
+  void set_state_charge(LedgerCharge charge) { state_charge_ = std::move(charge); }
 
   // The state's memory: subgroup i's state is arena().slot(i).
   const HostArena& arena() const { return *arena_; }
@@ -299,6 +300,7 @@ class ShardState {
   HostMemoryBudget* budget_ = nullptr;
   uint64_t reserved_bytes_ = 0;
   LedgerCharge views_charge_;
+  LedgerCharge state_charge_;
   std::unique_ptr<ShardAttachment> attachment_;
 
   // Snapshot state. `snapshot_pool_` is written by BeginSnapshot only (a

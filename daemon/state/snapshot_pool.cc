@@ -3,12 +3,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cinttypes>
-#include <cstdio>
 #include <utility>
 
 #include "daemon/common/log.h"
+#include "daemon/state/host_guard.h"
 
 namespace dos {
 
@@ -29,11 +27,11 @@ void SnapshotPool::Buffer::Reset() {
   bytes_ = 0;
 }
 
-SnapshotPool::SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, AvailableFn available)
+SnapshotPool::SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, CanHoldFn can_hold)
     : limit_(limit_bytes),
       budget_(budget),
-      available_(available ? std::move(available) : AvailableFn(HostMemoryAvailable)),
-      keep_free_(std::max<uint64_t>(uint64_t{1} << 30, HostMemoryBytes() / 20)) {}
+      can_hold_(can_hold ? std::move(can_hold)
+                         : CanHoldFn([](uint64_t b) { return CheckHostCanHold(b, "").ok(); })) {}
 
 SnapshotPool::~SnapshotPool() {
   if (used() != 0) {
@@ -48,7 +46,7 @@ SnapshotPool::Buffer SnapshotPool::TryTake(uint64_t bytes) {
   do {
     if (bytes > limit_ || used > limit_ - bytes) return b;
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  if (const uint64_t avail = available_(); avail < keep_free_ || avail - keep_free_ < bytes) {
+  if (!can_hold_(bytes)) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return b;
   }
@@ -85,26 +83,11 @@ void SnapshotPool::Give(void* data, uint64_t bytes) {
 
 uint64_t SnapshotPool::TakePeak() { return peak_.exchange(used(), std::memory_order_relaxed); }
 
-uint64_t HostMemoryBytes() {
+uint64_t DefaultSnapshotPoolLimit() {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return uint64_t{16} << 30;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-}
-
-uint64_t DefaultSnapshotPoolLimit() { return HostMemoryBytes() / 4; }
-
-uint64_t HostMemoryAvailable() {
-  std::FILE* f = std::fopen("/proc/meminfo", "re");
-  if (f == nullptr) return UINT64_MAX;
-  char line[256];
-  uint64_t kib = 0;
-  bool found = false;
-  while (!found && std::fgets(line, sizeof line, f) != nullptr) {
-    found = std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1;
-  }
-  std::fclose(f);
-  return found ? kib << 10 : UINT64_MAX;
+  if (pages <= 0 || page <= 0) return uint64_t{4} << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
 }
 
 }  // namespace dos

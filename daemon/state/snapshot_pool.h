@@ -10,9 +10,10 @@
 //
 // Three bounds: the pool's own limit (--checkpoint_staging_limit); when
 // given, the daemon's HostMemoryBudget (--host_memory_limit), which the
-// buffers are charged to while they live; and the host's available memory
-// (MemAvailable), of which a buffer leaves max(1 GiB, 5% of the host's
-// memory): a save never takes memory the host does not have.
+// buffers are charged to while they live; and what a registration checks
+// (CheckHostCanHold: the host's MemAvailable and dosd's memory cgroup, each
+// less a reserve): a save never takes memory the host or the cgroup has not
+// got.
 //
 // Thread-safe.
 #pragma once
@@ -51,11 +52,11 @@ class SnapshotPool {
   };
 
   // limit_bytes 0: no buffers at all (steps wait for the writer); `budget`
-  // may be null (only the pool's own limit). `available` says how much
-  // memory the host has available now (default: /proc/meminfo's
-  // MemAvailable; tests pass their own).
-  using AvailableFn = std::function<uint64_t()>;
-  SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, AvailableFn available = {});
+  // may be null (only the pool's own limit). `can_hold(bytes)` says whether
+  // the host can hold that much more now (default: CheckHostCanHold; tests
+  // pass their own).
+  using CanHoldFn = std::function<bool(uint64_t bytes)>;
+  SnapshotPool(uint64_t limit_bytes, HostMemoryBudget* budget, CanHoldFn can_hold = {});
   SnapshotPool(const SnapshotPool&) = delete;
   SnapshotPool& operator=(const SnapshotPool&) = delete;
   ~SnapshotPool();  // every Buffer must be gone
@@ -74,17 +75,12 @@ class SnapshotPool {
 
   const uint64_t limit_;
   HostMemoryBudget* const budget_;
-  const AvailableFn available_;
-  const uint64_t keep_free_;  // of the host's memory: max(1 GiB, 5%)
+  const CanHoldFn can_hold_;
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> peak_{0};
 };
 
 // --checkpoint_staging_limit's "auto": a quarter of the host's memory.
 uint64_t DefaultSnapshotPoolLimit();
-// The host's memory, and what /proc/meminfo says is available now
-// (UINT64_MAX when it cannot be read).
-uint64_t HostMemoryBytes();
-uint64_t HostMemoryAvailable();
 
 }  // namespace dos

@@ -169,8 +169,7 @@ uint64_t ResidentBytes(pid_t pid) {
 
 // A save keeps no copy of the state behind (at 7B fp32 that copy was 81 GB
 // beside the state's 81 GB): saves taken while training, with the steps'
-// copies allowed, leave dosd's memory where it was; with
-// --checkpoint_staging_limit=0 a save never holds more than a few buffers.
+// copies allowed, leave dosd's memory where it was.
 TEST(CheckpointMemoryTest, SavesLeaveNoCopyOfTheStateBehind) {
   const TempDir ckpt_dir("dos-ckpt");
   DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});

@@ -163,6 +163,30 @@ TEST(Resources, AMemoryRefusalNamesOnlyTheCallersOwnOrphans) {
   EXPECT_EQ(d->Stop(), 0) << d->log();
 }
 
+// One uid's sessions cannot take the whole of --host_memory_limit when
+// --max_state_bytes_per_uid bounds each uid: a second registration of one
+// user past it is refused naming the flag, and another user still
+// registers.
+TEST(Resources, StateBytesPerUidLeaveRoomForAnotherUser) {
+  DOS_SECURITY_REQUIRE();
+  // sec_client's f32 tensor of 65536 parameters holds 768 KiB of state.
+  auto d = SecureDaemon({"--host_memory_limit=4M", "--max_state_bytes_per_uid=1M"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess first(User("dos-sec-a"), d->socket(), {"attach", "register:numel=65536", "wait"});
+  ASSERT_EQ(Code(first.Await("register")), 0) << first.output() << d->log();
+  const std::string second =
+      RunAs(User("dos-sec-a"), d->socket(), {"attach", "register:numel=65536"});
+  const std::string refused = second.substr(second.find("ERR register"));
+  EXPECT_EQ(Code(refused), kResourceExhausted) << second;
+  EXPECT_NE(refused.find("--max_state_bytes_per_uid"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("holds 768.00 KiB of state_bytes"), std::string::npos) << refused;
+  const std::string other =
+      RunAs(User("dos-sec-e"), d->socket(), {"attach", "register:numel=65536"});
+  EXPECT_EQ(other.find("ERR register"), std::string::npos) << other;
+  first.Finish();
+  EXPECT_EQ(d->Stop(), 0) << d->log();
+}
+
 // Issue 11 item 9 as it was found: 2000 attaches that never register cost
 // dosd no thread each, and the reaper still closes them all once their
 // process is gone.

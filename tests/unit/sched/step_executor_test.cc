@@ -225,7 +225,7 @@ TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheWriterTheBoundary) {
   for (uint64_t limit : {uint64_t{0}, uint64_t{1} << 30}) {
     Fixture f;
     Fixture plain;
-    SnapshotPool pool(limit, nullptr);
+    SnapshotPool pool(limit, nullptr, [](uint64_t) { return true; });
     const std::vector<float> boundary = f.Master(0);
     f.shard->BeginSnapshot(&pool);
     StepExecutor ex(&f.engine);

@@ -118,7 +118,7 @@ TEST(CompactStateTest, SnapshotCopiesTheCompactAllocation) {
   for (Subgroup& g : live->subgroups()) {
     std::memset(g.master, 0x5a, g.state_bytes());
   }
-  SnapshotPool pool(uint64_t{1} << 30, nullptr);
+  SnapshotPool pool(uint64_t{1} << 30, nullptr, [](uint64_t) { return true; });
   live->BeginSnapshot(&pool);
   live->BeforeWrite(3);  // copied: the writer reads the copy
   std::memset(live->subgroups()[3].master, 0, live->subgroups()[3].state_bytes());
