@@ -380,6 +380,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   const SessionIdentity& sid = s->identity();
   CheckpointRecord rec;
   rec.session_id = id;
+  bool touched_store = false;  // the folder's usage is measured again only then
   // Runs off the session's lock with the snapshot in flight: steps that
   // reach a subgroup the file has not may wait for it (pool spent), so
   // nothing here waits on anything but the store.
@@ -400,6 +401,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
     // link anywhere below the store fails the save instead of leading out;
     // only into the folder dosd made for the owner, and within its quota.
     DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
+    touched_store = true;
     DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, LayoutFileBytes(layout), path));
     DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
     const absl::Time start = absl::Now();
@@ -409,7 +411,9 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
     return saved;
   };
   absl::StatusOr<SnapshotInfo> snap = s->Snapshot(&pool_, write);
-  if (!rec.path.empty() || !snap.ok()) folders_->Measure(sid.uid);
+  // Not after a snapshot that never reached the store (ABORTED while the trainer was
+  // mid-step, retried): a walk of the owner's folder for each attempt that wrote nothing.
+  if (touched_store) folders_->Measure(sid.uid);
   if (!snap.ok()) return snap.status();
   rec.step = snap->step;
   rec.snapshot_us = snap->locked_us;

@@ -103,6 +103,8 @@ void LowerOomScore() {
                                "kernel's OOM killer never picks it"));
 }
 
+std::optional<uint64_t> HostMemoryTotal() { return MeminfoBytes("MemTotal"); }
+
 absl::Status CheckHostCanHold(uint64_t bytes, absl::string_view what) {
   auto refuse = [&](uint64_t room, uint64_t reserve, absl::string_view of) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -112,7 +114,7 @@ absl::Status CheckHostCanHold(uint64_t bytes, absl::string_view what) {
         "use compact_state=True (8 bytes a parameter instead of 12), fewer or smaller shards on "
         "this node, or a node with more memory"));
   };
-  const uint64_t total = MeminfoBytes("MemTotal").value_or(0);
+  const uint64_t total = HostMemoryTotal().value_or(0);
   const uint64_t host_reserve = std::max<uint64_t>(kGiB, total / 50);
   if (std::optional<uint64_t> avail = MeminfoBytes("MemAvailable");
       avail && bytes + host_reserve > *avail) {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -31,5 +32,8 @@ void LowerOomScore();
 // OK, or RESOURCE_EXHAUSTED naming `what`, the bytes it needs, what the host
 // (or cgroup) has available and the fix.
 absl::Status CheckHostCanHold(uint64_t bytes, absl::string_view what);
+
+// The host's memory (MemTotal), or nullopt where /proc/meminfo cannot be read.
+std::optional<uint64_t> HostMemoryTotal();
 
 }  // namespace dos

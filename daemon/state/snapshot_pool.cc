@@ -84,10 +84,8 @@ void SnapshotPool::Give(void* data, uint64_t bytes) {
 uint64_t SnapshotPool::TakePeak() { return peak_.exchange(used(), std::memory_order_relaxed); }
 
 uint64_t DefaultSnapshotPoolLimit() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return uint64_t{4} << 30;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+  const std::optional<uint64_t> total = HostMemoryTotal();
+  return total ? *total / 4 : uint64_t{4} << 30;
 }
 
 }  // namespace dos
