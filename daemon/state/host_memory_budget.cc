@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/log.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 
@@ -39,10 +40,17 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
                            "VIEWS; its owner frees it by dropping those state dicts, or by "
                            "ending that trainer and any child it forked, such as DataLoader "
                            "workers)");
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as,
-                     ", but ", FormatBytes(used_), " of the daemon's ", FormatBytes(limit_),
-                     " limit is in use (", FormatBytes(limit_ - used_), " free); ", fix, viewed));
+    const std::string staging =
+        staging_bytes_ == 0
+            ? std::string()
+            : absl::StrCat("; ", FormatBytes(staging_bytes_),
+                           " of it is checkpoint staging: copies of state that checkpoints in "
+                           "progress have not written yet, freed as they are written (retry "
+                           "once the saves finish, or lower dosd --checkpoint_staging_limit)");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", FormatBytes(bytes), " (", bytes, " bytes) of ", held_as, ", but ",
+        FormatBytes(used_), " of the daemon's ", FormatBytes(limit_), " limit is in use (",
+        FormatBytes(limit_ - used_), " free); ", fix, viewed, staging));
   }
   used_ += bytes;
   return absl::OkStatus();
@@ -50,6 +58,20 @@ absl::Status HostMemoryBudget::Reserve(uint64_t bytes, absl::string_view what,
 
 void HostMemoryBudget::Release(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
+  ReleaseLocked(bytes);
+}
+
+absl::Status HostMemoryBudget::ReserveStaging(uint64_t bytes) {
+  DOS_RETURN_IF_ERROR(Reserve(bytes, "a checkpoint's copy-on-write", "checkpoint staging",
+                              "the step waits for the checkpoint writer instead"));
+  absl::MutexLock lock(&mu_);
+  staging_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void HostMemoryBudget::ReleaseStaging(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  staging_bytes_ = bytes > staging_bytes_ ? 0 : staging_bytes_ - bytes;
   ReleaseLocked(bytes);
 }
 

@@ -47,6 +47,11 @@ class HostMemoryBudget {
   absl::Status Reserve(uint64_t bytes, absl::string_view what, absl::string_view held_as,
                        absl::string_view fix);
   void Release(uint64_t bytes);
+  // Copies a checkpoint in progress keeps of subgroups it has not written yet
+  // (SnapshotPool): reserved as above, and named in the refusals of other
+  // reservations while they last (they go as the file is written).
+  absl::Status ReserveStaging(uint64_t bytes);
+  void ReleaseStaging(uint64_t bytes);
   // `bytes` of a destroyed shard whose state memory may still be mapped by
   // its owner: `file` is a writable descriptor of the state's memfd opened
   // for this (HostArena::TakeLeaseFd; invalid: never exported), the only
@@ -83,6 +88,7 @@ class HostMemoryBudget {
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Whether anything but `file` (a writable descriptor, the caller's only

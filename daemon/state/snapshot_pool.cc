@@ -50,17 +50,13 @@ SnapshotPool::Buffer SnapshotPool::TryTake(uint64_t bytes) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return b;
   }
-  if (budget_ != nullptr &&
-      !budget_
-           ->Reserve(bytes, "a checkpoint's copy-on-write", "checkpoint staging",
-                     "the step waits for the checkpoint writer instead")
-           .ok()) {
+  if (budget_ != nullptr && !budget_->ReserveStaging(bytes).ok()) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return b;
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    if (budget_ != nullptr) budget_->Release(bytes);
+    if (budget_ != nullptr) budget_->ReleaseStaging(bytes);
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return b;
   }
@@ -77,7 +73,7 @@ SnapshotPool::Buffer SnapshotPool::TryTake(uint64_t bytes) {
 
 void SnapshotPool::Give(void* data, uint64_t bytes) {
   ::munmap(data, bytes);
-  if (budget_ != nullptr) budget_->Release(bytes);
+  if (budget_ != nullptr) budget_->ReleaseStaging(bytes);
   used_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 

@@ -9,12 +9,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/unit/state/state_test_util.h"
 
 namespace dos {
 namespace {
 
+using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Tensors;
 
 TEST(ShardStateTest, SubgroupsCoverTheFlatSpaceAndSpanTensorBoundaries) {
@@ -269,10 +272,16 @@ TEST(SnapshotPoolTest, BuffersAreChargedToTheBudgetAndGiveItBack) {
   EXPECT_EQ(budget.used(), uint64_t{6} << 20);
   EXPECT_FALSE(pool.TryTake(6 << 20));  // the budget has 4 MiB left
   EXPECT_EQ(budget.used(), uint64_t{6} << 20);
+  // A registration refused meanwhile is told what holds the room and that it is passing.
+  const absl::Status refused = budget.Reserve(5 << 20, "session 7's shard");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("6.00 MiB of it is checkpoint staging"));
+  EXPECT_THAT(refused.message(), HasSubstr("retry once the saves finish"));
   static_cast<char*>(a.data())[(6 << 20) - 1] = 1;  // writable
   a.Reset();
   EXPECT_EQ(budget.used(), 0u);
   EXPECT_EQ(pool.used(), 0u);
+  EXPECT_THAT(budget.Reserve(11 << 20, "session 7's shard").message(), Not(HasSubstr("staging")));
   SnapshotPool none(0, nullptr);
   EXPECT_FALSE(none.TryTake(1));
 }
