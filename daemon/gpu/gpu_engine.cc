@@ -274,6 +274,7 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
                                 std::span<const TensorBinding> bindings,
                                 std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
                                 StepMeasurements* measured) {
+  CopyBeforeWrites(shard, plan.resident);
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto* gs = static_cast<Shard*>(shard.attachment());

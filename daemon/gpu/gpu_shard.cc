@@ -119,7 +119,14 @@ absl::Status GpuEngine::AttachShard(ShardState& shard, RegisterProgress* progres
   return absl::OkStatus();
 }
 
+void GpuEngine::CopyBeforeWrites(ShardState& shard, uint32_t from) {
+  if (!shard.snapshot_in_progress()) return;
+  const auto n = static_cast<uint32_t>(shard.subgroups().size());
+  for (uint32_t i = from; i < n; ++i) shard.BeforeWrite(i);
+}
+
 absl::StatusOr<uint32_t> GpuEngine::SetResident(ShardState& shard, uint32_t count, bool grow) {
+  CopyBeforeWrites(shard, count);  // what a shrink writes back
   absl::MutexLock lock(&step_mu_);
   if (shard.attachment() == nullptr) return 0u;
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));

@@ -5,10 +5,14 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +25,7 @@
 #include "daemon/gpu/pcie_copy.h"
 #include "daemon/sched/step_executor.h"
 #include "daemon/state/host_memory_budget.h"
+#include "daemon/state/snapshot_pool.h"
 #include "tests/support/dtype_print.h"
 #include "tests/unit/cpu/adam_test_data.h"
 
@@ -445,6 +450,76 @@ TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   EXPECT_FALSE(*finite);
   cudaFree(dg);
   cudaFree(dw);
+}
+
+// A step that waits for a checkpoint's writer (the staging pool spent) waits
+// without holding the GPU engine: another session's step on the same GPU
+// goes on meanwhile, and both end with the exact steps' state.
+TEST(GpuEngineTest, AStepWaitingForACheckpointHoldsUpNoOtherSession) {
+  SKIP_WITHOUT_GPU();
+  cpu::CpuUpdater cpu({.threads = 2});
+  auto engine = GpuEngine::Create({}, &cpu);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  HostMemoryBudget budget(0);
+  std::vector<GroupConfig> groups(1);
+  TensorDesc t;
+  t.param_dtype = DType::kBF16;
+  t.grad_dtype = DType::kBF16;
+  t.numel = 4096;
+  struct Session {
+    std::unique_ptr<ShardState> shard;
+    void* dw = nullptr;
+    void* dg = nullptr;
+    std::vector<TensorBinding> b{1};
+  };
+  std::vector<uint16_t> w(t.numel, FloatToBF16(0.5f)), g(t.numel, FloatToBF16(0.01f));
+  Session a, b;
+  for (Session* s : {&a, &b}) {
+    auto shard = ShardState::Create({t}, groups, 1024, &budget, "test");
+    ASSERT_TRUE(shard.ok());
+    s->shard = std::move(*shard);
+    s->dw = DeviceCopy<void>(w.data(), 2 * t.numel);
+    s->dg = DeviceCopy<void>(g.data(), 2 * t.numel);
+    s->b[0] = {s->dw, s->dg};
+    ASSERT_TRUE((*engine)->AttachShard(*s->shard, nullptr).ok());
+  }
+  StepExecutor ex_a(engine->get()), ex_b(engine->get());
+  ASSERT_TRUE(ex_a.ReadWeights(*a.shard, a.b, 0).ok());
+  ASSERT_TRUE(ex_b.ReadWeights(*b.shard, b.b, 0).ok());
+  StepRequest req{};
+  req.num_groups = 1;
+  req.grad_scale = 1;
+  req.clip_coef = 1;
+  req.groups[0] = GroupStepParams{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  const Policy cpu_path = *ParsePolicy("cpu");
+  SnapshotPool none(0, nullptr, [](uint64_t) { return true; });  // every write waits
+  a.shard->BeginSnapshot(&none);
+  std::atomic<bool> a_done{false};
+  std::thread step_a([&] {
+    EXPECT_TRUE(ex_a.Run(*a.shard, a.b, req, cpu_path).ok());
+    a_done = true;
+  });
+  auto step_b =
+      std::async(std::launch::async, [&] { return ex_b.Run(*b.shard, b.b, req, cpu_path); });
+  const bool b_went_on = step_b.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(b_went_on) << "session B's step waited for session A's checkpoint";
+  EXPECT_FALSE(a_done) << "A's step did not wait for its checkpoint's writer";
+  for (uint32_t i = 0; i < a.shard->subgroups().size(); ++i) {
+    (void)a.shard->SnapshotAcquire(i);
+    a.shard->SnapshotReleaseBelow(i + 1);
+  }
+  a.shard->EndSnapshot();
+  step_a.join();
+  ASSERT_TRUE(step_b.get().ok());
+  std::vector<float> ma(t.numel), mb(t.numel);
+  a.shard->ReadTensor(0, 0, ma.data());
+  b.shard->ReadTensor(0, 0, mb.data());
+  EXPECT_EQ(ma, mb);
+  EXPECT_NE(ma[0], 0.5f);
+  for (Session* s : {&a, &b}) {
+    cudaFree(s->dw);
+    cudaFree(s->dg);
+  }
 }
 
 // The scan's bit patterns per dtype: inf of both signs, a quiet NaN and a
