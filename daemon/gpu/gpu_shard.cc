@@ -183,6 +183,18 @@ absl::StatusOr<uint32_t> GpuEngine::ResizeResident(ShardState& shard, uint32_t c
 }
 
 absl::Status GpuEngine::SyncResidentToHost(ShardState& shard) {
+  if (shard.snapshot_in_progress()) {  // copy or wait for the writer off step_mu_
+    std::vector<uint32_t> resident;
+    {
+      absl::MutexLock lock(&step_mu_);
+      auto* gs = static_cast<Shard*>(shard.attachment());
+      for (size_t i = 0; gs != nullptr && i < gs->resident.size(); ++i) {
+        if (gs->resident[i] != nullptr) resident.push_back(static_cast<uint32_t>(i));
+      }
+    }
+    // Callers hold the session (no step of its own changes them meanwhile).
+    for (uint32_t i : resident) shard.BeforeWrite(i);
+  }
   absl::MutexLock lock(&step_mu_);
   auto* gs = static_cast<Shard*>(shard.attachment());
   if (gs == nullptr) return absl::OkStatus();
