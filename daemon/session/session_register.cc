@@ -183,9 +183,15 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
   // ledger that outlives the session (as the state views' charge).
   LedgerCharge state_charge;
   if (own_ledger_ == nullptr && account_ != nullptr) {
-    DOS_ASSIGN_OR_RETURN(
-        state_charge, account_->ledger()->Charge(identity_.uid, UidResource::kStateBytes, bytes,
-                                                 absl::StrCat("register: session ", identity_.id)));
+    const std::string what = absl::StrCat("register: session ", identity_.id);
+    absl::StatusOr<LedgerCharge> charge =
+        account_->ledger()->Charge(identity_.uid, UidResource::kStateBytes, bytes, what);
+    if (!charge.ok() && budget_ != nullptr) {
+      budget_->ReapViews();  // closed sessions' views dropped since the last reap count no more
+      charge = account_->ledger()->Charge(identity_.uid, UidResource::kStateBytes, bytes, what);
+    }
+    if (!charge.ok()) return charge.status();
+    state_charge = std::move(*charge);
   }
   DOS_ASSIGN_OR_RETURN(reg->shard,
                        ShardState::Create(std::move(reg->infos), spec.groups, subgroup_size,

@@ -251,3 +251,26 @@ def test_state_views_per_uid_are_bounded():
             held.clear()
             gc.collect()
     assert not _views.live()  # a live view would turn later tests' delay off
+
+
+def test_the_per_uid_state_cap_counts_dropped_views_no_more():
+    """A closed optimizer's state stays charged to --max_state_bytes_per_uid
+    while its state_dict() views are held, and no longer once they are
+    dropped: the next registration goes through at once (dosd looks for
+    released views before refusing, as --host_memory_limit does)."""
+    from conftest import running_dosd
+    from dos import DosError
+    model = big_model()  # ~4.3M parameters: ~50 MiB of fp32 state
+    with running_dosd("--max_state_bytes_per_uid=80M") as (sock, _):
+        opt = dos.torch.AdamW(model.parameters(), socket=sock, **LR)
+        train(model, opt, 1)
+        sd = opt.state_dict()
+        opt.close()
+        text = refusal(DosError, lambda: dos.torch.AdamW(model.parameters(), socket=sock, **LR))
+        assert "--max_state_bytes_per_uid" in text, text
+        del sd
+        gc.collect()
+        with dos.torch.AdamW(model.parameters(), socket=sock, **LR) as opt:
+            train(model, opt, 1)
+    gc.collect()
+    assert not _views.live()
