@@ -133,7 +133,7 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
   }
   if (subgroups.empty()) return absl::OkStatus();
   if (shard.snapshot_in_progress()) {  // no wait for a checkpoint's writer under step_mu_
-    for (uint32_t sg : subgroups) shard.BeforeWrite(sg);
+    for (auto sg = subgroups.rbegin(); sg != subgroups.rend(); ++sg) shard.BeforeWrite(*sg);
   }
   // The staging slots are the steps' too: held for the whole update (a step
   // of another session waits; this session's next step joins it first).

@@ -121,8 +121,9 @@ absl::Status GpuEngine::AttachShard(ShardState& shard, RegisterProgress* progres
 
 void GpuEngine::CopyBeforeWrites(ShardState& shard, uint32_t from) {
   if (!shard.snapshot_in_progress()) return;
-  const auto n = static_cast<uint32_t>(shard.subgroups().size());
-  for (uint32_t i = from; i < n; ++i) shard.BeforeWrite(i);
+  // Last first: the writer goes first to last, and a loop going its way would
+  // trail it, waiting at each subgroup it reads and copying none.
+  for (auto i = static_cast<uint32_t>(shard.subgroups().size()); i-- > from;) shard.BeforeWrite(i);
 }
 
 absl::StatusOr<uint32_t> GpuEngine::SetResident(ShardState& shard, uint32_t count, bool grow) {
@@ -193,7 +194,8 @@ absl::Status GpuEngine::SyncResidentToHost(ShardState& shard) {
       }
     }
     // Callers hold the session (no step of its own changes them meanwhile).
-    for (uint32_t i : resident) shard.BeforeWrite(i);
+    for (auto i = resident.rbegin(); i != resident.rend(); ++i)
+      shard.BeforeWrite(*i);  // last first
   }
   absl::MutexLock lock(&step_mu_);
   auto* gs = static_cast<Shard*>(shard.attachment());

@@ -245,6 +245,37 @@ TEST(StepExecutorTest, AStepDuringASnapshotLeavesTheWriterTheBoundary) {
   }
 }
 
+// A step meeting a writer that holds the first subgroup copies every other
+// one ahead of the file (the staging pool has room) instead of trailing the
+// writer subgroup by subgroup; the file is still the boundary.
+TEST(StepExecutorTest, AStepDuringASnapshotCopiesWhatTheFileHasNotReached) {
+  Fixture f;
+  SnapshotPool pool(uint64_t{1} << 30, nullptr, [](uint64_t) { return true; });
+  const std::vector<float> boundary = f.Master(0);
+  const auto n = static_cast<uint32_t>(f.shard->subgroups().size());
+  ASSERT_GE(n, 3u);
+  uint64_t rest = 0;
+  for (uint32_t i = 1; i < n; ++i) rest += f.shard->subgroups()[i].state_bytes();
+  f.shard->BeginSnapshot(&pool);
+  (void)f.shard->SnapshotAcquire(0);  // the writer is at the first subgroup
+  StepExecutor ex(&f.engine);
+  std::thread step(
+      [&] { ASSERT_TRUE(ex.Run(*f.shard, f.bindings, Fixture::Request(), Policy{}).ok()); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (pool.used() < rest && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(pool.used(), rest) << "the step did not copy the subgroups ahead of the writer";
+  std::vector<float> snap(boundary.size());
+  const Subgroup* first = f.shard->subgroups().data();
+  f.shard->ForEachRun(0, [&](const Subgroup& g, const SubgroupSegment& seg) {
+    const Subgroup& v = f.shard->SnapshotAcquire(static_cast<uint32_t>(&g - first));
+    std::copy_n(v.master + seg.subgroup_offset, seg.count, snap.data() + seg.tensor_offset);
+  });
+  EXPECT_EQ(f.shard->EndSnapshot(), n - 1);
+  step.join();
+  EXPECT_EQ(snap, boundary);
+  EXPECT_EQ(pool.used(), 0u);
+}
+
 TEST(StepExecutorTest, WeightsRoundTripThroughBf16) {
   HostMemoryBudget budget{0};
   cpu::CpuUpdater cpu{cpu::CpuUpdaterOptions{.threads = 1}};
