@@ -233,17 +233,38 @@ def test_load_converts_other_dtypes_and_shapes_in_pieces(dos_socket):
             assert torch.equal(buf[2], want[e.index][1].reshape(-1))
 
 
+def state_snapshot(opt):
+    """opt.state_dict() copied (its tensors are views of dosd's memory)."""
+    sd = opt.state_dict()
+    return {"state": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()}
+                      for k, s in sd["state"].items()},
+            "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def assert_same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k, s in a["state"].items():
+        assert s.keys() == b["state"][k].keys(), k
+        for n, t in s.items():
+            assert torch.equal(torch.as_tensor(t), torch.as_tensor(b["state"][k][n])), (k, n)
+
+
 @pytest.mark.parametrize("flaw", ["last_tensor_short", "moment_missing", "step_negative",
-                                  "step_missing"])
+                                  "step_missing", "exp_avg_meta", "step_2**63",
+                                  "step_2**63_tensor", "step_2**64+4096"])
 def test_a_refused_load_loads_nothing(dos_socket, flaw):
     """A state dict whose last tensor is wrong (a moment one element short,
-    or missing) is refused naming it, and nothing of it is loaded: the
-    earlier tensors' state, the step counts and the lr stay as they were (it
-    once wrote every tensor before the wrong one)."""
+    missing, or on the meta device: no data; a step count over dosd's 2**53,
+    which once wrapped or was refused by dosd only at its write) is
+    refused naming it, and nothing of it is loaded: the earlier tensors'
+    state, the step counts and the lr stay as they were (it once wrote every
+    tensor before the wrong one)."""
     model = make_mlp()
     with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
         train(model, opt, make_data(n=3))
         before = [daemon_state(opt, e) for e in opt._entries]
+        before_sd = state_snapshot(opt)
         sd = opt.state_dict()
         bad = {"state": {k: {n: (t.clone() + 1 if torch.is_tensor(t) else t)
                              for n, t in s.items()} for k, s in sd["state"].items()},
@@ -257,15 +278,47 @@ def test_a_refused_load_loads_nothing(dos_socket, flaw):
             del last["exp_avg"]
         elif flaw == "step_negative":  # dosd refuses it, at the last tensor's write
             last["step"] = torch.tensor(-1.0)
+        elif flaw == "exp_avg_meta":  # no data: reading it once raised after earlier writes
+            last["exp_avg"] = torch.empty(last["exp_avg"].shape, device="meta")
+        elif flaw == "step_2**63":  # one past int64: dosd refused it after earlier writes
+            last["step"] = float(2**63)
+        elif flaw == "step_2**63_tensor":
+            last["step"] = torch.tensor(2.0**63, dtype=torch.float64)
+        elif flaw == "step_2**64+4096":  # once wrapped to 4096 and loaded
+            last["step"] = 2**64 + 4096
         else:
             del last["step"]
         with pytest.raises(dos.DosError) as err:
             opt.load_state_dict(bad)
         assert ("exp_avg" if "step" not in flaw else "'step'") in str(err.value), err.value
+        if "2**6" in flaw:
+            assert "2**53" in str(err.value), err.value
         assert opt.param_groups[0]["lr"] == LR["lr"]
         for e, (buf, step) in zip(opt._entries, before):
             now, now_step = daemon_state(opt, e)
             assert now_step == step == 3 and torch.equal(now, buf), e.name
+        assert_same_state(state_snapshot(opt), before_sd)
+
+
+def test_the_largest_step_count_loads_exactly(dos_socket):
+    """A step count is loaded exactly up to dosd's largest, 2**53, as an int,
+    a float or a tensor; an int one more is refused, not rounded through a
+    float to 2**53 (as it once was), and loads nothing."""
+    model = make_mlp()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, make_data(n=1))
+        sd = state_snapshot(opt)
+        steps = [2**53, 2.0**52, torch.tensor(2**53 - 1), torch.tensor(8.0)]
+        for k, step in zip(sorted(sd["state"]), steps * len(sd["state"])):
+            sd["state"][k]["step"] = step
+        opt.load_state_dict(sd)
+        for e, step in zip(opt._entries, steps * len(opt._entries)):
+            assert daemon_state(opt, e)[1] == int(step), e.name
+        loaded = state_snapshot(opt)
+        sd["state"][max(sd["state"])]["step"] = 2**53 + 1
+        with pytest.raises(dos.DosError, match="2\\*\\*53"):
+            opt.load_state_dict(sd)
+        assert_same_state(state_snapshot(opt), loaded)
 
 
 def test_a_state_dict_kept_across_steps_loads_as_torchs_does(dos_socket):

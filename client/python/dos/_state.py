@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import operator
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
 
@@ -377,8 +378,8 @@ class StateIO:
 def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):
     """(master, exp_avg, exp_avg_sq, step) of torch's per-parameter state `s`
     for entry `e`, flat (views where they can be); for None, a fresh start
-    from the parameter. Raises, naming the tensor, for a wrong size or a
-    missing moment."""
+    from the parameter. Raises, naming the tensor, for a wrong size, a
+    missing or unreadable tensor or a bad step (the check before any write)."""
     p = local_of(e.param)
     n = p.numel()
 
@@ -391,18 +392,57 @@ def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):
             raise DosError(Status.INVALID_ARGUMENT,
                            f"load_state_dict: {e.name} has {n} elements but its saved "
                            f"'{what}' has {t.numel()}")
+        if t is not p:
+            _readable(e, t, what)
         return t.reshape(-1)
 
     if s is None:
         return flat(p, "param"), None, None, 0
     master = flat(s["master_param"] if "master_param" in s else p, "master_param")
-    step = float(s["step"]) if s.get("step") is not None else None
-    if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+    return (master, flat(s.get("exp_avg"), "exp_avg"), flat(s.get("exp_avg_sq"), "exp_avg_sq"),
+            _step_count(e, s.get("step")))
+
+
+def _readable(e: Entry, t: torch.Tensor, what: str) -> None:
+    """Refuses a saved tensor whose values cannot be read (meta device, no
+    data): one element read as the write will read them."""
+    try:
+        if t.is_meta:
+            raise NotImplementedError("a meta tensor has no data")
+        torch.empty(min(t.numel(), 1)).copy_(t.reshape(-1)[:1])
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"load_state_dict: the saved '{what}' of {e.name} ({t.device} tensor) "
+                       f"cannot be read ({err}); load the state dict with dense tensors on the "
+                       f"CPU or a GPU (torch.load(..., map_location='cpu'))") from None
+
+
+_MAX_STEP = 1 << 53  # dosd's import limit (kMaxImportedStep, daemon/rpc/dos_service.cc)
+
+
+def _step_count(e: Entry, raw) -> int:
+    """The saved 'step' `raw` (a Python int or float, a numeric string, a
+    one-element tensor) as an int in [0, 2**53] (dosd's), exactly: an int is not
+    rounded through a float, and one out of range is refused, not wrapped."""
+    try:
+        value = raw.item() if isinstance(raw, torch.Tensor) else raw
+        try:
+            value = operator.index(value)  # ints (and numpy's) exactly
+        except TypeError:
+            value = float(value)
+            value = int(value) if math.isfinite(value) and value == int(value) else None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        value = None
+    if value is None or value < 0:
         raise DosError(Status.INVALID_ARGUMENT,
                        f"load_state_dict: the saved state of {e.name} has 'step' "
-                       f"{s.get('step')!r}; a step count (an integer >= 0) is needed")
-    return (master, flat(s.get("exp_avg"), "exp_avg"), flat(s.get("exp_avg_sq"), "exp_avg_sq"),
-            int(step))
+                       f"{raw!r}; a step count (an integer >= 0) is needed")
+    if value > _MAX_STEP:
+        raise DosError(Status.INVALID_ARGUMENT,
+                       f"load_state_dict: the saved state of {e.name} has 'step' {raw!r} "
+                       f"(= {value}), more than dosd's largest step count 2**53; a step count "
+                       f"(an integer in [0, 2**53]) is needed")
+    return value
 
 
 def _check_groups(groups, saved_groups) -> None:
