@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "daemon/common/log.h"
 #include "dos/wire/status_macros.h"
 
 namespace dos {
@@ -54,7 +55,14 @@ absl::Status CheckOwnRoot(const std::string& root, int fd) {
   }
   const int chmod_rc = ::fchmod(fd, 0700);
   const int chmod_err = errno;
-  if (chmod_rc != 0 || ::fstat(fd, &st) != 0 || (st.st_mode & 077) != 0) {
+  if (::fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat", root);
+  if (chmod_rc != 0 && chmod_err == EROFS && (st.st_mode & 077) == 0) {
+    // Already dosd's alone on a file system mounted (or remounted after
+    // errors) read-only: its checkpoints still restore; saves fail, naming it.
+    DOS_LOG_WARNING("checkpoint.store_read_only", "path", root, "note",
+                    "the store's file system is read-only: checkpoints in it restore, saves "
+                    "fail until it is writable again");
+  } else if (chmod_rc != 0 || (st.st_mode & 077) != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
         "--checkpoint_dir=", root, " cannot be made dosd's alone (chmod 0700: ",
         chmod_rc != 0 ? std::strerror(chmod_err) : "done",

@@ -6,9 +6,11 @@
 // written, read or deleted.
 #include "daemon/checkpoint/store_env.h"
 
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -201,6 +203,36 @@ TEST_F(StoreEnvTest, TheRootMayBeALinkTheOperatorMade) {
   auto notdir = StoreEnv::Open(outside_ + "/victim");
   EXPECT_EQ(notdir.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(notdir.status().message()), HasSubstr("--checkpoint_dir="));
+}
+
+// A store on a file system mounted (or remounted after errors) read-only,
+// already dosd's alone: dosd starts on it (its checkpoints restore), and a
+// save fails naming the read-only file system. Needs root (a bind mount).
+TEST_F(StoreEnvTest, AReadOnlyStoreOpensAndRefusesWritesNamingWhy) {
+  const std::string ro = base_.File("ro-store");
+  fs::create_directories(ro);
+  if (::mount(root_.c_str(), ro.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+    GTEST_SKIP() << "cannot bind-mount (" << std::strerror(errno) << "): needs root";
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{ro};
+  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0)
+      << std::strerror(errno);
+  ASSERT_EQ(::chmod(root_.c_str(), 0700), 0);
+  auto s = StoreEnv::Open(ro);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*(*s)->KindOf(ro + "/uid-1000/job.r0"), StoreEnv::Kind::kDirectory);
+  const absl::Status st = (*s)->CreateDirs(ro + "/uid-1000/other.r0", 0700);
+  EXPECT_FALSE(st.ok());
+  EXPECT_THAT(std::string(st.message()), HasSubstr("read-only file system")) << st;
+  // A read-only store that others could write is still refused.
+  ASSERT_EQ(::umount2(ro.c_str(), MNT_DETACH), 0);
+  ASSERT_EQ(::chmod(root_.c_str(), 0777), 0);
+  ASSERT_EQ(::mount(root_.c_str(), ro.c_str(), nullptr, MS_BIND, nullptr), 0);
+  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0);
+  EXPECT_EQ(StoreEnv::Open(ro).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
 }  // namespace
