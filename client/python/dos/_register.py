@@ -25,7 +25,7 @@ from dos import _native
 from dos._errors import DosError, call
 from dos._native import Status
 from dos._progress import with_progress
-from dos._session import SessionHandle
+from dos._session import SessionHandle, default_client_name
 
 __all__ = ["Entry", "Registration", "local_of", "is_dtensor", "dist_info", "DTYPES"]
 
@@ -146,7 +146,7 @@ def _attach_options(socket, client_name, rank, local_rank, world_size):
     _native.lib.dos_attach_options_init(ctypes.byref(opts))
     if socket is not None:
         opts.socket_path = os.fspath(socket).encode()
-    opts.client_name = (client_name or os.path.basename(sys.argv[0] or "python")).encode()
+    opts.client_name = (client_name or default_client_name()).encode()
     d_rank, d_local, d_world = dist_info()
     for field, given, found in (("rank", rank, d_rank), ("local_rank", local_rank, d_local),
                                 ("world_size", world_size, d_world)):

@@ -33,7 +33,9 @@ step watchdog thread alive while the process runs its C++ static destructors.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
+import sys
 import weakref
 
 from dos import _native
@@ -111,3 +113,17 @@ def _close_all() -> None:
             opt.close()
         except Exception:
             pass
+
+
+def default_client_name() -> str:
+    """The name a session attaches with when the optimizer is given none:
+    the script's file name and, where it has arguments, a hash of them
+    (`train.py-1f0c2a9b`). dosd's restart rule gives a relaunched job the
+    autosaves of its (uid, name, rank): the same command line finds its own,
+    and jobs of one script with different arguments (a sweep) never take
+    each other's."""
+    script = os.path.basename(sys.argv[0] or "python") if sys.argv else "python"
+    args = sys.argv[1:]
+    if not args:
+        return script
+    return f"{script}-{hashlib.sha256(chr(0).join(args).encode()).hexdigest()[:8]}"
