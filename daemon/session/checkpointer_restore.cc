@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/common/log.h"
 #include "daemon/session/checkpointer.h"
@@ -31,7 +32,8 @@ void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
     return;
   }
   for (const StoreEnv::Entry& e : *entries) {
-    const std::string path = absl::StrCat(dir, "/", e.name);
+    const std::string path = absl::StrCat(absl::StripSuffix(dir, "/"), "/",
+                                          e.name);  // a folder given as "uid-1/": no "//"
     if (e.kind == StoreEnv::Kind::kDirectory && depth < kMaxCheckpointDepth) {
       ScanInto(store, path, uid, depth + 1, found);
       continue;
