@@ -69,10 +69,8 @@ absl::Status HostEngine::Execute(const StepPlan& plan, ShardState& shard,
   // updates each one as soon as they are final, in the plan's order; the
   // time spent waiting for them is not the update's.
   double wait_us = 0;
-  // A checkpoint's writer reads the subgroups in ascending order: a step
-  // going the same way would trail it, waiting at each subgroup it reads and
-  // copying none. In reverse the step copies those the file has not reached
-  // (as far as the staging pool goes) and meets the writer once.
+  // During a checkpoint, last first (ShardState::BeforeWrites says why): the
+  // step copies what the file has not reached and meets the writer once.
   std::vector<uint32_t> order(plan.cpu_only.begin(), plan.cpu_only.end());
   if (shard.snapshot_in_progress() && !plan.wait_ready) std::reverse(order.begin(), order.end());
   for (uint32_t sg : order) {

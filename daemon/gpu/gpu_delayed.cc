@@ -132,9 +132,7 @@ absl::Status GpuEngine::UpdateDelayedOnGpu(ShardState& shard, const DelayedHost&
     max_numel = std::max(max_numel, shard.subgroups()[sg].numel);
   }
   if (subgroups.empty()) return absl::OkStatus();
-  if (shard.snapshot_in_progress()) {  // no wait for a checkpoint's writer under step_mu_
-    for (auto sg = subgroups.rbegin(); sg != subgroups.rend(); ++sg) shard.BeforeWrite(*sg);
-  }
+  shard.BeforeWrites(subgroups);  // no wait for a checkpoint's writer under step_mu_
   // The staging slots are the steps' too: held for the whole update (a step
   // of another session waits; this session's next step joins it first).
   absl::MutexLock lock(&step_mu_);

@@ -274,7 +274,10 @@ absl::Status GpuEngine::Execute(const StepPlan& plan, ShardState& shard,
                                 std::span<const TensorBinding> bindings,
                                 std::span<const cpu::AdamScalars> scalars, const StepSync& sync,
                                 StepMeasurements* measured) {
-  CopyBeforeWrites(shard, plan.resident);
+  // A checkpoint in flight: what this step may write on the host is copied
+  // (or waited for) before step_mu_, so that a step waiting for a spent
+  // staging pool holds up no other session on this GPU.
+  shard.BeforeWritesFrom(plan.resident);
   absl::MutexLock lock(&step_mu_);
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   auto* gs = static_cast<Shard*>(shard.attachment());

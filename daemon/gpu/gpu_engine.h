@@ -141,11 +141,6 @@ class GpuEngine final : public Engine {
  private:
   GpuEngine(const GpuEngineOptions& options, cpu::CpuUpdater* cpu, cpu::CpuUpdater* delayed_cpu);
   absl::Status Init();
-  // A checkpoint in flight (ShardState::BeforeWrite): copies, or waits for its
-  // writer on, every subgroup from `from` on that a step or a resident shrink
-  // may write on the host, before step_mu_ is taken, so that a step waiting
-  // for a spent staging pool holds up no other session on this GPU.
-  void CopyBeforeWrites(ShardState& shard, uint32_t from) ABSL_LOCKS_EXCLUDED(step_mu_);
   absl::Status EnsureBuffers(uint64_t max_numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   // SetResident's work, on the current device.
   absl::StatusOr<uint32_t> ResizeResident(ShardState& shard, uint32_t count, bool grow)

@@ -119,15 +119,8 @@ absl::Status GpuEngine::AttachShard(ShardState& shard, RegisterProgress* progres
   return absl::OkStatus();
 }
 
-void GpuEngine::CopyBeforeWrites(ShardState& shard, uint32_t from) {
-  if (!shard.snapshot_in_progress()) return;
-  // Last first: the writer goes first to last, and a loop going its way would
-  // trail it, waiting at each subgroup it reads and copying none.
-  for (auto i = static_cast<uint32_t>(shard.subgroups().size()); i-- > from;) shard.BeforeWrite(i);
-}
-
 absl::StatusOr<uint32_t> GpuEngine::SetResident(ShardState& shard, uint32_t count, bool grow) {
-  CopyBeforeWrites(shard, count);  // what a shrink writes back
+  shard.BeforeWritesFrom(count);  // what a shrink writes back, off step_mu_
   absl::MutexLock lock(&step_mu_);
   if (shard.attachment() == nullptr) return 0u;
   DOS_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
@@ -194,8 +187,7 @@ absl::Status GpuEngine::SyncResidentToHost(ShardState& shard) {
       }
     }
     // Callers hold the session (no step of its own changes them meanwhile).
-    for (auto i = resident.rbegin(); i != resident.rend(); ++i)
-      shard.BeforeWrite(*i);  // last first
+    shard.BeforeWrites(resident);
   }
   absl::MutexLock lock(&step_mu_);
   auto* gs = static_cast<Shard*>(shard.attachment());

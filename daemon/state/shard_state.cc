@@ -332,9 +332,14 @@ uint32_t ShardState::EndSnapshot() {
   return copied_by_writers_.load(std::memory_order_relaxed);
 }
 
-void ShardState::ProtectSnapshot() {
+void ShardState::BeforeWrites(std::span<const uint32_t> subgroups) {
   if (!snapshot_active_.load(std::memory_order_acquire)) return;
-  for (uint32_t i = 0; i < subgroups_.size(); ++i) CopyBeforeWrite(i);
+  for (auto i = subgroups.rbegin(); i != subgroups.rend(); ++i) CopyBeforeWrite(*i);
+}
+
+void ShardState::BeforeWritesFrom(uint32_t from) {
+  if (!snapshot_active_.load(std::memory_order_acquire)) return;
+  for (auto i = static_cast<uint32_t>(subgroups_.size()); i-- > from;) CopyBeforeWrite(i);
 }
 
 double ShardState::TakeWriteWaitUs() {

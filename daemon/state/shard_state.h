@@ -190,10 +190,16 @@ class ShardState {
   // flight.
   uint32_t EndSnapshot();
   // Under the owner's lock, before writing the whole state (state import,
-  // checkpoint load, a resident sync): BeforeWrite for every subgroup (a
-  // copy, or a wait for the writer where the pool is spent). The snapshot
-  // stays in flight until its writer ends it.
-  void ProtectSnapshot();
+  // checkpoint load): BeforeWrite for every subgroup (a copy, or a wait for
+  // the writer where the pool is spent). The snapshot stays in flight until
+  // its writer ends it.
+  void ProtectSnapshot() { BeforeWritesFrom(0); }
+  // BeforeWrite for each of `subgroups`, or every subgroup from `from` on,
+  // last first: the writer goes first to last, and a loop going its way would
+  // trail it, waiting at each subgroup it reads and copying none. Callers
+  // that must not wait under a lock of their own call these before taking it.
+  void BeforeWrites(std::span<const uint32_t> subgroups);
+  void BeforeWritesFrom(uint32_t from);
   bool snapshot_in_progress() const { return snapshot_active_.load(std::memory_order_acquire); }
   // Call before writing subgroup `subgroup`'s host state (master, exp_avg,
   // exp_avg_sq) while a snapshot may be in flight.

@@ -1,7 +1,6 @@
 #include "daemon/state/snapshot_pool.h"
 
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <utility>
 

@@ -425,6 +425,15 @@ TEST(GpuEngineTest, EveryPolicyMatchesCpuPathOver50Steps) {
   }
 }
 
+// One tensor of `numel` bf16 weights and gradients.
+TensorDesc Bf16Tensor(uint64_t numel) {
+  TensorDesc t;
+  t.param_dtype = DType::kBF16;
+  t.grad_dtype = DType::kBF16;
+  t.numel = numel;
+  return t;
+}
+
 TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   SKIP_WITHOUT_GPU();
   cpu::CpuUpdater cpu({.threads = 2});
@@ -432,11 +441,7 @@ TEST(GpuEngineTest, NonFiniteGradientSkipsStep) {
   ASSERT_TRUE(engine.ok());
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
-  TensorDesc t;
-  t.param_dtype = DType::kBF16;
-  t.grad_dtype = DType::kBF16;
-  t.numel = 1000;
-  auto shard = ShardState::Create({t}, groups, 512, &budget, "test");
+  auto shard = ShardState::Create({Bf16Tensor(1000)}, groups, 512, &budget, "test");
   ASSERT_TRUE(shard.ok());
   std::vector<uint16_t> g(1000, FloatToBF16(0.1f));
   g[777] = 0x7f80;  // +inf
@@ -462,10 +467,7 @@ TEST(GpuEngineTest, AStepWaitingForACheckpointHoldsUpNoOtherSession) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   HostMemoryBudget budget(0);
   std::vector<GroupConfig> groups(1);
-  TensorDesc t;
-  t.param_dtype = DType::kBF16;
-  t.grad_dtype = DType::kBF16;
-  t.numel = 4096;
+  const TensorDesc t = Bf16Tensor(4096);
   struct Session {
     std::unique_ptr<ShardState> shard;
     void* dw = nullptr;
