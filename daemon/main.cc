@@ -427,6 +427,15 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> StartCheckpointer(const DaemonConf
   CheckpointerOptions options = config.checkpoint;
   options.folders.on_usage = CheckpointUsageGauges(metrics, options.folders.quota_bytes);
   options.host_budget = budget;
+  if (options.autosave_interval > absl::ZeroDuration() &&
+      options.autosave_interval < absl::Minutes(1)) {
+    // Allowed (tests and short jobs), but each autosave writes every changed
+    // session's whole state: 12 bytes a parameter at every step of a 7B job.
+    DOS_LOG_WARNING("checkpoint.autosave_interval_short", "interval",
+                    absl::FormatDuration(options.autosave_interval), "hint",
+                    "each autosave writes the whole state of every session that stepped; "
+                    "a training node wants minutes (e.g. --autosave_interval=15m)");
+  }
   auto checkpointer = std::make_unique<Checkpointer>(options, sessions);
   if (absl::Status st = checkpointer->Start(); !st.ok()) {
     if (absl::IsPermissionDenied(st)) return st;

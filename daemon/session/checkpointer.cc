@@ -83,9 +83,13 @@ absl::Status Checkpointer::Start() {
   folders_ = std::make_unique<UserFolders>(store_.get(), options_.folders);
   // Temporaries of a writer killed mid-checkpoint (this daemon, SIGKILLed).
   const int removed = RemoveStaleTemporaries(*store_, store_->root(), 0);
-  auto candidates = ScanForRestore();
+  uint64_t last_id = 0;
+  auto candidates = ScanForRestore(&last_id);
+  // Session ids go on from the store's files: a new session never takes an
+  // earlier run's id, whose autosaves it would prune as its own.
+  sessions_->SkipIdsThrough(last_id);
   DOS_LOG_INFO("checkpoint.start", "dir", options_.dir, "stale_temporaries_removed", removed,
-               "restorable", candidates.size(), "autosave_interval",
+               "restorable", candidates.size(), "last_session_id", last_id, "autosave_interval",
                absl::FormatDuration(options_.autosave_interval), "autosave_keep",
                options_.autosave_keep);
   for (const auto& [key, paths] : candidates) {
@@ -307,6 +311,13 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
           job.path.back() == '/' || fs::path(job.path).filename() == ".") {
         path = (fs::path(path) / "").string();
+      } else if (!absl::EndsWith(path, kCheckpointSuffix)) {
+        // Loads of a folder and dosd's restart look for this suffix only:
+        // a file without it would be saved and then never found.
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint path '", job.path, "' does not end in ", kCheckpointSuffix,
+                         " (folder loads and dosd's restart find only such files): save as '",
+                         job.path, kCheckpointSuffix, "', or give a folder"));
       }
     }
     // A session whose step waits for its trainer is left out after a bounded
@@ -402,6 +413,9 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
     // only into the folder dosd made for the owner, and within its quota.
     DOS_RETURN_IF_ERROR(folders_->Trust(sid.uid, true));
     touched_store = true;
+    // A store remounted read-only says so, before the quota and free-space
+    // checks that would otherwise ask for room (it may be full as well).
+    DOS_RETURN_IF_ERROR(store_->CheckWritable());
     DOS_RETURN_IF_ERROR(folders_->MakeRoom(sid.uid, LayoutFileBytes(layout), path));
     DOS_RETURN_IF_ERROR(store_->CreateDirs(DirName(path), 0700));
     const absl::Time start = absl::Now();

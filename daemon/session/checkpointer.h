@@ -158,7 +158,8 @@ class Checkpointer {
 
   // Latest per (uid, client, rank) under the store's trusted uid-<uid>/
   // folders (UserFolders), as described above; measures each folder's usage.
-  std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore();
+  // *last_id: the highest session id a file name in them carries (else as given).
+  std::map<SessionManager::RestoreKey, std::vector<std::string>> ScanForRestore(uint64_t* last_id);
 
  private:
   struct Job {

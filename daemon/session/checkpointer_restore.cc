@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
@@ -21,11 +22,23 @@ struct Candidate {
   std::string path;
 };
 
+// The session id a file dosd named carries ("auto-000000000012.s7.dckpt",
+// "job.r-0.s7.dckpt": 7), else 0. Users name files too: an id past 2**48
+// (which no run reaches) is not taken, so no name can run the ids out.
+uint64_t SessionIdOf(absl::string_view name) {
+  name = absl::StripSuffix(name, kCheckpointSuffix);
+  const size_t dot = name.rfind(".s");
+  uint64_t id = 0;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(name.substr(dot + 2), &id)) return 0;
+  return id <= (uint64_t{1} << 48) ? id : 0;
+}
+
 // Files under `dir` (recursively, through the store's descriptors, never a
 // link) that are DOS checkpoints, added to `found` under (`uid`, name, rank).
 // Only the header and layout are read here.
 void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
-              std::map<SessionManager::RestoreKey, std::vector<Candidate>>* found) {
+              std::map<SessionManager::RestoreKey, std::vector<Candidate>>* found,
+              uint64_t* last_id) {
   absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store.List(dir);
   if (!entries.ok()) {
     DOS_LOG_WARNING("checkpoint.scan_skipped", "path", dir, "error", entries.status().message());
@@ -35,10 +48,11 @@ void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
     const std::string path = absl::StrCat(absl::StripSuffix(dir, "/"), "/",
                                           e.name);  // a folder given as "uid-1/": no "//"
     if (e.kind == StoreEnv::Kind::kDirectory && depth < kMaxCheckpointDepth) {
-      ScanInto(store, path, uid, depth + 1, found);
+      ScanInto(store, path, uid, depth + 1, found, last_id);
       continue;
     }
     if (e.kind != StoreEnv::Kind::kFile || !absl::EndsWith(e.name, kCheckpointSuffix)) continue;
+    *last_id = std::max(*last_id, SessionIdOf(e.name));
     absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path, &store);
     if (!r.ok()) {
       DOS_LOG_WARNING("checkpoint.scan_skipped", "path", path, "error", r.status().message());
@@ -52,9 +66,9 @@ void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
 
 std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(StoreEnv& store,
                                                                   const std::string& dir,
-                                                                  uint32_t uid) {
+                                                                  uint32_t uid, uint64_t* last_id) {
   std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
-  ScanInto(store, dir, uid, 0, &found);
+  ScanInto(store, dir, uid, 0, &found, last_id);
   for (auto& [key, list] : found) {
     std::sort(list.begin(), list.end(), [](const Candidate& a, const Candidate& b) {
       return std::tie(a.step, a.created, a.path) > std::tie(b.step, b.created, b.path);
@@ -65,7 +79,8 @@ std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(StoreEnv& stor
 
 }  // namespace
 
-std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore() {
+std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::ScanForRestore(
+    uint64_t* last_id) {
   std::map<SessionManager::RestoreKey, std::vector<std::string>> out;
   absl::StatusOr<std::vector<StoreEnv::Entry>> owners = store_->List(store_->root());
   if (!owners.ok()) {
@@ -83,7 +98,7 @@ std::map<SessionManager::RestoreKey, std::vector<std::string>> Checkpointer::Sca
       continue;
     }
     folders_->Measure(uid);
-    for (auto& [key, list] : Scan(*store_, folders_->Dir(uid), uid)) {
+    for (auto& [key, list] : Scan(*store_, folders_->Dir(uid), uid, last_id)) {
       for (Candidate& c : list) out[key].push_back(std::move(c.path));
     }
   }
@@ -123,7 +138,8 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
     }
     std::vector<std::string> files;
     if (is_dir) {
-      auto found = Scan(*store_, resolved, id.uid);
+      uint64_t last_id = 0;  // not needed here
+      auto found = Scan(*store_, resolved, id.uid, &last_id);
       for (const Candidate& c : found[{id.uid, id.client_name, id.rank}]) files.push_back(c.path);
       if (files.empty()) {
         if (targets.size() > 1) continue;

@@ -177,6 +177,11 @@ void SessionManager::SetRestoreCandidates(
   restore_env_ = env;
 }
 
+void SessionManager::SkipIdsThrough(uint64_t last) {
+  absl::MutexLock lock(&mu_);
+  next_id_ = std::max(next_id_, last + 1);  // last: at most 2**48 (the scan's bound)
+}
+
 absl::Duration SessionManager::OrphanLeaseLeft(uint64_t id) const {
   absl::MutexLock lock(&mu_);
   auto it = orphans_.find(id);

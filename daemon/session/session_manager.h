@@ -89,6 +89,9 @@ class SessionManager {
   // Opened through `env` (the checkpoint store's; it outlives the manager's
   // sessions).
   void SetRestoreCandidates(std::map<RestoreKey, std::vector<std::string>> candidates, Env* env);
+  // New sessions' ids start after `last` (the highest an earlier run's
+  // checkpoint names carry), unless they are past it already.
+  void SkipIdsThrough(uint64_t last);
 
   // Called with a session's id when it is closed for good (detached, its
   // client gone without a lease, lease expired, shutdown); not on resume.

@@ -141,6 +141,7 @@ TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExa
   const TempDir ckpt_dir("dos-ckpt");
   const std::string ckpt = ckpt_dir.path();
   std::string ref;
+  uint64_t saved_id = 0;
   {
     DaemonProcess d({"--checkpoint_dir=" + ckpt, "--session_lease=60s"});
     ASSERT_TRUE(d.Start());
@@ -156,6 +157,7 @@ TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExa
     ASSERT_TRUE(st.ok()) << st.error_message() << d.log();
     ASSERT_EQ(resp.files_size(), 1);
     EXPECT_GE(resp.files(0).step(), 6);
+    saved_id = resp.files(0).session_id();
     EXPECT_GT(resp.files(0).bytes(), 104568u * 12);
     std::printf("checkpoint: %llu bytes, step %lld, snapshot (step stall) %.0f us, write %.1f ms\n",
                 static_cast<unsigned long long>(resp.files(0).bytes()),
@@ -177,6 +179,13 @@ TEST(CrashSurvivalTest, DaemonKilledRestoresFromCheckpointAndTrainerContinuesExa
   ASSERT_EQ(Trainer(d, out, 0), 0) << d.log();
   EXPECT_NE(d.log().find("session.restored"), std::string::npos) << d.log();
   EXPECT_NE(d.log().find("session.restore_skipped"), std::string::npos) << d.log();
+  // Ids go on from the store's files: the restored session does not take the
+  // saved one's id (whose autosaves it would prune as its own).
+  EXPECT_NE(d.log().find("last_session_id=" + std::to_string(saved_id)), std::string::npos)
+      << d.log();
+  EXPECT_NE(d.log().find("session.restored session=" + std::to_string(saved_id + 1)),
+            std::string::npos)
+      << d.log();
   EXPECT_TRUE(ReadFile(out) == ref) << "restored run differs from the uninterrupted one";
   EXPECT_EQ(d.Stop(), 0);
 }

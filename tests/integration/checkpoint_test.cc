@@ -199,6 +199,40 @@ TEST(CheckpointMemoryTest, SavesLeaveNoCopyOfTheStateBehind) {
   EXPECT_EQ(d.Stop(), 0);
 }
 
+// A file dosd saves must be one its loads and restart can find: folder loads
+// and the restart scan look for ".dckpt" only, so another name is refused,
+// naming the fix, before anything is written.
+TEST(CheckpointPathTest, AFileNameWithoutTheSuffixIsRefusedNamingIt) {
+  const TempDir ckpt_dir("dos-ckpt");
+  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
+  ASSERT_TRUE(d.Start());
+  dos_session* s = nullptr;
+  ASSERT_EQ(AttachClient(d.socket(), "suffix_probe", &s), DOS_OK) << dos_last_error();
+  dos_hparams h;
+  RegisterProbe(s, 4096, 1024, &h);
+  ASSERT_FALSE(HasFatalFailure());
+  auto stub = DosStub(d.socket());
+  v1::SaveCheckpointRequest req;
+  req.set_session_id(dos_session_id(s));
+  req.set_path("mine.ckpt");
+  v1::SaveCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status st = stub->SaveCheckpoint(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("'mine.ckpt' does not end in .dckpt"), std::string::npos)
+      << st.error_message();
+  EXPECT_NE(st.error_message().find("save as 'mine.ckpt.dckpt'"), std::string::npos);
+  v1::CheckpointFile f;
+  Save(stub.get(), dos_session_id(s), "mine.dckpt", &f);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_TRUE(f.path().ends_with("/mine.dckpt")) << f.path();
+  Save(stub.get(), dos_session_id(s), "sub/", &f);  // a folder: dosd names the file
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_TRUE(f.path().ends_with(".dckpt")) << f.path();
+  EXPECT_EQ(dos_detach(s), DOS_OK);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
 // Checkpoints are copy-on-write: the lock is held only to mark the step
 // boundary and steps keep running while the file is written from the state,
 // copying a subgroup themselves before they overwrite it, or, past

@@ -252,10 +252,10 @@ def assert_same_state(a, b):
 
 @pytest.mark.parametrize("flaw", ["last_tensor_short", "moment_missing", "step_negative",
                                   "step_missing", "exp_avg_meta", "step_2**63",
-                                  "step_2**63_tensor", "step_2**64+4096"])
+                                  "step_2**63_tensor", "step_2**64+4096", "exp_avg_complex"])
 def test_a_refused_load_loads_nothing(dos_socket, flaw):
     """A state dict whose last tensor is wrong (a moment one element short,
-    missing, or on the meta device: no data; a step count over dosd's 2**53,
+    missing, on the meta device: no data, or complex; a step count over dosd's 2**53,
     which once wrapped or was refused by dosd only at its write) is
     refused naming it, and nothing of it is loaded: the earlier tensors'
     state, the step counts and the lr stay as they were (it once wrote every
@@ -280,6 +280,8 @@ def test_a_refused_load_loads_nothing(dos_socket, flaw):
             last["step"] = torch.tensor(-1.0)
         elif flaw == "exp_avg_meta":  # no data: reading it once raised after earlier writes
             last["exp_avg"] = torch.empty(last["exp_avg"].shape, device="meta")
+        elif flaw == "exp_avg_complex":  # once loaded its real part, with only torch's warning
+            last["exp_avg"] = torch.complex(last["exp_avg"], last["exp_avg"])
         elif flaw == "step_2**63":  # one past int64: dosd refused it after earlier writes
             last["step"] = float(2**63)
         elif flaw == "step_2**63_tensor":

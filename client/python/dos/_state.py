@@ -404,11 +404,12 @@ def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):
 
 
 def _readable(e: Entry, t: torch.Tensor, what: str) -> None:
-    """Refuses a saved tensor whose values cannot be read (meta device, no
-    data): one element read as the write will read them."""
+    """Refuses a saved tensor dosd cannot take (meta, complex): one element read as a write."""
     try:
         if t.is_meta:
             raise NotImplementedError("a meta tensor has no data")
+        if t.is_complex():  # a copy would drop the imaginary part, with only a warning
+            raise TypeError(f"{t.dtype} values do not fit dosd's real state")
         torch.empty(min(t.numel(), 1)).copy_(t.reshape(-1)[:1])
     except (RuntimeError, NotImplementedError, TypeError) as err:
         raise DosError(Status.INVALID_ARGUMENT,
