@@ -70,24 +70,25 @@ TEST_F(StoreBounds, SavesBeyondTheQuotaPruneTheOwnersOldestAndSpareOtherUsers) {
   DOS_SECURITY_REQUIRE();
   const int metrics = FreeLoopbackPort();
   StartDaemon({"--checkpoint_quota=2M", "--metrics_port=" + std::to_string(metrics)});
-  UserProcess victim(User("dos-sec-e"), daemon_->socket(),
-                     {"attach:name=v", "register:numel=65536", "step", "rpc_save:id=self,path=v1",
-                      "wait", "rpc_save:id=self,path=v2", "step:n=3"});
+  UserProcess victim(
+      User("dos-sec-e"), daemon_->socket(),
+      {"attach:name=v", "register:numel=65536", "step", "rpc_save:id=self,path=v1.dckpt", "wait",
+       "rpc_save:id=self,path=v2.dckpt", "step:n=3"});
   ASSERT_EQ(Code(victim.Await("rpc_save")), 0) << victim.output() << daemon_->log();
   ASSERT_EQ(Code(victim.Await("wait")), 0);
   // The attacker saves five times, then once more than its quota holds.
   const std::string out =
       RunAs(User("dos-sec-a"), daemon_->socket(),
-            {"attach:name=job", "register:numel=65536", "step", "rpc_save:id=self,path=p1",
-             "rpc_save:id=self,path=p2", "rpc_save:id=self,path=p3", "rpc_save:id=self,path=p4",
-             "rpc_save:id=self,path=p5", "attach:name=big", "register:numel=262144",
-             "rpc_save:id=self,path=big"});
+            {"attach:name=job", "register:numel=65536", "step", "rpc_save:id=self,path=p1.dckpt",
+             "rpc_save:id=self,path=p2.dckpt", "rpc_save:id=self,path=p3.dckpt",
+             "rpc_save:id=self,path=p4.dckpt", "rpc_save:id=self,path=p5.dckpt", "attach:name=big",
+             "register:numel=262144", "rpc_save:id=self,path=big.dckpt"});
   const std::vector<std::string> saves = Lines(out, "rpc_save");
   ASSERT_EQ(saves.size(), 6u) << out;
   for (int i = 0; i < 5; ++i) EXPECT_EQ(Code(saves[i]), 0) << saves[i] << daemon_->log();
   // Pruned oldest first; never beyond the quota.
   const std::string a_dir = UserDir(Store(), "dos-sec-a");
-  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p4", "p5"})) << daemon_->log();
+  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p4.dckpt", "p5.dckpt"})) << daemon_->log();
   EXPECT_LE(Bytes(a_dir), 2u << 20);
   EXPECT_NE(daemon_->log().find("reason=checkpoint_quota"), std::string::npos) << daemon_->log();
   // 3 MiB alone is more than the quota: refused, naming the numbers and fix.
@@ -99,7 +100,7 @@ TEST_F(StoreBounds, SavesBeyondTheQuotaPruneTheOwnersOldestAndSpareOtherUsers) {
   victim.Continue();
   EXPECT_EQ(Code(victim.Await("rpc_save")), 0) << victim.output() << daemon_->log();
   EXPECT_EQ(Code(victim.Await("step")), 0) << victim.output();
-  EXPECT_EQ(Files(UserDir(Store(), "dos-sec-e")), (std::set<std::string>{"v1", "v2"}));
+  EXPECT_EQ(Files(UserDir(Store(), "dos-sec-e")), (std::set<std::string>{"v1.dckpt", "v2.dckpt"}));
   // Per-uid usage: dosctl stats and the metrics.
   const std::string stats = RunCommandAs(
       User("dos-sec-e"), {ReachableBinary(DOS_DOSCTL_PATH), "--socket=" + daemon_->socket(),
@@ -120,10 +121,10 @@ TEST_F(StoreBounds, WithoutPruningSavesBeyondTheQuotaAreRefusedAndTheOwnerDelete
   StartDaemon({"--checkpoint_quota=2M", "--checkpoint_quota_prune=false",
                "--operator_gids=dos-sec-op"});
   const std::string a_uid = std::to_string(User("dos-sec-a").uid);
-  const std::string out = RunAs(
-      User("dos-sec-a"), daemon_->socket(),
-      {"attach:name=job", "register:numel=65536", "step", "rpc_save:id=self,path=p1",
-       "rpc_save:id=self,path=p2", "rpc_save:id=self,path=p3"});
+  const std::string out =
+      RunAs(User("dos-sec-a"), daemon_->socket(),
+            {"attach:name=job", "register:numel=65536", "step", "rpc_save:id=self,path=p1.dckpt",
+             "rpc_save:id=self,path=p2.dckpt", "rpc_save:id=self,path=p3.dckpt"});
   const std::vector<std::string> saves = Lines(out, "rpc_save");
   ASSERT_EQ(saves.size(), 3u) << out;
   EXPECT_EQ(Code(saves[0]), 0) << saves[0] << daemon_->log();
@@ -135,25 +136,25 @@ TEST_F(StoreBounds, WithoutPruningSavesBeyondTheQuotaAreRefusedAndTheOwnerDelete
     EXPECT_NE(saves[2].find(part), std::string::npos) << part << " in " << saves[2];
   }
   const std::string a_dir = UserDir(Store(), "dos-sec-a");
-  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p1", "p2"}));
+  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p1.dckpt", "p2.dckpt"}));
   // Another trainer cannot delete them; their owner can.
   const std::string e =
-      RunAs(User("dos-sec-e"), daemon_->socket(), {"rpc_delete:path=p1,uid=" + a_uid});
+      RunAs(User("dos-sec-e"), daemon_->socket(), {"rpc_delete:path=p1.dckpt,uid=" + a_uid});
   EXPECT_EQ(Code(Lines(e, "rpc_delete").at(0)), kPermissionDenied) << e;
-  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p1", "p2"}));
+  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p1.dckpt", "p2.dckpt"}));
   const std::string a = RunAs(User("dos-sec-a"), daemon_->socket(),
-                              {"rpc_delete:path=p1", "rpc_delete:path=../uid-0"});
+                              {"rpc_delete:path=p1.dckpt", "rpc_delete:path=../uid-0"});
   const std::vector<std::string> deletes = Lines(a, "rpc_delete");
   ASSERT_EQ(deletes.size(), 2u) << a;
   EXPECT_EQ(Code(deletes[0]), 0) << deletes[0] << daemon_->log();
   EXPECT_EQ(Field(deletes[0], "files"), "1") << deletes[0];
   EXPECT_EQ(Code(deletes[1]), 3) << deletes[1];  // outside its folder
-  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p2"}));
+  EXPECT_EQ(Files(a_dir), (std::set<std::string>{"p2.dckpt"}));
   // An operator deletes any uid's, with dosctl.
   const std::string op = RunCommandAs(
       User("dos-sec-o"), {ReachableBinary(DOS_DOSCTL_PATH), "--socket=" + daemon_->socket(),
                           "checkpoint", "delete", ".", "--uid=" + a_uid});
-  EXPECT_NE(op.find("deleted " + a_dir + "/p2"), std::string::npos) << op << daemon_->log();
+  EXPECT_NE(op.find("deleted " + a_dir + "/p2.dckpt"), std::string::npos) << op << daemon_->log();
   EXPECT_TRUE(Files(a_dir).empty());
 }
 
