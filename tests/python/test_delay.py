@@ -13,6 +13,7 @@ the pending weights first; reports (last_step, found_inf) do not.
 """
 
 import copy
+import warnings
 
 import pytest
 
@@ -430,6 +431,45 @@ def test_state_dict_with_an_update_pending_is_the_last_step(dos_socket):
         assert_same(model, master, len(data))  # state_dict() installed step 6
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("move", ["clone", "bf16"])
+def test_storage_replaced_with_an_update_pending_loses_no_step(dos_socket, move):
+    """`.data` replaced while a delayed update is pending (a clone, or
+    model.to(bfloat16)): the new storage holds what the model held, the step
+    before's weights, which are no new values of the user's. The step after
+    (at lr 0, so that it shows the masters it started from) keeps the pending
+    step's masters: they once took the copy as the user's weights, and that
+    step's update was lost for good (a hostile review's finding)."""
+    data = make_data(n=5)
+
+    def masters(moved):
+        model = make_mlp()
+        opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket, model=model,
+                              client_name="pytest-delay-moved", delay=1, delay_warmup=0)
+        try:
+            for i, (x, y) in enumerate(data):
+                if i == len(data) - 1:
+                    for g in opt.param_groups:
+                        g["lr"] = 0.0
+                    if moved and move == "clone":
+                        model[0].weight.data = model[0].weight.data.clone()
+                    elif moved:
+                        model.to(torch.bfloat16)
+                dtype = next(model.parameters()).dtype
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the re-registration's warning
+                    opt.step()
+            opt.synchronize()
+            return [s.get("master_param", p).detach().float().clone() for p, s in
+                    zip(model.parameters(), opt.state_dict()["state"].values())]
+        finally:
+            opt.close()
+
+    for i, (a, b) in enumerate(zip(masters(moved=True), masters(moved=False))):
+        assert torch.equal(a, b), f"tensor {i}: the pending step's update was lost"
 
 
 @pytest.mark.parametrize("subgroup_size", [0, 300])

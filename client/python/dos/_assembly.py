@@ -33,7 +33,7 @@ from dos._early import EarlyDriver, early_driver
 from dos._flight import Flight
 from dos._hooks import weak_hook
 from dos._lease import GpuLease
-from dos._register import Registration
+from dos._register import Registration, local_of
 from dos._state import StateIO
 from dos._step import Complete, Early, StepMode, decide_mode
 
@@ -211,7 +211,11 @@ class Assembly:
                           "replacing .data after building the optimizer: this costs a full copy "
                           "of the state", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
-            self.rebuild(self.state_io.saved_state(moved), close)
+            # Compared before anything installs a delayed update's weights
+            # into the old storage: a moved copy of what the model held (the
+            # step before, for delayed subgroups) is no new value of the user's.
+            kept = {id(e.param) for e in moved if _same_values(e.param, e.local)}
+            self.rebuild(self.state_io.saved_state(moved, kept), close)
         thawed = _grads.thawed(self._groups(), self.reg.entries)
         if thawed:
             # Frozen at construction (not registered), trainable now: torch
@@ -222,3 +226,10 @@ class Assembly:
             self.reg.sync_device()
             self.rebuild(self.state_io.saved_state(), close)
         return self.driver
+
+
+def _same_values(param, old) -> bool:
+    """True if `param` (moved) holds `old`'s values, converted to its dtype
+    (model.to(dtype), .data = .data.clone(), a copy to another device)."""
+    new = local_of(param).detach()
+    return torch.equal(new, old.detach().to(device=new.device, dtype=new.dtype))

@@ -277,12 +277,12 @@ class StateIO:
             if _views.step_of(self._session, e.index) > 0:
                 self.write(e, None)
 
-    def saved_state(self, moved=()) -> Dict[int, Dict[str, Any]]:
+    def saved_state(self, moved=(), kept=()) -> Dict[int, Dict[str, Any]]:
         """Every registered tensor's state read from dosd, by id(param); a
         moved parameter's new values become its master unless they are the
         old master rounded to the old or the new dtype (a plain conversion
-        keeps the fp32 master)."""
-        moved_ids = {id(e.param) for e in moved}
+        keeps the fp32 master), or it is in `kept` (a copy of old storage)."""
+        moved_ids = {id(e.param) for e in moved} - set(kept)
         saved = {}
         for e in self._reg.entries:
             buf, step = self.read(e)
