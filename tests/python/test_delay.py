@@ -472,6 +472,72 @@ def test_storage_replaced_with_an_update_pending_loses_no_step(dos_socket, move)
         assert torch.equal(a, b), f"tensor {i}: the pending step's update was lost"
 
 
+def test_a_read_between_forward_and_backward_fails_the_backward(dos_socket):
+    """A read that installs the pending weights (here the model's
+    state_dict(), a save on a loss spike) after the forward and before its
+    backward changed weights that forward's graph saved: the backward fails
+    as it does after torch's own in-place update of them, instead of mixing
+    two steps' weights into one gradient (dosd's writes once moved no
+    version counter: a hostile review's finding). Without a pending update
+    the read writes nothing and the backward goes on."""
+    data = make_data(n=5)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket, model=model,
+                          client_name="pytest-delay-fwd-read", delay=1, delay_warmup=0)
+    try:
+        for x, y in data[:3]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        x, y = data[3]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.state_dict()  # installs step 3's weights
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.state_dict()  # nothing pending: nothing written
+        loss.backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
+def test_parameters_outside_model_are_named_in_a_warning(dos_socket):
+    """delay=1 installs the pending update through model='s hooks: a
+    parameter the optimizer updates outside that module (a head beside the
+    body) is read around them, so the constructor names it."""
+    body, head = make_mlp(), torch.nn.Linear(4, 4)
+    with pytest.warns(RuntimeWarning, match="1 optimized parameter.s. are not in model="):
+        opt = dos.torch.AdamW(list(body.parameters()) + [head.weight], socket=dos_socket,
+                              model=body, client_name="pytest-delay-outside", delay=1)
+    opt.close()
+
+
+def test_a_skipped_step_reports_every_key(dos_socket):
+    """A step the GradScaler skips (torch 2's protocol: grad_scale and
+    found_inf set around step()) reports the keys every step does, the
+    delayed counts at 0 (they were missing: KeyError)."""
+    data = make_data(n=3)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model,
+                          client_name="pytest-delay-skip", delay=1, delay_warmup=0)
+    try:
+        keys = None
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if t == 2:
+                opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+            opt.step()
+            if t == 1:
+                keys = set(opt.last_step)
+        assert opt.last_step["skipped"] and opt.last_step["delayed_subgroups"] == 0
+        assert keys <= set(opt.last_step), keys - set(opt.last_step)
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("subgroup_size", [0, 300])
 def test_per_layer_waits_on_the_cpu_path(dos_socket, subgroup_size):
     """async_step=True with model= on the CPU: step() returns at once, each

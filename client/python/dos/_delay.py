@@ -25,7 +25,10 @@ of them), of the last step for the others. Thread-safety: none.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
+
+import torch
 
 from dos import _inplace, _views
 from dos._hooks import reader_hooks
@@ -66,6 +69,22 @@ def owner_reader_hooks(model, entries, finish) -> list:
     return handles
 
 
+def warn_outside(model, entries) -> None:
+    """Warns about registered parameters that are not `model`'s: reading
+    them through another module installs no pending update."""
+    if model is None:
+        return
+    owned = {id(p) for p in model.parameters()}
+    outside = [e.name for e in entries if id(e.param) not in owned]
+    if outside:
+        names = ", ".join(outside[:4]) + (" ..." if len(outside) > 4 else "")
+        warnings.warn(f"dos.torch: delay=1: {len(outside)} optimized parameter(s) are not in "
+                      f"model= ({names}): a read of them that does not go through model= (their "
+                      "own module's state_dict()) may see the step before for some; pass the "
+                      "module holding every optimized parameter as model=, or call "
+                      "opt.synchronize() before such a read", RuntimeWarning, stacklevel=5)
+
+
 class DelayedDriver:
     def __init__(self, inner, reg, flight, warmup: int, model, finish):
         if reg.dtensor:
@@ -80,6 +99,7 @@ class DelayedDriver:
         # for the others the model's modules get the same reader hooks.
         self._handles = [] if hasattr(inner, "hooks") or model is None else \
             owner_reader_hooks(model, reg.entries, finish)
+        warn_outside(model, reg.entries)
         if hasattr(inner, "scalable"):
             _inplace.watch(inner)  # torch's in-place clip beside the captures
         self.rebase()
@@ -179,3 +199,19 @@ class DelayedDriver:
             return
         stream: Optional[object] = self._reg.stream() if self.inner.mode.stream else None
         self._flight.finish_delayed(stream, timeout_ms)
+        # dosd wrote the parameters where autograd does not see it: moved
+        # version counters make a backward through a graph built before (a
+        # read between forward and backward) fail as torch's in-place
+        # update would, instead of mixing two steps' weights in a gradient.
+        bump_versions(e.param for e in self._reg.entries)
+
+
+def bump_versions(params) -> None:
+    """Each parameter's autograd version counter moved on, its data untouched."""
+    inc = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    with torch.no_grad():
+        for p in params:
+            if inc is not None:
+                inc(p)
+            else:  # torch < 2.1: an in-place op that writes nothing
+                p.as_strided_(p.size(), p.stride(), p.storage_offset())

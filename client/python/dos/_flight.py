@@ -171,9 +171,12 @@ class Flight:
     def skipped(self) -> None:
         """A step the GradScaler skipped before it began: nothing applied."""
         self.found_inf = True
+        # Every key a step's report has (zero: nothing ran), and "skipped".
         self.last_step = {"found_inf": True, "step": self.last_step["step"]
                           if self.last_step else 0, "wall_us": 0.0, "update_us": 0.0,
-                          "overlapped": False, "skipped": True}
+                          "overlapped": False, "early": False, "before_verdict_us": 0.0,
+                          "after_verdict_us": 0.0, "prefetched_bytes": 0, "skipped": True,
+                          **dict.fromkeys(_DELAY_COUNTS, 0), **dict.fromkeys(_DELAY_TIMES, 0.0)}
 
     def wait(self, timeout_ms: int = -1) -> None:
         """Collects the step in flight: waits for dosd's result, records its
@@ -204,8 +207,11 @@ class Flight:
         figures = [ctypes.c_double() for _ in range(5)]
         call("dos_last_step_delay", self._session, ctypes.byref(subgroups), ctypes.byref(params),
              *[ctypes.byref(f) for f in figures])
-        names = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_update_us",
-                 "predicted_iter_us")
-        report = {"delayed_subgroups": int(subgroups.value), "delayed_params": int(params.value)}
-        report.update({n: float(f.value) for n, f in zip(names, figures)})
+        report = dict(zip(_DELAY_COUNTS, (int(subgroups.value), int(params.value))))
+        report.update({n: float(f.value) for n, f in zip(_DELAY_TIMES, figures)})
         return report
+
+
+_DELAY_COUNTS = ("delayed_subgroups", "delayed_params")
+_DELAY_TIMES = ("delayed_update_us", "delayed_wait_us", "window_us", "predicted_update_us",
+                "predicted_iter_us")
