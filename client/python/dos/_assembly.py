@@ -211,10 +211,12 @@ class Assembly:
                           "replacing .data after building the optimizer: this costs a full copy "
                           "of the state", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
-            # Compared before anything installs a delayed update's weights
-            # into the old storage: a moved copy of what the model held (the
-            # step before, for delayed subgroups) is no new value of the user's.
-            kept = {id(e.param) for e in moved if _same_values(e.param, e.local)}
+            # With a delayed update pending, compared before its weights are
+            # installed into the old storage: a moved copy of what the model
+            # held (the step before, for delayed subgroups) is no new value of
+            # the user's. (Without one, new values win over the masters.)
+            kept = {id(e.param) for e in moved if self.flight.delayed_pending
+                    and _same_values(e.param, e.local)}
             self.rebuild(self.state_io.saved_state(moved, kept), close)
         thawed = _grads.thawed(self._groups(), self.reg.entries)
         if thawed:
