@@ -366,6 +366,31 @@ def test_grads_set_to_none_by_hand_are_skipped(dos_socket, dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_grad_data_replaced_by_hand(dos_socket, dev):
+    """`p.grad.data = x` (older code's idiom; p.grad is the registered
+    buffer itself, so it moves with it): x is the gradient of that step, and
+    backward's gradients are the later steps' (the buffer once stayed where
+    it was: that step and every later one read the gradient before it)."""
+    data = make_data(n=8)
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
+    with opt:
+        for i, (x, y) in enumerate(data, 1):
+            for model, o in ((ref, ref_opt), (mine, opt)):
+                o.zero_grad()
+                F.mse_loss(model(x.to(dev), 1), y.to(dev)).backward()
+                for p, r in zip(model.parameters(), ref.parameters()):
+                    if r.grad is None:  # backward did not reach it (torch's None)
+                        continue
+                    if i == 2:
+                        p.grad.data = p.grad.data.clone()
+                    elif i == 5:
+                        p.grad.data = torch.full_like(p.grad, 0.5)
+                o.step()
+            assert_same(mine, ref, i)
+        assert_state_same(opt, ref_opt, mine, ref)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_requires_grad_toggled_mid_training(dos_socket, dev):
     """The body is frozen for steps 6-12 (torch skips it: no gradient after
     zero_grad(set_to_none=True)), then trains again."""

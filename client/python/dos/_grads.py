@@ -77,6 +77,23 @@ SPARSE = ("has a sparse gradient (nn.Embedding or EmbeddingBag with sparse=True?
           "build that module with sparse=False")
 
 
+def rehome(e: Entry) -> None:
+    """`p.grad.data = x` moved the registered gradient tensor itself (p.grad
+    is e.grad_shm) to x's memory, which dosd never reads: it points at the
+    registered memory again with x's values in it (they once stayed out,
+    and every later step read the gradient of the step before the move)."""
+    home = e.grad_home
+    if home is None or e.grad_shm is None or e.grad_shm.data_ptr() == home.data_ptr():
+        return
+    g = e.grad_shm.data
+    with torch.no_grad():
+        e.grad_shm.data = home
+        why = unusable(e, local_of(g))
+        if why:
+            raise DosError(Status.INVALID_ARGUMENT, f"step: {why}")
+        e.grad_shm.copy_(g)
+
+
 def unusable(e: Entry, g: torch.Tensor) -> Optional[str]:
     """Why gradient `g` (local) cannot be copied into e's registered buffer,
     or None: another dtype or shape, or sparse."""
@@ -97,6 +114,7 @@ def bind(entries: List[Entry]) -> List[int]:
         for e in entries:
             if e in _sparse:
                 raise DosError(Status.INVALID_ARGUMENT, f"step: {e.name} {SPARSE}")
+            rehome(e)
             p = e.param
             g = p.grad
             bound = g is not None and not local_of(g).is_sparse and \
@@ -124,6 +142,7 @@ def take(e: Entry) -> bool:
     buffer and p.grad becomes that buffer again. False, and nothing done,
     for a gradient that cannot go there (`unusable`; bind() at step() raises
     naming it)."""
+    rehome(e)
     g = e.param.grad
     if g is None or e.copy_grad:
         return True
@@ -155,6 +174,8 @@ def install_take_hooks(entries: List[Entry], before: Callable[[], None]) -> list
 
         def hook(param, ref=weakref.ref(e)):
             entry = ref()
+            if entry is not None:
+                rehome(entry)
             g = param.grad
             if entry is None or g is None or (not g.is_sparse and
                                               g.data_ptr() == entry.grad_shm.data_ptr()):

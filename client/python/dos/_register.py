@@ -49,14 +49,15 @@ class Entry:
     # local: the tensor the model computes with (p.data, or a DTensor's local
     # shard); copy_out: the registered param is a separate buffer whose new
     # values are copied into `local` after each step (DTensor on the CPU);
-    # copy_grad: the gradient is copied into grad_shm at step() (DTensor).
+    # copy_grad: the gradient is copied into grad_shm at step() (DTensor);
+    # grad_home: grad_shm's memory, never handed out (p.grad.data = x moves p.grad).
     # grad_none: the parameter counts as having no gradient (torch's grad
     # would be None): set by zero_grad(set_to_none=True), cleared when
     # backward reaches it; step() skips it unless something else wrote its
     # gradient since (zero_version: grad_shm's version counter when zeroed;
     # DDP writes the averaged gradient of a parameter this rank did not use).
-    __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "local",
-                 "copy_out", "copy_grad", "grad_none", "zero_version", "ready_version",
+    __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "grad_home",
+                 "local", "copy_out", "copy_grad", "grad_none", "zero_version", "ready_version",
                  "__weakref__")
 
     def __init__(self, param, name, index, group):
@@ -65,7 +66,7 @@ class Entry:
         self.index = index  # registration order, the daemon's tensor index
         self.group = group  # daemon group index
         self.param_shm = None
-        self.grad_shm = None
+        self.grad_shm = self.grad_home = None
         self.local = None
         self.copy_out = False
         self.copy_grad = False
@@ -330,7 +331,7 @@ class Registration:
         for e in entries:
             if e.grad_none and e.grad_shm is not None and e.param.grad is e.grad_shm:
                 e.param.grad = None  # CUDA: the zeros it was given for a None gradient
-            e.param_shm = e.grad_shm = None  # the arena's views, if any
+            e.param_shm = e.grad_shm = e.grad_home = None  # the arena's views, if any
         handle, self.handle, self.arena = self.handle, None, None
         handle.closed = True
         if sys.getrefcount(handle) <= 2:
@@ -355,8 +356,9 @@ class Registration:
                 n = local.numel()
                 e.param_shm = torch.frombuffer(self.arena, dtype=local.dtype, count=n,
                                                offset=poff).view(local.shape)
-                e.grad_shm = torch.frombuffer(self.arena, dtype=local.dtype, count=n,
-                                              offset=goff).view(local.shape)
+                e.grad_home = torch.frombuffer(self.arena, dtype=local.dtype, count=n,
+                                               offset=goff).view(local.shape)
+                e.grad_shm = e.grad_home.detach()
                 e.param_shm.copy_(local)
                 grad = local_of(e.param.grad)
                 if grad is not None:
@@ -471,13 +473,13 @@ def _bind_cuda(e: Entry) -> None:
     if e.copy_grad:
         # DTensor (FSDP2): FSDP assigns each step's reduced shard to
         # p.grad; it is copied into this registered buffer at step().
-        e.grad_shm = torch.zeros_like(local, memory_format=torch.contiguous_format)
+        e.grad_shm = e.grad_home = torch.zeros_like(local, memory_format=torch.contiguous_format)
     else:
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif not p.grad.is_contiguous() or p.grad.device != p.device:
             p.grad = p.grad.to(device=p.device).contiguous()
-        e.grad_shm = p.grad
+        e.grad_shm, e.grad_home = p.grad, p.grad.detach()
     e.param_shm = local
 
 
@@ -488,7 +490,7 @@ def _unbind(e: Entry, gpu: bool) -> None:
     if e.untouched():
         p.grad = None  # no gradient as torch sees it: None again
     if gpu or e.copy_out:
-        e.param_shm = e.grad_shm = None
+        e.param_shm = e.grad_shm = e.grad_home = None
         return
     if p.data_ptr() == e.param_shm.data_ptr():
         p.data = e.param_shm.clone()
