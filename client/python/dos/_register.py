@@ -497,4 +497,4 @@ def _unbind(e: Entry, gpu: bool) -> None:
     g = p.grad  # a sparse one (no data pointer) is never the arena's
     if g is not None and not g.is_sparse and g.data_ptr() == e.grad_shm.data_ptr():
         p.grad = e.grad_shm.clone()
-    e.param_shm = e.grad_shm = e.local = None
+    e.param_shm = e.grad_shm = e.grad_home = e.local = None
