@@ -1,6 +1,6 @@
 // dosd: the Deep Optimizer States daemon. Composition root only: parses the
 // flags into a DaemonConfig, builds the components, serves gRPC on a unix
-// socket, and drains on SIGTERM/SIGINT.
+// socket, and drains on SIGTERM/SIGINT/SIGHUP.
 #include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -383,7 +383,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetrics(const DaemonConf
   return m;
 }
 
-// SIGTERM/SIGINT: stop taking calls, then drain: each session finishes its
+// SIGTERM/SIGINT/SIGHUP: stop taking calls, then drain: each session finishes its
 // in-flight step. Calls in flight get a second to answer; after that gRPC
 // cancels them (their handlers still run to the end before Wait() returns, so
 // nothing they write is lost). Debian's gRPC also holds Shutdown until the
@@ -457,6 +457,9 @@ sigset_t BlockStopSignals() {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  // A closed terminal (dosd started by hand with &) stops it the same way:
+  // drained, autosaved, its files removed; there is no reload to ask for.
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGXFSZ, SIG_IGN);
   ::signal(SIGIO, SIG_IGN);
@@ -547,7 +550,8 @@ int Run(const DaemonConfig& config) {
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
-  DOS_LOG_INFO("daemon.stopping", "signal", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  DOS_LOG_INFO("daemon.stopping", "signal",
+               sig == SIGTERM ? "SIGTERM" : (sig == SIGINT ? "SIGINT" : "SIGHUP"));
   Drain(config, server->get(), listener->get(), checkpointer->get(), &sessions);
   log_internal::FlushSuppressed();
   DOS_LOG_INFO("daemon.stopped");

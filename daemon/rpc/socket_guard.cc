@@ -13,14 +13,39 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "dos/wire/fd_protocol.h"
 
 namespace dos {
+
+namespace {
+
+// OK when `path` is absent or a socket (a crashed daemon's, which Claim's
+// caller replaces); a file of any other kind is someone's, never removed.
+absl::Status CheckReplaceable(const std::string& path, const std::string& socket_path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0 || S_ISSOCK(st.st_mode)) return absl::OkStatus();
+  const char* kind = S_ISREG(st.st_mode)   ? "a regular file"
+                     : S_ISDIR(st.st_mode) ? "a directory"
+                     : S_ISLNK(st.st_mode) ? "a symbolic link"
+                                           : "a file that is not a socket";
+  return absl::FailedPreconditionError(
+      absl::StrCat(path, " is ", kind,
+                   ", not a socket: dosd replaces only a stale socket there and "
+                   "removes nothing else; give --socket another path (now --socket=",
+                   socket_path, "), or move that file away if it is not needed"));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<SocketGuard>> SocketGuard::Claim(const std::string& socket_path) {
   if (socket_path.empty() || socket_path.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--socket \"", socket_path, "\" must be a path of 1 to ",
         sizeof(sockaddr_un::sun_path) - 1, " characters (a unix socket limit)"));
+  }
+  // Before anything is created beside it (the lock file).
+  for (const std::string& path : {socket_path, fdproto::SocketPathFor(socket_path)}) {
+    if (absl::Status st = CheckReplaceable(path, socket_path); !st.ok()) return st;
   }
   std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
   if (!dir.empty()) {

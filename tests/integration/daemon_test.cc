@@ -7,22 +7,25 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "dos/wire/dtype.h"
 #include "daemon/cpu/adam_kernel.h"
+#include "dos/dos.h"
+#include "dos/wire/control_block.h"
+#include "dos/wire/dtype.h"
 #include "dos/wire/fd_protocol.h"
 #include "dos/wire/shm_segment.h"
-#include "dos/dos.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "dos/wire/control_block.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "tests/support/daemon_fixture.h"
@@ -633,6 +636,38 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
   EXPECT_EQ(WEXITSTATUS(status), 1);
   // The first daemon still serves.
   EXPECT_TRUE(SocketAccepts(daemon_.socket()));
+}
+
+// --socket naming someone's file (a typo: the flagfile's path) or a file at
+// <socket>.fd: dosd refuses to start, naming it, and removes nothing (it
+// once deleted the file and served its socket there).
+TEST(DaemonLifecycle, AFileThatIsNotASocketIsNeverReplaced) {
+  for (const std::string suffix : {"", ".fd"}) {
+    DaemonProcess d;
+    const std::string path = d.socket() + suffix;
+    std::ofstream(path) << "precious";
+    EXPECT_FALSE(d.Start()) << d.log();
+    EXPECT_NE(d.log().find(path + " is a regular file, not a socket"), std::string::npos)
+        << d.log();
+    std::ifstream in(path);
+    std::string kept;
+    in >> kept;
+    EXPECT_EQ(kept, "precious") << suffix;
+    EXPECT_NE(access((d.socket() + ".lock").c_str(), F_OK), 0) << "lock file left behind";
+    std::remove(path.c_str());
+  }
+}
+
+// SIGHUP (the terminal of a dosd started by hand closed) stops it as
+// SIGTERM does: drained, exit 0, nothing left behind (it once died at once).
+TEST(DaemonLifecycle, SighupStopsLikeSigterm) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start()) << d.log();
+  kill(d.pid(), SIGHUP);
+  EXPECT_EQ(d.WaitExit(20000), 0) << d.log();
+  EXPECT_NE(d.log().find("signal=SIGHUP"), std::string::npos) << d.log();
+  EXPECT_NE(access(d.socket().c_str(), F_OK), 0) << "socket left behind";
+  EXPECT_NE(access((d.socket() + ".lock").c_str(), F_OK), 0) << "lock file left behind";
 }
 
 TEST(DaemonLifecycle, StaleSocketIsReplacedAndSigtermExitsZero) {
