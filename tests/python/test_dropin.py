@@ -603,3 +603,16 @@ def test_model_moved_to_cuda_after_construction(dos_socket):
         assert all(p.is_cuda for p in mine.parameters())
         assert opt.state[mine.body.weight]["exp_avg"].is_cuda
         assert_state_same(opt, ref_opt, mine, ref)
+
+
+def test_pickling_or_copying_the_optimizer_is_refused(dos_socket):
+    """The state is in dosd: a pickled or copied optimizer was a closed one
+    without it, silently (torch.save(opt) then load lost the state)."""
+    import copy
+    import pickle
+    (_, _), (mine, opt) = pair(dos_socket)
+    with opt:
+        for what in (copy.deepcopy, copy.copy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+            with pytest.raises(TypeError, match="cannot be pickled or copied.*state_dict"):
+                what(opt)
+        assert opt.state_dict()["param_groups"]  # the optimizer itself goes on

@@ -460,8 +460,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             untrack(self)
 
     def __del__(self):
-        # Frameworks make objects of the optimizer's class that share its
-        # state (LightningOptimizer): only the optimizer itself closes.
+        # Only the optimizer itself closes, not objects sharing its state (LightningOptimizer).
         if self.__dict__.get("_owner_id") != id(self):
             return
         try:
@@ -474,6 +473,11 @@ class _DosAdamBase(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
+
+    def __getstate__(self):
+        raise TypeError("dos.torch optimizers cannot be pickled or copied: the state is in dosd "
+                        "(a copy would be a closed optimizer without it); save opt.state_dict() "
+                        "and load it into a new optimizer")
 
 
 class AdamW(_DosAdamBase):
