@@ -46,6 +46,7 @@ void RemoveTree(StoreEnv& store, const std::string& dir, int depth, UserFolders:
       const uint64_t bytes = store.FileSize(path).value_or(0);
       if (absl::Status st = store.DeleteFile(path); !st.ok()) {
         DOS_LOG_WARNING("checkpoint.delete_failed", "path", path, "error", st.message());
+        if (out->failed++ == 0) out->first_error = st;
         continue;
       }
       out->paths.push_back(path);
@@ -264,8 +265,15 @@ absl::StatusOr<UserFolders::Deleted> UserFolders::Delete(uint32_t uid, const std
         "name a file or folder dosd saved"));
   }
   const CheckpointUsage now = Measure(uid);
-  DOS_LOG_INFO("checkpoint.deleted", "uid", uid, "path", target, "files", out.paths.size(),
-               "bytes", out.bytes, "uid_bytes", now.bytes);
+  DOS_LOG_INFO("checkpoint.deleted", "uid", uid, "path", target, "files", out.paths.size(), "bytes",
+               out.bytes, "uid_bytes", now.bytes, "failed", out.failed);
+  if (out.failed > 0) {
+    // Not a success: the caller's files are still there (a read-only store).
+    return absl::Status(out.first_error.code(),
+                        absl::StrCat("checkpoint delete: ", out.failed, " file(s) under ", target,
+                                     " could not be deleted (first: ", out.first_error.message(),
+                                     "); ", out.paths.size(), " deleted (", out.bytes, " bytes)"));
+  }
   return out;
 }
 

@@ -96,6 +96,8 @@ class UserFolders {
   struct Deleted {
     std::vector<std::string> paths;
     uint64_t bytes = 0;
+    int failed = 0;            // files of a folder that could not be deleted
+    absl::Status first_error;  // the first of them
   };
   // Deletes `path` (resolved, under uid's folder): a checkpoint file, or
   // every regular file under a folder and then its emptied folders. Never the

@@ -4,9 +4,12 @@
 // vain) or is refused, and what a delete removes.
 #include "daemon/session/user_folders.h"
 
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -136,6 +139,36 @@ TEST_F(UserFoldersTest, DeleteRemovesFilesAndFoldersButNotTheMarker) {
   EXPECT_TRUE(absl::IsNotFound(f->Delete(7, dir_ + "/gone").status()));
   EXPECT_TRUE(absl::IsInvalidArgument(f->Delete(7, dir_ + "/.dos-owner").status()));
   EXPECT_EQ(f->Usage()[7].bytes, 0u);
+}
+
+// A folder whose files cannot go (a store remounted read-only) is no
+// success: the delete fails naming how many stayed and why (it answered
+// "freed 0 B", exit 0).
+TEST_F(UserFoldersTest, AFolderDeleteThatLeavesFilesFailsNamingThem) {
+  ASSERT_TRUE(Folders(0)->Trust(7, true).ok());
+  fs::create_directories(dir_ + "/job.r0");
+  Put("job.r0/step-1.dckpt", 10, 2);
+  const std::string ro = base_.File("ro");
+  fs::create_directories(ro);
+  if (::mount(base_.File("store").c_str(), ro.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+    GTEST_SKIP() << "cannot bind-mount (" << std::strerror(errno) << "): needs root";
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{ro};
+  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0)
+      << std::strerror(errno);
+  auto store = StoreEnv::Open(ro);
+  ASSERT_TRUE(store.ok()) << store.status();
+  UserFolders folders(store->get(), UserFoldersOptions{});
+  const absl::StatusOr<UserFolders::Deleted> d = folders.Delete(7, ro + "/uid-7/job.r0");
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(d.status().message(), HasSubstr("1 file(s) under " + ro +
+                                              "/uid-7/job.r0 could "
+                                              "not be deleted"));
+  EXPECT_THAT(d.status().message(), HasSubstr("Read-only file system"));
+  EXPECT_TRUE(fs::exists(dir_ + "/job.r0/step-1.dckpt"));
 }
 
 TEST(JobFolderNameTest, DistinctClientNamesGetDistinctSafeFolders) {
