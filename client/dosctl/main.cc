@@ -18,6 +18,7 @@
 // (an unknown command, flag or flag value).
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -68,7 +69,8 @@ constexpr char kUsage[] =
 constexpr char kAbout[] =
     "dosctl: inspect and steer the node's dosd (the Deep Optimizer States daemon).\n";
 constexpr char kNotes[] =
-    "--json prints one JSON object per command; every 64-bit integer (ids, counters, bytes)\n"
+    "--json prints one JSON object per command (with stats --watch, one a line per sample:\n"
+    "JSON Lines); every 64-bit integer (ids, counters, bytes)\n"
     "is a JSON number. Exit status: 0 success, 1 the daemon refused or is unreachable,\n"
     "2 usage (an unknown command, flag or flag value).";
 
@@ -78,6 +80,20 @@ int Usage(const std::string& why) {
 }
 
 bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(text, id); }
+
+// Pretty-printed JSON on one line: each newline and the indent after it go
+// (inside strings JSON has no raw newlines); ends in one newline.
+std::string OneLine(const std::string& json) {
+  std::string out;
+  for (size_t i = 0; i < json.size(); ++i) {
+    if (json[i] != '\n') {
+      out.push_back(json[i]);
+      continue;
+    }
+    while (i + 1 < json.size() && json[i + 1] == ' ') ++i;
+  }
+  return out.empty() ? out : out + '\n';
+}
 
 // A flag value no command can use, named with what it may be; "" if none.
 std::string BadFlagValues() {
@@ -137,6 +153,13 @@ int main(int argc, char** argv) {
       const int count = absl::GetFlag(FLAGS_count);
       for (int i = 0; st.ok() && (count <= 0 || i < count); ++i) {
         if (i > 0) absl::SleepFor(absl::GetFlag(FLAGS_interval));
+        if (absl::GetFlag(FLAGS_json)) {
+          // JSON Lines: one sample's object a line, nothing between them.
+          std::ostringstream sample;
+          st = cmd.Stats(id, sample);
+          std::cout << OneLine(sample.str()) << std::flush;
+          continue;
+        }
         std::cout << "--- " << absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(),
                                                  absl::UTCTimeZone())
                   << '\n';

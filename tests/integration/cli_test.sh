@@ -58,6 +58,16 @@ grep -q -- '--host_memory_limit=512G from the command line is overridden by --ho
 if grep -q 'flag_overridden' "$tmp/err"; then fail "warned with --flagfile first"; fi
 echo "ok: a flagfile overriding a command-line flag is warned about"
 
+# A value with a trailing blank or \r (Windows line ends) is refused, naming the line:
+# abseil kept it ("64G\r" is no size; "/x.sock " served another path).
+printf -- '--host_memory_limit=64G\r\n' > "$tmp/crlf.flags"
+rc=0
+"$dosd" --socket="$tmp/x.sock" --flagfile="$tmp/crlf.flags" 2> "$tmp/err" || rc=$?
+[ "$rc" -ne 0 ] || fail "dosd started with a CRLF flagfile"
+grep -q "crlf.flags line 1: --host_memory_limit=64G ends in a blank or a carriage return" \
+  "$tmp/err" || { cat "$tmp/err"; fail "the CRLF line is not named"; }
+echo "ok: a flagfile value ending in a blank or CR is refused by line"
+
 # GPU flags are checked on every machine (a bad value is refused before anything starts).
 for bad in "--gpu_cpu_path_copy=bogus:is not one of: kernel, dma" \
            "--gpu_staging_slots=0:--gpu_staging_slots must be >= 1"; do
@@ -80,6 +90,13 @@ grep -q "dir=$tmp/home/.local/state/dos/checkpoints" "$tmp/dosd.log" ||
 [ -d "$tmp/home/.local/state/dos/checkpoints" ] || fail "checkpoint folder not created"
 json=$("$dosctl" --socket="$tmp/run/dosd.sock" --json status)
 grep -q "\"daemon_version\": \"$version\"" <<<"$json" || fail "dosctl status --json: $json"
+# --json with --watch: JSON Lines, one sample's object a line and nothing else.
+"$dosctl" --socket="$tmp/run/dosd.sock" --json stats --watch --count=2 --interval=10ms \
+  > "$tmp/watch.jsonl" || fail "dosctl --json stats --watch exited $?"
+[ "$(wc -l < "$tmp/watch.jsonl")" -eq 2 ] || { cat "$tmp/watch.jsonl"; fail "not 2 lines"; }
+while read -r sample; do
+  [ "${sample:0:1}" = "{" ] && [ "${sample: -1}" = "}" ] || fail "not one object a line: $sample"
+done < "$tmp/watch.jsonl"
 kill -TERM "$pid"
 wait "$pid" || fail "dosd exited $? after SIGTERM"
 pid=

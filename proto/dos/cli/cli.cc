@@ -81,6 +81,15 @@ void ReadFlagfile(const std::string& path, int depth,
     absl::string_view l = absl::StripAsciiWhitespace(line);
     FlagArg f;
     if (l.empty() || l[0] == '#' || !SplitFlag(l, &f)) continue;
+    if (unreadable != nullptr && f.has_value &&
+        absl::StripTrailingAsciiWhitespace(line).size() != line.size()) {
+      // abseil keeps them in the value: "64G\r" is no size, "/run/d.sock " another path.
+      unreadable->push_back(absl::StrCat(
+          "--flagfile=", path, " line ", n, ": --", f.name, "=", f.value,
+          " ends in a blank or a carriage return (a file saved with Windows line ends), which "
+          "the value would keep; remove it (sed -i 's/[[:space:]]*$//' ",
+          path, ")"));
+    }
     if (f.name == "flagfile") {
       for (absl::string_view p : absl::StrSplit(f.value, ',', absl::SkipEmpty())) {
         ReadFlagfile(std::string(p), depth + 1, out, unreadable);
