@@ -71,8 +71,9 @@ constexpr char kAbout[] =
 constexpr char kNotes[] =
     "--json prints one JSON object per command (with stats --watch, one a line per sample:\n"
     "JSON Lines); every 64-bit integer (ids, counters, bytes)\n"
-    "is a JSON number. Exit status: 0 success, 1 the daemon refused or is unreachable,\n"
-    "2 usage (an unknown command, flag or flag value).";
+    "is a JSON number. Exit status: 0 success, 1 the daemon refused (a value only it\n"
+    "checks, such as a policy) or is unreachable, 2 usage (an unknown command, flag or\n"
+    "flag value).";
 
 int Usage(const std::string& why) {
   std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';

@@ -48,6 +48,8 @@ def test_the_default_name_is_the_script_and_a_hash_of_its_arguments(monkeypatch)
     assert default_client_name() != first
     monkeypatch.setattr(sys, "argv", [])
     assert default_client_name() == "python"
+    monkeypatch.setattr(sys, "argv", ["-c"])  # python3 -c CODE: no file (it was "-c")
+    assert default_client_name() == "python-c"
 
 
 def launch(folder, sock, lr, steps):

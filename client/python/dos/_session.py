@@ -123,6 +123,8 @@ def default_client_name() -> str:
     and jobs of one script with different arguments (a sweep) never take
     each other's."""
     script = os.path.basename(sys.argv[0] or "python") if sys.argv else "python"
+    if script in ("-c", "-"):  # python3 -c CODE, a script on stdin: no file name
+        script = "python" + script
     args = sys.argv[1:]
     if not args:
         return script
