@@ -34,7 +34,8 @@ uint64_t SessionIdOf(absl::string_view name) {
 }
 
 // Files under `dir` (recursively, through the store's descriptors, never a
-// link) that are DOS checkpoints, added to `found` under (`uid`, name, rank).
+// link) that are DOS checkpoints, added to `found` under (`uid`, name, rank);
+// `last_id` (if not null) raised to the highest session id a name carries.
 // Only the header and layout are read here.
 void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
               std::map<SessionManager::RestoreKey, std::vector<Candidate>>* found,
@@ -52,7 +53,7 @@ void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
       continue;
     }
     if (e.kind != StoreEnv::Kind::kFile || !absl::EndsWith(e.name, kCheckpointSuffix)) continue;
-    *last_id = std::max(*last_id, SessionIdOf(e.name));
+    if (last_id != nullptr) *last_id = std::max(*last_id, SessionIdOf(e.name));
     absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path, &store);
     if (!r.ok()) {
       DOS_LOG_WARNING("checkpoint.scan_skipped", "path", path, "error", r.status().message());
@@ -138,8 +139,7 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Load(std::shared_ptr
     }
     std::vector<std::string> files;
     if (is_dir) {
-      uint64_t last_id = 0;  // not needed here
-      auto found = Scan(*store_, resolved, id.uid, &last_id);
+      auto found = Scan(*store_, resolved, id.uid, /*last_id=*/nullptr);
       for (const Candidate& c : found[{id.uid, id.client_name, id.rank}]) files.push_back(c.path);
       if (files.empty()) {
         if (targets.size() > 1) continue;

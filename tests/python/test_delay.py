@@ -486,8 +486,7 @@ def test_a_read_between_forward_and_backward_fails_the_backward(dos_socket):
                           client_name="pytest-delay-fwd-read", delay=1, delay_warmup=0)
     try:
         for x, y in data[:3]:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            backward(opt, model, x, y, "cpu")
             opt.step()
         x, y = data[3]
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -525,8 +524,7 @@ def test_a_skipped_step_reports_every_key(dos_socket):
     try:
         keys = None
         for t, (x, y) in enumerate(data):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            backward(opt, model, x, y, "cpu")
             if t == 2:
                 opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
             opt.step()

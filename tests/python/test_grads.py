@@ -17,7 +17,8 @@ HAS_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 def entry(param, copy_grad=False):
     """The fields of a registered entry that `take` reads."""
-    return types.SimpleNamespace(param=param, grad_shm=torch.zeros_like(param),
+    grad = torch.zeros_like(param)
+    return types.SimpleNamespace(param=param, grad_shm=grad, grad_home=grad.detach(),
                                  copy_grad=copy_grad, name="w")
 
 
@@ -41,7 +42,8 @@ def test_take_leaves_what_it_must_not_move():
     # it): left for step(), which names it.
     wrong = torch.randn(4, dtype=torch.float64)
     odd = types.SimpleNamespace(param=types.SimpleNamespace(grad=wrong, dtype=p.dtype),
-                                grad_shm=e.grad_shm, copy_grad=False, name="w")
+                                grad_shm=e.grad_shm, grad_home=e.grad_home, copy_grad=False,
+                                name="w")
     assert not _grads.take(odd)
     assert odd.param.grad is wrong and torch.count_nonzero(e.grad_shm) == 0
     assert "gradients must have the parameter's dtype and shape" in _grads.unusable(odd, wrong)

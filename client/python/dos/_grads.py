@@ -82,7 +82,7 @@ def rehome(e: Entry) -> None:
     is e.grad_shm) to x's memory, which dosd never reads: it points at the
     registered memory again with x's values in it (they once stayed out,
     and every later step read the gradient of the step before the move)."""
-    home = getattr(e, "grad_home", None)
+    home = e.grad_home
     if home is None or e.grad_shm is None or e.grad_shm.data_ptr() == home.data_ptr():
         return
     g = e.grad_shm.data

@@ -3,9 +3,12 @@
 #pragma once
 
 #include <stdlib.h>
+#include <sys/mount.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -126,5 +129,44 @@ inline void WriteAll(const std::string& path, const std::string& data) {
   ASSERT_EQ(fwrite(data.data(), 1, data.size(), f), data.size());
   fclose(f);
 }
+
+// `src` bind-mounted read-only at `dst` (a folder) until Unmount() or
+// destruction: a file system remounted read-only. bound() is false where
+// this process may not mount (not root: skip the test), read_only() where
+// the remount failed; why() says what failed.
+class ReadOnlyBind {
+ public:
+  ReadOnlyBind(const std::string& src, const std::string& dst) : dst_(dst) {
+    if (::mount(src.c_str(), dst.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+      why_ = std::string("cannot bind-mount (") + std::strerror(errno) + "): needs root";
+      return;
+    }
+    bound_ = true;
+    if (::mount(nullptr, dst.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) != 0) {
+      why_ = std::string("cannot remount read-only: ") + std::strerror(errno);
+      return;
+    }
+    read_only_ = true;
+  }
+  ~ReadOnlyBind() { Unmount(); }
+  ReadOnlyBind(const ReadOnlyBind&) = delete;
+  ReadOnlyBind& operator=(const ReadOnlyBind&) = delete;
+
+  bool bound() const { return bound_; }
+  bool read_only() const { return read_only_; }
+  const std::string& why() const { return why_; }
+  // True once nothing is mounted at `dst` by this object.
+  bool Unmount() {
+    if (!bound_) return true;
+    bound_ = read_only_ = false;
+    return ::umount2(dst_.c_str(), MNT_DETACH) == 0;
+  }
+
+ private:
+  std::string dst_;
+  std::string why_;
+  bool bound_ = false;
+  bool read_only_ = false;
+};
 
 }  // namespace dos::testing

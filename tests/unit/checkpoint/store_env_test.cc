@@ -6,11 +6,9 @@
 // written, read or deleted.
 #include "daemon/checkpoint/store_env.h"
 
-#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -28,6 +26,7 @@ namespace fs = std::filesystem;
 using ::dos::testing::Fill;
 using ::dos::testing::MakeShard;
 using ::dos::testing::ReadAll;
+using ::dos::testing::ReadOnlyBind;
 using ::dos::testing::TempDir;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
@@ -211,15 +210,9 @@ TEST_F(StoreEnvTest, TheRootMayBeALinkTheOperatorMade) {
 TEST_F(StoreEnvTest, AReadOnlyStoreOpensAndRefusesWritesNamingWhy) {
   const std::string ro = base_.File("ro-store");
   fs::create_directories(ro);
-  if (::mount(root_.c_str(), ro.c_str(), nullptr, MS_BIND, nullptr) != 0) {
-    GTEST_SKIP() << "cannot bind-mount (" << std::strerror(errno) << "): needs root";
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{ro};
-  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0)
-      << std::strerror(errno);
+  ReadOnlyBind bind(root_, ro);
+  if (!bind.bound()) GTEST_SKIP() << bind.why();
+  ASSERT_TRUE(bind.read_only()) << bind.why();
   ASSERT_EQ(::chmod(root_.c_str(), 0700), 0);
   auto s = StoreEnv::Open(ro);
   ASSERT_TRUE(s.ok()) << s.status();
@@ -228,10 +221,10 @@ TEST_F(StoreEnvTest, AReadOnlyStoreOpensAndRefusesWritesNamingWhy) {
   EXPECT_FALSE(st.ok());
   EXPECT_THAT(std::string(st.message()), HasSubstr("read-only file system")) << st;
   // A read-only store that others could write is still refused.
-  ASSERT_EQ(::umount2(ro.c_str(), MNT_DETACH), 0);
+  ASSERT_TRUE(bind.Unmount());
   ASSERT_EQ(::chmod(root_.c_str(), 0777), 0);
-  ASSERT_EQ(::mount(root_.c_str(), ro.c_str(), nullptr, MS_BIND, nullptr), 0);
-  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0);
+  const ReadOnlyBind again(root_, ro);
+  ASSERT_TRUE(again.read_only()) << again.why();
   EXPECT_EQ(StoreEnv::Open(ro).status().code(), absl::StatusCode::kPermissionDenied);
 }
 

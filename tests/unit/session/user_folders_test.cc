@@ -4,12 +4,9 @@
 // vain) or is refused, and what a delete removes.
 #include "daemon/session/user_folders.h"
 
-#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -21,6 +18,7 @@ namespace dos {
 namespace {
 
 namespace fs = std::filesystem;
+using ::dos::testing::ReadOnlyBind;
 using ::dos::testing::TempDir;
 using ::dos::testing::WriteAll;
 using ::testing::HasSubstr;
@@ -150,15 +148,9 @@ TEST_F(UserFoldersTest, AFolderDeleteThatLeavesFilesFailsNamingThem) {
   Put("job.r0/step-1.dckpt", 10, 2);
   const std::string ro = base_.File("ro");
   fs::create_directories(ro);
-  if (::mount(base_.File("store").c_str(), ro.c_str(), nullptr, MS_BIND, nullptr) != 0) {
-    GTEST_SKIP() << "cannot bind-mount (" << std::strerror(errno) << "): needs root";
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{ro};
-  ASSERT_EQ(::mount(nullptr, ro.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr), 0)
-      << std::strerror(errno);
+  const ReadOnlyBind bind(base_.File("store"), ro);
+  if (!bind.bound()) GTEST_SKIP() << bind.why();
+  ASSERT_TRUE(bind.read_only()) << bind.why();
   auto store = StoreEnv::Open(ro);
   ASSERT_TRUE(store.ok()) << store.status();
   UserFolders folders(store->get(), UserFoldersOptions{});
