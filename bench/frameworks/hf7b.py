@@ -28,8 +28,9 @@ reading):
 The DOS modes cap the trainer at --gpu-cap-gib (74 GiB) of the GPU: DOS's
 state lives in dosd's host memory and its GPU lease comes out of that cap.
 all_gpu is torch.optim.AdamW(fused=True) with its state on the GPU and no cap.
-The one-line integration for resuming: torch.serialization.config.load.mmap =
-True (HF's resume torch.loads optimizer.pt whole otherwise).
+Resuming needs no extra line: a DOS optimizer makes HF's torch.load of
+optimizer.pt map the file (dos/_mmapload.py); the all-GPU run maps it too
+(mmap_loads), so both read the file the same way.
 """
 import argparse
 import inspect
@@ -123,8 +124,8 @@ def dosd_pid_of(socket):
 
 
 def mmap_loads():
-    """The one line a resuming user writes: torch.load maps checkpoint files
-    instead of reading them whole (HF's resume loads optimizer.pt with it)."""
+    """torch.load maps checkpoint files instead of reading them whole (for
+    the all-GPU run; a DOS optimizer maps optimizer.pt by itself)."""
     try:
         import torch.utils.serialization  # torch >= 2.5
         torch.utils.serialization.config.load.mmap = True
@@ -440,7 +441,8 @@ def main():
         t = time.time()
         resume = None
         if args.roundtrip == "resume":
-            mmap_loads()
+            if args.mode == "all_gpu":
+                mmap_loads()
             resume = os.path.join(out_dir, f"checkpoint-{args.save_at}")
         t_call = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dos import _grads
+from dos import _grads, _mmapload
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
@@ -75,6 +75,7 @@ class Assembly:
         self.armed = True
         self._seen_hooks = []
         self._on_attach = None
+        _mmapload.install()  # a framework's resume maps optimizer.pt (dos/_mmapload.py)
 
     def register(self, resume=None, on_attach=None) -> None:
         """Attaches (or resumes) a session and registers the parameters.
