@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from dos import _amp, _grads, _native
+from dos import _amp, _callers, _grads, _native
 from dos._assembly import Assembly, Options
 from dos._drivers import StepRequest
 from dos._delay import check_delay
@@ -277,10 +277,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         its gradients are never None). Waits for a step in flight first, so
         it always shows finished steps."""
         self._check_open("state_dict")
-        if all_params is None:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            all_params = caller.startswith("torch.distributed.checkpoint")
-        state = self._parts.state_io.states(all_params)
+        caller = sys._getframe(1)  # DCP, accelerate's placement: dos/_callers.py
+        all_params = _callers.from_dcp(caller) if all_params is None else all_params
+        state = {} if _callers.from_placement(caller) else self._parts.state_io.states(all_params)
         saved, self.state = self.state, state
         try:
             return super().state_dict()
@@ -292,7 +291,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         GPU or DTensor state) and pushes the state to the daemon. The master
         weight is 'master_param' where present, else the parameter itself."""
         self._check_open("load_state_dict")
-        self._parts.state_io.load(state_dict, self.param_groups)
+        if not (_callers.from_placement(sys._getframe(1)) and not state_dict.get("state")):
+            self._parts.state_io.load(state_dict, self.param_groups)
 
     def synchronize(self) -> None:
         """Waits until the step in flight, if any, is finished: once it

@@ -1,0 +1,86 @@
+"""Frameworks' own calls that DOS answers differently (dos/_callers.py):
+accelerate's device placement round trip (AcceleratedOptimizer.__init__:
+state_dict(), every tensor to the device, load_state_dict()) moves no state
+and changes none, also once the optimizer has state; the same calls made by
+a user still read and load the state."""
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos.torch  # noqa: E402
+
+# accelerate/optimizer.py's placement, as accelerate writes it (the module's
+# name and the __init__ frame are what DOS recognises).
+ACCELERATE_OPTIMIZER = '''
+import torch
+
+moved = []
+
+
+def move_to_device(state, device):
+    if isinstance(state, (list, tuple)):
+        return type(state)(move_to_device(t, device) for t in state)
+    if isinstance(state, dict):
+        return type(state)({k: move_to_device(v, device) for k, v in state.items()})
+    if isinstance(state, torch.Tensor):
+        moved.append(state.numel() * state.element_size())
+        return state.clone()  # a copy, as .to("cuda") would make
+    return state
+
+
+class AcceleratedOptimizer:
+    def __init__(self, optimizer, device_placement=True):
+        self.optimizer = optimizer
+        if device_placement:
+            state_dict = self.optimizer.state_dict()
+            state_dict = move_to_device(state_dict, "cpu")
+            self.optimizer.load_state_dict(state_dict)
+'''
+
+
+@pytest.fixture
+def accelerate_optimizer():
+    mod = types.ModuleType("accelerate.optimizer")
+    exec(compile(ACCELERATE_OPTIMIZER, "accelerate/optimizer.py", "exec"), mod.__dict__)
+    return mod
+
+
+def snapshot(opt):
+    return {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for i, s in opt.state_dict()["state"].items()}
+
+
+def train(model, opt, x, y, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_accelerates_placement_moves_and_changes_no_state(dos_socket, accelerate_optimizer,
+                                                          delay):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+    x, y = torch.randn(8, 512), torch.randn(8, 4)
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket, model=model,
+                         delay=delay, delay_warmup=1) as opt:
+        accelerate_optimizer.AcceleratedOptimizer(opt)  # before any step: no state
+        train(model, opt, x, y, 3)
+        before = snapshot(opt)
+        weights = [p.detach().clone() for p in model.parameters()]
+        assert before and all(s["exp_avg"].abs().sum() > 0 for s in before.values())
+        accelerate_optimizer.AcceleratedOptimizer(opt)  # a second prepare, a resumed session
+        assert sum(accelerate_optimizer.moved) == 0  # not one state tensor copied
+        after = snapshot(opt)
+        assert after.keys() == before.keys()
+        for i in before:
+            for k, v in before[i].items():
+                assert (torch.equal(after[i][k], v) if torch.is_tensor(v)
+                        else after[i][k] == v), (i, k)
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+        # A user's own round trip still moves the state (and changes nothing).
+        opt.load_state_dict(accelerate_optimizer.move_to_device(opt.state_dict(), "cpu"))
+        assert sum(accelerate_optimizer.moved) > 0
