@@ -255,7 +255,8 @@ void Checkpointer::WriterLoop() {
       continue;
     }
     if (job.forget != 0) {
-      autosaved_step_.erase(job.forget);
+      autosaved_version_.erase(job.forget);
+      autosaves_.erase(job.forget);
       autosave_skipped_.erase(job.forget);
       continue;
     }
@@ -395,12 +396,15 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   // Runs off the session's lock with the snapshot in flight: steps that
   // reach a subgroup the file has not may wait for it (pool spent), so
   // nothing here waits on anything but the store.
+  // Read before the snapshot: the state saved is this version's or a later
+  // one, so an equal version later means nothing changed since.
+  const uint64_t version = s->state_version();
+  if (autosave) {
+    auto last = autosaved_version_.find(id);
+    if (last != autosaved_version_.end() && last->second == version) return rec;  // unchanged
+  }
   auto write = [&](const CheckpointLayout& layout, ShardState& shard) -> absl::Status {
-    const int64_t step = layout.tensors[0].step;
-    if (autosave) {
-      auto last = autosaved_step_.find(id);
-      if (last != autosaved_step_.end() && last->second == step) return absl::OkStatus();
-    }
+    const int64_t step = LatestStep(layout.tensors);
     const CheckpointOwner owner{layout.owner, layout.rank, layout.world_size};
     std::string path = resolved_path;
     if (autosave || path.empty()) {
@@ -434,44 +438,42 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
   rec.copy_ms = snap->write_us / 1e3;
   rec.subgroups_copied_by_steps = snap->subgroups_copied_by_steps;
   rec.last_step_wall_us = snap->last_step_wall_us;
-  if (rec.path.empty()) return rec;  // an autosave of an unchanged step
+  if (rec.path.empty()) return rec;
   rec.bytes = store_->FileSize(rec.path).value_or(0);
   DOS_LOG_INFO("checkpoint.saved", "session", id, "uid", sid.uid, "path", rec.path, "step",
                rec.step, "bytes", rec.bytes, "snapshot_us", rec.snapshot_us, "write_ms",
                rec.write_ms, "copied_by_steps", rec.subgroups_copied_by_steps, "staging_peak",
                pool_.TakePeak(), "last_step_wall_us", rec.last_step_wall_us, "autosave", autosave);
   if (autosave) {
-    autosaved_step_[id] = rec.step;
-    PruneAutosaves(DirName(rec.path), id);
+    autosaved_version_[id] = version;
+    PruneAutosaves(rec.path, id);
     folders_->Measure(sid.uid);
   }
   return rec;
 }
 
-void Checkpointer::PruneAutosaves(const std::string& subdir, uint64_t session) {
-  absl::StatusOr<std::vector<StoreEnv::Entry>> entries = store_->List(subdir);
-  if (!entries.ok()) {
-    DOS_LOG_WARNING("checkpoint.prune_failed", "path", subdir, "error",
-                    entries.status().message());
-    return;
-  }
-  std::vector<std::string> autos;  // this session's: another's of the job's name are its own
-  const std::string own = absl::StrCat(".s", session, kCheckpointSuffix);
-  for (const StoreEnv::Entry& e : *entries) {
-    if (e.kind == StoreEnv::Kind::kFile && absl::StartsWith(e.name, "auto-") &&
-        absl::EndsWith(e.name, own)) {
-      autos.push_back(absl::StrCat(subdir, "/", e.name));
-    }
-  }
-  std::sort(autos.begin(), autos.end());  // zero-padded steps sort by step
+void Checkpointer::PruneAutosaves(const std::string& written, uint64_t session) {
+  // In the order they were written, not by the step in their names: a
+  // trainer that rolled back (loaded an earlier step) writes lower steps
+  // after higher ones, and its newest file is the one to keep.
+  std::vector<std::string>& files = autosaves_[session];
+  std::erase(files, written);  // the same name written again: now the newest
+  files.push_back(written);
   const size_t keep = static_cast<size_t>(std::max(options_.autosave_keep, 1));
-  for (size_t i = 0; i + keep < autos.size(); ++i) {
-    if (absl::Status st = store_->DeleteFile(autos[i]); !st.ok()) {
-      DOS_LOG_WARNING("checkpoint.prune_failed", "path", autos[i], "error", st.message());
-      continue;
+  const size_t excess = files.size() > keep ? files.size() - keep : 0;
+  std::vector<std::string> left;
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (i < excess) {
+      absl::Status st = store_->DeleteFile(files[i]);
+      if (st.ok()) {
+        DOS_LOG_INFO("checkpoint.pruned", "path", files[i]);
+        continue;
+      }
+      DOS_LOG_WARNING("checkpoint.prune_failed", "path", files[i], "error", st.message());
     }
-    DOS_LOG_INFO("checkpoint.pruned", "path", autos[i]);
+    left.push_back(files[i]);  // kept, or tried again after the next autosave
   }
+  files = std::move(left);
 }
 
 }  // namespace dos

@@ -192,7 +192,9 @@ class Checkpointer {
                                                       const std::string& path, bool autosave);
   std::string DefaultPath(uint32_t uid, const CheckpointOwner& owner, absl::string_view kind,
                           int64_t step, uint64_t session) const;
-  void PruneAutosaves(const std::string& subdir, uint64_t session);
+  // `written` is the session's newest autosave: deletes its oldest beyond
+  // --autosave_keep, in the order they were written.
+  void PruneAutosaves(const std::string& written, uint64_t session);
 
   const CheckpointerOptions options_;
   SessionManager* const sessions_;
@@ -208,7 +210,8 @@ class Checkpointer {
   std::thread writer_;
 
   // Writer thread only.
-  std::map<uint64_t, int64_t> autosaved_step_;
+  std::map<uint64_t, uint64_t> autosaved_version_;  // Session::state_version() last autosaved
+  std::map<uint64_t, std::vector<std::string>> autosaves_;  // each session's, oldest first
   std::set<uint64_t> autosave_skipped_;  // waiting for their trainer at the last autosave
 };
 

@@ -61,7 +61,7 @@ void ScanInto(StoreEnv& store, const std::string& dir, uint32_t uid, int depth,
     }
     const CheckpointLayout& l = (*r)->layout();
     (*found)[{uid, l.owner, l.rank}].push_back(
-        {l.tensors.empty() ? 0 : l.tensors[0].step, (*r)->created_unix_seconds(), path});
+        {LatestStep(l.tensors), (*r)->created_unix_seconds(), path});
   }
 }
 
@@ -71,8 +71,10 @@ std::map<SessionManager::RestoreKey, std::vector<Candidate>> Scan(StoreEnv& stor
   std::map<SessionManager::RestoreKey, std::vector<Candidate>> found;
   ScanInto(store, dir, uid, 0, &found, last_id);
   for (auto& [key, list] : found) {
+    // Newest first: the state the trainer last had, also after it rolled
+    // back to an earlier step or a new run of the job started over.
     std::sort(list.begin(), list.end(), [](const Candidate& a, const Candidate& b) {
-      return std::tie(a.step, a.created, a.path) > std::tie(b.step, b.created, b.path);
+      return std::tie(a.created, a.step, a.path) > std::tie(b.created, b.step, b.path);
     });
   }
   return found;

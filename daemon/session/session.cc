@@ -311,6 +311,7 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
     if (delayed_ != nullptr) executor_->JoinHandOff(*shard_, delayed_.get(), identity_.id, false);
   }
   ++steps_run_;
+  ++state_version_;
   record->snapshot_wait_us = shard_->TakeWriteWaitUs();
   record->num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
 }

@@ -118,7 +118,7 @@ struct SessionStatsSnapshot {
 
 // What Snapshot() did.
 struct SnapshotInfo {
-  int64_t step = 0;          // tensor 0's step count in the snapshot
+  int64_t step = 0;          // the snapshot's step (LatestStep of its tensors)
   double locked_us = 0;      // time the session lock was held (marking the boundary)
   double write_us = 0;       // the snapshot off the lock: `write`, while steps went on
   uint32_t subgroups_copied_by_steps = 0;  // copied by steps before they wrote them
@@ -184,6 +184,9 @@ class Session {
   // layout. Returns the loaded step count. `env`: the checkpoint store's
   // (StoreEnv), through which the file is opened.
   absl::StatusOr<int64_t> LoadCheckpoint(const std::string& path, Env* env);
+  // Moves on with every change of the state (a step, a state write, a
+  // checkpoint load); equal values mean the same state. Lock-free.
+  uint64_t state_version() const { return state_version_.load(); }
 
   // Crash survival and restart. TakeShard (after Stop) moves the state out
   // and drops the dead client's mappings; AdoptShard gives it to the session
@@ -407,6 +410,9 @@ class Session {
   // calls copies it once, not once per call.
   int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
+  // Moves on (under mu_) with every change of the state: a step, a state
+  // write, a checkpoint load. Read without the lock (state_version()).
+  std::atomic<uint64_t> state_version_{0};
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
   // For shard_ (null: none yet); its buffers are charged to budget_ until
   // it is reset (a new shard, a checkpoint load, TakeShard) or destroyed.

@@ -233,7 +233,7 @@ absl::Status Session::BindEngine(const ShardSpec& spec, Registration* reg) {
       DOS_RETURN_IF_ERROR(reg->executor->WriteWeights(*reg->shard, reg->bindings, i));
     }
     DOS_LOG_INFO("session.restored", "session", identity_.id, "from", reg->restored_from, "step",
-                 reg->shard->tensors()[0].step);
+                 LatestStep(reg->shard->tensors()));
   }
   Engine* engine = reg->executor->engine();
   if (!reg->attached) {  // a resumed shard (new ones are attached in NewState)
@@ -264,7 +264,7 @@ void Session::Publish(Registration* reg) {
                        .subgroups = static_cast<uint32_t>(shard.subgroups().size()),
                        .state_bytes = shard.state_bytes(),
                        .state_format = shard.format(),
-                       .step = shard.tensors()[0].step,
+                       .step = LatestStep(shard.tensors()),
                        .restored_from = reg->restored_from,
                        .tensor_subgroups = std::move(tensor_subgroups),
                        .gpu_device = reg->device.ordinal,

@@ -182,6 +182,7 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
       shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
     }
     shard_->tensors()[tensor].step = step;
+    ++state_version_;
     // The host state is now the truth: resident GPU copies are dropped (the
     // next step uploads them again).
     engine()->DropResident(*shard_);
@@ -218,7 +219,7 @@ absl::StatusOr<SnapshotInfo> Session::Snapshot(SnapshotPool* pool, SnapshotWrite
     // (ShardState::BeforeWrite), while `write` reads the rest in place.
     info.owner = StateOwner();
     layout = LayoutOf(*shard, info.owner);
-    info.step = shard->tensors()[0].step;
+    info.step = LatestStep(shard->tensors());
     shard->BeginSnapshot(pool);
     {
       absl::MutexLock snap_lock(&snap_mu_);
@@ -259,9 +260,9 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
     for (uint32_t i = 0; i < shard_->tensors().size(); ++i) {
       DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
     }
-    DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step",
-                 shard_->tensors()[0].step);
-    step = shard_->tensors()[0].step;
+    step = LatestStep(shard_->tensors());
+    ++state_version_;
+    DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step", step);
     return absl::OkStatus();
   }));
   return step;

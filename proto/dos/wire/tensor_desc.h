@@ -9,7 +9,9 @@
 // Thread-safety: plain data.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "dos/wire/dtype.h"
@@ -24,5 +26,14 @@ struct TensorDesc {
   uint32_t group = 0;  // index into the shard's param groups
   int64_t step = 0;    // optimizer steps applied to this tensor (0 at registration)
 };
+
+// The step a set of tensors is at: the highest step count among them (0 for
+// none). A tensor a trainer froze (or never gives a gradient) stops counting,
+// so no single tensor's count stands for the whole state.
+inline int64_t LatestStep(std::span<const TensorDesc> tensors) {
+  int64_t step = 0;
+  for (const TensorDesc& t : tensors) step = std::max(step, t.step);
+  return step;
+}
 
 }  // namespace dos
