@@ -402,7 +402,8 @@ void Drain(const DaemonConfig& config, grpc::Server* server, UnixListener* liste
       sessions->StopTakingSteps();  // a stalled trainer's early step ends, nothing applied
       absl::StatusOr<std::vector<CheckpointRecord>> saved = checkpointer->Save(0, "");
       DOS_LOG_INFO("daemon.final_checkpoint", "ok", saved.ok(), "files",
-                   saved.ok() ? saved->size() : 0);
+                   saved.ok() ? saved->size() : 0, "error",
+                   saved.ok() ? "" : saved.status().message());
     }
     checkpointer->Stop();
   }

@@ -269,6 +269,35 @@ void Checkpointer::WriterLoop() {
   }
 }
 
+absl::StatusOr<std::string> Checkpointer::SessionPath(const Job& job, const Session& s) {
+  if (job.path.empty()) return std::string();  // SaveOne names it
+  const SessionIdentity& sid = s.identity();
+  std::string path;
+  if (!job.resolved.empty() && sid.id == job.session_id) {
+    path = job.resolved;  // Save() resolved it
+  } else {
+    DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
+  }
+  DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(path));
+  const bool is_dir = kind == StoreEnv::Kind::kDirectory;
+  // A folder (every session, an existing folder, "." or a trailing "/")
+  // gets a file named for the session inside it (SaveOne: for whose
+  // state the snapshot holds).
+  if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
+      job.path.back() == '/' || fs::path(job.path).filename() == ".") {
+    return (fs::path(path) / "").string();
+  }
+  if (!absl::EndsWith(path, kCheckpointSuffix)) {
+    // Loads of a folder and dosd's restart look for this suffix only:
+    // a file without it would be saved and then never found.
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint path '", job.path, "' does not end in ", kCheckpointSuffix,
+                     " (folder loads and dosd's restart find only such files): save as '", job.path,
+                     kCheckpointSuffix, "', or give a folder"));
+  }
+  return path;
+}
+
 absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) {
   std::vector<std::shared_ptr<Session>> targets;
   if (job.session_id != 0) {
@@ -280,7 +309,11 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     for (auto& s : sessions_->ListOrphans()) targets.push_back(s);
   }
   const bool every_session = job.session_id == 0;
-  std::vector<std::string> stalled;  // not autosaves: left out, then named in the error
+  // Every session's save (save all, the final one at SIGTERM) goes on past
+  // one that fails or waits for its trainer: one user's full quota, a
+  // folder squatting on a file's name or a stalled trainer must not cost
+  // the others their state. Those left out are named in the error.
+  std::vector<std::string> stalled, failed;
   if (every_session) {
     // Sessions waiting for their trainer last (stable: otherwise in order).
     std::stable_partition(targets.begin(), targets.end(),
@@ -296,35 +329,12 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
       continue;
     }
     const uint64_t id = s->identity().id;
-    std::string path;
-    if (!job.path.empty()) {
-      const SessionIdentity& sid = s->identity();
-      if (!job.resolved.empty() && sid.id == job.session_id) {
-        path = job.resolved;  // Save() resolved it
-      } else {
-        DOS_ASSIGN_OR_RETURN(path, Resolve(sid.uid, job.path, "checkpoint path"));
-      }
-      DOS_ASSIGN_OR_RETURN(StoreEnv::Kind kind, store_->KindOf(path));
-      const bool is_dir = kind == StoreEnv::Kind::kDirectory;
-      // A folder (every session, an existing folder, "." or a trailing "/")
-      // gets a file named for the session inside it (SaveOne: for whose
-      // state the snapshot holds).
-      if (job.session_id == 0 || is_dir || fs::path(path) == fs::path(UserDir(sid.uid)) ||
-          job.path.back() == '/' || fs::path(job.path).filename() == ".") {
-        path = (fs::path(path) / "").string();
-      } else if (!absl::EndsWith(path, kCheckpointSuffix)) {
-        // Loads of a folder and dosd's restart look for this suffix only:
-        // a file without it would be saved and then never found.
-        return absl::InvalidArgumentError(
-            absl::StrCat("checkpoint path '", job.path, "' does not end in ", kCheckpointSuffix,
-                         " (folder loads and dosd's restart find only such files): save as '",
-                         job.path, kCheckpointSuffix, "', or give a folder"));
-      }
-    }
+    absl::StatusOr<std::string> path = SessionPath(job, *s);
     // A session whose step waits for its trainer is left out after a bounded
     // wait, not waited for up to --early_step_ready_timeout: the checkpointer
     // serves every user of the node, one save at a time.
-    absl::StatusOr<CheckpointRecord> rec = SaveUnlessAwaiting(s, path, job.autosave);
+    absl::StatusOr<CheckpointRecord> rec =
+        path.ok() ? SaveUnlessAwaiting(s, *path, job.autosave) : path.status();
     if (absl::IsAborted(rec.status())) {
       if (!job.autosave) stalled.push_back(absl::StrCat("session ", id, " (pid ",
                                                         s->identity().pid, ")"));
@@ -334,21 +344,31 @@ absl::StatusOr<std::vector<CheckpointRecord>> Checkpointer::Run(const Job& job) 
     if (!rec.ok()) {
       DOS_LOG_WARNING("checkpoint.failed", "session", id, "autosave", job.autosave, "error",
                       rec.status().message());
-      if (job.session_id != 0 || !job.autosave) return rec.status();
+      if (!every_session) return rec.status();
+      if (!job.autosave) {
+        failed.push_back(absl::StrCat("session ", id, " (pid ", s->identity().pid,
+                                      "): ", rec.status().message()));
+      }
       continue;
     }
     if (!rec->path.empty()) out.push_back(*rec);
   }
-  if (!stalled.empty()) {
+  if (!stalled.empty() || !failed.empty()) {
     std::vector<std::string> saved;
     for (const CheckpointRecord& r : out) saved.push_back(r.path);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint: saved ", out.size(), " session(s)", saved.empty() ? "" : " (",
-        absl::StrJoin(saved, ", "), saved.empty() ? "" : ")", "; not saved: ",
-        absl::StrJoin(stalled, ", "), ": its step waits for its trainer's gradients or verdict "
-        "(an early step before step()) and still did after ",
-        absl::FormatDuration(options_.stalled_trainer_wait),
-        "; save it with --session once its trainer reaches step(), or close the trainer"));
+    std::string why =
+        absl::StrCat("checkpoint: saved ", out.size(), " session(s)", saved.empty() ? "" : " (",
+                     absl::StrJoin(saved, ", "), saved.empty() ? "" : ")");
+    if (!failed.empty()) absl::StrAppend(&why, "; failed: ", absl::StrJoin(failed, "; "));
+    if (!stalled.empty()) {
+      absl::StrAppend(
+          &why, "; not saved: ", absl::StrJoin(stalled, ", "),
+          ": its step waits for its trainer's gradients or verdict (an early step before step()) "
+          "and still did after ",
+          absl::FormatDuration(options_.stalled_trainer_wait),
+          "; save it with --session once its trainer reaches step(), or close the trainer");
+    }
+    return absl::FailedPreconditionError(why);
   }
   return out;
 }

@@ -195,6 +195,9 @@ class Checkpointer {
   // `written` is the session's newest autosave: deletes its oldest beyond
   // --autosave_keep, in the order they were written.
   void PruneAutosaves(const std::string& written, uint64_t session);
+  // Where `job` saves session `s`: empty (SaveOne names the file), a
+  // folder ending in '/', or a .dckpt file in the owner's folder.
+  absl::StatusOr<std::string> SessionPath(const Job& job, const Session& s);
 
   const CheckpointerOptions options_;
   SessionManager* const sessions_;

@@ -586,5 +586,35 @@ TEST(OpsTest, GradientsScaledAfterTheCapturesStopAreTheScaledGradientsStep) {
   EXPECT_NE(d.log().find("rewritten=0 scaled_by=0.3719"), std::string::npos) << d.log();
 }
 
+// A save of every session (dosctl checkpoint save all, the final save at
+// SIGTERM) goes on past one that fails: here a folder one user made where
+// dosd's default name for her next save goes ("squatting" on it). The other
+// session is saved; the error names the failed one and why.
+TEST(OpsTest, ASaveOfEverySessionGoesOnPastOneThatFails) {
+  const TempDir ckpt_dir("dos-ckpt");
+  DaemonProcess d({"--checkpoint_dir=" + ckpt_dir.path()});
+  ASSERT_TRUE(d.Start());
+  {
+    Trainer squatter, other;
+    ASSERT_EQ(squatter.Start(d.socket(), 1000, "ops_squatter"), DOS_OK) << dos_last_error();
+    ASSERT_EQ(other.Start(d.socket(), 1000, "ops_other"), DOS_OK) << dos_last_error();
+    ASSERT_EQ(squatter.Step(), DOS_OK);
+    ASSERT_EQ(other.Step(), DOS_OK);
+    const std::string id = std::to_string(dos_session_id(squatter.s));
+    const std::string dosctl = std::string(DOS_DOSCTL_PATH) + " --socket=" + d.socket() + " ";
+    // Step 2's default file name made a folder (a save into a file below it).
+    std::string out = Shell(dosctl + "checkpoint save " + id + " ops_squatter.r-1/" +
+                            "step-000000000002.s" + id + ".dckpt/x.dckpt 2>&1");
+    ASSERT_NE(out.find("x.dckpt"), std::string::npos) << out;
+    ASSERT_EQ(squatter.Step(), DOS_OK);
+    out = Shell(dosctl + "checkpoint save all 2>&1; echo rc=$?");
+    EXPECT_NE(out.find("saved 1 session(s)"), std::string::npos) << out;
+    EXPECT_NE(out.find("ops_other.r-1/step-000000000001.s"), std::string::npos) << out;
+    EXPECT_NE(out.find("failed: session " + id), std::string::npos) << out;
+    EXPECT_NE(out.find("rc=1"), std::string::npos) << out;
+  }
+  EXPECT_EQ(d.Stop(), 0) << d.log();
+}
+
 }  // namespace
 }  // namespace dos::testing
