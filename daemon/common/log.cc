@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -39,7 +41,11 @@ namespace log_internal {
 
 void AppendField(std::string* line, absl::string_view key, absl::string_view value) {
   absl::StrAppend(line, " ", key, "=");
-  bool quote = value.empty() || value.find_first_of(" \t\"=\n") != absl::string_view::npos;
+  // Control bytes (a CR, an escape sequence: a client's tensor name) are
+  // written as \xNN, so no value can forge a line or rewrite the terminal.
+  auto control = [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; };
+  bool quote = value.empty() || value.find_first_of(" \"=") != absl::string_view::npos ||
+               std::any_of(value.begin(), value.end(), control);
   if (!quote) {
     absl::StrAppend(line, value);
     return;
@@ -49,9 +55,11 @@ void AppendField(std::string* line, absl::string_view key, absl::string_view val
     if (c == '"' || c == '\\') line->push_back('\\');
     if (c == '\n') {
       line->append("\\n");
-      continue;
+    } else if (control(c)) {
+      absl::StrAppendFormat(line, "\\x%02x", static_cast<unsigned char>(c));
+    } else {
+      line->push_back(c);
     }
-    line->push_back(c);
   }
   line->push_back('"');
 }

@@ -1,5 +1,5 @@
 // The log's rate limit for repeated warnings: a few lines per event and
-// window, then a count.
+// window, then a count; and its values, which cannot forge a line.
 #include "daemon/common/log.h"
 
 #include "gtest/gtest.h"
@@ -20,6 +20,20 @@ TEST(RateLimiterTest, KeepsAFewLinesPerEventThenCountsTheRest) {
   EXPECT_TRUE(d.emit);
   EXPECT_EQ(d.suppressed_before, 100u);
   EXPECT_EQ(r.Admit("step.failed", t0 + absl::Seconds(11)).suppressed_before, 0u);
+}
+
+// A value from a client (a tensor name) with a CR, an escape sequence or a
+// newline stays one quoted field of one line: control bytes are \xNN.
+TEST(AppendFieldTest, ControlBytesInAValueCannotForgeALine) {
+  std::string line;
+  AppendField(&line, "name", "w\r\x1b[2Kevent=session.close\nsession=1\x7f");
+  EXPECT_EQ(line, " name=\"w\\x0d\\x1b[2Kevent=session.close\\nsession=1\\x7f\"");
+  line.clear();
+  AppendField(&line, "name", "plain.weight");
+  EXPECT_EQ(line, " name=plain.weight");
+  line.clear();
+  AppendField(&line, "path", "a \"b\"\\c");
+  EXPECT_EQ(line, " path=\"a \\\"b\\\"\\\\c\"");
 }
 
 }  // namespace
