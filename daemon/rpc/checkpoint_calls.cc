@@ -30,6 +30,27 @@ void FillRecords(const std::vector<CheckpointRecord>& records,
 }
 }  // namespace
 
+absl::StatusOr<DosService::CheckpointSlot> DosService::TakeCheckpointSlot(
+    const RpcCall& call, absl::string_view what) const {
+  const int64_t uid = call.caller().known ? static_cast<int64_t>(call.caller().uid) : -1;
+  absl::MutexLock lock(&slots_mu_);
+  int& calls = checkpoint_calls_[uid];
+  if (calls >= kCheckpointCallsPerUid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": ",
+        uid < 0 ? std::string("callers without kernel credentials") : absl::StrCat("uid ", uid),
+        " already has ", calls, " checkpoint calls queued or running (at most ",
+        kCheckpointCallsPerUid,
+        " per uid: dosd has one checkpoint writer for every user of the "
+        "node); wait for them to finish, then call again"));
+  }
+  ++calls;
+  return CheckpointSlot([this, uid] {
+    absl::MutexLock lock(&slots_mu_);
+    if (--checkpoint_calls_[uid] == 0) checkpoint_calls_.erase(uid);
+  });
+}
+
 absl::Status DosService::CheckpointsOff() const {
   return absl::FailedPreconditionError(
       absl::StrCat("checkpoints are off in this dosd: ", checkpoints_off_));
@@ -53,6 +74,7 @@ absl::Status DosService::HandleSaveCheckpoint(const RpcCall& call,
                                               const v1::SaveCheckpointRequest& req,
                                               v1::SaveCheckpointResponse* resp) {
   if (checkpointer_ == nullptr) return CheckpointsOff();
+  DOS_ASSIGN_OR_RETURN(CheckpointSlot slot, TakeCheckpointSlot(call, "save checkpoint"));
   if (req.session_id() == 0) {
     DOS_RETURN_IF_ERROR(call.MustBeOperator("save checkpoint of every session"));
   } else {
@@ -72,6 +94,7 @@ absl::Status DosService::HandleLoadCheckpoint(const RpcCall& call,
                                               const v1::LoadCheckpointRequest& req,
                                               v1::LoadCheckpointResponse* resp) {
   if (checkpointer_ == nullptr) return CheckpointsOff();
+  DOS_ASSIGN_OR_RETURN(CheckpointSlot slot, TakeCheckpointSlot(call, "load checkpoint"));
   if (req.path().empty()) {
     return absl::InvalidArgumentError(
         "path is empty; name a checkpoint file or directory in the session owner's folder "
@@ -96,6 +119,7 @@ absl::Status DosService::HandleDeleteCheckpoint(const RpcCall& call,
                                                 const v1::DeleteCheckpointRequest& req,
                                                 v1::DeleteCheckpointResponse* resp) {
   if (checkpointer_ == nullptr) return CheckpointsOff();
+  DOS_ASSIGN_OR_RETURN(CheckpointSlot slot, TakeCheckpointSlot(call, "delete checkpoint"));
   DOS_ASSIGN_OR_RETURN(const uint32_t owner,
                        call.CheckpointOwner(req.has_uid() ? std::optional<uint32_t>(req.uid())
                                                           : std::nullopt));

@@ -17,19 +17,27 @@
 // each as long as its state's bytes take (--session_memory_limit,
 // --host_memory_limit); saves run one at a time on the checkpointer's
 // thread, in order (concurrent saves queue there, each holding one handler
-// thread while it waits); loads run on their handler thread.
+// thread while it waits; at most kCheckpointCallsPerUid checkpoint calls of
+// one uid at once); loads run on their handler thread.
 //
 // Thread-safety: gRPC calls handlers from its own thread pool; all state is
 // in the thread-safe SessionManager and HostMemoryBudget.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/rpc/caller_identity.h"
 #include "daemon/rpc/rpc_call.h"
 #include "daemon/session/checkpointer.h"
 #include "daemon/session/session_manager.h"
-#include "daemon/transport/fd_server.h"
 #include "daemon/state/host_memory_budget.h"
+#include "daemon/transport/fd_server.h"
 #include "proto/dos/v1/dos.grpc.pb.h"
 
 namespace dos {
@@ -149,6 +157,26 @@ class DosService final : public v1::Dos::Service {
   void FillCheckpointUsage(v1::GetStatsResponse* resp) const;
   // FAILED_PRECONDITION for a checkpoint call while checkpoints are off.
   absl::Status CheckpointsOff() const;
+  // A checkpoint call's place among its caller's: at most
+  // kCheckpointCallsPerUid of one uid (callers without kernel credentials
+  // count as one) queued or running at once, since one writer serves every
+  // user of the node; RESOURCE_EXHAUSTED naming the uid and what to do
+  // beyond that. Given back when the returned object is destroyed.
+  static constexpr int kCheckpointCallsPerUid = 4;
+  class CheckpointSlot {
+   public:
+    explicit CheckpointSlot(std::function<void()> release) : release_(std::move(release)) {}
+    CheckpointSlot(CheckpointSlot&& o) noexcept : release_(std::exchange(o.release_, nullptr)) {}
+    CheckpointSlot& operator=(CheckpointSlot&&) = delete;
+    ~CheckpointSlot() {
+      if (release_) release_();
+    }
+
+   private:
+    std::function<void()> release_;
+  };
+  absl::StatusOr<CheckpointSlot> TakeCheckpointSlot(const RpcCall& call,
+                                                    absl::string_view what) const;
 
   SessionManager* const sessions_;
   HostMemoryBudget* const budget_;
@@ -158,6 +186,8 @@ class DosService final : public v1::Dos::Service {
   const PeerTable* const peers_;
   const Authorizer* const authorizer_;
   const std::string checkpoints_off_;  // why checkpointer_ is null
+  mutable absl::Mutex slots_mu_;
+  mutable std::map<int64_t, int> checkpoint_calls_ ABSL_GUARDED_BY(slots_mu_);  // by uid (-1)
   const absl::Time started_ = absl::Now();
 };
 

@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dos/dos.h"
@@ -614,6 +616,43 @@ TEST(OpsTest, ASaveOfEverySessionGoesOnPastOneThatFails) {
     EXPECT_NE(out.find("rc=1"), std::string::npos) << out;
   }
   EXPECT_EQ(d.Stop(), 0) << d.log();
+}
+
+// One uid's checkpoint calls take at most kCheckpointCallsPerUid (4) places
+// at once: dosd has one checkpoint writer for every user, so a flood of one
+// user's saves is refused at once (RESOURCE_EXHAUSTED naming the uid) instead
+// of queueing ahead of everyone else's, each holding a dosd thread. Here four
+// saves wait for a stalled session; a fifth is refused; all four end once the
+// trainer gives its verdict.
+TEST(OpsTest, OneUidHoldsAtMostFourCheckpointCallsAtOnce) {
+  StalledNode n;
+  ASSERT_NO_FATAL_FAILURE(StartWithAStalledStep(n));
+  const uint64_t stalled = dos_session_id(n.stalled.s);
+  std::vector<std::thread> waiting;
+  std::atomic<int> refused{0};
+  for (int i = 0; i < 4; ++i) {
+    waiting.emplace_back([&] {
+      double s = 0;
+      grpc::Status st = TimedSave(*DosStub(n.d.socket()), stalled, &s);
+      if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++refused;
+    });
+  }
+  usleep(1'000'000);  // the four reach dosd (each waits up to 5 s for the trainer)
+  double s = 0;
+  grpc::Status st = TimedSave(*DosStub(n.d.socket()), stalled, &s);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_LT(s, 2.0);
+  EXPECT_NE(st.error_message().find("uid " + std::to_string(::getuid()) + " already has 4"),
+            std::string::npos)
+      << st.error_message();
+  ASSERT_EQ(dos_step_verdict(n.stalled.s, &n.a, nullptr), DOS_OK) << dos_last_error();
+  ASSERT_EQ(dos_step_wait(n.stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
+  for (std::thread& t : waiting) t.join();
+  EXPECT_EQ(refused.load(), 0);
+  // The places are given back: a save now goes through.
+  st = TimedSave(*DosStub(n.d.socket()), stalled, &s);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(n.d.Stop(), 0) << n.d.log();
 }
 
 }  // namespace
