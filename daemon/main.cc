@@ -344,6 +344,9 @@ int Fail(absl::string_view event, const absl::Status& status) {
   return 1;
 }
 
+// Concurrent calls one gRPC connection may have open (more queue in the client).
+constexpr int kMaxStreamsPerConnection = 16;
+
 // The gRPC server on the unix socket (and --tcp_listen), the socket given
 // --socket_mode and --group. On failure `*event` names the log event.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const DaemonConfig& config,
@@ -357,6 +360,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const DaemonConfig& co
   if (!config.tcp_listen.empty()) {
     builder.AddListeningPort(config.tcp_listen, grpc::InsecureServerCredentials());
   }
+  // Bounds on what a connection can make dosd buffer before any handler (and
+  // so any identity check or per-uid bound) runs: a few streams at a time,
+  // each with the initial 64 KiB flow-control window that gRPC would
+  // otherwise grow (BDP probing) to megabytes per stream; partial messages
+  // held open on many streams grew dosd by gigabytes. dosd's calls are small
+  // and their clients few, so neither costs them anything.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 * 1024);
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
