@@ -446,6 +446,7 @@ absl::StatusOr<CheckpointRecord> Checkpointer::SaveOne(const std::shared_ptr<Ses
     const absl::Status saved = SaveSnapshot(layout, shard, path, store_.get());
     rec.write_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
     if (saved.ok()) rec.path = path;
+    if (!saved.ok()) folders_->RemoveEmptyFolders(sid.uid, DirName(path));  // made for it
     return saved;
   };
   absl::StatusOr<SnapshotInfo> snap = s->Snapshot(&pool_, write);

@@ -242,6 +242,17 @@ absl::Status UserFolders::MakeRoom(uint32_t uid, uint64_t need, const std::strin
       "--checkpoint_quota"));
 }
 
+void UserFolders::RemoveEmptyFolders(uint32_t uid, const std::string& dir) {
+  const fs::path top = fs::path(Dir(uid)).lexically_normal();
+  fs::path d = fs::path(Normal(dir)).lexically_normal();
+  // Only strictly below uid's folder; DeleteDir refuses a folder with anything in it.
+  for (int depth = 0; depth <= kMaxDepth && d != top && d.has_relative_path() &&
+                      absl::StartsWith(d.string(), top.string() + "/");
+       ++depth, d = d.parent_path()) {
+    if (!store_->DeleteDir(d.string()).ok()) return;
+  }
+}
+
 absl::StatusOr<UserFolders::Deleted> UserFolders::Delete(uint32_t uid, const std::string& path) {
   DOS_RETURN_IF_ERROR(Trust(uid, false));
   const std::string target = Normal(path);
@@ -264,6 +275,9 @@ absl::StatusOr<UserFolders::Deleted> UserFolders::Delete(uint32_t uid, const std
         "checkpoint delete: ", target, " is neither a checkpoint file nor a folder of them; "
         "name a file or folder dosd saved"));
   }
+  RemoveEmptyFolders(uid, info.kind == StoreEnv::Kind::kDirectory
+                              ? target
+                              : fs::path(target).parent_path().string());
   const CheckpointUsage now = Measure(uid);
   DOS_LOG_INFO("checkpoint.deleted", "uid", uid, "path", target, "files", out.paths.size(), "bytes",
                out.bytes, "uid_bytes", now.bytes, "failed", out.failed);

@@ -103,6 +103,10 @@ class UserFolders {
   // every regular file under a folder and then its emptied folders. Never the
   // marker or uid's folder itself.
   absl::StatusOr<Deleted> Delete(uint32_t uid, const std::string& path);
+  // Removes `dir` (under uid's folder) and each folder above it that is left
+  // empty, up to uid's folder (kept): a delete or a failed save leaves no
+  // empty folders, which the quota (file bytes) would not count.
+  void RemoveEmptyFolders(uint32_t uid, const std::string& dir);
 
   // The last measure of every uid measured so far.
   std::map<uint32_t, CheckpointUsage> Usage() const;

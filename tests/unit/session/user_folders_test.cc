@@ -139,6 +139,26 @@ TEST_F(UserFoldersTest, DeleteRemovesFilesAndFoldersButNotTheMarker) {
   EXPECT_EQ(f->Usage()[7].bytes, 0u);
 }
 
+// A file's delete takes the folders it leaves empty with it (up to, not
+// including, the uid's folder), so save-and-delete cycles into deep fresh
+// folders leave nothing the quota (file bytes) does not count and the
+// restart scan would have to walk.
+TEST_F(UserFoldersTest, ADeleteLeavesNoEmptyFoldersBehind) {
+  auto f = Folders(0);
+  ASSERT_TRUE(f->Trust(7, true).ok());
+  fs::create_directories(dir_ + "/a/b/c/d");
+  fs::create_directories(dir_ + "/a/other");
+  Put("a/b/c/d/x.dckpt", 10, 1);
+  Put("a/other/y.dckpt", 10, 1);
+  ASSERT_TRUE(f->Delete(7, dir_ + "/a/b/c/d/x.dckpt").ok());
+  EXPECT_FALSE(fs::exists(dir_ + "/a/b"));             // emptied: gone
+  EXPECT_TRUE(fs::exists(dir_ + "/a/other/y.dckpt"));  // not empty: kept
+  ASSERT_TRUE(f->Delete(7, dir_ + "/a/other").ok());
+  EXPECT_FALSE(fs::exists(dir_ + "/a"));
+  EXPECT_TRUE(fs::exists(dir_));
+  EXPECT_TRUE(fs::exists(dir_ + "/.dos-owner"));
+}
+
 // A folder whose files cannot go (a store remounted read-only) is no
 // success: the delete fails naming how many stayed and why (it answered
 // "freed 0 B", exit 0).
