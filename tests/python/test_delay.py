@@ -536,6 +536,40 @@ def test_a_skipped_step_reports_every_key(dos_socket):
         opt.close()
 
 
+def test_both_kinds_of_skipped_step_leave_the_same_weights(dos_socket):
+    """A step skipped for non-finite gradients, found by the GradScaler
+    (torch 2's protocol: the client skips without asking dosd) or by dosd's
+    own scan, installs the update the step before left pending: the same
+    weights after the skip and the same run after it (the GradScaler's skip
+    left the older weights in the model, and the runs parted)."""
+    data = make_data(n=8)
+
+    def run(how):
+        model = make_mlp()
+        opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, lr=1e-2,
+                              client_name=f"pytest-delay-skip-{how}", delay=1, delay_warmup=0)
+        seen = []
+        try:
+            for t, (x, y) in enumerate(data, 1):
+                backward(opt, model, x, y, "cpu")
+                if t == 5 and how == "scaler":
+                    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+                elif t == 5:
+                    with torch.no_grad():
+                        next(model.parameters()).grad.view(-1)[0] = float("inf")
+                opt.step()
+                if t == 5 and how == "scaler":
+                    del opt.grad_scale, opt.found_inf
+                seen.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            opt.close()
+        return seen
+
+    scaler, scan = run("scaler"), run("dosd")
+    for t, (a, b) in enumerate(zip(scaler, scan), 1):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"after step {t}"
+
+
 @pytest.mark.parametrize("subgroup_size", [0, 300])
 def test_per_layer_waits_on_the_cpu_path(dos_socket, subgroup_size):
     """async_step=True with model= on the CPU: step() returns at once, each

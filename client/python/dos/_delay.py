@@ -125,9 +125,12 @@ class DelayedDriver:
     def step(self, req) -> None:
         self._plan_next()  # settle() collected the step before: its count is known
         self.inner.step(req)
-        if _views.live():
+        if _views.live() or (self._flight.last_step or {}).get("skipped"):
             # A view's holder must see whole steps: wait until dosd ended the
-            # delayed update (it runs behind this step's result).
+            # delayed update (it runs behind this step's result). A step the
+            # GradScaler skipped installs the pending update, as dosd does at
+            # a step whose gradients it finds non-finite itself: either skip
+            # leaves the same weights.
             self.finish()
         self._plan_next()
 
