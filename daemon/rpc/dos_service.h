@@ -160,9 +160,10 @@ class DosService final : public v1::Dos::Service {
   // A checkpoint call's place among its caller's: at most
   // kCheckpointCallsPerUid of one uid (callers without kernel credentials
   // count as one) queued or running at once, since one writer serves every
-  // user of the node; RESOURCE_EXHAUSTED naming the uid and what to do
-  // beyond that. Given back when the returned object is destroyed.
-  static constexpr int kCheckpointCallsPerUid = 4;
+  // user of the node (a rank each for a node's 8 GPUs); RESOURCE_EXHAUSTED
+  // naming the uid and what to do beyond that (an operator's calls count
+  // under the operator's uid). Given back when the returned object is destroyed.
+  static constexpr int kCheckpointCallsPerUid = 8;
   class CheckpointSlot {
    public:
     explicit CheckpointSlot(std::function<void()> release) : release_(std::move(release)) {}

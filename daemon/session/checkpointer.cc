@@ -486,8 +486,8 @@ void Checkpointer::PruneAutosaves(const std::string& written, uint64_t session) 
   for (size_t i = 0; i < files.size(); ++i) {
     if (i < excess) {
       absl::Status st = store_->DeleteFile(files[i]);
-      if (st.ok()) {
-        DOS_LOG_INFO("checkpoint.pruned", "path", files[i]);
+      if (st.ok() || absl::IsNotFound(st)) {  // gone already (a delete, the quota): pruned
+        if (st.ok()) DOS_LOG_INFO("checkpoint.pruned", "path", files[i]);
         continue;
       }
       DOS_LOG_WARNING("checkpoint.prune_failed", "path", files[i], "error", st.message());

@@ -30,12 +30,12 @@
 // the session id keeps each from overwriting or pruning the other's files).
 //
 // Restart rule: Start() scans every *.dckpt file under the directory, reads
-// its header and layout (owner = client name, rank, tensor 0's step) and
-// hands the SessionManager, per (client name, rank), the files ordered by
-// step, highest first (ties: newest file). The first trainer that attaches
-// with that client name and rank takes them; its registration loads the first
-// whose layout (tensor count, names, numel, groups, dtypes, weight-decay mode)
-// matches and verifies (every CRC) and rewrites its weights from the masters.
+// its header and layout (owner = client name, rank, the highest step among
+// its tensors, when it was written) and hands the SessionManager, per
+// (client name, rank), the files newest first (ties: the higher step). The first trainer that
+// attaches with that client name and rank takes them; its registration loads the first whose layout
+// (tensor count, names, numel, groups, dtypes, weight-decay mode) matches and verifies (every CRC)
+// and rewrites its weights from the masters.
 //
 // Thread-safety: all public methods are thread-safe.
 #pragma once

@@ -20,6 +20,8 @@
 
 namespace dos {
 
+std::atomic<uint64_t> Session::last_state_version_{0};
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     SessionIdentity identity, const SessionOptions& options, const Policy& policy,
     const ExecutorSet* executors, HostMemoryBudget* budget,
@@ -311,7 +313,7 @@ void Session::RunStep(uint32_t seq, const StepRequest& request, absl::Time start
     if (delayed_ != nullptr) executor_->JoinHandOff(*shard_, delayed_.get(), identity_.id, false);
   }
   ++steps_run_;
-  ++state_version_;
+  StateChanged();
   record->snapshot_wait_us = shard_->TakeWriteWaitUs();
   record->num_subgroups = static_cast<uint32_t>(shard_->subgroups().size());
 }

@@ -411,8 +411,12 @@ class Session {
   int64_t steps_run_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t resident_synced_at_ ABSL_GUARDED_BY(mu_) = -1;
   // Moves on (under mu_) with every change of the state: a step, a state
-  // write, a checkpoint load. Read without the lock (state_version()).
-  std::atomic<uint64_t> state_version_{0};
+  // write, a checkpoint load. Read without the lock (state_version()). From
+  // one counter for every Session, so that a resumed session (a new Session
+  // under the same id) never repeats a version its predecessor had.
+  static std::atomic<uint64_t> last_state_version_;
+  std::atomic<uint64_t> state_version_{++last_state_version_};
+  void StateChanged() { state_version_.store(++last_state_version_); }
   std::vector<TensorBinding> bindings_ ABSL_GUARDED_BY(mu_);
   // For shard_ (null: none yet); its buffers are charged to budget_ until
   // it is reset (a new shard, a checkpoint load, TakeShard) or destroyed.

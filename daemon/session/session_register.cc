@@ -212,7 +212,7 @@ absl::Status Session::NewState(const ShardSpec& spec, Registration* reg) {
     register_progress_->Add(reg->shard->tensors()[i].numel * sizeof(float));
   }
   // A daemon restarted with checkpoints of this client name and rank: the
-  // first (highest step) whose layout matches is loaded. LoadShard leaves
+  // first (the newest) whose layout matches is loaded. LoadShard leaves
   // the state untouched on any failure, so a bad file only costs a log line.
   for (const std::string& path : restore_candidates_) {
     absl::Status st = LoadShard(reg->shard.get(), path, restore_env_);

@@ -182,7 +182,7 @@ absl::Status Session::ImportState(uint32_t tensor, uint64_t offset, uint64_t cou
       shard_->WriteTensorRange(tensor, which, offset, count, in + which * count);
     }
     shard_->tensors()[tensor].step = step;
-    ++state_version_;
+    StateChanged();
     // The host state is now the truth: resident GPU copies are dropped (the
     // next step uploads them again).
     engine()->DropResident(*shard_);
@@ -261,7 +261,7 @@ absl::StatusOr<int64_t> Session::LoadCheckpoint(const std::string& path, Env* en
       DOS_RETURN_IF_ERROR(executor_->WriteWeights(*shard_, bindings_, i));
     }
     step = LatestStep(shard_->tensors());
-    ++state_version_;
+    StateChanged();
     DOS_LOG_INFO("checkpoint.loaded", "session", identity_.id, "path", path, "step", step);
     return absl::OkStatus();
   }));

@@ -154,7 +154,7 @@ class ShardState {
   static constexpr uint64_t kMapAlignMinNumel = uint64_t{1} << 16;
   static constexpr uint64_t kMapAlignMinParams = uint64_t{1} << 20;
   // Subgroup sizes of at least this many elements are rounded up to a
-  // multiple of kMapAlignElems by the session (a change of at most 3%).
+  // multiple of kMapAlignElems by the session (a change of at most 3.1%).
   static constexpr uint64_t kMapAlignMinSubgroup = uint64_t{1} << 16;
   // The flat element space, padding included (subgroups cut it).
   uint64_t flat_size() const { return flat_size_; }

@@ -536,7 +536,8 @@ def test_a_skipped_step_reports_every_key(dos_socket):
         opt.close()
 
 
-def test_both_kinds_of_skipped_step_leave_the_same_weights(dos_socket):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_both_kinds_of_skipped_step_leave_the_same_weights(dos_socket, overlap):
     """A step skipped for non-finite gradients, found by the GradScaler
     (torch 2's protocol: the client skips without asking dosd) or by dosd's
     own scan, installs the update the step before left pending: the same
@@ -547,7 +548,8 @@ def test_both_kinds_of_skipped_step_leave_the_same_weights(dos_socket):
     def run(how):
         model = make_mlp()
         opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, lr=1e-2,
-                              client_name=f"pytest-delay-skip-{how}", delay=1, delay_warmup=0)
+                              client_name=f"pytest-delay-skip-{how}", delay=1, delay_warmup=0,
+                              overlap=overlap)
         seen = []
         try:
             for t, (x, y) in enumerate(data, 1):

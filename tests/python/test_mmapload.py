@@ -14,7 +14,7 @@ import dos.torch  # noqa: E402
 from dos import _mmapload  # noqa: E402
 
 HAS_MMAP = hasattr(torch, "__version__") and tuple(
-    int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+    int(x) for x in torch.__version__.split(".")[:2]) >= (2, 1)
 
 
 def zip_file(path, obj=None):
@@ -56,11 +56,11 @@ def test_file_objects_legacy_files_and_missing_files_are_not_mapped(tmp_path, mo
 @pytest.fixture
 def fake_torch_load(monkeypatch):
     """torch.load replaced by a recorder, torch's mmap default by a fake
-    (also on torch < 2.5, which has neither), both restored afterwards."""
+    (also on torch < 2.5, which has no such default), both restored afterwards."""
     calls = []
 
-    def recorder(f, *args, **kwargs):
-        calls.append(kwargs.get("mmap"))
+    def recorder(f, *args, mmap=None, **kwargs):  # torch >= 2.1's signature
+        calls.append(mmap)
         return "loaded"
 
     config = types.SimpleNamespace(load=types.SimpleNamespace(mmap=False))
@@ -102,7 +102,7 @@ def mapped_files():
         return f.read()
 
 
-@pytest.mark.skipif(not HAS_MMAP, reason="torch < 2.5 has no torch.load(mmap=True)")
+@pytest.mark.skipif(not HAS_MMAP, reason="torch < 2.1 has no torch.load(mmap=True)")
 def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, monkeypatch):
     monkeypatch.setattr(_mmapload, "_MIN_BYTES", 1 << 20)
     torch.manual_seed(0)
@@ -128,3 +128,11 @@ def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, 
         after = opt.state_dict()["state"][0]
         for k, v in saved.items():
             assert torch.equal(after[k], v), k
+
+
+def test_a_torch_load_without_mmap_is_left_alone(monkeypatch):
+    """torch < 2.1 (no mmap= in torch.load): nothing is wrapped."""
+    monkeypatch.setattr(torch, "load", lambda f, map_location=None: "loaded")
+    monkeypatch.delenv("DOS_TORCH_LOAD_MMAP", raising=False)
+    _mmapload.install()
+    assert not getattr(torch.load, "_dos_mmap_wrapped", False)

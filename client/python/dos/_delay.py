@@ -25,6 +25,7 @@ of them), of the last step for the others. Thread-safety: none.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional
 
@@ -124,8 +125,15 @@ class DelayedDriver:
 
     def step(self, req) -> None:
         self._plan_next()  # settle() collected the step before: its count is known
-        self.inner.step(req)
-        if _views.live() or (self._flight.last_step or {}).get("skipped"):
+        skipped = []  # the GradScaler's verdict, as whichever driver asks for it
+
+        def amp():
+            scale, skip = req.amp()
+            skipped.append(skip)
+            return scale, skip
+
+        self.inner.step(dataclasses.replace(req, amp=amp))
+        if _views.live() or any(skipped):
             # A view's holder must see whole steps: wait until dosd ended the
             # delayed update (it runs behind this step's result). A step the
             # GradScaler skipped installs the pending update, as dosd does at

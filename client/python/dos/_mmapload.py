@@ -6,7 +6,7 @@ Accelerate's `load_state` with `torch.load(<folder>/optimizer.bin)` (and
 load_state_dict(). Read whole, that file is the optimizer state in the
 trainer's private memory, 12 bytes a parameter (81 GB at 7B), beside dosd's
 own copy of it: on a node sized for one copy the kernel's OOM killer ends
-the run. Mapped (torch >= 2.5's `mmap=True`), its pages come from the page
+the run. Mapped (torch >= 2.1's `mmap=True`), its pages come from the page
 cache as load_state_dict() streams them into dosd and can be dropped again,
 so resuming needs no more private memory than training.
 
@@ -17,13 +17,15 @@ frameworks write it, of at least _MIN_BYTES, in torch's zip format, with no
 `mmap=` given and torch's own default (`torch.utils.serialization.config
 .load.mmap`) not set. Everything else goes to torch.load untouched. The
 tensors of a mapped load are copy-on-write (MAP_PRIVATE): writing to them
-never writes the file. DOS_TORCH_LOAD_MMAP=0 switches this off; torch < 2.5
-has no mmap and is left alone.
+never writes the file. DOS_TORCH_LOAD_MMAP=0 switches this off; torch < 2.1
+has no mmap and is left alone. With several ranks the HF Trainer loads onto
+each rank's GPU (map_location=args.device): mapping then spares the host only.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 
@@ -58,15 +60,20 @@ def install() -> None:
         return
     if os.environ.get("DOS_TORCH_LOAD_MMAP", "1") == "0":
         return
-    try:
-        from torch.utils.serialization import config  # torch >= 2.5
-    except ImportError:
-        return
     original = torch.load
+    try:
+        if "mmap" not in inspect.signature(original).parameters:
+            return  # torch < 2.1
+    except (TypeError, ValueError):
+        return
+    try:
+        from torch.utils.serialization import config  # torch >= 2.5: torch's own default
+    except ImportError:
+        config = None
 
     @functools.wraps(original)
     def load(f, *args, **kwargs):
-        if "mmap" not in kwargs and not config.load.mmap and maps(f):
+        if "mmap" not in kwargs and not (config is not None and config.load.mmap) and maps(f):
             kwargs["mmap"] = True
         return original(f, *args, **kwargs)
 
