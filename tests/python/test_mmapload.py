@@ -55,26 +55,35 @@ def test_file_objects_legacy_files_and_missing_files_are_not_mapped(tmp_path, mo
 
 @pytest.fixture
 def fake_torch_load(monkeypatch):
-    """torch.load replaced by a recorder, torch's mmap default by a fake
-    (also on torch < 2.5, which has no such default), both restored afterwards."""
+    """torch.load replaced by a recorder and torch's mmap default (torch >=
+    2.5's config, or a stand-in on older torch) set to False, both restored
+    afterwards. Yields (calls, set_default)."""
     calls = []
 
     def recorder(f, *args, mmap=None, **kwargs):  # torch >= 2.1's signature
         calls.append(mmap)
         return "loaded"
 
-    config = types.SimpleNamespace(load=types.SimpleNamespace(mmap=False))
-    monkeypatch.setitem(sys.modules, "torch.utils.serialization",
-                        types.SimpleNamespace(config=config))
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        config = types.SimpleNamespace(load=types.SimpleNamespace(mmap=False))
+        monkeypatch.setitem(sys.modules, "torch.utils.serialization",
+                            types.SimpleNamespace(config=config))
+
+    def set_default(value):
+        monkeypatch.setattr(config.load, "mmap", value)
+
+    set_default(False)
     monkeypatch.setattr(torch, "load", recorder)
     monkeypatch.delenv("DOS_TORCH_LOAD_MMAP", raising=False)
     monkeypatch.setattr(_mmapload, "_MIN_BYTES", 0)
-    return calls, config
+    return calls, set_default
 
 
 def test_the_wrapper_maps_only_what_maps_says_and_only_without_mmap_given(tmp_path,
                                                                           fake_torch_load):
-    calls, config = fake_torch_load
+    calls, set_default = fake_torch_load
     opt_file = zip_file(tmp_path / "optimizer.pt")
     model_file = zip_file(tmp_path / "model.pt")
     _mmapload.install()
@@ -83,7 +92,7 @@ def test_the_wrapper_maps_only_what_maps_says_and_only_without_mmap_given(tmp_pa
     assert torch.load(opt_file, map_location="cpu") == "loaded"
     torch.load(model_file)
     torch.load(opt_file, mmap=False)       # the caller's choice stands
-    config.load.mmap = True
+    set_default(True)
     torch.load(opt_file)                   # torch's own default set: left to it
     assert calls == [True, None, False, None]
 

@@ -85,6 +85,8 @@ def rehome(e: Entry) -> None:
     home = e.grad_home
     if home is None or e.grad_shm is None or e.grad_shm.data_ptr() == home.data_ptr():
         return
+    if e.param_shm is not None and local_of(e.param).data_ptr() != e.param_shm.data_ptr():
+        return  # the parameter moved too (model.to(dtype), .cuda()): step() re-registers both
     g = e.grad_shm.data
     with torch.no_grad():
         e.grad_shm.data = home
