@@ -637,18 +637,23 @@ TEST(OpsTest, OneUidHoldsAtMostEightCheckpointCallsAtOnce) {
       if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++refused;
     });
   }
-  // A delete of nothing takes a place for a moment (NOT_FOUND) until the
-  // eight hold them all (each waits up to 5 s for the stalled trainer).
+  // The eight hold their places for at least the first one's 5 s wait for
+  // the stalled trainer. A delete of nothing then is refused; one that gets
+  // in before the last save arrived (NOT_FOUND) takes a place for a moment,
+  // which could turn that save away: polled only after a head start.
+  usleep(1'500'000);
   auto stub = DosStub(n.d.socket());
   grpc::Status st;
-  for (int i = 0; i < 400; ++i) {
+  int probes_in = 0;
+  for (int i = 0; i < 200; ++i) {
     v1::DeleteCheckpointRequest req;
     req.set_path("nothing-here.dckpt");
     v1::DeleteCheckpointResponse resp;
     grpc::ClientContext ctx;
     st = stub->DeleteCheckpoint(&ctx, req, &resp);
     if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
-    usleep(10'000);  // polling, 4 s deadline
+    ++probes_in;
+    usleep(10'000);  // polling, 2 s deadline
   }
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_NE(st.error_message().find("uid " + std::to_string(::getuid()) + " already has 8"),
@@ -657,7 +662,9 @@ TEST(OpsTest, OneUidHoldsAtMostEightCheckpointCallsAtOnce) {
   ASSERT_EQ(dos_step_verdict(n.stalled.s, &n.a, nullptr), DOS_OK) << dos_last_error();
   ASSERT_EQ(dos_step_wait(n.stalled.s, 30000, nullptr), DOS_OK) << dos_last_error();
   for (std::thread& t : waiting) t.join();
-  EXPECT_EQ(refused.load(), 0);
+  if (probes_in == 0) {
+    EXPECT_EQ(refused.load(), 0);  // no probe took a save's place
+  }
   // The places are given back: a save now goes through.
   double s = 0;
   st = TimedSave(*stub, stalled, &s);
