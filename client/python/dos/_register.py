@@ -496,6 +496,5 @@ def _unbind(e: Entry, gpu: bool) -> None:
         p.data = e.param_shm.clone()
     g = p.grad  # a sparse one (no data pointer) is never the arena's
     if g is not None and not g.is_sparse and g.data_ptr() == e.grad_shm.data_ptr():
-        # p may have moved or been converted since (model.cuda(), .to(bf16)).
-        p.grad = e.grad_shm.to(device=p.device, dtype=p.dtype, copy=True)
+        p.grad = e.grad_shm.to(device=p.device, dtype=p.dtype, copy=True)  # p may have moved
     e.param_shm = e.grad_shm = e.grad_home = e.local = None
