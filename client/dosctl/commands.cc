@@ -253,7 +253,11 @@ void Commands::PrintUidUsage(const v1::GetStatsResponse& resp, std::ostream& out
            "BOOKKEEPING", "STATE VIEWS", "STATE"},
           {true, true, true, true, true, true, true, true, true, true});
   for (const v1::UidUsage& u : resp.uids()) {
-    t.AddRow({absl::StrCat(u.uid()), of(absl::StrCat(u.sessions()), cap.sessions(), false),
+    const std::string sessions =
+        u.closed_control_blocks() == 0
+            ? absl::StrCat(u.sessions())
+            : absl::StrCat(u.sessions(), " (", u.closed_control_blocks(), " closed, mapped)");
+    t.AddRow({absl::StrCat(u.uid()), of(sessions, cap.sessions(), false),
               of(Bytes(u.mapped_bytes()), cap.mapped_bytes(), true),
               of(absl::StrCat(u.segments()), cap.segments(), false),
               of(absl::StrCat(u.connections()), cap.connections(), false),

@@ -25,8 +25,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/dosctl/commands.h"
@@ -81,6 +83,23 @@ int Usage(const std::string& why) {
 }
 
 bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(text, id); }
+
+// {"error": {"code": "NOT_FOUND", "message": "..."}} on one line.
+std::string JsonError(const absl::Status& st) {
+  std::string msg;
+  for (unsigned char c : st.message()) {
+    if (c == '"' || c == '\\') {
+      msg.push_back('\\');
+      msg.push_back(static_cast<char>(c));
+    } else if (c < 0x20) {
+      msg += absl::StrFormat("\\u%04x", c);
+    } else {
+      msg.push_back(static_cast<char>(c));
+    }
+  }
+  return absl::StrCat("{\"error\": {\"code\": \"", absl::StatusCodeToString(st.code()),
+                      "\", \"message\": \"", msg, "\"}}");
+}
 
 // Pretty-printed JSON on one line: each newline and the indent after it go
 // (inside strings JSON has no raw newlines); ends in one newline.
@@ -191,6 +210,8 @@ int main(int argc, char** argv) {
   }
   if (!st.ok()) {
     std::cerr << "dosctl: " << st.message() << '\n';
+    // With --json a script reads stdout: the error as an object there too.
+    if (absl::GetFlag(FLAGS_json)) std::cout << JsonError(st) << '\n';
     return 1;
   }
   return 0;

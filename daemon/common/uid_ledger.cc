@@ -43,6 +43,9 @@ const ResourceText& Text(UidResource r) {
        "detach sessions you no longer use (a trainer that exited without detaching keeps its "
        "state for --session_lease), drop state_dict() results of closed optimizers, or "
        "register a smaller shard (more ranks, compact_state=True)"},
+      {"closed_control_blocks", "--max_sessions_per_uid", "", false,
+       "end the processes that still map closed sessions' control blocks (each counts as one "
+       "of your sessions until it is unmapped)"},
   };
   return kTexts[static_cast<int>(r)];
 }
@@ -160,6 +163,12 @@ void UidLedger::Release(uint32_t uid, Account* account, UidResource r, uint64_t 
   if (it == usage_.end()) return;
   it->second.used[i] -= std::min(it->second.used[i], amount);
   if (it->second.accounts == 0 && it->second.used == UidAmounts{}) usage_.erase(it);
+}
+
+uint64_t UidLedger::Used(uint32_t uid, UidResource r) const {
+  absl::MutexLock lock(&mu_);
+  auto it = usage_.find(uid);
+  return it == usage_.end() ? 0 : it->second.used[static_cast<size_t>(r)];
 }
 
 std::map<uint32_t, UidLedger::Usage> UidLedger::Snapshot() const {

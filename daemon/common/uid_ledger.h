@@ -11,8 +11,10 @@
 // uid's thousands of tiny segments would leave none for anyone; and shards
 // whose state memory the uid was handed (state_dict()'s zero-copy views):
 // one descriptor of dosd's each once their session is gone, kept while the
-// trainer still maps them (HostMemoryBudget::HoldWhileViewed). Sessions
-// per uid are the session manager's (--max_sessions_per_uid).
+// trainer still maps them (HostMemoryBudget::HoldWhileViewed); and control
+// blocks of the uid's closed sessions that a process still maps (the same).
+// Sessions per uid are the session manager's (--max_sessions_per_uid); it
+// counts the closed control blocks among them.
 //
 // Charging: a component charges a uid (Charge) or, for per-session bounds
 // too, a session's Account (Account::Charge). Either answers a LedgerCharge
@@ -52,8 +54,11 @@ enum class UidResource : int {
                           // views), live or closed while still mapped
   kStateBytes = 7,        // host memory of the uid's optimizer state (its shards' page-aligned
                           // subgroups), live, waiting for a resume, or closed and still viewed
+  kClosedBlocks = 8,      // control blocks of closed sessions that a process still maps (each
+                          // holds its memfd and one descriptor of dosd's); counted as sessions
+                          // against --max_sessions_per_uid, not capped here
 };
-inline constexpr int kNumUidResources = 8;
+inline constexpr int kNumUidResources = 9;
 
 // "mapped_bytes", "connections", ...: stats and metrics names.
 const char* UidResourceName(UidResource r);
@@ -130,6 +135,8 @@ class UidLedger {
 
   // Per uid with anything charged or an open account.
   std::map<uint32_t, Usage> Snapshot() const;
+  // What `uid` holds of `r` now.
+  uint64_t Used(uint32_t uid, UidResource r) const;
   const UidLimits& limits() const { return limits_; }
 
  private:

@@ -16,12 +16,7 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
   options.socket_mode = mode;
   options.group = group;
   options.reserve = std::make_shared<FdReserve>(FdReserve::AtStart(fd_reserve));
-  options.sessions_of = [sessions](uint32_t uid) {
-    uint64_t n = 0;
-    for (const auto& s : sessions->List()) n += s->identity().uid == uid ? 1 : 0;
-    for (const auto& s : sessions->ListOrphans()) n += s->identity().uid == uid ? 1 : 0;
-    return n;
-  };
+  options.sessions_of = [sessions](uint32_t uid) { return sessions->SessionsOf(uid); };
   return DescriptorServer::Start(
       path, options,
       [sessions](uint64_t id, absl::string_view token,
@@ -35,6 +30,7 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
         }
         SessionPort port;
         port.control_fd = (*s)->control_fd();
+        port.control_block = [s = *s] { return s->ControlBlockFd(); };
         port.inbox = (*s)->inbox();
         port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
         port.state_memory = [s = *s]() -> absl::StatusOr<std::vector<UniqueFd>> {

@@ -14,6 +14,7 @@ void Fill(uint32_t sessions, const UidAmounts& a, v1::UidUsage* u) {
   u->set_segments(at(UidResource::kSegments));
   u->set_state_views(static_cast<uint32_t>(at(UidResource::kStateViews)));
   u->set_state_bytes(at(UidResource::kStateBytes));
+  u->set_closed_control_blocks(static_cast<uint32_t>(at(UidResource::kClosedBlocks)));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "daemon/session/session.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -15,8 +16,8 @@
 #include "daemon/checkpoint/checkpoint_reader.h"
 #include "daemon/checkpoint/shard_checkpoint.h"
 #include "daemon/common/log.h"
-#include "dos/wire/status_macros.h"
 #include "daemon/transport/shm_transport.h"
+#include "dos/wire/status_macros.h"
 
 namespace dos {
 
@@ -63,8 +64,56 @@ Session::Session(SessionIdentity identity, const SessionOptions& options, const 
 
 Session::~Session() {
   Stop();
-  OthersLock lock(this);
-  CloseTrainerEvent();
+  {
+    OthersLock lock(this);
+    CloseTrainerEvent();
+  }
+  ReleaseControlBlock();
+}
+
+absl::StatusOr<UniqueFd> Session::ControlBlockFd() {
+  const std::string path = absl::StrCat("/proc/self/fd/", control_->fd());
+  absl::MutexLock lock(&block_mu_);
+  if (!block_lease_.valid()) {
+    block_lease_.reset(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!block_lease_.valid()) {
+      return absl::ResourceExhaustedError(absl::StrCat("control block of session ", identity_.id,
+                                                       ": cannot keep a descriptor to track its "
+                                                       "mappings (",
+                                                       path, ": ", std::strerror(errno),
+                                                       "); raise dosd's descriptor limit "
+                                                       "(LimitNOFILE)"));
+    }
+  }
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd.valid()) {
+    return absl::ResourceExhaustedError(absl::StrCat("control block of session ", identity_.id,
+                                                     ": cannot reopen its memfd (", path, ": ",
+                                                     std::strerror(errno), ")"));
+  }
+  return fd;
+}
+
+void Session::ReleaseControlBlock() {
+  // Nothing of dosd's may map the block when its mappings are counted.
+  register_progress_.reset();
+  channel_.reset();
+  control_.reset();
+  UniqueFd lease;
+  {
+    absl::MutexLock lock(&block_mu_);
+    lease = std::move(block_lease_);
+  }
+  if (budget_ == nullptr || !lease.valid()) return;
+  // Charged to the uid (not the session), and only to a ledger that
+  // outlives the session: it lasts while the block is mapped.
+  LedgerCharge charge;
+  if (own_ledger_ == nullptr && account_ != nullptr) {
+    absl::StatusOr<LedgerCharge> c = account_->ledger()->Charge(
+        identity_.uid, UidResource::kClosedBlocks, 1, "closed sessions' control blocks");
+    if (c.ok()) charge = *std::move(c);  // kClosedBlocks has no cap of its own
+  }
+  budget_->HoldBlockWhileMapped(std::move(lease), std::move(charge));
 }
 
 void Session::CloseTrainerEvent() {

@@ -226,8 +226,16 @@ class Session {
   const SessionIdentity& identity() const { return identity_; }
   bool TokenMatches(absl::string_view token) const;
   uint64_t control_block_bytes() const { return control_->size(); }
-  // The control block's memfd (the descriptor socket sends dups of it).
+  // The control block's memfd (tests map a dup of it).
   int control_fd() const { return control_->fd(); }
+  // A descriptor of the control block for the trainer (what the descriptor
+  // socket sends): a new open file of its memfd, not a dup, so that once the
+  // session is gone dosd can tell whether a process still maps the block.
+  // The first call opens dosd's own writable descriptor for that; when the
+  // session is destroyed it goes to budget_ (HostMemoryBudget::
+  // HoldBlockWhileMapped) with one kClosedBlocks charge to the uid, which
+  // counts as a session (--max_sessions_per_uid) until nothing maps the block.
+  absl::StatusOr<UniqueFd> ControlBlockFd();
   // Whether a registration of `tensors` tensors with `bookkeeping_bytes`
   // (kBookkeepingBytesPerTensor each plus their names) would be charged now:
   // RESOURCE_EXHAUSTED as Register would answer. Charges nothing; lets the
@@ -394,6 +402,10 @@ class Session {
   LedgerCharge bookkeeping_charge_ ABSL_GUARDED_BY(mu_);
 
   std::unique_ptr<ShmSegment> control_;
+  absl::Mutex block_mu_;
+  UniqueFd block_lease_ ABSL_GUARDED_BY(block_mu_);  // ControlBlockFd's tracking descriptor
+  // Unmaps the control block, then hands block_lease_ to budget_ (~Session).
+  void ReleaseControlBlock();
   std::unique_ptr<ControlBlockChannel> channel_;
   // Mirrored into the control block for the trainer's log.
   std::unique_ptr<RegisterProgress> register_progress_;

@@ -157,17 +157,36 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
         "; detach finished trainers (dosctl sessions lists them) or raise --max_sessions"));
   }
   if (options_.max_sessions_per_uid != 0) {
-    size_t mine = 0;
-    for (const auto& [id, s] : sessions_) mine += s->identity().uid == uid ? 1 : 0;
-    for (const auto& [id, o] : orphans_) mine += o.session->identity().uid == uid ? 1 : 0;
+    const uint64_t mine = SessionsOfLocked(uid);
     if (mine >= options_.max_sessions_per_uid) {
+      const uint64_t closed =
+          options_.ledger != nullptr ? options_.ledger->Used(uid, UidResource::kClosedBlocks) : 0;
       return absl::ResourceExhaustedError(absl::StrCat(
-          "attach: uid ", uid, " holds ", mine, " sessions, dosd's --max_sessions_per_uid=",
-          options_.max_sessions_per_uid, "; detach sessions you no longer use (dosctl "
-          "sessions) or ask the operator to raise --max_sessions_per_uid"));
+          "attach: uid ", uid, " holds ", mine,
+          " sessions, dosd's --max_sessions_per_uid=", options_.max_sessions_per_uid,
+          closed == 0 ? ""
+                      : absl::StrCat(" (", closed,
+                                     " of them closed, their control blocks still "
+                                     "mapped by processes of this uid: end those processes or "
+                                     "let them unmap the blocks)"),
+          "; detach sessions you no longer use (dosctl sessions) or ask the operator to raise "
+          "--max_sessions_per_uid"));
     }
   }
   return absl::OkStatus();
+}
+
+uint64_t SessionManager::SessionsOfLocked(uint32_t uid) const {
+  uint64_t n = 0;
+  for (const auto& [id, s] : sessions_) n += s->identity().uid == uid ? 1 : 0;
+  for (const auto& [id, o] : orphans_) n += o.session->identity().uid == uid ? 1 : 0;
+  if (options_.ledger != nullptr) n += options_.ledger->Used(uid, UidResource::kClosedBlocks);
+  return n;
+}
+
+uint64_t SessionManager::SessionsOf(uint32_t uid) const {
+  absl::MutexLock lock(&mu_);
+  return SessionsOfLocked(uid);
 }
 
 void SessionManager::SetRestoreCandidates(
@@ -245,6 +264,9 @@ std::map<uint32_t, SessionManager::UidUsage> SessionManager::UsageByUid() const 
   absl::MutexLock lock(&mu_);
   for (const auto& [id, s] : sessions_) ++out[s->identity().uid].sessions;
   for (const auto& [id, o] : orphans_) ++out[o.session->identity().uid].sessions;
+  for (auto& [uid, u] : out) {  // closed but still mapped: they count as sessions
+    u.sessions += static_cast<uint32_t>(u.used[static_cast<size_t>(UidResource::kClosedBlocks)]);
+  }
   return out;
 }
 

@@ -79,6 +79,9 @@ class SessionManager {
     UidAmounts used{};
   };
   std::map<uint32_t, UidUsage> UsageByUid() const;
+  // What counts as uid's sessions against --max_sessions_per_uid: attached,
+  // orphaned, and closed ones whose control block a process still maps.
+  uint64_t SessionsOf(uint32_t uid) const;
   // The per-uid and per-session bounds (all 0 without a ledger).
   UidLimits Limits() const;
   uint32_t max_sessions_per_uid() const { return options_.max_sessions_per_uid; }
@@ -115,6 +118,7 @@ class SessionManager {
   // RESOURCE_EXHAUSTED when another session would pass --max_sessions or
   // uid's --max_sessions_per_uid.
   absl::Status CheckCaps(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t SessionsOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReapLoop();
   void StopAndFree(std::shared_ptr<Session> session, absl::string_view why);
   // A resumed session whose Register refused the state it adopted (detached,

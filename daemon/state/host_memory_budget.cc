@@ -88,6 +88,17 @@ void HostMemoryBudget::HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerChar
   ReleaseLocked(bytes);
 }
 
+void HostMemoryBudget::HoldBlockWhileMapped(UniqueFd file, LedgerCharge charge) {
+  Held held{std::move(file), 0, std::move(charge), LedgerCharge()};
+  absl::MutexLock lock(&mu_);
+  if (held.file.valid() && StillViewed(held.file.get())) blocks_.push_back(std::move(held));
+}
+
+uint64_t HostMemoryBudget::held_blocks() const {
+  absl::MutexLock lock(&mu_);
+  return blocks_.size();
+}
+
 void HostMemoryBudget::ReapViews() {
   std::vector<Held> freed;  // destroyed after the lock: closing frees their memory
   absl::MutexLock lock(&mu_);
@@ -107,6 +118,15 @@ void HostMemoryBudget::ReapViewsLocked(std::vector<Held>* freed) {
     freed->push_back(std::move(held_[i]));
     if (i + 1 != held_.size()) std::swap(held_[i], held_.back());
     held_.pop_back();
+  }
+  for (size_t i = 0; i < blocks_.size();) {
+    if (StillViewed(blocks_[i].file.get())) {
+      ++i;
+      continue;
+    }
+    freed->push_back(std::move(blocks_[i]));
+    if (i + 1 != blocks_.size()) std::swap(blocks_[i], blocks_.back());
+    blocks_.pop_back();
   }
 }
 

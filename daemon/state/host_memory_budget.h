@@ -60,8 +60,17 @@ class HostMemoryBudget {
   // if nothing views it.
   void HoldWhileViewed(UniqueFd file, uint64_t bytes, LedgerCharge charge,
                        LedgerCharge state_charge = {});
-  // Gives back the held shards no longer viewed.
+  // A destroyed session's control block that a process may still map:
+  // `file` a writable descriptor of its memfd opened for this (Session::
+  // ControlBlockFd; the only one dosd keeps), `charge` its uid's
+  // kClosedBlocks. Kept (its memfd and the charge) until nothing maps it;
+  // given back at once if nothing does. Its bytes are not the budget's.
+  void HoldBlockWhileMapped(UniqueFd file, LedgerCharge charge);
+  // Gives back the held shards no longer viewed and the control blocks no
+  // longer mapped.
   void ReapViews();
+  // Control blocks held (as of the last reap).
+  uint64_t held_blocks() const;
 
   uint64_t used() const;
   uint64_t limit() const { return limit_; }
@@ -87,6 +96,7 @@ class HostMemoryBudget {
   }
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
+  std::vector<Held> blocks_ ABSL_GUARDED_BY(mu_);  // control blocks (bytes 0)
   uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -240,7 +240,8 @@ void DescriptorServer::Answer(Waiting w, const std::string& request, std::vector
   if (send_fd >= 0) out.push_back(send_fd);
   for (const UniqueFd& o : owned) out.push_back(o.get());
   absl::Status sent = fdproto::SendMessage(w.conn.get(), &reply, sizeof reply, out);
-  if (sent.ok() && send_fd >= 0 && port.hold_connection) port.hold_connection(std::move(w.conn));
+  // `port` is set only where a control block was sent.
+  if (sent.ok() && port.hold_connection) port.hold_connection(std::move(w.conn));
 }
 
 void DescriptorServer::Queue(Slow slow) {
@@ -373,9 +374,15 @@ fdproto::Reply DescriptorServer::Handle(const void* data, size_t n, std::vector<
     return fdproto::MakeReply(port.status());
   }
   if (op == fdproto::Op::kControlBlock) {
+    if (port->control_block && owned != nullptr) {
+      absl::StatusOr<UniqueFd> block = port->control_block();
+      if (!block.ok()) return fdproto::MakeReply(block.status());
+      owned->push_back(*std::move(block));
+    } else {
+      *send_fd = port->control_fd;
+    }
     fdproto::Reply r = fdproto::MakeReply(absl::OkStatus());
     r.num_fds = 1;
-    *send_fd = port->control_fd;
     if (port_out != nullptr) *port_out = *port;
     return r;
   }

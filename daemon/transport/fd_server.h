@@ -58,7 +58,10 @@ namespace dos {
 
 // What the descriptor server may touch of one session.
 struct SessionPort {
-  int control_fd = -1;           // the control block's memfd (sent as a dup)
+  int control_fd = -1;  // the control block's memfd (sent as a dup without control_block)
+  // A descriptor of the control block to send (Session::ControlBlockFd); may
+  // be empty.
+  std::function<absl::StatusOr<UniqueFd>()> control_block;
   SegmentInbox* inbox = nullptr;
   // Takes the connection a control block was sent on and keeps it open for
   // the session's life (its hang-up is the client's sign that dosd or the

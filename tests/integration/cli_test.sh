@@ -97,6 +97,12 @@ grep -q "\"daemon_version\": \"$version\"" <<<"$json" || fail "dosctl status --j
 while read -r sample; do
   [ "${sample:0:1}" = "{" ] && [ "${sample: -1}" = "}" ] || fail "not one object a line: $sample"
 done < "$tmp/watch.jsonl"
+# --json errors: an object on stdout (a script reads it), the message on stderr as without.
+err=$("$dosctl" --socket="$tmp/run/dosd.sock" --json stats 987654 2> "$tmp/err.txt") &&
+  fail "dosctl --json stats of an unknown session exited 0"
+grep -q '^{"error": {"code": "NOT_FOUND", "message": ".*987654' <<<"$err" ||
+  fail "dosctl --json error not an object: $err"
+grep -q "^dosctl: .*987654" "$tmp/err.txt" || fail "dosctl --json error not on stderr"
 kill -TERM "$pid"
 wait "$pid" || fail "dosd exited $? after SIGTERM"
 pid=

@@ -131,6 +131,34 @@ TEST(Limits, IdleConnectionsOfOneUserAreBoundedPerUid) {
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
 }
 
+// Control blocks of closed sessions that a process still maps (a memfd each,
+// in dosd's memory, and one descriptor of dosd's) count as its uid's sessions:
+// a user attaching, mapping the block and detaching 40 times in one process
+// holds 8 (--max_sessions_per_uid), is told why, and another user still
+// attaches; once the process exits, the user attaches again.
+TEST(Limits, ClosedControlBlocksStillMappedCountAsSessions) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--max_sessions_per_uid=8"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  UserProcess attacker(User("dos-sec-a"), d->socket(), {"hold_blocks:n=40", "wait"});
+  const std::string held = attacker.Await("hold_blocks");
+  EXPECT_EQ(Field(held, "held"), "8") << held << d->log().substr(0, 4000);
+  EXPECT_NE(held.find("8 of them closed, their control blocks still mapped"), std::string::npos)
+      << held;
+  const std::string victim =
+      RunAs(User("dos-sec-e"), d->socket(), {"attach", "register:numel=4096", "step:n=2"});
+  EXPECT_NE(victim.find("OK step step=2"), std::string::npos) << victim;
+  attacker.Finish();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return RunAs(User("dos-sec-a"), d->socket(), {"attach"}).find("OK attach") !=
+               std::string::npos;
+      },
+      5000))
+      << d->log().substr(0, 4000);
+  EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
 // One user attaching 150 times logs session.attach 20 times and a count; the
 // next user's line is not held back.
 TEST(Limits, InfoLinesAreRateLimitedPerEventAndUid) {

@@ -33,23 +33,26 @@
 //   rpc_attach:name=N[,n=K,keep=1] K raw Attach calls claiming this process's pid (keep=1:
 //                                 go on after a refusal)
 //   rpc_resume:id=I,token=T       raw Attach resuming session I with token T
-// `id=self` names the session this process attached. Exit status: 0 when every line was printed (whatever each op answered), 2 on
-// bad usage.
+//   hold_blocks:n=N               N times: raw Attach, fetch and map the control block, Detach,
+//                                 keeping every mapping until exit (prints held=K and the
+//                                 first refusal)
+// `id=self` names the session this process attached. Exit status: 0 when every line was printed
+// (whatever each op answered), 2 on bad usage.
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -131,6 +134,44 @@ std::unique_ptr<grpc::ClientContext> Context() {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
   return ctx;
+}
+
+// hold_blocks: sessions closed while this process keeps mapping their
+// control blocks (never unmapped: the process's exit does it).
+void HoldBlocks(dos::v1::Dos::Stub* stub, const std::string& socket, uint64_t n) {
+  grpc::Status st;
+  uint64_t held = 0;
+  for (uint64_t k = 0; k < n; ++k) {
+    dos::v1::AttachRequest req;
+    req.set_client_name("hold");
+    req.set_pid(static_cast<int32_t>(::getpid()));
+    req.set_protocol_version(dos::kProtocolVersion);
+    absl::StatusOr<std::string> ticket = dos::fdproto::Hello(dos::fdproto::SocketPathFor(socket));
+    if (ticket.ok()) req.set_fd_ticket(*ticket);
+    dos::v1::AttachResponse resp;
+    st = stub->Attach(Context().get(), req, &resp);
+    if (!st.ok()) break;
+    auto block = dos::fdproto::FetchControlBlock(
+        dos::fdproto::SocketPathFor(socket), resp.session().session_id(), resp.session().token());
+    struct stat info {};
+    if (!block.ok() || ::fstat(block->memfd.get(), &info) != 0) {
+      st = grpc::Status(grpc::StatusCode::INTERNAL,
+                        block.ok() ? "fstat failed" : std::string(block.status().message()));
+      break;
+    }
+    if (::mmap(nullptr, static_cast<size_t>(info.st_size), PROT_READ | PROT_WRITE, MAP_SHARED,
+               block->memfd.get(), 0) == MAP_FAILED) {
+      st = grpc::Status(grpc::StatusCode::INTERNAL, "mmap failed");
+      break;
+    }
+    dos::v1::DetachRequest detach;
+    *detach.mutable_session() = resp.session();
+    dos::v1::DetachResponse detached;
+    st = stub->Detach(Context().get(), detach, &detached);
+    if (!st.ok()) break;
+    ++held;
+  }
+  PrintRpc("hold_blocks", st, absl::StrCat("held=", held));
 }
 
 }  // namespace
@@ -361,6 +402,8 @@ int main(int argc, char** argv) {
       dos::v1::ListSessionsResponse resp;
       grpc::Status st = stub->ListSessions(Context().get(), req, &resp);
       PrintRpc("rpc_list", st, absl::StrCat("sessions=", resp.sessions_size()));
+    } else if (op.name == "hold_blocks") {
+      HoldBlocks(stub.get(), socket, U64(a, "n", 1));
     } else if (op.name == "rpc_attach" || op.name == "rpc_resume") {
       dos::v1::AttachRequest req;
       req.set_client_name(Str(a, "name", "sec"));

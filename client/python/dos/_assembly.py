@@ -177,7 +177,7 @@ class Assembly:
         self.register()
         for e in self.reg.entries:
             s = saved.get(id(e.param))
-            self.state_io.write(e, s)
+            self.state_io.write(e, None if s is None or s.get("fresh") else s)
             if s is not None and s["grad_none"] and not e.copy_grad:
                 # No gradient this step (before the rebuild): a zeroed,
                 # untouched buffer says so to the gradients' binding.

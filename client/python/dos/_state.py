@@ -28,7 +28,7 @@ torch state dict are kept and saved again.
 
 `StateIO` is one part of dos.torch's optimizer: it reads and writes the
 state of one registration's tensors through its session, after `finish()`
-(the optimizer's: collects the step in flight). `DaemonState` is `opt.state`.
+(the optimizer's: collects the step in flight). `opt.state` is dos/_opt_state.py's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dos import _views
 from dos._grads import no_gradient
 from dos._register import Entry, Registration, is_dtensor, local_of
 
-__all__ = ["torch_defaults", "group_defaults", "StateIO", "DaemonState"]
+__all__ = ["torch_defaults", "group_defaults", "StateIO"]
 
 # Elements per piece when a loaded tensor must be converted (dtype, device).
 _CHUNK = 1 << 22
@@ -284,7 +284,11 @@ class StateIO:
         keeps the fp32 master), or it is in `kept` (a copy of old storage)."""
         moved_ids = {id(e.param) for e in moved} - set(kept)
         saved = {}
+        self._finish()
         for e in self._reg.entries:
+            if self._fresh(e, id(e.param) in moved_ids):  # read nothing (81 GB at 7B)
+                saved[id(e.param)] = {"fresh": True, "grad_none": no_gradient(e)}
+                continue
             buf, step = self.read(e)
             master = buf[0]
             if id(e.param) in moved_ids:
@@ -318,6 +322,15 @@ class StateIO:
             return True
         _views.fetch(self._session)
         return int(float(s.get("step", -1))) == _views.step_of(self._session, e.index)
+
+    def _fresh(self, e: Entry, moved: bool) -> bool:
+        """e's state is what a new registration starts from: never stepped (zero
+        moments), its master the parameter (a framework moving the model to its
+        device after the optimizer was built), not a master kept through a new dtype."""
+        step = ctypes.c_int64()
+        call("dos_state_read", self._session, ctypes.c_uint32(e.index), None, None, None,
+             ctypes.byref(step))
+        return step.value == 0 and (not moved or local_of(e.param).dtype == e.local.dtype)
 
     def write(self, e: Entry, s: Optional[Dict[str, Any]], parts=None):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
@@ -457,44 +470,3 @@ def _check_groups(groups, saved_groups) -> None:
             if sg.get(flag, False):
                 raise NotImplementedError(
                     f"dos.torch: cannot load a {flag}=True state dict (dosd has no {flag})")
-
-
-class DaemonState(defaultdict):
-    """`opt.state`: torch's per-parameter state mapping, empty (the state
-    lives in dosd, and frameworks that iterate it to move or save the state
-    find nothing to copy), except that `state[p]` and `state.get(p)` of a
-    registered parameter read its state from dosd ({} before its first step,
-    as torch's): not kept here (writes into it change nothing), on the
-    parameter's device as torch's (the step count stays a CPU scalar, as
-    torch keeps it). `state_of(p)` is the optimizer's: the state of a
-    registered parameter, None for another key."""
-
-    def __init__(self, state_of: Callable[[Any], Optional[Dict[str, Any]]]):
-        super().__init__(dict)
-        self._state_of = state_of
-
-    def __missing__(self, key):
-        s = self._read(key)
-        if s is None:
-            return super().__missing__(key)
-        return s
-
-    def get(self, key, default=None):
-        if key in self:
-            return self[key]
-        s = self._read(key)
-        return default if s is None else s
-
-    def _read(self, key):
-        if not isinstance(key, torch.Tensor):
-            return None
-        s = self._state_of(key)  # {} before the parameter's first step
-        if s is None:
-            return None
-        dev = key.device
-        if dev.type != "cpu" and not is_dtensor(key):
-            s = {k: v if k == "step" else v.to(dev) for k, v in s.items()}
-        return s
-
-    def __reduce__(self):  # copies and pickles are plain (torch's own type)
-        return (defaultdict, (dict, dict(self)))

@@ -41,9 +41,9 @@ from dos._delay import check_delay
 from dos._early import check_overlap
 from dos._errors import DosError, call
 from dos._hooks import weak_hook
-from dos._native import Status
+from dos._opt_state import DaemonState
 from dos._session import closed_error, track, untrack
-from dos._state import DaemonState, check_args, group_defaults, once_each
+from dos._state import check_args, group_defaults, once_each
 
 __all__ = ["AdamW", "Adam", "DosError"]
 

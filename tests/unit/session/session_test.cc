@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -199,6 +200,40 @@ TEST_F(SessionTest, ADeadTrainersSessionNoLongerSharesItsGpu) {
   EXPECT_EQ(Step(*live).status_code, 0);
   dead->Stop();
   EXPECT_FALSE(planner.sessions().Shared(live->identity().id));
+}
+
+// A control block still mapped after its session is gone stays charged to
+// the uid (one kClosedBlocks, which the session manager counts as a session)
+// until it is unmapped; a fetched descriptor closed unmapped holds nothing.
+TEST_F(SessionTest, AControlBlockStillMappedAfterItsSessionStaysChargedToItsUid) {
+  ledger_ = &shared_ledger_;
+  auto s = NewSession("cpu");
+  const uint32_t uid = s->identity().uid;
+  auto closed = [&] { return shared_ledger_.Used(uid, UidResource::kClosedBlocks); };
+  absl::StatusOr<UniqueFd> fd = s->ControlBlockFd();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  ASSERT_TRUE(s->ControlBlockFd().ok());  // fetched and closed at once: maps nothing
+  const size_t bytes = s->control_block_bytes();
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
+  ASSERT_NE(map, MAP_FAILED);
+  fd->reset();  // the mapping alone keeps it
+  s->Stop();
+  s.reset();
+  EXPECT_EQ(closed(), 1u);
+  EXPECT_EQ(budget_.held_blocks(), 1u);
+  budget_.ReapViews();
+  EXPECT_EQ(closed(), 1u) << "still mapped";
+  ::munmap(map, bytes);
+  budget_.ReapViews();
+  EXPECT_EQ(closed(), 0u);
+  EXPECT_EQ(budget_.held_blocks(), 0u);
+
+  auto t = NewSession("cpu");
+  ASSERT_TRUE(t->ControlBlockFd().ok());
+  t->Stop();
+  t.reset();
+  EXPECT_EQ(budget_.held_blocks(), 0u);
+  EXPECT_EQ(closed(), 0u);
 }
 
 }  // namespace
