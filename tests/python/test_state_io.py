@@ -426,7 +426,7 @@ def test_round_trip_dos_torch_dos_continues_exactly(dos_socket):
     a = make_mlp()
     with dos.torch.AdamW(a.parameters(), socket=dos_socket, **LR) as opt:
         train(a, opt, data[:4])
-        sd = opt.state_dict()
+        sd = copy.deepcopy(opt.state_dict())  # kept as it is now: a copy, as with torch's
         weights = {k: v.clone() for k, v in a.state_dict().items()}
         train(a, opt, data[4:])
         expected = [p.detach().clone() for p in a.parameters()]

@@ -278,3 +278,38 @@ def test_the_per_uid_state_cap_counts_dropped_views_no_more():
             train(model, opt, 1)
     gc.collect()
     assert not _views.live()
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_state_dict_kept_across_steps_shows_each_later_step_whole(dos_socket, delay):
+    """As torch's, whose state dict holds its live state tensors: every tensor
+    of a state dict kept across steps shows the latest step, the step counts
+    and the small tensors' copies as well as the views. The copies once kept
+    the step they were taken at while the views showed later ones; a copy
+    written by its holder keeps what was written."""
+    model = big_model()
+    x = torch.randn(16, 1024)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, delay=delay, delay_warmup=1,
+                         model=model, **LR) as opt:
+        def train(n):
+            for _ in range(n):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+
+        train(3)
+        held = opt.state_dict()
+        small = min(held["state"], key=lambda k: held["state"][k]["exp_avg"].numel())
+        held["state"][small]["exp_avg_sq"].fill_(7.0)  # its holder's now
+        train(2)
+        fresh = opt.state_dict()
+        for k, s in fresh["state"].items():
+            assert float(held["state"][k]["step"]) == 5, k
+            for n, t in s.items():
+                if (k, n) != (small, "exp_avg_sq"):
+                    assert torch.equal(torch.as_tensor(held["state"][k][n]),
+                                       torch.as_tensor(t)), (k, n)
+        assert torch.all(held["state"][small]["exp_avg_sq"] == 7.0)
+        del held, fresh, s, t
+    gc.collect()
+    assert not _views.live()  # a live view would turn later tests' delay off

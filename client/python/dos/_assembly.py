@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dos import _grads, _mmapload
+from dos import _grads, _mmapload, _views
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
@@ -166,6 +166,7 @@ class Assembly:
         for h in self._seen_hooks:
             h.remove()
         self._seen_hooks = []
+        _views.forget(reg.ptr)  # its state dicts' copies keep their last values
         reg.close()
         return True
 

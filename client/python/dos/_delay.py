@@ -210,6 +210,7 @@ class DelayedDriver:
             return
         stream: Optional[object] = self._reg.stream() if self.inner.mode.stream else None
         self._flight.finish_delayed(stream, timeout_ms)
+        _views.refresh(self._reg.ptr)  # the state dicts' copies held: the whole step
         # dosd wrote the parameters where autograd does not see it: moved
         # version counters make a backward through a graph built before (a
         # read between forward and backward) fail as torch's in-place

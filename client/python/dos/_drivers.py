@@ -98,6 +98,8 @@ class SyncDriver:
     def collect(self, timeout_ms: int = -1) -> None:
         self.flight.wait(timeout_ms)
         self.reg.copy_out()
+        if not self.flight.delayed_pending:  # else after the install (dos/_delay.py)
+            _views.refresh(self.reg.ptr)
 
     def give_up(self) -> None:
         """Gives up the claimed early step (before its verdict): dosd applies

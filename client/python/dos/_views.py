@@ -16,8 +16,10 @@ The mapping is released when the last tensor over it is freed. Small tensors
 (under 64 Ki elements), and every tensor of a small optimizer (under 1 Mi
 parameters in all), are not page-aligned in dosd and come back as copies.
 
-While any view is alive, step() returns only once the step is finished, so
-a framework that still holds a state dict never reads a half-updated one.
+While any view (or copy handed out in a state dict) is alive, step()
+returns only once the step is finished, so a framework that still holds a
+state dict never reads a half-updated one; the copies then take each
+step's values (refresh), as the views show them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from dos._errors import DosError, call, check
 from dos._native import StateView, Status, lib
 
-__all__ = ["fetch", "step_of", "view", "live", "is_view_of"]
+__all__ = ["fetch", "step_of", "view", "live", "refresh", "forget", "is_view_of"]
 
 _lock = threading.Lock()
 _live = 0
@@ -61,8 +63,55 @@ def _address(session) -> Tuple[int, int]:
 
 
 def live() -> int:
-    """Views alive now (all sessions of this process)."""
-    return _live
+    """Views alive now, and copies handed out in state dicts still held (all
+    sessions of this process): while any is, steps are whole when step()
+    returns and the delay pauses (dos/_delay.py)."""
+    return _live + len(_handed)
+
+
+def forget(session) -> None:
+    """`session` is closing: its copies still held keep their values, count
+    no more in live() and are no longer its state (handed())."""
+    addr = _address(session)
+    for key, t in list(_handed.items()):
+        if t._dos_handed[0] == addr:
+            _handed.pop(key, None)
+
+
+def refresh(session) -> None:
+    """After a whole step of `session`: its copies still held in state dicts,
+    unchanged since (a user's write keeps its values), take the step's values,
+    as views (and torch's own state tensors) show them, so that a state dict
+    kept across a step shows that step whole, not its large tensors' and
+    another's of small ones."""
+    if not _handed or not session:
+        return
+    addr = _address(session)
+    by_index: Dict[int, list] = {}
+    for t in list(_handed.values()):
+        tag = t._dos_handed
+        if tag[0] == addr and torch.equal(t, tag[3]):
+            by_index.setdefault(tag[1], []).append(t)
+    if any(all(t._dos_handed[2] == "step" for t in ts) for ts in by_index.values()):
+        fetch(session)  # the step counts now, in one request (step_of reads them)
+    for index, ts in by_index.items():
+        arrays = [t for t in ts if t._dos_handed[2] != "step"]
+        if arrays:  # small tensors' copies: read whole (with the step)
+            buf = torch.empty(3, arrays[0].numel(), dtype=torch.float32)
+            c_step = ctypes.c_int64()
+            call("dos_state_read", session, ctypes.c_uint32(index), *(b.data_ptr() for b in buf),
+                 ctypes.byref(c_step))
+            step = int(c_step.value)
+        else:  # only the step count (the map's, where dosd shares it)
+            step = step_of(session, index)
+        with torch.no_grad():
+            for t in ts:
+                w = t._dos_handed[2]
+                if w == "step":
+                    t.fill_(float(step))
+                else:
+                    t.copy_(buf[w].view(t.shape))
+                t._dos_handed = t._dos_handed[:3] + (t.clone(),)
 
 
 # Tensors handed out in a state dict as copies (small tensors' moments, the
