@@ -209,9 +209,10 @@ class Assembly:
         if moved:
             names = ", ".join(e.name for e in moved[:4]) + (" ..." if len(moved) > 4 else "")
             warnings.warn(f"dos.torch: {len(moved)} parameter(s) moved to new storage ({names}); "
-                          "re-registering with dosd (the fp32 state is carried over). Avoid "
-                          "replacing .data after building the optimizer: this costs a full copy "
-                          "of the state", RuntimeWarning, stacklevel=4)
+                          "re-registering with dosd (the fp32 state is carried over: once a "
+                          "step has run, through a full copy of it in this process; move the "
+                          "model before its first step, or build the optimizer after)",
+                          RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
             # With a delayed update pending, compared before its weights are
             # installed into the old storage: a moved copy of what the model
