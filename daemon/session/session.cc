@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -74,24 +75,32 @@ Session::~Session() {
 absl::StatusOr<UniqueFd> Session::ControlBlockFd() {
   const std::string path = absl::StrCat("/proc/self/fd/", control_->fd());
   absl::MutexLock lock(&block_mu_);
-  if (!block_lease_.valid()) {
-    block_lease_.reset(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    if (!block_lease_.valid()) {
-      return absl::ResourceExhaustedError(absl::StrCat("control block of session ", identity_.id,
-                                                       ": cannot keep a descriptor to track its "
-                                                       "mappings (",
-                                                       path, ": ", std::strerror(errno),
-                                                       "); raise dosd's descriptor limit "
-                                                       "(LimitNOFILE)"));
-    }
+  if (!block_lease_.valid()) block_lease_.reset(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  UniqueFd fd(block_lease_.valid() ? ::open(path.c_str(), O_RDWR | O_CLOEXEC) : -1);
+  if (fd.valid()) return fd;
+  const int err = errno;
+  if (err == EMFILE || err == ENFILE) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "control block of session ", identity_.id, ": dosd is out of descriptors (", path, ": ",
+        std::strerror(err), "); raise dosd's descriptor limit (LimitNOFILE)"));
   }
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-  if (!fd.valid()) {
-    return absl::ResourceExhaustedError(absl::StrCat("control block of session ", identity_.id,
-                                                     ": cannot reopen its memfd (", path, ": ",
-                                                     std::strerror(errno), ")"));
+  // No /proc (a sandbox): the memfd itself, as before; its mappings are then
+  // not seen after the session (not charged as a closed session's).
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    DOS_LOG_WARNING("session.control_block_untracked", "path", path, "error", std::strerror(err),
+                    "fix",
+                    "mount /proc in dosd's namespace: without it a closed session's control "
+                    "block that a process still maps is not counted against its uid");
   }
-  return fd;
+  block_lease_.reset();
+  UniqueFd dup(::fcntl(control_->fd(), F_DUPFD_CLOEXEC, 0));
+  if (!dup.valid()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("control block of session ", identity_.id, ": cannot duplicate its memfd (",
+                     std::strerror(errno), "); raise dosd's descriptor limit (LimitNOFILE)"));
+  }
+  return dup;
 }
 
 void Session::ReleaseControlBlock() {

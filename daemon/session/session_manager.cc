@@ -65,6 +65,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   Policy policy;
   std::shared_ptr<Session> old;  // the orphaned session being resumed
   std::shared_ptr<Session> dying;  // still in the table, its client already dead
+  // Control blocks of closed sessions count as sessions (CheckCaps) until
+  // they are seen unmapped: a detach's is unmapped only after its Detach call
+  // returns, so a close-then-attach (a rebuild) would find its own. Looked at
+  // again now (off mu_: freeing what the reap gives back takes time).
+  if (budget_ != nullptr && options_.ledger != nullptr &&
+      options_.ledger->Used(identity.uid, UidResource::kClosedBlocks) > 0) {
+    budget_->ReapViews();
+  }
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return absl::UnavailableError("attach: the daemon is shutting down");
@@ -150,10 +158,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
 }
 
 absl::Status SessionManager::CheckCaps(uint32_t uid) const {
-  const size_t total = sessions_.size() + orphans_.size();
+  // Closed sessions whose control blocks are still mapped count here too: each
+  // holds a memfd and a descriptor of dosd's.
+  const size_t closed = budget_ != nullptr ? budget_->held_blocks() : 0;
+  const size_t total = sessions_.size() + orphans_.size() + closed;
   if (options_.max_sessions != 0 && total >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "attach: dosd holds ", total, " sessions, its --max_sessions=", options_.max_sessions,
+        "attach: dosd holds ", total, " sessions",
+        closed == 0 ? ""
+                    : absl::StrCat(" (", closed,
+                                   " closed, their control blocks still "
+                                   "mapped)"),
+        ", its --max_sessions=", options_.max_sessions,
         "; detach finished trainers (dosctl sessions lists them) or raise --max_sessions"));
   }
   if (options_.max_sessions_per_uid != 0) {

@@ -123,3 +123,24 @@ def test_a_model_moved_before_its_first_step_is_registered_again_reading_no_stat
         assert reads == []  # nothing read: no step had run before either rebuild
         for p, q in zip(list(model.parameters()) + [extra], list(ref.parameters()) + [ref_extra]):
             assert torch.equal(p, q)
+
+
+def test_a_rebuild_attaches_again_under_a_one_session_cap():
+    """A rebuild closes its session and attaches a new one at once; the old
+    session's control block, still mapped until the client's detach returns,
+    counts as a session only until dosd looks again (at the attach), so a
+    user whose cap is one session is not refused by their own rebuild."""
+    from conftest import running_dosd
+    with running_dosd("--max_sessions_per_uid=1") as (sock, _):
+        model = torch.nn.Linear(8, 4)
+        extra = torch.nn.Parameter(torch.randn(4))
+        with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=sock) as opt:
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(2, 8)).sum().backward()
+                opt.step()
+            opt.add_param_group({"params": [extra]})  # a rebuild with state
+            opt.zero_grad()
+            (model(torch.randn(2, 8)).sum() + extra.sum()).backward()
+            opt.step()
+            assert float(opt.state_dict()["state"][0]["step"]) == 3

@@ -47,7 +47,9 @@ class DaemonState(defaultdict):
             return None
         dev = key.device
         if dev.type != "cpu" and not is_dtensor(key):
-            s = {k: v if k == "step" else v.to(dev) for k, v in s.items()}
+            # Copies on the device are not brought up to later steps: the step
+            # count is copied too, so that a kept dict is one whole step.
+            s = {k: v.clone() if k == "step" else v.to(dev) for k, v in s.items()}
         return s
 
     def __reduce__(self):  # copies and pickles are plain (torch's own type)

@@ -285,6 +285,7 @@ class StateIO:
         moved_ids = {id(e.param) for e in moved} - set(kept)
         saved = {}
         self._finish()
+        _views.fetch(self._session)  # every tensor's step count, in one request
         for e in self._reg.entries:
             if self._fresh(e, id(e.param) in moved_ids):  # read nothing (81 GB at 7B)
                 saved[id(e.param)] = {"fresh": True, "grad_none": no_gradient(e)}
@@ -327,10 +328,8 @@ class StateIO:
         """e's state is what a new registration starts from: never stepped (zero
         moments), its master the parameter (a framework moving the model to its
         device after the optimizer was built), not a master kept through a new dtype."""
-        step = ctypes.c_int64()
-        call("dos_state_read", self._session, ctypes.c_uint32(e.index), None, None, None,
-             ctypes.byref(step))
-        return step.value == 0 and (not moved or local_of(e.param).dtype == e.local.dtype)
+        return (_views.step_of(self._session, e.index) == 0
+                and (not moved or local_of(e.param).dtype == e.local.dtype))
 
     def write(self, e: Entry, s: Optional[Dict[str, Any]], parts=None):
         """Pushes one tensor's state: `s` (torch's per-parameter state) or,
