@@ -77,11 +77,6 @@ constexpr char kNotes[] =
     "checks, such as a policy) or is unreachable, 2 usage (an unknown command, flag or\n"
     "flag value).";
 
-int Usage(const std::string& why) {
-  std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';
-  return 2;
-}
-
 bool ParseId(const std::string& text, uint64_t* id) { return absl::SimpleAtoi(text, id); }
 
 // {"error": {"code": "NOT_FOUND", "message": "..."}} on one line.
@@ -99,6 +94,14 @@ std::string JsonError(const absl::Status& st) {
   }
   return absl::StrCat("{\"error\": {\"code\": \"", absl::StatusCodeToString(st.code()),
                       "\", \"message\": \"", msg, "\"}}");
+}
+
+// A command line dosctl cannot run: why, and the usage, on stderr; with
+// --json also an INVALID_ARGUMENT error object on stdout, as for a failed call.
+int Usage(const std::string& why) {
+  std::cerr << "dosctl: " << why << "\nusage: " << kUsage << '\n';
+  if (absl::GetFlag(FLAGS_json)) std::cout << JsonError(absl::InvalidArgumentError(why)) << '\n';
+  return 2;
 }
 
 // Pretty-printed JSON on one line: each newline and the indent after it go

@@ -22,6 +22,11 @@ std::string NewToken() {
   for (int i = 0; i < 4; ++i) absl::StrAppend(&token, absl::StrFormat("%08x", rd()));
   return token;
 }
+
+// " (3 <what>)" for a refusal's message; "" when none are closed.
+std::string ClosedNote(uint64_t closed, absl::string_view what) {
+  return closed == 0 ? std::string() : absl::StrCat(" (", closed, " ", what, ")");
+}
 }  // namespace
 
 SessionManager::SessionManager(const SessionOptions& options, const Policy& default_policy,
@@ -165,10 +170,7 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
   if (options_.max_sessions != 0 && total >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "attach: dosd holds ", total, " sessions",
-        closed == 0 ? ""
-                    : absl::StrCat(" (", closed,
-                                   " closed, their control blocks still "
-                                   "mapped)"),
+        ClosedNote(closed, "closed, their control blocks still mapped"),
         ", its --max_sessions=", options_.max_sessions,
         "; detach finished trainers (dosctl sessions lists them) or raise --max_sessions"));
   }
@@ -180,11 +182,9 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
       return absl::ResourceExhaustedError(absl::StrCat(
           "attach: uid ", uid, " holds ", mine,
           " sessions, dosd's --max_sessions_per_uid=", options_.max_sessions_per_uid,
-          closed == 0 ? ""
-                      : absl::StrCat(" (", closed,
-                                     " of them closed, their control blocks still "
-                                     "mapped by processes of this uid: end those processes or "
-                                     "let them unmap the blocks)"),
+          ClosedNote(closed,
+                     "of them closed, their control blocks still mapped by processes "
+                     "of this uid: end those processes or let them unmap the blocks"),
           "; detach sessions you no longer use (dosctl sessions) or ask the operator to raise "
           "--max_sessions_per_uid"));
     }

@@ -105,29 +105,35 @@ void HostMemoryBudget::ReapViews() {
   ReapViewsLocked(&freed);
 }
 
+namespace {
+
+// Moves the entries of `list` that nothing views any more to `freed`;
+// returns their bytes.
+template <typename Held>
+uint64_t MoveUnviewed(std::vector<Held>* list, std::vector<Held>* freed) {
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < list->size();) {
+    if (StillViewed((*list)[i].file.get())) {
+      ++i;
+      continue;
+    }
+    bytes += (*list)[i].bytes;
+    freed->push_back(std::move((*list)[i]));
+    if (i + 1 != list->size()) std::swap((*list)[i], list->back());
+    list->pop_back();
+  }
+  return bytes;
+}
+
+}  // namespace
+
 void HostMemoryBudget::ReapViewsLocked(std::vector<Held>* freed) {
-  for (size_t i = 0; i < held_.size();) {
-    if (StillViewed(held_[i].file.get())) {
-      ++i;
-      continue;
-    }
-    ReleaseLocked(held_[i].bytes);
-    held_bytes_ -= held_[i].bytes;
-    // Closing the last descriptor frees the state (seconds for 100 GB), so
-    // the caller does it after the lock; so is the uid's charge given back.
-    freed->push_back(std::move(held_[i]));
-    if (i + 1 != held_.size()) std::swap(held_[i], held_.back());
-    held_.pop_back();
-  }
-  for (size_t i = 0; i < blocks_.size();) {
-    if (StillViewed(blocks_[i].file.get())) {
-      ++i;
-      continue;
-    }
-    freed->push_back(std::move(blocks_[i]));
-    if (i + 1 != blocks_.size()) std::swap(blocks_[i], blocks_.back());
-    blocks_.pop_back();
-  }
+  // Closing the last descriptor frees the state (seconds for 100 GB), so the
+  // caller does it after the lock; so is the uid's charge given back.
+  const uint64_t bytes = MoveUnviewed(&held_, freed);
+  ReleaseLocked(bytes);
+  held_bytes_ -= bytes;
+  MoveUnviewed(&blocks_, freed);  // control blocks: no bytes of the budget's
 }
 
 uint64_t HostMemoryBudget::used() const {

@@ -103,6 +103,13 @@ err=$("$dosctl" --socket="$tmp/run/dosd.sock" --json stats 987654 2> "$tmp/err.t
 grep -q '^{"error": {"code": "NOT_FOUND", "message": ".*987654' <<<"$err" ||
   fail "dosctl --json error not an object: $err"
 grep -q "^dosctl: .*987654" "$tmp/err.txt" || fail "dosctl --json error not on stderr"
+# A command line it cannot run: exit 2, the usage on stderr, an object on stdout too.
+rc=0
+err=$("$dosctl" --socket="$tmp/run/dosd.sock" --json stats not-a-number 2> "$tmp/err.txt") || rc=$?
+[ "$rc" -eq 2 ] || fail "dosctl --json with a bad session id exited $rc, not 2"
+grep -q '^{"error": {"code": "INVALID_ARGUMENT", "message": "bad SESSION_ID not-a-number' \
+  <<<"$err" || fail "dosctl --json usage error not an object: $err"
+grep -q "^usage: " "$tmp/err.txt" || fail "dosctl --json usage error: no usage on stderr"
 kill -TERM "$pid"
 wait "$pid" || fail "dosd exited $? after SIGTERM"
 pid=

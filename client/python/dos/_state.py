@@ -169,12 +169,7 @@ class StateIO:
     def read(self, e: Entry):
         """e's state as (CPU fp32 [3, n] buffer, step); used when re-registering."""
         self._finish()
-        n = e.local.numel()
-        buf = torch.empty(3, n, dtype=torch.float32)
-        step = ctypes.c_int64()
-        call("dos_state_read", self._session, ctypes.c_uint32(e.index),
-             buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), ctypes.byref(step))
-        return buf, int(step.value)
+        return _views.read(self._session, e.index, e.local.numel())
 
     def states(self, all_params: bool):
         """{param: torch's per-parameter state} of the parameters a step has
@@ -221,15 +216,12 @@ class StateIO:
         """[master or None, exp_avg, exp_avg_sq] of e read into new tensors
         (small tensors only: see dos/_views.py)."""
         shape = e.local.shape
-        m = torch.empty(shape, dtype=torch.float32)
-        v = torch.empty(shape, dtype=torch.float32)
-        master = torch.empty(shape, dtype=torch.float32) if fp16 else None
-        step = ctypes.c_int64()
-        call("dos_state_read", self._session, ctypes.c_uint32(e.index),
-             None if master is None else master.data_ptr(), m.data_ptr(), v.data_ptr(),
-             ctypes.byref(step))
-        return [None if t is None else _views.hand_out(t, self._session, e.index, w)
-                for w, t in enumerate((master, m.to(moment), v.to(moment)))]
+        buf, _ = _views.read(self._session, e.index, e.local.numel(), master=fp16)
+        # Each its own tensor (a view of buf would save all three arrays).
+        arrays = (buf[0].clone() if fp16 else None, buf[1].to(moment, copy=True),
+                  buf[2].to(moment, copy=True))
+        return [None if t is None else _views.hand_out(t.view(shape), self._session, e.index, w)
+                for w, t in enumerate(arrays)]
 
     def load(self, state_dict: Dict[str, Any], groups: List[Dict[str, Any]]) -> None:
         """Accepts this class's or torch.optim.Adam/AdamW's state dicts (CPU,

@@ -97,11 +97,7 @@ def refresh(session) -> None:
     for index, ts in by_index.items():
         arrays = [t for t in ts if t._dos_handed[2] != "step"]
         if arrays:  # small tensors' copies: read whole (with the step)
-            buf = torch.empty(3, arrays[0].numel(), dtype=torch.float32)
-            c_step = ctypes.c_int64()
-            call("dos_state_read", session, ctypes.c_uint32(index), *(b.data_ptr() for b in buf),
-                 ctypes.byref(c_step))
-            step = int(c_step.value)
+            buf, step = read(session, index, arrays[0].numel())
         else:  # only the step count (the map's, where dosd shares it)
             step = step_of(session, index)
         with torch.no_grad():
@@ -163,6 +159,18 @@ def fetch(session) -> int:
     check(rc)
     _unshared.discard(_address(session))
     return int(moment.value)
+
+
+def read(session, index: int, numel: int, master: bool = True):
+    """Tensor `index`'s arrays copied into a new CPU fp32 [3, numel] buffer
+    (master, exp_avg, exp_avg_sq; row 0 left unwritten without `master`)
+    and its step count, in one request."""
+    buf = torch.empty(3, numel, dtype=torch.float32)
+    step = ctypes.c_int64()
+    call("dos_state_read", session, ctypes.c_uint32(index),
+         buf[0].data_ptr() if master else None, buf[1].data_ptr(), buf[2].data_ptr(),
+         ctypes.byref(step))
+    return buf, int(step.value)
 
 
 def step_of(session, index: int) -> int:
