@@ -105,6 +105,22 @@ def full_state(model, sd):
     return out
 
 
+def dcp_get_changes(model, opt):
+    """DCP's get_optimizer_state_dict after zero_grad(set_to_none=True), as
+    accelerate's and Lightning's FSDP2 saves call it: what it changed in the
+    optimizer's state (its zero-gradient init step must change nothing)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    except ImportError:  # torch < 2.2
+        return []
+    opt.zero_grad(set_to_none=True)
+    before = full_state(model, opt.state_dict())
+    get_optimizer_state_dict(model, opt)
+    after = full_state(model, opt.state_dict())
+    return [f"{n}.{k}" for n, s in before.items() for k, v in s.items()
+            if not torch.equal(after[n][k], v)]
+
+
 def report_to(out_dir, name, report):
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(report, f)
@@ -122,6 +138,8 @@ def save_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+        if backend == "dcp":
+            report["dcp_get_changed"] = dcp_get_changes(model, opt)
         sd = opt.state_dict()
         report["devices"] = sorted({str(t.device) for s in sd["state"].values()
                                     for t in s.values()})

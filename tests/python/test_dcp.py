@@ -69,6 +69,7 @@ def test_save_two_ranks_load_one_and_three(dos_socket, mode, backend, request):
     for r in saved.values():
         assert r["devices"] == ["cpu"], r
         assert r["dtensor"] == (mode == "fsdp2"), r
+        assert r.get("dcp_get_changed", []) == [], r  # DCP's init step changed the state
     full = sum(p.numel() for p in dcp_workers.make_model().parameters())
     for world in (1, 3):
         loaded = spawn(dcp_workers.load_worker, world, dos_socket, out, mode, backend, ckpt,

@@ -144,3 +144,102 @@ def test_a_rebuild_attaches_again_under_a_one_session_cap():
             (model(torch.randn(2, 8)).sum() + extra.sum()).backward()
             opt.step()
             assert float(opt.state_dict()["state"][0]["step"]) == 3
+
+
+# torch/distributed/checkpoint/state_dict.py's init step (torch >= 2.4), as
+# torch writes it: with opt.state empty and every gradient None (FSDP2 after
+# zero_grad(set_to_none=True)), a step with zero gradients and lr 0.
+DCP_STATE_DICT = '''
+import torch
+
+
+def _init_optim_state(optim):
+    if optim.state:
+        return
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    lrs = []
+    for group in optim.param_groups:
+        lrs.append(group["lr"])
+        group["lr"] = 0.0
+    optim.step(closure=None)
+    for group in optim.param_groups:
+        group["lr"] = lrs.pop(0)
+    optim.zero_grad(set_to_none=True)
+'''
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_dcps_zero_gradient_init_step_changes_no_state(dos_socket, delay):
+    """get_optimizer_state_dict / set_optimizer_state_dict on an FSDP2 model
+    after zero_grad(set_to_none=True) call DCP's init step; run, it would
+    decay both moments and count a step in the live state and in the
+    checkpoint being written (dosd holds every parameter's state already)."""
+    mod = types.ModuleType("torch.distributed.checkpoint.state_dict")
+    exec(compile(DCP_STATE_DICT, "torch/distributed/checkpoint/state_dict.py", "exec"),
+         mod.__dict__)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    x, y = torch.randn(8, 64), torch.randn(8, 4)
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket, model=model,
+                         delay=delay, delay_warmup=1) as opt:
+        train(model, opt, x, y, 3)
+        opt.zero_grad(set_to_none=True)
+        for p in model.parameters():  # FSDP2's gradients: not registered, None now
+            p.grad = None
+        before = snapshot(opt)
+        weights = [p.detach().clone() for p in model.parameters()]
+        mod._init_optim_state(opt)
+        after = snapshot(opt)
+        for i in before:
+            for k, v in before[i].items():
+                assert (torch.equal(after[i][k], v) if torch.is_tensor(v)
+                        else after[i][k] == v), (i, k)
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+        assert opt.param_groups[0]["lr"] == 1e-3
+        train(model, opt, x, y, 1)  # training goes on from the same state
+        assert float(opt.state_dict()["state"][0]["step"]) == 4
+
+
+class LightningLikeOptimizer:
+    """lightning.pytorch.core.optimizer.LightningOptimizer's way of wrapping:
+    a copy of the optimizer's __dict__ (the same values) and a class deriving
+    from the optimizer's, step() forwarded."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items()
+                         if k not in ("step", "__del__")}
+        self.__class__ = type("Lightning" + optimizer.__class__.__name__,
+                              (self.__class__, optimizer.__class__), {})
+        self._optimizer = optimizer
+
+    def step(self, closure=None):
+        return self._optimizer.step(closure)
+
+
+def test_clip_grad_norm_through_a_lightning_wrapper_clips_the_step(dos_socket):
+    """Manual optimisation in Lightning: opt = self.optimizers();
+    opt.clip_grad_norm_(1.0); opt.step(). The coefficient set through the
+    wrapper goes with the optimizer's next step (it was set on the wrapper
+    alone and dropped); bit for bit the same as the call on the optimizer."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(32, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x, y = torch.randn(8, 32) * 50, torch.randn(8, 4)
+    with dos.torch.AdamW(models[0].parameters(), lr=1e-2, socket=dos_socket) as a, \
+            dos.torch.AdamW(models[1].parameters(), lr=1e-2, socket=dos_socket) as b:
+        wrapped = LightningLikeOptimizer(a)
+        for _ in range(3):
+            for m, opt in ((models[0], wrapped), (models[1], b)):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                assert float(opt.clip_grad_norm_(0.5)) > 0.5  # clipping applies
+                opt.step()
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)

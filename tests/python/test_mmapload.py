@@ -26,6 +26,8 @@ def zip_file(path, obj=None):
     ("optimizer.pt", 0, True),          # the HF Trainer's
     ("optimizer.bin", 0, True),         # Accelerate's
     ("optimizer_2.bin", 0, True),       # Accelerate's further optimizers
+    ("epoch=0-step=100.ckpt", 0, True),  # Lightning's ModelCheckpoint
+    ("last.ckpt", 0, True),
     ("optimizer.pt", 1 << 40, False),   # small files are read as before
     ("model.pt", 0, False),
     ("optimizer.pt.bak", 0, False),
@@ -39,11 +41,13 @@ def test_only_large_optimizer_files_in_zip_format_are_mapped(tmp_path, monkeypat
     assert _mmapload.maps(str(path)) is expect
 
 
-def test_file_objects_legacy_files_and_missing_files_are_not_mapped(tmp_path, monkeypatch):
+def test_other_file_objects_legacy_files_and_missing_files_are_not_mapped(tmp_path, monkeypatch):
     monkeypatch.setattr(_mmapload, "_MIN_BYTES", 0)
     path = zip_file(tmp_path / "optimizer.pt")
     with open(path, "rb") as f:
-        assert not _mmapload.maps(f)  # torch maps paths only
+        assert _mmapload.maps(f)  # a local file's object at its start: mapped by its path
+        f.read(1)
+        assert not _mmapload.maps(f)  # read from elsewhere: the caller's position
     assert not _mmapload.maps(io.BytesIO(path.read_bytes()))
     legacy = tmp_path / "legacy" / "optimizer.pt"
     legacy.parent.mkdir()
@@ -58,10 +62,14 @@ def fake_torch_load(monkeypatch):
     """torch.load replaced by a recorder and torch's mmap default (torch >=
     2.5's config, or a stand-in on older torch) set to False, both restored
     afterwards. Yields (calls, set_default)."""
-    calls = []
+    calls, locations, files = [], [], []
+    monkeypatch.setattr(_mmapload, "locations", locations, raising=False)
+    monkeypatch.setattr(_mmapload, "files", files, raising=False)
 
-    def recorder(f, *args, mmap=None, **kwargs):  # torch >= 2.1's signature
+    def recorder(f, map_location=None, *args, mmap=None, **kwargs):  # torch >= 2.1's
         calls.append(mmap)
+        files.append(f)
+        locations.append(map_location)
         return "loaded"
 
     try:
@@ -95,6 +103,41 @@ def test_the_wrapper_maps_only_what_maps_says_and_only_without_mmap_given(tmp_pa
     set_default(True)
     torch.load(opt_file)                   # torch's own default set: left to it
     assert calls == [True, None, False, None]
+
+
+def test_a_load_onto_a_gpu_is_mapped_onto_the_host(tmp_path, fake_torch_load):
+    """The HF Trainer with several ranks: torch.load(optimizer.pt,
+    map_location=args.device) would put the whole state (81 GB at 7B) on each
+    rank's GPU; the mapped load goes to the host, which load_state_dict()
+    streams into dosd. Other files and other locations are left alone."""
+    calls, _ = fake_torch_load
+    locations = _mmapload.locations
+    opt_file = zip_file(tmp_path / "optimizer.pt")
+    model_file = zip_file(tmp_path / "model.pt")
+    _mmapload.install()
+    torch.load(opt_file, map_location="cuda:1")
+    torch.load(opt_file, torch.device("cuda", 0))  # positional
+    torch.load(opt_file, map_location=torch.device("cpu"))
+    remap = {"cuda:0": "cpu"}
+    torch.load(opt_file, map_location=remap)       # a mapping or callable: the caller's
+    torch.load(model_file, map_location="cuda:0")  # not an optimizer file: untouched
+    torch.load(opt_file, map_location="cuda:0", mmap=False)  # the caller's choice
+    assert calls == [True, True, True, True, None, False]
+    assert locations == ["cpu", "cpu", torch.device("cpu"), remap, "cuda:0", "cuda:0"]
+
+
+def test_lightnings_load_through_a_file_object_maps_the_file(tmp_path, fake_torch_load):
+    """Lightning's fit(ckpt_path=...) opens the .ckpt through fsspec and
+    hands torch.load the file object: the file is mapped by its path."""
+    calls, _ = fake_torch_load
+    ckpt = zip_file(tmp_path / "epoch=1-step=20.ckpt")
+    _mmapload.install()
+    with open(ckpt, "rb") as f:
+        torch.load(f, map_location="cpu")
+    stream = io.BytesIO(ckpt.read_bytes())
+    torch.load(stream)
+    assert calls == [True, None]
+    assert _mmapload.files == [str(ckpt), stream]
 
 
 def test_switched_off_by_the_environment(tmp_path, fake_torch_load, monkeypatch):

@@ -75,6 +75,10 @@ class Assembly:
         self.armed = True
         self._seen_hooks = []
         self._on_attach = None
+        # Here, not on the optimizer, so that wrappers sharing its __dict__'s
+        # values (LightningOptimizer) share them too:
+        self.clip = None  # from clip_grad_norm_(), for the next step() (_grads.Clip)
+        self.amp_found_inf = None  # torch's GradScaler's inf-check tensor (found_inf)
         _mmapload.install()  # a framework's resume maps optimizer.pt (dos/_mmapload.py)
 
     def register(self, resume=None, on_attach=None) -> None:

@@ -2,8 +2,9 @@
 
 The Hugging Face Trainer resumes with `torch.load(<checkpoint>/optimizer.pt)`,
 Accelerate's `load_state` with `torch.load(<folder>/optimizer.bin)` (and
-`optimizer_<i>.bin`), and each hands the result to the optimizer's
-load_state_dict(). Read whole, that file is the optimizer state in the
+`optimizer_<i>.bin`), Lightning's `fit(ckpt_path=...)` with torch.load of the
+`.ckpt` file opened through fsspec (a file object), and each hands the
+optimizer's part to its load_state_dict(). Read whole, that file is the optimizer state in the
 trainer's private memory, 12 bytes a parameter (81 GB at 7B), beside dosd's
 own copy of it: on a node sized for one copy the kernel's OOM killer ends
 the run. Mapped (torch >= 2.1's `mmap=True`), its pages come from the page
@@ -12,20 +13,28 @@ so resuming needs no more private memory than training.
 
 `install()` (called when a DOS optimizer is built) wraps `torch.load` once so
 that such a call maps the file, and only such a call: an argument that is a
-path (not a file object), whose name is an optimizer file's as those
-frameworks write it, of at least _MIN_BYTES, in torch's zip format, with no
+path, or a local file's object at its start (then mapped by its path), whose
+name is an optimizer file's or a Lightning checkpoint's as those frameworks
+write it, of at least _MIN_BYTES, in torch's zip format, with no
 `mmap=` given and torch's own default (`torch.utils.serialization.config
 .load.mmap`) not set. Everything else goes to torch.load untouched. The
 tensors of a mapped load are copy-on-write (MAP_PRIVATE): writing to them
 never writes the file. DOS_TORCH_LOAD_MMAP=0 switches this off; torch < 2.1
-has no mmap and is left alone. With several ranks the HF Trainer loads onto
-each rank's GPU (map_location=args.device): mapping then spares the host only.
+has no mmap and is left alone.
+
+With several ranks the HF Trainer loads onto each rank's GPU
+(map_location=args.device): the whole state, 81 GB at 7B, on a device where
+dosd's state never lives. Such a call loads onto the host instead
+(map_location="cpu"): load_state_dict() streams the state into dosd from
+there, and torch's own optimizers move their state to each parameter's device
+themselves.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import io
 import os
 import re
 
@@ -33,25 +42,41 @@ import torch
 
 __all__ = ["install", "maps"]
 
-_NAME = re.compile(r"optimizer(_\d+)?\.(pt|bin)")
+_NAME = re.compile(r"optimizer(_\d+)?\.(pt|bin)|.+\.ckpt")
 _MIN_BYTES = 256 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
 def maps(f) -> bool:
     """Whether a torch.load of `f` (no mmap= given) should map it."""
-    if not isinstance(f, (str, os.PathLike)):
-        return False
+    return _mapped_path(f) is not None
+
+
+def _mapped_path(f):
+    """The path to map for a torch.load of `f`, or None (see the docstring)."""
     try:
-        path = os.fspath(f)
+        if isinstance(f, (str, os.PathLike)):
+            path = os.fspath(f)
+        else:
+            path = _file_object_path(f)
         if not isinstance(path, str) or not _NAME.fullmatch(os.path.basename(path)):
-            return False
+            return None
         if os.path.getsize(path) < _MIN_BYTES:
-            return False
+            return None
         with open(path, "rb") as fh:
-            return fh.read(4) == _ZIP_MAGIC
-    except (OSError, TypeError, ValueError):
-        return False  # torch.load reports what is wrong with it
+            return path if fh.read(4) == _ZIP_MAGIC else None
+    except (OSError, TypeError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None  # torch.load reports what is wrong with it
+
+
+def _file_object_path(f):
+    """A file object's path, where it is a local file's (its descriptor the
+    file at that path) read from its start; else None."""
+    path = getattr(f, "name", None)
+    if not isinstance(path, str) or f.tell() != 0:
+        return None
+    st, at = os.fstat(f.fileno()), os.stat(path)
+    return path if (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino) else None
 
 
 def install() -> None:
@@ -73,9 +98,27 @@ def install() -> None:
 
     @functools.wraps(original)
     def load(f, *args, **kwargs):
-        if "mmap" not in kwargs and not (config is not None and config.load.mmap) and maps(f):
-            kwargs["mmap"] = True
+        if "mmap" not in kwargs and not (config is not None and config.load.mmap):
+            path = _mapped_path(f)
+            if path is not None:
+                f, kwargs["mmap"] = path, True  # a file object's path: torch maps paths
+                args, kwargs = _on_host(args, kwargs)
         return original(f, *args, **kwargs)
 
     load._dos_mmap_wrapped = True
     torch.load = load
+
+
+def _on_host(args, kwargs):
+    """torch.load's map_location (its first argument after the file), a
+    CUDA device named by a string or torch.device, made "cpu"."""
+    loc = args[0] if args else kwargs.get("map_location")
+    try:
+        cuda = isinstance(loc, (str, torch.device)) and torch.device(loc).type == "cuda"
+    except (RuntimeError, TypeError, ValueError):
+        cuda = False  # torch.load reports what is wrong with it
+    if not cuda:
+        return args, kwargs
+    if args:
+        return ("cpu",) + tuple(args[1:]), kwargs
+    return args, dict(kwargs, map_location="cpu")

@@ -94,8 +94,6 @@ class _DosAdamBase(torch.optim.Optimizer):
                                                 weight_decay, foreach, fused, capturable))
         self._torch_state = DaemonState(weak_hook(self, lambda opt, p: opt._state_of_param(p)))
         self._registering = False
-        self._amp_found_inf = None
-        self._clip = None  # from clip_grad_norm_(), for the next step() (_grads.Clip)
         overlap = check_overlap(overlap)
         # delay=1: dosd's CPU path one step late (dos/_delay.py, docs/python.md).
         delay, delay_warmup = check_delay(delay, delay_warmup, overlap, model)
@@ -131,13 +129,13 @@ class _DosAdamBase(torch.optim.Optimizer):
     @found_inf.setter
     def found_inf(self, value) -> None:
         if isinstance(value, torch.Tensor):
-            self._amp_found_inf = value
+            self._parts.amp_found_inf = value
         else:
             self._parts.flight.found_inf = bool(value)
 
     @found_inf.deleter
     def found_inf(self) -> None:
-        self._amp_found_inf = None
+        self._parts.amp_found_inf = None
 
     @property
     def last_step(self) -> Optional[Dict[str, Any]]:
@@ -273,8 +271,8 @@ class _DosAdamBase(torch.optim.Optimizer):
         every parameter's (fresh ones: master = weight, zero moments, step 0),
         a layout to load into in place (DCP). torch.distributed.checkpoint's
         get/set_optimizer_state_dict get that by default (torch's own
-        optimizers get it from DCP's zero-gradient init step, which DOS skips:
-        its gradients are never None). Waits for a step in flight first, so
+        optimizers get it from DCP's zero-gradient init step, which step()
+        ignores: it would decay the moments and count a step). Waits for a step in flight first, so
         it always shows finished steps."""
         self._check_open("state_dict")
         caller = sys._getframe(1)  # DCP, accelerate's placement: dos/_callers.py
@@ -382,8 +380,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         grads = _grads.clip_grads(self.param_groups)
         if not grads:
             return torch.tensor(0.0)
-        total, self._clip = _grads.clip_coefficient(grads, max_norm, norm_type, error_if_nonfinite,
-                                                    _grads.clip_shardings(self.param_groups))
+        total, self._parts.clip = _grads.clip_coefficient(
+            grads, max_norm, norm_type, error_if_nonfinite,
+            _grads.clip_shardings(self.param_groups))
         return total
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
@@ -399,7 +398,7 @@ class _DosAdamBase(torch.optim.Optimizer):
         by step() yet), the early step is given up first (overlap=True) or
         completed (overlap="update"), as step() would never see these."""
         self._check_open("zero_grad")
-        self._clip = None  # the coefficient goes with the gradients it measured
+        self._parts.clip = None  # the coefficient goes with the gradients it measured
         entries = self._parts.driver.before_zero_grad(self._entries)
         if set_to_none is None:
             set_to_none = _SET_TO_NONE_DEFAULT
@@ -416,13 +415,14 @@ class _DosAdamBase(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float = 1.0, clip_coef: float = 1.0, **kwargs):
         """One Adam(W) step in the daemon. `grad_scale` divides the gradients
         (an AMP loss scale), `clip_coef` then multiplies them. Sets
-        `self.found_inf` (non-finite gradients: nothing was applied).
-        Driven by a GradScaler (`scaler.step(opt)`), the scaler's scale is
-        used as grad_scale. How the step runs is its driver's (the mode
-        decided at construction: dos/_step.py)."""
+        `self.found_inf` (non-finite gradients: nothing was applied). Driven
+        by a GradScaler (`scaler.step(opt)`), its scale is grad_scale. How the
+        step runs is its driver's (the mode decided at construction: _step.py)."""
         grad_scaler = kwargs.pop("grad_scaler", None)
         if kwargs:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        if _callers.from_dcp_init(sys._getframe(1)):
+            return None  # DCP's zero-gradient init step: dosd holds every parameter's state
         self._check_open("step")  # before the closure's forward and backward
         self._parts.driver.arm()
         loss = None
@@ -434,7 +434,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             return loss
         driver = self._parts.driver
         driver.settle(lambda: _grads.thawed(self.param_groups, self._entries))
-        clip, self._clip = self._clip, None
+        clip, self._parts.clip = self._parts.clip, None
         if clip is not None:
             clip_coef = float(clip_coef) * clip.coef
         scaled = grad_scaler is not None or getattr(self, "grad_scale", None) is not None
@@ -443,7 +443,7 @@ class _DosAdamBase(torch.optim.Optimizer):
             checked=clip is not None and clip.checked(self.param_groups),
             scaler_arg=grad_scaler is not None, scaled=scaled,
             amp=lambda: _amp.amp_args(id(self), grad_scaler, getattr(self, "grad_scale", None),
-                                      self._amp_found_inf),
+                                      self._parts.amp_found_inf),
             record_amp=lambda found_inf: _amp.record_amp(id(self), grad_scaler, found_inf),
             reregister=lambda: self._parts.reregister(self.close)))
         return loss
