@@ -66,6 +66,14 @@ void AppendField(std::string* line, absl::string_view key, absl::string_view val
 
 RateLimiter::Decision RateLimiter::Admit(absl::string_view event, absl::Time now) {
   absl::MutexLock lock(&mu_);
+  if (windows_.size() >= kMaxWindows) {
+    // Windows of past spells with nothing left to report go (keys carry a
+    // uid: a node's users over months).
+    for (auto it = windows_.begin(); it != windows_.end();) {
+      const bool idle = it->second.suppressed == 0 && now - it->second.start >= window_;
+      idle ? windows_.erase(it++) : void(++it);
+    }
+  }
   Window& w = windows_[std::string(event)];
   Decision d;
   if (now - w.start >= window_) {
@@ -94,9 +102,30 @@ std::vector<std::pair<std::string, uint64_t>> RateLimiter::TakeSuppressed() {
   return out;
 }
 
+std::string LimitKey(absl::string_view event, absl::string_view fields) {
+  bool quoted = false;
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const char c = fields[i];
+    if (quoted) {
+      if (c == '\\') {
+        ++i;  // \" or \\ inside a quoted value
+      } else if (c == '"') {
+        quoted = false;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ' ' && fields.substr(i, 5) == " uid=") {
+      const size_t end = fields.find(' ', i + 1);
+      return absl::StrCat(event, fields.substr(i, end == absl::string_view::npos ? end : end - i));
+    }
+  }
+  return std::string(event);
+}
+
 namespace {
-// Warnings and errors: at most 10 lines per event per 10 s; the next line
-// after a quiet spell says how many were left out (suppressed=N).
+// Warnings and errors: at most 10 lines per event (and uid) per 10 s, so one
+// user's refused calls do not hide another's; the next line after a quiet
+// spell says how many were left out (suppressed=N).
 RateLimiter& Limiter() {
   static RateLimiter* const limiter = new RateLimiter(10, absl::Seconds(10));
   return *limiter;
@@ -106,14 +135,6 @@ RateLimiter& Limiter() {
 RateLimiter& InfoLimiter() {
   static RateLimiter* const limiter = new RateLimiter(20, absl::Seconds(10));
   return *limiter;
-}
-
-// "<event>" or "<event> uid=<n>" when the line names a uid.
-std::string LimitKey(absl::string_view event, absl::string_view fields) {
-  const size_t at = fields.find(" uid=");
-  if (at == absl::string_view::npos) return std::string(event);
-  const size_t end = fields.find(' ', at + 1);
-  return absl::StrCat(event, fields.substr(at, end == absl::string_view::npos ? end : end - at));
 }
 
 std::string Timestamp(absl::Time now) {
@@ -138,14 +159,14 @@ void Emit(LogLevel level, absl::string_view event, const std::string& fields) {
   std::string suppressed;
   if (level >= LogLevel::kInfo) {
     const bool info = level == LogLevel::kInfo;
-    const std::string key = info ? LimitKey(event, fields) : std::string(event);
+    const std::string key = LimitKey(event, fields);
     RateLimiter::Decision d = (info ? InfoLimiter() : Limiter()).Admit(key, now);
     if (!d.emit) {
       if (!d.first_suppressed) return;
       // Say once that lines are being left out, and how the count is reported.
       const std::string note = absl::StrCat(
           "ts=", Timestamp(now), " level=warning event=log.rate_limited limited_event=", event,
-          info ? key.substr(event.size()) : "",
+          key.substr(event.size()),
           " note=\"further lines of this event are left out for up to 10s; the next one says "
           "suppressed=N\"\n");
       ssize_t unused = ::write(STDERR_FILENO, note.data(), note.size());

@@ -59,6 +59,7 @@ class RateLimiter {
     int lines = 0;
     uint64_t suppressed = 0;
   };
+  static constexpr size_t kMaxWindows = 4096;  // past it, idle windows are dropped
   const int lines_per_window_;
   const absl::Duration window_;
   absl::Mutex mu_;
@@ -66,6 +67,10 @@ class RateLimiter {
 };
 
 void AppendField(std::string* line, absl::string_view key, absl::string_view value);
+// The rate limit's key of a line: "<event> uid=<n>" where its fields (as
+// AppendField writes them) name a uid, else "<event>". A uid=... inside a
+// quoted value (a client's name) is not the line's.
+std::string LimitKey(absl::string_view event, absl::string_view fields);
 // Writes one log.suppressed line per event (and uid) whose left-out lines no
 // later line has reported yet (at exit: nothing goes uncounted).
 void FlushSuppressed();

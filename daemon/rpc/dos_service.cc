@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/log.h"
 #include "daemon/rpc/session_lookup.h"
@@ -316,6 +317,8 @@ absl::Status DosService::HandleRegisterShard(const RpcCall& call,
                                              v1::RegisterShardResponse* resp) {
   DOS_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                        call.MayActOn(FindSession(*sessions_, req.session()), "register"));
+  DOS_RETURN_IF_ERROR(s->BeginRegister());  // before the request is copied
+  absl::Cleanup registered = [&s] { s->EndRegister(); };
   DOS_RETURN_IF_ERROR(AdmitRegistration(*s, req));
   absl::StatusOr<ShardSpec> spec = ToShardSpec(req);
   absl::Status st = spec.ok() ? s->Register(*spec) : spec.status();

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -130,11 +131,20 @@ void Session::CloseTrainerEvent() {
   trainer_event_ = nullptr;
 }
 
-void Session::StartStepThread() {
+absl::Status Session::StartStepThread() {
   absl::MutexLock lock(&thread_mu_);
-  if (stop_.load(std::memory_order_acquire) || step_thread_.joinable()) return;
-  step_thread_ = std::thread([this] { StepLoop(); });
+  if (stop_.load(std::memory_order_acquire) || step_thread_.joinable()) return absl::OkStatus();
+  try {
+    step_thread_ = std::thread([this] { StepLoop(); });
+  } catch (const std::system_error& e) {
+    RequestStop();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: dosd could not start session ", identity_.id, "'s step thread (", e.what(),
+        "); the session is stopped: detach it and attach again, and ask the operator to check "
+        "dosd's thread limits (LimitNPROC, TasksMax)"));
+  }
   thread_started_.store(true, std::memory_order_release);
+  return absl::OkStatus();
 }
 
 bool Session::ClientGoneWithoutThread() const {

@@ -140,6 +140,13 @@ class Session {
   // Maps the tensors, validates them and initialises the state from the
   // trainer's weights. FAILED_PRECONDITION if already registered.
   absl::Status Register(const ShardSpec& spec);
+  // One RegisterShard call at a time, before its request is converted:
+  // FAILED_PRECONDITION at once while another runs or once the shard is
+  // registered (calls sent together on a session whose step holds mu_ each
+  // held a thread and a copy of their request until the step let go).
+  // EndRegister() after each admitted call.
+  absl::Status BeginRegister();
+  void EndRegister() { registering_.store(false); }
 
   // State transfer of elements [offset, offset + count) of one tensor (count
   // 0: the whole tensor, offset 0): count fp32 master weights, exp_avg and
@@ -287,8 +294,10 @@ class Session {
   template <typename Locked>
   absl::Status ThroughGate(absl::string_view what, Locked locked) ABSL_LOCKS_EXCLUDED(mu_)
       ABSL_NO_THREAD_SAFETY_ANALYSIS;  // a polled TryLock the analysis cannot follow
-  // Starts the step thread (once; not after Stop()).
-  void StartStepThread();
+  // Starts the step thread (once; not after Stop()). RESOURCE_EXHAUSTED
+  // where the system has no thread to give (the session then stops: a
+  // thrown std::system_error would have ended dosd and every session).
+  absl::Status StartStepThread();
   // One step request (`seq`), in parts: HandleRequest reads the request
   // once and clears the result; RunStep (under mu_) applies the lease,
   // decodes the step's kind (StepKind::Decode: the only place its flags are
@@ -463,6 +472,7 @@ class Session {
   // hand-off gives way to them (AwaitHandOff), and the next step lets them
   // take it first (HandleRequest).
   std::atomic<int> others_waiting_{0};
+  std::atomic<bool> registering_{false};  // BeginRegister .. EndRegister
   // mu_ for anything but the step loop, counted in others_waiting_ while it
   // waits.
   class ABSL_SCOPED_LOCKABLE OthersLock {

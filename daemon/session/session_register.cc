@@ -33,16 +33,34 @@ struct Session::Registration {
   LedgerCharge bookkeeping_charge;
 };
 
+namespace {
+
+absl::Status AlreadyRegistered(uint64_t session) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("register: session ", session,
+                   " already has a registered shard; attach a new session to register "
+                   "different tensors"));
+}
+
+}  // namespace
+
+absl::Status Session::BeginRegister() {
+  if (registered()) return AlreadyRegistered(identity_.id);
+  bool idle = false;
+  if (!registering_.compare_exchange_strong(idle, true)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: session ", identity_.id,
+        " is being registered by another RegisterShard call; register once per session and "
+        "wait for the answer"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::Register(const ShardSpec& given) {
   OthersLock lock(this);
   absl::Cleanup progress_done = [this] { register_progress_->Finish(); };
   ShardSpec spec = given;  // its segments resolved below
-  if (shard_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("register: session ", identity_.id,
-                     " already has a registered shard; attach a new session to register "
-                     "different tensors"));
-  }
+  if (shard_ != nullptr) return AlreadyRegistered(identity_.id);
   DOS_RETURN_IF_ERROR(ValidateShardSpec(spec));
   Registration reg;
   DOS_RETURN_IF_ERROR(ChargeBookkeeping(spec, &reg));
@@ -60,8 +78,7 @@ absl::Status Session::Register(const ShardSpec& given) {
   }
   Publish(&reg);
   holds_adopted_.store(false, std::memory_order_release);
-  StartStepThread();
-  return absl::OkStatus();
+  return StartStepThread();
 }
 
 absl::Status Session::CheckBookkeeping(uint64_t tensors, uint64_t bookkeeping_bytes) const {

@@ -13,6 +13,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/security/security_env.h"
 #include "tests/support/loopback.h"
@@ -157,6 +159,33 @@ TEST(Limits, ClosedControlBlocksStillMappedCountAsSessions) {
       5000))
       << d->log().substr(0, 4000);
   EXPECT_EQ(d->Stop(), 0) << d->log().substr(0, 4000);
+}
+
+// A client name that says "uid=<another user's uid>" is a quoted value, not
+// the line's uid: 150 such attaches neither escape the limit nor use up the
+// other user's lines.
+TEST(Limits, AClientNameCannotClaimAnotherUsersLogLines) {
+  DOS_SECURITY_REQUIRE();
+  auto d = SecureDaemon({"--max_sessions_per_uid=0"});
+  ASSERT_TRUE(d->Start()) << d->log();
+  const std::string a_uid = " uid=" + std::to_string(User("dos-sec-a").uid);
+  const std::string e_uid = " uid=" + std::to_string(User("dos-sec-e").uid);
+  const std::string out =
+      RunAs(User("dos-sec-a"), d->socket(), {"rpc_attach:name=j" + e_uid + " z,n=150"});
+  EXPECT_EQ(Field(out, "attached"), "150") << out << d->log().substr(0, 4000);
+  const std::string e = RunAs(User("dos-sec-e"), d->socket(), {"attach"});
+  EXPECT_NE(e.find("OK attach"), std::string::npos) << e;
+  const std::string log = d->log();
+  EXPECT_LE(LinesWith(log, {" event=session.attach ", a_uid}), 40u) << log.size() << " bytes";
+  size_t e_lines = 0;  // e's own line: its uid outside the forged name
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, " event=session.attach ") && !absl::StrContains(line, " z\"") &&
+        absl::StrContains(line, e_uid)) {
+      ++e_lines;
+    }
+  }
+  EXPECT_EQ(e_lines, 1u) << log;
+  EXPECT_EQ(d->Stop(), 0);
 }
 
 // One user attaching 150 times logs session.attach 20 times and a count; the

@@ -117,6 +117,27 @@ TEST_F(SessionTest, AnAttachFailureLeavesTheSessionUnregistered) {
   EXPECT_EQ(budget_.used(), 0u);  // the state built for it was freed
 }
 
+// RegisterShard calls sent together on one session (a stalled step holding
+// it) each held a thread and a copy of their request until the step let go;
+// now one is admitted at a time, the others refused at once, and none once
+// the shard is registered.
+TEST_F(SessionTest, OneRegistrationAtATimeAndNoneOnceRegistered) {
+  auto s = NewSession("auto");
+  ASSERT_TRUE(s->BeginRegister().ok());
+  absl::Status second = s->BeginRegister();
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.message().find("being registered by another RegisterShard call"),
+            std::string::npos)
+      << second;
+  s->EndRegister();
+  ASSERT_TRUE(s->BeginRegister().ok());  // a failed attempt is retried after its answer
+  ASSERT_TRUE(s->Register(DeviceSpec()).ok());
+  s->EndRegister();
+  absl::Status again = s->BeginRegister();
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.message().find("already has a registered shard"), std::string::npos) << again;
+}
+
 TEST_F(SessionTest, TheTrainerEventIsOpenedAtRegistrationWaitedOnAndClosed) {
   {
     auto s = NewSession("auto");
