@@ -6,9 +6,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-
 #include <random>
+#include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/log.h"
@@ -70,14 +71,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   Policy policy;
   std::shared_ptr<Session> old;  // the orphaned session being resumed
   std::shared_ptr<Session> dying;  // still in the table, its client already dead
-  // Control blocks of closed sessions count as sessions (CheckCaps) until
-  // they are seen unmapped: a detach's is unmapped only after its Detach call
-  // returns, so a close-then-attach (a rebuild) would find its own. Looked at
-  // again now (off mu_: freeing what the reap gives back takes time).
-  if (budget_ != nullptr && options_.ledger != nullptr &&
-      options_.ledger->Used(identity.uid, UidResource::kClosedBlocks) > 0) {
-    budget_->ReapViews();
-  }
+  bool creating = false;           // counted in creating_ until it is in sessions_ or failed
+  absl::Cleanup uncount = [&] {
+    if (!creating) return;
+    absl::MutexLock lock(&mu_);
+    CreatedLocked(identity.uid);
+  };
+  LookAgainAtClosedBlocks(identity.uid);
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return absl::UnavailableError("attach: the daemon is shutting down");
@@ -85,6 +85,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
     if (resume_id == 0) {
       DOS_RETURN_IF_ERROR(CheckCaps(identity.uid));
       identity.id = next_id_++;
+      CountCreatingLocked(identity.uid);
+      creating = true;
     } else {
       auto live = sessions_.find(resume_id);
       if (live != sessions_.end()) {
@@ -155,6 +157,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(SessionIdentity 
   {
     absl::MutexLock lock(&mu_);
     sessions_[identity.id] = session;
+    if (std::exchange(creating, false)) CreatedLocked(identity.uid);
   }
   DOS_LOG_INFO(old != nullptr ? "session.resume" : "session.attach", "session", identity.id,
                "client", identity.client_name, "pid", identity.pid, "rank", identity.rank,
@@ -166,7 +169,7 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
   // Closed sessions whose control blocks are still mapped count here too: each
   // holds a memfd and a descriptor of dosd's.
   const size_t closed = budget_ != nullptr ? budget_->held_blocks() : 0;
-  const size_t total = sessions_.size() + orphans_.size() + closed;
+  const size_t total = sessions_.size() + orphans_.size() + closed + creating_total_;
   if (options_.max_sessions != 0 && total >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "attach: dosd holds ", total, " sessions",
@@ -192,8 +195,30 @@ absl::Status SessionManager::CheckCaps(uint32_t uid) const {
   return absl::OkStatus();
 }
 
+void SessionManager::LookAgainAtClosedBlocks(uint32_t uid) {
+  // Control blocks of closed sessions count as sessions (CheckCaps) until
+  // they are seen unmapped: a detach's is unmapped only after its Detach call
+  // returns, so a close-then-attach (a rebuild) would find its own. Looked at
+  // again at an attach (off mu_: freeing what the reap gives back takes time).
+  if (budget_ != nullptr && options_.ledger != nullptr &&
+      options_.ledger->Used(uid, UidResource::kClosedBlocks) > 0) {
+    budget_->ReapViews();
+  }
+}
+
+void SessionManager::CountCreatingLocked(uint32_t uid) {
+  ++creating_[uid];
+  ++creating_total_;
+}
+
+void SessionManager::CreatedLocked(uint32_t uid) {
+  --creating_total_;
+  if (--creating_[uid] == 0) creating_.erase(uid);
+}
+
 uint64_t SessionManager::SessionsOfLocked(uint32_t uid) const {
-  uint64_t n = 0;
+  auto c = creating_.find(uid);
+  uint64_t n = c == creating_.end() ? 0 : c->second;
   for (const auto& [id, s] : sessions_) n += s->identity().uid == uid ? 1 : 0;
   for (const auto& [id, o] : orphans_) n += o.session->identity().uid == uid ? 1 : 0;
   if (options_.ledger != nullptr) n += options_.ledger->Used(uid, UidResource::kClosedBlocks);

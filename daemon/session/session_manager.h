@@ -119,6 +119,9 @@ class SessionManager {
   // uid's --max_sessions_per_uid.
   absl::Status CheckCaps(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t SessionsOfLocked(uint32_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountCreatingLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CreatedLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // one creating_ less
+  void LookAgainAtClosedBlocks(uint32_t uid) ABSL_LOCKS_EXCLUDED(mu_);
   void ReapLoop();
   void StopAndFree(std::shared_ptr<Session> session, absl::string_view why);
   // A resumed session whose Register refused the state it adopted (detached,
@@ -144,6 +147,10 @@ class SessionManager {
   std::map<RestoreKey, std::vector<std::string>> restore_ ABSL_GUARDED_BY(mu_);
   Env* restore_env_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // New sessions past CheckCaps, not yet in sessions_ (Session::Create runs
+  // off mu_): counted by CheckCaps, so attaches at once cannot all pass.
+  std::map<uint32_t, uint64_t> creating_ ABSL_GUARDED_BY(mu_);
+  uint64_t creating_total_ ABSL_GUARDED_BY(mu_) = 0;
   Policy default_policy_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(uint64_t)> on_close_ ABSL_GUARDED_BY(mu_);

@@ -336,6 +336,37 @@ def test_readers_see_whole_steps(dos_socket, tmp_path):
         opt.close()
 
 
+def test_an_evaluation_forward_sees_whole_steps(dos_socket):
+    """The HF Trainer's evaluate() and Lightning's validation run the model
+    in eval mode between steps: such a forward installs the pending update
+    first, so its metrics are of the step the optimizer state holds (and a
+    checkpoint they select); training forwards leave it pending."""
+    data = make_data(n=6)
+    model = make_mlp()
+    opt = dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket, model=model,
+                          client_name="pytest-delay-eval", delay=1, delay_warmup=0)
+    try:
+        for x, y in data[:5]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        assert opt.last_step["delayed_subgroups"] > 0
+        behind = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            model(data[5][0])  # a training-mode forward: still pending
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), behind))
+        model.eval()
+        with torch.no_grad():
+            model(data[5][0])
+        model.train()
+        evaluated = [p.detach().clone() for p in model.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(evaluated, behind))
+        opt.synchronize()  # would install what is pending: nothing is left
+        assert all(torch.equal(a, b) for a, b in zip(evaluated, model.parameters()))
+    finally:
+        opt.close()
+
+
 def test_delay_arguments_are_checked(dos_socket):
     model = make_mlp()
     with pytest.raises(ValueError, match="model="):

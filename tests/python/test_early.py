@@ -112,9 +112,9 @@ def test_clip_grad_norm_returns_torch_norm_and_leaves_gradients(dos_socket):
             p.grad = g.clone()
         expected = torch.nn.utils.clip_grad_norm_(params, 1e9)
         assert torch.allclose(norm, expected, rtol=1e-6)
-        assert 0 < opt._clip.coef < 1
+        assert 0 < opt._parts.clip.coef < 1
         opt.step()
-        assert opt._clip is None  # consumed by the step
+        assert opt._parts.clip is None  # consumed by the step
 
 
 def test_update_during_backward_equals_synchronous(dos_socket):
@@ -249,6 +249,7 @@ def test_grad_scaler_skip_abandons(dos_socket):
         opt.step()
         del opt.found_inf
         assert opt.found_inf
+        assert opt.last_step["skipped"] and opt.last_step["found_inf"]  # as without overlap
         for p, b in zip(model.parameters(), before):
             assert torch.equal(p.detach(), b)
         opt.zero_grad()

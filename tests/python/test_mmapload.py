@@ -155,7 +155,11 @@ def mapped_files():
 
 
 @pytest.mark.skipif(not HAS_MMAP, reason="torch < 2.1 has no torch.load(mmap=True)")
-def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["hf", "lightning"])
+def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, monkeypatch,
+                                                          how):
+    """The HF Trainer loads checkpoint-N/optimizer.pt by path (onto a GPU with
+    several ranks), Lightning its .ckpt through an fsspec file object."""
     monkeypatch.setattr(_mmapload, "_MIN_BYTES", 1 << 20)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
@@ -165,14 +169,20 @@ def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, 
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-        path = tmp_path / "checkpoint-2" / "optimizer.pt"
+        name = "optimizer.pt" if how == "hf" else "epoch=0-step=2.ckpt"
+        path = tmp_path / "checkpoint-2" / name
         path.parent.mkdir()
         torch.save(opt.state_dict(), path)
         saved = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()
                  if torch.is_tensor(v)}
-        # What the HF Trainer does on resume_from_checkpoint:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        gpu = "cuda:0" if torch.cuda.is_available() else "cpu"
+        if how == "hf":  # resume_from_checkpoint, with several ranks onto args.device
+            loaded = torch.load(path, map_location=gpu, weights_only=True)
+        else:  # lightning.fabric.utilities.cloud_io._load: fsspec's local file object
+            with open(path, "rb") as f:
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
         assert str(path) in mapped_files()  # mapped, not read into private memory
+        assert loaded["state"][0]["exp_avg"].device.type == "cpu"  # not onto the GPU
         for k, v in saved.items():
             assert torch.equal(loaded["state"][0][k], v), k
         opt.load_state_dict(loaded)

@@ -313,3 +313,36 @@ def test_a_state_dict_kept_across_steps_shows_each_later_step_whole(dos_socket, 
         del held, fresh, s, t
     gc.collect()
     assert not _views.live()  # a live view would turn later tests' delay off
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_cuda_views_kept_across_steps_show_resident_subgroups_whole(dos_socket):
+    """A GPU session keeps subgroups resident on the GPU between steps, and
+    dosd's host arrays (what views show) then lag: views kept across steps,
+    here the moments' alone without their step counts, show each later step
+    as the host path's do."""
+    if not dos._native.cuda_supported():
+        pytest.skip("libdos_client was built without CUDA")
+    model = big_model().cuda()
+    g = torch.Generator().manual_seed(1)
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, model=model, **LR) as opt:
+        def train_cuda(n):
+            for _ in range(n):
+                opt.zero_grad()
+                model(torch.randn(16, 1024, generator=g).cuda()).pow(2).mean().backward()
+                opt.step()
+
+        train_cuda(3)
+        sd = opt.state_dict()
+        views = {k: s["exp_avg"] for k, s in sd["state"].items()
+                 if s["exp_avg"].data_ptr() in _views._origins}
+        assert views  # the large tensors' moments are views of dosd's memory
+        del sd, s
+        train_cuda(2)
+        fresh = opt.state_dict()
+        for k, v in views.items():
+            assert float(fresh["state"][k]["step"]) == 5
+            assert torch.equal(v, fresh["state"][k]["exp_avg"]), k
+        del views, fresh, v
+    gc.collect()
+    assert not _views.live()

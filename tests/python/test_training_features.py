@@ -78,7 +78,7 @@ def test_a_gradient_written_after_the_clip_is_scanned_again(dos_socket, monkeypa
         if norm_type == 2.0:
             next(model.parameters()).grad.view(-1)[0] = float("nan")
         else:
-            assert not opt._clip.checked(opt.param_groups)
+            assert not opt._parts.clip.checked(opt.param_groups)
             next(model.parameters()).grad.data.view(-1)[0] = float("nan")  # no version moves
         opt.step()
         assert opt.found_inf

@@ -12,7 +12,8 @@ dos/_early.py) with the same interface and adds two things:
     a step begun during backward (overlap=True) is delayed as the flag stood
     when it began, which the previous step() set;
   - whole steps for readers: `finish()` (state_dict(), synchronize(), a
-    module's state_dict hook, `opt.state`) and `close()` collect the step in
+    module's state_dict hook, a forward of the model in eval mode,
+    `opt.state`) and `close()` collect the step in
     flight, then have dosd install the weights it left pending (the daemon's
     state is whole already: dosd serialises its state reads behind the
     update). `report()` (found_inf, last_step) only collects, so reading the
@@ -70,6 +71,17 @@ def owner_reader_hooks(model, entries, finish) -> list:
     return handles
 
 
+def eval_forward_hook(model, finish):
+    """A forward of `model` in eval mode (a framework's evaluation between
+    steps: the HF Trainer's evaluate(), Lightning's validation loop) finishes
+    the step first, so its metrics are of whole steps, as is the checkpoint
+    they may select; training forwards go on beside the pending update."""
+    def before(module, _inputs):
+        if not module.training:
+            finish()
+    return model.register_forward_pre_hook(before)
+
+
 def warn_outside(model, entries) -> None:
     """Warns about registered parameters that are not `model`'s: reading
     them through another module installs no pending update."""
@@ -100,6 +112,8 @@ class DelayedDriver:
         # for the others the model's modules get the same reader hooks.
         self._handles = [] if hasattr(inner, "hooks") or model is None else \
             owner_reader_hooks(model, reg.entries, finish)
+        if model is not None:
+            self._handles.append(eval_forward_hook(model, finish))
         warn_outside(model, reg.entries)
         if hasattr(inner, "scalable"):
             _inplace.watch(inner)  # torch's in-place clip beside the captures

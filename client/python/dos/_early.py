@@ -295,7 +295,7 @@ class VerdictDriver(EarlyDriver):
         amp_scale, skip = req.amp()
         if skip:  # the scaler found inf/nan: nothing is applied
             self._give_up()
-            self._flight.found_inf = True
+            self._flight.skipped()  # found_inf, and last_step says so (as SyncDriver's)
             return False
         if self._error:
             self._give_up()

@@ -201,8 +201,8 @@ def _entry_of(p, gi, index, dgroup):
     grad = local_of(p.grad)
     if p.dtype not in DTYPES:
         raise DosError(Status.INVALID_ARGUMENT,
-                       f"register: {label} has dtype {p.dtype}; dosd supports "
-                       "torch.float32, torch.bfloat16 and torch.float16 parameters")
+                       f"register: {label} has dtype {p.dtype}; dosd supports float32, bfloat16 "
+                       "and float16 parameters: convert the model first (model.float())")
     if local.device.type not in ("cpu", "cuda"):
         raise DosError(Status.UNIMPLEMENTED,
                        f"register: {label} is on {local.device}; dosd supports CPU "

@@ -451,12 +451,16 @@ def _step_count(e: Entry, raw) -> int:
 
 
 def _check_groups(groups, saved_groups) -> None:
+    # torch's messages, with the counts: the state dict of another model or
+    # of an optimizer built with other param groups.
     if len(groups) != len(saved_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    for g, sg in zip(groups, saved_groups):
+        raise ValueError(f"loaded state dict has a different number of parameter groups "
+                         f"({len(saved_groups)}, the optimizer has {len(groups)})")
+    for i, (g, sg) in enumerate(zip(groups, saved_groups)):
         if len(g["params"]) != len(sg["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't "
-                             "match the size of optimizer's group")
+            raise ValueError(f"loaded state dict contains a parameter group that doesn't "
+                             f"match the size of optimizer's group (group {i}: "
+                             f"{len(sg['params'])} parameters saved, {len(g['params'])} here)")
         for flag in ("amsgrad", "maximize"):
             if sg.get(flag, False):
                 raise NotImplementedError(

@@ -83,17 +83,23 @@ def refresh(session) -> None:
     unchanged since (a user's write keeps its values), take the step's values,
     as views (and torch's own state tensors) show them, so that a state dict
     kept across a step shows that step whole, not its large tensors' and
-    another's of small ones."""
-    if not _handed or not session:
+    another's of small ones. Views alive show dosd's host arrays, which a
+    GPU session's resident subgroups update only when dosd brings them home:
+    the fetch below has it do so after each step while any view is alive."""
+    if not session:
         return
     addr = _address(session)
+    with _lock:
+        viewed = any(o[0] == addr for o in _origins.values())
+    if not _handed and not viewed:
+        return
     by_index: Dict[int, list] = {}
     for t in list(_handed.values()):
         tag = t._dos_handed
         if tag[0] == addr and torch.equal(t, tag[3]):
             by_index.setdefault(tag[1], []).append(t)
-    if any(all(t._dos_handed[2] == "step" for t in ts) for ts in by_index.values()):
-        fetch(session)  # the step counts now, in one request (step_of reads them)
+    if viewed or any(all(t._dos_handed[2] == "step" for t in ts) for ts in by_index.values()):
+        fetch(session)  # resident state home; the step counts, in one request (step_of)
     for index, ts in by_index.items():
         arrays = [t for t in ts if t._dos_handed[2] != "step"]
         if arrays:  # small tensors' copies: read whole (with the step)

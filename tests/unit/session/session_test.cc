@@ -18,11 +18,13 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/sched/executor_set.h"
+#include "daemon/session/session_manager.h"
 #include "dos/wire/control_channel.h"
 #include "dos/wire/shm_segment.h"
 #include "tests/unit/session/session_fixture.h"
@@ -255,6 +257,34 @@ TEST_F(SessionTest, AControlBlockStillMappedAfterItsSessionStaysChargedToItsUid)
   t.reset();
   EXPECT_EQ(budget_.held_blocks(), 0u);
   EXPECT_EQ(closed(), 0u);
+}
+
+// The session caps are checked under the manager's lock, but a new session
+// enters its table only after Session::Create, off the lock: attaches sent
+// at once all passed the check. Those being created count now.
+TEST_F(SessionTest, AttachesAtOnceStayWithinTheUidsSessionCap) {
+  SessionOptions options;
+  options.max_sessions_per_uid = 2;
+  options.liveness_interval = absl::Milliseconds(10);
+  SessionManager manager(options, *ParsePolicy("cpu"), &executors_, &budget_);
+  std::atomic<int> attached{0}, refused{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 16; ++i) {
+    threads.emplace_back([&] {
+      SessionIdentity id;
+      id.pid = getpid();
+      id.uid = 4242;
+      absl::StatusOr<std::shared_ptr<Session>> s = manager.Attach(id);
+      (s.ok() ? attached : refused).fetch_add(1);
+      if (!s.ok()) {
+        EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(attached.load(), 2);
+  EXPECT_EQ(refused.load(), 14);
+  EXPECT_EQ(manager.SessionsOf(4242), 2u);
 }
 
 }  // namespace
