@@ -339,10 +339,13 @@ def test_cuda_views_kept_across_steps_show_resident_subgroups_whole(dos_socket):
         assert views  # the large tensors' moments are views of dosd's memory
         del sd, s
         train_cuda(2)
+        opt.synchronize()
+        seen = {k: v.clone() for k, v in views.items()}  # before any read asks dosd
+        del views
         fresh = opt.state_dict()
-        for k, v in views.items():
+        for k, v in seen.items():
             assert float(fresh["state"][k]["step"]) == 5
             assert torch.equal(v, fresh["state"][k]["exp_avg"]), k
-        del views, fresh, v
+        del fresh
     gc.collect()
     assert not _views.live()

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dos import _grads, _mmapload, _views
+from dos import _grads, _lightning, _mmapload, _views
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
@@ -80,6 +80,7 @@ class Assembly:
         self.clip = None  # from clip_grad_norm_(), for the next step() (_grads.Clip)
         self.amp_found_inf = None  # torch's GradScaler's inf-check tensor (found_inf)
         _mmapload.install()  # a framework's resume maps optimizer.pt (dos/_mmapload.py)
+        _lightning.install()  # Lightning's save streams the state (dos/_lightning.py)
 
     def register(self, resume=None, on_attach=None) -> None:
         """Attaches (or resumes) a session and registers the parameters.

@@ -1,0 +1,82 @@
+"""Lightning's checkpoint save without a copy of the whole checkpoint in the
+trainer.
+
+Lightning (2.x; 2.6.6 on the GPU machine) saves every checkpoint through
+`lightning.fabric.utilities.cloud_io._atomic_save`: torch.save into an
+io.BytesIO, then `f.write(buffer.getvalue())`. That holds the whole
+checkpoint twice in the trainer's private memory: the optimizer's state (12
+bytes a parameter, 81 GB at 7B, beside dosd's own copy) and the weights. A
+DOS state dict is views of dosd's memory, from which torch.save streams into
+a file; the buffer copies them all the same.
+
+`install()` (called when a DOS optimizer is built, with Lightning imported)
+replaces `_atomic_save` in Lightning's modules that hold it (its checkpoint
+IO imports it by name) with `save()` below: a checkpoint for a local path is
+written by torch.save straight into a new file beside it, flushed, synced
+and renamed over the path (atomic, as Lightning's is); any other destination
+(an object store, another fsspec file system) goes to Lightning's own
+function. DOS_LIGHTNING_STREAM_SAVE=0 switches it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import uuid
+
+import torch
+
+__all__ = ["install"]
+
+_PACKAGES = ("lightning.", "lightning_fabric.", "pytorch_lightning.")
+
+
+def install() -> None:
+    """Wraps Lightning's `_atomic_save` where its modules hold it (see above)."""
+    if os.environ.get("DOS_LIGHTNING_STREAM_SAVE", "1") == "0":
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_PACKAGES):
+            continue
+        original = getattr(module, "_atomic_save", None)
+        if callable(original) and not getattr(original, "_dos_streamed", False):
+            setattr(module, "_atomic_save", _streamed(original))
+
+
+def _streamed(original):
+    @functools.wraps(original)
+    def save(checkpoint, filepath, *args, **kwargs):
+        path = _local_path(filepath)
+        if path is None or args or kwargs:
+            return original(checkpoint, filepath, *args, **kwargs)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "xb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    save._dos_streamed = True
+    return save
+
+
+def _local_path(filepath):
+    """`filepath` as a local path, or None for a URL (s3://, gs://, ...)."""
+    try:
+        path = os.fspath(filepath)
+    except TypeError:
+        return None
+    if not isinstance(path, str):
+        return None
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return None if "://" in path else path
