@@ -17,6 +17,8 @@ from dos import _lightning  # noqa: E402
 # lightning/fabric/utilities/cloud_io.py's save, as Lightning 2.6 writes it
 # for a local file system (the buffer is what costs the memory).
 CLOUD_IO = '''
+import io
+
 import torch
 
 buffered = []
