@@ -337,7 +337,7 @@ def test_cuda_views_kept_across_steps_show_resident_subgroups_whole(dos_socket):
         views = {k: s["exp_avg"] for k, s in sd["state"].items()
                  if s["exp_avg"].data_ptr() in _views._origins}
         assert views  # the large tensors' moments are views of dosd's memory
-        del sd, s
+        del sd
         train_cuda(2)
         opt.synchronize()
         seen = {k: v.clone() for k, v in views.items()}  # before any read asks dosd
