@@ -36,12 +36,16 @@ def install() -> None:
     """Wraps Lightning's `_atomic_save` where its modules hold it (see above)."""
     if os.environ.get("DOS_LIGHTNING_STREAM_SAVE", "1") == "0":
         return
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(_PACKAGES):
+    for package in _PACKAGES:
+        cloud_io = sys.modules.get(package + "fabric.utilities.cloud_io" if package == "lightning."
+                                   else package + "utilities.cloud_io")
+        original = getattr(cloud_io, "_atomic_save", None)
+        if not callable(original) or getattr(original, "_dos_streamed", False):
             continue
-        original = getattr(module, "_atomic_save", None)
-        if callable(original) and not getattr(original, "_dos_streamed", False):
-            setattr(module, "_atomic_save", _streamed(original))
+        streamed = _streamed(original)
+        for name, module in list(sys.modules.items()):
+            if name.startswith(_PACKAGES) and getattr(module, "_atomic_save", None) is original:
+                setattr(module, "_atomic_save", streamed)
 
 
 def _streamed(original):
