@@ -122,8 +122,10 @@ def test_a_load_onto_a_gpu_is_mapped_onto_the_host(tmp_path, fake_torch_load):
     torch.load(opt_file, map_location=remap)       # a mapping or callable: the caller's
     torch.load(model_file, map_location="cuda:0")  # not an optimizer file: untouched
     torch.load(opt_file, map_location="cuda:0", mmap=False)  # the caller's choice
-    assert calls == [True, True, True, True, None, False]
-    assert locations == ["cpu", "cpu", torch.device("cpu"), remap, "cuda:0", "cuda:0"]
+    ckpt = zip_file(tmp_path / "last.ckpt")  # more than an optimizer's: the caller's device
+    torch.load(ckpt, map_location="cuda:0")
+    assert calls == [True, True, True, True, None, False, True]
+    assert locations == ["cpu", "cpu", torch.device("cpu"), remap, "cuda:0", "cuda:0", "cuda:0"]
 
 
 def test_lightnings_load_through_a_file_object_maps_the_file(tmp_path, fake_torch_load):

@@ -24,7 +24,8 @@ has no mmap and is left alone.
 
 With several ranks the HF Trainer loads onto each rank's GPU
 (map_location=args.device): the whole state, 81 GB at 7B, on a device where
-dosd's state never lives. Such a call loads onto the host instead
+dosd's state never lives. A mapped optimizer file (not a Lightning
+checkpoint, which holds more than the optimizer's state) loads onto the host instead
 (map_location="cpu"): load_state_dict() streams the state into dosd from
 there, and torch's own optimizers move their state to each parameter's device
 themselves.
@@ -42,7 +43,8 @@ import torch
 
 __all__ = ["install", "maps"]
 
-_NAME = re.compile(r"optimizer(_\d+)?\.(pt|bin)|.+\.ckpt")
+_OPTIMIZER_FILE = re.compile(r"optimizer(_\d+)?\.(pt|bin)")
+_NAME = re.compile(_OPTIMIZER_FILE.pattern + r"|.+\.ckpt")
 _MIN_BYTES = 256 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -102,7 +104,8 @@ def install() -> None:
             path = _mapped_path(f)
             if path is not None:
                 f, kwargs["mmap"] = path, True  # a file object's path: torch maps paths
-                args, kwargs = _on_host(args, kwargs)
+                if _OPTIMIZER_FILE.fullmatch(os.path.basename(path)):
+                    args, kwargs = _on_host(args, kwargs)  # all of it goes to the optimizer
         return original(f, *args, **kwargs)
 
     load._dos_mmap_wrapped = True
