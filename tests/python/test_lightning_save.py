@@ -103,3 +103,19 @@ def test_switched_off_by_the_environment(fake_lightning, monkeypatch):
     monkeypatch.setenv("DOS_LIGHTNING_STREAM_SAVE", "0")
     _lightning.install()
     assert not getattr(torch_io._atomic_save, "_dos_streamed", False)
+
+
+def test_lightning_imported_after_the_optimizer_is_streamed_at_its_first_state_dict(
+        dos_socket, monkeypatch):
+    """Lightning dumps the optimizer's state_dict() right before it saves:
+    a Lightning imported after the optimizer was built is wrapped then."""
+    model = torch.nn.Linear(8, 4)
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket) as opt:
+        cloud_io = types.ModuleType("lightning.fabric.utilities.cloud_io")
+        exec(compile(CLOUD_IO, "lightning/fabric/utilities/cloud_io.py", "exec"),
+             cloud_io.__dict__)
+        monkeypatch.setitem(sys.modules, cloud_io.__name__, cloud_io)
+        monkeypatch.delenv("DOS_LIGHTNING_STREAM_SAVE", raising=False)
+        assert not getattr(cloud_io._atomic_save, "_dos_streamed", False)
+        opt.state_dict()
+        assert cloud_io._atomic_save._dos_streamed
