@@ -356,8 +356,10 @@ def test_an_evaluation_forward_sees_whole_steps(dos_socket):
             model(data[5][0])  # a training-mode forward: still pending
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), behind))
         model.eval()
+        model(data[5][0])  # computing gradients: not an evaluation, still pending
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), behind))
         with torch.no_grad():
-            model(data[5][0])
+            model[0](data[5][0])  # one layer's forward, as a validation_step may call
         model.train()
         evaluated = [p.detach().clone() for p in model.parameters()]
         assert any(not torch.equal(a, b) for a, b in zip(evaluated, behind))

@@ -68,6 +68,7 @@ def test_a_lightning_checkpoint_of_a_dos_optimizer_is_streamed_to_its_file(
         torch_io._atomic_save(ckpt, path)
         assert cloud_io.buffered == []  # no copy of the checkpoint in the trainer
         assert os.listdir(path.parent) == [path.name]  # renamed over it, nothing left beside
+        assert os.stat(path).st_mode & 0o777 == 0o600  # owner-only, as fsspec's transaction
         loaded = torch.load(path)
         saved = opt.state_dict()["state"]
         for i, s in saved.items():

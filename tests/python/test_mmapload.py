@@ -151,6 +151,28 @@ def test_switched_off_by_the_environment(tmp_path, fake_torch_load, monkeypatch)
     assert calls == [None]
 
 
+def mapped_at(path, address):
+    """Whether `address` lies in a mapping of `path` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
+
+
+def test_small_tensors_of_a_mapped_checkpoint_are_copied():
+    big, small = torch.zeros(1 << 18), torch.zeros(4)  # 1 MiB and 16 bytes
+    ckpt = {"state_dict": {"w": big, "b": small}, "callbacks": [{"best": small}],
+            "pair": (small, big), "step": 3}
+    out = _mmapload._unpinned(ckpt)
+    assert out["state_dict"]["w"] is big and out["pair"][1] is big
+    for t in (out["state_dict"]["b"], out["callbacks"][0]["best"], out["pair"][0]):
+        assert t is not small and torch.equal(t, small)
+    assert out["step"] == 3
+
+
 def mapped_files():
     with open("/proc/self/maps") as f:
         return f.read()
@@ -185,6 +207,11 @@ def test_a_resume_through_torch_load_maps_the_saved_state(dos_socket, tmp_path, 
                 loaded = torch.load(f, map_location="cpu", weights_only=True)
         assert str(path) in mapped_files()  # mapped, not read into private memory
         assert loaded["state"][0]["exp_avg"].device.type == "cpu"  # not onto the GPU
+        # A Lightning checkpoint's small tensors (a bias here; a callback's best
+        # score) are copies: one kept would keep the whole file mapped.
+        small, large = loaded["state"][1]["exp_avg"], loaded["state"][0]["exp_avg"]
+        assert mapped_at(path, large.data_ptr())
+        assert mapped_at(path, small.data_ptr()) == (how == "hf")
         for k, v in saved.items():
             assert torch.equal(loaded["state"][0][k], v), k
         opt.load_state_dict(loaded)

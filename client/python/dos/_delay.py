@@ -12,7 +12,7 @@ dos/_early.py) with the same interface and adds two things:
     a step begun during backward (overlap=True) is delayed as the flag stood
     when it began, which the previous step() set;
   - whole steps for readers: `finish()` (state_dict(), synchronize(), a
-    module's state_dict hook, a forward of the model in eval mode,
+    module's state_dict hook, an evaluation's forward (eval mode, no grad),
     `opt.state`) and `close()` collect the step in
     flight, then have dosd install the weights it left pending (the daemon's
     state is whole already: dosd serialises its state reads behind the
@@ -71,15 +71,19 @@ def owner_reader_hooks(model, entries, finish) -> list:
     return handles
 
 
-def eval_forward_hook(model, finish):
-    """A forward of `model` in eval mode (a framework's evaluation between
-    steps: the HF Trainer's evaluate(), Lightning's validation loop) finishes
-    the step first, so its metrics are of whole steps, as is the checkpoint
-    they may select; training forwards go on beside the pending update."""
+def eval_forward_hooks(model, entries, finish) -> list:
+    """An evaluation's forward (eval mode, no gradients: the HF Trainer's
+    evaluate(), Lightning's validation loop) of `model` or of a module owning
+    registered parameters (a validation_step calling self.net) finishes the
+    step first, so its metrics are of whole steps, as is the checkpoint they
+    may select; forwards that compute gradients go on beside the update."""
     def before(module, _inputs):
-        if not module.training:
+        if not module.training and not torch.is_grad_enabled():
             finish()
-    return model.register_forward_pre_hook(before)
+    registered = {id(e.param) for e in entries}
+    owners = [m for m in model.modules()
+              if m is model or any(id(p) in registered for p in m.parameters(recurse=False))]
+    return [m.register_forward_pre_hook(before) for m in owners]
 
 
 def warn_outside(model, entries) -> None:
@@ -113,7 +117,7 @@ class DelayedDriver:
         self._handles = [] if hasattr(inner, "hooks") or model is None else \
             owner_reader_hooks(model, reg.entries, finish)
         if model is not None:
-            self._handles.append(eval_forward_hook(model, finish))
+            self._handles += eval_forward_hooks(model, reg.entries, finish)
         warn_outside(model, reg.entries)
         if hasattr(inner, "scalable"):
             _inplace.watch(inner)  # torch's in-place clip beside the captures

@@ -44,8 +44,11 @@ def install() -> None:
             continue
         streamed = _streamed(original)
         for name, module in list(sys.modules.items()):
-            if name.startswith(_PACKAGES) and getattr(module, "_atomic_save", None) is original:
-                setattr(module, "_atomic_save", streamed)
+            try:
+                if name.startswith(_PACKAGES) and getattr(module, "_atomic_save", None) is original:
+                    setattr(module, "_atomic_save", streamed)
+            except Exception:  # a lazy module that fails on access: not Lightning's IO
+                continue
 
 
 def _streamed(original):
@@ -56,9 +59,12 @@ def _streamed(original):
             return original(checkpoint, filepath, *args, **kwargs)
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        # Owner-only, as fsspec's transaction (Lightning's) makes its file: a
+        # checkpoint holds the weights and the optimizer state.
+        tmp = os.path.join(folder, f".{os.path.basename(path)[:200]}.{uuid.uuid4().hex}.tmp")
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())

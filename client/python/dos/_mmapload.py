@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import io
 import os
 import re
 
@@ -67,15 +66,17 @@ def _mapped_path(f):
             return None
         with open(path, "rb") as fh:
             return path if fh.read(4) == _ZIP_MAGIC else None
-    except (OSError, TypeError, ValueError, AttributeError, io.UnsupportedOperation):
-        return None  # torch.load reports what is wrong with it
+    except Exception:  # best effort: torch.load reports what is wrong with it
+        return None
 
 
 def _file_object_path(f):
     """A file object's path, where it is a local file's (its descriptor the
     file at that path) read from its start; else None."""
     path = getattr(f, "name", None)
-    if not isinstance(path, str) or f.tell() != 0:
+    if not isinstance(path, str) or not _NAME.fullmatch(os.path.basename(path)):
+        return None
+    if f.tell() != 0:
         return None
     st, at = os.fstat(f.fileno()), os.stat(path)
     return path if (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino) else None
@@ -106,10 +107,32 @@ def install() -> None:
                 f, kwargs["mmap"] = path, True  # a file object's path: torch maps paths
                 if _OPTIMIZER_FILE.fullmatch(os.path.basename(path)):
                     args, kwargs = _on_host(args, kwargs)  # all of it goes to the optimizer
+                else:
+                    return _unpinned(original(f, *args, **kwargs))
         return original(f, *args, **kwargs)
 
     load._dos_mmap_wrapped = True
     torch.load = load
+
+
+_SMALL = 1 << 20
+
+
+def _unpinned(obj, depth: int = 0):
+    """A mapped checkpoint's tensors under 1 MiB cloned: each mapped tensor
+    keeps the whole file mapped, and Lightning's callbacks keep small ones
+    (ModelCheckpoint's best score) for the run; the large ones go to
+    load_state_dict() and are let go with the checkpoint."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.numel() * obj.element_size() < _SMALL else obj
+    if depth < 16 and isinstance(obj, dict):
+        for k in list(obj):
+            obj[k] = _unpinned(obj[k], depth + 1)
+    elif depth < 16 and isinstance(obj, list):
+        obj[:] = [_unpinned(v, depth + 1) for v in obj]
+    elif depth < 16 and type(obj) is tuple:
+        return tuple(_unpinned(v, depth + 1) for v in obj)
+    return obj
 
 
 def _on_host(args, kwargs):

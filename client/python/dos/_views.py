@@ -36,7 +36,7 @@ from dos._native import StateView, Status, lib
 
 __all__ = ["fetch", "step_of", "view", "live", "refresh", "forget", "is_view_of"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # _release (a finalizer) may run under it
 _live = 0
 # Address of a live view -> (session identity, tensor index, array, bytes
 # mapped): lets load_state_dict() see that it is handed the state it already
