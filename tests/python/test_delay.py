@@ -300,8 +300,7 @@ def test_readers_see_whole_steps(dos_socket, tmp_path):
                           client_name="pytest-delay-readers", delay=1, delay_warmup=0)
     try:
         for x, y in data[:4]:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            backward(opt, model, x, y, "cpu")
             opt.step()
         behind = [p.detach().clone() for p in model.parameters()]
         # The optimizer's state: step 4's, whole (dosd never shows half a step).
@@ -316,8 +315,7 @@ def test_readers_see_whole_steps(dos_socket, tmp_path):
         # Training goes on delayed; a framework's save (module state_dict()
         # through the model's hooks) installs too.
         for x, y in data[4:]:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            backward(opt, model, x, y, "cpu")
             opt.step()
         assert opt.last_step["delayed_subgroups"] > 0
         saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -347,8 +345,7 @@ def test_an_evaluation_forward_sees_whole_steps(dos_socket):
                           client_name="pytest-delay-eval", delay=1, delay_warmup=0)
     try:
         for x, y in data[:5]:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            backward(opt, model, x, y, "cpu")
             opt.step()
         assert opt.last_step["delayed_subgroups"] > 0
         behind = [p.detach().clone() for p in model.parameters()]

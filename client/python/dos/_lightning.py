@@ -30,16 +30,17 @@ import torch
 __all__ = ["install"]
 
 _PACKAGES = ("lightning.", "lightning_fabric.", "pytorch_lightning.")
+# Where _atomic_save may be defined: the unified package's and the standalone ones'.
+_CLOUD_IO = ("lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io",
+             "pytorch_lightning.utilities.cloud_io")
 
 
 def install() -> None:
     """Wraps Lightning's `_atomic_save` where its modules hold it (see above)."""
     if os.environ.get("DOS_LIGHTNING_STREAM_SAVE", "1") == "0":
         return
-    for package in _PACKAGES:
-        cloud_io = sys.modules.get(package + "fabric.utilities.cloud_io" if package == "lightning."
-                                   else package + "utilities.cloud_io")
-        original = getattr(cloud_io, "_atomic_save", None)
+    for source in _CLOUD_IO:
+        original = getattr(sys.modules.get(source), "_atomic_save", None)
         if not callable(original) or getattr(original, "_dos_streamed", False):
             continue
         streamed = _streamed(original)
