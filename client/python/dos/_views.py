@@ -34,7 +34,7 @@ import torch
 from dos._errors import DosError, call, check
 from dos._native import StateView, Status, lib
 
-__all__ = ["fetch", "step_of", "view", "live", "refresh", "forget", "is_view_of"]
+__all__ = ["fetch", "read", "step_of", "view", "live", "refresh", "forget", "is_view_of"]
 
 _lock = threading.RLock()  # _release (a finalizer) may run under it
 _live = 0
@@ -86,8 +86,8 @@ def refresh(session) -> None:
     another's of small ones. Views alive show dosd's host arrays, which a
     GPU session's resident subgroups update only when dosd brings them home:
     the fetch below has it do so after each step while any view is alive."""
-    if not session:
-        return
+    if not session or not (_handed or _origins):
+        return  # nothing held: the common step pays nothing here
     addr = _address(session)
     with _lock:
         viewed = any(o[0] == addr for o in _origins.values())
