@@ -303,3 +303,29 @@ def sharded_norm_worker(rank, world, rendezvous, socket, dosctl, out_dir):
         want = float(torch.linalg.vector_norm(
             torch.cat([w.reshape(-1) for w in whole] + [replicated])))
         report["hsdp"] = [float(total), want, clip.coef, min(1.0, 0.5 / (want + 1e-6))]
+
+
+def ddp_wrapped_after_worker(rank, world, rendezvous, socket, dosctl, out_dir):
+    """The optimizer built before DDP wraps the model (the HF Trainer's and
+    accelerate's order), each rank from its own random start: DDP's
+    broadcast of rank 0's weights reaches dosd's masters at the first step,
+    and the run is torch's."""
+    import dos.torch
+    from test_equivalence import ATOL_SCALE, RTOL
+    init(rank, world, rendezvous)
+    with rank_report(rank, out_dir) as report:
+        data = rank_data(rank)
+        runs = []
+        for make in (lambda m: torch.optim.AdamW(m.parameters(), **LR),
+                     lambda m: dos.torch.AdamW(m.parameters(), socket=socket, **LR)):
+            model = make_model(seed=rank)
+            opt = make(model)
+            runs.append((train(torch.nn.parallel.DistributedDataParallel(model), opt, data,
+                               clip=False), model, opt))
+        (ref_snaps, _, _), (snaps, mine, opt) = runs
+        report["worst"] = max((a - b).abs().max().item() for sa, sb in zip(snaps, ref_snaps)
+                              for a, b in zip(sa, sb))
+        report["close"] = all(torch.allclose(a, b, rtol=RTOL, atol=ATOL_SCALE * b.abs().max())
+                              for sa, sb in zip(snaps, ref_snaps) for a, b in zip(sa, sb))
+        report["ranks_equal"] = ranks_equal(mine)
+        opt.close()

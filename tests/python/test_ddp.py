@@ -130,3 +130,13 @@ def test_ddp_parameters_unused_on_one_rank(dos_socket):
     for r in reports.values():
         assert "mismatch" not in r, f"rank {r['rank']}: {r['mismatch']}"
         assert r["ranks_equal"], f"rank {r['rank']}: the ranks' weights differ"
+
+
+def test_an_optimizer_built_before_the_ddp_wrap_trains_from_rank_0s_weights(dos_socket):
+    """Each rank starts from other weights and builds its optimizer before
+    DDP(model) broadcasts rank 0's: dosd's masters take the broadcast values
+    at the first step (they kept each rank's own, and the ranks diverged)."""
+    reports = run_workers(ddp_workers.ddp_wrapped_after_worker, dos_socket, None)
+    for rank, r in reports.items():
+        assert r["ranks_equal"], f"rank {rank}'s weights differ from rank 0's"
+        assert r["close"], f"rank {rank}: differs from torch's AdamW by {r['worst']:.3g}"

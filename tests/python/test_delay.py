@@ -899,3 +899,38 @@ def test_each_delayed_update_logs_its_time_and_the_idle_before_it(device):
     # Between two updates the host path idled for the trainer's step.
     assert float(fields[0]["idle_before_us"]) == 0, fields[0]
     assert all(float(f["idle_before_us"]) > 0 for f in fields[1:]), fields
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_written_with_a_delay_pending_are_warned_about(dos_socket, device):
+    """A write in place while a delayed update is pending: the next step
+    warns (the pending weights are installed over the write for the delayed
+    subgroups). After synchronize() the write is whole and taken as dosd's
+    masters, silently."""
+    data = make_data(n=6)
+    model = make_mlp().to(device)
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket, model=model,
+                         delay=1, delay_warmup=1) as opt:
+        for t, (x, y) in enumerate(data[:3], 1):
+            backward(opt, model, x, y, device)
+            opt.step()
+        assert opt.last_step["delayed_subgroups"] > 0
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        backward(opt, model, *data[3], device)
+        with pytest.warns(RuntimeWarning, match="pending"):
+            opt.step()
+        opt.synchronize()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        backward(opt, model, *data[4], device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.param_groups[0]["lr"] = 0.0
+            opt.step()
+        opt.synchronize()
+        # lr 0: the step moved nothing; the masters are the zeros written.
+        for s in opt.state_dict(all_params=True)["state"].values():
+            assert "master_param" not in s
+        assert all(torch.count_nonzero(p) == 0 for p in model.parameters())

@@ -242,6 +242,42 @@ def test_weights_written_between_steps_reach_dosd_through_reload_weights(dos_soc
             assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_weights_written_in_place_reach_dosd_at_the_next_step(dos_socket, dev):
+    """Without reload_weights(): a model loaded after the optimizer was built
+    (the weights a checkpoint or DDP's broadcast writes) and weight clipping
+    after each step are taken as dosd's masters by the next step, as torch's
+    optimizer starts from them; a bf16 parameter written nowhere keeps its
+    fp32 master (compared, not rewritten)."""
+    data = [(x.to(dev), y.to(dev)) for x, y in make_data(n=6)]
+    loaded = Net(seed=7).to(dev).state_dict()
+    (ref, ref_opt), (mine, opt) = pair(dos_socket, dev=dev)
+    with opt:
+        for m in (ref, mine):
+            m.load_state_dict(loaded)
+        for i, (x, y) in enumerate(data, 1):
+            step_both([(ref, ref_opt), (mine, opt)], x, y)
+            if i > 3:
+                with torch.no_grad():
+                    for m in (ref, mine):
+                        for p in m.body.parameters():
+                            p.clamp_(-0.05, 0.05)
+            assert_same(mine, ref, i)
+    half = Net().to(dev).to(torch.bfloat16)
+    with dos.torch.AdamW(half.parameters(), socket=dos_socket, **HP) as opt:
+        half(data[0][0].to(torch.bfloat16)).float().pow(2).sum().backward()
+        opt.step()
+        masters = [s["master_param"].clone() for s in opt.state_dict()["state"].values()]
+        with torch.no_grad():
+            half.body.weight.zero_()
+            half.norm.weight.mul_(1)  # written, the same values
+        opt.param_groups[0].update(lr=0.0, weight_decay=0.0)  # a step that moves nothing
+        opt.step()
+        got = [s["master_param"] for s in opt.state_dict()["state"].values()]
+        for p, a, b in zip(half.parameters(), masters, got):
+            assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
+
+
 def test_a_parameter_listed_twice_is_refused(dos_socket):
     """torch.optim warns and updates it twice; dosd keeps one state per
     parameter (it once registered a new session at every step)."""

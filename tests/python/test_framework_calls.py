@@ -243,3 +243,75 @@ def test_clip_grad_norm_through_a_lightning_wrapper_clips_the_step(dos_socket):
                 opt.step()
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(p, q)
+
+
+def patch_optimizer_step(accelerated_optimizer, method):
+    def patched_step(*args, **kwargs):
+        accelerated_optimizer._accelerate_step_called = True
+        return method(*args, **kwargs)
+    return patched_step
+
+
+class AcceleratedOptimizerWithScaler:
+    """accelerate's AcceleratedOptimizer with a GradScaler (fp16), as
+    accelerate 1.x writes it: a skip is inferred from step() not being
+    called while its function is over the optimizer's step."""
+
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler, self._is_overflow = optimizer, scaler, False
+        self._accelerate_step_called = False
+        self._optimizer_original_step_method = self.optimizer.step
+        self._optimizer_patched_step_method = patch_optimizer_step(self, self.optimizer.step)
+
+    def step(self, closure=None):
+        self.optimizer.step = self._optimizer_patched_step_method
+        self.scaler.step(self.optimizer, closure)
+        self._is_overflow = not self._accelerate_step_called
+        self.optimizer.step = self._optimizer_original_step_method
+        self._accelerate_step_called = False
+
+    @property
+    def step_was_skipped(self):
+        return self._is_overflow
+
+
+class Torch2Scaler:
+    """torch 2.x GradScaler.step() for an optimizer that sets
+    _step_supports_amp_scaling: its own inf check in `found_inf`, the scale
+    in `grad_scale`, both deleted after step()."""
+
+    def __init__(self):
+        self.found = False
+
+    def step(self, opt, closure=None):
+        opt.grad_scale = torch.tensor(1.0)
+        opt.found_inf = torch.tensor(1.0 if self.found else 0.0)
+        try:
+            return opt.step(closure)
+        finally:
+            del opt.grad_scale
+            del opt.found_inf
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_step_the_scaler_skips_is_skipped_to_accelerate(dos_socket, delay):
+    """fp16 under the HF Trainer / Accelerate: a skipped step shows in
+    step_was_skipped (the Trainer then leaves its LR scheduler), a taken one
+    does not; the skipped step changes no weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    scaler = Torch2Scaler()
+    with dos.torch.AdamW(model.parameters(), lr=1e-2, socket=dos_socket, model=model,
+                         delay=delay, delay_warmup=1) as opt:
+        wrapped = AcceleratedOptimizerWithScaler(opt, scaler)
+        for found in (False, False, True, False, True, True, False):
+            scaler.found = found
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            wrapped.step()
+            assert wrapped.step_was_skipped == found
+            opt.synchronize()
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) == found
+        assert float(opt.state_dict()["state"][0]["step"]) == 4

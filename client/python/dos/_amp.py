@@ -7,6 +7,14 @@ torch 1.x passes the scaler itself to step() as `grad_scaler` and reads
 `found_inf_per_device` from its per-optimizer state afterwards; torch 2.x
 sets `opt.grad_scale` (a tensor, or None after unscale_) and `opt.found_inf`
 (after its own inf check) around step() and deletes them after.
+
+accelerate's AcceleratedOptimizer (the HF Trainer's, Accelerate's) learns
+that its GradScaler skipped a step only from step() not being called: while
+the scaler steps, it puts over `opt.step` a function that sets its own
+`_accelerate_step_called`. DOS's step() is called for a skipped step too (the
+scaler hands it the verdict), so a skip is told to that wrapper here; its
+`step_was_skipped` is then true and the Trainer does not step its LR
+scheduler, as with torch's own optimizers.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["amp_args", "record_amp"]
+__all__ = ["amp_args", "verdict", "record_amp", "tell_skipped"]
 
 
 def amp_args(opt_id: int, grad_scaler, grad_scale, found_inf) -> Tuple[float, bool]:
@@ -36,14 +44,40 @@ def amp_args(opt_id: int, grad_scaler, grad_scale, found_inf) -> Tuple[float, bo
     return scale, skip
 
 
-def record_amp(opt_id: int, grad_scaler, found_inf: bool) -> None:
+def verdict(opt, grad_scaler) -> Tuple[float, bool]:
+    """amp_args() for optimizer `opt` (its torch 2.x attributes), a skip told
+    to a wrapper that must know (tell_skipped)."""
+    scale, skip = amp_args(id(opt), grad_scaler, getattr(opt, "grad_scale", None),
+                           opt._parts.amp_found_inf)
+    if skip:
+        tell_skipped(opt)
+    return scale, skip
+
+
+def record_amp(opt, grad_scaler, found_inf: bool) -> None:
     """Fills GradScaler's found_inf_per_device from the daemon's verdict
-    (torch 1.x protocol, where the scaler did not check itself)."""
+    (torch 1.x protocol, where the scaler did not check itself); a skip is
+    told to a wrapper that must know (tell_skipped)."""
+    if found_inf:
+        tell_skipped(opt)
     if grad_scaler is None:
         return
-    state = grad_scaler._per_optimizer_states[opt_id]
+    state = grad_scaler._per_optimizer_states[id(opt)]
     if state.get("found_inf_per_device"):
         return
     scale = grad_scaler._get_scale_async()
     state["found_inf_per_device"][scale.device] = torch.full(
         (1,), 1.0 if found_inf else 0.0, dtype=torch.float32, device=scale.device)
+
+
+def tell_skipped(opt) -> None:
+    """Tells accelerate's AcceleratedOptimizer, if its function is over
+    `opt.step` now (found in that function's closure by the flag it sets),
+    that this step was skipped."""
+    for cell in getattr(opt.__dict__.get("step"), "__closure__", None) or ():
+        try:
+            wrapper = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(getattr(wrapper, "_accelerate_step_called", None), bool):
+            wrapper._accelerate_step_called = False

@@ -235,7 +235,26 @@ class Assembly:
                           "(a full copy of the state)", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
             self.rebuild(self.state_io.saved_state(), close)
+        self.take_written()
         return self.driver
+
+    def take_written(self) -> None:
+        """Parameters written in place since dosd last wrote them (DDP's
+        broadcast of rank 0's weights at wrap time, model.load_state_dict()
+        or torch.nn.init after the optimizer was built, p.clamp_()): their
+        values become dosd's masters before the step (reload_weights()),
+        as torch's optimizers would start from them. A delayed update
+        pending installs its weights first, over writes to its subgroups."""
+        written = [e for e in self.reg.entries if e.written()]
+        if not written or self.flight.in_flight:
+            return  # (an early step claimed: the next step takes them)
+        if self.flight.delayed_pending:
+            warnings.warn("dos.torch: parameters were written in place while a delayed update "
+                          "(delay=1) was pending; its new weights are installed over the "
+                          "write for the subgroups it updates: call opt.synchronize() before "
+                          "writing weights", RuntimeWarning, stacklevel=5)
+            self.driver.finish()
+        self.state_io.take_weights(written, False)
 
 
 def _same_values(param, old) -> bool:

@@ -234,6 +234,8 @@ class DelayedDriver:
         # read between forward and backward) fail as torch's in-place
         # update would, instead of mixing two steps' weights in a gradient.
         bump_versions(e.param for e in self._reg.entries)
+        for e in self._reg.entries:
+            e.see()  # the install's own write, not the trainer's (Entry.written)
 
 
 def bump_versions(params) -> None:

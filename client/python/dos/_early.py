@@ -161,8 +161,9 @@ class EarlyDriver:
     # -- the hooks --
 
     def _possible(self) -> bool:
-        """No parameter moved (re-registration happens at step())."""
-        return not any(self._reg.moved(e) for e in self._reg.entries)
+        """No parameter moved or written in place (step() re-registers
+        them, or has dosd take the written values, before its step)."""
+        return not any(self._reg.moved(e) or e.written() for e in self._reg.entries)
 
     def _begin(self, now) -> None:
         self.ready = set()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import weakref
 from typing import List, Tuple
 
 import torch
@@ -25,6 +24,7 @@ from dos import _native
 from dos._errors import DosError, call
 from dos._native import Status
 from dos._progress import with_progress
+from dos._entry import Entry, is_dtensor, local_of
 from dos._session import SessionHandle, default_client_name
 
 __all__ = ["Entry", "Registration", "local_of", "is_dtensor", "dist_info", "DTYPES"]
@@ -41,83 +41,11 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class Entry:
-    """One registered parameter: its shared-memory param and grad views."""
-
-    # param_shm / grad_shm: the registered memory (shared memory in CPU mode,
-    # the parameter's own CUDA storage and its gradient in GPU mode).
-    # local: the tensor the model computes with (p.data, or a DTensor's local
-    # shard); copy_out: the registered param is a separate buffer whose new
-    # values are copied into `local` after each step (DTensor on the CPU);
-    # copy_grad: the gradient is copied into grad_shm at step() (DTensor);
-    # grad_home: grad_shm's memory, never handed out (p.grad.data = x moves p.grad).
-    # grad_none: the parameter counts as having no gradient (torch's grad
-    # would be None): set by zero_grad(set_to_none=True), cleared when
-    # backward reaches it; step() skips it unless something else wrote its
-    # gradient since (zero_version: grad_shm's version counter when zeroed;
-    # DDP writes the averaged gradient of a parameter this rank did not use).
-    __slots__ = ("param", "name", "index", "group", "param_shm", "grad_shm", "grad_home",
-                 "local", "copy_out", "copy_grad", "grad_none", "zero_version", "ready_version",
-                 "__weakref__")
-
-    def __init__(self, param, name, index, group):
-        self.param = param
-        self.name = name
-        self.index = index  # registration order, the daemon's tensor index
-        self.group = group  # daemon group index
-        self.param_shm = None
-        self.grad_shm = self.grad_home = None
-        self.local = None
-        self.copy_out = False
-        self.copy_grad = False
-        self.grad_none = param.grad is None or _untouched_elsewhere(param)
-        self.zero_version = -1
-        _entry_of_param[id(param)] = self
-        # grad_shm's version when its subgroup was last marked ready (an
-        # early step: dos/_early.py); -1: not since registration.
-        self.ready_version = -1
-
-    def untouched(self) -> bool:
-        """p.grad is this entry's gradient buffer as zeroed for torch's None
-        (grad_none), written since by nothing (backward, DDP, the trainer)."""
-        g = self.param.grad
-        if not self.grad_none or g is None or self.grad_shm is None:
-            return False
-        g = local_of(g)
-        return (not g.is_sparse and g.data_ptr() == self.grad_shm.data_ptr()
-                and g._version == self.zero_version)
-
-
-# Each parameter's latest Entry (weakly): an optimizer built over a model
-# another one still holds (a notebook cell run again) sees that one's zeroed,
-# untouched gradient buffer as torch's None, not as a zero gradient.
-# By id(param): the Entry holds its parameter, so the id is that parameter's.
-_entry_of_param: "weakref.WeakValueDictionary[int, Entry]" = weakref.WeakValueDictionary()
-
-
-def _untouched_elsewhere(param) -> bool:
-    e = _entry_of_param.get(id(param))
-    return e is not None and e.param is param and e.untouched()
-
-
 def _state_what(entries, compact=False) -> str:
     """'1.2 GB of optimizer state' for the progress log (12 bytes a parameter,
     8 with compact state)."""
     n = sum(e.local.numel() for e in entries)
     return f"{n * (8 if compact else 12) / 1e9:.1f} GB of optimizer state"
-
-
-def is_dtensor(t) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
-def local_of(t):
-    """A DTensor's local shard (sharing its storage), else the tensor's data."""
-    if t is None:
-        return None
-    if is_dtensor(t):
-        return t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
-    return t.data if isinstance(t, torch.nn.Parameter) else t
 
 
 def dist_info():
@@ -317,6 +245,7 @@ class Registration:
             self._give_up(entries)
             raise
         for e in entries:
+            e.see()
             if e.grad_none and not e.copy_grad:
                 # No gradient yet (torch's None): its buffer is zero and
                 # untouched until backward or the trainer writes it.

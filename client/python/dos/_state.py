@@ -345,15 +345,33 @@ class StateIO:
         self._settled()
         moment_bytes = _views.fetch(self._session)
         for e in entries:
+            if self._holds(e):
+                e.see()  # untouched: its master keeps the precision it has
+                continue
             step = _views.step_of(self._session, e.index)
             s = self._tensor_state(e, step, moment_bytes) if step > 0 else None
-            if s is not None and "master_param" in s:
-                p = local_of(e.param)
-                if torch.equal(local_of(s.pop("master_param")).to(p.device, p.dtype), p):
-                    continue  # untouched: its master keeps the precision it has
+            if s is not None:
+                s.pop("master_param", None)
             self._write_parts(e, _parts_of(e, s))  # the parameter is the master now
 
+    def _holds(self, e: Entry) -> bool:
+        """dosd's master of e, in the parameter's dtype, is the parameter (a
+        write of the same values: DDP's broadcast on rank 0 or from a seeded
+        start). Compared on the CPU, tensor by tensor, over a view of dosd's
+        memory (a copy of a small tensor's state)."""
+        master = _views.view(self._session, e.index, 0, torch.float32, e.local.shape)
+        if master is None:  # not page-aligned there (a small tensor): a copy
+            master = _views.read(self._session, e.index, e.local.numel())[0][0]
+        p = local_of(e.param).detach()
+        return torch.equal(master.to(p.dtype), p.to("cpu").reshape(master.shape))
+
     def _write_parts(self, e: Entry, parts) -> None:
+        """dosd takes `parts` and writes the parameter from the master: it
+        holds the parameter as it is then (Entry.see)."""
+        self._write_state(e, parts)
+        e.see()
+
+    def _write_state(self, e: Entry, parts) -> None:
         n = local_of(e.param).numel()
         master, m, v, step = parts
         self._finish()

@@ -442,9 +442,8 @@ class _DosAdamBase(torch.optim.Optimizer):
             grad_scale=float(grad_scale), clip_coef=float(clip_coef),
             checked=clip is not None and clip.checked(self.param_groups),
             scaler_arg=grad_scaler is not None, scaled=scaled,
-            amp=lambda: _amp.amp_args(id(self), grad_scaler, getattr(self, "grad_scale", None),
-                                      self._parts.amp_found_inf),
-            record_amp=lambda found_inf: _amp.record_amp(id(self), grad_scaler, found_inf),
+            amp=lambda: _amp.verdict(self, grad_scaler),
+            record_amp=lambda found_inf: _amp.record_amp(self, grad_scaler, found_inf),
             reregister=lambda: self._parts.reregister(self.close)))
         return loss
 
