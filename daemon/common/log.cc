@@ -66,7 +66,8 @@ void AppendField(std::string* line, absl::string_view key, absl::string_view val
 
 RateLimiter::Decision RateLimiter::Admit(absl::string_view event, absl::Time now) {
   absl::MutexLock lock(&mu_);
-  if (windows_.size() >= kMaxWindows) {
+  if (windows_.size() >= kMaxWindows && now - last_sweep_ >= window_) {
+    last_sweep_ = now;
     // Windows of past spells with nothing left to report go (keys carry a
     // uid: a node's users over months).
     for (auto it = windows_.begin(); it != windows_.end();) {

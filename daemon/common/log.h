@@ -64,6 +64,9 @@ class RateLimiter {
   const absl::Duration window_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+  // The last drop of idle windows: at most one scan a window, also when
+  // none of kMaxWindows is idle (each line would scan them all).
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 void AppendField(std::string* line, absl::string_view key, absl::string_view value);
