@@ -271,11 +271,31 @@ def test_weights_written_in_place_reach_dosd_at_the_next_step(dos_socket, dev):
         with torch.no_grad():
             half.body.weight.zero_()
             half.norm.weight.mul_(1)  # written, the same values
+            half.heads[0].weight[0, 0] = 1.0  # one element written
+        head = [p is half.heads[0].weight for p in half.parameters()].index(True)
+        masters[head].view(-1)[0] = 1.0  # that element's master only
         opt.param_groups[0].update(lr=0.0, weight_decay=0.0)  # a step that moves nothing
         opt.step()
         got = [s["master_param"] for s in opt.state_dict()["state"].values()]
         for p, a, b in zip(half.parameters(), masters, got):
             assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
+
+
+def test_a_write_before_a_rebuild_survives_it(dos_socket):
+    """add_param_group() (a new session, the state carried over) after a
+    write in place: the written values are the masters carried over."""
+    mine = Net()
+    with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, lr=0.0) as opt:
+        x, y = make_data(n=1)[0]
+        F.mse_loss(mine(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            mine.body.weight.fill_(5.0)
+        opt.add_param_group({"params": list(mine.heads.parameters())})
+        opt.zero_grad()
+        F.mse_loss(mine(x), y).backward()
+        opt.step()
+        assert torch.all(mine.body.weight == 5.0)
 
 
 def test_a_parameter_listed_twice_is_refused(dos_socket):

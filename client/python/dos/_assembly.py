@@ -246,8 +246,15 @@ class Assembly:
         as torch's optimizers would start from them. A delayed update
         pending installs its weights first, over writes to its subgroups."""
         written = [e for e in self.reg.entries if e.written()]
-        if not written or self.flight.in_flight:
-            return  # (an early step claimed: the next step takes them)
+        if not written:
+            return
+        if self.flight.in_flight:  # overlap="update" (overlap=True gave its early step up)
+            warnings.warn("dos.torch: parameters were written in place while a step with "
+                          "overlap=\"update\" was updating them during backward; the step "
+                          "writes its weights over the write, and its subgroups updated "
+                          "before it keep it in the model only: write weights before "
+                          "backward, or use overlap=True", RuntimeWarning, stacklevel=5)
+            return
         if self.flight.delayed_pending:
             warnings.warn("dos.torch: parameters were written in place while a delayed update "
                           "(delay=1) was pending; its new weights are installed over the "

@@ -227,6 +227,10 @@ class DelayedDriver:
         if self._flight.in_flight or not self._flight.delayed_pending:
             return
         stream: Optional[object] = self._reg.stream() if self.inner.mode.stream else None
+        # Written by the trainer before the install: the next step compares
+        # them with dosd's masters (a write to a subgroup the delay did not
+        # hold survives the install; Entry.written).
+        written = [e.written() for e in self._reg.entries]
         self._flight.finish_delayed(stream, timeout_ms)
         _views.refresh(self._reg.ptr)  # the state dicts' copies held: the whole step
         # dosd wrote the parameters where autograd does not see it: moved
@@ -234,8 +238,9 @@ class DelayedDriver:
         # read between forward and backward) fail as torch's in-place
         # update would, instead of mixing two steps' weights in a gradient.
         bump_versions(e.param for e in self._reg.entries)
-        for e in self._reg.entries:
-            e.see()  # the install's own write, not the trainer's (Entry.written)
+        for e, w in zip(self._reg.entries, written):
+            if not w:
+                e.see()  # the install's own write, not the trainer's
 
 
 def bump_versions(params) -> None:

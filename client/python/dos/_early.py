@@ -80,6 +80,7 @@ class EarlyDriver:
         # overlap=True saw a second backward before step() (gradient
         # accumulation): early begins wait for the next step().
         self._accumulating = False
+        self._refused = False
         self._handles = []
         if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             for e in reg.entries:
@@ -92,6 +93,7 @@ class EarlyDriver:
 
     def arm(self) -> None:
         self._accumulating = False
+        self._refused = False  # _possible() answered False during this backward
 
     def settle(self, thawed) -> None:
         self.inner.settle(thawed)
@@ -191,7 +193,8 @@ class EarlyDriver:
             self.inner.finish()  # the previous asynchronous step (already done)
         now = time.perf_counter()
         if not self._flight.hook_begun:
-            if not self._possible():
+            if self._refused or not self._possible():
+                self._refused = True  # asked once a backward (each hook would scan them all)
                 return
             self._begin(now)
         if e.index in self.ready:
@@ -280,8 +283,10 @@ class VerdictDriver(EarlyDriver):
 
     def settle(self, thawed) -> None:
         super().settle(thawed)
-        if self._flight.hook_begun and thawed():
-            self.finish()  # gives the early step up: an ordinary one registers them
+        if self._flight.hook_begun and (thawed() or any(e.written() for e in self._reg.entries)):
+            # Gives the early step up: an ordinary one registers them, or
+            # has dosd take the weights written since it began.
+            self.finish()
 
     def _end_claimed(self) -> bool:
         self._give_up()

@@ -271,10 +271,11 @@ class StateIO:
                 self.write(e, None)
 
     def saved_state(self, moved=(), kept=()) -> Dict[int, Dict[str, Any]]:
-        """Every registered tensor's state read from dosd, by id(param); a
-        moved parameter's new values become its master unless they are the
-        old master rounded to the old or the new dtype (a plain conversion
-        keeps the fp32 master), or it is in `kept` (a copy of old storage)."""
+        """Every registered tensor's state read from dosd, by id(param); the
+        values of a moved or written parameter (Entry.written) become its
+        master where they are not the master rounded to the old or the new
+        dtype (a plain conversion keeps the fp32 master), unless it is in
+        `kept` (a copy of old storage)."""
         moved_ids = {id(e.param) for e in moved} - set(kept)
         saved = {}
         self._finish()
@@ -285,12 +286,10 @@ class StateIO:
                 continue
             buf, step = self.read(e)
             master = buf[0]
-            if id(e.param) in moved_ids:
-                local = local_of(e.param).detach()
-                new = local.to(device="cpu", dtype=torch.float32).reshape(-1)
-                if not any(torch.equal(new, master.to(dt).float())
-                           for dt in {e.local.dtype, local.dtype}):
-                    master = new.clone()  # the user wrote new values: they win
+            if id(e.param) in moved_ids or (e.written() and id(e.param) not in kept):
+                merged = merged_master(master, local_of(e.param), e.local.dtype)
+                if merged is not None:
+                    master = merged  # the values the user wrote win
             saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
                                   "exp_avg_sq": buf[2], "step": step,
                                   "grad_none": no_gradient(e)}
@@ -334,36 +333,34 @@ class StateIO:
 
     def take_weights(self, entries: List[Entry], delayed_pending: bool) -> None:
         """Each entry's parameter as it is now becomes its master weight in
-        dosd, its moments and step count kept (a parameter without state
-        starts afresh from it, as at registration): after weights were
-        written in place between steps, which the next step would overwrite."""
+        dosd, its moments and step count kept: after weights were written in
+        place between steps, which the next step would overwrite. Element by
+        element (merged_master): one the trainer did not write (the master
+        rounded to the parameter's dtype) keeps its fp32 master. Writes the
+        masters of written tensors only."""
         if delayed_pending:
             raise DosError(Status.FAILED_PRECONDITION,
                            "reload_weights: a delayed update (delay=1) is pending and would "
                            "install its weights over these at the next step; call "
                            "opt.synchronize() first, then write the weights and reload them")
         self._settled()
-        moment_bytes = _views.fetch(self._session)
+        _views.fetch(self._session)
         for e in entries:
-            if self._holds(e):
-                e.see()  # untouched: its master keeps the precision it has
-                continue
-            step = _views.step_of(self._session, e.index)
-            s = self._tensor_state(e, step, moment_bytes) if step > 0 else None
-            if s is not None:
-                s.pop("master_param", None)
-            self._write_parts(e, _parts_of(e, s))  # the parameter is the master now
+            merged = merged_master(self._master(e), local_of(e.param))
+            if merged is not None:  # else untouched: its master keeps its precision
+                self._finish()
+                call("dos_state_write", self._session, ctypes.c_uint32(e.index),
+                     merged.data_ptr(), None, None,  # the moments stay dosd's
+                     ctypes.c_int64(_views.step_of(self._session, e.index)))
+            e.see()
 
-    def _holds(self, e: Entry) -> bool:
-        """dosd's master of e, in the parameter's dtype, is the parameter (a
-        write of the same values: DDP's broadcast on rank 0 or from a seeded
-        start). Compared on the CPU, tensor by tensor, over a view of dosd's
-        memory (a copy of a small tensor's state)."""
+    def _master(self, e: Entry) -> torch.Tensor:
+        """e's fp32 master, flat: a view of dosd's memory (a copy of a small
+        tensor's state, not page-aligned there), after _views.fetch()."""
         master = _views.view(self._session, e.index, 0, torch.float32, e.local.shape)
-        if master is None:  # not page-aligned there (a small tensor): a copy
+        if master is None:
             master = _views.read(self._session, e.index, e.local.numel())[0][0]
-        p = local_of(e.param).detach()
-        return torch.equal(master.to(p.dtype), p.to("cpu").reshape(master.shape))
+        return master.reshape(-1)
 
     def _write_parts(self, e: Entry, parts) -> None:
         """dosd takes `parts` and writes the parameter from the master: it
@@ -396,6 +393,21 @@ class StateIO:
             call("dos_state_write_range", self._session, ctypes.c_uint32(e.index),
                  ctypes.c_uint64(off), ctypes.c_uint64(c), staging[0].data_ptr(),
                  staging[1].data_ptr(), staging[2].data_ptr(), ctypes.c_int64(step))
+
+
+def merged_master(master: torch.Tensor, param, old_dtype=None) -> Optional[torch.Tensor]:
+    """`master` (flat fp32) with each element `param` no longer holds as the
+    master rounded to its dtype (or to `old_dtype`, from which it was
+    converted) replaced by the parameter's value, in a new CPU tensor; None
+    where it holds every one: a written 16-bit parameter's untouched
+    elements keep their fp32 masters. Tensor by tensor, on the CPU."""
+    new = param.detach().to("cpu").reshape(-1)
+    same = master.to(new.dtype) == new
+    if old_dtype is not None and old_dtype != new.dtype:
+        same |= master.to(old_dtype).to(new.dtype) == new
+    if bool(same.all()):
+        return None
+    return torch.where(same, master, new.to(torch.float32))
 
 
 def _parts_of(e: Entry, s: Optional[Dict[str, Any]]):

@@ -351,8 +351,9 @@ class _DosAdamBase(torch.optim.Optimizer):
         dosd's master weights, keeping their moments and step counts: after
         weights were written in place between steps (weight clipping such as
         p.clamp_(), a max-norm constraint, a re-initialised layer), which the
-        next step would otherwise overwrite with dosd's. A written 16-bit
-        parameter's master becomes its value. One state write per tensor."""
+        next step would otherwise overwrite with dosd's (done at the next
+        step for writes that move a version counter). A written element's
+        master becomes its value; the others keep their fp32 masters."""
         self._check_open("reload_weights")
         by_param = {id(e.param): e for e in self._entries}
         wanted = None if params is None else [id(p) for p in params]
