@@ -28,12 +28,16 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
               "session ", id, " belongs to uid ", (*s)->identity().uid, ", not to uid ",
               caller.uid(), "; only the attaching user may pass memory to or from it"));
         }
+        // The callbacks use the session while the port holds it (keep_alive).
+        Session* session = s->get();
         SessionPort port;
-        port.control_fd = (*s)->control_fd();
-        port.control_block = [s = *s] { return s->ControlBlockFd(); };
-        port.inbox = (*s)->inbox();
-        port.hold_connection = [s = *s](UniqueFd c) { s->HoldClientConnection(std::move(c)); };
-        port.state_memory = [s = *s]() -> absl::StatusOr<std::vector<UniqueFd>> {
+        port.control_fd = session->control_fd();
+        port.control_block = [session] { return session->ControlBlockFd(); };
+        port.inbox = session->inbox();
+        port.hold_connection = [session](UniqueFd c) {
+          session->HoldClientConnection(std::move(c));
+        };
+        port.state_memory = [s = session]() -> absl::StatusOr<std::vector<UniqueFd>> {
           absl::StatusOr<ShardState::StateMemory> m = s->ExportStateMemory();
           if (!m.ok()) return m.status();
           std::vector<UniqueFd> fds;
@@ -41,8 +45,8 @@ absl::StatusOr<std::unique_ptr<DescriptorServer>> StartDescriptorSocket(const st
           fds.push_back(std::move(m->map));
           return fds;
         };
-        port.keep_alive = *s;
-        port.account = (*s)->account();
+        port.account = session->account();
+        port.keep_alive = sessions->HoldForPort(*std::move(s));
         return port;
       });
 }

@@ -336,15 +336,19 @@ void SessionManager::OnClientGone(uint64_t id, uint32_t generation) {
 }
 
 void SessionManager::ReapLoop() {
-  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return shutdown_ || !gone_.empty(); };
+  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return shutdown_ || !gone_.empty() || !released_.empty();
+  };
   while (true) {
     std::vector<std::shared_ptr<Session>> reap;
     std::vector<std::shared_ptr<Session>> expired;
+    std::vector<std::shared_ptr<Session>> released;  // dropped below, off mu_
     {
       absl::MutexLock lock(&mu_);
       // Wake at least once a second to expire leases.
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1));
       if (shutdown_) return;
+      released.swap(released_);
       for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
         if (it == sessions_.end() || it->second->identity().generation != generation) continue;
@@ -391,6 +395,17 @@ void SessionManager::ReapLoop() {
   }
 }
 
+std::shared_ptr<void> SessionManager::HoldForPort(std::shared_ptr<Session> session) {
+  auto* held = new std::shared_ptr<Session>(std::move(session));
+  return std::shared_ptr<void>(held, [this](std::shared_ptr<Session>* h) {
+    std::shared_ptr<Session> last = std::move(*h);
+    delete h;
+    absl::MutexLock lock(&mu_);
+    if (!shutdown_) released_.push_back(std::move(last));
+    // else: dropped here, after mu_ (declared first, released last)
+  });
+}
+
 bool SessionManager::KeepAdopted(std::shared_ptr<Session>& s) {
   if (lease_ <= absl::ZeroDuration() || !s->HoldsAdoptedState()) return false;
   const uint64_t id = s->identity().id;
@@ -432,6 +447,12 @@ void SessionManager::Shutdown() {
     orphans_.clear();
   }
   if (reaper_.joinable()) reaper_.join();
+  std::vector<std::shared_ptr<Session>> released;
+  {
+    absl::MutexLock lock(&mu_);
+    released.swap(released_);
+  }
+  released.clear();
   // Every step thread is told first, so their in-flight steps and liveness
   // waits end together; then each is joined and freed, on a few threads
   // (freeing large state and unmapping segments takes a while per session).

@@ -113,6 +113,12 @@ class SessionManager {
   void StopTakingSteps();
   void Shutdown();
 
+  // A hold on `session` for the descriptor server's SessionPort: the
+  // session's last reference, if this is it, drops on the reaper thread, not
+  // on the one thread that serves every client's descriptors (freeing a 7B
+  // model's state takes seconds). After Shutdown(), where it is dropped.
+  std::shared_ptr<void> HoldForPort(std::shared_ptr<Session> session);
+
  private:
   void OnClientGone(uint64_t id, uint32_t generation);
   // RESOURCE_EXHAUSTED when another session would pass --max_sessions or
@@ -154,6 +160,8 @@ class SessionManager {
   Policy default_policy_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(uint64_t)> on_close_ ABSL_GUARDED_BY(mu_);
+  // Holds the descriptor server let go of (HoldForPort), for the reaper.
+  std::vector<std::shared_ptr<Session>> released_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
 };
 

@@ -287,5 +287,28 @@ TEST_F(SessionTest, AttachesAtOnceStayWithinTheUidsSessionCap) {
   EXPECT_EQ(manager.SessionsOf(4242), 2u);
 }
 
+// The descriptor server's hold on a session (HoldForPort) keeps it while a
+// request is served; let go after a Detach, it hands the last reference to
+// the reaper instead of freeing the state on the descriptor server's thread.
+TEST_F(SessionTest, APortsLastHoldIsDroppedByTheReaperNotWhereItIsLetGo) {
+  SessionOptions options;
+  options.liveness_interval = absl::Milliseconds(10);
+  SessionManager manager(options, *ParsePolicy("cpu"), &executors_, &budget_);
+  SessionIdentity id;
+  id.pid = getpid();
+  id.uid = 4243;
+  absl::StatusOr<std::shared_ptr<Session>> s = manager.Attach(id);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::weak_ptr<Session> weak = *s;
+  std::shared_ptr<void> hold = manager.HoldForPort(*s);
+  const SessionIdentity identity = (*s)->identity();
+  s->reset();
+  ASSERT_TRUE(manager.Detach(identity.id, identity.token).ok());
+  EXPECT_FALSE(weak.expired()) << "the port still holds it";
+  hold.reset();  // as the descriptor server does once the request is answered
+  for (int i = 0; i < 500 && !weak.expired(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(weak.expired()) << "the reaper drops it within its wake-up";
+}
+
 }  // namespace
 }  // namespace dos
