@@ -229,17 +229,27 @@ def test_weights_written_between_steps_reach_dosd_through_reload_weights(dos_soc
             assert_same(mine, ref, i)
         with pytest.raises(ValueError, match="does not hold"):
             opt.reload_weights([torch.nn.Parameter(torch.ones(2))])
+    # The untouched keep their fp32 masters.
+    half, before, after = bf16_write_taken(dos_socket, dev, data[0][0],
+                                           lambda half: half.body.weight.zero_(),
+                                           lambda opt: opt.reload_weights())
+    for p, a, b in zip(half.parameters(), before, after):
+        assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
+
+
+def bf16_write_taken(dos_socket, dev, x, write, take):
+    """A bf16 Net stepped once, then `write(model)` under no_grad and
+    `take(opt)`: (model, its masters before the write, its masters after)."""
     half = Net().to(dev).to(torch.bfloat16)
     with dos.torch.AdamW(half.parameters(), socket=dos_socket, **HP) as opt:
-        half(data[0][0].to(torch.bfloat16)).float().pow(2).sum().backward()
+        half(x.to(torch.bfloat16)).float().pow(2).sum().backward()
         opt.step()
-        masters = [s["master_param"].clone() for s in opt.state_dict()["state"].values()]
+        masters = lambda: [s["master_param"].clone() for s in opt.state_dict()["state"].values()]
+        before = masters()
         with torch.no_grad():
-            half.body.weight.zero_()
-        opt.reload_weights()  # the untouched keep their fp32 masters
-        got = [s["master_param"] for s in opt.state_dict()["state"].values()]
-        for p, a, b in zip(half.parameters(), masters, got):
-            assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
+            write(half)
+        take(opt)
+        return half, before, masters()
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -263,22 +273,21 @@ def test_weights_written_in_place_reach_dosd_at_the_next_step(dos_socket, dev):
                         for p in m.body.parameters():
                             p.clamp_(-0.05, 0.05)
             assert_same(mine, ref, i)
-    half = Net().to(dev).to(torch.bfloat16)
-    with dos.torch.AdamW(half.parameters(), socket=dos_socket, **HP) as opt:
-        half(data[0][0].to(torch.bfloat16)).float().pow(2).sum().backward()
+    def write(half):
+        half.body.weight.zero_()
+        half.norm.weight.mul_(1)  # written, the same values
+        half.heads[0].weight[0, 0] = 1.0  # one element written
+
+    def step_moving_nothing(opt):
+        opt.param_groups[0].update(lr=0.0, weight_decay=0.0)
         opt.step()
-        masters = [s["master_param"].clone() for s in opt.state_dict()["state"].values()]
-        with torch.no_grad():
-            half.body.weight.zero_()
-            half.norm.weight.mul_(1)  # written, the same values
-            half.heads[0].weight[0, 0] = 1.0  # one element written
-        head = [p is half.heads[0].weight for p in half.parameters()].index(True)
-        masters[head].view(-1)[0] = 1.0  # that element's master only
-        opt.param_groups[0].update(lr=0.0, weight_decay=0.0)  # a step that moves nothing
-        opt.step()
-        got = [s["master_param"] for s in opt.state_dict()["state"].values()]
-        for p, a, b in zip(half.parameters(), masters, got):
-            assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
+
+    half, before, after = bf16_write_taken(dos_socket, dev, data[0][0], write,
+                                           step_moving_nothing)
+    head = [p is half.heads[0].weight for p in half.parameters()].index(True)
+    before[head].view(-1)[0] = 1.0  # that element's master only
+    for p, a, b in zip(half.parameters(), before, after):
+        assert torch.equal(b, torch.zeros_like(b) if p is half.body.weight else a)
 
 
 def test_a_write_before_a_rebuild_survives_it(dos_socket):
