@@ -339,6 +339,7 @@ void SessionManager::ReapLoop() {
   auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return shutdown_ || !gone_.empty() || !released_.empty();
   };
+  absl::Time last_sweep = absl::InfinitePast();
   while (true) {
     std::vector<std::shared_ptr<Session>> reap;
     std::vector<std::shared_ptr<Session>> expired;
@@ -349,6 +350,10 @@ void SessionManager::ReapLoop() {
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1));
       if (shutdown_) return;
       released.swap(released_);
+      // Woken only for holds let go (one or two a descriptor request): they
+      // are dropped, and the sweep below runs at most once a second.
+      if (gone_.empty() && absl::Now() - last_sweep < absl::Seconds(1)) continue;
+      last_sweep = absl::Now();
       for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
         if (it == sessions_.end() || it->second->identity().generation != generation) continue;

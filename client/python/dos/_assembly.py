@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dos import _grads, _lightning, _mmapload, _views
+from dos import _carry, _grads, _lightning, _mmapload, _views
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
@@ -182,7 +182,7 @@ class Assembly:
         close()  # copies what lives in the old arena out, detaches
         self.register()
         for e in self.reg.entries:
-            s = saved.get(id(e.param))
+            s = _carry.restored(saved.get(id(e.param)))  # from disk where it was spilled
             self.state_io.write(e, None if s is None or s.get("fresh") else s)
             if s is not None and s["grad_none"] and not e.copy_grad:
                 # No gradient this step (before the rebuild): a zeroed,
@@ -214,9 +214,10 @@ class Assembly:
         if moved:
             names = ", ".join(e.name for e in moved[:4]) + (" ..." if len(moved) > 4 else "")
             warnings.warn(f"dos.torch: {len(moved)} parameter(s) moved to new storage ({names}); "
-                          "re-registering with dosd (the fp32 state is carried over: once a "
-                          "step has run, through a full copy of it in this process; move the "
-                          "model before its first step, or build the optimizer after)",
+                          "re-registering with dosd (once a step has run, the state is carried "
+                          "over through this process's memory, or a disk file where memory is "
+                          "short: DOS_SPILL_DIR; move the model before its first step, or build "
+                          "the optimizer after)",
                           RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
             # With a delayed update pending, compared before its weights are
@@ -225,16 +226,17 @@ class Assembly:
             # the user's. (Without one, new values win over the masters.)
             kept = {id(e.param) for e in moved if self.flight.delayed_pending
                     and _same_values(e.param, e.local)}
-            self.rebuild(self.state_io.saved_state(moved, kept), close)
+            self.rebuild(self.state_io.saved_state(moved, kept, "parameters moved to new "
+                                                   "storage after steps"), close)
         thawed = _grads.thawed(self._groups(), self.reg.entries)
         if thawed:
             # Frozen at construction (not registered), trainable now: torch
             # would start updating them, so they are registered (afresh).
             warnings.warn(f"dos.torch: {len(thawed)} parameter(s) frozen when the optimizer was "
                           "built now have gradients; re-registering with dosd to train them "
-                          "(a full copy of the state)", RuntimeWarning, stacklevel=4)
+                          "(the state carried over as for a move)", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
-            self.rebuild(self.state_io.saved_state(), close)
+            self.rebuild(self.state_io.saved_state(why="parameters unfrozen after steps"), close)
         self.take_written()
         return self.driver
 

@@ -44,7 +44,7 @@ import torch
 
 from dos._errors import DosError, call
 from dos._native import Status
-from dos import _lightning, _views
+from dos import _carry, _lightning, _views
 from dos._grads import no_gradient
 from dos._register import Entry, Registration, is_dtensor, local_of
 
@@ -270,18 +270,21 @@ class StateIO:
             if _views.step_of(self._session, e.index) > 0:
                 self.write(e, None)
 
-    def saved_state(self, moved=(), kept=()) -> Dict[int, Dict[str, Any]]:
-        """Every registered tensor's state read from dosd, by id(param); the
-        values of a moved or written parameter (Entry.written) become its
-        master where they are not the master rounded to the old or the new
-        dtype (a plain conversion keeps the fp32 master), unless it is in
-        `kept` (a copy of old storage)."""
+    def saved_state(self, moved=(), kept=(), why="a change of the parameters") -> Dict:
+        """Every registered tensor's state read from dosd, by id(param), held
+        by a _carry.Carry (`why`: the change, for its error); a moved or
+        written (Entry.written) parameter's values become its master where
+        they are not the master rounded to the old or the new dtype, unless
+        it is in `kept` (a copy of old storage)."""
         moved_ids = {id(e.param) for e in moved} - set(kept)
-        saved = {}
         self._finish()
         _views.fetch(self._session)  # every tensor's step count, in one request
+        fresh = {id(e.param) for e in self._reg.entries if self._fresh(e, id(e.param) in moved_ids)}
+        carry = _carry.Carry(sum(12 * e.local.numel() for e in self._reg.entries
+                                 if id(e.param) not in fresh), why)
+        saved = {}
         for e in self._reg.entries:
-            if self._fresh(e, id(e.param) in moved_ids):  # read nothing (81 GB at 7B)
+            if id(e.param) in fresh:  # read nothing (81 GB at 7B)
                 saved[id(e.param)] = {"fresh": True, "grad_none": no_gradient(e)}
                 continue
             buf, step = self.read(e)
@@ -290,9 +293,8 @@ class StateIO:
                 merged = merged_master(master, local_of(e.param), e.local.dtype)
                 if merged is not None:
                     master = merged  # the values the user wrote win
-            saved[id(e.param)] = {"master_param": master, "exp_avg": buf[1],
-                                  "exp_avg_sq": buf[2], "step": step,
-                                  "grad_none": no_gradient(e)}
+            saved[id(e.param)] = carry.keep(master, buf[1], buf[2], step=step,
+                                            grad_none=no_gradient(e))
         return saved
 
     def _is_own_state(self, e: Entry, s: Dict[str, Any]) -> bool:
@@ -402,7 +404,7 @@ def merged_master(master: torch.Tensor, param, old_dtype=None) -> Optional[torch
     where it holds every one: a written 16-bit parameter's untouched
     elements keep their fp32 masters. Tensor by tensor, on the CPU."""
     new = param.detach().to("cpu").reshape(-1)
-    same = master.to(new.dtype) == new
+    same = (master.to(new.dtype) == new) | (master.isnan() & new.isnan())  # NaN: unwritten
     if old_dtype is not None and old_dtype != new.dtype:
         same |= master.to(old_dtype).to(new.dtype) == new
     if bool(same.all()):

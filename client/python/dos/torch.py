@@ -329,15 +329,15 @@ class _DosAdamBase(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As torch's (a parameter listed twice is refused). After construction
         dosd's session is rebuilt (its tensors are registered once): every
-        tensor's state is read out, the group added, and a new session
-        registered with the state written back (a full copy: fine now and then)."""
+        tensor's state is carried out (memory, or disk: dos/_carry.py), the
+        group added, and a new session registered with the state written back."""
         param_group = once_each(param_group)
         if getattr(self, "_registering", True):
             super().add_param_group(param_group)
             return
         self._check_open("add_param_group")
         self._parts.reg.sync_device()
-        saved = self._parts.state_io.saved_state()
+        saved = self._parts.state_io.saved_state(why="add_param_group() after steps")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         self._parts.add_group(saved, self.close, undo=self.param_groups.pop, check=lambda:

@@ -1,0 +1,210 @@
+"""Where a rebuild keeps the optimizer state it carries from one dosd
+session to the next (add_param_group after steps, parameters moved or
+thawed: Assembly.rebuild).
+
+dosd registers a session's tensors once, so a rebuild reads every tensor's
+state out, closes the session and writes it into a new one: 12 bytes a
+parameter (81 GB at 7B) between the two. Held in this process's memory, that
+is a second copy of what dosd holds, and at 7B the kernel's OOM killer takes
+the trainer or dosd with every session on the node. So the state is held in
+memory only where the host (and this process's cgroup) has room for it twice
+over; otherwise it goes, tensor by tensor, into an unnamed file on a disk
+(DOS_SPILL_DIR, else the temporary directory, /var/tmp or the working
+directory, whichever is on a disk and has room), reserved whole before the
+old session is touched and read back one tensor at a time: the process holds
+one tensor's state at most. With neither, the rebuild is refused before
+anything changes, naming the sizes and the fixes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dos._errors import DosError
+from dos._native import Status
+
+__all__ = ["Carry", "restored"]
+
+# File systems whose files are memory: a spill there is the copy in memory again.
+_RAM_FS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
+# Room left on a disk beside the spill, and carried state held in memory
+# whatever the host says (a small model's rebuild never asks the disk).
+_DISK_MARGIN = 1 << 30
+_SMALL = 256 << 20
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: the host's MemAvailable, or less
+    where its cgroup's memory.max leaves less."""
+    avail = _meminfo("MemAvailable")
+    limit = _cgroup_room()
+    return avail if limit is None else min(avail, limit)
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cgroup_room() -> Optional[int]:
+    """memory.max - memory.current of this process's cgroup (v2), None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if path is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def fs_type(path: str) -> str:
+    """The type of the file system `path` lies on ("" if unknown)."""
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount = left.split()[4].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best:
+                    best, kind = len(mount), right.split()[0]
+    except (OSError, IndexError):
+        return ""
+    return kind
+
+
+def _candidates() -> List[str]:
+    chosen = os.environ.get("DOS_SPILL_DIR")
+    if chosen:
+        return [chosen]
+    out: List[str] = []
+    for d in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
+        if os.path.realpath(d) not in (os.path.realpath(o) for o in out):
+            out.append(d)
+    return out
+
+
+def _disk_room(d: str) -> Tuple[int, str]:
+    """Free bytes of directory `d` for a spill, and why it cannot take one ("" if it can)."""
+    if not os.path.isdir(d):
+        return 0, "no such directory"
+    kind = fs_type(d)
+    if kind in _RAM_FS:
+        return 0, f"{kind}, which is memory"
+    if not os.access(d, os.W_OK | os.X_OK):
+        return 0, "not writable"
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize, ""
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+class Carry:
+    """The state of one rebuild, `nbytes` in all (12 bytes a parameter
+    carried, fp32 whatever the state's format): in memory, or in a file."""
+
+    def __init__(self, nbytes: int, why: str):
+        self.nbytes = nbytes
+        self._file = None
+        self._end = 0
+        self.path = None  # the spill's directory (None: in memory)
+        if nbytes <= _SMALL or nbytes * 2 <= available_memory():
+            return
+        tried = []
+        for d in _candidates():
+            free, bad = _disk_room(d)
+            if not bad and free < nbytes + _DISK_MARGIN:
+                bad = f"{_gb(free)} free"
+            if not bad:
+                try:
+                    self._open(d)
+                    return
+                except OSError as err:
+                    bad = str(err)
+            tried.append(f"{d} ({bad})")
+        raise DosError(Status.RESOURCE_EXHAUSTED, (
+            f"dos.torch: {why} rebuilds dosd's session, carrying {_gb(nbytes)} of optimizer "
+            f"state from the old session to the new one; this process has "
+            f"{_gb(available_memory())} of memory available (room for it twice over is needed "
+            f"to hold it in memory) and no disk with room for it: {'; '.join(tried)}. Set "
+            f"DOS_SPILL_DIR to a directory on a disk with {_gb(nbytes + _DISK_MARGIN)} free, "
+            "or make the change before the first step (build the optimizer after moving or "
+            "unfreezing the model; pass every param group at construction). Nothing was "
+            "changed: the optimizer goes on as it was"))
+
+    def _open(self, d: str) -> None:
+        f = tempfile.TemporaryFile(dir=d)  # unnamed (O_TMPFILE) or unlinked at once
+        try:
+            os.posix_fallocate(f.fileno(), 0, self.nbytes)  # ENOSPC now, not mid-way
+        except BaseException:
+            f.close()
+            raise
+        self._file, self.path = f, d
+
+    def keep(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             **rest) -> Dict[str, Any]:
+        """One tensor's state as saved_state() hands it to a rebuild:
+        the arrays themselves, or where they lie in the spill file."""
+        if self._file is None:
+            return dict(master_param=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, **rest)
+        n = master.numel()
+        at = self._end
+        for i, t in enumerate((master, exp_avg, exp_avg_sq)):
+            _transfer(os.pwrite, self._file.fileno(), _float32(t), at + i * 4 * n)
+        self._end += 12 * n
+        return dict(spilled=(self, at, n), **rest)
+
+    def load(self, at: int, n: int) -> torch.Tensor:
+        buf = torch.empty(3, n, dtype=torch.float32)
+        for i in range(3):
+            _transfer(lambda fd, mv, off: os.preadv(fd, [mv], off),
+                      self._file.fileno(), buf[i], at + i * 4 * n)
+        return buf
+
+
+def restored(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """A saved tensor's state (Carry.keep) with its arrays in memory."""
+    if s is None or "spilled" not in s:
+        return s
+    carry, at, n = s["spilled"]
+    buf = carry.load(at, n)
+    rest = {k: v for k, v in s.items() if k != "spilled"}
+    return dict(master_param=buf[0], exp_avg=buf[1], exp_avg_sq=buf[2], **rest)
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+
+
+def _transfer(op, fd: int, t: torch.Tensor, offset: int) -> None:
+    """All of `t`'s bytes through `op` (os.pwrite, or a preadv into it) at `offset`."""
+    n = t.numel() * t.element_size()
+    mv = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else b""
+    done = 0
+    while done < n:
+        k = op(fd, mv[done:], offset + done)
+        if k <= 0:
+            raise DosError(Status.INTERNAL, f"dos.torch: the rebuild's spill file ended at byte "
+                           f"{offset + done} of {offset + n}")
+        done += k
