@@ -16,6 +16,9 @@
 #       delay-hf run its two halves (~4 min; ~1 min a clip value on an H100)
 #   bash bench/device_session.sh delay-ab OUT       # 6B fp32 + delay under several dosds or
 #       flags (VARIANTS; by default dosd_base if built, this dosd, and --delayed_gpu_staged)
+#   bash bench/device_session.sh unfreeze OUT       # add_param_group after steps at 3B (the state
+#       carried in memory, then through disk: DOS_SPILL=always) and 7B (no room: the refusal);
+#       bench/frameworks/unfreeze.py, writes bench/results/unfreeze_<machine>_<date>.json
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -24,7 +27,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-ab|frameworks}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-ab|frameworks|unfreeze}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -60,7 +63,7 @@ case "$what" in
         tests/python/test_training_features.py tests/python/test_state_views.py \
         tests/python/test_oom.py tests/python/test_delay.py \
         tests/python/test_inplace.py tests/python/test_dropin.py tests/python/test_grads.py \
-        tests/python/test_mmapload.py tests/python/test_framework_calls.py \
+        tests/python/test_mmapload.py tests/python/test_framework_calls.py tests/python/test_carry.py \
         tests/python/frameworks/test_lightning_clip.py 2>&1 \
         | grep -vE "^(INFO|  /|$)" | tail -150
     } > "$O/tests.log" 2>&1
@@ -194,6 +197,30 @@ case "$what" in
         echo "exit=$?" >> "$O/multinode_nccl.log"
       done
     fi
+    ;;
+  unfreeze)
+    sock=/tmp/dos-unfreeze.sock; rm -f $sock
+    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
+    dpid=$!
+    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    for run in ${UNFREEZE_RUNS:-3b:auto 3b:always 7b:auto}; do
+      echo "== $run; df: $(df -h --output=avail /tmp /var/tmp . | tr '\n' ' ')" >> "$O/unfreeze.log"
+      DOS_SOCKET=$sock DOS_DOSD_PID=$dpid timeout 240 python3 bench/frameworks/unfreeze.py \
+        --size ${run%:*} --spill ${run#*:} --out "$O/unfreeze_${run/:/_}.json" \
+        >> "$O/unfreeze.log" 2>&1
+      echo "exit=$?" >> "$O/unfreeze.log"
+    done
+    kill $dpid; wait $dpid
+    python3 - "$O" "$DOS_MACHINE" <<'PY'
+import glob, json, sys, time
+runs = {p.split("unfreeze_", 1)[1][:-5]: json.load(open(p))
+        for p in sorted(glob.glob(sys.argv[1] + "/unfreeze_*.json"))}
+out = f"bench/results/unfreeze_{sys.argv[2]}_{time.strftime('%Y-%m-%d')}.json"
+json.dump({"machine": sys.argv[2], "date": time.strftime("%Y-%m-%d"), "runs": runs},
+          open(out, "w"), indent=1)
+print(out)
+PY
+    cp bench/results/unfreeze_"$DOS_MACHINE"_* "$O/" 2>/dev/null
     ;;
   *) echo "unknown part $what" >&2; exit 2 ;;
 esac

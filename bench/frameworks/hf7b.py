@@ -51,6 +51,7 @@ from run import DELAY_KEYS, delay_figures  # noqa: E402
 
 SIZES = {  # layers, hidden, intermediate, heads
     "7b": (32, 4096, 11008, 32),
+    "3b": (26, 3200, 8640, 25),
     "2b": (28, 2560, 6912, 20),
     "tiny": (2, 256, 688, 4),
 }

@@ -141,3 +141,16 @@ def test_a_group_dosd_refuses_is_undone_from_the_file(dos_socket, no_memory):
             step_both([(ref, ref_opt), (mine, opt)], x, y)
             assert_same(mine, ref, i)
         assert_state_same(opt, ref_opt, mine, ref)
+
+
+def test_dos_spill_picks_memory_or_disk_and_refuses_a_typo(monkeypatch, tmp_path):
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    monkeypatch.setenv("DOS_SPILL", "always")
+    assert _carry.Carry(4096, "a test").path == str(tmp_path)
+    monkeypatch.setattr(_carry, "available_memory", lambda: 0)
+    monkeypatch.setenv("DOS_SPILL", "never")
+    assert _carry.Carry(1 << 40, "a test").path is None
+    monkeypatch.setenv("DOS_SPILL", "sometimes")
+    with pytest.raises(dos.DosError, match="DOS_SPILL='sometimes'"):
+        _carry.Carry(4096, "a test")

@@ -13,7 +13,9 @@ over; otherwise it goes, tensor by tensor, into an unnamed file on a disk
 directory, whichever is on a disk and has room), reserved whole before the
 old session is touched and read back one tensor at a time: the process holds
 one tensor's state at most. With neither, the rebuild is refused before
-anything changes, naming the sizes and the fixes.
+anything changes, naming the sizes and the fixes. DOS_SPILL=always spills
+whatever the memory (a trainer sharing its host with other jobs), never holds
+it in memory as before.
 """
 
 from __future__ import annotations
@@ -129,7 +131,12 @@ class Carry:
         self._file = None
         self._end = 0
         self.path = None  # the spill's directory (None: in memory)
-        if nbytes <= _SMALL or nbytes * 2 <= available_memory():
+        mode = os.environ.get("DOS_SPILL", "auto")
+        if mode not in ("auto", "always", "never"):
+            raise DosError(Status.INVALID_ARGUMENT, f"dos.torch: DOS_SPILL={mode!r}: use auto "
+                           "(the default: a disk where memory is short), always or never")
+        if mode == "never" or (mode == "auto" and (nbytes <= _SMALL or
+                                                   nbytes * 2 <= available_memory())):
             return
         tried = []
         for d in _candidates():
