@@ -64,6 +64,7 @@ case "$what" in
         tests/python/test_oom.py tests/python/test_delay.py \
         tests/python/test_inplace.py tests/python/test_dropin.py tests/python/test_grads.py \
         tests/python/test_mmapload.py tests/python/test_framework_calls.py tests/python/test_carry.py \
+        tests/python/test_lightning_save.py \
         tests/python/frameworks/test_lightning_clip.py 2>&1 \
         | grep -vE "^(INFO|  /|$)" | tail -150
     } > "$O/tests.log" 2>&1

@@ -120,3 +120,145 @@ def test_lightning_imported_after_the_optimizer_is_streamed_at_its_first_state_d
         assert not getattr(cloud_io._atomic_save, "_dos_streamed", False)
         opt.state_dict()
         assert cloud_io._atomic_save._dos_streamed
+
+
+# lightning/pytorch/plugins/io/async_plugin.py's AsyncCheckpointIO as Lightning
+# 2.5.4-2.6 behaves: every tensor cloned on the calling thread, then the
+# wrapped IO's save on a one-thread executor.
+ASYNC_IO = '''
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+cloned = []
+
+
+def _clone_tensor(t):
+    cloned.append(t.numel())
+    return t.detach().clone() if t.is_cpu else t.detach().cpu()
+
+
+def _cloned(obj):
+    if isinstance(obj, torch.Tensor):
+        return _clone_tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
+
+
+class AsyncCheckpointIO:
+    def __init__(self, checkpoint_io):
+        self.checkpoint_io = checkpoint_io
+        self._executor = None
+        self._error = None
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1)
+        checkpoint = _cloned(checkpoint)
+
+        def _save(*args):
+            try:
+                self.checkpoint_io.save_checkpoint(*args)
+            except BaseException as ex:
+                self._error = ex
+        self._executor.submit(_save, checkpoint, path, storage_options)
+        if self._error:
+            raise self._error
+
+    def teardown(self):
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+'''
+
+
+class RecordingIO:
+    """The wrapped checkpoint IO: torch.save, noting the thread and order."""
+
+    def __init__(self):
+        self.saves = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        import threading
+        import time
+        if checkpoint.get("slow"):
+            time.sleep(0.3)
+        torch.save(checkpoint, path)
+        self.saves.append((os.path.basename(path), threading.current_thread().name))
+
+
+def test_async_checkpoint_io_saves_dos_state_whole_without_a_copy(dos_socket, tmp_path,
+                                                                  monkeypatch):
+    """A checkpoint holding a DOS optimizer's state dict (views of dosd's
+    memory) is written on the calling thread after the saves queued before
+    it: nothing of the state cloned (81 GB at 7B), and the file holds that
+    step, not the later steps the thread would read into it. A checkpoint
+    without DOS state still goes to the thread."""
+    plugin = types.ModuleType("lightning.pytorch.plugins.io.async_plugin")
+    exec(compile(ASYNC_IO, "lightning/pytorch/plugins/io/async_plugin.py", "exec"),
+         plugin.__dict__)
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    x, y = torch.randn(8, 1024), torch.randn(8, 1024)
+    inner = RecordingIO()
+    aio = plugin.AsyncCheckpointIO(inner)
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket) as opt:
+        assert plugin.AsyncCheckpointIO.save_checkpoint._dos_inline
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        aio.save_checkpoint({"slow": True, "w": torch.ones(3)}, str(tmp_path / "before.ckpt"))
+        state = opt.state_dict()
+        assert any(_lightning._holds_views(s) for s in state["state"].values())
+        expected = {i: {k: torch.as_tensor(v).clone() for k, v in s.items()}
+                    for i, s in state["state"].items()}
+        plugin.cloned.clear()
+        aio.save_checkpoint({"optimizer_states": [state]}, str(tmp_path / "dos.ckpt"))
+        assert plugin.cloned == []  # nothing cloned
+        assert [n for n, _ in inner.saves] == ["before.ckpt", "dos.ckpt"]
+        assert inner.saves[1][1] == __import__("threading").current_thread().name
+        for _ in range(2):  # later steps change the views, not the file
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        loaded = torch.load(tmp_path / "dos.ckpt")["optimizer_states"][0]["state"]
+        for i, s in expected.items():
+            for k, v in s.items():
+                assert torch.equal(torch.as_tensor(loaded[i][k]), v), (i, k)
+        aio.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "plain.ckpt"))
+        aio.teardown()
+        assert inner.saves[2][0] == "plain.ckpt" and inner.saves[2][1] != inner.saves[1][1]
+
+
+def test_lightnings_own_async_checkpoint_io_clones_no_dos_state(dos_socket, tmp_path,
+                                                                monkeypatch):
+    """The same with the installed Lightning's AsyncCheckpointIO and
+    TorchCheckpointIO (skipped where Lightning is not installed)."""
+    plugin = pytest.importorskip("lightning.pytorch.plugins.io.async_plugin")
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    clones = []
+    original = getattr(plugin, "_clone_tensor", None)
+    if original is not None:  # Lightning >= 2.5.4
+        monkeypatch.setattr(plugin, "_clone_tensor", lambda t: clones.append(t) or original(t))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    x, y = torch.randn(8, 1024), torch.randn(8, 1024)
+    aio = plugin.AsyncCheckpointIO(TorchCheckpointIO())
+    with dos.torch.AdamW(model.parameters(), lr=1e-3, socket=dos_socket) as opt:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        state = opt.state_dict()
+        expected = torch.as_tensor(state["state"][0]["exp_avg"]).clone()
+        aio.save_checkpoint({"optimizer_states": [state]}, str(tmp_path / "dos.ckpt"))
+        assert not any(_lightning._holds_views(t) for t in clones)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        aio.teardown()
+        loaded = torch.load(tmp_path / "dos.ckpt")["optimizer_states"][0]["state"]
+        assert torch.equal(torch.as_tensor(loaded[0]["exp_avg"]), expected)

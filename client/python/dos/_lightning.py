@@ -16,6 +16,16 @@ written by torch.save straight into a new file beside it, flushed, synced
 and renamed over the path (atomic, as Lightning's is); any other destination
 (an object store, another fsspec file system) goes to Lightning's own
 function. DOS_LIGHTNING_STREAM_SAVE=0 switches it off.
+
+Lightning's AsyncCheckpointIO hands each save to a thread. Since 2.5.4 it
+first clones every tensor of the checkpoint on the calling thread (the
+whole optimizer state into this process: the OOM killer at 7B); before, its
+thread read the state dict's views while later steps changed them (a file
+mixing steps). `install()` also wraps its save_checkpoint: a checkpoint that
+holds views of dosd's memory (dos/_views.py over_dosd) is written on the
+calling thread, after the saves queued before it, so that it holds one
+step whole and nothing is copied; others go to the thread as before. The
+state is most of such a checkpoint's bytes, so little overlap is lost.
 """
 
 from __future__ import annotations
@@ -27,16 +37,26 @@ import uuid
 
 import torch
 
+from dos import _views
+
 __all__ = ["install"]
 
 _PACKAGES = ("lightning.", "lightning_fabric.", "pytorch_lightning.")
 # Where _atomic_save may be defined: the unified package's and the standalone ones'.
 _CLOUD_IO = ("lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io",
              "pytorch_lightning.utilities.cloud_io")
+_ASYNC_IO = ("lightning.pytorch.plugins.io.async_plugin",
+             "pytorch_lightning.plugins.io.async_plugin")
 
 
 def install() -> None:
-    """Wraps Lightning's `_atomic_save` where its modules hold it (see above)."""
+    """Wraps Lightning's `_atomic_save` where its modules hold it, and
+    AsyncCheckpointIO.save_checkpoint (see above)."""
+    for source in _ASYNC_IO:
+        cls = getattr(sys.modules.get(source), "AsyncCheckpointIO", None)
+        save = getattr(cls, "save_checkpoint", None)
+        if callable(save) and not getattr(save, "_dos_inline", False):
+            cls.save_checkpoint = _inline(save)
     if os.environ.get("DOS_LIGHTNING_STREAM_SAVE", "1") == "0":
         return
     for source in _CLOUD_IO:
@@ -78,6 +98,37 @@ def _streamed(original):
             raise
     save._dos_streamed = True
     return save
+
+
+def _inline(original):
+    @functools.wraps(original)
+    def save_checkpoint(self, *args, **kwargs):
+        checkpoint = kwargs["checkpoint"] if "checkpoint" in kwargs else (args[0] if args else None)
+        inner = getattr(self, "checkpoint_io", None)
+        if inner is None or not _holds_views(checkpoint):
+            return original(self, *args, **kwargs)
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.submit(lambda: None).result()  # the saves queued before it, in order
+        if getattr(self, "_error", None) is not None:
+            raise self._error
+        inner.save_checkpoint(*args, **kwargs)
+    save_checkpoint._dos_inline = True
+    return save_checkpoint
+
+
+def _holds_views(obj, depth: int = 0) -> bool:
+    """Whether `obj` (a checkpoint: dicts, lists, tuples) holds a tensor
+    over dosd's memory."""
+    if isinstance(obj, torch.Tensor):
+        return _views.over_dosd(obj)
+    if depth > 32:
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_views(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_views(v, depth + 1) for v in obj)
+    return False
 
 
 def _local_path(filepath):

@@ -34,7 +34,8 @@ import torch
 from dos._errors import DosError, call, check
 from dos._native import StateView, Status, lib
 
-__all__ = ["fetch", "read", "step_of", "view", "live", "refresh", "forget", "is_view_of"]
+__all__ = ["fetch", "read", "step_of", "view", "live", "refresh", "forget", "is_view_of",
+           "over_dosd"]
 
 _lock = threading.RLock()  # _release (a finalizer) may run under it
 _live = 0
@@ -151,6 +152,17 @@ def is_view_of(t, session, index: int, which: int) -> bool:
     call("dos_state_view_modified", ctypes.c_void_p(t.data_ptr()), ctypes.c_uint64(o[3]),
          ctypes.byref(modified))
     return not modified.value  # written into: the caller's values, to be loaded
+
+
+def over_dosd(t) -> bool:
+    """True if `t` lies in a view of dosd's memory made here (a state dict's
+    large tensor: steps change it in place, and a copy of it is the copy
+    of the state that views exist to avoid)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not _origins:
+        return False
+    p = t.data_ptr()
+    with _lock:
+        return p in _origins or any(a <= p < a + o[3] for a, o in _origins.items())
 
 
 def fetch(session) -> int:
