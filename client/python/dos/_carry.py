@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import tempfile
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -168,6 +169,7 @@ class Carry:
             f.close()
             raise
         self._file, self.path = f, d
+        weakref.finalize(self, f.close)  # when the rebuild lets go of it
 
     def keep(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              **rest) -> Dict[str, Any]:
