@@ -148,6 +148,7 @@ def test_dos_spill_picks_memory_or_disk_and_refuses_a_typo(monkeypatch, tmp_path
     monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
     monkeypatch.setenv("DOS_SPILL", "always")
     assert _carry.Carry(4096, "a test").path == str(tmp_path)
+    assert _carry.Carry(0, "a test").path is None  # nothing stepped: nothing to spill
     monkeypatch.setattr(_carry, "available_memory", lambda: 0)
     monkeypatch.setenv("DOS_SPILL", "never")
     assert _carry.Carry(1 << 40, "a test").path is None

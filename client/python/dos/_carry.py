@@ -136,7 +136,7 @@ class Carry:
         if mode not in ("auto", "always", "never"):
             raise DosError(Status.INVALID_ARGUMENT, f"dos.torch: DOS_SPILL={mode!r}: use auto "
                            "(the default: a disk where memory is short), always or never")
-        if mode == "never" or (mode == "auto" and (nbytes <= _SMALL or
+        if mode == "never" or nbytes == 0 or (mode == "auto" and (nbytes <= _SMALL or
                                                    nbytes * 2 <= available_memory())):
             return
         tried = []
