@@ -16,8 +16,8 @@
 #       delay-hf run its two halves (~4 min; ~1 min a clip value on an H100)
 #   bash bench/device_session.sh delay-ab OUT       # 6B fp32 + delay under several dosds or
 #       flags (VARIANTS; by default dosd_base if built, this dosd, and --delayed_gpu_staged)
-#   bash bench/device_session.sh unfreeze OUT       # add_param_group after steps at 3B (the state
-#       carried in memory, then through disk: DOS_SPILL=always) and 7B (no room: the refusal);
+#   bash bench/device_session.sh unfreeze OUT       # add_param_group after steps at 2.4B (the state
+#       carried through disk: DOS_SPILL=always) and 7B (no room: the refusal; UNFREEZE_RUNS);
 #       bench/frameworks/unfreeze.py, writes bench/results/unfreeze_<machine>_<date>.json
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
@@ -204,18 +204,19 @@ case "$what" in
     "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
     dpid=$!
     for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
-    for run in ${UNFREEZE_RUNS:-3b:auto 3b:always 7b:auto}; do
+    mkdir -p "$O/runs"
+    for run in ${UNFREEZE_RUNS:-2b:always 7b:auto}; do
       echo "== $run; df: $(df -h --output=avail /tmp /var/tmp . | tr '\n' ' ')" >> "$O/unfreeze.log"
       DOS_SOCKET=$sock DOS_DOSD_PID=$dpid timeout 240 python3 bench/frameworks/unfreeze.py \
-        --size ${run%:*} --spill ${run#*:} --out "$O/unfreeze_${run/:/_}.json" \
+        --size ${run%:*} --spill ${run#*:} --out "$O/runs/${run/:/_}.json" \
         >> "$O/unfreeze.log" 2>&1
       echo "exit=$?" >> "$O/unfreeze.log"
     done
     kill $dpid; wait $dpid
     python3 - "$O" "$DOS_MACHINE" <<'PY'
-import glob, json, sys, time
-runs = {p.split("unfreeze_", 1)[1][:-5]: json.load(open(p))
-        for p in sorted(glob.glob(sys.argv[1] + "/unfreeze_*.json"))}
+import glob, json, os, sys, time
+runs = {os.path.basename(p)[:-5]: json.load(open(p))
+        for p in sorted(glob.glob(sys.argv[1] + "/runs/*.json"))}
 out = f"bench/results/unfreeze_{sys.argv[2]}_{time.strftime('%Y-%m-%d')}.json"
 json.dump({"machine": sys.argv[2], "date": time.strftime("%Y-%m-%d"), "runs": runs},
           open(out, "w"), indent=1)

@@ -8,7 +8,7 @@ through the trainer (client/python/dos/_carry.py): in memory where the host
 has room for it twice over, else through an unnamed file on disk, else
 refused before anything changes.
 
-  unfreeze.py --size 3b --spill auto|always|never --out R.json
+  unfreeze.py --size 2b|3b|7b --spill auto|always|never --out R.json
       trains 3 steps, unfreezes, trains 2 more; records the add_param_group
       time, where the state went (memory or the spill directory), the
       trainer's peak RssAnon and dosd's peak RSS (sampled every 0.1 s), the
@@ -74,7 +74,10 @@ def main():
     with torch.device(dev) if hasattr(torch.device, "__enter__") else contextlib.nullcontext():
         model = LlamaForCausalLM(cfg).to(dev)
     torch.set_default_dtype(torch.float32)
-    model.gradient_checkpointing_enable()
+    try:  # non-reentrant: frozen embeddings leave the layers' inputs without grad
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     emb = model.model.embed_tokens.weight
     emb.requires_grad_(False)

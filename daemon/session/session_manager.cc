@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <random>
 #include <utility>
 
@@ -339,7 +340,8 @@ void SessionManager::ReapLoop() {
   auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return shutdown_ || !gone_.empty() || !released_.empty();
   };
-  absl::Time last_sweep = absl::InfinitePast();
+  // Steady: a wall clock stepped back must not hold the sweep off.
+  std::chrono::steady_clock::time_point last_sweep{};
   while (true) {
     std::vector<std::shared_ptr<Session>> reap;
     std::vector<std::shared_ptr<Session>> expired;
@@ -352,8 +354,9 @@ void SessionManager::ReapLoop() {
       released.swap(released_);
       // Woken only for holds let go (one or two a descriptor request): they
       // are dropped, and the sweep below runs at most once a second.
-      if (gone_.empty() && absl::Now() - last_sweep < absl::Seconds(1)) continue;
-      last_sweep = absl::Now();
+      const auto now_steady = std::chrono::steady_clock::now();
+      if (gone_.empty() && now_steady - last_sweep < std::chrono::seconds(1)) continue;
+      last_sweep = now_steady;
       for (auto [id, generation] : gone_) {
         auto it = sessions_.find(id);
         if (it == sessions_.end() || it->second->identity().generation != generation) continue;

@@ -9,6 +9,7 @@ on exactly as torch's, and the file must be unnamed (nothing left behind).
 With no disk either the rebuild is refused before anything changes.
 """
 
+import io
 import os
 
 import pytest
@@ -107,11 +108,94 @@ def test_with_no_room_anywhere_the_rebuild_is_refused_and_nothing_changes(dos_so
 
 
 def test_memory_file_systems_are_no_spill_directories():
+    """Told by statfs, not by parsing mountinfo (two mounts on one point,
+    escaped names)."""
     assert _carry.fs_type("/proc/self") == "proc"
     if os.path.isdir("/dev/shm") and _carry.fs_type("/dev/shm") == "tmpfs":
         free, why = _carry._disk_room("/dev/shm")
         assert free == 0 and "memory" in why
     assert _carry._disk_room("/no/such/dir") == (0, "no such directory")
+
+
+def test_the_nodes_ranks_share_the_memory_a_rebuild_may_take(monkeypatch):
+    """Every rank rebuilds at once (add_param_group on each): 4 ranks of 30
+    GB each with 100 GB free would each see room for themselves alone."""
+    monkeypatch.setattr(_carry, "_meminfo", lambda key: 100 << 30)
+    monkeypatch.setattr(_carry, "_cgroup_room", lambda: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _carry.available_memory() == 25 << 30
+    monkeypatch.setattr(_carry, "_cgroup_room", lambda: 40 << 30)
+    assert _carry.available_memory() == 10 << 30
+
+
+def test_the_tightest_cgroup_above_the_process_counts(monkeypatch, tmp_path):
+    """A limit on an ancestor (Slurm's job, a systemd slice) with "max" on
+    the process's own cgroup; cgroup v1's memory controller as well."""
+    leaf = tmp_path / "v2" / "job_1" / "step_0" / "task_0"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text("100\n")
+    (leaf.parent.parent / "memory.max").write_text(str(8 << 30))
+    (leaf.parent.parent / "memory.current").write_text(str(3 << 30))
+    v1 = tmp_path / "v1" / "batch"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(16 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(10 << 30))
+    lines = "0::/job_1/step_0/task_0\n4:memory:/batch\n"
+    real_open = open
+
+    def fake_open(path, *a, **kw):
+        path = str(path)
+        if path == "/proc/self/cgroup":
+            return io.StringIO(lines)
+        for root, where in (("/sys/fs/cgroup/memory", "v1"), ("/sys/fs/cgroup", "v2")):
+            if path.startswith(root + "/") or path == root:
+                return real_open(str(tmp_path / where) + path[len(root):], *a, **kw)
+        return real_open(path, *a, **kw)
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert _carry._cgroup_room() == 5 << 30
+    lines = "4:memory:/batch\n"
+    assert _carry._cgroup_room() == 6 << 30
+
+
+def test_the_spill_file_is_given_back_when_the_rebuild_is_refused(dos_socket, no_memory,
+                                                                  monkeypatch):
+    """A group dosd refuses: the file is closed at once, not when a
+    traceback lets go of it (81 GB of disk at 7B)."""
+    bad = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    mine = Net()
+    x, y = make_data(n=1)[0]
+    with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP) as opt:
+        torch.nn.functional.mse_loss(mine(x), y).backward()
+        opt.step()
+        with pytest.raises(dos.DosError):
+            opt.add_param_group({"params": [bad]})
+        assert all(c._file is None or c._file.closed for c in Spied.made)
+        assert Spied.made  # it did spill
+
+
+def test_a_bad_group_reads_no_state(dos_socket, no_memory):
+    """amsgrad=True is refused before the state is read (minutes at 7B)."""
+    mine = Net()
+    x, y = make_data(n=1)[0]
+    with dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP) as opt:
+        torch.nn.functional.mse_loss(mine(x), y).backward()
+        opt.step()
+        with pytest.raises(NotImplementedError):
+            opt.add_param_group({"params": list(mine.heads.parameters()), "amsgrad": True})
+        assert Spied.made == [] and len(opt.param_groups) == 1
+
+
+def test_a_spill_that_cannot_be_read_back_says_the_state_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    monkeypatch.setenv("DOS_SPILL", "always")
+    c = _carry.Carry(12 * 4, "a test")
+    s = c.keep(torch.ones(4), torch.ones(4), torch.ones(4), step=1)
+    assert torch.equal(_carry.restored(s)["exp_avg"], torch.ones(4))
+    c.close()
+    with pytest.raises(dos.DosError, match="state of the steps so far is lost"):
+        _carry.restored(s)
 
 
 def test_a_nan_weight_is_not_taken_as_written():

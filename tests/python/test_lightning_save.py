@@ -215,6 +215,8 @@ def test_async_checkpoint_io_saves_dos_state_whole_without_a_copy(dos_socket, tm
         aio.save_checkpoint({"slow": True, "w": torch.ones(3)}, str(tmp_path / "before.ckpt"))
         state = opt.state_dict()
         assert any(_lightning._holds_views(s) for s in state["state"].values())
+        assert not _lightning._holds_views({"sparse": torch.eye(3).to_sparse(),
+                                            "meta": torch.empty(3, device="meta")})
         expected = {i: {k: torch.as_tensor(v).clone() for k, v in s.items()}
                     for i, s in state["state"].items()}
         plugin.cloned.clear()

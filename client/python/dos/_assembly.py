@@ -191,13 +191,19 @@ class Assembly:
                 e.grad_none = True
         self.configure()
 
-    def add_group(self, saved, close, check: Callable[[], None], undo: Callable[[], Any]) -> None:
-        """rebuild() for the param group just added. Refused (`check()`
-        raises, or dosd refuses a parameter): `undo()` takes the group out
-        and the optimizer goes on as it was, its groups and their state."""
+    def add_group(self, why: str, close, check: Callable[[], None],
+                  undo: Callable[[], Any]) -> None:
+        """rebuild() for the param group just added, its state read after
+        `check()` passed (a typo costs no read of the state). Refused
+        (`check()` raises, no room to carry the state, or dosd refuses a
+        parameter): `undo()` takes the group out and the optimizer goes on
+        as it was, its groups and their state."""
         rebuilding = False
+        saved = None
         try:
             check()
+            self.reg.sync_device()
+            saved = self.state_io.saved_state(why=why)
             rebuilding = True
             self.rebuild(saved, close)
         except BaseException:
@@ -205,6 +211,9 @@ class Assembly:
             if rebuilding:
                 self.rebuild(saved, close)
             raise
+        finally:
+            if saved is not None:
+                saved.close()
 
     def reregister(self, close: Callable[[], None]):
         """Parameters whose storage moved, or frozen at construction and
@@ -226,8 +235,9 @@ class Assembly:
             # the user's. (Without one, new values win over the masters.)
             kept = {id(e.param) for e in moved if self.flight.delayed_pending
                     and _same_values(e.param, e.local)}
-            self.rebuild(self.state_io.saved_state(moved, kept, "parameters moved to new "
-                                                   "storage after steps"), close)
+            with self.state_io.saved_state(moved, kept, "parameters moved to new storage "
+                                           "after steps") as saved:
+                self.rebuild(saved, close)
         thawed = _grads.thawed(self._groups(), self.reg.entries)
         if thawed:
             # Frozen at construction (not registered), trainable now: torch
@@ -236,7 +246,8 @@ class Assembly:
                           "built now have gradients; re-registering with dosd to train them "
                           "(the state carried over as for a move)", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
-            self.rebuild(self.state_io.saved_state(why="parameters unfrozen after steps"), close)
+            with self.state_io.saved_state(why="parameters unfrozen after steps") as saved:
+                self.rebuild(saved, close)
         self.take_written()
         return self.driver
 

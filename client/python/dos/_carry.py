@@ -31,10 +31,12 @@ import torch
 from dos._errors import DosError
 from dos._native import Status
 
-__all__ = ["Carry", "restored"]
+__all__ = ["Carry", "Saved", "restored"]
 
-# File systems whose files are memory: a spill there is the copy in memory again.
-_RAM_FS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
+# File systems whose files are memory (statfs f_type): a spill there is the
+# copy in memory again. devtmpfs reports tmpfs's.
+_RAM_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+_PROC_FS = 0x9FA0
 # Room left on a disk beside the spill, and carried state held in memory
 # whatever the host says (a small model's rebuild never asks the disk).
 _DISK_MARGIN = 1 << 30
@@ -43,10 +45,16 @@ _SMALL = 256 << 20
 
 def available_memory() -> int:
     """Bytes this process may still take: the host's MemAvailable, or less
-    where its cgroup's memory.max leaves less."""
+    where a memory cgroup above it leaves less; shared by the node's ranks
+    (LOCAL_WORLD_SIZE), which rebuild together."""
     avail = _meminfo("MemAvailable")
     limit = _cgroup_room()
-    return avail if limit is None else min(avail, limit)
+    avail = avail if limit is None else min(avail, limit)
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return avail // ranks
 
 
 def _meminfo(key: str) -> int:
@@ -60,39 +68,60 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-def _cgroup_room() -> Optional[int]:
-    """memory.max - memory.current of this process's cgroup (v2), None without a limit."""
+def _read_int(path: str) -> Optional[int]:
     try:
-        with open("/proc/self/cgroup") as f:
-            path = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
-        if path is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            return max(0, int(limit) - int(f.read().strip()))
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
     except (OSError, ValueError):
         return None
 
 
-def fs_type(path: str) -> str:
-    """The type of the file system `path` lies on ("" if unknown)."""
-    real = os.path.realpath(path)
-    best, kind = -1, ""
+def _cgroup_room() -> Optional[int]:
+    """The least room (limit - usage) of this process's memory cgroups, its
+    own and every one above it (cgroup v2: Slurm's and systemd's limits sit
+    on ancestors; v1: the memory controller's), None without a limit."""
+    rooms = []
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                mount = left.split()[4].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > best:
-                    best, kind = len(mount), right.split()[0]
-    except (OSError, IndexError):
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
+        return None
+    for hid, controllers, path in (ln for ln in lines if len(ln) == 3):
+        if hid == "0":
+            roots, files = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), ("memory.max",
+                                                                      "memory.current")
+        elif "memory" in controllers.split(","):
+            roots, files = ("/sys/fs/cgroup/memory",), ("memory.limit_in_bytes",
+                                                        "memory.usage_in_bytes")
+        else:
+            continue
+        for root in roots:
+            d = os.path.join(root, path.lstrip("/"))
+            while d.startswith(root):
+                limit, used = _read_int(os.path.join(d, files[0])), _read_int(
+                    os.path.join(d, files[1]))
+                if limit is not None and used is not None and limit < (1 << 60):
+                    rooms.append(max(0, limit - used))
+                if d == root:
+                    break
+                d = os.path.dirname(d)
+    return min(rooms) if rooms else None
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+
+def fs_type(path: str) -> str:
+    """"tmpfs", "ramfs", "hugetlbfs" or "proc" for a file system of those
+    types at `path` (statfs), "" for any other or when it cannot be told."""
+    buf = _StatFs()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
         return ""
-    return kind
+    kind = buf.f_type & 0xFFFFFFFF
+    return _RAM_FS.get(kind, "proc" if kind == _PROC_FS else "")
 
 
 def _candidates() -> List[str]:
@@ -111,7 +140,7 @@ def _disk_room(d: str) -> Tuple[int, str]:
     if not os.path.isdir(d):
         return 0, "no such directory"
     kind = fs_type(d)
-    if kind in _RAM_FS:
+    if kind in _RAM_FS.values():
         return 0, f"{kind}, which is memory"
     if not os.access(d, os.W_OK | os.X_OK):
         return 0, "not writable"
@@ -186,10 +215,41 @@ class Carry:
 
     def load(self, at: int, n: int) -> torch.Tensor:
         buf = torch.empty(3, n, dtype=torch.float32)
-        for i in range(3):
-            _transfer(lambda fd, mv, off: os.preadv(fd, [mv], off),
-                      self._file.fileno(), buf[i], at + i * 4 * n)
+        try:
+            for i in range(3):
+                _transfer(lambda fd, mv, off: os.preadv(fd, [mv], off),
+                          self._file.fileno(), buf[i], at + i * 4 * n)
+        except (OSError, ValueError) as err:
+            raise DosError(Status.DATA_LOSS, (
+                f"dos.torch: reading the optimizer state back from the rebuild's spill file in "
+                f"{self.path} failed ({err}); the old session is closed, so the state of the "
+                "steps so far is lost: load the last checkpoint (opt.load_state_dict) and "
+                "check that disk")) from err
         return buf
+
+    def close(self) -> None:
+        """Gives the spill file (and its disk space) back now."""
+        if self._file is not None:
+            self._file.close()
+
+
+class Saved(dict):
+    """saved_state()'s answer, {id(param): state}, holding its Carry:
+    `with` it, or close() it, to give a spill file back once the rebuild
+    is done (also when it failed: a traceback would keep it)."""
+
+    def __init__(self, carry: Carry):
+        super().__init__()
+        self.carry = carry
+
+    def close(self) -> None:
+        self.carry.close()
+
+    def __enter__(self) -> "Saved":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def restored(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

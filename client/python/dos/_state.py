@@ -282,7 +282,7 @@ class StateIO:
         fresh = {id(e.param) for e in self._reg.entries if self._fresh(e, id(e.param) in moved_ids)}
         carry = _carry.Carry(sum(12 * e.local.numel() for e in self._reg.entries
                                  if id(e.param) not in fresh), why)
-        saved = {}
+        saved = _carry.Saved(carry)
         for e in self._reg.entries:
             if id(e.param) in fresh:  # read nothing (81 GB at 7B)
                 saved[id(e.param)] = {"fresh": True, "grad_none": no_gradient(e)}

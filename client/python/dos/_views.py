@@ -158,11 +158,17 @@ def over_dosd(t) -> bool:
     """True if `t` lies in a view of dosd's memory made here (a state dict's
     large tensor: steps change it in place, and a copy of it is the copy
     of the state that views exist to avoid)."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not _origins:
+    if not isinstance(t, torch.Tensor) or not _origins:
         return False
-    p = t.data_ptr()
+    t = getattr(t, "_local_tensor", t)  # a DTensor's local shard (FSDP2 state)
+    try:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            return False  # sparse and other tensors without one storage
+        p = t.data_ptr()
+    except RuntimeError:  # no storage at all
+        return False
     with _lock:
-        return p in _origins or any(a <= p < a + o[3] for a, o in _origins.items())
+        return p in _origins or any(a <= p < a + o[3] for a, o in list(_origins.items()))
 
 
 def fetch(session) -> int:

@@ -336,11 +336,10 @@ class _DosAdamBase(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         self._check_open("add_param_group")
-        self._parts.reg.sync_device()
-        saved = self._parts.state_io.saved_state(why="add_param_group() after steps")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        self._parts.add_group(saved, self.close, undo=self.param_groups.pop, check=lambda:
+        self._parts.add_group("add_param_group() after steps", self.close,
+                              undo=self.param_groups.pop, check=lambda:
                               check_args(g["lr"], g["betas"], g["eps"], g["weight_decay"],
                                           g.get("amsgrad"), g.get("maximize"),
                                           g.get("differentiable")))
