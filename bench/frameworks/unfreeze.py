@@ -13,6 +13,8 @@ refused before anything changes.
       time, where the state went (memory or the spill directory), the
       trainer's peak RssAnon and dosd's peak RSS (sampled every 0.1 s), the
       host's MemAvailable before, and the losses.
+  unfreeze.py --size mlp:36 ...: a 0.7B plain-torch stand-in (no transformers),
+      for the CPU.
   unfreeze.py --size 7b ...: where neither memory nor the disk has room,
       the refusal: its message, time, and that training goes on unchanged.
 
@@ -54,22 +56,38 @@ class Peaks:
         self.peak = {k: 0 for k in self.peak}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="3b")
-    ap.add_argument("--spill", default="auto")
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    os.environ["DOS_SPILL"] = a.spill
+class Stand(torch.nn.Module):
+    """A plain-torch stand-in for the CPU (no transformers needed), "mlp:L":
+    a frozen 32000 x 4096 embedding and L 4096 x 4096 layers (16.8M
+    parameters each), fp32: the memory a rebuild takes, measured where
+    there is no GPU (a rebuild's carry is host memory and disk, no PCIe)."""
+
+    def __init__(self, size: str, dev: str):
+        super().__init__()
+        layers = int(size.split(":", 1)[1])
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(32000, 4096)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4096, 4096, bias=False)
+                                          for _ in range(layers))
+        self.to(dev)
+
+    def forward(self, input_ids, labels):
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        class Out:  # noqa: E306 - the one field the loop reads
+            loss = (h.float() ** 2).mean()
+        return Out
+
+
+def llama(a, dev):
+    """The Llama-shaped model of hf7b.py's SIZES, bf16 on `dev`."""
     from transformers import LlamaConfig, LlamaForCausalLM
     layers, hidden, inter, heads = SIZES[a.size]
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       max_position_embeddings=a.seq)
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test at "tiny"
     # Built on the device (torch >= 2.0); torch 1.13 builds it on the CPU.
     with torch.device(dev) if hasattr(torch.device, "__enter__") else contextlib.nullcontext():
         model = LlamaForCausalLM(cfg).to(dev)
@@ -79,6 +97,20 @@ def main():
     except TypeError:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="3b")
+    ap.add_argument("--spill", default="auto")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ["DOS_SPILL"] = a.spill
+    torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = llama(a, dev) if a.size in SIZES else Stand(a.size, dev)
     emb = model.model.embed_tokens.weight
     emb.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
