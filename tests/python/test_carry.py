@@ -239,3 +239,53 @@ def test_dos_spill_picks_memory_or_disk_and_refuses_a_typo(monkeypatch, tmp_path
     monkeypatch.setenv("DOS_SPILL", "sometimes")
     with pytest.raises(dos.DosError, match="DOS_SPILL='sometimes'"):
         _carry.Carry(4096, "a test")
+
+
+@pytest.mark.parametrize("spill", ["never", "always"])
+def test_a_rebuild_dosd_refuses_twice_writes_the_state_where_the_error_says(
+        dos_socket, no_memory, monkeypatch, tmp_path, spill):
+    """dosd refuses the new session and then the old groups' again (its
+    host memory taken meanwhile): the optimizer is closed, but the state of
+    the steps so far is in the folder the error names, and an optimizer
+    built again from it trains on exactly as torch's (it once was lost)."""
+    monkeypatch.setenv("DOS_SPILL", spill)
+    monkeypatch.chdir(tmp_path)
+    data = make_data(n=10)
+    ref, mine = Net(), Net()
+    ref_opt = torch.optim.AdamW(ref.body.parameters(), **HP)
+    opt = dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP)
+    for i, (x, y) in enumerate(data[:5], 1):
+        step_both([(ref, ref_opt), (mine, opt)], x, y)
+    from dos import _assembly
+    real = _assembly.Assembly.register
+    monkeypatch.setattr(_assembly.Assembly, "register", lambda self: (_ for _ in ()).throw(
+        dos.DosError(8, "host memory: none left (a test)")))
+    with pytest.raises(dos.DosError, match="rescued_state_dict") as err:
+        opt.add_param_group({"params": list(mine.heads.parameters())})
+    assert "none left (a test)" in str(err.value)
+    monkeypatch.setattr(_assembly.Assembly, "register", real)
+    folder = str(err.value).split("written to ", 1)[1].split(":", 1)[0]
+    assert folder.startswith(str(tmp_path))
+    with pytest.raises(dos.DosError, match="closed"):
+        opt.step()
+    opt = dos.torch.AdamW(mine.body.parameters(), socket=dos_socket, **HP)
+    opt.load_state_dict(dos.torch.rescued_state_dict(folder))
+    for i, (x, y) in enumerate(data[5:], 6):
+        step_both([(ref, ref_opt), (mine, opt)], x, y)
+        assert_same(mine, ref, i)
+    assert_state_same(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_memory_must_hold_the_carried_state_beside_the_new_session(monkeypatch, tmp_path):
+    """Twice the carried bytes, the new session's added share and a margin:
+    a large group added to a small stepped one spills (dosd once refused the
+    new session for the memory the carried state held, and the optimizer was
+    closed with its state)."""
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    monkeypatch.setattr(_carry, "_SMALL", 0)
+    monkeypatch.setattr(_carry, "_MARGIN", 2 << 20)
+    monkeypatch.setattr(_carry, "available_memory", lambda: 10 << 20)
+    assert _carry.Carry(3 << 20, "a test").path is None  # 6 + 2 MiB of 10
+    assert _carry.Carry(3 << 20, "a test", adding=3 << 20).path == str(tmp_path)

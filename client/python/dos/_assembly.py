@@ -30,9 +30,11 @@ from dos import _carry, _grads, _lightning, _mmapload, _views
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
+from dos._errors import DosError
 from dos._flight import Flight
 from dos._hooks import weak_hook
 from dos._lease import GpuLease
+from dos._native import Status
 from dos._register import Registration, local_of
 from dos._state import StateIO
 from dos._step import Complete, Early, StepMode, decide_mode
@@ -175,11 +177,33 @@ class Assembly:
         reg.close()
         return True
 
-    def rebuild(self, saved: Dict[int, Dict[str, Any]], close: Callable[[], None]) -> None:
+    def rebuild(self, saved: Dict[int, Dict[str, Any]], close: Callable[[], None],
+                last_try: bool = True) -> None:
         """A new session for the current param_groups, with the state `saved`
         (StateIO.saved_state) written back; parameters not in it start
-        afresh. `close`: the optimizer's close()."""
+        afresh. `close`: the optimizer's close(). Refused on the `last_try`
+        (the optimizer stays closed): the state goes to files (_carry.rescue)
+        that the error names, not lost."""
         close()  # copies what lives in the old arena out, detaches
+        try:
+            self._rebuilt(saved)
+        except Exception as err:
+            if not last_try:
+                raise
+            try:
+                close()  # a session registered before the failure goes too
+            except Exception:
+                pass
+            folder, why = _carry.rescue(saved, self._groups())
+            then = (f"its state was written to {folder}: build it again over the same param "
+                    "groups and call opt.load_state_dict(dos.torch.rescued_state_dict("
+                    f"{folder!r}))" if folder else
+                    f"its state could not be written anywhere ({why}) and is lost")
+            raise DosError(getattr(err, "code", Status.INTERNAL), (
+                f"dos.torch: dosd's session could not be rebuilt ({err}); the optimizer is "
+                f"closed, and {then}")) from err
+
+    def _rebuilt(self, saved) -> None:
         self.register()
         for e in self.reg.entries:
             s = _carry.restored(saved.get(id(e.param)))  # from disk where it was spilled
@@ -203,9 +227,10 @@ class Assembly:
         try:
             check()
             self.reg.sync_device()
-            saved = self.state_io.saved_state(why=why)
+            saved = self.state_io.saved_state(why=why, adding=_state_bytes(
+                self._groups()[-1]["params"]))
             rebuilding = True
-            self.rebuild(saved, close)
+            self.rebuild(saved, close, last_try=False)
         except BaseException:
             undo()
             if rebuilding:
@@ -246,7 +271,8 @@ class Assembly:
                           "built now have gradients; re-registering with dosd to train them "
                           "(the state carried over as for a move)", RuntimeWarning, stacklevel=4)
             self.reg.sync_device()
-            with self.state_io.saved_state(why="parameters unfrozen after steps") as saved:
+            with self.state_io.saved_state(why="parameters unfrozen after steps",
+                                           adding=_state_bytes(thawed)) as saved:
                 self.rebuild(saved, close)
         self.take_written()
         return self.driver
@@ -275,6 +301,12 @@ class Assembly:
                           "writing weights", RuntimeWarning, stacklevel=5)
             self.driver.finish()
         self.state_io.take_weights(written, False)
+
+
+def _state_bytes(params) -> int:
+    """fp32 state bytes of the trainable ones of `params` (a new session's share)."""
+    return sum(12 * local_of(p).numel() for p in params
+               if getattr(p, "requires_grad", False))
 
 
 def _same_values(param, old) -> bool:

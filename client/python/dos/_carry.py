@@ -31,7 +31,7 @@ import torch
 from dos._errors import DosError
 from dos._native import Status
 
-__all__ = ["Carry", "Saved", "restored"]
+__all__ = ["Carry", "Saved", "restored", "rescue", "rescued_state_dict"]
 
 # File systems whose files are memory (statfs f_type): a spill there is the
 # copy in memory again. devtmpfs reports tmpfs's.
@@ -41,6 +41,9 @@ _PROC_FS = 0x9FA0
 # whatever the host says (a small model's rebuild never asks the disk).
 _DISK_MARGIN = 1 << 30
 _SMALL = 256 << 20
+# Memory kept free beside the carried state and the new session (dosd's own
+# reserve is 1 GiB; a CPU model's parameters move between arenas meanwhile).
+_MARGIN = 2 << 30
 
 
 def available_memory() -> int:
@@ -156,7 +159,10 @@ class Carry:
     """The state of one rebuild, `nbytes` in all (12 bytes a parameter
     carried, fp32 whatever the state's format): in memory, or in a file."""
 
-    def __init__(self, nbytes: int, why: str):
+    def __init__(self, nbytes: int, why: str, adding: int = 0):
+        """`adding`: bytes of state the new session has beside the carried
+        (a group added, parameters unfrozen), which dosd takes from the same
+        memory while the carried state is held."""
         self.nbytes = nbytes
         self._file = None
         self._end = 0
@@ -165,8 +171,9 @@ class Carry:
         if mode not in ("auto", "always", "never"):
             raise DosError(Status.INVALID_ARGUMENT, f"dos.torch: DOS_SPILL={mode!r}: use auto "
                            "(the default: a disk where memory is short), always or never")
+        room = nbytes * 2 + adding + _MARGIN  # held here, and the new session
         if mode == "never" or nbytes == 0 or (mode == "auto" and (nbytes <= _SMALL or
-                                                   nbytes * 2 <= available_memory())):
+                                                                   room <= available_memory())):
             return
         tried = []
         for d in _candidates():
@@ -183,8 +190,8 @@ class Carry:
         raise DosError(Status.RESOURCE_EXHAUSTED, (
             f"dos.torch: {why} rebuilds dosd's session, carrying {_gb(nbytes)} of optimizer "
             f"state from the old session to the new one; this process has "
-            f"{_gb(available_memory())} of memory available (room for it twice over is needed "
-            f"to hold it in memory) and no disk with room for it: {'; '.join(tried)}. Set "
+            f"{_gb(available_memory())} of memory available ({_gb(room)} needed to hold it in "
+            f"memory beside the new session) and no disk with room for it: {'; '.join(tried)}. Set "
             f"DOS_SPILL_DIR to a directory on a disk with {_gb(nbytes + _DISK_MARGIN)} free, "
             "or make the change before the first step (build the optimizer after moving or "
             "unfreezing the model; pass every param group at construction). Nothing was "
@@ -277,3 +284,64 @@ def _transfer(op, fd: int, t: torch.Tensor, offset: int) -> None:
             raise DosError(Status.INTERNAL, f"dos.torch: the rebuild's spill file ended at byte "
                            f"{offset + done} of {offset + n}")
         done += k
+
+
+def rescue(saved: Saved, groups: list) -> Tuple[str, str]:
+    """After a rebuild whose new session dosd refused (the old one closed):
+    the carried state written, one tensor at a time, as torch files in a
+    new folder (the working directory, else the temporary directories),
+    with an index of `groups` (the param_groups, params as indices, as
+    torch's state_dict() numbers them). Returns (folder, "") or ("", why none
+    could take it). rescued_state_dict() reads it back."""
+    params = [p for g in groups for p in g["params"]]
+    tried = []
+    for d in (os.getcwd(), tempfile.gettempdir(), "/var/tmp"):
+        folder = None
+        try:
+            folder = tempfile.mkdtemp(prefix="dos-rescued-state-", dir=d)
+            for i, p in enumerate(params):
+                s = restored(saved.get(id(p)))
+                if s is None or s.get("fresh"):
+                    continue
+                keep = ["exp_avg", "exp_avg_sq"] + (["master_param"] if p.dtype != torch.float32
+                                                    else [])
+                state = {k: s[k].reshape(p.shape) for k in keep}
+                state["step"] = torch.tensor(float(s["step"]))
+                torch.save(state, os.path.join(folder, f"{i}.pt"))
+            index = [{**{k: v for k, v in g.items() if k != "params"},
+                      "params": list(range(at, at + len(g["params"])))}
+                     for at, g in zip(_starts(groups), groups)]
+            torch.save({"param_groups": index}, os.path.join(folder, "index.pt"))
+            return folder, ""
+        except (OSError, RuntimeError, DosError) as err:
+            tried.append(f"{d} ({err})")
+            if folder is not None:
+                for name in os.listdir(folder):
+                    os.unlink(os.path.join(folder, name))
+                os.rmdir(folder)
+    return "", "; ".join(tried)
+
+
+def _starts(groups: list) -> List[int]:
+    out, at = [], 0
+    for g in groups:
+        out.append(at)
+        at += len(g["params"])
+    return out
+
+
+def rescued_state_dict(folder: str) -> Dict[str, Any]:
+    """The optimizer state dict (torch.optim.AdamW's format) a refused
+    rebuild wrote into `folder`: load it into the optimizer built again over
+    the same param groups. Tensors are mapped from their files where torch
+    can (torch.load(mmap=True), torch >= 2.1), not read into memory."""
+    def load(name):
+        path = os.path.join(folder, name)
+        try:
+            return torch.load(path, mmap=True, weights_only=True)
+        except TypeError:  # torch < 2.1
+            return torch.load(path)
+    index = load("index.pt")
+    state = {int(n[:-3]): load(n) for n in os.listdir(folder)
+             if n.endswith(".pt") and n != "index.pt"}
+    return {"state": state, "param_groups": index["param_groups"]}

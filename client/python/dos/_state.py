@@ -270,9 +270,9 @@ class StateIO:
             if _views.step_of(self._session, e.index) > 0:
                 self.write(e, None)
 
-    def saved_state(self, moved=(), kept=(), why="a change of the parameters") -> Dict:
+    def saved_state(self, moved=(), kept=(), why="a change of the parameters", adding=0) -> Dict:
         """Every registered tensor's state read from dosd, by id(param), held
-        by a _carry.Carry (`why`: the change, for its error); a moved or
+        by a _carry.Carry (`why`, `adding`: its arguments); a moved or
         written (Entry.written) parameter's values become its master where
         they are not the master rounded to the old or the new dtype, unless
         it is in `kept` (a copy of old storage)."""
@@ -281,7 +281,7 @@ class StateIO:
         _views.fetch(self._session)  # every tensor's step count, in one request
         fresh = {id(e.param) for e in self._reg.entries if self._fresh(e, id(e.param) in moved_ids)}
         carry = _carry.Carry(sum(12 * e.local.numel() for e in self._reg.entries
-                                 if id(e.param) not in fresh), why)
+                                 if id(e.param) not in fresh), why, adding)
         saved = _carry.Saved(carry)
         for e in self._reg.entries:
             if id(e.param) in fresh:  # read nothing (81 GB at 7B)

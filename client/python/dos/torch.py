@@ -36,6 +36,7 @@ import torch
 
 from dos import _amp, _callers, _grads, _native
 from dos._assembly import Assembly, Options
+from dos._carry import rescued_state_dict
 from dos._drivers import StepRequest
 from dos._delay import check_delay
 from dos._early import check_overlap
@@ -45,7 +46,7 @@ from dos._opt_state import DaemonState
 from dos._session import closed_error, track, untrack
 from dos._state import check_args, group_defaults, once_each
 
-__all__ = ["AdamW", "Adam", "DosError"]
+__all__ = ["AdamW", "Adam", "DosError", "rescued_state_dict"]
 
 # zero_grad()'s set_to_none default of the running torch (False in 1.x,
 # True from 2.0): DOS's zero_grad() without an argument follows it.
