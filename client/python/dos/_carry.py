@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import tempfile
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -222,10 +223,8 @@ class Carry:
 
     def load(self, at: int, n: int) -> torch.Tensor:
         buf = torch.empty(3, n, dtype=torch.float32)
-        try:
-            for i in range(3):
-                _transfer(lambda fd, mv, off: os.preadv(fd, [mv], off),
-                          self._file.fileno(), buf[i], at + i * 4 * n)
+        try:  # the three rows lie one after another, as in the file
+            _transfer(lambda fd, mv, off: os.preadv(fd, [mv], off), self._file.fileno(), buf, at)
         except (OSError, ValueError) as err:
             raise DosError(Status.DATA_LOSS, (
                 f"dos.torch: reading the optimizer state back from the rebuild's spill file in "
@@ -316,9 +315,7 @@ def rescue(saved: Saved, groups: list) -> Tuple[str, str]:
         except (OSError, RuntimeError, DosError) as err:
             tried.append(f"{d} ({err})")
             if folder is not None:
-                for name in os.listdir(folder):
-                    os.unlink(os.path.join(folder, name))
-                os.rmdir(folder)
+                shutil.rmtree(folder, ignore_errors=True)
     return "", "; ".join(tried)
 
 
