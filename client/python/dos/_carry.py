@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from dos._entry import local_of
 from dos._errors import DosError
 from dos._native import Status
 
@@ -304,7 +305,7 @@ def rescue(saved: Saved, groups: list) -> Tuple[str, str]:
                     continue
                 keep = ["exp_avg", "exp_avg_sq"] + (["master_param"] if p.dtype != torch.float32
                                                     else [])
-                state = {k: s[k].reshape(p.shape) for k in keep}
+                state = {k: s[k].reshape(local_of(p).shape) for k in keep}  # a shard's own
                 state["step"] = torch.tensor(float(s["step"]))
                 torch.save(state, os.path.join(folder, f"{i}.pt"))
             index = [{**{k: v for k, v in g.items() if k != "params"},
