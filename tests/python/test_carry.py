@@ -289,3 +289,41 @@ def test_memory_must_hold_the_carried_state_beside_the_new_session(monkeypatch, 
     monkeypatch.setattr(_carry, "available_memory", lambda: 10 << 20)
     assert _carry.Carry(3 << 20, "a test").path is None  # 6 + 2 MiB of 10
     assert _carry.Carry(3 << 20, "a test", adding=3 << 20).path == str(tmp_path)
+
+
+@pytest.mark.parametrize("spill", ["never", "always"])
+def test_a_rescued_shard_keeps_its_local_shape(monkeypatch, tmp_path, spill):
+    """An FSDP2 parameter (a DTensor) is rescued as its rank's shard:
+    reshaped to the global shape the rescue once raised and called the
+    state lost. A world of one with a shard claimed as half of [8, 4]."""
+    dist = pytest.importorskip("torch.distributed")
+    dt = pytest.importorskip("torch.distributed.tensor")
+    mesh_mod = pytest.importorskip("torch.distributed.device_mesh")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    monkeypatch.setenv("DOS_SPILL", spill)
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        mesh = mesh_mod.DeviceMesh("cpu", [0])
+        local = torch.randn(4, 4)
+        p = torch.nn.Parameter(dt.DTensor.from_local(local, mesh, [dt.Shard(0)], run_check=False,
+                                                     shape=torch.Size([8, 4]), stride=(4, 1)))
+        assert tuple(p.shape) == (8, 4)
+        saved = _carry.Saved(_carry.Carry(12 * 16, "a test"))
+        arrays = [torch.randn(16) for _ in range(3)]
+        saved[id(p)] = saved.carry.keep(*arrays, step=3)
+        folder, why = _carry.rescue(saved, [{"params": [p], "lr": 1e-3}])
+        saved.close()
+        assert folder, why
+        sd = dos.torch.rescued_state_dict(folder)
+        s = sd["state"][0]
+        assert tuple(s["exp_avg"].shape) == (4, 4) and "master_param" not in s
+        assert torch.equal(s["exp_avg"].reshape(-1), arrays[1])
+        assert torch.equal(s["exp_avg_sq"].reshape(-1), arrays[2])
+        assert float(s["step"]) == 3 and sd["param_groups"][0]["params"] == [0]
+    finally:
+        dist.destroy_process_group()
