@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from dos import _carry, _grads, _lightning, _mmapload, _views
+from dos import _adapters, _carry, _grads, _views
 from dos._delay import DelayedDriver
 from dos._drivers import make_driver
 from dos._early import EarlyDriver, early_driver
@@ -81,8 +81,7 @@ class Assembly:
         # values (LightningOptimizer) share them too:
         self.clip = None  # from clip_grad_norm_(), for the next step() (_grads.Clip)
         self.amp_found_inf = None  # torch's GradScaler's inf-check tensor (found_inf)
-        _mmapload.install()  # a framework's resume maps optimizer.pt (dos/_mmapload.py)
-        _lightning.install()  # Lightning's save streams the state (dos/_lightning.py)
+        _adapters.install()  # torch.load, Lightning's saves, DCP's load (dos/_adapters.py)
 
     def register(self, resume=None, on_attach=None) -> None:
         """Attaches (or resumes) a session and registers the parameters.

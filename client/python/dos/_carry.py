@@ -33,7 +33,8 @@ from dos._entry import local_of
 from dos._errors import DosError
 from dos._native import Status
 
-__all__ = ["Carry", "Saved", "restored", "rescue", "rescued_state_dict"]
+__all__ = ["Carry", "Saved", "in_memory", "reserve", "restored", "rescue",
+           "rescued_state_dict", "spill_mode"]
 
 # File systems whose files are memory (statfs f_type): a spill there is the
 # copy in memory again. devtmpfs reports tmpfs's.
@@ -157,6 +158,44 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def spill_mode() -> str:
+    """DOS_SPILL: auto (the default: a disk where memory is short), always or never."""
+    mode = os.environ.get("DOS_SPILL", "auto")
+    if mode not in ("auto", "always", "never"):
+        raise DosError(Status.INVALID_ARGUMENT, f"dos.torch: DOS_SPILL={mode!r}: use auto "
+                       "(the default: a disk where memory is short), always or never")
+    return mode
+
+
+def in_memory(nbytes: int, room: int) -> bool:
+    """Whether `nbytes` of state may be held in this process's memory, where
+    holding them takes `room` bytes in all (DOS_SPILL decides first)."""
+    mode = spill_mode()
+    return mode == "never" or nbytes == 0 or (mode == "auto" and (
+        nbytes <= _SMALL or room <= available_memory()))
+
+
+def reserve(nbytes: int) -> Tuple[Optional[Any], str, str]:
+    """An unnamed file of `nbytes`, reserved whole (a full disk fails now,
+    not mid-way), on the first spill directory with room: (file, directory,
+    ""), or (None, "", why each directory was passed over)."""
+    tried = []
+    for d in _candidates():
+        free, bad = _disk_room(d)
+        if not bad and free < nbytes + _DISK_MARGIN:
+            bad = f"{_gb(free)} free"
+        if not bad:
+            f = tempfile.TemporaryFile(dir=d)  # unnamed (O_TMPFILE) or unlinked at once
+            try:
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+                return f, d, ""
+            except OSError as err:
+                f.close()
+                bad = str(err)
+        tried.append(f"{d} ({bad})")
+    return None, "", "; ".join(tried)
+
+
 class Carry:
     """The state of one rebuild, `nbytes` in all (12 bytes a parameter
     carried, fp32 whatever the state's format): in memory, or in a file."""
@@ -169,43 +208,20 @@ class Carry:
         self._file = None
         self._end = 0
         self.path = None  # the spill's directory (None: in memory)
-        mode = os.environ.get("DOS_SPILL", "auto")
-        if mode not in ("auto", "always", "never"):
-            raise DosError(Status.INVALID_ARGUMENT, f"dos.torch: DOS_SPILL={mode!r}: use auto "
-                           "(the default: a disk where memory is short), always or never")
         room = nbytes * 2 + adding + _MARGIN  # held here, and the new session
-        if mode == "never" or nbytes == 0 or (mode == "auto" and (nbytes <= _SMALL or
-                                                                   room <= available_memory())):
+        if in_memory(nbytes, room):
             return
-        tried = []
-        for d in _candidates():
-            free, bad = _disk_room(d)
-            if not bad and free < nbytes + _DISK_MARGIN:
-                bad = f"{_gb(free)} free"
-            if not bad:
-                try:
-                    self._open(d)
-                    return
-                except OSError as err:
-                    bad = str(err)
-            tried.append(f"{d} ({bad})")
-        raise DosError(Status.RESOURCE_EXHAUSTED, (
-            f"dos.torch: {why} rebuilds dosd's session, carrying {_gb(nbytes)} of optimizer "
-            f"state from the old session to the new one; this process has "
-            f"{_gb(available_memory())} of memory available ({_gb(room)} needed to hold it in "
-            f"memory beside the new session) and no disk with room for it: {'; '.join(tried)}. Set "
-            f"DOS_SPILL_DIR to a directory on a disk with {_gb(nbytes + _DISK_MARGIN)} free, "
-            "or make the change before the first step (build the optimizer after moving or "
-            "unfreezing the model; pass every param group at construction). Nothing was "
-            "changed: the optimizer goes on as it was"))
-
-    def _open(self, d: str) -> None:
-        f = tempfile.TemporaryFile(dir=d)  # unnamed (O_TMPFILE) or unlinked at once
-        try:
-            os.posix_fallocate(f.fileno(), 0, self.nbytes)  # ENOSPC now, not mid-way
-        except BaseException:
-            f.close()
-            raise
+        f, d, tried = reserve(nbytes)
+        if f is None:
+            raise DosError(Status.RESOURCE_EXHAUSTED, (
+                f"dos.torch: {why} rebuilds dosd's session, carrying {_gb(nbytes)} of optimizer "
+                f"state from the old session to the new one; this process has "
+                f"{_gb(available_memory())} of memory available ({_gb(room)} needed to hold it "
+                f"in memory beside the new session) and no disk with room for it: {tried}. Set "
+                f"DOS_SPILL_DIR to a directory on a disk with {_gb(nbytes + _DISK_MARGIN)} free, "
+                "or make the change before the first step (build the optimizer after moving or "
+                "unfreezing the model; pass every param group at construction). Nothing was "
+                "changed: the optimizer goes on as it was"))
         self._file, self.path = f, d
         weakref.finalize(self, f.close)  # when the rebuild lets go of it
 

@@ -44,7 +44,7 @@ import torch
 
 from dos._errors import DosError, call
 from dos._native import Status
-from dos import _carry, _lightning, _views
+from dos import _adapters, _carry, _views
 from dos._grads import no_gradient
 from dos._register import Entry, Registration, is_dtensor, local_of
 
@@ -174,7 +174,7 @@ class StateIO:
     def states(self, all_params: bool):
         """{param: torch's per-parameter state} of the parameters a step has
         updated (every parameter's with `all_params`), for state_dict()."""
-        _lightning.install()  # Lightning imported after the optimizer was built
+        _adapters.install()  # a framework imported after the optimizer was built
         self._settled()
         state = defaultdict(dict)
         moment_bytes = _views.fetch(self._session)

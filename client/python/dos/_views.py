@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,7 +35,7 @@ from dos._errors import DosError, call, check
 from dos._native import StateView, Status, lib
 
 __all__ = ["fetch", "read", "step_of", "view", "live", "refresh", "forget", "is_view_of",
-           "over_dosd"]
+           "over_dosd", "ranges"]
 
 _lock = threading.RLock()  # _release (a finalizer) may run under it
 _live = 0
@@ -152,6 +152,13 @@ def is_view_of(t, session, index: int, which: int) -> bool:
     call("dos_state_view_modified", ctypes.c_void_p(t.data_ptr()), ctypes.c_uint64(o[3]),
          ctypes.byref(modified))
     return not modified.value  # written into: the caller's values, to be loaded
+
+
+def ranges() -> List[Tuple[int, int]]:
+    """(start, end) of every live view's mapping, sorted (a walk over many
+    tensors bisects it instead of asking over_dosd of each)."""
+    with _lock:
+        return sorted((a, a + o[3]) for a, o in _origins.items())
 
 
 def over_dosd(t) -> bool:

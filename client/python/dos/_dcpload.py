@@ -1,0 +1,186 @@
+"""torch.distributed.checkpoint (DCP) loading into this optimizer's state
+dict without a second copy of the state in the trainer.
+
+DCP loads in place: it copies the checkpoint into the tensors of the state
+dict it is handed (`opt.state_dict(all_params=True)`, DCP's
+get_optimizer_state_dict), which are read-only-shared views of dosd's memory
+(dos/_views.py). Each page it writes becomes the trainer's own: 8 to 12
+bytes a parameter, 81 GB at 7B beside dosd's copy, held until the dict is
+dropped. So DCP's load is wrapped. Where this process (its host and cgroup)
+has no room for those pages (dos/_carry.py's rule; DOS_SPILL), every view in
+the dict is first moved (Tensor.set_, so that each dict holding the tensor
+sees it) onto an unnamed file on a disk, mapped shared, reserved whole: the
+pages DCP writes are then the page cache's, written back and dropped under
+pressure, and load_state_dict() reads them into dosd a piece at a time. A
+view the load did not write (a partial load) is moved back onto dosd's
+memory, and so is every view when the load fails: the dict shows the state
+as it was. With no disk that has room, the load is refused before anything
+is read. The file goes when the dict's tensors do.
+
+Stateful values of the dict (torch's AppState pattern, an optimizer passed
+as is) are wrapped for the call, so that the state dict they produce inside
+the load is treated the same.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import mmap
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, List, Tuple
+
+import torch
+
+from dos import _carry, _views
+from dos._errors import DosError
+from dos._native import Status
+
+__all__ = ["install"]
+
+_WRAPPED = (("torch.distributed.checkpoint", "load"),
+            ("torch.distributed.checkpoint", "load_state_dict"),
+            ("torch.distributed.checkpoint.state_dict_loader", "load"),
+            ("torch.distributed.checkpoint.state_dict_loader", "load_state_dict"))
+# What a moved tensor's first element holds until the load writes it: a NaN
+# no checkpoint holds in practice (torch's NaN is 0x7FC00000), by element size.
+_MARK = {4: (torch.int32, 0x7FA5C3E1), 2: (torch.int16, 0x7FA5)}
+_PAGE = 4096
+
+
+def install() -> None:
+    """Wraps DCP's load functions, where DCP is imported (never imports it:
+    Debian's torch 1.13 cannot). Called by state_dict() and at construction."""
+    for module, name in _WRAPPED:
+        mod = sys.modules.get(module)
+        f = getattr(mod, name, None) if mod is not None else None
+        if f is not None and not getattr(f, "_dos_wrapped", False):
+            setattr(mod, name, _wrap(f))
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def load(state_dict, *args, **kwargs):
+        if not _views.live() or not isinstance(state_dict, MutableMapping):
+            return original(state_dict, *args, **kwargs)
+        moved = _Moved()
+        proxies = {k: _Stateful(v, moved) for k, v in state_dict.items() if _is_stateful(v)}
+        try:
+            moved.add(views_in(state_dict))
+            state_dict.update(proxies)
+            result = original(state_dict, *args, **kwargs)
+        except BaseException:
+            moved.undo()
+            raise
+        finally:
+            state_dict.update({k: p.inner for k, p in proxies.items()})
+        moved.undo(unwritten_only=True)
+        return result
+    load._dos_wrapped = True
+    return load
+
+
+def _is_stateful(v) -> bool:
+    return (not isinstance(v, (torch.Tensor, Mapping, list, tuple))
+            and callable(getattr(v, "state_dict", None))
+            and callable(getattr(v, "load_state_dict", None)))
+
+
+class _Stateful:
+    """A Stateful value of the dict for the call: the state dict it gives
+    DCP has its views moved; the unwritten ones are moved back before it
+    takes the loaded dict."""
+
+    def __init__(self, inner, moved: "_Moved"):
+        self.inner, self._moved = inner, moved
+
+    def state_dict(self):
+        sd = self.inner.state_dict()
+        self._moved.add(views_in(sd))
+        return sd
+
+    def load_state_dict(self, state_dict) -> Any:
+        self._moved.undo(unwritten_only=True)
+        return self.inner.load_state_dict(state_dict)
+
+
+def views_in(obj) -> List[torch.Tensor]:
+    """The tensors over dosd's memory in the nested dicts, lists and tuples
+    `obj` (a DTensor's local shard for a DTensor), each once."""
+    spans = _views.ranges()
+    if not spans:
+        return []
+    starts = [a for a, _ in spans]
+    found, seen, todo = {}, set(), [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            t = getattr(o, "_local_tensor", o)
+            try:
+                if t.device.type != "cpu" or t.layout != torch.strided or not t.numel():
+                    continue
+                p = t.data_ptr()
+            except RuntimeError:  # no storage
+                continue
+            i = bisect.bisect_right(starts, p) - 1
+            if i >= 0 and p < spans[i][1]:
+                found[id(t)] = t
+        elif isinstance(o, Mapping):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+    return list(found.values())
+
+
+class _Moved:
+    """The views one load moved onto files: (tensor, its view, its file's tensor)."""
+
+    def __init__(self):
+        self._moved: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, tensors: List[torch.Tensor]) -> None:
+        tensors = [t for t in tensors if t.numel() and t.element_size() in _MARK]
+        sizes = [(t.numel() * t.element_size() + _PAGE - 1) // _PAGE * _PAGE for t in tensors]
+        nbytes = sum(sizes)
+        if _carry.in_memory(nbytes, nbytes + _carry._MARGIN):
+            return
+        f, _, tried = _carry.reserve(nbytes)
+        if f is None:
+            raise DosError(Status.RESOURCE_EXHAUSTED, (
+                f"dos.torch: torch.distributed.checkpoint's load writes {_carry._gb(nbytes)} of "
+                "optimizer state into the state dict's tensors, views of dosd's memory whose "
+                "written pages become this process's own (a second copy beside dosd's); this "
+                f"process has {_carry._gb(_carry.available_memory())} of memory available "
+                f"({_carry._gb(nbytes + _carry._MARGIN)} needed) and no disk with room to take "
+                f"the pages instead: {tried}. Set DOS_SPILL_DIR to a directory on a disk with "
+                f"{_carry._gb(nbytes + _carry._DISK_MARGIN)} free (or DOS_SPILL=never to load "
+                "into memory anyway). Nothing was loaded"))
+        with f:  # the mapping keeps the file (and its reserved blocks) until its tensors go
+            mm = mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        at = 0
+        with torch.no_grad():
+            for t, size in zip(tensors, sizes):
+                target = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=at)
+                at += size
+                kind, bits = _MARK[t.element_size()]
+                target[:1].view(kind).fill_(bits)
+                self._moved.append((t, t.detach(), target))
+                t.set_(target.view(t.shape))
+
+    def undo(self, unwritten_only: bool = False) -> None:
+        """Moves the views back onto dosd's memory: all, or those the load did not write."""
+        keep = []
+        with torch.no_grad():
+            for t, view, target in self._moved:
+                kind, bits = _MARK[t.element_size()]
+                if unwritten_only and int(target[:1].view(kind)) != bits:
+                    keep.append((t, None, target))  # loaded: its view may go
+                    continue
+                if view is not None and t.data_ptr() == target.data_ptr():
+                    t.set_(view)
+        self._moved = keep if unwritten_only else []

@@ -1,0 +1,244 @@
+"""torch.distributed.checkpoint's load into the optimizer's own state dict
+(dos/_dcpload.py): DCP copies the checkpoint into the dict's tensors, views
+of dosd's memory whose written pages became the trainer's own, a second copy
+of the state (81 GB at 7B). Where memory is short the views are moved onto a
+file first: the trainer's anonymous memory does not grow, the load resumes
+exactly, a view the load did not write stays dosd's, a failed load leaves
+every view as it was, and with no disk the load is refused before it reads.
+
+DCP itself cannot be imported with Debian's torch 1.13, so most cases use a
+stand-in with DCP's contract (Stateful values asked for their state dict,
+the checkpoint copied into the leaves in place, then load_state_dict); the
+last case runs the real one where torch >= 2.3 has it."""
+
+import os
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import dos  # noqa: E402
+import dos.torch  # noqa: E402
+from dos import _carry, _dcpload, _views  # noqa: E402
+from test_state_io import daemon_state  # noqa: E402
+from test_state_views import LR, big_model, rss_anon, train  # noqa: E402
+
+DCP = "torch.distributed.checkpoint"
+
+
+def flat(sd):
+    return {f"optim.{i}.{k}": v for i, s in sd["state"].items() for k, v in s.items()}
+
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from leaves(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
+
+
+def stand_in(saved, fail_after=None):
+    """A torch.distributed.checkpoint module whose load has DCP's contract."""
+    mod = types.ModuleType(DCP)
+
+    def load(state_dict, checkpoint_id=None):
+        stateful = {k: v for k, v in state_dict.items()
+                    if not isinstance(v, (dict, torch.Tensor)) and hasattr(v, "load_state_dict")}
+        inner = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
+        done = 0
+        for key, t in leaves(inner):
+            if key in saved:
+                if done == fail_after:
+                    raise RuntimeError("a test: the storage failed mid-load")
+                getattr(t, "_local_tensor", t).copy_(saved[key])
+                done += 1
+        for k, v in stateful.items():
+            v.load_state_dict(inner[k])
+    mod.load = load
+    return mod
+
+
+@pytest.fixture
+def spill(monkeypatch, tmp_path):
+    """Memory is short: moved views go to a file in a fresh DOS_SPILL_DIR."""
+    monkeypatch.setenv("DOS_SPILL", "always")
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    return tmp_path
+
+
+def checkpoint(dos_socket):
+    """A model trained 2 steps, its optimizer state as DCP would have saved
+    it (flat, cloned), and the weights 2 more steps reach from there."""
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+        saved = {k: v.clone() for k, v in flat(opt.state_dict()).items()}
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, 2, seed=9)
+        want = [p.detach().clone() for p in model.parameters()]
+    return saved, weights, want
+
+
+def resumed(dos_socket, weights):
+    """Another model and optimizer, trained elsewhere, its weights the checkpoint's."""
+    model = big_model(seed=4)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR)
+    train(model, opt, 1, seed=5)
+    model.load_state_dict(weights)
+    opt.reload_weights()
+    return model, opt
+
+
+def install(monkeypatch, saved, **kw):
+    monkeypatch.setitem(sys.modules, DCP, stand_in(saved, **kw))
+    _dcpload.install()
+    return sys.modules[DCP]
+
+
+@pytest.mark.parametrize("how", ["dict", "stateful"])
+def test_dcp_load_into_views_resumes_exactly_without_a_copy_in_memory(dos_socket, spill,
+                                                                      monkeypatch, how):
+    saved, weights, want = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved if how == "dict" else {f"app.{k}": v for k, v in saved.items()})
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        views = views_of(sd)
+        assert len(views) >= 4  # the weights' moments at least
+        state_bytes = sum(t.numel() * t.element_size() for t in views)
+        before = rss_anon()
+        if how == "dict":
+            dcp.load(flat(sd))
+        else:
+            class App:  # torch's AppState pattern: the dict made inside the load
+                def state_dict(self):
+                    self.sd = opt.state_dict(all_params=True)
+                    return flat(self.sd)  # keys app.optim.*
+
+                def load_state_dict(self, loaded):
+                    assert not views_of(self.sd)  # every one written, none left over dosd
+                    opt.load_state_dict(self.sd)
+            dcp.load({"app": App()})
+        grew = rss_anon() - before
+        assert grew < state_bytes // 4, (grew, state_bytes)  # the pages went to the file
+        if how == "dict":
+            assert all(not _views.over_dosd(t) for t in views)  # the same tensors, moved
+            for key, t in leaves(flat(sd)):
+                assert torch.equal(t, saved[key]), key
+            opt.load_state_dict(sd)
+        train(model, opt, 2, seed=9)
+        for a, b in zip(want, model.parameters()):
+            assert torch.equal(a, b.detach())
+    assert os.listdir(spill) == []  # unnamed
+
+
+def views_of(sd):
+    return [t for _, t in leaves(flat(sd)) if _views.over_dosd(t)]
+
+
+def test_the_copy_in_memory_the_file_avoids_is_real(dos_socket, monkeypatch):
+    """DOS_SPILL=never: the pages DCP writes are the trainer's (the old way)."""
+    monkeypatch.setenv("DOS_SPILL", "never")
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved)
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        big = views_of(sd)
+        state_bytes = sum(t.numel() * t.element_size() for t in big)
+        before = rss_anon()
+        dcp.load(flat(sd))
+        assert rss_anon() - before > state_bytes * 3 // 4
+        assert all(_views.over_dosd(t) for t in big)
+
+
+def test_a_view_the_load_did_not_write_stays_dosds(dos_socket, spill, monkeypatch):
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    only_m = {k: v for k, v in saved.items() if not k.endswith("exp_avg_sq")}
+    dcp = install(monkeypatch, only_m)
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        before = [daemon_state(opt, e) for e in opt._entries]
+        mapped = {k for k, t in leaves(flat(sd)) if _views.over_dosd(t)}
+        assert mapped
+        dcp.load(flat(sd))
+        for key, t in leaves(flat(sd)):
+            if key in mapped:
+                assert _views.over_dosd(t) == key.endswith("exp_avg_sq"), key
+        opt.load_state_dict(sd)
+        for e, (old, _) in zip(opt._entries, before):
+            new = daemon_state(opt, e)[0]
+            assert torch.equal(new[2], old[2])  # exp_avg_sq as it was
+        for key, t in leaves(flat(opt.state_dict())):
+            if key.endswith(".exp_avg"):
+                assert torch.equal(t, saved[key]), key
+
+
+def test_a_failed_load_leaves_every_view_as_it_was(dos_socket, spill, monkeypatch):
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved, fail_after=2)
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        old = {k: t.clone() for k, t in leaves(flat(sd))}
+        mapped = {k for k, t in leaves(flat(sd)) if _views.over_dosd(t)}
+        assert mapped
+        with pytest.raises(RuntimeError, match="mid-load"):
+            dcp.load(flat(sd))
+        for key, t in leaves(flat(sd)):
+            if key in mapped:
+                assert _views.over_dosd(t), key
+                assert torch.equal(t, old[key]), key
+    assert os.listdir(spill) == []
+
+
+def test_with_no_disk_the_load_is_refused_before_it_reads(dos_socket, monkeypatch, tmp_path):
+    monkeypatch.setattr(_carry, "available_memory", lambda: 0)
+    monkeypatch.setattr(_carry, "_SMALL", 0)
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (0, "a test: no disk"))
+    monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved)
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        old = {k: t.clone() for k, t in leaves(flat(sd))}
+        with pytest.raises(dos.DosError, match="DOS_SPILL_DIR") as err:
+            dcp.load(flat(sd))
+        assert err.value.code_name == "RESOURCE_EXHAUSTED"
+        assert "Nothing was loaded" in str(err.value) and "a test: no disk" in str(err.value)
+        for key, t in leaves(flat(sd)):
+            assert torch.equal(t, old[key]), key
+
+
+def test_real_dcp_load_moves_the_views_to_a_file(dos_socket, spill, tmp_path):
+    try:
+        import torch.distributed.checkpoint as dcp
+    except Exception as e:  # Debian's torch 1.13 on Python 3.11
+        pytest.skip(f"torch.distributed.checkpoint cannot be imported here "
+                    f"({type(e).__name__}: {str(e)[:120]})")
+    if not hasattr(dcp, "load") or torch.__version__ < "2.3":
+        pytest.skip("single-process DCP needs torch >= 2.3")
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+        dcp.save(flat(opt.state_dict()), checkpoint_id=str(tmp_path / "ckpt"))
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, 2, seed=9)
+        want = [p.detach().clone() for p in model.parameters()]
+    model, opt = resumed(dos_socket, weights)
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        big = views_of(sd)
+        before = rss_anon()
+        dcp.load(flat(sd), checkpoint_id=str(tmp_path / "ckpt"))
+        assert rss_anon() - before < sum(t.numel() * t.element_size() for t in big) // 4
+        assert not any(_views.over_dosd(t) for t in big)
+        opt.load_state_dict(sd)
+        train(model, opt, 2, seed=9)
+        for a, b in zip(want, model.parameters()):
+            assert torch.equal(a, b.detach())
