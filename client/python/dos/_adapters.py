@@ -6,10 +6,10 @@ nothing the process has not imported itself.
 - torch.load maps a resumed optimizer.pt (dos/_mmapload.py);
 - Lightning's saves stream the state, whole steps (dos/_lightning.py);
 - torch.distributed.checkpoint's load writes no copy of the state into the
-  trainer's memory (dos/_dcpload.py).
+  trainer's memory (dos/_dcp.py).
 """
 
-from dos import _dcpload, _lightning, _mmapload
+from dos import _dcp, _lightning, _mmapload
 
 __all__ = ["install"]
 
@@ -17,4 +17,4 @@ __all__ = ["install"]
 def install() -> None:
     _mmapload.install()
     _lightning.install()
-    _dcpload.install()
+    _dcp.install()

@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint's load into the optimizer's own state dict
-(dos/_dcpload.py): DCP copies the checkpoint into the dict's tensors, views
+(dos/_dcp.py): DCP copies the checkpoint into the dict's tensors, views
 of dosd's memory whose written pages became the trainer's own, a second copy
 of the state (81 GB at 7B). Where memory is short the views are moved onto a
 file first: the trainer's anonymous memory does not grow, the load resumes
@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import dos  # noqa: E402
 import dos.torch  # noqa: E402
-from dos import _carry, _dcpload, _views  # noqa: E402
+from dos import _carry, _dcp, _views  # noqa: E402
 from test_state_io import daemon_state  # noqa: E402
 from test_state_views import LR, big_model, rss_anon, train  # noqa: E402
 
@@ -94,7 +94,7 @@ def resumed(dos_socket, weights):
 
 def install(monkeypatch, saved, **kw):
     monkeypatch.setitem(sys.modules, DCP, stand_in(saved, **kw))
-    _dcpload.install()
+    _dcp.install()
     return sys.modules[DCP]
 
 
@@ -109,6 +109,8 @@ def test_dcp_load_into_views_resumes_exactly_without_a_copy_in_memory(dos_socket
         views = views_of(sd)
         assert len(views) >= 4  # the weights' moments at least
         state_bytes = sum(t.numel() * t.element_size() for t in views)
+        if how == "stateful":
+            del sd, views  # no view alive before the load: the App makes them
         before = rss_anon()
         if how == "dict":
             dcp.load(flat(sd))
@@ -226,7 +228,11 @@ def test_real_dcp_load_moves_the_views_to_a_file(dos_socket, spill, tmp_path):
     model = big_model()
     with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
         train(model, opt, 2)
-        dcp.save(flat(opt.state_dict()), checkpoint_id=str(tmp_path / "ckpt"))
+        if hasattr(dcp, "async_save"):  # saved here, whole, no staged copy: done at once
+            assert dcp.async_save(flat(opt.state_dict()),
+                                  checkpoint_id=str(tmp_path / "ckpt")).done()
+        else:
+            dcp.save(flat(opt.state_dict()), checkpoint_id=str(tmp_path / "ckpt"))
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         train(model, opt, 2, seed=9)
         want = [p.detach().clone() for p in model.parameters()]
@@ -242,3 +248,43 @@ def test_real_dcp_load_moves_the_views_to_a_file(dos_socket, spill, tmp_path):
         train(model, opt, 2, seed=9)
         for a, b in zip(want, model.parameters()):
             assert torch.equal(a, b.detach())
+
+
+def test_async_save_of_views_saves_them_in_place_without_staging(dos_socket, monkeypatch):
+    """async_save would stage (copy) the whole state first: a dict holding
+    views is saved by save on this thread instead, Stateful values resolved
+    once, and a finished future comes back; other dicts go to async_save."""
+    mod = types.ModuleType(DCP)
+    calls = []
+
+    def save(state_dict, checkpoint_id=None):
+        calls.append(("save", state_dict, checkpoint_id))
+        return "metadata"
+
+    def async_save(state_dict, checkpoint_id=None, async_checkpointer_type=None):
+        calls.append(("async_save", state_dict, checkpoint_id))
+        return "a future"
+    mod.save, mod.async_save = save, async_save
+    monkeypatch.setitem(sys.modules, DCP, mod)
+    _dcp.install()
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 2)
+
+        class App:
+            def state_dict(self):
+                return {"optim": flat(opt.state_dict())}
+
+            def load_state_dict(self, sd):
+                raise AssertionError("not a load")
+        before = rss_anon()
+        fut = mod.async_save({"app": App(), "n": 3}, checkpoint_id="c1",
+                             async_checkpointer_type="thread")
+        assert fut.done() and fut.result() == "metadata"
+        (what, sd, ckpt), = calls
+        assert what == "save" and ckpt == "c1" and sd["n"] == 3
+        assert any(_views.over_dosd(t) for t in sd["app"]["optim"].values())  # not copies
+        assert rss_anon() - before < 8 << 20
+        calls.clear()
+        assert mod.async_save({"w": torch.ones(3)}, checkpoint_id="c2") == "a future"
+        assert calls[0][0] == "async_save"

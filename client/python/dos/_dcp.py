@@ -20,6 +20,12 @@ is read. The file goes when the dict's tensors do.
 Stateful values of the dict (torch's AppState pattern, an optimizer passed
 as is) are wrapped for the call, so that the state dict they produce inside
 the load is treated the same.
+
+DCP's async_save stages (copies) the whole state dict into host memory
+before its writer thread saves it: the state again, at 7B 81 GB. A state
+dict holding views of dosd's memory is saved by dcp.save on the calling
+thread instead, whole (no later step can change it meanwhile), and a
+finished future is returned; others go to async_save as before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import functools
 import mmap
 import sys
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future
 from typing import Any, List, Tuple
 
 import torch
@@ -42,7 +49,9 @@ __all__ = ["install"]
 _WRAPPED = (("torch.distributed.checkpoint", "load"),
             ("torch.distributed.checkpoint", "load_state_dict"),
             ("torch.distributed.checkpoint.state_dict_loader", "load"),
-            ("torch.distributed.checkpoint.state_dict_loader", "load_state_dict"))
+            ("torch.distributed.checkpoint.state_dict_loader", "load_state_dict"),
+            ("torch.distributed.checkpoint", "async_save"),
+            ("torch.distributed.checkpoint.state_dict_saver", "async_save"))
 # What a moved tensor's first element holds until the load writes it: a NaN
 # no checkpoint holds in practice (torch's NaN is 0x7FC00000), by element size.
 _MARK = {4: (torch.int32, 0x7FA5C3E1), 2: (torch.int16, 0x7FA5)}
@@ -56,15 +65,15 @@ def install() -> None:
         mod = sys.modules.get(module)
         f = getattr(mod, name, None) if mod is not None else None
         if f is not None and not getattr(f, "_dos_wrapped", False):
-            setattr(mod, name, _wrap(f))
+            setattr(mod, name, (_wrap_async_save(f, mod) if name == "async_save" else _wrap(f)))
 
 
 def _wrap(original):
     @functools.wraps(original)
     def load(state_dict, *args, **kwargs):
-        if not _views.live() or not isinstance(state_dict, MutableMapping):
+        if not isinstance(state_dict, MutableMapping):
             return original(state_dict, *args, **kwargs)
-        moved = _Moved()
+        moved = _Moved()  # (no views alive yet: a Stateful value may make them)
         proxies = {k: _Stateful(v, moved) for k, v in state_dict.items() if _is_stateful(v)}
         try:
             moved.add(views_in(state_dict))
@@ -79,6 +88,40 @@ def _wrap(original):
         return result
     load._dos_wrapped = True
     return load
+
+
+def _wrap_async_save(original, module):
+    @functools.wraps(original)
+    def async_save(state_dict, *args, **kwargs):
+        if not isinstance(state_dict, Mapping):
+            return original(state_dict, *args, **kwargs)
+        # What async_save does first (_stateful_to_state_dict), done once here.
+        plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
+        if not views_in(plain):
+            return original(plain, *args, **kwargs)
+        save = getattr(module, "save", None) or sys.modules[
+            "torch.distributed.checkpoint"].save
+        keep = {k: v for k, v in kwargs.items() if k in _SAVE_ARGS}
+        done = Future()
+        try:
+            done.set_result(save(plain, *args, **keep))
+        except Exception as err:  # as async_save's future would carry it
+            done.set_exception(err)
+        stager = kwargs.get("async_stager")
+        response = getattr(module, "AsyncSaveResponse", None)
+        if response is not None and getattr(getattr(stager, "_config", None),
+                                            "use_async_staging", False):
+            staged = Future()
+            staged.set_result(None)
+            return response(staging_completion=staged, upload_completion=done)
+        return done
+    async_save._dos_wrapped = True
+    return async_save
+
+
+# async_save's arguments dcp.save also takes (not the executor's nor the stager's).
+_SAVE_ARGS = ("checkpoint_id", "storage_writer", "planner", "process_group", "no_dist",
+              "use_collectives")
 
 
 def _is_stateful(v) -> bool:
