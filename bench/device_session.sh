@@ -19,6 +19,8 @@
 #   bash bench/device_session.sh unfreeze OUT       # add_param_group after steps at 2.4B (the state
 #       carried through disk: DOS_SPILL=always) and 7B (no room: the refusal; UNFREEZE_RUNS);
 #       bench/frameworks/unfreeze.py, writes bench/results/unfreeze_<machine>_<date>.json
+#   bash bench/device_session.sh dcp OUT            # DCP's in-place load at 1.1B (DCP_SIZE) with
+#       the state dict's views moved to a file and not (bench/frameworks/dcp_load.py)
 #   bash bench/device_session.sh frameworks OUT     # HF Trainer, Accelerate, Lightning (writes
 #       bench/results/integration_<machine>_<date>.json), read-after-step and shutdown tests on
 #       CUDA, two "nodes" with a dosd each (gloo; NCCL with one GPU per node where there are 2)
@@ -27,7 +29,7 @@
 # give each part its own folder and tar them). Each part has its own
 # timeout so that one hang does not eat the call.
 set -u
-what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-ab|frameworks|unfreeze}; O=${2:?out dir}; shift 2
+what=${1:?tests|e2e|largest|ranks|delay|delay-6b|delay-hf|delay-ab|frameworks|unfreeze|dcp}; O=${2:?out dir}; shift 2
 DIST=$PWD/.dist; B=$DIST/bin
 export LD_LIBRARY_PATH=$DIST/lib DOS_CLIENT_LIB=$DIST/lib/libdos_client.so
 export DOS_DOSD=$B/dosd DOS_DOSCTL=$B/dosctl DOS_GPU_DOOMED_TRAINER=$B/gpu_doomed_trainer
@@ -223,6 +225,18 @@ json.dump({"machine": sys.argv[2], "date": time.strftime("%Y-%m-%d"), "runs": ru
 print(out)
 PY
     cp bench/results/unfreeze_"$DOS_MACHINE"_* "$O/" 2>/dev/null
+    ;;
+  dcp)
+    sock=/tmp/dos-dcp.sock; rm -f $sock
+    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
+    dpid=$!
+    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    DOS_SOCKET=$sock DOS_DOSD_PID=$dpid timeout ${DCP_TIMEOUT:-300} python3 \
+      bench/frameworks/dcp_load.py --size ${DCP_SIZE:-mlp:60} --dir /var/tmp \
+      --out "bench/results/dcp_load_${DOS_MACHINE}_$(date +%F).json" > "$O/dcp.log" 2>&1
+    echo "exit=$?" >> "$O/dcp.log"
+    kill $dpid; wait $dpid
+    cp bench/results/dcp_load_"$DOS_MACHINE"_* "$O/" 2>/dev/null
     ;;
   *) echo "unknown part $what" >&2; exit 2 ;;
 esac
