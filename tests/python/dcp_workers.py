@@ -197,3 +197,28 @@ def load_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
     finally:
         report_to(out_dir, f"load{rank}.json", report)
         dist.destroy_process_group()
+
+
+def refusal_worker(rank, world, rendezvous, spill_dir, out_dir):
+    """dos/_dcp.py's decision across ranks: rank 1 has no disk for the
+    moved views, rank 0 has one. Both must refuse (rank 0 naming the other
+    rank) instead of rank 0 going on into DCP's collectives alone, and
+    rank 0's reserved file must be given back."""
+    from dos import _carry, _dcp
+    from ddp_workers import rank_report
+    init(rank, world, rendezvous)
+    os.environ["DOS_SPILL"] = "always"
+    os.environ["DOS_SPILL_DIR"] = spill_dir
+    _carry._disk_room = (lambda d: (1 << 40, "")) if rank == 0 else (
+        lambda d: (0, "a test: no disk on this rank"))
+    with rank_report(rank, out_dir) as report:
+        moved = _dcp._Moved(None)
+        t = torch.ones(1 << 16)
+        try:
+            moved.add([t])
+            report["refused"] = ""
+        except Exception as e:  # noqa: BLE001 - the refusal is what is measured
+            report["refused"] = str(e)
+        report["moved"] = t.data_ptr() != 0 and bool(moved._moved)
+        with open("/proc/self/maps") as f:
+            report["maps"] = [ln for ln in f if spill_dir in ln]

@@ -327,3 +327,25 @@ def test_a_rescued_shard_keeps_its_local_shape(monkeypatch, tmp_path, spill):
         assert float(s["step"]) == 3 and sd["param_groups"][0]["params"] == [0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_directory_that_cannot_make_the_file_passes_to_the_next(monkeypatch, tmp_path):
+    """No inodes left in the first directory (the file's creation fails):
+    the next one takes the spill, as a full disk's would."""
+    import errno
+    import tempfile
+    full, ok = tmp_path / "full", tmp_path / "ok"
+    full.mkdir()
+    ok.mkdir()
+    monkeypatch.setattr(_carry, "_candidates", lambda: [str(full), str(ok)])
+    monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+    real = tempfile.TemporaryFile
+
+    def made(dir=None, **kw):
+        if dir == str(full):
+            raise OSError(errno.ENOSPC, "No space left on device (inodes)")
+        return real(dir=dir, **kw)
+    monkeypatch.setattr(tempfile, "TemporaryFile", made)
+    f, d, tried = _carry.reserve(1 << 16)
+    assert f is not None and d == str(ok) and tried == ""
+    f.close()

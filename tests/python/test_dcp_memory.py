@@ -11,6 +11,7 @@ stand-in with DCP's contract (Stateful values asked for their state dict,
 the checkpoint copied into the leaves in place, then load_state_dict); the
 last case runs the real one where torch >= 2.3 has it."""
 
+import gc
 import os
 import sys
 import types
@@ -69,11 +70,12 @@ def spill(monkeypatch, tmp_path):
     return tmp_path
 
 
-def checkpoint(dos_socket):
+def checkpoint(dos_socket, compact=False):
     """A model trained 2 steps, its optimizer state as DCP would have saved
     it (flat, cloned), and the weights 2 more steps reach from there."""
     model = big_model()
-    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, compact_state=compact,
+                         **LR) as opt:
         train(model, opt, 2)
         saved = {k: v.clone() for k, v in flat(opt.state_dict()).items()}
         weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -82,10 +84,10 @@ def checkpoint(dos_socket):
     return saved, weights, want
 
 
-def resumed(dos_socket, weights):
+def resumed(dos_socket, weights, compact=False):
     """Another model and optimizer, trained elsewhere, its weights the checkpoint's."""
     model = big_model(seed=4)
-    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR)
+    opt = dos.torch.AdamW(model.parameters(), socket=dos_socket, compact_state=compact, **LR)
     train(model, opt, 1, seed=5)
     model.load_state_dict(weights)
     opt.reload_weights()
@@ -98,11 +100,19 @@ def install(monkeypatch, saved, **kw):
     return sys.modules[DCP]
 
 
-@pytest.mark.parametrize("how", ["dict", "stateful"])
+def spill_maps(spill):
+    """This process's mappings of files in the spill directory."""
+    with open("/proc/self/maps") as f:
+        return [ln for ln in f if str(spill) in ln]
+
+
+@pytest.mark.parametrize("how,compact", [("dict", False), ("stateful", False),
+                                         ("dict", True)])
 def test_dcp_load_into_views_resumes_exactly_without_a_copy_in_memory(dos_socket, spill,
-                                                                      monkeypatch, how):
-    saved, weights, want = checkpoint(dos_socket)
-    model, opt = resumed(dos_socket, weights)
+                                                                      monkeypatch, how,
+                                                                      compact):
+    saved, weights, want = checkpoint(dos_socket, compact)
+    model, opt = resumed(dos_socket, weights, compact)
     dcp = install(monkeypatch, saved if how == "dict" else {f"app.{k}": v for k, v in saved.items()})
     with opt:
         sd = opt.state_dict(all_params=True)
@@ -128,9 +138,14 @@ def test_dcp_load_into_views_resumes_exactly_without_a_copy_in_memory(dos_socket
         assert grew < state_bytes // 4, (grew, state_bytes)  # the pages went to the file
         if how == "dict":
             assert all(not _views.over_dosd(t) for t in views)  # the same tensors, moved
+            assert views[1].dtype == (torch.bfloat16 if compact else torch.float32)
             for key, t in leaves(flat(sd)):
                 assert torch.equal(t, saved[key]), key
+            assert spill_maps(spill)
             opt.load_state_dict(sd)
+            del sd, views, t
+        gc.collect()
+        assert spill_maps(spill) == []  # the file went with the dict's tensors
         train(model, opt, 2, seed=9)
         for a, b in zip(want, model.parameters()):
             assert torch.equal(a, b.detach())
@@ -288,3 +303,104 @@ def test_async_save_of_views_saves_them_in_place_without_staging(dos_socket, mon
         calls.clear()
         assert mod.async_save({"w": torch.ones(3)}, checkpoint_id="c2") == "a future"
         assert calls[0][0] == "async_save"
+
+
+def test_a_stateful_failing_after_the_read_leaves_every_view_dosds(dos_socket, spill,
+                                                                    monkeypatch):
+    """A later Stateful value's load_state_dict raises after the dict's views
+    were written: they go back onto dosd's memory, showing its state."""
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved)
+
+    class Bad:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            raise RuntimeError("a test: a Stateful's load failed")
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        old = {k: t.clone() for k, t in leaves(flat(sd))}
+        mapped = {k for k, t in leaves(flat(sd)) if _views.over_dosd(t)}
+        with pytest.raises(RuntimeError, match="Stateful's load failed"):
+            dcp.load({**flat(sd), "zz": Bad()})
+        for key, t in leaves(flat(sd)):  # (the small copies were written, as torch's are)
+            assert _views.over_dosd(t) == (key in mapped), key
+            assert key not in mapped or torch.equal(t, old[key]), key
+
+
+def test_memory_counts_every_batch_of_one_load(dos_socket, monkeypatch, tmp_path):
+    """The dict's views kept in memory count when a Stateful value's come:
+    each fits alone, both do not, so the second batch goes to the file."""
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, {**saved, **{f"app.{k}": v for k, v in saved.items()}})
+    with opt:
+        sd = opt.state_dict(all_params=True)
+        one = sum(t.numel() * t.element_size() for t in views_of(sd))
+        monkeypatch.setattr(_carry, "available_memory", lambda: one * 3 // 2)
+        monkeypatch.setattr(_carry, "_SMALL", 0)
+        monkeypatch.setattr(_carry, "_MARGIN", 0)
+        monkeypatch.setattr(_carry, "_disk_room", lambda d: (1 << 40, ""))
+        monkeypatch.setenv("DOS_SPILL_DIR", str(tmp_path))
+        reserved = []
+        real = _carry.reserve
+        monkeypatch.setattr(_carry, "reserve", lambda n: reserved.append(n) or real(n))
+
+        class App:
+            def state_dict(self):
+                self.sd = opt.state_dict(all_params=True)
+                return flat(self.sd)
+
+            def load_state_dict(self, loaded):
+                assert not views_of(self.sd)
+        dcp.load({**flat(sd), "app": App()})
+        assert len(reserved) == 1 and reserved[0] >= one
+
+
+def test_a_spill_typo_does_not_break_loads_without_views(monkeypatch):
+    monkeypatch.setenv("DOS_SPILL", "Auto")
+    dcp = install(monkeypatch, {"w": torch.ones(3)})
+    d = {"w": torch.zeros(3)}
+    dcp.load(d)
+    assert torch.equal(d["w"], torch.ones(3))
+
+
+def test_async_save_answers_as_a_future_and_as_a_response(dos_socket, monkeypatch):
+    mod = types.ModuleType(DCP)
+
+    def save(state_dict, checkpoint_id=None):
+        raise OSError("a test: the disk is full")
+    mod.save = save
+    mod.async_save = lambda state_dict, **kw: pytest.fail("staged a copy")
+    monkeypatch.setitem(sys.modules, DCP, mod)
+    _dcp.install()
+    model = big_model()
+    with dos.torch.AdamW(model.parameters(), socket=dos_socket, **LR) as opt:
+        train(model, opt, 1)
+        fut = mod.async_save(flat(opt.state_dict()), checkpoint_id="c")
+        assert fut.done() and fut.staging_completion.done()
+        assert fut.upload_completion is fut
+        with pytest.raises(OSError, match="disk is full"):
+            fut.result()
+
+
+def test_ranks_refuse_together(tmp_path):
+    """One rank without a disk refuses DCP's load: every rank must (one
+    refusing alone would leave the others waiting in DCP's collectives)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import json
+    import torch.multiprocessing as mp
+    import dcp_workers
+    rdv = str(tmp_path / "rdv")
+    mp.spawn(dcp_workers.refusal_worker, args=(2, rdv, str(tmp_path), str(tmp_path)),
+             nprocs=2, join=True)
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    for r in reports:
+        assert "error" not in r, r
+        assert not r["moved"] and r["maps"] == [], r
+    assert "no disk on this rank" in reports[1]["refused"], reports[1]
+    assert "another rank refused" in reports[0]["refused"], reports[0]

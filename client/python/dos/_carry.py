@@ -185,13 +185,17 @@ def reserve(nbytes: int) -> Tuple[Optional[Any], str, str]:
         if not bad and free < nbytes + _DISK_MARGIN:
             bad = f"{_gb(free)} free"
         if not bad:
-            f = tempfile.TemporaryFile(dir=d)  # unnamed (O_TMPFILE) or unlinked at once
+            f = None
             try:
+                f = tempfile.TemporaryFile(dir=d)  # unnamed (O_TMPFILE) or unlinked at once
                 os.posix_fallocate(f.fileno(), 0, nbytes)
                 return f, d, ""
-            except OSError as err:
-                f.close()
-                bad = str(err)
+            except BaseException as err:
+                if f is not None:
+                    f.close()
+                if not isinstance(err, OSError):
+                    raise
+                bad = str(err)  # no inodes, no room after all: the next directory
         tried.append(f"{d} ({bad})")
     return None, "", "; ".join(tried)
 
