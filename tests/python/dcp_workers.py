@@ -199,15 +199,16 @@ def load_worker(rank, world, rendezvous, socket, out_dir, mode, backend, ckpt):
         dist.destroy_process_group()
 
 
-def refusal_worker(rank, world, rendezvous, spill_dir, out_dir):
+def refusal_worker(rank, world, rendezvous, spill_dir, out_dir, case):
     """dos/_dcp.py's decision across ranks: rank 1 has no disk for the
-    moved views, rank 0 has one. Both must refuse (rank 0 naming the other
-    rank) instead of rank 0 going on into DCP's collectives alone, and
-    rank 0's reserved file must be given back."""
+    moved views ("no disk") or fails before its vote ("an error": a DOS_SPILL
+    typo); rank 0 has a disk. Both must refuse (rank 0 naming the other rank)
+    instead of rank 0 going on into DCP's collectives alone, and rank 0's
+    reserved file must be given back."""
     from dos import _carry, _dcp
     from ddp_workers import rank_report
     init(rank, world, rendezvous)
-    os.environ["DOS_SPILL"] = "always"
+    os.environ["DOS_SPILL"] = "always" if rank == 0 or case == "no disk" else "Always"
     os.environ["DOS_SPILL_DIR"] = spill_dir
     _carry._disk_room = (lambda d: (1 << 40, "")) if rank == 0 else (
         lambda d: (0, "a test: no disk on this rank"))
@@ -219,6 +220,50 @@ def refusal_worker(rank, world, rendezvous, spill_dir, out_dir):
             report["refused"] = ""
         except Exception as e:  # noqa: BLE001 - the refusal is what is measured
             report["refused"] = str(e)
-        report["moved"] = t.data_ptr() != 0 and bool(moved._moved)
+        report["moved"] = bool(moved._moved)
         with open("/proc/self/maps") as f:
             report["maps"] = [ln for ln in f if spill_dir in ln]
+
+
+def stateful_worker(rank, world, rendezvous, spill_dir, out_dir, case):
+    """Rank 0 loads a dict with a Stateful value, rank 1 one without, through
+    a stand-in of DCP's load that runs a collective of its own (as DCP's
+    planning does): the ranks' votes must not meet it."""
+    import sys
+    import types
+    from datetime import timedelta
+    from dos import _dcp
+    from ddp_workers import rank_report
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=20))
+    mod = types.ModuleType("torch.distributed.checkpoint")
+
+    def load(state_dict, checkpoint_id=None):
+        state = {k: (v.state_dict() if hasattr(v, "load_state_dict") else v)
+                 for k, v in state_dict.items()}
+        total = torch.ones(1)
+        dist.all_reduce(total)  # DCP's own collective
+        for v in state.values():
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                t.fill_(float(total))
+        for k, v in state_dict.items():
+            if hasattr(v, "load_state_dict"):
+                v.load_state_dict(state[k])
+    mod.load = load
+    sys.modules["torch.distributed.checkpoint"] = mod
+    _dcp.install()
+
+    class App:
+        def __init__(self):
+            self.t = torch.zeros(2)
+
+        def state_dict(self):
+            return {"x": self.t}
+
+        def load_state_dict(self, sd):
+            pass
+    with rank_report(rank, out_dir) as report:
+        a, app = torch.zeros(2), App()
+        d = {"a": a, "app": app if rank == 0 else {"x": app.t}}
+        mod.load(d)
+        report["loaded"] = a.tolist() + app.t.tolist()

@@ -330,9 +330,9 @@ def test_a_stateful_failing_after_the_read_leaves_every_view_dosds(dos_socket, s
             assert key not in mapped or torch.equal(t, old[key]), key
 
 
-def test_memory_counts_every_batch_of_one_load(dos_socket, monkeypatch, tmp_path):
-    """The dict's views kept in memory count when a Stateful value's come:
-    each fits alone, both do not, so the second batch goes to the file."""
+def test_memory_counts_every_view_of_one_load(dos_socket, monkeypatch, tmp_path):
+    """The dict's views and a Stateful value's are decided together: each
+    set fits alone, both do not, so all go to one file."""
     saved, weights, _ = checkpoint(dos_socket)
     model, opt = resumed(dos_socket, weights)
     dcp = install(monkeypatch, {**saved, **{f"app.{k}": v for k, v in saved.items()}})
@@ -356,7 +356,7 @@ def test_memory_counts_every_batch_of_one_load(dos_socket, monkeypatch, tmp_path
             def load_state_dict(self, loaded):
                 assert not views_of(self.sd)
         dcp.load({**flat(sd), "app": App()})
-        assert len(reserved) == 1 and reserved[0] >= one
+        assert len(reserved) == 1 and reserved[0] >= 2 * one  # one file for the whole load
 
 
 def test_a_spill_typo_does_not_break_loads_without_views(monkeypatch):
@@ -386,9 +386,7 @@ def test_async_save_answers_as_a_future_and_as_a_response(dos_socket, monkeypatc
             fut.result()
 
 
-def test_ranks_refuse_together(tmp_path):
-    """One rank without a disk refuses DCP's load: every rank must (one
-    refusing alone would leave the others waiting in DCP's collectives)."""
+def spawned(worker, tmp_path, case):
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -396,11 +394,58 @@ def test_ranks_refuse_together(tmp_path):
     import torch.multiprocessing as mp
     import dcp_workers
     rdv = str(tmp_path / "rdv")
-    mp.spawn(dcp_workers.refusal_worker, args=(2, rdv, str(tmp_path), str(tmp_path)),
+    mp.spawn(getattr(dcp_workers, worker), args=(2, rdv, str(tmp_path), str(tmp_path), case),
              nprocs=2, join=True)
     reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     for r in reports:
         assert "error" not in r, r
+    return reports
+
+
+@pytest.mark.parametrize("case", ["no disk", "an error"])
+def test_ranks_refuse_together(tmp_path, case):
+    """One rank without a disk (or failing before its vote: a DOS_SPILL
+    typo) refuses DCP's load: every rank must, or the others would wait in
+    DCP's collectives."""
+    reports = spawned("refusal_worker", tmp_path, case)
+    for r in reports:
         assert not r["moved"] and r["maps"] == [], r
-    assert "no disk on this rank" in reports[1]["refused"], reports[1]
-    assert "another rank refused" in reports[0]["refused"], reports[0]
+    assert ("no disk on this rank" if case == "no disk" else "DOS_SPILL") in reports[1]["refused"]
+    assert "another rank could not take" in reports[0]["refused"], reports[0]
+
+
+def test_a_stateful_value_on_one_rank_only_keeps_the_ranks_in_step(tmp_path):
+    """DCP lets ranks hold different keys: each rank votes once a load
+    whatever Stateful values it holds (a vote per value once met DCP's own
+    collective on the other rank)."""
+    for r in spawned("stateful_worker", tmp_path, ""):
+        assert r["loaded"] == [2.0] * 4, r
+
+
+def test_the_process_group_is_read_from_positional_arguments():
+    def load_state_dict(state_dict, storage_reader, process_group=None, coordinator_rank=0,
+                        no_dist=False, planner=None):
+        pass
+    group_of = _dcp._group_reader(load_state_dict)
+    assert group_of({}, ("reader", "PG"), {}) == "PG"
+    assert group_of({}, ("reader", "PG", 0, True), {}) is False
+    assert group_of({}, ("reader",), {"process_group": "G"}) == "G"
+    assert group_of({}, (), {}) is None
+
+
+def test_dcp_imported_later_is_wrapped_at_its_import(monkeypatch, tmp_path):
+    """Wrapped on every rank whichever called state_dict() since the import."""
+    pkg = tmp_path / "dos_fake_dcp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def load(state_dict, **kw):\n    return 'loaded'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_dcp, "_HOOKED", "dos_fake_dcp")
+    monkeypatch.setattr(_dcp, "_WRAPPED", (("dos_fake_dcp", "load"),))
+    monkeypatch.delitem(sys.modules, "dos_fake_dcp", raising=False)
+    _dcp.install()  # not imported yet: the hook
+    import dos_fake_dcp
+    try:
+        assert getattr(dos_fake_dcp.load, "_dos_wrapped", False)
+        assert dos_fake_dcp.load({"w": torch.ones(2)}) == "loaded"
+    finally:
+        sys.modules.pop("dos_fake_dcp", None)

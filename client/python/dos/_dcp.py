@@ -18,8 +18,13 @@ as it was. With no disk that has room, the load is refused before anything
 is read. The file goes when the dict's tensors do.
 
 Stateful values of the dict (torch's AppState pattern, an optimizer passed
-as is) are wrapped for the call, so that the state dict they produce inside
-the load is treated the same.
+as is) are asked for their state dicts first, in DCP's order, and those are
+handed to DCP: their views are moved with the dict's. The ranks decide
+together, one vote a load, so that a refusal or an error on one rank is
+raised on all instead of leaving the others in DCP's collectives. "Written"
+is told by marks at both ends of each moved tensor: DCP writes each tensor
+it loads whole (a load covering part of one is not DCP's). DCP imported
+after this module is wrapped at its import, on every rank alike.
 
 DCP's async_save stages (copies) the whole state dict into host memory
 before its writer thread saves it: the state again, at 7B 81 GB. A state
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import importlib.abc
+import inspect
 import mmap
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -59,10 +66,13 @@ _PAGE = 4096
 
 
 def install() -> None:
-    """Wraps DCP's load functions, where DCP is imported (never imports it:
-    Debian's torch 1.13 cannot). Called when an optimizer is built and at each
-    state_dict(): DCP imported later than both is not wrapped for its first
-    load of a Stateful value (docs/frameworks.md)."""
+    """Wraps DCP's load functions where DCP is imported (never imports it:
+    Debian's torch 1.13 cannot), and otherwise has them wrapped when it is:
+    every rank wraps the same functions whichever rank called what (a
+    wrapped rank votes in a collective an unwrapped one would not join).
+    Called when an optimizer is built and at each state_dict()."""
+    if _HOOKED not in sys.modules:
+        _hook()
     for module, name in _WRAPPED:
         mod = sys.modules.get(module)
         f = getattr(mod, name, None) if mod is not None else None
@@ -71,18 +81,68 @@ def install() -> None:
                                 _wrap(f, stateful=name == "load")))
 
 
+_HOOKED = "torch.distributed.checkpoint"
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds _HOOKED with the other finders and runs install() once it is executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _HOOKED:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        install()
+
+    def __getattr__(self, name):  # the real loader's other methods (get_resource_reader, ...)
+        return getattr(self._inner, name)
+
+
+def _hook() -> None:
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
 def _wrap(original, stateful: bool):
     """DCP's load (`stateful`: it calls the dict's Stateful values; the
     deprecated load_state_dict does not)."""
+    group_of = _group_reader(original)
+
     @functools.wraps(original)
     def load(state_dict, *args, **kwargs):
         if not isinstance(state_dict, MutableMapping):
             return original(state_dict, *args, **kwargs)
-        moved = _Moved(_group(kwargs))  # (no views alive yet: a Stateful value may make them)
-        proxies = {k: _Stateful(v, moved) for k, v in state_dict.items()
-                   if stateful and _is_stateful(v)}
+        moved = _Moved(group_of(state_dict, args, kwargs))
+        # The Stateful values' state dicts, asked for here in DCP's order
+        # (sorted keys) and handed to DCP as they were: every rank then
+        # decides once per load, whatever values it holds.
+        proxies = {k: _Stateful(state_dict[k]) for k in sorted(state_dict, key=str)
+                   if stateful and _is_stateful(state_dict[k])}
+        for p in proxies.values():
+            p.moved = moved
         try:
-            moved.add(views_in(state_dict))
+            moved.add(views_in([state_dict] + [p.sd for p in proxies.values()]))
             state_dict.update(proxies)
             result = original(state_dict, *args, **kwargs)
         except BaseException:
@@ -96,15 +156,28 @@ def _wrap(original, stateful: bool):
     return load
 
 
-def _group(kwargs) -> Any:
-    """The load's process group: False for none (no_dist), None for the default."""
-    return False if kwargs.get("no_dist") else kwargs.get("process_group")
+def _group_reader(original):
+    """f(state_dict, args, kwargs) -> the call's process group: False for
+    none (no_dist), None for the default; positional arguments included (the
+    deprecated load_state_dict takes them so)."""
+    try:
+        sig = inspect.signature(original)
+    except (TypeError, ValueError):
+        sig = None
+
+    def group_of(state_dict, args, kwargs):
+        try:
+            bound = sig.bind_partial(state_dict, *args, **kwargs).arguments if sig else kwargs
+        except TypeError:
+            bound = kwargs
+        return False if bound.get("no_dist") else bound.get("process_group")
+    return group_of
 
 
 def _any_rank(flag: bool, group) -> bool:
-    """`flag` on any rank of the load's process group (every rank calls it,
-    in the same order: DCP is SPMD), so that the ranks decide together: one
-    rank refusing alone would leave the others waiting in DCP's collectives."""
+    """`flag` on any rank of the call's process group (every rank calls it
+    once a call: DCP is SPMD), so that the ranks decide together: one rank
+    refusing alone would leave the others waiting in DCP's collectives."""
     try:
         import torch.distributed as dist
         if group is False or not (dist.is_available() and dist.is_initialized()):
@@ -112,11 +185,20 @@ def _any_rank(flag: bool, group) -> bool:
         backend = str(dist.get_backend(group))
     except (ImportError, RuntimeError, ValueError):
         return flag
-    on_gpu = "nccl" in backend and "cpu:" not in backend
-    t = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device())
-                     if on_gpu else "cpu")
+    t = torch.tensor([int(flag)], device=_device_for(backend))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def _device_for(backend: str) -> torch.device:
+    """A device the backend reduces on: the CPU where it has a CPU backend
+    (gloo, mpi, "cpu:gloo,cuda:nccl"), else the current accelerator."""
+    if any(b in backend for b in ("gloo", "mpi", "cpu:", "undefined")):
+        return torch.device("cpu")
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.current_accelerator() is not None:
+        return torch.device(acc.current_accelerator().type, acc.current_device_index())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class _Saved(Future):
@@ -132,13 +214,15 @@ class _Saved(Future):
 
 
 def _wrap_async_save(original, module):
+    group_of = _group_reader(original)
+
     @functools.wraps(original)
     def async_save(state_dict, *args, **kwargs):
         if not isinstance(state_dict, Mapping):
             return original(state_dict, *args, **kwargs)
         # What async_save does first (_stateful_to_state_dict), done once here.
         plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
-        if not _any_rank(bool(views_in(plain)), _group(kwargs)):
+        if not _any_rank(bool(views_in(plain)), group_of(state_dict, args, kwargs)):
             return original(plain, *args, **kwargs)
         save = getattr(module, "save", None) or sys.modules[
             "torch.distributed.checkpoint"].save
@@ -165,20 +249,19 @@ def _is_stateful(v) -> bool:
 
 
 class _Stateful:
-    """A Stateful value of the dict for the call: the state dict it gives
-    DCP has its views moved; the unwritten ones are moved back before it
-    takes the loaded dict."""
+    """A Stateful value of the dict for the call: hands DCP the state dict
+    asked for before the load (its views moved with the rest)."""
 
-    def __init__(self, inner, moved: "_Moved"):
-        self.inner, self._moved = inner, moved
+    def __init__(self, inner):
+        self.inner, self.sd, self.moved = inner, inner.state_dict(), None
 
     def state_dict(self):
-        sd = self.inner.state_dict()
-        self._moved.add(views_in(sd))
-        return sd
+        return self.sd
 
     def load_state_dict(self, state_dict) -> Any:
-        self._moved.undo(unwritten_only=True, forget=False)  # all go back if this fails
+        # The views the load did not write go back before the value takes the
+        # dict; the written keep theirs, for a failure later to move them back.
+        self.moved.undo(unwritten_only=True, forget=False)
         return self.inner.load_state_dict(state_dict)
 
 
@@ -214,40 +297,39 @@ def views_in(obj) -> List[torch.Tensor]:
 
 
 class _Moved:
-    """The views one load moved onto files: (tensor, its view, its file's tensor)."""
+    """The views one load moved onto a file: (tensor, its view, its file's tensor)."""
 
     def __init__(self, group):
         self._group = group
-        self._held = 0  # bytes of earlier batches left to write into memory
         self._moved: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, tensors: List[torch.Tensor]) -> None:
-        """Moves `tensors` (a batch: the dict's, or a Stateful value's) onto
-        one file unless memory has room for them beside the earlier batches;
-        refuses on every rank when any rank has neither."""
+        """Moves `tensors` (every view of the load) onto one file unless
+        memory has room for them. The ranks decide together: each votes once,
+        a refusal or an error on any rank is raised on all."""
         tensors = [t for t in tensors if t.numel() and t.element_size() in _MARK]
         sizes = [(t.numel() * t.element_size() + _PAGE - 1) // _PAGE * _PAGE for t in tensors]
         nbytes = sum(sizes)
-        f, tried = None, ""
+        mm, err = None, None
         try:
-            if tensors and not _carry.in_memory(nbytes, self._held + nbytes + _carry._MARGIN):
+            if tensors and not _carry.in_memory(nbytes, nbytes + _carry._MARGIN):
                 f, _, tried = _carry.reserve(nbytes)
-                tried = tried or ""
-            refused = bool(tensors) and f is None and tried != ""
-            if _any_rank(refused, self._group):
-                raise DosError(Status.RESOURCE_EXHAUSTED, _refusal(nbytes, tried) if refused else (
-                    "dos.torch: another rank refused torch.distributed.checkpoint's load for "
-                    "want of memory and disk (its error says which); nothing was loaded"))
-        except BaseException:
-            if f is not None:
-                f.close()
-            raise
-        if f is None:
-            self._held += nbytes
+                if f is None:
+                    raise DosError(Status.RESOURCE_EXHAUSTED, _refusal(nbytes, tried))
+                with f:  # the mapping keeps the file (its blocks) until its tensors go
+                    mm = mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        except Exception as e:  # noqa: BLE001 - voted on, then raised
+            err = e
+        if _any_rank(err is not None, self._group):
+            if err is not None:
+                raise err
+            raise DosError(Status.RESOURCE_EXHAUSTED, (
+                "dos.torch: another rank could not take torch.distributed.checkpoint's load "
+                "without a copy of the state in memory (its error says why); nothing was "
+                "loaded"))
+        if mm is None:
             return
-        with f:  # the mapping keeps the file (and its reserved blocks) until its tensors go
-            mm = mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
         at = 0
         with torch.no_grad():
             for t, size in zip(tensors, sizes):
