@@ -208,7 +208,7 @@ def refusal_worker(rank, world, rendezvous, spill_dir, out_dir, case):
     from dos import _carry, _dcp
     from ddp_workers import rank_report
     init(rank, world, rendezvous)
-    os.environ["DOS_SPILL"] = "always" if rank == 0 or case == "no disk" else "Always"
+    os.environ["DOS_SPILL"] = "always" if rank == 0 or case != "an error" else "Always"
     os.environ["DOS_SPILL_DIR"] = spill_dir
     _carry._disk_room = (lambda d: (1 << 40, "")) if rank == 0 else (
         lambda d: (0, "a test: no disk on this rank"))
@@ -216,7 +216,25 @@ def refusal_worker(rank, world, rendezvous, spill_dir, out_dir, case):
         moved = _dcp._Moved(None)
         t = torch.ones(1 << 16)
         try:
-            moved.add([t])
+            if case == "a stateful error":  # through the wrapped load: rank 1's value fails
+                import sys
+                import types
+                mod = types.ModuleType("torch.distributed.checkpoint")
+                mod.load = lambda sd, **kw: dist.all_reduce(torch.ones(1))  # DCP's collective
+                sys.modules["torch.distributed.checkpoint"] = mod
+                _dcp.install()
+
+                class Bad:
+                    def state_dict(self):
+                        if rank == 1:
+                            raise RuntimeError("a test: state_dict failed")
+                        return {"t": t}
+
+                    def load_state_dict(self, sd):
+                        pass
+                mod.load({"app": Bad()})
+            else:
+                moved.add([t])
             report["refused"] = ""
         except Exception as e:  # noqa: BLE001 - the refusal is what is measured
             report["refused"] = str(e)

@@ -402,7 +402,7 @@ def spawned(worker, tmp_path, case):
     return reports
 
 
-@pytest.mark.parametrize("case", ["no disk", "an error"])
+@pytest.mark.parametrize("case", ["no disk", "an error", "a stateful error"])
 def test_ranks_refuse_together(tmp_path, case):
     """One rank without a disk (or failing before its vote: a DOS_SPILL
     typo) refuses DCP's load: every rank must, or the others would wait in
@@ -410,8 +410,10 @@ def test_ranks_refuse_together(tmp_path, case):
     reports = spawned("refusal_worker", tmp_path, case)
     for r in reports:
         assert not r["moved"] and r["maps"] == [], r
-    assert ("no disk on this rank" if case == "no disk" else "DOS_SPILL") in reports[1]["refused"]
-    assert "another rank could not take" in reports[0]["refused"], reports[0]
+    want = {"no disk": "no disk on this rank", "an error": "DOS_SPILL",
+            "a stateful error": "a test: state_dict failed"}[case]
+    assert want in reports[1]["refused"], reports[1]
+    assert "another rank failed" in reports[0]["refused"], reports[0]
 
 
 def test_a_stateful_value_on_one_rank_only_keeps_the_ranks_in_step(tmp_path):

@@ -43,7 +43,7 @@ import mmap
 import sys
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -137,12 +137,14 @@ def _wrap(original, stateful: bool):
         # The Stateful values' state dicts, asked for here in DCP's order
         # (sorted keys) and handed to DCP as they were: every rank then
         # decides once per load, whatever values it holds.
-        proxies = {k: _Stateful(state_dict[k]) for k in sorted(state_dict, key=str)
-                   if stateful and _is_stateful(state_dict[k])}
-        for p in proxies.values():
-            p.moved = moved
+        proxies, err = {}, None
         try:
-            moved.add(views_in([state_dict] + [p.sd for p in proxies.values()]))
+            proxies = {k: _Stateful(state_dict[k], moved) for k in sorted(state_dict, key=str)
+                       if stateful and _is_stateful(state_dict[k])}
+        except Exception as e:  # noqa: BLE001 - voted on (below), then raised
+            err = e
+        try:
+            moved.add(views_in([state_dict] + [p.sd for p in proxies.values()]), err)
             state_dict.update(proxies)
             result = original(state_dict, *args, **kwargs)
         except BaseException:
@@ -252,8 +254,8 @@ class _Stateful:
     """A Stateful value of the dict for the call: hands DCP the state dict
     asked for before the load (its views moved with the rest)."""
 
-    def __init__(self, inner):
-        self.inner, self.sd, self.moved = inner, inner.state_dict(), None
+    def __init__(self, inner, moved: "_Moved"):
+        self.inner, self.sd, self.moved = inner, inner.state_dict(), moved
 
     def state_dict(self):
         return self.sd
@@ -303,16 +305,17 @@ class _Moved:
         self._group = group
         self._moved: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def add(self, tensors: List[torch.Tensor]) -> None:
+    def add(self, tensors: List[torch.Tensor], err: Optional[BaseException] = None) -> None:
         """Moves `tensors` (every view of the load) onto one file unless
         memory has room for them. The ranks decide together: each votes once,
-        a refusal or an error on any rank is raised on all."""
+        a refusal or an error on any rank (`err`: one the caller met first) is
+        raised on all."""
         tensors = [t for t in tensors if t.numel() and t.element_size() in _MARK]
         sizes = [(t.numel() * t.element_size() + _PAGE - 1) // _PAGE * _PAGE for t in tensors]
         nbytes = sum(sizes)
-        mm, err = None, None
+        mm = None
         try:
-            if tensors and not _carry.in_memory(nbytes, nbytes + _carry._MARGIN):
+            if err is None and tensors and not _carry.in_memory(nbytes, nbytes + _carry._MARGIN):
                 f, _, tried = _carry.reserve(nbytes)
                 if f is None:
                     raise DosError(Status.RESOURCE_EXHAUSTED, _refusal(nbytes, tried))
@@ -325,9 +328,9 @@ class _Moved:
             if err is not None:
                 raise err
             raise DosError(Status.RESOURCE_EXHAUSTED, (
-                "dos.torch: another rank could not take torch.distributed.checkpoint's load "
-                "without a copy of the state in memory (its error says why); nothing was "
-                "loaded"))
+                "dos.torch: another rank failed at the start of torch.distributed.checkpoint's "
+                "load (no memory nor disk for its state dict's views, or an error: its own "
+                "message says which); nothing was loaded"))
         if mm is None:
             return
         at = 0
