@@ -451,3 +451,42 @@ def test_dcp_imported_later_is_wrapped_at_its_import(monkeypatch, tmp_path):
         assert dos_fake_dcp.load({"w": torch.ones(2)}) == "loaded"
     finally:
         sys.modules.pop("dos_fake_dcp", None)
+
+
+def test_a_moved_view_lets_dosds_mapping_go(dos_socket, spill, monkeypatch):
+    """A loaded tensor kept (an AppState caching its dict) holds the file,
+    not dosd's mapping: the views alive fall back (while any is, steps wait
+    to be whole and the delay pauses)."""
+    saved, weights, _ = checkpoint(dos_socket)
+    model, opt = resumed(dos_socket, weights)
+    dcp = install(monkeypatch, saved)
+    with opt:
+        gc.collect()
+        before = _views._live  # mappings of dosd's memory (live() adds the small copies)
+        sd = opt.state_dict(all_params=True)
+        n = len(views_of(sd))
+        assert _views._live >= before + n
+        dcp.load(flat(sd))
+        gc.collect()
+        assert not views_of(sd) and _views._live <= before  # the mappings went
+        opt.load_state_dict(sd)
+
+
+def test_the_import_hook_survives_a_reload_and_a_second_finder(monkeypatch, tmp_path):
+    import importlib
+    pkg = tmp_path / "dos_fake_dcp2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def load(state_dict, **kw):\n    return 'loaded'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_dcp, "_HOOKED", "dos_fake_dcp2")
+    monkeypatch.setattr(_dcp, "_WRAPPED", (("dos_fake_dcp2", "load"),))
+    monkeypatch.setattr(sys, "meta_path", [_dcp._Finder(), _dcp._Finder()] + sys.meta_path)
+    import copy
+    try:
+        import dos_fake_dcp2
+        assert getattr(dos_fake_dcp2.load, "_dos_wrapped", False)
+        copy.copy(dos_fake_dcp2.__spec__.loader)  # no recursion
+        importlib.reload(dos_fake_dcp2)
+        assert getattr(dos_fake_dcp2.load, "_dos_wrapped", False)
+    finally:
+        sys.modules.pop("dos_fake_dcp2", None)

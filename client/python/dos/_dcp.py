@@ -41,6 +41,7 @@ import importlib.abc
 import inspect
 import mmap
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any, List, Optional, Tuple
@@ -86,19 +87,25 @@ _HOOKED = "torch.distributed.checkpoint"
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds _HOOKED with the other finders and runs install() once it is executed."""
+    _dos_finder = True  # a reloaded dos._dcp's finder is another class: the mark tells them
+    _busy = threading.local()
 
     def find_spec(self, name, path, target=None):
-        if name != _HOOKED:
+        if name != _HOOKED or getattr(self._busy, "on", False):
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        self._busy.on = True
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if getattr(finder, "_dos_finder", False) or find is None:
+                    continue
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.on = False
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _Loader(spec.loader)
         return spec
@@ -113,15 +120,24 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self._inner.exec_module(module)
-        install()
+        try:
+            install()
+        except Exception:  # noqa: BLE001 - DCP's own import must not fail for dos
+            pass           # the next state_dict() wraps it
 
     def __getattr__(self, name):  # the real loader's other methods (get_resource_reader, ...)
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
+_hook_lock = threading.Lock()
+
+
 def _hook() -> None:
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    with _hook_lock:
+        if not any(getattr(f, "_dos_finder", False) for f in sys.meta_path):
+            sys.meta_path.insert(0, _Finder())
 
 
 def _wrap(original, stateful: bool):
@@ -137,14 +153,15 @@ def _wrap(original, stateful: bool):
         # The Stateful values' state dicts, asked for here in DCP's order
         # (sorted keys) and handed to DCP as they were: every rank then
         # decides once per load, whatever values it holds.
-        proxies, err = {}, None
+        proxies, found, err = {}, [], None
         try:
             proxies = {k: _Stateful(state_dict[k], moved) for k in sorted(state_dict, key=str)
                        if stateful and _is_stateful(state_dict[k])}
+            found = views_in([state_dict] + [p.sd for p in proxies.values()])
         except Exception as e:  # noqa: BLE001 - voted on (below), then raised
             err = e
         try:
-            moved.add(views_in([state_dict] + [p.sd for p in proxies.values()]), err)
+            moved.add(found, err)
             state_dict.update(proxies)
             result = original(state_dict, *args, **kwargs)
         except BaseException:
@@ -176,30 +193,36 @@ def _group_reader(original):
     return group_of
 
 
-def _any_rank(flag: bool, group) -> bool:
-    """`flag` on any rank of the call's process group (every rank calls it
-    once a call: DCP is SPMD), so that the ranks decide together: one rank
-    refusing alone would leave the others waiting in DCP's collectives."""
+def _vote(value: int, group) -> int:
+    """The largest `value` of the call's process group's ranks (every rank
+    calls it once a call: DCP is SPMD), so that the ranks decide together:
+    one rank refusing alone would leave the others waiting in DCP's
+    collectives. Every rank of the group must run a dos.torch optimizer (a
+    rank that never built one does not vote)."""
     try:
         import torch.distributed as dist
         if group is False or not (dist.is_available() and dist.is_initialized()):
-            return flag
-        backend = str(dist.get_backend(group))
-    except (ImportError, RuntimeError, ValueError):
-        return flag
-    t = torch.tensor([int(flag)], device=_device_for(backend))
+            return value
+        t = torch.tensor([value], device=_device_for(dist, group))
+    except (ImportError, RuntimeError, ValueError, AssertionError):
+        return value
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return int(t.item())
 
 
-def _device_for(backend: str) -> torch.device:
-    """A device the backend reduces on: the CPU where it has a CPU backend
-    (gloo, mpi, "cpu:gloo,cuda:nccl"), else the current accelerator."""
-    if any(b in backend for b in ("gloo", "mpi", "cpu:", "undefined")):
+def _device_for(dist, group) -> torch.device:
+    """The device DCP's own collectives use on `group` (its object
+    collectives' choice), else one the backend's name suggests."""
+    c10d = getattr(dist, "distributed_c10d", None)
+    pick = getattr(c10d, "_get_object_coll_device", None)
+    if pick is not None:
+        try:
+            return torch.device(pick(group))
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            pass
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend or "cpu:" in backend:
         return torch.device("cpu")
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.current_accelerator() is not None:
-        return torch.device(acc.current_accelerator().type, acc.current_device_index())
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -223,8 +246,16 @@ def _wrap_async_save(original, module):
         if not isinstance(state_dict, Mapping):
             return original(state_dict, *args, **kwargs)
         # What async_save does first (_stateful_to_state_dict), done once here.
-        plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
-        if not _any_rank(bool(views_in(plain)), group_of(state_dict, args, kwargs)):
+        plain, has, err = None, False, None
+        try:
+            plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
+            has = bool(views_in(plain))
+        except Exception as e:  # noqa: BLE001 - voted on, then raised
+            err = e
+        vote = _vote(2 if err is not None else int(has), group_of(state_dict, args, kwargs))
+        if vote == 2:
+            raise err if err is not None else _other_rank()
+        if not vote:
             return original(plain, *args, **kwargs)
         save = getattr(module, "save", None) or sys.modules[
             "torch.distributed.checkpoint"].save
@@ -281,12 +312,12 @@ def views_in(obj) -> List[torch.Tensor]:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            t = getattr(o, "_local_tensor", o)
             try:
+                t = getattr(o, "_local_tensor", o)
                 if t.device.type != "cpu" or t.layout != torch.strided or not t.numel():
                     continue
                 p = t.data_ptr()
-            except RuntimeError:  # no storage
+            except Exception:  # noqa: BLE001 - no storage, a subclass that will not say
                 continue
             i = bisect.bisect_right(starts, p) - 1
             if i >= 0 and p < spans[i][1]:
@@ -324,13 +355,10 @@ class _Moved:
                                    mmap.PROT_READ | mmap.PROT_WRITE)
         except Exception as e:  # noqa: BLE001 - voted on, then raised
             err = e
-        if _any_rank(err is not None, self._group):
-            if err is not None:
-                raise err
-            raise DosError(Status.RESOURCE_EXHAUSTED, (
-                "dos.torch: another rank failed at the start of torch.distributed.checkpoint's "
-                "load (no memory nor disk for its state dict's views, or an error: its own "
-                "message says which); nothing was loaded"))
+        if _vote(int(err is not None), self._group):
+            if mm is not None:
+                mm.close()  # nothing over it yet: the file's blocks go now, not with a traceback
+            raise err if err is not None else _other_rank()
         if mm is None:
             return
         at = 0
@@ -355,6 +383,13 @@ class _Moved:
                 if view is not None and t.data_ptr() == target.data_ptr():
                     t.set_(view)
         self._moved = keep if unwritten_only else []
+
+
+def _other_rank() -> DosError:
+    return DosError(Status.RESOURCE_EXHAUSTED, (
+        "dos.torch: another rank failed at the start of torch.distributed.checkpoint's call "
+        "(no memory nor disk for its state dict's views, or an error: its own message says "
+        "which); nothing was loaded or saved"))
 
 
 def _mark(target: torch.Tensor) -> None:

@@ -235,4 +235,6 @@ def view(session, index: int, which: int, dtype: torch.dtype,
     weakref.finalize(buf, _release, addr, map_bytes)
     if int(v.numel) == 0:
         raise DosError(Status.INTERNAL, "state view of an empty tensor")
-    return torch.frombuffer(buf, dtype=dtype, count=int(v.numel)).view(shape)
+    # Shaped in place, not a view of a base: a tensor set_() onto other
+    # storage (dos/_dcp.py) then lets the mapping go.
+    return torch.frombuffer(buf, dtype=dtype, count=int(v.numel)).resize_(shape)
