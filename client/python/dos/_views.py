@@ -237,4 +237,8 @@ def view(session, index: int, which: int, dtype: torch.dtype,
         raise DosError(Status.INTERNAL, "state view of an empty tensor")
     # Shaped in place, not a view of a base: a tensor set_() onto other
     # storage (dos/_dcp.py) then lets the mapping go.
-    return torch.frombuffer(buf, dtype=dtype, count=int(v.numel)).resize_(shape)
+    flat = torch.frombuffer(buf, dtype=dtype, count=int(v.numel))
+    try:
+        return flat.resize_(shape)
+    except RuntimeError:  # (a torch that will not: a view, which keeps the mapping longer)
+        return flat.view(shape)
