@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf7b import GiB  # noqa: E402
-from unfreeze import Peaks, Stand, llama  # noqa: E402
+from unfreeze import Peaks, Stand, llama, stepper  # noqa: E402
 
 import dos.torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -51,17 +51,8 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     peaks = Peaks(int(os.environ["DOS_DOSD_PID"]))
     opt = dos.torch.AdamW(model.parameters(), lr=1e-5)
-    gen = torch.Generator().manual_seed(1)
     losses = []
-
-    def step():
-        ids = torch.randint(0, 32000, (1, a.seq), generator=gen).to(dev)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-
+    step = stepper(model, opt, a.seq, dev, losses)
     for _ in range(2):
         step()
     ckpt = tempfile.mkdtemp(prefix="dos-dcp-bench-", dir=a.dir or os.getcwd())

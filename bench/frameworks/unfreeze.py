@@ -100,6 +100,20 @@ def llama(a, dev):
     return model
 
 
+def stepper(model, opt, seq, dev, losses):
+    """One training step on random tokens (seeded), its loss appended to `losses`."""
+    gen = torch.Generator().manual_seed(1)
+
+    def step():
+        ids = torch.randint(0, 32000, (1, seq), generator=gen).to(dev)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="3b")
@@ -125,17 +139,8 @@ def main():
     _carry.Carry.__init__ = noted
     peaks = Peaks(int(os.environ["DOS_DOSD_PID"]))
     opt = dos.torch.AdamW(params, lr=1e-5)
-    gen = torch.Generator().manual_seed(1)
     losses = []
-
-    def step():
-        ids = torch.randint(0, 32000, (1, a.seq), generator=gen).to(dev)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-
+    step = stepper(model, opt, a.seq, dev, losses)
     for _ in range(3):
         step()
     opt.synchronize()

@@ -435,15 +435,20 @@ def test_the_process_group_is_read_from_positional_arguments():
     assert group_of({}, (), {}) is None
 
 
-def test_dcp_imported_later_is_wrapped_at_its_import(monkeypatch, tmp_path):
-    """Wrapped on every rank whichever called state_dict() since the import."""
-    pkg = tmp_path / "dos_fake_dcp"
+def fake_dcp_package(monkeypatch, tmp_path, name):
+    """A package `name` on sys.path standing for DCP, not imported yet: the hook's."""
+    pkg = tmp_path / name
     pkg.mkdir()
     (pkg / "__init__.py").write_text("def load(state_dict, **kw):\n    return 'loaded'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(_dcp, "_HOOKED", "dos_fake_dcp")
-    monkeypatch.setattr(_dcp, "_WRAPPED", (("dos_fake_dcp", "load"),))
-    monkeypatch.delitem(sys.modules, "dos_fake_dcp", raising=False)
+    monkeypatch.setattr(_dcp, "_HOOKED", name)
+    monkeypatch.setattr(_dcp, "_WRAPPED", ((name, "load"),))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_dcp_imported_later_is_wrapped_at_its_import(monkeypatch, tmp_path):
+    """Wrapped on every rank whichever called state_dict() since the import."""
+    fake_dcp_package(monkeypatch, tmp_path, "dos_fake_dcp")
     _dcp.install()  # not imported yet: the hook
     import dos_fake_dcp
     try:
@@ -474,12 +479,7 @@ def test_a_moved_view_lets_dosds_mapping_go(dos_socket, spill, monkeypatch):
 
 def test_the_import_hook_survives_a_reload_and_a_second_finder(monkeypatch, tmp_path):
     import importlib
-    pkg = tmp_path / "dos_fake_dcp2"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("def load(state_dict, **kw):\n    return 'loaded'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(_dcp, "_HOOKED", "dos_fake_dcp2")
-    monkeypatch.setattr(_dcp, "_WRAPPED", (("dos_fake_dcp2", "load"),))
+    fake_dcp_package(monkeypatch, tmp_path, "dos_fake_dcp2")
     monkeypatch.setattr(sys, "meta_path", [_dcp._Finder(), _dcp._Finder()] + sys.meta_path)
     import copy
     try:
