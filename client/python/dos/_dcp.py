@@ -35,7 +35,6 @@ finished future is returned; others go to async_save as before.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import importlib.abc
 import inspect
@@ -60,8 +59,9 @@ _WRAPPED = (("torch.distributed.checkpoint", "load"),
             ("torch.distributed.checkpoint.state_dict_loader", "load_state_dict"),
             ("torch.distributed.checkpoint", "async_save"),
             ("torch.distributed.checkpoint.state_dict_saver", "async_save"))
-# What a moved tensor's first element holds until the load writes it: a NaN
-# no checkpoint holds in practice (torch's NaN is 0x7FC00000), by element size.
+# What a moved tensor's first and last elements hold until the load writes
+# them: a NaN no checkpoint holds in practice (torch's is 0x7FC00000), by
+# element size.
 _MARK = {4: (torch.int32, 0x7FA5C3E1), 2: (torch.int16, 0x7FA5)}
 _PAGE = 4096
 
@@ -157,7 +157,7 @@ def _wrap(original, stateful: bool):
         try:
             proxies = {k: _Stateful(state_dict[k], moved) for k in sorted(state_dict, key=str)
                        if stateful and _is_stateful(state_dict[k])}
-            found = views_in([state_dict] + [p.sd for p in proxies.values()])
+            found = _views.tensors_over_dosd([state_dict] + [p.sd for p in proxies.values()])
         except Exception as e:  # noqa: BLE001 - voted on (below), then raised
             err = e
         try:
@@ -249,7 +249,7 @@ def _wrap_async_save(original, module):
         plain, has, err = None, False, None
         try:
             plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_dict.items()}
-            has = bool(views_in(plain))
+            has = bool(_views.tensors_over_dosd(plain))
         except Exception as e:  # noqa: BLE001 - voted on, then raised
             err = e
         vote = _vote(2 if err is not None else int(has), group_of(state_dict, args, kwargs))
@@ -296,37 +296,6 @@ class _Stateful:
         # dict; the written keep theirs, for a failure later to move them back.
         self.moved.undo(unwritten_only=True, forget=False)
         return self.inner.load_state_dict(state_dict)
-
-
-def views_in(obj) -> List[torch.Tensor]:
-    """The tensors over dosd's memory in the nested dicts, lists and tuples
-    `obj` (a DTensor's local shard for a DTensor), each once."""
-    spans = _views.ranges()
-    if not spans:
-        return []
-    starts = [a for a, _ in spans]
-    found, seen, todo = {}, set(), [obj]
-    while todo:
-        o = todo.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            try:
-                t = getattr(o, "_local_tensor", o)
-                if t.device.type != "cpu" or t.layout != torch.strided or not t.numel():
-                    continue
-                p = t.data_ptr()
-            except Exception:  # noqa: BLE001 - no storage, a subclass that will not say
-                continue
-            i = bisect.bisect_right(starts, p) - 1
-            if i >= 0 and p < spans[i][1]:
-                found[id(t)] = t
-        elif isinstance(o, Mapping):
-            todo.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            todo.extend(o)
-    return list(found.values())
 
 
 class _Moved:

@@ -117,18 +117,10 @@ def _inline(original):
     return save_checkpoint
 
 
-def _holds_views(obj, depth: int = 0) -> bool:
+def _holds_views(obj) -> bool:
     """Whether `obj` (a checkpoint: dicts, lists, tuples) holds a tensor
     over dosd's memory."""
-    if isinstance(obj, torch.Tensor):
-        return _views.over_dosd(obj)
-    if depth > 32:
-        return False
-    if isinstance(obj, dict):
-        return any(_holds_views(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_views(v, depth + 1) for v in obj)
-    return False
+    return bool(_views.tensors_over_dosd(obj))
 
 
 def _local_path(filepath):

@@ -24,9 +24,11 @@ step's values (refresh), as the views show them.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,7 +37,7 @@ from dos._errors import DosError, call, check
 from dos._native import StateView, Status, lib
 
 __all__ = ["fetch", "read", "step_of", "view", "live", "refresh", "forget", "is_view_of",
-           "over_dosd", "ranges"]
+           "over_dosd", "ranges", "tensors_over_dosd"]
 
 _lock = threading.RLock()  # _release (a finalizer) may run under it
 _live = 0
@@ -155,10 +157,23 @@ def is_view_of(t, session, index: int, which: int) -> bool:
 
 
 def ranges() -> List[Tuple[int, int]]:
-    """(start, end) of every live view's mapping, sorted (a walk over many
-    tensors bisects it instead of asking over_dosd of each)."""
+    """(start, end) of every live view's mapping, sorted."""
     with _lock:
         return sorted((a, a + o[3]) for a, o in _origins.items())
+
+
+def _local_over(t, spans: List[Tuple[int, int]], starts: List[int]):
+    """`t`'s local tensor (a DTensor's shard: FSDP2 state) where it lies in
+    one of `spans` (ranges(); `starts` their starts), else None."""
+    try:
+        t = getattr(t, "_local_tensor", t)
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            return None  # sparse and other tensors without one storage
+        p = t.data_ptr()
+    except Exception:  # noqa: BLE001 - no storage, a subclass that will not say
+        return None
+    i = bisect.bisect_right(starts, p) - 1
+    return t if i >= 0 and p < spans[i][1] else None
 
 
 def over_dosd(t) -> bool:
@@ -167,15 +182,33 @@ def over_dosd(t) -> bool:
     of the state that views exist to avoid)."""
     if not isinstance(t, torch.Tensor) or not _origins:
         return False
-    t = getattr(t, "_local_tensor", t)  # a DTensor's local shard (FSDP2 state)
-    try:
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            return False  # sparse and other tensors without one storage
-        p = t.data_ptr()
-    except RuntimeError:  # no storage at all
-        return False
-    with _lock:
-        return p in _origins or any(a <= p < a + o[3] for a, o in list(_origins.items()))
+    spans = ranges()
+    return _local_over(t, spans, [a for a, _ in spans]) is not None
+
+
+def tensors_over_dosd(obj) -> List[torch.Tensor]:
+    """The non-empty tensors over dosd's memory in the nested dicts, lists
+    and tuples `obj` (a checkpoint, a state dict; a DTensor's local shard for
+    a DTensor), each once: one snapshot of the views, bisected per tensor."""
+    spans = ranges()
+    if not spans:
+        return []
+    starts = [a for a, _ in spans]
+    found, seen, todo = {}, set(), [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            t = _local_over(o, spans, starts)
+            if t is not None and t.numel():
+                found[id(t)] = t
+        elif isinstance(o, Mapping):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+    return list(found.values())
 
 
 def fetch(session) -> int:
