@@ -46,6 +46,15 @@ if [ -z "${DOS_COMMIT:-}" ] && [ -s "$DIST/COMMIT" ]; then
   DOS_COMMIT=$(cat "$DIST/COMMIT"); export DOS_COMMIT
 fi
 mkdir -p "$O"
+# start_dosd SOCK [FLAGS...]: this build's dosd on SOCK (log in $O/dosd.log), its pid in
+# dpid, once the socket is there (10 s at most).
+start_dosd() {
+  local sock=$1; shift
+  rm -f "$sock"
+  "$B/dosd" --socket="$sock" "$@" > "$O/dosd.log" 2>&1 &
+  dpid=$!
+  for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$O/gpus.txt" 2>&1
 
 case "$what" in
@@ -101,11 +110,7 @@ case "$what" in
       mhost=$(python3 -c "import json;print(json.load(open('$O/probe.json'))['m_host_gbps'])" \
         2>/dev/null || echo 0)
     fi
-    rm -f $sock
-    "$B/dosd" --socket=$sock --gpu_memory_budget=$budget --model_host_gbps=$mhost \
-      > "$O/dosd.log" 2>&1 &
-    dpid=$!
-    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    start_dosd $sock --gpu_memory_budget=$budget --model_host_gbps=$mhost
     export DOS_SOCKET=$sock
     r=$O/ranks.jsonl
     specs="1 ddp,2 ddp"; [ -n "${RANKS_FSDP2:-}" ] && specs="$specs,2 fsdp2"
@@ -202,10 +207,7 @@ case "$what" in
     fi
     ;;
   unfreeze)
-    sock=/tmp/dos-unfreeze.sock; rm -f $sock
-    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
-    dpid=$!
-    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    sock=/tmp/dos-unfreeze.sock; start_dosd $sock
     mkdir -p "$O/runs"
     for run in ${UNFREEZE_RUNS:-2b:always 7b:auto}; do
       echo "== $run; df: $(df -h --output=avail /tmp /var/tmp . | tr '\n' ' ')" >> "$O/unfreeze.log"
@@ -227,10 +229,7 @@ PY
     cp bench/results/unfreeze_"$DOS_MACHINE"_* "$O/" 2>/dev/null
     ;;
   dcp)
-    sock=/tmp/dos-dcp.sock; rm -f $sock
-    "$B/dosd" --socket=$sock > "$O/dosd.log" 2>&1 &
-    dpid=$!
-    for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.1; done
+    sock=/tmp/dos-dcp.sock; start_dosd $sock
     DOS_SOCKET=$sock DOS_DOSD_PID=$dpid timeout ${DCP_TIMEOUT:-300} python3 \
       bench/frameworks/dcp_load.py --size ${DCP_SIZE:-mlp:60} --dir /var/tmp \
       --out "bench/results/dcp_load_${DOS_MACHINE}_$(date +%F).json" > "$O/dcp.log" 2>&1
